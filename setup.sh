@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One-step set-up: a virtual environment in .venv with mstrace installed.
+#   bash setup.sh          runtime only
+#   bash setup.sh --test   runtime + test tools
+# torch is installed first and pinned, because an unpinned torch pulled in as a
+# dependency resolves to a multi-GB CUDA build even on machines without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")"
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+PY=${PYTHON:-python3}
+TORCH_VERSION=${MSTRACE_TORCH_VERSION:-2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if nvidia-smi -L >/dev/null 2>&1; then
+  has_gpu=1
+else
+  has_gpu=0
+fi
+
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if [ "$has_gpu" = 1 ]; then
+    "${pip[@]}" install "torch==${TORCH_VERSION}"
+  elif [ -n "${MSTRACE_TORCH_INDEX:-}" ]; then
+    # A CPU wheel index (for example PyTorch's own) for machines without a local CPU wheel.
+    "${pip[@]}" install "torch==${TORCH_VERSION}" --index-url "$MSTRACE_TORCH_INDEX"
+  else
+    # Machines of this project's kind keep a CPU build of this exact version on
+    # local disk (pip's find-links); pinning it is what selects that file.
+    "${pip[@]}" install "torch==${TORCH_VERSION}"
+  fi
+fi
+
+"${pip[@]}" install -e ".${extra}"
+
+if [ "$has_gpu" = 0 ]; then
+  .venv/bin/python - <<'PY'
+import torch, sys
+if torch.version.cuda is not None:
+    print(f"setup.sh: warning: no GPU here but torch {torch.__version__} is a CUDA build; "
+          "set MSTRACE_TORCH_INDEX to a CPU wheel index to avoid the large download", file=sys.stderr)
+PY
+fi
+echo "setup.sh: ready (.venv, torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
