@@ -1,0 +1,82 @@
+"""Engine configuration: one record, validated once, recorded in meta.json."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MODES = ("serial",)  # time-slice and overlap arrive with the overlap issue
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message is one line for the user."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"  # preset name or a local HF folder
+    mode: str = "serial"
+    block_size: int = 16
+    kv_blocks: int | None = None  # pool size in blocks ...
+    kv_bytes: int | None = None  # ... or in bytes; default: DEFAULT_KV_TOKENS tokens
+    prefill_chunk: int = 512
+    max_running: int = 256
+    # Blocks kept back at admission so running decodes can still grow.
+    watermark_frac: float = 0.01
+    enable_prefix_sharing: bool = True
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # Intra-op threads for the "device" on CPU. 0 = cores - 1, so the host
+    # thread (scheduling, tokenizer, sender, trace writer) keeps a core: with
+    # every core given to OpenMP, any other runnable thread makes its barrier
+    # spin and a step can get ~100x slower (measured on 2 cores, BENCHMARKS.md).
+    device_threads: int = 0
+    tokenizer_threads: int = 1
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.block_size < 1:
+            raise ConfigError(f"--block-size must be >= 1 (got {self.block_size})")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ConfigError(f"--kv-blocks must be >= 1 (got {self.kv_blocks})")
+        if self.kv_bytes is not None and self.kv_bytes < 1:
+            raise ConfigError(f"--kv-bytes must be >= 1 (got {self.kv_bytes})")
+        if self.kv_blocks is not None and self.kv_bytes is not None:
+            raise ConfigError("give the KV pool size in blocks or in bytes, not both")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"--prefill-chunk must be >= 1 (got {self.prefill_chunk})")
+        if self.max_running < 1:
+            raise ConfigError(f"--max-running must be >= 1 (got {self.max_running})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda (got {self.device!r})")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
+        if self.tokenizer_threads < 1:
+            raise ConfigError("--tokenizer-threads must be >= 1")
+
+    def resolved_device_threads(self) -> int:
+        return self.device_threads if self.device_threads > 0 else max(1, (os.cpu_count() or 1) - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_KV_TOKENS = 65536
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2G', '1048576' -> bytes."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    if unit not in units or not num:
+        raise ConfigError(f"cannot read size {text!r} (examples: 268435456, 256MiB, 1G)")
+    try:
+        return int(float(num) * units[unit])
+    except ValueError as e:
+        raise ConfigError(f"cannot read size {text!r}") from e

@@ -1,0 +1,245 @@
+"""The Engine: owns the parts and drives one scheduling round per step().
+
+A round is the seed's five steps:
+  1 scan     pull tokenized requests, scan the waiting queue (FCFS)
+  2 group    decode group = running requests with one uncomputed token;
+             prefill group = new and partially prefilled requests
+  3 allocate KV blocks for admitted prompts and for decodes crossing a block
+  4 submit   assemble the batch and run one forward on the executor
+  5 collect  append sampled tokens, finish requests, free their blocks,
+             hand new tokens to the sender thread
+Steps 1-3 live in policy.py, step 4 in executor.py, step 5 here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probes.clock import now_ns
+from scheduler.batch import ScheduleBatch
+from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
+from scheduler.executor import Executor, PreparedBatch
+from scheduler.memory_manager import MemoryManager
+from scheduler.model.kv_cache import PagedKVCache
+from scheduler.model.loader import load_model
+from scheduler.model.presets import resolve_model
+from scheduler.policy import Policy
+from scheduler.request import FinishReason, Request, SamplingParams
+from scheduler.request_manager import RequestManager
+from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
+from scheduler.tokenizer import Tokenizer, TokenizerError
+from scheduler.tokenizer_pool import TokenizerPool
+from tracing.writer import TraceWriter
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int
+    ts_ns: int
+    dur_ns: int
+    dur_device_ns: int
+    num_prefill_reqs: int
+    num_prefill_tokens: int
+    num_decode_reqs: int
+    num_sampled: int
+    num_finished: int
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sinks: Sequence[OutputSink] = (),
+        trace: TraceWriter | None = None,
+    ) -> None:
+        config.validate()
+        self.cfg = config
+        self.model_dir: Path = resolve_model(config.model)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.resolved_device_threads())
+        dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model, self.model_config = load_model(self.model_dir, self.device, dtype)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
+        except TokenizerError:
+            self.tokenizer = None  # ids-only workloads still run
+        self.eos_ids = frozenset(self.model_config.eos_token_id or ())
+
+        num_blocks = self._pool_blocks(dtype)
+        mc = self.model_config
+        self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
+                               mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+        self.trace = trace
+        self.rm = RequestManager(self._timeline_sink())
+        self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
+                                config.enable_prefix_sharing)
+        self.policy = Policy(config, self.rm, self.mm)
+        self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed)
+        self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads)
+        self.sender = Sender(self.tokenizer, list(sinks))
+        self._steps_buf = trace.buffer("steps") if trace else None
+        self.step_no = 0
+        self._ids = itertools.count()
+        self._submit_lock = threading.Lock()
+        self._submitted = 0
+        self._received = 0
+
+    # ---- set-up --------------------------------------------------------
+    def _pool_blocks(self, dtype: torch.dtype) -> int:
+        cfg = self.cfg
+        if cfg.kv_blocks is not None:
+            return cfg.kv_blocks
+        per_block = PagedKVCache.bytes_per_block(self.model_config, cfg.block_size, dtype)
+        if cfg.kv_bytes is not None:
+            n = cfg.kv_bytes // per_block
+            if n < 1:
+                raise ConfigError(f"--kv-bytes {cfg.kv_bytes} is smaller than one KV block ({per_block} bytes)")
+            return n
+        return max(1, DEFAULT_KV_TOKENS // cfg.block_size)
+
+    def _timeline_sink(self) -> Any:
+        if self.trace is None:
+            return None
+        buf = self.trace.buffer("timeline")
+        return lambda ts, rid, stage, step, value: buf.append((ts, rid, stage, step, value))
+
+    def _memory_sink(self) -> Any:
+        if self.trace is None:
+            return None
+        buf = self.trace.buffer("memory")
+        return lambda kind, bid, rid, ref: buf.append((now_ns(), self.step_no, kind, bid, rid, ref))
+
+    # ---- the public API ------------------------------------------------
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_ns: int | None = None,
+    ) -> str:
+        """Hand a request to the tokenizer pool. Thread-safe; returns its id."""
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        with self._submit_lock:
+            self._submitted += 1
+        self.pool.submit(rid, prompt if isinstance(prompt, str) else list(prompt),
+                         params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
+        return rid
+
+    def has_work(self) -> bool:
+        return len(self.rm) > 0 or self._received < self._submitted
+
+    def wait_for_arrivals(self, timeout_s: float) -> None:
+        """Block until a tokenized request is ready (idle engine) or the timeout passes."""
+        try:
+            sample = self.pool.ready.get(timeout=timeout_s)
+        except Exception:  # queue.Empty
+            return
+        self._enqueue(sample)
+
+    def step(self) -> StepStats | None:
+        """One scheduling round. Returns None when there was nothing to run."""
+        t0 = now_ns()
+        self.step_no += 1
+        self.rm.step = self.step_no
+        self._drain_arrivals()
+        batch = self.policy.schedule(self.step_no)  # steps 1-3
+        out = StepOutput(self.step_no)
+        if not batch:
+            self._emit_finished(out)
+            if out.finished:
+                self.sender.queue.put(out)
+            return None
+        prepared = self.executor.prepare(batch)  # step 4
+        td0 = now_ns()
+        tokens = self.executor.forward(prepared)
+        td1 = now_ns()
+        self._collect(batch, prepared, tokens, out)  # step 5
+        self._emit_finished(out)
+        self.sender.queue.put(out)
+        t1 = now_ns()
+        stats = StepStats(self.step_no, t0, t1 - t0, td1 - td0, len(batch.prefills), batch.num_prefill_tokens,
+                          len(batch.decodes), len(tokens), len(out.finished))
+        if self._steps_buf is not None:
+            self._steps_buf.append((
+                self.step_no, self.cfg.mode, t0, t1 - t0, (t1 - t0) - (td1 - td0), td1 - td0,
+                len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
+                self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
+            ))
+        return stats
+
+    def abort(self, request_id: str) -> bool:
+        for req in list(self.rm.running) + list(self.rm.waiting):
+            if req.request_id == request_id:
+                self._release(req)
+                self.rm.finish(req, FinishReason.ABORTED, "aborted by caller")
+                return True
+        return False
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.sender.close()
+
+    # ---- step internals ------------------------------------------------
+    def _drain_arrivals(self) -> None:
+        ready = self.pool.ready
+        while not ready.empty():
+            self._enqueue(ready.get_nowait())
+
+    def _enqueue(self, sample: Any) -> None:
+        self._received += 1
+        req = self.rm.enqueue(sample)
+        if sample.error:
+            self.rm.finish(req, FinishReason.REJECTED, sample.error)
+        elif sample.valid_len == 0:
+            self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
+
+    def _collect(self, batch: ScheduleBatch, prepared: PreparedBatch, tokens: list[int], out: StepOutput) -> None:
+        mm, rm = self.mm, self.rm
+        for c in batch.prefills:
+            c.req.num_prefill_chunks += 1
+            rm.mark(c.req, "prefill_chunk", c.num_tokens)
+        for c in batch.chunks:
+            req = c.req
+            if not req.first_scheduled_ns:
+                req.first_scheduled_ns = rm.mark(req, "first_scheduled")
+            req.num_computed += c.num_tokens
+            if req.num_computed // mm.block_size > req.num_hashed_blocks:
+                req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
+                    req.token_ids(), req.block_table, req.num_computed,
+                    req.num_hashed_blocks, req.last_block_hash)
+        for c, tok in zip(prepared.sampled, tokens, strict=True):
+            req = c.req
+            req.output_ids.append(tok)
+            out.tokens.append((req.request_id, tok))
+            if not req.first_token_ns:
+                req.first_token_ns = rm.mark(req, "first_token")
+            sp = req.sample.sampling_params
+            if tok in self.eos_ids and not sp.ignore_eos:
+                self._finish(req, FinishReason.EOS)
+            elif len(req.output_ids) >= sp.max_new_tokens:
+                self._finish(req, FinishReason.LENGTH)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release(req)
+        self.rm.finish(req, reason)
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.mm.free(req.request_id, req.block_table)
+            req.block_table = []
+
+    def _emit_finished(self, out: StepOutput) -> None:
+        for req in self.rm.drain_finished():
+            out.finished.append(FinishedRecord.of(req))

@@ -1,0 +1,248 @@
+"""The Memory Manager: a pool of fixed-size KV blocks with reference counts,
+a free list and prefix sharing.
+
+Block states follow the seed: FREE (ref 0, on the free list), ALLOCATED (ref 1)
+and REFERENCED (ref > 1, shared by several requests through a common prefix).
+
+Prefix sharing: every *full* block whose KV has been computed is registered
+under a chain hash (hash of the previous block's hash and this block's tokens).
+A new request walks its prompt block by block; a hash hit is confirmed by
+comparing tokens, because a hash alone can collide. When a block's last
+reference goes it returns to the tail of the free list but keeps its hash, so a
+later request with the same prefix can revive it until the block is reused
+(LRU order, as vLLM's free queue does). Only full blocks are ever shared, so a
+request always appends into a block it owns alone: no copy-on-write is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+NO_HASH = -1
+
+
+class BlockState(str, Enum):
+    FREE = "free"
+    ALLOCATED = "allocated"
+    REFERENCED = "referenced"
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot satisfy an allocation; the scheduler must wait or preempt."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def state(self) -> BlockState:
+        if self.ref_count == 0:
+            return BlockState.FREE
+        return BlockState.ALLOCATED if self.ref_count == 1 else BlockState.REFERENCED
+
+
+# (kind, block_id, request_id, ref_count_after); the engine turns these into the
+# trace's memory table. A plain callable keeps this module free of tracing.
+MemoryEventSink = Callable[[str, int, str, int], None]
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    block_ids: list[int] = field(default_factory=list)
+    # How many of the matched blocks currently sit on the free list: reviving
+    # them consumes free blocks just like a fresh allocation does.
+    num_from_free: int = 0
+    last_hash: int = NO_HASH
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+def chain_hash(prev: int, tokens: Sequence[int]) -> int:
+    # Int tuples hash deterministically (no PYTHONHASHSEED salt), so hashes are
+    # stable across runs and ranks.
+    return hash((prev, tuple(tokens)))
+
+
+class MemoryManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        on_event: MemoryEventSink | None = None,
+        enable_prefix_sharing: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # OrderedDict as an O(1)-removal LRU queue: popitem(last=False) takes the
+        # least recently freed block; revived prefix blocks are removed by key.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self._on_event = on_event
+        self.enable_prefix_sharing = enable_prefix_sharing
+
+    # ---- queries -------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Longest run of already-computed full blocks equal to the prompt's start.
+
+        The last prompt token is never covered, because the step that computes
+        it produces the logits the first output token is sampled from.
+        """
+        match = PrefixMatch()
+        if not self.enable_prefix_sharing:
+            return match
+        bs = self.block_size
+        h = NO_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(h, chunk)
+            bid = self._by_hash.get(h)
+            if bid is None or self.blocks[bid].token_ids != chunk:
+                break
+            match.block_ids.append(bid)
+            match.last_hash = h
+            if self.blocks[bid].ref_count == 0:
+                match.num_from_free += 1
+        return match
+
+    # ---- allocation ----------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int]:
+        """Blocks for the first num_tokens tokens of a request, reusing a matched prefix."""
+        shared = prefix.block_ids if prefix else []
+        fresh = self.blocks_needed(num_tokens) - len(shared)
+        from_free = fresh + (prefix.num_from_free if prefix else 0)
+        if from_free > len(self._free):
+            raise OutOfBlocks(f"need {from_free} free blocks, have {len(self._free)}")
+        table: list[int] = []
+        for bid in shared:
+            self._ref(bid, request_id)
+            table.append(bid)
+        for _ in range(fresh):
+            table.append(self._take_free(request_id))
+        return table
+
+    def append_block(self, request_id: str, table: list[int]) -> int:
+        """Grow a request by one block (decode crossed a block boundary)."""
+        if not self._free:
+            raise OutOfBlocks("no free block to grow into")
+        bid = self._take_free(request_id)
+        table.append(bid)
+        return bid
+
+    def free(self, request_id: str, table: Sequence[int]) -> None:
+        """Drop one reference to each block; a block with no references left is free again."""
+        # Reverse order puts a request's tail blocks at the LRU front, so its
+        # (more widely shared) prefix blocks survive longest for revival.
+        for bid in reversed(table):
+            blk = self.blocks[bid]
+            if blk.ref_count <= 0:
+                raise RuntimeError(f"double free of block {bid} by {request_id}")
+            blk.ref_count -= 1
+            if blk.ref_count == 0:
+                self._free[bid] = None
+                self._emit("free", bid, request_id, 0)
+            else:
+                self._emit("unref", bid, request_id, blk.ref_count)
+
+    def register_full_blocks(
+        self,
+        token_ids: Sequence[int],
+        table: Sequence[int],
+        num_computed: int,
+        num_hashed: int = 0,
+        prev_hash: int = NO_HASH,
+    ) -> tuple[int, int]:
+        """Publish blocks whose KV is now fully computed so later prompts can share them.
+
+        Incremental: the caller passes how many leading blocks it already
+        hashed and the last chain hash, and gets the new pair back, so a decode
+        step hashes at most the one block it just filled.
+        """
+        if not self.enable_prefix_sharing:
+            return num_hashed, prev_hash
+        bs = self.block_size
+        h = prev_hash
+        upto = min(num_computed // bs, len(table))
+        for i in range(num_hashed, upto):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(h, chunk)
+            blk = self.blocks[table[i]]
+            if blk.hash == h:
+                continue
+            if h in self._by_hash and self._by_hash[h] != blk.block_id:
+                # Another block already holds this content (computed twice
+                # before either was published); keep the first, this one stays private.
+                continue
+            if blk.hash != NO_HASH:
+                self._unpublish(blk)
+            blk.hash, blk.token_ids = h, chunk
+            self._by_hash[h] = blk.block_id
+        return max(num_hashed, upto), h
+
+    # ---- invariants (used by tests and the leak checker) --------------
+    def check_invariants(self, tables: Sequence[Sequence[int]]) -> None:
+        counts = [0] * self.num_blocks
+        for t in tables:
+            for bid in t:
+                counts[bid] += 1
+        for blk, want in zip(self.blocks, counts, strict=True):
+            if blk.ref_count != want:
+                raise AssertionError(f"block {blk.block_id}: ref_count {blk.ref_count} != {want} holders")
+            if (blk.ref_count == 0) != (blk.block_id in self._free):
+                raise AssertionError(f"block {blk.block_id}: free-list membership disagrees with ref_count")
+        for h, bid in self._by_hash.items():
+            if self.blocks[bid].hash != h:
+                raise AssertionError(f"hash index points at block {bid} with another hash")
+
+    # ---- internals -----------------------------------------------------
+    def _take_free(self, request_id: str) -> int:
+        bid, _ = self._free.popitem(last=False)
+        blk = self.blocks[bid]
+        if blk.hash != NO_HASH:
+            self._unpublish(blk)
+        blk.ref_count = 1
+        self._emit("alloc", bid, request_id, 1)
+        return bid
+
+    def _ref(self, bid: int, request_id: str) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count == 0:
+            del self._free[bid]
+        blk.ref_count += 1
+        self._emit("ref", bid, request_id, blk.ref_count)
+
+    def _unpublish(self, blk: Block) -> None:
+        if self._by_hash.get(blk.hash) == blk.block_id:
+            del self._by_hash[blk.hash]
+        blk.hash, blk.token_ids = NO_HASH, ()
+
+    def _emit(self, kind: str, bid: int, request_id: str, ref_after: int) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, bid, request_id, ref_after)

@@ -1,0 +1,219 @@
+"""Host-side description of one forward step, turned into device index tensors.
+
+Layout
+------
+Tokens are **ragged**: every chunk's new tokens are concatenated into one ``[T]`` row axis with no
+padding.  Embedding, the q/k/v, o, gate/up and down projections, the norms and RoPE are all
+row-wise, so they run once over ``T`` rows; the GEMMs dominate a step's FLOPs and padding them to
+a rectangle would waste work proportional to the length spread of the batch.
+
+Rows are **regrouped, not in chunk order**: all decode chunks (one new token) come first, rows
+``[0, num_decode)``, followed by each prefill chunk (more than one new token) as a contiguous row
+range.  Row order is free for the row-wise layers and it lets attention address both groups by
+slicing instead of gathering/scattering rows.  ``logits_indices`` maps back to chunk order: the
+model returns logits for the ``sample=True`` chunks in the order they were passed in.
+
+Attention is the only per-sequence op:
+
+* every decode row is handled by **one** padded SDPA call: each sequence's context slots are
+  gathered into ``decode_slots [D, Lmax]`` with a key mask ``decode_mask [D, 1, 1, Lmax]``.  Decode
+  attention is tiny per sequence, so one batched call keeps the kernel launch count (and the
+  Python overhead, which dominates on CPU) independent of the batch size;
+* each prefill chunk gets its own SDPA call over its cached prefix plus itself, with a causal
+  mask offset by ``start_pos``.  Chunks are long enough that per-chunk launch overhead is noise,
+  and no padding is spent on length mismatches between prompts.  A chunk starting at position 0
+  attends only to its own fresh K/V, so it skips the cache gather and uses ``is_causal``.
+
+Everything is computed here on the host ("prepare") and copied to the device in one transfer per
+dtype, so a later overlap mode can run this for step N+1 while the device computes step N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One request's slice of work in this step."""
+
+    token_ids: list[int]  # new tokens this step (len >= 1)
+    start_pos: int  # absolute position of token_ids[0] == tokens already in the KV cache
+    block_table: list[int]  # KV block ids covering [0, start_pos + len(token_ids)), in order
+    sample: bool  # logits for the last token are needed (decode, or the last prefill chunk)
+
+
+@dataclass(slots=True)
+class PrefillAttn:
+    """Attention work for one multi-token chunk occupying rows ``[row_start, row_end)``."""
+
+    row_start: int
+    row_end: int
+    start_pos: int
+    # Slots of positions [0, start_pos + n) to gather K/V from; None when start_pos == 0
+    # (the chunk's own fresh K/V are the whole context).
+    ctx_slots: torch.Tensor | None
+    # [n, start_pos + n] bool, True = attend; None means plain causal (start_pos == 0).
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, decode rows first, then prefill chunks
+    positions: torch.Tensor  # [T] int64 absolute positions
+    slot_mapping: torch.Tensor  # [T] int64 cache slot each row's new K/V is written to
+    logits_indices: torch.Tensor  # [num_sampled] int64 rows, in chunk order of sample=True chunks
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    num_decode: int  # decode rows are [0, num_decode)
+    decode_slots: torch.Tensor | None  # [D, Lmax] int64 context slots (padding -> slot 0)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] bool key mask
+    prefills: list[PrefillAttn]
+    max_context_len: int  # max over chunks of start_pos + len(token_ids) (host int, no sync)
+
+
+def _slot(block_table: list[int], pos: int, block_size: int) -> int:
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def build_forward_batch(
+    chunks: list[SeqChunk], block_size: int, device: torch.device | str
+) -> ForwardBatch:
+    """Flatten ``chunks`` into device index tensors (see module docstring for the layout)."""
+    if not chunks:
+        raise ValueError("build_forward_batch: empty batch")
+    device = torch.device(device)
+    decodes: list[tuple[int, SeqChunk]] = []
+    prefill_chunks: list[tuple[int, SeqChunk]] = []
+    max_ctx = 0
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError(f"chunk {i}: token_ids is empty")
+        if c.start_pos < 0:
+            raise ValueError(f"chunk {i}: negative start_pos")
+        end = c.start_pos + n
+        if len(c.block_table) * block_size < end:
+            raise ValueError(
+                f"chunk {i}: block_table of {len(c.block_table)} blocks cannot hold {end} tokens"
+            )
+        max_ctx = max(max_ctx, end)
+        (decodes if n == 1 else prefill_chunks).append((i, c))
+
+    ids: list[int] = []
+    dec_pos: list[int] = []
+    dec_slots: list[int] = []
+    row_of_chunk_last: dict[int, int] = {}
+
+    # Decode rows: scalar Python per sequence (there is no per-token loop for one token).
+    for i, c in decodes:
+        row_of_chunk_last[i] = len(ids)
+        ids.append(c.token_ids[0])
+        dec_pos.append(c.start_pos)
+        dec_slots.append(_slot(c.block_table, c.start_pos, block_size))
+    num_decode = len(ids)
+    pos_pieces = [torch.tensor(dec_pos, dtype=torch.int64)]
+    slot_pieces = [torch.tensor(dec_slots, dtype=torch.int64)]
+
+    # Prefill rows: slot ids by block-table arithmetic, vectorised per chunk.
+    ctx_pieces: list[torch.Tensor] = []
+    prefill_meta: list[tuple[int, int, int]] = []
+    for i, c in prefill_chunks:
+        n = len(c.token_ids)
+        row0 = len(ids)
+        ids.extend(c.token_ids)
+        p = torch.arange(c.start_pos + n, dtype=torch.int64)
+        bt = torch.as_tensor(c.block_table, dtype=torch.int64)
+        ctx = bt[p // block_size] * block_size + p % block_size
+        pos_pieces.append(p[c.start_pos :])
+        slot_pieces.append(ctx[c.start_pos :])
+        ctx_pieces.append(ctx if c.start_pos > 0 else ctx[:0])
+        prefill_meta.append((row0, row0 + n, c.start_pos))
+        row_of_chunk_last[i] = row0 + n - 1
+
+    logits_rows = [row_of_chunk_last[i] for i, c in enumerate(chunks) if c.sample]
+
+    # Decode context: [D, Lmax] slots from a padded block-table matrix, one vectorised op.
+    decode_slot_host = torch.empty((0, 0), dtype=torch.int64)
+    decode_mask_host: torch.Tensor | None = None
+    if decodes:
+        lens = torch.tensor([c.start_pos + 1 for _, c in decodes], dtype=torch.int64)
+        lmax = int(lens.max())
+        nblk = (lmax + block_size - 1) // block_size
+        bt_pad = torch.tensor(
+            [c.block_table[:nblk] + [0] * (nblk - min(nblk, len(c.block_table))) for _, c in decodes],
+            dtype=torch.int64,
+        )
+        decode_slot_host = (bt_pad[:, :, None] * block_size + torch.arange(block_size)).reshape(
+            len(decodes), -1
+        )[:, :lmax]
+        decode_mask_host = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+
+    masks_host: list[torch.Tensor] = []
+    for row0, row1, sp in prefill_meta:
+        if sp > 0:
+            q_pos = torch.arange(sp, sp + row1 - row0)
+            masks_host.append(torch.arange(sp + row1 - row0)[None, :] <= q_pos[:, None])
+
+    # One host->device copy for all int64 indices, one for all bool masks.
+    t = len(ids)
+    int_parts = [
+        torch.tensor(ids, dtype=torch.int64),
+        torch.cat(pos_pieces),
+        torch.cat(slot_pieces),
+        torch.tensor(logits_rows, dtype=torch.int64),
+        decode_slot_host.reshape(-1),
+        *ctx_pieces,
+    ]
+    ints = _to_device(torch.cat(int_parts), device)
+    bool_parts = ([decode_mask_host.reshape(-1)] if decode_mask_host is not None else []) + [
+        m.reshape(-1) for m in masks_host
+    ]
+    bools = _to_device(torch.cat(bool_parts), device) if bool_parts else None
+
+    sizes = [p.numel() for p in int_parts]
+    views = list(torch.split(ints, sizes))
+    input_ids, positions, slot_mapping, logits_indices, dec_flat = views[:5]
+    ctx_views = views[5:]
+
+    boff = 0
+    decode_slots = decode_mask = None
+    if decode_mask_host is not None and bools is not None:
+        decode_slots = dec_flat.view(decode_slot_host.shape)
+        decode_mask = bools[: decode_mask_host.numel()].view(decode_mask_host.shape)
+        boff = decode_mask_host.numel()
+
+    prefills: list[PrefillAttn] = []
+    for (row0, row1, sp), ctx in zip(prefill_meta, ctx_views, strict=True):
+        ctx_slots = mask = None
+        if sp > 0 and bools is not None:
+            n = row1 - row0
+            ctx_slots = ctx
+            mask = bools[boff : boff + n * (sp + n)].view(n, sp + n)
+            boff += n * (sp + n)
+        prefills.append(PrefillAttn(row0, row1, sp, ctx_slots, mask))
+
+    return ForwardBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
+        num_tokens=t,
+        num_seqs=len(chunks),
+        num_sampled=len(logits_rows),
+        num_decode=num_decode,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+        max_context_len=max_ctx,
+    )
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    # Pinned memory makes the copy asynchronous with respect to the host thread.
+    return host.pin_memory().to(device, non_blocking=True)

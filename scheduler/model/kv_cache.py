@@ -1,0 +1,98 @@
+"""Paged KV cache: one flat slot pool per layer, addressed by ``block_id * block_size + offset``."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class PagedKVCache:
+    """Per-layer K and V pools of shape ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+
+    The pool is flat (slot-major) rather than ``[num_blocks, block_size, ...]`` so that the
+    forward can write new K/V with a single ``index_copy_`` and gather a sequence's context with a
+    single ``index_select`` from precomputed slot ids, with no per-block Python work.
+    All layers live in one allocation so that block copies touch every layer in one op.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
+            raise ValueError("PagedKVCache dimensions must all be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_slots = num_blocks * block_size
+        # [layer, k/v, slot, kv_head, head_dim]; zeros so padded gathers never read NaN garbage.
+        self._pool = torch.zeros(
+            (num_layers, 2, self.num_slots, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+        self.k: list[torch.Tensor] = [self._pool[i, 0] for i in range(num_layers)]
+        self.v: list[torch.Tensor] = [self._pool[i, 1] for i in range(num_layers)]
+
+    @classmethod
+    def for_model(
+        cls,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagedKVCache:
+        return cls(
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype,
+            device,
+        )
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block costs across all layers (K and V), for sizing the pool from a budget."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self._pool.numel() * self._pool.element_size()
+
+    def slots(self, block_ids: list[int]) -> torch.Tensor:
+        """Slot ids (host int64) covering whole blocks, in order."""
+        b = torch.as_tensor(block_ids, dtype=torch.int64)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy block ``src[i]`` into ``dst[i]`` for every layer.
+
+        All sources are read before any destination is written, so overlapping src/dst sets
+        (e.g. a compaction that shifts blocks down) behave like a simultaneous move.
+        """
+        if len(src) != len(dst):
+            raise ValueError(f"copy_blocks: {len(src)} sources vs {len(dst)} destinations")
+        if not src:
+            return
+        if len(set(dst)) != len(dst):
+            raise ValueError("copy_blocks: duplicate destination block")
+        for b in (*src, *dst):
+            if not 0 <= b < self.num_blocks:
+                raise IndexError(f"copy_blocks: block {b} out of range [0, {self.num_blocks})")
+        s = self.slots(src).to(self.device)
+        d = self.slots(dst).to(self.device)
+        moved = self._pool.index_select(2, s)
+        self._pool.index_copy_(2, d, moved)

@@ -1,0 +1,184 @@
+"""Building blocks of the engine forward: RMSNorm, RoPE, paged attention, the decoder layer.
+
+Weights are stored fused (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows) so that each
+layer runs 4 GEMMs instead of 7; the loader fills the fused tensors slice by slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .forward_batch import ForwardBatch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers (fp32 statistics, cast back, then scale) so logits match.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RotaryTable:
+    """cos / signed-sin tables indexed by absolute position, grown lazily by doubling.
+
+    ``sin`` carries the sign of ``rotate_half`` (-sin for the first half), so applying RoPE is
+    ``x * cos + x.roll(half) * sin``: one fused expression, bit-identical to transformers'
+    ``x * cos + rotate_half(x) * sin``.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.dtype = dtype
+        self.device = device
+        self.cos = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
+        self.sin = torch.empty_like(self.cos)
+
+    def ensure(self, length: int) -> None:
+        if length <= self.cos.shape[0]:
+            return
+        cap = max(256, self.cos.shape[0])
+        while cap < length:
+            cap *= 2
+        pos = torch.arange(cap, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = freqs.shape[-1]
+        sign = torch.ones(2 * half, device=self.device)
+        sign[:half] = -1.0
+        self.cos = emb.cos().to(self.dtype)
+        self.sin = (emb.sin() * sign).to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        self.ensure(max_len)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+@dataclass(slots=True)
+class AttnPlan:
+    """Per-forward attention masks, shared by all layers (built once, not per layer)."""
+
+    decode_mask: torch.Tensor | None
+    prefill_masks: list[torch.Tensor | None]
+
+
+def plan_attention(batch: ForwardBatch, sliding_window: int | None) -> AttnPlan:
+    """Masks from the batch, narrowed by the sliding window only when some context exceeds it."""
+    if sliding_window is None or batch.max_context_len <= sliding_window:
+        return AttnPlan(batch.decode_mask, [p.mask for p in batch.prefills])
+    w = sliding_window
+    dmask = batch.decode_mask
+    if dmask is not None and batch.decode_slots is not None:
+        q_pos = batch.positions[: batch.num_decode]
+        k_pos = torch.arange(batch.decode_slots.shape[1], device=q_pos.device)
+        dmask = dmask & (k_pos[None, :] > q_pos[:, None] - w)[:, None, None, :]
+    pmasks: list[torch.Tensor | None] = []
+    for p in batch.prefills:
+        n = p.row_end - p.row_start
+        if p.start_pos + n <= w:
+            pmasks.append(p.mask)
+            continue
+        q_pos = torch.arange(p.start_pos, p.start_pos + n, device=batch.positions.device)
+        k_pos = torch.arange(p.start_pos + n if p.ctx_slots is not None else n, device=q_pos.device)
+        diff = q_pos[:, None] - k_pos[None, :]
+        pmasks.append((diff >= 0) & (diff < w))
+    return AttnPlan(dmask, pmasks)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    plan: AttnPlan,
+) -> torch.Tensor:
+    """q [T, H, D]; k_new/v_new [T, KVH, D] (already written to the cache) -> [T, H * D]."""
+    t, h, d = q.shape
+    kvh = k_new.shape[1]
+    outs: list[torch.Tensor] = []
+    nd = batch.num_decode
+    if nd:
+        assert batch.decode_slots is not None
+        # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
+        # attends against [D, KVH, L, hd] with no K/V head replication.
+        qd = q[:nd].reshape(nd, kvh, h // kvh, d)
+        kd = k_cache[batch.decode_slots].transpose(1, 2)
+        vd = v_cache[batch.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
+        outs.append(o.reshape(nd, h * d))
+    for p, mask in zip(batch.prefills, plan.prefill_masks, strict=True):
+        qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
+        if p.ctx_slots is None:
+            kp, vp = k_new[p.row_start : p.row_end], v_new[p.row_start : p.row_end]
+        else:
+            kp, vp = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
+        kp = kp.transpose(0, 1)[None]
+        vp = vp.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h
+        )
+        outs.append(o[0].transpose(0, 1).reshape(-1, h * d))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        hs, qs, kvs, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = qs, kvs
+        self.input_layernorm = nn.Parameter(torch.empty(hs, **kw), requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(torch.empty(hs, **kw), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(qs + 2 * kvs, hs, **kw), requires_grad=False)
+        self.qkv_bias = _maybe(cfg.attention_bias, (qs + 2 * kvs,), kw)
+        self.o_proj = nn.Parameter(torch.empty(hs, qs, **kw), requires_grad=False)
+        self.o_bias = _maybe(cfg.o_proj_bias, (hs,), kw)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hs, **kw), requires_grad=False)
+        self.gate_up_bias = _maybe(cfg.mlp_bias, (2 * inter,), kw)
+        self.down_proj = nn.Parameter(torch.empty(hs, inter, **kw), requires_grad=False)
+        self.down_bias = _maybe(cfg.mlp_bias, (hs,), kw)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: AttnPlan,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(rms_norm(x, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
+        # RoPE on q and k heads together: one elementwise pass instead of two.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        attn = paged_attention(q, k, v, k_cache, v_cache, batch, plan)
+        x = x + F.linear(attn, self.o_proj, self.o_bias)
+        gu = F.linear(rms_norm(x, self.post_attention_layernorm, self.eps), self.gate_up_proj, self.gate_up_bias)
+        gate, up = gu.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+
+
+def _maybe(present: bool, shape: tuple[int, ...], kw: dict) -> nn.Parameter | None:
+    return nn.Parameter(torch.empty(shape, **kw), requires_grad=False) if present else None

@@ -1,0 +1,64 @@
+"""Token sampling: batched greedy, per-row temperature + nucleus (top-p) with per-request RNG."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """Pick one token per row of ``logits [n, V]``.
+
+    ``temperature == 0`` rows take the argmax (all such rows in one batched op).  Other rows sample
+    from ``softmax(logits / T)`` restricted to the smallest top-probability set whose mass reaches
+    ``top_p`` (the top token is always kept), drawing with that row's generator so a request with
+    a fixed seed reproduces its tokens regardless of what it is batched with.
+    """
+    n = logits.shape[0]
+    if not (len(temperatures) == len(top_ps) == len(generators) == n):
+        raise ValueError(
+            f"sample: {n} rows but {len(temperatures)} temperatures, {len(top_ps)} top_ps, "
+            f"{len(generators)} generators"
+        )
+    out = [0] * n
+    if n == 0:
+        return out
+    greedy = [i for i, t in enumerate(temperatures) if t <= 0.0]
+    if greedy:
+        rows = logits if len(greedy) == n else logits[greedy]
+        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            out[i] = tok
+    if len(greedy) == n:
+        return out
+    idx = [i for i, t in enumerate(temperatures) if t > 0.0]
+    temps = torch.tensor([temperatures[i] for i in idx], dtype=torch.float32, device=logits.device)
+    probs = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
+    # Always sort (even for top_p == 1) so a seeded row draws from the same vector whatever
+    # else is in the batch.
+    probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    thr = torch.tensor(
+        [top_ps[i] if 0.0 < top_ps[i] < 1.0 else float("inf") for i in idx],
+        dtype=torch.float32,
+        device=logits.device,
+    )
+    # Drop a token when the mass strictly before it already reaches top_p; the top token has
+    # zero mass before it, so it always survives.
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= thr[:, None], 0.0)
+    # multinomial takes one generator per call, so the draw is per row; everything above is
+    # batched across rows.
+    for j, i in enumerate(idx):
+        pick = torch.multinomial(probs[j], 1, generator=_check(generators[i], logits.device))
+        out[i] = int(order[j, pick])
+    return out
+
+
+def _check(gen: torch.Generator | None, device: torch.device) -> torch.Generator | None:
+    if gen is not None and gen.device.type != device.type:
+        raise ValueError(f"generator on {gen.device} cannot sample logits on {device}")
+    return gen

@@ -1,0 +1,91 @@
+"""Request records: the tokenized sample the scheduler receives, and its live state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class ReqSample:
+    """What the tokenizer pool hands the scheduler: already tokenized, with a unique id.
+
+    valid_len is the true token count before any padding; block counts and
+    attention extents are computed from it, never from a padded length.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    valid_len: int
+    sampling_params: SamplingParams
+    arrival_ns: int
+    tokenized_ns: int = 0
+    error: str = ""  # set when tokenization failed; the scheduler rejects the request
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True)
+class Request:
+    sample: ReqSample
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # Tokens of prompt + output whose K/V is in the cache. The request is
+    # decoding exactly when one token (the last sampled one) is not yet computed.
+    num_computed: int = 0
+    num_cached_prefix: int = 0
+    # Prefix-sharing bookkeeping: leading blocks already published and the
+    # chain hash of the last one (see MemoryManager.register_full_blocks).
+    num_hashed_blocks: int = 0
+    last_block_hash: int = -1
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    queued_ns: int = 0
+    admitted_ns: int = 0
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    finish_ns: int = 0
+    num_preemptions: int = 0
+    num_prefill_chunks: int = 0
+    generator: Any = None  # torch.Generator for seeded sampling; typed Any to keep torch out of this module
+
+    @property
+    def request_id(self) -> str:
+        return self.sample.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sample.valid_len + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.sample.input_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed == 1 and len(self.output_ids) > 0

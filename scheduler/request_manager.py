@@ -1,0 +1,82 @@
+"""The Request Manager: waiting, running and finished queues, with every
+transition timestamped on the probes clock so a run can be replayed."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from probes.clock import now_ns
+from scheduler.request import FinishReason, Request, RequestStatus, ReqSample
+
+# (ts_ns, request_id, stage, step, value): the trace's timeline table.
+TimelineSink = Callable[[int, str, str, int, int], None]
+
+
+class RequestManager:
+    def __init__(self, on_timeline: TimelineSink | None = None) -> None:
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self._newly_finished: list[Request] = []
+        self._on_timeline = on_timeline
+        self.step = 0
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def mark(self, req: Request, stage: str, value: int = 0, ts: int | None = None) -> int:
+        t = now_ns() if ts is None else ts
+        if self._on_timeline is not None:
+            self._on_timeline(t, req.request_id, stage, self.step, value)
+        return t
+
+    def enqueue(self, sample: ReqSample) -> Request:
+        req = Request(sample)
+        self.mark(req, "arrived", ts=sample.arrival_ns)
+        self.mark(req, "tokenized", sample.valid_len, ts=sample.tokenized_ns)
+        req.queued_ns = self.mark(req, "queued")
+        self.waiting.append(req)
+        return req
+
+    def admit(self, req: Request) -> None:
+        """waiting -> running; the caller has just given it its KV blocks."""
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        req.admitted_ns = self.mark(req, "got_blocks", len(req.block_table))
+        self.running.append(req)
+
+    def preempt(self, req: Request) -> None:
+        """running -> front of waiting. Its blocks are already freed; it recomputes later."""
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.mark(req, "preempted", req.num_computed)
+        req.num_computed = 0
+        req.num_cached_prefix = 0
+        req.num_hashed_blocks = 0
+        req.last_block_hash = -1
+        req.block_table = []
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: FinishReason, detail: str = "") -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_detail = detail
+        req.finish_ns = self.mark(req, "rejected" if reason is FinishReason.REJECTED else
+                                  "aborted" if reason is FinishReason.ABORTED else "finished",
+                                  len(req.output_ids))
+        self.finished.append(req)
+        self._newly_finished.append(req)
+
+    def drain_finished(self) -> list[Request]:
+        """Requests finished since the last call, for the output path."""
+        out, self._newly_finished = self._newly_finished, []
+        return out

@@ -1,0 +1,128 @@
+"""Drive a workload through an Engine: arrivals on their own thread, rounds on
+the calling thread, finished requests into the trace's requests table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from probes.clock import now_ns, wall_anchor
+from scheduler.engine import Engine
+from scheduler.sender import FinishedRecord
+from scheduler.workload import WorkloadItem, workload_digest
+from tracing.writer import TraceWriter
+
+
+class TraceRequestsSink:
+    """Writes one requests-table row per finished request (runs on the sender thread)."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self._buf = writer.buffer("requests")
+
+    def on_text(self, request_id: str, text: str) -> None:
+        pass
+
+    def on_finish(self, r: FinishedRecord, text: str) -> None:
+        self._buf.append((
+            r.request_id, r.input_ids, r.output_ids, text, len(r.input_ids), len(r.output_ids),
+            r.cached_prefix_len, r.finish_reason, r.finish_detail, r.arrival_ns, r.tokenized_ns,
+            r.queued_ns, r.admitted_ns, r.first_scheduled_ns, r.first_token_ns, r.finish_ns,
+            r.num_preemptions, r.num_prefill_chunks,
+        ))
+
+
+@dataclass(slots=True)
+class RunResult:
+    start_ns: int
+    end_ns: int
+    steps: int
+    requests: int
+
+
+def run_workload(
+    engine: Engine,
+    items: list[WorkloadItem],
+    on_step: Callable[[Engine], None] | None = None,
+    idle_poll_s: float = 0.02,
+) -> RunResult:
+    start = now_ns()
+    stop = threading.Event()
+
+    def feed() -> None:
+        for it in sorted(items, key=lambda i: i.arrival_s):
+            delay_ns = start + int(it.arrival_s * 1e9) - now_ns()
+            if delay_ns > 0 and stop.wait(delay_ns / 1e9):
+                return
+            engine.submit(it.prompt if it.prompt is not None else list(it.input_ids or ()),
+                          it.params, it.request_id)
+
+    feeder = threading.Thread(target=feed, name="arrivals", daemon=True)
+    feeder.start()
+    steps = 0
+    try:
+        while feeder.is_alive() or engine.has_work():
+            if engine.step() is None:
+                engine.wait_for_arrivals(idle_poll_s)
+            else:
+                steps += 1
+            if on_step is not None:
+                on_step(engine)
+    finally:
+        stop.set()
+        feeder.join()
+    return RunResult(start, now_ns(), steps, len(items))
+
+
+def run_meta(engine: Engine, items: list[WorkloadItem], workload_source: str) -> dict[str, Any]:
+    import tokenizers
+    import torch
+    import transformers
+
+    mono, unix = wall_anchor()
+    mc = engine.model_config
+    return {
+        "tool": "mstrace",
+        "config": engine.cfg.to_dict(),
+        "model": {
+            "path": str(engine.model_dir),
+            "name": engine.cfg.model,
+            "architecture": mc.architecture,
+            "num_layers": mc.num_hidden_layers,
+            "hidden_size": mc.hidden_size,
+            "vocab_size": mc.vocab_size,
+            "kv_blocks": engine.mm.num_blocks,
+            "block_size": engine.mm.block_size,
+        },
+        "workload": {"source": workload_source, "requests": len(items), "digest": workload_digest(items)},
+        "versions": {
+            "mstrace": _version(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "host": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "device": str(engine.device),
+            "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
+        },
+        "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
+        "ranks": {"0": {"offset_ns": 0}},
+    }
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mstrace")
+    except Exception:  # noqa: BLE001 - running from a source tree
+        return "0+unknown"

@@ -1,0 +1,116 @@
+"""The exit hop: new tokens leave the scheduling thread through an output queue
+that a separate sender thread drains. The sender detokenizes incrementally and
+hands text to a sink (the run command's trace writer and progress bar, or later
+an HTTP response). A slow client therefore slows only this thread, never a
+scheduling round: the seed's "slow client" lesson."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.request import Request
+from scheduler.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class FinishedRecord:
+    """An immutable copy of a finished request, safe to read off the scheduling thread."""
+
+    request_id: str
+    input_ids: list[int]
+    output_ids: list[int]
+    cached_prefix_len: int
+    finish_reason: str
+    finish_detail: str
+    arrival_ns: int
+    tokenized_ns: int
+    queued_ns: int
+    admitted_ns: int
+    first_scheduled_ns: int
+    first_token_ns: int
+    finish_ns: int
+    num_preemptions: int
+    num_prefill_chunks: int
+
+    @classmethod
+    def of(cls, r: Request) -> FinishedRecord:
+        s = r.sample
+        return cls(
+            r.request_id, s.input_ids, list(r.output_ids), r.num_cached_prefix,
+            r.finish_reason.value if r.finish_reason else "", r.finish_detail,
+            s.arrival_ns, s.tokenized_ns, r.queued_ns, r.admitted_ns, r.first_scheduled_ns,
+            r.first_token_ns, r.finish_ns, r.num_preemptions, r.num_prefill_chunks,
+        )
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step: int
+    tokens: list[tuple[str, int]] = field(default_factory=list)  # (request_id, token id)
+    finished: list[FinishedRecord] = field(default_factory=list)
+
+
+class OutputSink(Protocol):
+    def on_text(self, request_id: str, text: str) -> None: ...
+
+    def on_finish(self, record: FinishedRecord, text: str) -> None: ...
+
+
+class Sender:
+    def __init__(self, tokenizer: Tokenizer | None, sinks: list[OutputSink]) -> None:
+        self.queue: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self._tok = tokenizer
+        self._sinks = sinks
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, list[str]] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="sender", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"output sink failed: {self.error}") from self.error
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            try:
+                self._deliver(item)
+            except BaseException as e:  # noqa: BLE001 - reported on close(); keep draining
+                self.error = self.error or e
+
+    def _deliver(self, out: StepOutput) -> None:
+        for rid, tok in out.tokens:
+            text = self._push(rid, tok)
+            if text:
+                for s in self._sinks:
+                    s.on_text(rid, text)
+        for rec in out.finished:
+            d = self._detok.pop(rec.request_id, None)
+            parts = self._text.pop(rec.request_id, [])
+            tail = d.flush() if d is not None else ""
+            if tail:
+                parts.append(tail)
+                for s in self._sinks:
+                    s.on_text(rec.request_id, tail)
+            for s in self._sinks:
+                s.on_finish(rec, "".join(parts))
+
+    def _push(self, rid: str, tok: int) -> str:
+        if self._tok is None:
+            return ""
+        d = self._detok.get(rid)
+        if d is None:
+            d = self._detok[rid] = IncrementalDetokenizer(self._tok)
+            self._text[rid] = []
+        text = d.push([tok])
+        if text:
+            self._text[rid].append(text)
+        return text

@@ -1,0 +1,38 @@
+"""The entry hop: tokenization runs on a thread pool, never on the scheduling
+thread, and fills the pre-processing queue the scheduler drains."""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+from probes.clock import now_ns
+from scheduler.request import ReqSample, SamplingParams
+from scheduler.tokenizer import Tokenizer
+
+
+class TokenizerPool:
+    def __init__(self, tokenizer: Tokenizer | None, num_threads: int) -> None:
+        self.tokenizer = tokenizer
+        self.ready: queue.SimpleQueue[ReqSample] = queue.SimpleQueue()
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenizer")
+
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int) -> None:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; give input_ids instead of a prompt")
+        self._pool.submit(self._tokenize, request_id, prompt, params, arrival_ns)
+
+    def _tokenize(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int) -> None:
+        try:
+            if isinstance(prompt, str):
+                assert self.tokenizer is not None
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+            error = ""
+        except Exception as e:  # noqa: BLE001 - the request is rejected, the pool lives on
+            ids, error = [], f"tokenization failed: {type(e).__name__}: {e}"
+        self.ready.put(ReqSample(request_id, ids, len(ids), params, arrival_ns, now_ns(), error))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

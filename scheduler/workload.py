@@ -1,0 +1,187 @@
+"""Workloads: the JSONL contract other tools depend on, and a synthetic generator.
+
+One JSON object per line:
+  id (str, optional), prompt (str) | input_ids (list[int]), max_new_tokens (int),
+  temperature (float, default 0 = greedy), top_p (default 1), seed (int, optional),
+  ignore_eos (bool, default false), arrival_s (float, default 0).
+The whole file is validated before anything runs; an error names the line and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler.request import SamplingParams
+
+FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s"}
+
+
+class WorkloadError(ValueError):
+    """A bad workload; the message is one line naming the line number and the field."""
+
+
+@dataclass(slots=True, frozen=True)
+class WorkloadItem:
+    request_id: str
+    prompt: str | None
+    input_ids: tuple[int, ...] | None
+    params: SamplingParams
+    arrival_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.request_id}
+        if self.prompt is not None:
+            d["prompt"] = self.prompt
+        else:
+            d["input_ids"] = list(self.input_ids or ())
+        p = self.params
+        d.update(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                 ignore_eos=p.ignore_eos, arrival_s=self.arrival_s)
+        if p.seed is not None:
+            d["seed"] = p.seed
+        return d
+
+
+def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
+    if name not in obj:
+        return default
+    v = obj[name]
+    # bool is an int subclass in Python; a JSON `true` is never a valid count.
+    if isinstance(v, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise WorkloadError(f"{where}: field '{name}' must be {_kind_name(kind)}, got {json.dumps(v)}")
+    if not isinstance(v, kind):
+        raise WorkloadError(f"{where}: field '{name}' must be {_kind_name(kind)}, got {json.dumps(v)[:40]}")
+    return v
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+    ks = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in ks if not (k is int and float in ks))
+
+
+def parse_item(obj: Any, index: int, where: str, vocab_size: int | None = None) -> WorkloadItem:
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - FIELDS
+    if unknown:
+        raise WorkloadError(f"{where}: unknown field '{sorted(unknown)[0]}' (known: {', '.join(sorted(FIELDS))})")
+    rid = _field(obj, "id", str, f"req-{index}", where)
+    prompt = _field(obj, "prompt", str, None, where)
+    ids = _field(obj, "input_ids", list, None, where)
+    if (prompt is None) == (ids is None):
+        raise WorkloadError(f"{where}: field 'prompt' or 'input_ids': give exactly one of them")
+    if prompt is not None and not prompt:
+        raise WorkloadError(f"{where}: field 'prompt' is empty")
+    if ids is not None:
+        if not ids:
+            raise WorkloadError(f"{where}: field 'input_ids' is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise WorkloadError(f"{where}: field 'input_ids' must hold non-negative integers, got {json.dumps(t)}")
+            if vocab_size is not None and t >= vocab_size:
+                raise WorkloadError(f"{where}: field 'input_ids' has token {t}, outside the model's vocabulary of {vocab_size}")
+    if "max_new_tokens" not in obj:
+        raise WorkloadError(f"{where}: field 'max_new_tokens' is required")
+    max_new = _field(obj, "max_new_tokens", int, 0, where)
+    if max_new < 1:
+        raise WorkloadError(f"{where}: field 'max_new_tokens' must be >= 1, got {max_new}")
+    temperature = float(_field(obj, "temperature", (int, float), 0.0, where))
+    if temperature < 0:
+        raise WorkloadError(f"{where}: field 'temperature' must be >= 0, got {temperature}")
+    top_p = float(_field(obj, "top_p", (int, float), 1.0, where))
+    if not 0 < top_p <= 1:
+        raise WorkloadError(f"{where}: field 'top_p' must be in (0, 1], got {top_p}")
+    seed = _field(obj, "seed", int, None, where)
+    ignore_eos = _field(obj, "ignore_eos", bool, False, where)
+    arrival = float(_field(obj, "arrival_s", (int, float), 0.0, where))
+    if arrival < 0:
+        raise WorkloadError(f"{where}: field 'arrival_s' must be >= 0, got {arrival}")
+    params = SamplingParams(max_new, temperature, top_p, seed, ignore_eos)
+    return WorkloadItem(rid, prompt, tuple(ids) if ids is not None else None, params, arrival)
+
+
+def load_workload(path: str | Path, vocab_size: int | None = None) -> list[WorkloadItem]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(f"workload file not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkloadError(f"cannot read workload {p}: {e}") from None
+    items: list[WorkloadItem] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{p.name}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        item = parse_item(obj, len(items), where, vocab_size)
+        if item.request_id in seen:
+            raise WorkloadError(f"{where}: field 'id': duplicate request id {item.request_id!r}")
+        seen.add(item.request_id)
+        items.append(item)
+    if not items:
+        raise WorkloadError(f"{p}: the workload is empty")
+    return items
+
+
+@dataclass(slots=True, frozen=True)
+class SyntheticSpec:
+    requests: int = 64
+    prompt_len: tuple[int, int] = (32, 256)
+    output_len: tuple[int, int] = (32, 128)
+    shared_prefix_frac: float = 0.25  # fraction of requests that start with one common system prompt
+    shared_prefix_len: int = 64
+    rate: float = 0.0  # requests/s, Poisson arrivals; 0 = everything at time 0
+    ignore_eos: bool = True  # random weights hit EOS at random; fixed lengths make runs comparable
+    seed: int = 0
+
+
+def synthetic_workload(spec: SyntheticSpec, vocab_size: int, special_ids: set[int]) -> list[WorkloadItem]:
+    """Random-token prompts with exact lengths, drawn from a seeded RNG."""
+    if spec.requests < 1:
+        raise WorkloadError("--requests must be >= 1")
+    for name, (lo, hi) in (("prompt", spec.prompt_len), ("output", spec.output_len)):
+        if lo < 1 or hi < lo:
+            raise WorkloadError(f"--{name}-len range must satisfy 1 <= min <= max, got {lo}-{hi}")
+    if not 0 <= spec.shared_prefix_frac <= 1:
+        raise WorkloadError("--shared-prefix must be in [0, 1]")
+    rng = random.Random(spec.seed)
+    vocab = [t for t in range(vocab_size) if t not in special_ids]
+    prefix = [rng.choice(vocab) for _ in range(spec.shared_prefix_len)]
+    t = 0.0
+    items = []
+    for i in range(spec.requests):
+        n = rng.randint(*spec.prompt_len)
+        body = [rng.choice(vocab) for _ in range(n)]
+        if rng.random() < spec.shared_prefix_frac and n > spec.shared_prefix_len:
+            body[: spec.shared_prefix_len] = prefix
+        if spec.rate > 0:
+            t += rng.expovariate(spec.rate)
+        params = SamplingParams(rng.randint(*spec.output_len), ignore_eos=spec.ignore_eos)
+        items.append(WorkloadItem(f"req-{i}", None, tuple(body), params, round(t, 6)))
+    return items
+
+
+def workload_digest(items: list[WorkloadItem]) -> str:
+    """sha256 of the canonical JSONL form: equal digests mean the same workload."""
+    h = hashlib.sha256()
+    for it in items:
+        h.update(json.dumps(it.to_json(), sort_keys=True, separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def save_workload(items: list[WorkloadItem], path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for it in items:
+            f.write(json.dumps(it.to_json()) + "\n")

@@ -1,0 +1,77 @@
+"""The trace schema, defined once. docs/trace-schema.md describes every column.
+
+Conventions that let analyses join tables without knowing each one:
+every timestamp column ends in `_ns` (CLOCK_MONOTONIC), every duration column is
+`dur_*_ns`, and every column naming a scheduling round is `step`.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_ids = pa.list_(pa.int32())
+_str = pa.dictionary(pa.int32(), pa.string())
+
+REQUESTS = pa.schema([
+    ("request_id", pa.string()),
+    ("input_ids", _ids),
+    ("output_ids", _ids),
+    ("output_text", pa.string()),
+    ("prompt_len", pa.int32()),
+    ("output_len", pa.int32()),
+    ("cached_prefix_len", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("finish_detail", pa.string()),
+    ("arrival_ns", pa.int64()),
+    ("tokenized_ns", pa.int64()),
+    ("queued_ns", pa.int64()),
+    ("admitted_ns", pa.int64()),
+    ("first_scheduled_ns", pa.int64()),
+    ("first_token_ns", pa.int64()),
+    ("finish_ns", pa.int64()),
+    ("num_preemptions", pa.int32()),
+    ("num_prefill_chunks", pa.int32()),
+])
+
+TIMELINE = pa.schema([
+    ("ts_ns", pa.int64()),
+    ("request_id", pa.string()),
+    ("stage", _str),
+    ("step", pa.int64()),
+    ("value", pa.int64()),
+])
+
+STEPS = pa.schema([
+    ("step", pa.int64()),
+    ("mode", _str),
+    ("ts_ns", pa.int64()),
+    ("dur_ns", pa.int64()),
+    ("dur_host_ns", pa.int64()),
+    ("dur_device_ns", pa.int64()),
+    ("num_prefill_reqs", pa.int32()),
+    ("num_prefill_tokens", pa.int32()),
+    ("num_decode_reqs", pa.int32()),
+    ("num_decode_tokens", pa.int32()),
+    ("blocks_used", pa.int32()),
+    ("blocks_free", pa.int32()),
+    ("num_waiting", pa.int32()),
+    ("num_running", pa.int32()),
+])
+
+MEMORY = pa.schema([
+    ("ts_ns", pa.int64()),
+    ("step", pa.int64()),
+    ("kind", _str),
+    ("block_id", pa.int32()),
+    ("request_id", pa.string()),
+    ("ref_count", pa.int32()),
+])
+
+TABLES: dict[str, pa.Schema] = {
+    "requests": REQUESTS,
+    "timeline": TIMELINE,
+    "steps": STEPS,
+    "memory": MEMORY,
+}

@@ -1,0 +1,91 @@
+"""The mstrace command line. Analyses never import torch; only `run` does, lazily."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="mstrace",
+    help="Capture and analyse LLM-inference scheduler traces.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """Capture and analyse LLM-inference scheduler traces."""
+
+
+def fail(msg: str, code: int = 2) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _range(text: str, name: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        fail(f"--{name} must look like 16-512 or 64, got {text!r}")
+    if a < 1 or b < a:
+        fail(f"--{name} must satisfy 1 <= min <= max, got {text!r}")
+    return a, b
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option(help="Preset name (tiny, default, ...) or a local HF Llama-family folder.")] = "default",
+    workload: Annotated[Path | None, typer.Option(help="JSONL workload file; otherwise a synthetic one.")] = None,
+    requests: Annotated[int, typer.Option(help="Synthetic: number of requests.")] = 64,
+    prompt_len: Annotated[str, typer.Option(help="Synthetic: prompt length range, MIN-MAX tokens.")] = "32-256",
+    output_len: Annotated[str, typer.Option(help="Synthetic: output length range, MIN-MAX tokens.")] = "32-128",
+    shared_prefix: Annotated[float, typer.Option(help="Synthetic: fraction of requests sharing one system prompt.")] = 0.25,
+    rate: Annotated[float, typer.Option(help="Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed for the synthetic workload and unseeded sampling.")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Trace directory (default: a new folder under traces/).")] = None,
+    mode: Annotated[str, typer.Option(help="Scheduling mode.")] = "serial",
+    prefill_chunk: Annotated[int, typer.Option(help="Max prefill tokens per round (chunked prefill).")] = 512,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
+    kv_bytes: Annotated[str | None, typer.Option(help="KV pool size in bytes (e.g. 256MiB).")] = None,
+    max_running: Annotated[int, typer.Option(help="Max requests in the running queue.")] = 256,
+    no_prefix_sharing: Annotated[bool, typer.Option("--no-prefix-sharing", help="Disable shared prefix blocks.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    device_threads: Annotated[int, typer.Option(help="CPU intra-op threads for the model (0 = cores - 1).")] = 0,
+    save_workload: Annotated[Path | None, typer.Option(help="Also write the workload that ran as JSONL.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Run a workload through the reference engine and write a trace."""
+    from viewer.run_command import RunArgs, execute_run
+
+    args = RunArgs(
+        model=model, workload=workload, requests=requests, prompt_len=_range(prompt_len, "prompt-len"),
+        output_len=_range(output_len, "output-len"), shared_prefix=shared_prefix, rate=rate, seed=seed,
+        out=out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S"), mode=mode,
+        prefill_chunk=prefill_chunk, block_size=block_size, kv_blocks=kv_blocks, kv_bytes=kv_bytes,
+        max_running=max_running, prefix_sharing=not no_prefix_sharing, device=device,
+        device_threads=device_threads, save_workload=save_workload, quiet=quiet,
+    )
+    execute_run(args, console, fail)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""`mstrace run`: the one viewer module allowed to start the engine (and import torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tracing.reader import read_table
+from viewer.summary import RunSummary, summarize_requests
+
+
+@dataclass(slots=True)
+class RunArgs:
+    model: str
+    workload: Path | None
+    requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    shared_prefix: float
+    rate: float
+    seed: int
+    out: Path
+    mode: str
+    prefill_chunk: int
+    block_size: int
+    kv_blocks: int | None
+    kv_bytes: str | None
+    max_running: int
+    prefix_sharing: bool
+    device: str
+    device_threads: int
+    save_workload: Path | None
+    quiet: bool
+
+
+class _ProgressSink:
+    def __init__(self, progress: Progress, task: int) -> None:
+        self._p, self._t = progress, task
+
+    def on_text(self, request_id: str, text: str) -> None:
+        pass
+
+    def on_finish(self, record: object, text: str) -> None:
+        self._p.advance(self._t)  # type: ignore[arg-type]
+
+
+def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]) -> None:
+    from scheduler.config import ConfigError, EngineConfig, parse_size
+    from scheduler.model.config import ModelLoadError
+    from scheduler.model.presets import resolve_model
+    from scheduler.workload import SyntheticSpec, WorkloadError, load_workload, save_workload, synthetic_workload
+
+    try:
+        cfg = EngineConfig(
+            model=args.model, mode=args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
+            kv_bytes=parse_size(args.kv_bytes) if args.kv_bytes else None, prefill_chunk=args.prefill_chunk,
+            max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
+            device_threads=args.device_threads, seed=args.seed,
+        )
+        cfg.validate()
+        model_dir = resolve_model(args.model)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if args.out.exists() and any(args.out.iterdir()):
+        fail(f"output folder {args.out} is not empty; choose another --out")
+
+    from scheduler.engine import Engine
+    from scheduler.model.config import ModelConfig
+    from scheduler.runner import TraceRequestsSink, run_meta, run_workload
+    from tracing.writer import TraceWriter
+
+    try:
+        mc = ModelConfig.from_file(model_dir / "config.json")
+        if args.workload is not None:
+            items = load_workload(args.workload, mc.vocab_size)
+            source = str(args.workload)
+        else:
+            spec = SyntheticSpec(args.requests, args.prompt_len, args.output_len, args.shared_prefix,
+                                 rate=args.rate, seed=args.seed)
+            specials = set(mc.eos_token_id) | ({mc.bos_token_id} if mc.bos_token_id is not None else set())
+            items = synthetic_workload(spec, mc.vocab_size, specials)
+            source = f"synthetic:{spec}"
+    except (WorkloadError, ModelLoadError) as e:
+        fail(str(e))
+    if args.save_workload is not None:
+        save_workload(items, args.save_workload)
+
+    writer = TraceWriter(args.out)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
+    task = progress.add_task(f"{args.mode} run", total=len(items))
+    try:
+        try:
+            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), _ProgressSink(progress, task)], trace=writer)
+        except (ModelLoadError, ConfigError) as e:
+            fail(str(e))
+        writer.write_meta(run_meta(engine, items, source))
+        with progress:
+            try:
+                result = run_workload(engine, items)
+            finally:
+                engine.close()
+        meta = run_meta(engine, items, source)
+        meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
+        writer.write_meta(meta)
+    finally:
+        writer.close()
+
+    summary = summarize_requests(read_table(args.out, "requests"))
+    print_summary(console, summary, args.out)
+
+
+def print_summary(console: Console, s: RunSummary, out: Path) -> None:
+    t = Table(title="run summary", show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("requests", f"{s.requests}  ({', '.join(f'{k}: {v}' for k, v in sorted(s.finish_reasons.items()))})")
+    t.add_row("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}")
+    t.add_row("prefix-cache hit tokens", str(s.cached_prefix_tokens))
+    t.add_row("preemptions", str(s.preemptions))
+    t.add_row("wall time", f"{s.wall_s:.2f} s")
+    t.add_row("output throughput", f"{s.output_tok_per_s:.1f} tok/s")
+    for name, lat in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("E2E", s.e2e_ms)):
+        t.add_row(f"{name} p50 / p90 / p99", f"{lat.p50:.1f} / {lat.p90:.1f} / {lat.p99:.1f} ms")
+    console.print(t)
+    console.print(f"trace written to [bold]{out}[/]")
