@@ -1,0 +1,295 @@
+"""The engine's own forward against transformers as the oracle.
+
+A miniature scheduler drives the engine with chunked prefill interleaved with other requests'
+decodes, shuffled chunk order and shuffled non-contiguous KV blocks; transformers then runs each
+final sequence once, teacher-forced, and must agree with every greedy token and every logit row.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from scheduler.model import (
+    CausalLM,
+    ModelConfig,
+    ModelLoadError,
+    PagedKVCache,
+    SeqChunk,
+    build_forward_batch,
+    load_model,
+)
+
+try:  # `python -m pytest` (repo root on sys.path) or tests/ as a package
+    from tests.checkpoints import BUILDERS, build_llama
+except ImportError:  # plain `pytest`: tests/ itself is on sys.path
+    from checkpoints import BUILDERS, build_llama  # type: ignore[no-redef]
+
+BLOCK = 16
+NEAR_TIE = 1e-3
+
+
+@dataclass(slots=True)
+class Req:
+    prompt: list[int]
+    chunk: int  # prefill chunk size (>= len(prompt) means one-shot prefill)
+    start_step: int  # step at which the request arrives
+    max_new: int
+    blocks: list[int] = field(default_factory=list)
+    done: int = 0  # tokens in the KV cache
+    out: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # one row per generated token
+
+
+def run_engine(model: CausalLM, reqs: list[Req], seed: int = 0) -> None:
+    """Greedy-generate every request with a tiny continuous-batching loop."""
+    rng = random.Random(seed)
+    need = sum(-(-(len(r.prompt) + r.max_new) // BLOCK) for r in reqs)
+    free = list(range(need + 7))
+    rng.shuffle(free)  # blocks come from anywhere in the pool, in any order
+    kv = model.make_kv_cache(len(free), BLOCK)
+    step = 0
+    while any(len(r.out) < r.max_new for r in reqs):
+        work: list[tuple[Req, SeqChunk]] = []
+        for r in reqs:
+            if step < r.start_step or len(r.out) >= r.max_new:
+                continue
+            if r.done < len(r.prompt):
+                toks = r.prompt[r.done : r.done + r.chunk]
+                sample = r.done + len(toks) == len(r.prompt)
+            else:
+                toks, sample = [r.out[-1]], True
+            while len(r.blocks) * BLOCK < r.done + len(toks):
+                r.blocks.append(free.pop())
+            work.append((r, SeqChunk(toks, r.done, list(r.blocks), sample)))
+        rng.shuffle(work)
+        step += 1
+        if not work:
+            continue
+        logits = model(build_forward_batch([c for _, c in work], BLOCK, "cpu"), kv)
+        assert logits.dtype == torch.float32
+        assert logits.shape == (sum(c.sample for _, c in work), model.cfg.vocab_size)
+        rows = iter(logits)
+        for r, c in work:
+            r.done += len(c.token_ids)
+            if c.sample:
+                row = next(rows)
+                r.logits.append(row.clone())
+                r.out.append(int(row.argmax()))
+
+
+def teacher_forced_check(hf: torch.nn.Module, reqs: list[Req]) -> None:
+    """Every engine token must be transformers' argmax unless transformers itself has a near-tie."""
+    checked = ties = 0
+    for r in reqs:
+        seq = r.prompt + r.out
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        gen_rows = ref[len(r.prompt) - 1 : len(seq) - 1]
+        engine = torch.stack(r.logits)
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(engine, gen_rows, atol=1e-4 * max(scale, 1.0), rtol=0)
+        top2 = gen_rows.topk(2, dim=-1).values
+        for j, tok in enumerate(r.out):
+            checked += 1
+            if (top2[j, 0] - top2[j, 1]).item() < NEAR_TIE:
+                ties += 1
+                continue
+            assert tok == int(gen_rows[j].argmax()), f"prompt len {len(r.prompt)}, token {j}"
+    assert checked > 0 and ties <= 0.05 * checked, f"{ties}/{checked} near-ties: check is vacuous"
+
+
+def make_reqs(vocab: int, seed: int, lengths: list[int], chunks: list[int], max_new: int) -> list[Req]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Req(torch.randint(0, vocab, (n,), generator=g).tolist(), chunk, i, max_new)
+        for i, (n, chunk) in enumerate(zip(lengths, chunks, strict=True))
+    ]
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpts")
+
+
+@pytest.fixture(scope="session", params=sorted(BUILDERS))
+def checkpoint(request: pytest.FixtureRequest, ckpt_root: Path) -> Path:
+    return BUILDERS[request.param](ckpt_root / request.param)
+
+
+def test_greedy_matches_transformers(checkpoint: Path) -> None:
+    model, cfg = load_model(checkpoint)
+    # Lengths straddle block boundaries and the Mistral window (32); 1-token and one-shot
+    # prompts go through the decode-shaped and start_pos == 0 paths.
+    reqs = make_reqs(
+        cfg.vocab_size, seed=7, lengths=[5, 17, 40, 1, 33], chunks=[7, 7, 7, 7, 64], max_new=20
+    )
+    run_engine(model, reqs)
+    teacher_forced_check(load_hf(checkpoint), reqs)
+
+
+def test_prefill_logits_match(checkpoint: Path) -> None:
+    """Every row of a prefill, not only the sampled one, via one-token-per-chunk batches."""
+    model, cfg = load_model(checkpoint)
+    hf = load_hf(checkpoint)
+    ids = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(3))
+    kv = model.make_kv_cache(8, BLOCK)
+    table = [5, 2, 7]
+    # First 30 tokens as one chunk, then 15 chunks of one token each batched with nothing else:
+    # compares the last prefill row plus 15 positions that go through the decode path.
+    got = [model(build_forward_batch([SeqChunk(ids[:30].tolist(), 0, table, True)], BLOCK, "cpu"), kv)]
+    for p in range(30, 45):
+        got.append(model(build_forward_batch([SeqChunk([int(ids[p])], p, table, True)], BLOCK, "cpu"), kv))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()[29:]
+    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_sliding_window_is_exercised(ckpt_root: Path) -> None:
+    path = BUILDERS["mistral"](ckpt_root / "mistral_window")
+    model, cfg = load_model(path)
+    assert cfg.sliding_window == 32
+    ids = torch.randint(0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def last_logits() -> torch.Tensor:
+        kv = model.make_kv_cache(4, BLOCK)
+        return model(build_forward_batch([SeqChunk(ids, 0, [0, 1, 2], True)], BLOCK, "cpu"), kv)
+
+    windowed = last_logits()
+    model.cfg.sliding_window = None
+    assert not torch.allclose(windowed, last_logits(), atol=1e-3), "window had no effect"
+
+
+def test_copy_blocks_moves_context(checkpoint: Path) -> None:
+    model, cfg = load_model(checkpoint)
+    ids = torch.randint(0, cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(5)).tolist()
+    kv = model.make_kv_cache(10, BLOCK)
+    model(build_forward_batch([SeqChunk(ids[:35], 0, [4, 5, 6], False)], BLOCK, "cpu"), kv)
+    # Overlapping move (6 -> 5 while 5 -> 2) must behave like a simultaneous copy.
+    kv.copy_blocks([4, 5, 6], [9, 2, 5])
+    moved = model(build_forward_batch([SeqChunk(ids[35:], 35, [9, 2, 5], True)], BLOCK, "cpu"), kv)
+    ref_kv = model.make_kv_cache(10, BLOCK)
+    model(build_forward_batch([SeqChunk(ids[:35], 0, [1, 3, 8], False)], BLOCK, "cpu"), ref_kv)
+    ref = model(build_forward_batch([SeqChunk(ids[35:], 35, [1, 3, 8], True)], BLOCK, "cpu"), ref_kv)
+    torch.testing.assert_close(moved, ref, atol=1e-5, rtol=0)
+
+
+def test_sharded_checkpoint_loads_identically(ckpt_root: Path, tmp_path: Path) -> None:
+    single = build_llama(ckpt_root / "llama_single")
+    AutoModelForCausalLM.from_pretrained(single).save_pretrained(
+        tmp_path, safe_serialization=True, max_shard_size="40KB"
+    )
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    a, _ = load_model(single)
+    b, _ = load_model(tmp_path)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb), na
+
+
+def test_bytes_per_block_matches_allocation(checkpoint: Path) -> None:
+    cfg = ModelConfig.from_file(checkpoint / "config.json")
+    kv = PagedKVCache.for_model(cfg, 3, BLOCK, torch.float32, "cpu")
+    assert kv.nbytes == 3 * PagedKVCache.bytes_per_block(cfg, BLOCK, torch.float32)
+    assert PagedKVCache.bytes_per_block(cfg, BLOCK, torch.bfloat16) * 2 == (
+        PagedKVCache.bytes_per_block(cfg, BLOCK, torch.float32)
+    )
+
+
+def test_config_fields(ckpt_root: Path) -> None:
+    llama = ModelConfig.from_file(build_llama(ckpt_root / "llama_cfg") / "config.json")
+    assert (llama.head_dim, llama.num_key_value_heads, llama.rope_theta) == (16, 2, 500000.0)
+    assert llama.rope_scaling is not None and llama.rope_scaling.rope_type == "llama3"
+    assert llama.tie_word_embeddings and llama.eos_token_id == [2, 3] and llama.bos_token_id == 1
+    qwen = ModelConfig.from_file(BUILDERS["qwen2"](ckpt_root / "qwen_cfg") / "config.json")
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.sliding_window is None
+    assert qwen.eos_token_id == [5] and qwen.head_dim == 20
+
+
+def test_legacy_rope_theta_and_rejected_rope_type() -> None:
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    cfg = ModelConfig.from_dict({**base, "rope_theta": 1234.0, "torch_dtype": "bfloat16"})
+    assert cfg.rope_theta == 1234.0 and cfg.head_dim == 4 and cfg.num_key_value_heads == 2
+    assert cfg.torch_dtype == torch.bfloat16 and cfg.eos_token_id == []
+    with pytest.raises(ModelLoadError, match="yarn"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_missing_folder() -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model("/nonexistent/model/dir")
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(tmp_path)
+    msg = str(err.value)
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "\n" not in msg
+
+
+def test_no_weights(ckpt_root: Path, tmp_path: Path) -> None:
+    shutil.copy(build_llama(ckpt_root / "llama_nw") / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_model(tmp_path)
+
+
+def test_missing_tensor(ckpt_root: Path, tmp_path: Path) -> None:
+    src = build_llama(ckpt_root / "llama_mt")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape(ckpt_root: Path, tmp_path: Path) -> None:
+    src = build_llama(ckpt_root / "llama_ws")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="shape"):
+        load_model(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def preset_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("preset_cache")
+
+
+@pytest.mark.parametrize("name", ["tiny", "default"])
+def test_presets_match_transformers(name: str, preset_cache: Path) -> None:
+    from scheduler.model.presets import ensure_preset
+
+    path = ensure_preset(name, cache_dir=preset_cache)
+    model, cfg = load_model(path)
+    reqs = make_reqs(cfg.vocab_size, seed=11, lengths=[6, 19], chunks=[4, 8], max_new=10)
+    run_engine(model, reqs)
+    teacher_forced_check(load_hf(path), reqs)

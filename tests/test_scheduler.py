@@ -1,0 +1,141 @@
+"""Request Manager transitions and the policy's admission and chunking,
+without a model: the round's steps 1-3 are pure bookkeeping."""
+
+from __future__ import annotations
+
+from scheduler.config import EngineConfig
+from scheduler.memory_manager import MemoryManager
+from scheduler.policy import Policy
+from scheduler.request import FinishReason, ReqSample, RequestStatus, SamplingParams
+from scheduler.request_manager import RequestManager
+
+
+def make(num_blocks=16, block_size=4, chunk=8, **kw):
+    events = []
+    rm = RequestManager(lambda *e: events.append(e))
+    mm = MemoryManager(num_blocks, block_size)
+    cfg = EngineConfig(block_size=block_size, prefill_chunk=chunk, watermark_frac=0, **kw)
+    return rm, mm, Policy(cfg, rm, mm), events
+
+
+def add(rm, rid, n, max_new=4, ts=1):
+    ids = [(hash(rid) + i) % 50 + 1 for i in range(n)]
+    return rm.enqueue(ReqSample(rid, ids, n, SamplingParams(max_new), ts, ts + 1))
+
+
+def run_round(rm, mm, policy, step, token=7):
+    """What the engine's collect step does, with a fixed sampled token."""
+    b = policy.schedule(step)
+    for c in b.chunks:
+        c.req.num_computed += c.num_tokens
+    for c in b.chunks:
+        if c.sample:
+            c.req.output_ids.append(token)
+            if len(c.req.output_ids) >= c.req.sample.sampling_params.max_new_tokens:
+                mm.free(c.req.request_id, c.req.block_table)
+                c.req.block_table = []
+                rm.finish(c.req, FinishReason.LENGTH)
+    return b
+
+
+def test_transitions_are_timestamped_in_order():
+    rm, mm, policy, events = make()
+    r = add(rm, "a", 5, max_new=2)
+    assert r.status is RequestStatus.WAITING and r.queued_ns > 0
+    run_round(rm, mm, policy, 1)
+    assert r.status is RequestStatus.RUNNING and r.admitted_ns >= r.queued_ns
+    run_round(rm, mm, policy, 2)
+    assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.LENGTH
+    stages = [e[2] for e in events if e[1] == "a"]
+    assert stages == ["arrived", "tokenized", "queued", "got_blocks", "finished"]
+    ts = [e[0] for e in events if e[1] == "a"]
+    assert ts == sorted(ts)
+    assert rm.drain_finished() == [r] and rm.drain_finished() == []
+
+
+def test_fcfs_scan_stops_at_first_request_that_does_not_fit():
+    rm, mm, policy, _ = make(num_blocks=6, block_size=4, chunk=1000)
+    add(rm, "a", 12)  # 3 blocks
+    add(rm, "b", 16)  # 4 blocks: does not fit after a
+    add(rm, "c", 4)  # 1 block: would fit, but FCFS stops at b
+    b = policy.schedule(1)
+    assert [c.req.request_id for c in b.prefills] == ["a"]
+    assert [r.request_id for r in rm.waiting] == ["b", "c"]
+    assert mm.num_free == 3
+
+
+def test_prefill_blocks_are_ceil_of_prompt():
+    rm, mm, policy, _ = make(num_blocks=16, block_size=4, chunk=1000)
+    r = add(rm, "a", 9)
+    policy.schedule(1)
+    assert len(r.block_table) == 3
+
+
+def test_chunked_prefill_splits_long_prompt_and_decodes_run_between_chunks():
+    rm, mm, policy, _ = make(num_blocks=32, block_size=4, chunk=8)
+    short = add(rm, "short", 3, max_new=10)
+    b1 = run_round(rm, mm, policy, 1)
+    assert [(c.req.request_id, c.num_tokens, c.sample) for c in b1.prefills] == [("short", 3, True)]
+    long = add(rm, "long", 20, max_new=2)
+    seen = []
+    for step in range(2, 6):
+        b = run_round(rm, mm, policy, step)
+        seen.append(([c.req.request_id for c in b.decodes], [(c.start, c.num_tokens, c.sample) for c in b.prefills]))
+    # the short request decodes every round while the long prompt goes in 8-token chunks
+    assert seen[0] == (["short"], [(0, 8, False)])
+    assert seen[1] == (["short"], [(8, 8, False)])
+    assert seen[2] == (["short"], [(16, 4, True)])
+    assert seen[3][0] == ["short", "long"]
+    assert long.num_computed == 21
+
+
+def test_prefill_budget_is_shared_across_requests():
+    rm, mm, policy, _ = make(num_blocks=32, block_size=4, chunk=10)
+    add(rm, "a", 6)
+    add(rm, "b", 6)
+    b = policy.schedule(1)
+    assert [(c.req.request_id, c.num_tokens) for c in b.prefills] == [("a", 6), ("b", 4)]
+    assert b.num_prefill_tokens == 10
+
+
+def test_prompt_that_never_fits_is_rejected_and_run_continues():
+    rm, mm, policy, _ = make(num_blocks=4, block_size=4)
+    big = add(rm, "big", 30)
+    ok = add(rm, "ok", 3)
+    b = policy.schedule(1)
+    assert big.finish_reason is FinishReason.REJECTED and "KV pool has 4" in big.finish_detail
+    assert [c.req.request_id for c in b.prefills] == ["ok"]
+
+
+def test_decode_growth_preempts_latest_when_pool_is_full():
+    rm, mm, policy, events = make(num_blocks=4, block_size=4, chunk=100)
+    a = add(rm, "a", 8, max_new=8)
+    b = add(rm, "b", 8, max_new=8)
+    run_round(rm, mm, policy, 1)  # both admitted: 4 blocks used, each has 9 tokens
+    assert mm.num_free == 0
+    bt = run_round(rm, mm, policy, 2)  # both need a 3rd block: b (admitted last) is preempted
+    assert [c.req.request_id for c in bt.decodes] == ["a"]
+    assert b.status is RequestStatus.WAITING and b.num_preemptions == 1 and b.block_table == []
+    assert rm.waiting[0] is b
+    assert any(e[1] == "b" and e[2] == "preempted" for e in events)
+    mm.check_invariants([a.block_table])
+
+
+def test_prefix_hit_skips_computed_tokens():
+    rm, mm, policy, _ = make(num_blocks=16, block_size=4, chunk=100)
+    a = add(rm, "a", 10, max_new=3)
+    run_round(rm, mm, policy, 1)
+    mm.register_full_blocks(a.token_ids(), a.block_table, a.num_computed)
+    b = rm.enqueue(ReqSample("b", a.sample.input_ids[:8] + [42, 43], 10, SamplingParams(2), 1, 1))
+    batch = policy.schedule(2)
+    pf = [c for c in batch.prefills if c.req is b][0]
+    assert b.num_cached_prefix == 8 and pf.start == 8 and pf.num_tokens == 2
+    assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_max_running_caps_admission():
+    rm, mm, policy, _ = make(num_blocks=64, chunk=1000, max_running=2)
+    for i in range(4):
+        add(rm, f"r{i}", 4)
+    policy.schedule(1)
+    assert len(rm.running) == 2 and len(rm.waiting) == 2

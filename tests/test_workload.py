@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.workload import (
+    SyntheticSpec,
+    WorkloadError,
+    load_workload,
+    save_workload,
+    synthetic_workload,
+    workload_digest,
+)
+
+
+def write(tmp_path, lines):
+    p = tmp_path / "w.jsonl"
+    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return p
+
+
+def test_valid_file_with_defaults(tmp_path):
+    p = write(tmp_path, [{"prompt": "hi", "max_new_tokens": 3},
+                         {"id": "x", "input_ids": [1, 2], "max_new_tokens": 2, "temperature": 0.7,
+                          "top_p": 0.9, "ignore_eos": True, "arrival_s": 1.5, "seed": 3}])
+    a, b = load_workload(p)
+    assert a.request_id == "req-0" and a.prompt == "hi" and a.params.temperature == 0.0 and a.params.top_p == 1.0
+    assert b.input_ids == (1, 2) and b.params.ignore_eos and b.arrival_s == 1.5 and b.params.seed == 3
+
+
+@pytest.mark.parametrize("line,field", [
+    ('{"prompt": "a"}', "max_new_tokens"),
+    ('{"prompt": "a", "max_new_tokens": "5"}', "max_new_tokens"),
+    ('{"prompt": "a", "max_new_tokens": 0}', "max_new_tokens"),
+    ('{"prompt": "a", "max_new_tokens": true}', "max_new_tokens"),
+    ('{"max_new_tokens": 2}', "prompt"),
+    ('{"prompt": "a", "input_ids": [1], "max_new_tokens": 2}', "prompt"),
+    ('{"input_ids": [1, -2], "max_new_tokens": 2}', "input_ids"),
+    ('{"input_ids": [1, 999], "max_new_tokens": 2}', "input_ids"),
+    ('{"prompt": "a", "max_new_tokens": 2, "top_p": 0}', "top_p"),
+    ('{"prompt": "a", "max_new_tokens": 2, "temperature": -1}', "temperature"),
+    ('{"prompt": "a", "max_new_tokens": 2, "arrival_s": -1}', "arrival_s"),
+    ('{"prompt": "a", "max_new_tokens": 2, "bogus": 1}', "bogus"),
+    ('{"prompt": "a", "max_new_tokens": 2, "ignore_eos": 1}', "ignore_eos"),
+])
+def test_bad_line_names_line_and_field(tmp_path, line, field):
+    p = write(tmp_path, ['{"prompt": "ok", "max_new_tokens": 1}', line])
+    with pytest.raises(WorkloadError) as e:
+        load_workload(p, vocab_size=100)
+    msg = str(e.value)
+    assert "w.jsonl:2" in msg and field in msg and "\n" not in msg
+
+
+def test_invalid_json_and_duplicates(tmp_path):
+    with pytest.raises(WorkloadError, match=r"w.jsonl:1: not valid JSON"):
+        load_workload(write(tmp_path, ["{nope"]))
+    with pytest.raises(WorkloadError, match="duplicate"):
+        load_workload(write(tmp_path, [{"id": "a", "prompt": "x", "max_new_tokens": 1}] * 2))
+    with pytest.raises(WorkloadError, match="not found"):
+        load_workload(tmp_path / "missing.jsonl")
+
+
+def test_synthetic_is_seeded_and_round_trips(tmp_path):
+    spec = SyntheticSpec(requests=20, prompt_len=(5, 40), output_len=(2, 9), shared_prefix_frac=0.5,
+                         shared_prefix_len=4, rate=10.0, seed=4)
+    a = synthetic_workload(spec, 100, {0, 1})
+    b = synthetic_workload(spec, 100, {0, 1})
+    assert a == b and workload_digest(a) == workload_digest(b)
+    assert all(5 <= len(i.input_ids) <= 40 and 0 not in i.input_ids and 1 not in i.input_ids for i in a)
+    arrivals = [i.arrival_s for i in a]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    shared = [i for i in a if i.input_ids[:4] == a[0].input_ids[:4] or len(i.input_ids) <= 4]
+    assert 3 <= len(shared) < len(a)
+    p = tmp_path / "s.jsonl"
+    save_workload(a, p)
+    assert workload_digest(load_workload(p)) == workload_digest(a)
