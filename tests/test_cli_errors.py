@@ -1,0 +1,66 @@
+"""Bad input: one clear line on stderr, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli import mstrace
+
+
+def one_line_error(p):
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+def test_missing_model_folder(tmp_path):
+    line = one_line_error(mstrace("run", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")))
+    assert "model folder not found" in line
+
+
+def test_unsupported_architecture(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    line = one_line_error(mstrace("run", "--model", str(d), "--out", str(tmp_path / "o")))
+    assert "GPT2LMHeadModel" in line
+
+
+def test_bad_workload_line(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"prompt": "hello", "max_new_tokens": 4}\n{"prompt": "x", "max_new_tokens": -1}\n')
+    line = one_line_error(mstrace("run", "--model", "tiny", "--workload", str(wl), "--out", str(tmp_path / "o")))
+    assert "w.jsonl:2" in line and "max_new_tokens" in line
+    assert not (tmp_path / "o").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--block-size", "0", "block-size"),
+    ("--prefill-chunk", "0", "prefill-chunk"),
+    ("--kv-bytes", "12 parsecs", "size"),
+    ("--kv-bytes", "10", "smaller than one KV block"),
+    ("--prompt-len", "9-3", "prompt-len"),
+])
+def test_bad_flags(tmp_path, flag, value, needle):
+    line = one_line_error(mstrace("run", "--model", "tiny", flag, value, "--out", str(tmp_path / "o")))
+    assert needle in line
+
+
+def test_prompt_longer_than_kv_capacity_is_rejected_and_run_continues(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 105)), "max_new_tokens": 2}) + "\n"
+                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "4", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    from tracing.reader import read_table
+
+    req = read_table(out, "requests").to_pydict()
+    got = dict(zip(req["request_id"], req["finish_reason"], strict=True))
+    assert got == {"big": "rejected", "ok": "length"}
+    detail = req["finish_detail"][req["request_id"].index("big")]
+    assert "100 tokens" in detail and "KV pool has 4" in detail
