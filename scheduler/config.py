@@ -34,6 +34,11 @@ class EngineConfig:
     device_threads: int = 0
     tokenizer_threads: int = 1
     seed: int = 0
+    probes: bool = True  # False: no probes/memory tables (requests, timeline, steps stay)
+    wait_timeout_s: float = 5.0  # every timed wait in the engine (the seed's 5 s)
+    snapshot_every: int = 50  # full block-table snapshot every N rounds; 0 = never
+    # Test-only: sleep this long inside bookkeeping, to check the report is truthful.
+    debug_bookkeeping_sleep_ms: float = 0.0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -54,6 +59,10 @@ class EngineConfig:
             raise ConfigError(f"--device must be auto, cpu or cuda (got {self.device!r})")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
+        if self.wait_timeout_s <= 0:
+            raise ConfigError(f"--wait-timeout must be > 0 (got {self.wait_timeout_s})")
+        if self.snapshot_every < 0:
+            raise ConfigError(f"--snapshot-every must be >= 0 (got {self.snapshot_every})")
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be >= 1")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,10 @@ from typing import Any
 
 import torch
 
+from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, IDLE, KV_FENCE, RESPONSE_SEND
 from probes.clock import now_ns
+from probes.recorder import Probes
+from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
 from scheduler.executor import Executor, PreparedBatch
@@ -34,6 +38,7 @@ from scheduler.policy import Policy
 from scheduler.request import FinishReason, Request, SamplingParams
 from scheduler.request_manager import RequestManager
 from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
+from scheduler.streams import make_streams
 from scheduler.tokenizer import Tokenizer, TokenizerError
 from scheduler.tokenizer_pool import TokenizerPool
 from tracing.writer import TraceWriter
@@ -82,12 +87,18 @@ class Engine:
         self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, self.device)
         self.trace = trace
+        self.probes = Probes(trace.buffer if trace is not None and config.probes else None, rank=0)
+        self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
+        self._mem_buf = self.probes.buffer("memory")
+        self.registry = WaitRegistry()
+        self.streams = make_streams(self.device, self.probes, self.registry, config.wait_timeout_s)
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing)
         self.policy = Policy(config, self.rm, self.mm)
-        self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed)
-        self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads)
+        self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
+                                 self.streams, self.registry, config.wait_timeout_s, self._pb)
+        self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks))
         self._steps_buf = trace.buffer("steps") if trace else None
         self.step_no = 0
@@ -116,9 +127,9 @@ class Engine:
         return lambda ts, rid, stage, step, value: buf.append((ts, rid, stage, step, value))
 
     def _memory_sink(self) -> Any:
-        if self.trace is None:
+        buf = self._mem_buf
+        if buf is None:
             return None
-        buf = self.trace.buffer("memory")
         return lambda kind, bid, rid, ref: buf.append((now_ns(), self.step_no, kind, bid, rid, ref))
 
     # ---- the public API ------------------------------------------------
@@ -141,39 +152,61 @@ class Engine:
         return len(self.rm) > 0 or self._received < self._submitted
 
     def wait_for_arrivals(self, timeout_s: float) -> None:
-        """Block until a tokenized request is ready (idle engine) or the timeout passes."""
-        try:
-            sample = self.pool.ready.get(timeout=timeout_s)
-        except Exception:  # queue.Empty
-            return
-        self._enqueue(sample)
+        """Idle engine: block until a tokenized request is ready or the timeout passes."""
+        got: list[Any] = []
+
+        def ready(slice_s: float) -> bool:
+            try:
+                got.append(self.pool.ready.get(timeout=slice_s) if slice_s > 0 else self.pool.ready.get_nowait())
+                return True
+            except Exception:  # queue.Empty
+                return False
+
+        timed_wait(ready, registry=self.registry, waiter="scheduler", what="queue tokenized",
+                   signaller="tokenizer-pool", boundary=IDLE, timeout_s=timeout_s, buf=self._pb,
+                   step=self.step_no, raise_on_timeout=False)
+        for sample in got:
+            self._enqueue(sample)
 
     def step(self) -> StepStats | None:
         """One scheduling round. Returns None when there was nothing to run."""
+        pb = self._pb
         t0 = now_ns()
         self.step_no += 1
-        self.rm.step = self.step_no
+        step = self.rm.step = self.step_no
         self._drain_arrivals()
-        batch = self.policy.schedule(self.step_no)  # steps 1-3
-        out = StepOutput(self.step_no)
+        batch = self.policy.schedule(step)  # steps 1-3
+        out = StepOutput(step)
         if not batch:
             self._emit_finished(out)
             if out.finished:
                 self.sender.queue.put(out)
             return None
-        prepared = self.executor.prepare(batch)  # step 4
-        td0 = now_ns()
-        tokens = self.executor.forward(prepared)
-        td1 = now_ns()
-        self._collect(batch, prepared, tokens, out)  # step 5
-        self._emit_finished(out)
-        self.sender.queue.put(out)
         t1 = now_ns()
-        stats = StepStats(self.step_no, t0, t1 - t0, td1 - td0, len(batch.prefills), batch.num_prefill_tokens,
+        prepared = self.executor.prepare(batch)  # step 4
+        t2 = now_ns()
+        tokens = self.executor.forward(prepared, step)
+        t3 = now_ns()
+        self._collect(batch, prepared, tokens, out, t3)  # step 5
+        self._emit_finished(out)
+        if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
+            self._snapshot_blocks(step)
+        if self.cfg.debug_bookkeeping_sleep_ms:
+            time.sleep(self.cfg.debug_bookkeeping_sleep_ms / 1e3)
+        t4 = now_ns()
+        self.sender.queue.put(out)
+        t5 = now_ns()
+        if pb is not None:
+            r = self.probes.rank
+            pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
+            pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
+            pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
+            pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
+        stats = StepStats(step, t0, t5 - t0, t3 - t2, len(batch.prefills), batch.num_prefill_tokens,
                           len(batch.decodes), len(tokens), len(out.finished))
         if self._steps_buf is not None:
             self._steps_buf.append((
-                self.step_no, self.cfg.mode, t0, t1 - t0, (t1 - t0) - (td1 - td0), td1 - td0,
+                step, self.cfg.mode, t0, t5 - t0, (t5 - t0) - (t3 - t2), t3 - t2,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
             ))
@@ -189,6 +222,8 @@ class Engine:
 
     def close(self) -> None:
         self.pool.shutdown()
+        for s in self.streams.values():
+            s.close()
         self.sender.close()
 
     # ---- step internals ------------------------------------------------
@@ -205,7 +240,9 @@ class Engine:
         elif sample.valid_len == 0:
             self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
 
-    def _collect(self, batch: ScheduleBatch, prepared: PreparedBatch, tokens: list[int], out: StepOutput) -> None:
+    def _collect(
+        self, batch: ScheduleBatch, prepared: PreparedBatch, tokens: list[int], out: StepOutput, now: int
+    ) -> None:
         mm, rm = self.mm, self.rm
         for c in batch.prefills:
             c.req.num_prefill_chunks += 1
@@ -222,6 +259,7 @@ class Engine:
         for c, tok in zip(prepared.sampled, tokens, strict=True):
             req = c.req
             req.output_ids.append(tok)
+            req.token_ns.append(now)
             out.tokens.append((req.request_id, tok))
             if not req.first_token_ns:
                 req.first_token_ns = rm.mark(req, "first_token")
@@ -236,9 +274,32 @@ class Engine:
         self.rm.finish(req, reason)
 
     def _release(self, req: Request) -> None:
-        if req.block_table:
-            self.mm.free(req.request_id, req.block_table)
-            req.block_table = []
+        if not req.block_table:
+            return
+        ev = self.executor.last_event
+        if ev is not None:
+            # Resource fence: a block goes back to the free list only once the
+            # device work that reads it is done. In serial mode the barrier has
+            # already waited, so this is one query(); overlap modes really wait here.
+            timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
+                       signaller=f"{ev.stream}-stream", boundary=KV_FENCE, timeout_s=self.cfg.wait_timeout_s,
+                       buf=self._pb, step=self.step_no)
+        self.mm.free(req.request_id, req.block_table)
+        req.block_table = []
+
+    def _snapshot_blocks(self, step: int) -> None:
+        """A full block-table snapshot into the memory table: one row per (block, holder)."""
+        buf = self._mem_buf
+        if buf is None:
+            return
+        ts = now_ns()
+        blocks = self.mm.blocks
+        # A marker row, so an empty pool still shows up as a snapshot; ref_count carries the free count.
+        buf.append((ts, step, "snapshot_begin", -1, "", self.mm.num_free))
+        for req in self.rm.running:
+            rid = req.request_id
+            for bid in req.block_table:
+                buf.append((ts, step, "snapshot", bid, rid, blocks[bid].ref_count))
 
     def _emit_finished(self, out: StepOutput) -> None:
         for req in self.rm.drain_finished():

@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
+from probes.boundaries import SCHEDULER_BARRIER
+from probes.recorder import Row
+from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduleBatch, ScheduledChunk
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import sample
 from scheduler.model.transformer import CausalLM
 from scheduler.request import Request
+from scheduler.streams import Event, Stream
 
 
 @dataclass(slots=True)
@@ -31,12 +35,31 @@ class PreparedBatch:
 
 
 class Executor:
-    def __init__(self, model: CausalLM, kv: PagedKVCache, block_size: int, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: PagedKVCache,
+        block_size: int,
+        device: torch.device,
+        seed: int,
+        streams: dict[str, Stream],
+        registry: WaitRegistry,
+        wait_timeout_s: float,
+        probe_buf: list[Row] | None,
+        rank: int = 0,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = device
         self.seed = seed
+        self.streams = streams
+        self.registry = registry
+        self.wait_timeout_s = wait_timeout_s
+        self._buf = probe_buf
+        self._rank = rank
+        # The last submitted forward: KV blocks it reads must not be reused before it completes.
+        self.last_event: Event | None = None
 
     def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
         chunks = batch.chunks
@@ -54,7 +77,22 @@ class Executor:
             generators=[self._generator(c.req) for c in sampled],
         )
 
-    def forward(self, prepared: PreparedBatch) -> list[int]:
+    def forward(self, prepared: PreparedBatch, step: int) -> list[int]:
+        """Serial: submit to the main stream, then block on its event (the scheduler barrier)."""
+        main = self.streams["main"]
+        result: list[list[int]] = []
+        main.submit(lambda: result.append(self.run_model(prepared)), f"forward#{step}", step)
+        ev = main.record()
+        self.last_event = ev
+        timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
+                   signaller="main-stream", boundary=SCHEDULER_BARRIER, timeout_s=self.wait_timeout_s,
+                   buf=self._buf, rank=self._rank, step=step)
+        if main.error is not None:
+            raise RuntimeError(f"forward failed on the main stream: {main.error!r}") from main.error
+        return result[0]
+
+    def run_model(self, prepared: PreparedBatch) -> list[int]:
+        """Device work: the forward pass and sampling."""
         logits = self.model(prepared.forward, self.kv)
         if not prepared.sampled:
             return []

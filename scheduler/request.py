@@ -69,6 +69,7 @@ class Request:
     finish_ns: int = 0
     num_preemptions: int = 0
     num_prefill_chunks: int = 0
+    token_ns: list[int] = field(default_factory=list)  # when each output token was collected
     generator: Any = None  # torch.Generator for seeded sampling; typed Any to keep torch out of this module
 
     @property

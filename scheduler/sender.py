@@ -34,6 +34,7 @@ class FinishedRecord:
     finish_ns: int
     num_preemptions: int
     num_prefill_chunks: int
+    token_ns: list[int]
 
     @classmethod
     def of(cls, r: Request) -> FinishedRecord:
@@ -43,6 +44,7 @@ class FinishedRecord:
             r.finish_reason.value if r.finish_reason else "", r.finish_detail,
             s.arrival_ns, s.tokenized_ns, r.queued_ns, r.admitted_ns, r.first_scheduled_ns,
             r.first_token_ns, r.finish_ns, r.num_preemptions, r.num_prefill_chunks,
+            list(r.token_ns),
         )
 
 

@@ -6,14 +6,19 @@ from __future__ import annotations
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
+from probes.boundaries import TOKENIZE
 from probes.clock import now_ns
+from probes.recorder import Probes
 from scheduler.request import ReqSample, SamplingParams
 from scheduler.tokenizer import Tokenizer
 
 
 class TokenizerPool:
-    def __init__(self, tokenizer: Tokenizer | None, num_threads: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, num_threads: int, probes: Probes) -> None:
         self.tokenizer = tokenizer
+        # One buffer for all pool threads: list.append is atomic under the GIL.
+        self._buf = probes.buffer()
+        self._rank = probes.rank
         self.ready: queue.SimpleQueue[ReqSample] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenizer")
 
@@ -32,7 +37,11 @@ class TokenizerPool:
             error = ""
         except Exception as e:  # noqa: BLE001 - the request is rejected, the pool lives on
             ids, error = [], f"tokenization failed: {type(e).__name__}: {e}"
-        self.ready.put(ReqSample(request_id, ids, len(ids), params, arrival_ns, now_ns(), error))
+        t1 = now_ns()
+        if self._buf is not None:
+            # The row spans the request's whole stay in the pool (queueing + encoding).
+            self._buf.append((arrival_ns, t1 - arrival_ns, TOKENIZE, "tokenizer", self._rank, -1))
+        self.ready.put(ReqSample(request_id, ids, len(ids), params, arrival_ns, t1, error))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

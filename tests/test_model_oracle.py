@@ -107,7 +107,9 @@ def teacher_forced_check(hf: torch.nn.Module, reqs: list[Req]) -> None:
     assert checked > 0 and ties <= 0.05 * checked, f"{ties}/{checked} near-ties: check is vacuous"
 
 
-def make_reqs(vocab: int, seed: int, lengths: list[int], chunks: list[int], max_new: int) -> list[Req]:
+def make_reqs(
+    vocab: int, seed: int, lengths: list[int], chunks: list[int], max_new: int
+) -> list[Req]:
     g = torch.Generator().manual_seed(seed)
     return [
         Req(torch.randint(0, vocab, (n,), generator=g).tolist(), chunk, i, max_new)
@@ -151,19 +153,52 @@ def test_prefill_logits_match(checkpoint: Path) -> None:
     table = [5, 2, 7]
     # First 30 tokens as one chunk, then 15 chunks of one token each batched with nothing else:
     # compares the last prefill row plus 15 positions that go through the decode path.
-    got = [model(build_forward_batch([SeqChunk(ids[:30].tolist(), 0, table, True)], BLOCK, "cpu"), kv)]
+    got = [
+        model(build_forward_batch([SeqChunk(ids[:30].tolist(), 0, table, True)], BLOCK, "cpu"), kv)
+    ]
     for p in range(30, 45):
-        got.append(model(build_forward_batch([SeqChunk([int(ids[p])], p, table, True)], BLOCK, "cpu"), kv))
+        got.append(
+            model(build_forward_batch([SeqChunk([int(ids[p])], p, table, True)], BLOCK, "cpu"), kv)
+        )
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()[29:]
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_forward_batch_layout() -> None:
+    chunks = [
+        SeqChunk([10, 11, 12], 0, [4], False),  # first prefill chunk
+        SeqChunk([20], 17, [1, 0], True),  # decode at position 17 -> block 0, offset 1
+        SeqChunk([30, 31], 5, [2], True),  # last prefill chunk
+        SeqChunk([40], 0, [3], True),  # one-token prompt: decode-shaped
+    ]
+    b = build_forward_batch(chunks, 16, "cpu")
+    assert (b.num_tokens, b.num_seqs, b.num_sampled, b.num_decode) == (7, 4, 3, 2)
+    assert b.input_ids.tolist() == [20, 40, 10, 11, 12, 30, 31]  # decode rows first
+    assert b.positions.tolist() == [17, 0, 0, 1, 2, 5, 6]
+    assert b.slot_mapping.tolist() == [1, 48, 64, 65, 66, 37, 38]
+    assert b.logits_indices.tolist() == [0, 6, 1]  # chunk order of sample=True chunks
+    assert b.decode_slots is not None and b.decode_mask is not None
+    assert b.decode_slots.shape == (2, 18) and b.decode_slots[0, 16:].tolist() == [0, 1]
+    assert b.decode_mask[:, 0, 0].sum(-1).tolist() == [18, 1]
+    first, second = b.prefills
+    assert first.ctx_slots is None and first.mask is None  # start_pos 0: causal, no gather
+    assert second.ctx_slots is not None and second.ctx_slots.tolist() == list(range(32, 39))
+    assert second.mask is not None and second.mask.sum(-1).tolist() == [6, 7]
+    assert b.max_context_len == 18
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_forward_batch([SeqChunk([1, 2], 15, [0], True)], 16, "cpu")
+    with pytest.raises(ValueError, match="empty"):
+        build_forward_batch([SeqChunk([], 0, [0], True)], 16, "cpu")
 
 
 def test_sliding_window_is_exercised(ckpt_root: Path) -> None:
     path = BUILDERS["mistral"](ckpt_root / "mistral_window")
     model, cfg = load_model(path)
     assert cfg.sliding_window == 32
-    ids = torch.randint(0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(4)).tolist()
+    ids = torch.randint(
+        0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    ).tolist()
 
     def last_logits() -> torch.Tensor:
         kv = model.make_kv_cache(4, BLOCK)
@@ -176,7 +211,9 @@ def test_sliding_window_is_exercised(ckpt_root: Path) -> None:
 
 def test_copy_blocks_moves_context(checkpoint: Path) -> None:
     model, cfg = load_model(checkpoint)
-    ids = torch.randint(0, cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.randint(
+        0, cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(5)
+    ).tolist()
     kv = model.make_kv_cache(10, BLOCK)
     model(build_forward_batch([SeqChunk(ids[:35], 0, [4, 5, 6], False)], BLOCK, "cpu"), kv)
     # Overlapping move (6 -> 5 while 5 -> 2) must behave like a simultaneous copy.
@@ -184,7 +221,9 @@ def test_copy_blocks_moves_context(checkpoint: Path) -> None:
     moved = model(build_forward_batch([SeqChunk(ids[35:], 35, [9, 2, 5], True)], BLOCK, "cpu"), kv)
     ref_kv = model.make_kv_cache(10, BLOCK)
     model(build_forward_batch([SeqChunk(ids[:35], 0, [1, 3, 8], False)], BLOCK, "cpu"), ref_kv)
-    ref = model(build_forward_batch([SeqChunk(ids[35:], 35, [1, 3, 8], True)], BLOCK, "cpu"), ref_kv)
+    ref = model(
+        build_forward_batch([SeqChunk(ids[35:], 35, [1, 3, 8], True)], BLOCK, "cpu"), ref_kv
+    )
     torch.testing.assert_close(moved, ref, atol=1e-5, rtol=0)
 
 

@@ -33,6 +33,7 @@ REQUESTS = pa.schema([
     ("finish_ns", pa.int64()),
     ("num_preemptions", pa.int32()),
     ("num_prefill_chunks", pa.int32()),
+    ("token_ns", pa.list_(pa.int64())),  # when each output token left the scheduler (for ITL)
 ])
 
 TIMELINE = pa.schema([
@@ -69,7 +70,17 @@ MEMORY = pa.schema([
     ("ref_count", pa.int32()),
 ])
 
+PROBES = pa.schema([
+    ("ts_ns", pa.int64()),
+    ("dur_ns", pa.int64()),
+    ("boundary", _str),
+    ("stream", _str),
+    ("rank", pa.int32()),
+    ("step", pa.int64()),
+])
+
 TABLES: dict[str, pa.Schema] = {
+    "probes": PROBES,
     "requests": REQUESTS,
     "timeline": TIMELINE,
     "steps": STEPS,

@@ -1,8 +1,7 @@
 """The trace directory writer.
 
-Producers append plain tuples (column order of the table's schema) to a per
-table list: a list append is atomic under the GIL, so the hot path takes no
-lock. A background thread drains the lists into zstd Parquet parts at least
+Each producer (a thread, a stream worker) gets its own list per table and
+appends plain tuples in the schema's column order: no lock on the hot path. A background thread drains the lists into zstd Parquet parts at least
 once per `flush_interval_s`. Each part is written to a temporary name and
 renamed into place, so a killed run leaves only whole, readable parts.
 """
@@ -39,7 +38,8 @@ class TraceWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         for name in self.schemas:
             (self.root / name).mkdir(exist_ok=True)
-        self.buffers: dict[str, list[tuple[Any, ...]]] = {name: [] for name in self.schemas}
+        self._buffers: dict[str, list[list[tuple[Any, ...]]]] = {name: [] for name in self.schemas}
+        self._register_lock = threading.Lock()
         self._seq = {name: 0 for name in self.schemas}
         self._rows_written = {name: 0 for name in self.schemas}
         self._interval = flush_interval_s
@@ -49,8 +49,14 @@ class TraceWriter:
         self._thread.start()
 
     def buffer(self, table: str) -> list[tuple[Any, ...]]:
-        """The list to append rows to; keep a reference, it is never replaced."""
-        return self.buffers[table]
+        """A new list, owned by one producer, to append `table` rows to.
+
+        Keep the reference: it is drained in place, never replaced.
+        """
+        buf: list[tuple[Any, ...]] = []
+        with self._register_lock:
+            self._buffers[table].append(buf)
+        return buf
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_json_atomic(self.root / "meta.json", {"schema_version": SCHEMA_VERSION, **meta})
@@ -60,15 +66,18 @@ class TraceWriter:
 
     def flush(self) -> None:
         with self._flush_lock:
-            for name, buf in self.buffers.items():
-                n = len(buf)
-                if n == 0:
-                    continue
-                # Slice then delete the same prefix: rows appended meanwhile
-                # sit past n and stay for the next flush.
-                rows = buf[:n]
-                del buf[:n]
-                self._write_part(name, rows)
+            for name in self.schemas:
+                with self._register_lock:
+                    bufs = list(self._buffers[name])
+                rows: list[tuple[Any, ...]] = []
+                for buf in bufs:
+                    n = len(buf)
+                    # Slice then delete the same prefix: rows appended meanwhile
+                    # sit past n and stay for the next flush.
+                    rows += buf[:n]
+                    del buf[:n]
+                if rows:
+                    self._write_part(name, rows)
 
     def close(self) -> None:
         self._stop.set()

@@ -20,6 +20,13 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
 )
 
+# Some hand-written configs carry only model_type.
+_BY_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -79,7 +86,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else str(raw.get("model_type", "<none>"))
+        model_type = str(raw.get("model_type", "<none>"))
+        arch = archs[0] if archs else _BY_MODEL_TYPE.get(model_type, model_type)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -121,7 +129,9 @@ class ModelConfig:
         # top-level `rope_theta` + `rope_scaling`.
         rope_params = raw.get("rope_parameters") or {}
         scaling_raw = raw.get("rope_scaling") or {}
-        if "rope_layer_types" in rope_params or any(isinstance(v, dict) for v in rope_params.values()):
+        if "rope_layer_types" in rope_params or any(
+            isinstance(v, dict) for v in rope_params.values()
+        ):
             raise ModelLoadError(f"{arch}: per-layer rope_parameters are unsupported")
         rope_theta = float(rope_params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
         merged = {**scaling_raw, **rope_params}

@@ -144,7 +144,10 @@ def build_forward_batch(
         lmax = int(lens.max())
         nblk = (lmax + block_size - 1) // block_size
         bt_pad = torch.tensor(
-            [c.block_table[:nblk] + [0] * (nblk - min(nblk, len(c.block_table))) for _, c in decodes],
+            [
+                c.block_table[:nblk] + [0] * (nblk - min(nblk, len(c.block_table)))
+                for _, c in decodes
+            ],
             dtype=torch.int64,
         )
         decode_slot_host = (bt_pad[:, :, None] * block_size + torch.arange(block_size)).reshape(

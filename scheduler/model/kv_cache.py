@@ -66,7 +66,9 @@ class PagedKVCache:
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers (K and V), for sizing the pool from a budget."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return (
+            2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        )
 
     @property
     def nbytes(self) -> int:

@@ -58,7 +58,9 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
         self.ensure(max_len)
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        # index_select, not advanced indexing: the latter is several times slower on CPU.
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        return cos, self.sin.index_select(0, positions)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ def paged_attention(
     plan: AttnPlan,
 ) -> torch.Tensor:
     """q [T, H, D]; k_new/v_new [T, KVH, D] (already written to the cache) -> [T, H * D]."""
-    t, h, d = q.shape
+    _, h, d = q.shape
     kvh = k_new.shape[1]
     outs: list[torch.Tensor] = []
     nd = batch.num_decode
@@ -115,8 +117,10 @@ def paged_attention(
         # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
         # attends against [D, KVH, L, hd] with no K/V head replication.
         qd = q[:nd].reshape(nd, kvh, h // kvh, d)
-        kd = k_cache[batch.decode_slots].transpose(1, 2)
-        vd = v_cache[batch.decode_slots].transpose(1, 2)
+        flat = batch.decode_slots.view(-1)
+        ctx_shape = (nd, batch.decode_slots.shape[1], kvh, d)
+        kd = k_cache.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(ctx_shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
         outs.append(o.reshape(nd, h * d))
     for p, mask in zip(batch.prefills, plan.prefill_masks, strict=True):
@@ -124,7 +128,7 @@ def paged_attention(
         if p.ctx_slots is None:
             kp, vp = k_new[p.row_start : p.row_end], v_new[p.row_start : p.row_end]
         else:
-            kp, vp = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
+            kp, vp = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)
         kp = kp.transpose(0, 1)[None]
         vp = vp.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
@@ -137,23 +141,26 @@ def paged_attention(
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
         hs, qs, kvs, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = qs, kvs
-        self.input_layernorm = nn.Parameter(torch.empty(hs, **kw), requires_grad=False)
-        self.post_attention_layernorm = nn.Parameter(torch.empty(hs, **kw), requires_grad=False)
-        self.qkv_proj = nn.Parameter(torch.empty(qs + 2 * kvs, hs, **kw), requires_grad=False)
-        self.qkv_bias = _maybe(cfg.attention_bias, (qs + 2 * kvs,), kw)
-        self.o_proj = nn.Parameter(torch.empty(hs, qs, **kw), requires_grad=False)
-        self.o_bias = _maybe(cfg.o_proj_bias, (hs,), kw)
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hs, **kw), requires_grad=False)
-        self.gate_up_bias = _maybe(cfg.mlp_bias, (2 * inter,), kw)
-        self.down_proj = nn.Parameter(torch.empty(hs, inter, **kw), requires_grad=False)
-        self.down_bias = _maybe(cfg.mlp_bias, (hs,), kw)
+
+        def p(present: bool, *shape: int) -> nn.Parameter | None:
+            return new_param(shape, dtype, device) if present else None
+
+        self.input_layernorm = new_param((hs,), dtype, device)
+        self.post_attention_layernorm = new_param((hs,), dtype, device)
+        self.qkv_proj = new_param((qs + 2 * kvs, hs), dtype, device)
+        self.qkv_bias = p(cfg.attention_bias, qs + 2 * kvs)
+        self.o_proj = new_param((hs, qs), dtype, device)
+        self.o_bias = p(cfg.o_proj_bias, hs)
+        self.gate_up_proj = new_param((2 * inter, hs), dtype, device)
+        self.gate_up_bias = p(cfg.mlp_bias, 2 * inter)
+        self.down_proj = new_param((hs, inter), dtype, device)
+        self.down_bias = p(cfg.mlp_bias, hs)
 
     def forward(
         self,
@@ -175,10 +182,15 @@ class DecoderLayer(nn.Module):
         v_cache.index_copy_(0, batch.slot_mapping, v)
         attn = paged_attention(q, k, v, k_cache, v_cache, batch, plan)
         x = x + F.linear(attn, self.o_proj, self.o_bias)
-        gu = F.linear(rms_norm(x, self.post_attention_layernorm, self.eps), self.gate_up_proj, self.gate_up_bias)
+        gu = F.linear(
+            rms_norm(x, self.post_attention_layernorm, self.eps),
+            self.gate_up_proj,
+            self.gate_up_bias,
+        )
         gate, up = gu.chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
 
 
-def _maybe(present: bool, shape: tuple[int, ...], kw: dict) -> nn.Parameter | None:
-    return nn.Parameter(torch.empty(shape, **kw), requires_grad=False) if present else None
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """Uninitialised inference-only parameter; the loader fills it."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)

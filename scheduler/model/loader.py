@@ -121,11 +121,15 @@ def load_model(
                         name == "lm_head.weight" and cfg.tie_word_embeddings
                     ):
                         continue
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {path.name} for {cfg.architecture}")
+                    raise ModelLoadError(
+                        f"unexpected tensor {name!r} in {path.name} for {cfg.architecture}"
+                    )
                 tensor = f.get_tensor(name)
                 if shard_fn is not None:
                     tensor = shard_fn(name, tensor)
-                dest = params[target.param].data[target.row_offset : target.row_offset + target.rows]
+                dest = params[target.param].data[
+                    target.row_offset : target.row_offset + target.rows
+                ]
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ModelLoadError(
                         f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"

@@ -9,7 +9,7 @@ from torch import nn
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
-from .layers import DecoderLayer, RotaryTable, plan_attention, rms_norm
+from .layers import DecoderLayer, RotaryTable, new_param, plan_attention, rms_norm
 
 
 class CausalLM(nn.Module):
@@ -25,20 +25,15 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.cfg = cfg
         self.dtype = dtype
-        kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
-        )
+        self.embed_tokens = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, **kw), requires_grad=False)
+        self.norm = new_param((cfg.hidden_size,), dtype, device)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
-            )
+            self.lm_head = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.rope = RotaryTable(cfg.rope_inv_freq(), dtype, device)
 
     @property
@@ -63,5 +58,5 @@ class CausalLM(nn.Module):
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=x.device)
         # Norm and LM head only on rows whose logits are needed: the vocab GEMM is the single
         # largest one for small models and most prefill rows are never sampled.
-        h = rms_norm(x[batch.logits_indices], self.norm, self.cfg.rms_norm_eps)
+        h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

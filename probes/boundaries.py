@@ -1,0 +1,38 @@
+"""The names of the sync boundaries. They appear in the probes table and in
+every report; once shipped, a name never changes."""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEDULER_BARRIER: Final = "scheduler_barrier"  # host waits for the device's result of a step
+DEVICE_COMPUTE: Final = "device_compute"  # device stream busy with model work (the reference quantity)
+ALL_REDUCE: Final = "all_reduce"  # a rank waits in a collective (TP)
+BOOKKEEPING: Final = "bookkeeping"  # host updates block table, ref counts, free list, request state
+RESPONSE_SEND: Final = "response_send"  # hand-off of new tokens to the sender path
+BATCH_BROADCAST: Final = "batch_broadcast"  # rank 0 ships the batch description to other ranks
+KV_FENCE: Final = "kv_fence"  # freeing/reusing blocks waits for device work that still reads them
+TOKENIZE: Final = "tokenize"  # a request's time in the tokenizer pool
+BATCH_PREPARE: Final = "batch_prepare"  # host builds the step's device tensors (launch cost)
+STREAM_WAIT: Final = "stream_wait"  # a stream waits for an event recorded on another stream
+IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
+
+ALL: Final = (
+    SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
+    BATCH_BROADCAST, KV_FENCE, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, IDLE,
+)
+
+# The seed's judgement of each boundary (DIGEST.md, "The cost table").
+REMOVABLE: Final[dict[str, str]] = {
+    SCHEDULER_BARRIER: "partly overlappable",
+    DEVICE_COMPUTE: "not removable",
+    ALL_REDUCE: "partly overlappable",
+    BOOKKEEPING: "can run parallel to device",
+    RESPONSE_SEND: "should be async",
+    BATCH_BROADCAST: "overlappable (pipelined)",
+    KV_FENCE: "removable by deferring frees",
+    TOKENIZE: "off the scheduling thread",
+    BATCH_PREPARE: "overlappable (prepare next batch early)",
+    STREAM_WAIT: "only by removing the dependency",
+    IDLE: "no work: not a cost",
+}

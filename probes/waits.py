@@ -1,0 +1,102 @@
+"""Timed waits. Every wait in the engine goes through `timed_wait`, so a grep
+for it finds every gate, every wait has a timeout, and a registry knows at any
+moment who waits for what and for whom (the stall watchdog reads it)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+
+from probes.clock import now_ns
+from probes.recorder import Row
+
+DEFAULT_TIMEOUT_S = 5.0  # the seed's wrapper used 5 s
+
+
+class WaitTimeout(RuntimeError):
+    """A timed wait expired. str(e) names the waiter, what it waited for and who should have signalled."""
+
+    def __init__(self, wait: ActiveWait, timeout_s: float) -> None:
+        super().__init__(
+            f"{wait.waiter} waited {timeout_s:.1f} s for {wait.what} (to be signalled by {wait.signaller})"
+        )
+        self.wait = wait
+        self.timeout_s = timeout_s
+
+
+@dataclass(slots=True)
+class ActiveWait:
+    waiter: str  # thread or stream name
+    what: str  # e.g. "event main#42", "queue tokenized"
+    signaller: str  # who is expected to complete it
+    boundary: str
+    since_ns: int
+    thread_id: int
+
+
+class WaitRegistry:
+    def __init__(self) -> None:
+        self._active: dict[int, ActiveWait] = {}
+        self._ids = count()
+
+    def begin(self, w: ActiveWait) -> int:
+        k = next(self._ids)  # itertools.count is atomic under the GIL
+        self._active[k] = w
+        return k
+
+    def end(self, k: int) -> None:
+        self._active.pop(k, None)
+
+    def snapshot(self) -> list[ActiveWait]:
+        return list(self._active.values())
+
+
+def timed_wait(
+    ready: Callable[[float], bool],
+    *,
+    registry: WaitRegistry,
+    waiter: str,
+    what: str,
+    signaller: str,
+    boundary: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    buf: list[Row] | None = None,
+    stream: str = "host",
+    rank: int = 0,
+    step: int = -1,
+    raise_on_timeout: bool = True,
+) -> int:
+    """Block until `ready(slice_s)` returns True, or raise WaitTimeout.
+
+    `ready` is a blocking call with a timeout (Event.wait, Queue.get wrapper,
+    work.wait ...). The wait is registered while it lasts and recorded as one
+    probe row of `boundary`. Returns the waited nanoseconds, or -1 when the
+    timeout passed and `raise_on_timeout` is False (a poll, e.g. for arrivals).
+    """
+    t0 = now_ns()
+    if ready(0.0):  # the common case: already done, no registry traffic
+        if buf is not None:
+            buf.append((t0, now_ns() - t0, boundary, stream, rank, step))
+        return now_ns() - t0
+    w = ActiveWait(waiter, what, signaller, boundary, t0, threading.get_ident())
+    k = registry.begin(w)
+    deadline = t0 + int(timeout_s * 1e9)
+    try:
+        while True:
+            left = (deadline - now_ns()) / 1e9
+            if left <= 0:
+                if not raise_on_timeout:
+                    if buf is not None:
+                        buf.append((t0, now_ns() - t0, boundary, stream, rank, step))
+                    return -1
+                raise WaitTimeout(w, timeout_s)
+            if ready(min(left, 0.1)):
+                break
+    finally:
+        registry.end(k)
+    t1 = now_ns()
+    if buf is not None:
+        buf.append((t0, t1 - t0, boundary, stream, rank, step))
+    return t1 - t0
