@@ -192,7 +192,13 @@ class Engine:
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
             self._snapshot_blocks(step)
         if self.cfg.debug_bookkeeping_sleep_ms:
-            time.sleep(self.cfg.debug_bookkeeping_sleep_ms / 1e3)
+            # Sleep most of it (releases the GIL), spin the last 0.3 ms: a
+            # plain sleep overshoots by timer slack, and the truthfulness test
+            # needs the injected delay to be known exactly.
+            until = now_ns() + int(self.cfg.debug_bookkeeping_sleep_ms * 1e6)
+            time.sleep(max(0.0, (until - now_ns()) / 1e9 - 3e-4))
+            while now_ns() < until:
+                pass
         t4 = now_ns()
         self.sender.queue.put(out)
         t5 = now_ns()

@@ -50,7 +50,9 @@ def read_table(root: str | Path, name: str, columns: list[str] | None = None) ->
         return TABLES[name].empty_table() if columns is None else TABLES[name].empty_table().select(columns)
     try:
         dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=TABLES[name])
-        return dataset.to_table(columns=columns)
+        # Each part carries its own dictionary for string columns; unify so
+        # group-bys and dictionary codes work across parts.
+        return dataset.to_table(columns=columns).unify_dictionaries()
     except (pa.ArrowInvalid, OSError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TraceError(f"corrupt {name}/ table in {root}: {first}") from None

@@ -79,10 +79,26 @@ PROBES = pa.schema([
     ("step", pa.int64()),
 ])
 
+# One row per OpenTelemetry span (tracing/otel.py): an `llm_request` root per
+# request and a child per lifecycle stage. Times are the trace's monotonic clock
+# (converted back from the wall clock OTel spans carry); attributes is JSON.
+SPANS = pa.schema([
+    ("trace_id", pa.string()),  # 32 hex digits
+    ("span_id", pa.string()),  # 16 hex digits
+    ("parent_span_id", pa.string()),  # "" for a root span
+    ("name", _str),
+    ("request_id", pa.string()),
+    ("start_ns", pa.int64()),
+    ("end_ns", pa.int64()),
+    ("dur_ns", pa.int64()),
+    ("attributes", pa.string()),  # JSON object of the span's attributes
+])
+
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,
     "requests": REQUESTS,
     "timeline": TIMELINE,
     "steps": STEPS,
     "memory": MEMORY,
+    "spans": SPANS,
 }

@@ -63,7 +63,12 @@ def run(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     device_threads: Annotated[int, typer.Option(help="CPU intra-op threads for the model (0 = cores - 1).")] = 0,
     save_workload: Annotated[Path | None, typer.Option(help="Also write the workload that ran as JSONL.")] = None,
+    no_probes: Annotated[bool, typer.Option("--no-probes", help="No probes/memory tables (requests stay).")] = False,
+    wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
+    snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
+    debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace[otlp].")] = None,
 ) -> None:
     """Run a workload through the reference engine and write a trace."""
     from viewer.run_command import RunArgs, execute_run
@@ -74,9 +79,32 @@ def run(
         out=out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S"), mode=mode,
         prefill_chunk=prefill_chunk, block_size=block_size, kv_blocks=kv_blocks, kv_bytes=kv_bytes,
         max_running=max_running, prefix_sharing=not no_prefix_sharing, device=device,
-        device_threads=device_threads, save_workload=save_workload, quiet=quiet,
+        device_threads=device_threads, save_workload=save_workload, quiet=quiet, probes=not no_probes,
+        wait_timeout=wait_timeout, snapshot_every=snapshot_every,
+        debug_bookkeeping_sleep_ms=debug_bookkeeping_sleep_ms, otlp_endpoint=otlp_endpoint,
     )
     execute_run(args, console, fail)
+
+
+@app.command()
+def report(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+) -> None:
+    """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage."""
+    import json
+
+    from tracing.reader import TraceError
+    from viewer.report import build_report, render_report
+
+    try:
+        rep = build_report(trace)
+    except TraceError as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps(rep, indent=2))
+    else:
+        render_report(console, rep)
 
 
 def main() -> None:

@@ -9,10 +9,8 @@ from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from tracing.reader import read_table
-from viewer.summary import RunSummary, summarize_requests
+from viewer.report import build_report, render_report
 
 
 @dataclass(slots=True)
@@ -37,6 +35,11 @@ class RunArgs:
     device_threads: int
     save_workload: Path | None
     quiet: bool
+    otlp_endpoint: str | None = None
+    probes: bool = True
+    wait_timeout: float = 5.0
+    snapshot_every: int = 50
+    debug_bookkeeping_sleep_ms: float = 0.0
 
 
 class _ProgressSink:
@@ -61,7 +64,9 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             model=args.model, mode=args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
             kv_bytes=parse_size(args.kv_bytes) if args.kv_bytes else None, prefill_chunk=args.prefill_chunk,
             max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
-            device_threads=args.device_threads, seed=args.seed,
+            device_threads=args.device_threads, seed=args.seed, probes=args.probes,
+            wait_timeout_s=args.wait_timeout, snapshot_every=args.snapshot_every,
+            debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms,
         )
         cfg.validate()
         model_dir = resolve_model(args.model)
@@ -69,10 +74,18 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         fail(str(e))
     if args.out.exists() and any(args.out.iterdir()):
         fail(f"output folder {args.out} is not empty; choose another --out")
+    if args.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
+        from tracing.otel import OtlpUnavailableError, otlp_exporter
+        try:
+            otlp_exporter(args.otlp_endpoint)
+        except OtlpUnavailableError as e:
+            fail(str(e))
 
+    from probes.clock import wall_anchor
     from scheduler.engine import Engine
     from scheduler.model.config import ModelConfig
     from scheduler.runner import TraceRequestsSink, run_meta, run_workload
+    from tracing.otel import SpanSink
     from tracing.writer import TraceWriter
 
     try:
@@ -92,12 +105,14 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         save_workload(items, args.save_workload)
 
     writer = TraceWriter(args.out)
+    span_sink = SpanSink(writer, wall_anchor(), args.otlp_endpoint)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
     task = progress.add_task(f"{args.mode} run", total=len(items))
     try:
         try:
-            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), _ProgressSink(progress, task)], trace=writer)
+            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), span_sink, _ProgressSink(progress, task)],
+                            trace=writer)
         except (ModelLoadError, ConfigError) as e:
             fail(str(e))
         writer.write_meta(run_meta(engine, items, source))
@@ -110,23 +125,8 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
         writer.write_meta(meta)
     finally:
+        span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
         writer.close()
 
-    summary = summarize_requests(read_table(args.out, "requests"))
-    print_summary(console, summary, args.out)
-
-
-def print_summary(console: Console, s: RunSummary, out: Path) -> None:
-    t = Table(title="run summary", show_header=True, header_style="bold")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_row("requests", f"{s.requests}  ({', '.join(f'{k}: {v}' for k, v in sorted(s.finish_reasons.items()))})")
-    t.add_row("prompt / output tokens", f"{s.prompt_tokens} / {s.output_tokens}")
-    t.add_row("prefix-cache hit tokens", str(s.cached_prefix_tokens))
-    t.add_row("preemptions", str(s.preemptions))
-    t.add_row("wall time", f"{s.wall_s:.2f} s")
-    t.add_row("output throughput", f"{s.output_tok_per_s:.1f} tok/s")
-    for name, lat in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("E2E", s.e2e_ms)):
-        t.add_row(f"{name} p50 / p90 / p99", f"{lat.p50:.1f} / {lat.p90:.1f} / {lat.p99:.1f} ms")
-    console.print(t)
-    console.print(f"trace written to [bold]{out}[/]")
+    render_report(console, build_report(args.out))
+    console.print(f"trace written to [bold]{args.out}[/]")

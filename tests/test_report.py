@@ -1,0 +1,138 @@
+"""`mstrace report`: every table written, shares that add up, a truthful
+bookkeeping row, a SIGKILLed run still readable, and bad traces refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cli import REPO, mstrace
+from tracing.reader import read_table
+
+CORE = {"scheduler_barrier", "device_compute", "bookkeeping", "response_send", "kv_fence", "tokenize",
+        "batch_prepare"}
+
+
+def report_json(path):
+    p = mstrace("report", str(path), "--json")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def rows(rep):
+    return {b["boundary"]: b for b in rep["boundaries"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("r") / "t"
+    p = mstrace("run", "--model", "tiny", "--requests", "32", "--out", str(out), "-q", "--snapshot-every", "5")
+    assert p.returncode == 0, p.stderr
+    assert "sync-cost table" in p.stdout  # run prints the report
+    return out
+
+
+def test_every_table_written_and_non_empty(tiny_trace):
+    for t in ("requests", "timeline", "steps", "probes", "memory", "spans"):
+        try:
+            n = read_table(tiny_trace, t).num_rows
+        except Exception as e:  # spans arrive with the OpenTelemetry sink
+            pytest.skip(f"{t}: {e}") if t == "spans" else pytest.fail(str(e))
+        assert n > 0, t
+    mem = read_table(tiny_trace, "memory").to_pydict()
+    assert "snapshot_begin" in mem["kind"] and "snapshot" in mem["kind"]
+
+
+def test_report_lists_core_boundaries_and_shares_add_up(tiny_trace):
+    rep = report_json(tiny_trace)
+    got = rows(rep)
+    assert CORE <= set(got)
+    shares = sum(b["share"] or 0 for b in rep["boundaries"])
+    assert abs(shares - 1) <= 0.02
+    assert rep["cycle_ms"] > 0 and rep["cycles"] > 0
+    # cycles + idle reconcile with the wall time
+    assert rep["cycle_total_s"] + rep["idle_s"] == pytest.approx(rep["wall_s"], rel=1e-6)
+    assert got["device_compute"]["share"] > 0.2
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert rep["latency"][k]["p50"] > 0
+    assert rep["throughput"]["output_tok_per_s"] > 0 and rep["kv"]["peak_blocks"] > 0
+
+
+def test_bookkeeping_row_is_truthful(tmp_path):
+    common = ["run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-64", "--output-len", "24-24",
+              "--shared-prefix", "0", "-q"]
+    base = mstrace(*common, "--out", str(tmp_path / "a"))
+    slow = mstrace(*common, "--out", str(tmp_path / "b"), "--debug-bookkeeping-sleep-ms", "2")
+    assert base.returncode == 0 and slow.returncode == 0, base.stderr + slow.stderr
+    a, b = rows(report_json(tmp_path / "a")), rows(report_json(tmp_path / "b"))
+    delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
+    assert delta == pytest.approx(2.0, rel=0.10), delta
+    for name in ("device_compute", "batch_prepare", "response_send"):
+        # absolute: the rows must not absorb the injected 2 ms (the machine is shared and noisy)
+        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=0.6), name
+
+
+def test_no_probes_keeps_requests(tmp_path):
+    out = tmp_path / "np"
+    p = mstrace("run", "--model", "tiny", "--requests", "6", "--no-probes", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    assert read_table(out, "requests").num_rows == 6
+    assert read_table(out, "probes").num_rows == 0 and read_table(out, "memory").num_rows == 0
+    assert "no-probes" in mstrace("report", str(out)).stdout
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_a_readable_trace(tmp_path):
+    out = tmp_path / "k"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests", "400", "--output-len",
+         "200-400", "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if len(list((out / "steps").glob("part-*.parquet"))) >= 2 and \
+                    list((out / "requests").glob("part-*.parquet")):
+                break
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        else:
+            pytest.fail("run never flushed")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    rep = report_json(out)
+    assert rep["cycles"] > 0 and rep["throughput"]["requests"] > 0
+    assert rep["throughput"]["requests"] < 400  # it really died mid-run
+
+
+def test_missing_trace(tmp_path):
+    p = mstrace("report", str(tmp_path / "nope"))
+    assert p.returncode == 2 and "trace not found" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_truncated_part_and_wrong_schema(tiny_trace, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_trace, bad)
+    part = sorted((bad / "probes").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    p = mstrace("report", str(bad))
+    assert p.returncode == 2 and "corrupt probes" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_trace, old)
+    meta = json.loads((old / "meta.json").read_text())
+    meta["schema_version"] = 99
+    (old / "meta.json").write_text(json.dumps(meta))
+    p = mstrace("report", str(old))
+    assert p.returncode == 2 and "schema_version 99" in p.stderr and len(p.stderr.strip().splitlines()) == 1

@@ -1,0 +1,190 @@
+"""The sync-cost table: where each scheduling cycle's time goes.
+
+Device-view attribution (docs/report.md). A cycle is one scheduling round,
+from its start to the next round's start, minus any time the engine sat idle
+with no work. Over each cycle the device is either
+  * computing (the union of device_compute intervals on any stream), or
+  * idle while the scheduling thread is inside one of the host boundaries
+    (bookkeeping, batch_prepare, response_send, kv_fence, batch_broadcast,
+    and the host-side wait of all_reduce), or
+  * idle otherwise: the scheduler barrier, plus launch and Python overhead.
+These shares add up to 100% of cycle time by construction, so the table
+reconciles with the measured wall time. For each boundary we also report its
+raw time and the fraction of it hidden under device compute: overlap
+scheduling moves time from exposed to hidden, which `diff` shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from probes import boundaries as B
+
+# Boundaries that run on the scheduling thread, one at a time: their
+# device-idle parts are disjoint, so they partition the idle time exactly.
+HOST_EXCLUSIVE = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.KV_FENCE, B.BATCH_BROADCAST, B.ALL_REDUCE)
+# Off the scheduling thread (tokenizer pool) or on a stream: informational rows.
+CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT)
+ORDER = (B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND,
+         B.KV_FENCE, B.BATCH_BROADCAST, B.TOKENIZE, B.STREAM_WAIT, B.DEVICE_COMPUTE)
+
+
+@dataclass(slots=True)
+class BoundaryCost:
+    boundary: str
+    mean_ms: float  # raw time per cycle
+    count: int
+    share: float | None  # exposed (device-idle) share of cycle time; None: not on the critical path
+    hidden: float | None  # fraction of raw time overlapped by device compute
+    removable: str
+
+
+@dataclass(slots=True)
+class CostTable:
+    cycles: int
+    cycle_ms: float  # mean cycle length
+    cycle_total_s: float
+    idle_s: float  # engine had no work (excluded from cycles)
+    wall_s: float  # first cycle start .. last cycle end
+    device_busy: float  # share of cycle time the device computes
+    boundaries: list[BoundaryCost] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def share_sum(self) -> float:
+        return sum(b.share or 0.0 for b in self.boundaries)
+
+
+class _Coverage:
+    """Prefix sums over the merged device-busy intervals: covered(a, b) = busy time in [a, b)."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        if len(starts):
+            order = np.argsort(starts, kind="stable")
+            s, e = starts[order], ends[order]
+            # merge overlapping intervals (two streams busy at once count once)
+            run_end = np.maximum.accumulate(e)
+            new = np.empty(len(s), dtype=bool)
+            new[0] = True
+            new[1:] = s[1:] > run_end[:-1]
+            grp = np.cumsum(new) - 1
+            ms = s[new]
+            me = np.zeros(len(ms), dtype=np.int64)
+            np.maximum.at(me, grp, run_end)
+        else:
+            ms = me = np.zeros(0, dtype=np.int64)
+        self.s, self.e = ms, me
+        self.cum = np.concatenate([[0], np.cumsum(me - ms)])
+
+    def before(self, x: np.ndarray) -> np.ndarray:
+        if len(self.s) == 0:
+            return np.zeros(len(x), dtype=np.int64)
+        i = np.searchsorted(self.s, x, side="right") - 1
+        ic = np.clip(i, 0, None)
+        part = np.clip(x - self.s[ic], 0, self.e[ic] - self.s[ic])
+        return np.where(i >= 0, self.cum[ic] + part, 0)
+
+    def covered(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.before(b) - self.before(a)
+
+
+def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    return arr.indices.to_numpy(zero_copy_only=False), arr.dictionary.to_pylist()
+
+
+def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> CostTable:
+    """Pure function from the probes and steps tables to the cost table."""
+    st = steps.sort_by("ts_ns")
+    S = st["ts_ns"].to_numpy()
+    D = st["dur_ns"].to_numpy()
+    n = len(S)
+    if n == 0:
+        return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
+    E = np.empty(n, dtype=np.int64)
+    E[:-1] = S[1:]
+    E[-1] = S[-1] + D[-1]
+
+    if rank is not None and probes.num_rows:
+        probes = probes.filter(pc.equal(probes["rank"], rank))
+    codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
+    ts = probes["ts_ns"].to_numpy()
+    dur = probes["dur_ns"].to_numpy()
+    code = {name: i for i, name in enumerate(names)}
+
+    def rows(name: str) -> np.ndarray:
+        return codes == code[name] if name in code else np.zeros(len(codes), dtype=bool)
+
+    dev = rows(B.DEVICE_COMPUTE)
+    cov = _Coverage(ts[dev], ts[dev] + dur[dev])
+
+    def cycle_of(t: np.ndarray) -> np.ndarray:
+        return np.clip(np.searchsorted(S, t, side="right") - 1, 0, n - 1)
+
+    def in_cycles(t: np.ndarray) -> np.ndarray:
+        return (t >= S[0]) & (t < E[-1])
+
+    # idle time (no work) comes off the cycle length
+    idle_m = rows(B.IDLE)
+    idle_ts, idle_end = ts[idle_m], ts[idle_m] + dur[idle_m]
+    cycle_len = (E - S).astype(np.float64)
+    idle_total = 0.0
+    if idle_m.any():
+        keep = in_cycles(idle_ts)
+        idle_per = np.bincount(cycle_of(idle_ts[keep]), weights=(idle_end - idle_ts)[keep], minlength=n)
+        cycle_len -= idle_per
+        idle_total = float(idle_per.sum())
+    dev_per = cov.covered(S, E).astype(np.float64)
+    total = float(cycle_len.sum())
+
+    out: list[BoundaryCost] = []
+    exposed_sum = np.zeros(n)
+    raw: dict[str, tuple[float, int, float, float | None]] = {}
+    for name in HOST_EXCLUSIVE + CONCURRENT:
+        m = rows(name)
+        if not m.any():
+            continue
+        a, d = ts[m], dur[m]
+        hid = cov.covered(a, a + d).astype(np.float64)
+        exposed = d - hid
+        keep = in_cycles(a)
+        share: float | None = None
+        if name in HOST_EXCLUSIVE:
+            per = np.bincount(cycle_of(a[keep]), weights=exposed[keep], minlength=n)
+            exposed_sum += per
+            share = float(per.sum()) / total if total else 0.0
+        rsum = float(d.sum())
+        raw[name] = (rsum, int(m.sum()), float(hid.sum()) / rsum if rsum else 0.0, share)
+
+    barrier_m = rows(B.SCHEDULER_BARRIER)
+    b_raw = float(dur[barrier_m].sum())
+    b_exposed = float((cycle_len - dev_per - exposed_sum).sum())
+    b_hidden = float(cov.covered(ts[barrier_m], ts[barrier_m] + dur[barrier_m]).sum()) / b_raw if b_raw else None
+    for name in ORDER:
+        if name == B.SCHEDULER_BARRIER:
+            out.append(BoundaryCost(name, b_raw / n / 1e6, int(barrier_m.sum()),
+                                    b_exposed / total if total else 0.0, b_hidden, B.REMOVABLE[name]))
+        elif name == B.DEVICE_COMPUTE:
+            out.append(BoundaryCost(name, float(dev_per.sum()) / n / 1e6, int(dev.sum()),
+                                    float(dev_per.sum()) / total if total else 0.0, None, B.REMOVABLE[name]))
+        elif name in raw:
+            rsum, cnt, hidden, share = raw[name]
+            out.append(BoundaryCost(name, rsum / n / 1e6, cnt, share, hidden, B.REMOVABLE[name]))
+    return CostTable(
+        cycles=n,
+        cycle_ms=total / n / 1e6,
+        cycle_total_s=total / 1e9,
+        idle_s=idle_total / 1e9,
+        wall_s=float(E[-1] - S[0]) / 1e9,
+        device_busy=float(dev_per.sum()) / total if total else 0.0,
+        boundaries=out,
+    )

@@ -1,0 +1,147 @@
+"""`mstrace report`: assemble the analyses for one trace and render them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.table import Table
+
+from tracing.reader import read_meta, read_table
+from viewer.analysis.cost import CostTable, cost_table
+from viewer.analysis.kv import kv_usage
+from viewer.analysis.serving import Dist, serving_metrics
+
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]
+
+
+def build_report(root: str | Path) -> dict[str, Any]:
+    """Everything `report` shows, as plain data (what --json prints)."""
+    meta = read_meta(root)
+    probes = read_table(root, "probes", PROBE_COLUMNS)
+    steps = read_table(root, "steps")
+    requests = read_table(root, "requests")
+    cost = cost_table(probes, steps)
+    serving = serving_metrics(requests)
+    kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
+    rep: dict[str, Any] = {
+        "trace": str(root),
+        "model": meta.get("model", {}).get("name"),
+        "mode": meta.get("config", {}).get("mode"),
+        "workload_digest": meta.get("workload", {}).get("digest"),
+        "probes": meta.get("config", {}).get("probes", True),
+        **_cost_dict(cost),
+        "throughput": {
+            "requests": serving.requests,
+            "completed": serving.completed,
+            "finish_reasons": serving.finish_reasons,
+            "duration_s": serving.duration_s,
+            "request_per_s": serving.request_per_s,
+            "input_tok_per_s": serving.input_tok_per_s,
+            "output_tok_per_s": serving.output_tok_per_s,
+            "input_tokens": serving.input_tokens,
+            "output_tokens": serving.output_tokens,
+            "preemptions": serving.preemptions,
+        },
+        "latency": {k: _dist(getattr(serving, k)) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
+        "kv": kv.to_dict(),
+    }
+    modes = pc.unique(steps["mode"]).to_pylist() if steps.num_rows else []
+    if len(modes) > 1:
+        rep["per_mode"] = {
+            str(m): _cost_dict(cost_table(probes, steps.filter(pc.equal(steps["mode"], m)))) for m in modes
+        }
+    ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows else []
+    if len(ranks) > 1:
+        rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r)) for r in sorted(ranks)}
+    return rep
+
+
+def _cost_dict(c: CostTable) -> dict[str, Any]:
+    return {
+        "cycles": c.cycles,
+        "cycle_ms": c.cycle_ms,
+        "cycle_total_s": c.cycle_total_s,
+        "idle_s": c.idle_s,
+        "wall_s": c.wall_s,
+        "device_busy": c.device_busy,
+        "share_sum": c.share_sum,
+        "boundaries": [
+            {"boundary": b.boundary, "mean_ms": b.mean_ms, "count": b.count, "share": b.share,
+             "hidden": b.hidden, "removable": b.removable}
+            for b in c.boundaries
+        ],
+    }
+
+
+def _dist(d: Dist) -> dict[str, float | int | None]:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in (("mean", d.mean), ("p50", d.p50), ("p90", d.p90), ("p99", d.p99), ("count", d.count))}
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | int | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
+    t = Table(title=title, header_style="bold", title_justify="left")
+    t.add_column("boundary", no_wrap=True)
+    t.add_column("ms/cycle", justify="right")
+    t.add_column("count", justify="right")
+    t.add_column("exposed", justify="right")
+    t.add_column("hidden", justify="right")
+    t.add_column("removable?", no_wrap=True)
+    for b in c["boundaries"]:
+        t.add_row(b["boundary"], _ms(b["mean_ms"]), str(b["count"]), _pct(b["share"]), _pct(b["hidden"]),
+                  b["removable"])
+    t.add_section()
+    t.add_row("cycle", _ms(c["cycle_ms"]), str(c["cycles"]), _pct(c["share_sum"]), "", "")
+    console.print(t)
+    console.print(
+        f"wall {c['wall_s']:.2f} s = {c['cycle_total_s']:.2f} s in {c['cycles']} cycles "
+        f"+ {c['idle_s']:.2f} s idle (no work); device busy {_pct(c['device_busy'])} of cycle time",
+        highlight=False,
+    )
+
+
+def render_report(console: Console, rep: dict[str, Any]) -> None:
+    console.print(f"[bold]{rep['trace']}[/]  model={rep['model']}  mode={rep['mode']}", highlight=False)
+    if not rep["probes"]:
+        console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
+    else:
+        render_cost(console, rep, "sync-cost table (device view; exposed shares sum to the cycle)")
+    for m, c in rep.get("per_mode", {}).items():
+        render_cost(console, c, f"mode {m}")
+    for r, c in rep.get("per_rank", {}).items():
+        render_cost(console, c, f"rank {r}")
+
+    tp = rep["throughput"]
+    t = Table(title="throughput and latency", header_style="bold", title_justify="left")
+    t.add_column("metric")
+    for col in ("mean", "p50", "p90", "p99"):
+        t.add_column(col, justify="right")
+    for name, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
+        d = rep["latency"][name]
+        t.add_row(label, *(_ms(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    console.print(t)
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(tp["finish_reasons"].items()))
+    console.print(
+        f"{tp['completed']}/{tp['requests']} requests ({reasons}) in {tp['duration_s']:.2f} s: "
+        f"{tp['input_tok_per_s']:.1f} input tok/s, {tp['output_tok_per_s']:.1f} output tok/s, "
+        f"{tp['request_per_s']:.2f} req/s; {tp['preemptions']} preemptions",
+        highlight=False,
+    )
+    kv = rep["kv"]
+    console.print(
+        f"KV: peak {kv['peak_blocks']}/{kv['num_blocks']} blocks ({_pct(kv['peak_occupancy'])}), "
+        f"mean occupancy {_pct(kv['mean_occupancy'])}, prefix-sharing hit rate {_pct(kv['prefix_hit_rate'])} "
+        f"({kv['prefix_hit_tokens']} of {kv['prompt_tokens']} prompt tokens)",
+        highlight=False,
+    )
