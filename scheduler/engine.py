@@ -13,6 +13,7 @@ Steps 1-3 live in policy.py, step 4 in executor.py, step 5 here.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -101,6 +102,10 @@ class Engine:
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks))
         self._steps_buf = trace.buffer("steps") if trace else None
+        # Everything allocated so far (weights, KV pool, tables) is long-lived:
+        # freezing it keeps the cyclic GC from rescanning it while probe
+        # tuples churn through generation 0 (the same move SGLang makes).
+        gc.freeze()
         self.step_no = 0
         self._ids = itertools.count()
         self._submit_lock = threading.Lock()

@@ -15,15 +15,19 @@ from viewer.analysis.cost import CostTable, cost_table
 from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, serving_metrics
 
+# Only what the analyses read: a long trace's requests table is mostly token lists.
 PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]
+STEP_COLUMNS = ["step", "mode", "ts_ns", "dur_ns", "blocks_used"]
+REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len", "token_ns",
+                   "finish_reason", "num_preemptions", "cached_prefix_len"]
 
 
 def build_report(root: str | Path) -> dict[str, Any]:
     """Everything `report` shows, as plain data (what --json prints)."""
     meta = read_meta(root)
     probes = read_table(root, "probes", PROBE_COLUMNS)
-    steps = read_table(root, "steps")
-    requests = read_table(root, "requests")
+    steps = read_table(root, "steps", STEP_COLUMNS)
+    requests = read_table(root, "requests", REQUEST_COLUMNS)
     cost = cost_table(probes, steps)
     serving = serving_metrics(requests)
     kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))

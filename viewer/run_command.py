@@ -75,11 +75,13 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
     if args.out.exists() and any(args.out.iterdir()):
         fail(f"output folder {args.out} is not empty; choose another --out")
     if args.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
+        from rich.markup import escape
+
         from tracing.otel import OtlpUnavailableError, otlp_exporter
         try:
             otlp_exporter(args.otlp_endpoint)
         except OtlpUnavailableError as e:
-            fail(str(e))
+            fail(escape(str(e)))  # escaped: "mstrace[otlp]" is not rich markup
 
     from probes.clock import wall_anchor
     from scheduler.engine import Engine

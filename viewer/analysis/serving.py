@@ -25,12 +25,20 @@ class Dist:
     count: int
 
     @classmethod
-    def of(cls, xs: np.ndarray) -> Dist:
-        if len(xs) == 0:
+    def of(cls, xs: np.ndarray, scale: float = 1.0) -> Dist:
+        """Exact linear-interpolated percentiles; partitions `xs` in place (no copy)."""
+        n = len(xs)
+        if n == 0:
             nan = float("nan")
             return cls(nan, nan, nan, nan, 0)
-        p50, p90, p99 = np.percentile(xs, [50, 90, 99])
-        return cls(float(xs.mean()), float(p50), float(p90), float(p99), len(xs))
+        pos = [(n - 1) * q / 100 for q in (50, 90, 99)]
+        kth = sorted({int(p) for p in pos} | {min(int(p) + 1, n - 1) for p in pos})
+        xs.partition(kth)
+        vals = []
+        for p in pos:
+            lo, hi = int(p), min(int(p) + 1, n - 1)
+            vals.append((float(xs[lo]) + (float(xs[hi]) - float(xs[lo])) * (p - lo)) * scale)
+        return cls(float(xs.mean()) * scale, vals[0], vals[1], vals[2], n)
 
 
 @dataclass(slots=True)
@@ -70,11 +78,7 @@ def serving_metrics(requests: pa.Table) -> Serving:
     e2e = (finish[served] - arrival[served]) / 1e6
     multi = served & (out_len > 1)
     tpot = (finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1)
-    tok = requests["token_ns"].combine_chunks() if n else pa.array([], pa.list_(pa.int64()))
-    flat = pc.list_flatten(tok).to_numpy() if n else np.zeros(0, np.int64)
-    parent = pc.list_parent_indices(tok).to_numpy() if n else np.zeros(0, np.int64)
-    same = parent[1:] == parent[:-1]
-    itl = np.diff(flat)[same] / 1e6
+    itl = _inter_token_ns(requests["token_ns"])
     out_tok = int(out_len[served].sum())
     in_tok = int(in_len[served].sum())
     return Serving(
@@ -89,7 +93,31 @@ def serving_metrics(requests: pa.Table) -> Serving:
         output_tok_per_s=out_tok / duration if duration else 0.0,
         ttft_ms=Dist.of(ttft),
         tpot_ms=Dist.of(tpot),
-        itl_ms=Dist.of(itl),
+        itl_ms=Dist.of(itl, 1e-6),
         e2e_ms=Dist.of(e2e),
         preemptions=int(pc.sum(requests["num_preemptions"]).as_py() or 0) if n else 0,
     )
+
+
+def _inter_token_ns(col: pa.ChunkedArray) -> np.ndarray:
+    """Gaps between consecutive tokens of each request, pooled, as int64 ns.
+
+    Works chunk by chunk on the list offsets (no parent-index array), because
+    a long trace holds tens of millions of token timestamps.
+    """
+    parts = []
+    for chunk in col.chunks:
+        offsets = chunk.offsets.to_numpy()
+        if len(offsets) < 2:
+            continue
+        flat = chunk.values.to_numpy()[offsets[0] : offsets[-1]]
+        if len(flat) < 2:
+            continue
+        d = np.diff(flat)
+        # drop the gap from one request's last token to the next request's first
+        cut = offsets[1:-1] - offsets[0] - 1
+        cut = cut[(cut >= 0) & (cut < len(d))]
+        keep = np.ones(len(d), dtype=bool)
+        keep[cut] = False
+        parts.append(d[keep])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
