@@ -24,7 +24,7 @@ from probes.waits import WaitRegistry, timed_wait
 
 def empty(n: int) -> int:
     t = time.perf_counter_ns()
-    for i in range(n):
+    for _ in range(n):
         pass
     return time.perf_counter_ns() - t
 

@@ -187,6 +187,9 @@ class Engine:
             if out.finished:
                 self.sender.queue.put(out)
             return None
+        for c in batch.prefills:
+            if not c.req.first_scheduled_ns:
+                c.req.first_scheduled_ns = self.rm.mark(c.req, "first_scheduled")
         t1 = now_ns()
         prepared = self.executor.prepare(batch)  # step 4
         t2 = now_ns()
@@ -260,8 +263,6 @@ class Engine:
             rm.mark(c.req, "prefill_chunk", c.num_tokens)
         for c in batch.chunks:
             req = c.req
-            if not req.first_scheduled_ns:
-                req.first_scheduled_ns = rm.mark(req, "first_scheduled")
             req.num_computed += c.num_tokens
             if req.num_computed // mm.block_size > req.num_hashed_blocks:
                 req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 NO_HASH = -1
 
 
-class BlockState(str, Enum):
+class BlockState(StrEnum):
     FREE = "free"
     ALLOCATED = "allocated"
     REFERENCED = "referenced"

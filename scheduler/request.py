@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
@@ -33,13 +33,13 @@ class ReqSample:
     error: str = ""  # set when tokenization failed; the scheduler rejects the request
 
 
-class RequestStatus(str, Enum):
+class RequestStatus(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     EOS = "eos"
     LENGTH = "length"
     ABORTED = "aborted"

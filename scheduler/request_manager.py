@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 
 from probes.clock import now_ns
-from scheduler.request import FinishReason, Request, RequestStatus, ReqSample
+from scheduler.request import FinishReason, ReqSample, Request, RequestStatus
 
 # (ts_ns, request_id, stage, step, value): the trace's timeline table.
 TimelineSink = Callable[[int, str, str, int, int], None]
@@ -46,7 +46,9 @@ class RequestManager:
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
-        req.admitted_ns = self.mark(req, "got_blocks", len(req.block_table))
+        t = self.mark(req, "got_blocks", len(req.block_table))
+        # The request-level timestamp keeps the first admission; the timeline keeps every one.
+        req.admitted_ns = req.admitted_ns or t
         self.running.append(req)
 
     def preempt(self, req: Request) -> None:

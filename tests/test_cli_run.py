@@ -17,7 +17,7 @@ def test_run_tiny_writes_a_readable_trace(tmp_path):
     p = mstrace("run", "--model", "tiny", "--requests", "12", "--prompt-len", "8-80", "--output-len", "4-24",
                 "--prefill-chunk", "64", "--shared-prefix", "0.5", "--out", str(out), "-q")
     assert p.returncode == 0, p.stderr
-    assert "run summary" in p.stdout
+    assert "sync-cost table" in p.stdout and "throughput and latency" in p.stdout
     meta = read_meta(out)
     assert meta["config"]["mode"] == "serial" and meta["workload"]["requests"] == 12
     assert len(meta["workload"]["digest"]) == 64 and meta["run"]["steps"] > 0

@@ -73,7 +73,7 @@ def test_prefill_blocks_are_ceil_of_prompt():
 
 def test_chunked_prefill_splits_long_prompt_and_decodes_run_between_chunks():
     rm, mm, policy, _ = make(num_blocks=32, block_size=4, chunk=8)
-    short = add(rm, "short", 3, max_new=10)
+    add(rm, "short", 3, max_new=10)
     b1 = run_round(rm, mm, policy, 1)
     assert [(c.req.request_id, c.num_tokens, c.sample) for c in b1.prefills] == [("short", 3, True)]
     long = add(rm, "long", 20, max_new=2)
@@ -101,7 +101,7 @@ def test_prefill_budget_is_shared_across_requests():
 def test_prompt_that_never_fits_is_rejected_and_run_continues():
     rm, mm, policy, _ = make(num_blocks=4, block_size=4)
     big = add(rm, "big", 30)
-    ok = add(rm, "ok", 3)
+    add(rm, "ok", 3)
     b = policy.schedule(1)
     assert big.finish_reason is FinishReason.REJECTED and "KV pool has 4" in big.finish_detail
     assert [c.req.request_id for c in b.prefills] == ["ok"]

@@ -110,9 +110,9 @@ def unix_to_mono(ns: int, anchor: ClockAnchor) -> int:
 
 def _queue_end(r: FinishedRequest) -> int:
     # admitted_ns is re-stamped on every re-admission after a preemption, so for
-    # a preempted request it can lie past its first round. The first admission
-    # happened in the round that first scheduled it, so cap the queue stage there
-    # (vLLM's time_in_queue likewise ends at the first scheduling).
+    # a preempted request it can lie past its first round. Its first admission
+    # was in the round that stamped first_scheduled_ns, so cap the queue stage
+    # there (vLLM's time_in_queue likewise ends at the first scheduling).
     if r.first_scheduled_ns and (not r.admitted_ns or r.admitted_ns > r.first_scheduled_ns):
         return r.first_scheduled_ns
     return r.admitted_ns
@@ -295,10 +295,6 @@ class SpanSink:
             self._provider.add_span_processor(BatchSpanProcessor(otlp))
         self._tracer = self._provider.get_tracer("mstrace")
         self._closed = False
-
-    @property
-    def tracer(self) -> Tracer:
-        return self._tracer
 
     def on_text(self, request_id: str, text: str) -> None:
         pass

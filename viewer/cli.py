@@ -68,7 +68,7 @@ def run(
     snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
     debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace[otlp].")] = None,
+    otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace\\[otlp].")] = None,
 ) -> None:
     """Run a workload through the reference engine and write a trace."""
     from viewer.run_command import RunArgs, execute_run

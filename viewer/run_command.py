@@ -57,7 +57,13 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
     from scheduler.config import ConfigError, EngineConfig, parse_size
     from scheduler.model.config import ModelLoadError
     from scheduler.model.presets import resolve_model
-    from scheduler.workload import SyntheticSpec, WorkloadError, load_workload, save_workload, synthetic_workload
+    from scheduler.workload import (
+        SyntheticSpec,
+        WorkloadError,
+        load_workload,
+        save_workload,
+        synthetic_workload,
+    )
 
     try:
         cfg = EngineConfig(
