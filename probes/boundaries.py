@@ -15,11 +15,12 @@ KV_FENCE: Final = "kv_fence"  # freeing/reusing blocks waits for device work tha
 TOKENIZE: Final = "tokenize"  # a request's time in the tokenizer pool
 BATCH_PREPARE: Final = "batch_prepare"  # host builds the step's device tensors (launch cost)
 STREAM_WAIT: Final = "stream_wait"  # a stream waits for an event recorded on another stream
+PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill work (seed's cache remedy)
 IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
 
 ALL: Final = (
     SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
-    BATCH_BROADCAST, KV_FENCE, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, IDLE,
+    BATCH_BROADCAST, KV_FENCE, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, IDLE,
 )
 
 # The seed's judgement of each boundary (DIGEST.md, "The cost table").
@@ -34,5 +35,6 @@ REMOVABLE: Final[dict[str, str]] = {
     TOKENIZE: "off-thread already",
     BATCH_PREPARE: "overlappable",
     STREAM_WAIT: "remove the dependency",
+    PREFILL_STAGGER: "tunable (--prefill-stagger-us)",
     IDLE: "not a cost",
 }

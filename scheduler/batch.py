@@ -18,6 +18,9 @@ class ScheduledChunk:
     start: int  # == req.num_computed when scheduled
     num_tokens: int
     sample: bool  # the chunk ends at the request's last token: sample the next one
+    # req.num_preemptions when scheduled: a result for an older generation is
+    # stale (the request was preempted while this chunk was in flight).
+    generation: int = 0
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("serial",)  # time-slice and overlap arrive with the overlap issue
+MODES = ("serial", "timeslice", "overlap")
 
 
 class ConfigError(ValueError):
@@ -21,6 +21,13 @@ class EngineConfig:
     kv_blocks: int | None = None  # pool size in blocks ...
     kv_bytes: int | None = None  # ... or in bytes; default: DEFAULT_KV_TOKENS tokens
     prefill_chunk: int = 512
+    timeslice_chunk: int = 256  # time-slice mode: one prefill chunk of this size per cycle
+    # Overlap sub-features, switchable separately; None = on exactly in overlap mode.
+    overlap_schedule: bool | None = None  # (a) schedule/prepare round N+1 while the device runs N
+    split_streams: bool | None = None  # (b) decode on `main`, prefill on `prefill`, joined by events
+    prefill_stagger_us: float = 0.0  # (c) prefill work starts this long after decode work
+    decode_max_wait_ms: float = 500.0  # a decode that waited this long gets a decode-only round
+    prefill_max_wait_ms: float = 2000.0  # a prefill that waited this long for blocks evicts decodes
     max_running: int = 256
     # Blocks kept back at admission so running decodes can still grow.
     watermark_frac: float = 0.01
@@ -43,6 +50,11 @@ class EngineConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.timeslice_chunk < 1:
+            raise ConfigError(f"--timeslice-chunk must be >= 1 (got {self.timeslice_chunk})")
+        for name in ("prefill_stagger_us", "decode_max_wait_ms", "prefill_max_wait_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
         if self.block_size < 1:
             raise ConfigError(f"--block-size must be >= 1 (got {self.block_size})")
         if self.kv_blocks is not None and self.kv_blocks < 1:
@@ -65,6 +77,14 @@ class EngineConfig:
             raise ConfigError(f"--snapshot-every must be >= 0 (got {self.snapshot_every})")
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be >= 1")
+
+    @property
+    def overlap_on(self) -> bool:
+        return self.mode == "overlap" if self.overlap_schedule is None else self.overlap_schedule
+
+    @property
+    def split_on(self) -> bool:
+        return self.mode == "overlap" if self.split_streams is None else self.split_streams
 
     def resolved_device_threads(self) -> int:
         return self.device_threads if self.device_threads > 0 else max(1, (os.cpu_count() or 1) - 1)

@@ -30,16 +30,16 @@ from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
-from scheduler.executor import Executor, PreparedBatch
+from scheduler.executor import Executor, Launch
 from scheduler.memory_manager import MemoryManager
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
 from scheduler.model.presets import resolve_model
 from scheduler.policy import Policy
-from scheduler.request import FinishReason, Request, SamplingParams
+from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.request_manager import RequestManager
 from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
-from scheduler.streams import make_streams
+from scheduler.streams import MAIN, PREFILL, Event, make_streams
 from scheduler.tokenizer import Tokenizer, TokenizerError
 from scheduler.tokenizer_pool import TokenizerPool
 from tracing.writer import TraceWriter
@@ -96,7 +96,10 @@ class Engine:
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing)
-        self.policy = Policy(config, self.rm, self.mm)
+        self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
+        self._fenced: list[tuple[list[Event], str, list[int]]] = []
+        self._fenced_blocks = 0
+        self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.wait_timeout_s, self._pb)
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
@@ -154,7 +157,8 @@ class Engine:
         return rid
 
     def has_work(self) -> bool:
-        return len(self.rm) > 0 or self._received < self._submitted
+        return (len(self.rm) > 0 or self._received < self._submitted or self._inflight is not None
+                or bool(self._fenced))
 
     def wait_for_arrivals(self, timeout_s: float) -> None:
         """Idle engine: block until a tokenized request is ready or the timeout passes."""
@@ -174,29 +178,40 @@ class Engine:
             self._enqueue(sample)
 
     def step(self) -> StepStats | None:
-        """One scheduling round. Returns None when there was nothing to run."""
+        """One scheduling round. Returns None when there was nothing to run or collect.
+
+        serial / timeslice: schedule, launch, wait, collect.
+        overlap (a): schedule and launch round N, then wait for and collect
+        round N-1, so the host's work for N runs under the device's work for N-1.
+        """
         pb = self._pb
         t0 = now_ns()
         self.step_no += 1
         step = self.rm.step = self.step_no
         self._drain_arrivals()
+        self._release_fenced()
         batch = self.policy.schedule(step)  # steps 1-3
+        t1 = now_ns()
+        launches = self._launch(batch, step) if batch else []  # step 4
+        t2 = now_ns()
+        if self.cfg.overlap_on:
+            done, self._inflight = self._inflight, (batch, launches) if batch else None
+        else:
+            done = (batch, launches) if batch else None
         out = StepOutput(step)
-        if not batch:
-            self._emit_finished(out)
+        tokens: list[list[int]] = []
+        device_ns = 0
+        if done is not None:
+            tokens = [self.executor.wait(la) for la in done[1]]  # the scheduler barrier
+            device_ns = sum(la.device_ns() for la in done[1])
+        t3 = now_ns()
+        if done is not None:
+            self._collect(done[0], done[1], tokens, out, t3)  # step 5
+        self._emit_finished(out)
+        if done is None and not batch:
             if out.finished:
                 self.sender.queue.put(out)
             return None
-        for c in batch.prefills:
-            if not c.req.first_scheduled_ns:
-                c.req.first_scheduled_ns = self.rm.mark(c.req, "first_scheduled")
-        t1 = now_ns()
-        prepared = self.executor.prepare(batch)  # step 4
-        t2 = now_ns()
-        tokens = self.executor.forward(prepared, step)
-        t3 = now_ns()
-        self._collect(batch, prepared, tokens, out, t3)  # step 5
-        self._emit_finished(out)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
             self._snapshot_blocks(step)
         if self.cfg.debug_bookkeeping_sleep_ms:
@@ -213,14 +228,16 @@ class Engine:
         if pb is not None:
             r = self.probes.rank
             pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
-            pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
+            if batch:
+                pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
             pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
             pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
-        stats = StepStats(step, t0, t5 - t0, t3 - t2, len(batch.prefills), batch.num_prefill_tokens,
-                          len(batch.decodes), len(tokens), len(out.finished))
+        n_sampled = sum(len(t) for t in tokens)
+        stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
+                          len(batch.decodes), n_sampled, len(out.finished))
         if self._steps_buf is not None:
             self._steps_buf.append((
-                step, self.cfg.mode, t0, t5 - t0, (t5 - t0) - (t3 - t2), t3 - t2,
+                step, self.cfg.mode, t0, t5 - t0, max(0, (t5 - t0) - device_ns), device_ns,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
             ))
@@ -229,8 +246,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         for req in list(self.rm.running) + list(self.rm.waiting):
             if req.request_id == request_id:
-                self._release(req)
-                self.rm.finish(req, FinishReason.ABORTED, "aborted by caller")
+                self._finish(req, FinishReason.ABORTED, "aborted by caller")
                 return True
         return False
 
@@ -254,50 +270,106 @@ class Engine:
         elif sample.valid_len == 0:
             self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
 
-    def _collect(
-        self, batch: ScheduleBatch, prepared: PreparedBatch, tokens: list[int], out: StepOutput, now: int
-    ) -> None:
-        mm, rm = self.mm, self.rm
+    def _launch(self, batch: ScheduleBatch, step: int) -> list[Launch]:
+        """Step 4: prepare and enqueue the batch, one launch per stream; does not wait."""
         for c in batch.prefills:
             c.req.num_prefill_chunks += 1
-            rm.mark(c.req, "prefill_chunk", c.num_tokens)
+            self.rm.mark(c.req, "prefill_chunk", c.num_tokens)
+            if not c.req.first_scheduled_ns:
+                c.req.first_scheduled_ns = self.rm.mark(c.req, "first_scheduled")
+        if self.cfg.split_on:
+            # (b) primary/secondary: decode on main, prefill on its own stream
+            groups = [(MAIN, batch.decodes, 0.0), (PREFILL, batch.prefills, self.cfg.prefill_stagger_us)]
+        else:
+            groups = [(MAIN, batch.chunks, 0.0)]
+        launches = []
+        for stream, chunks, stagger in groups:
+            if not chunks:
+                continue
+            # KV and future tokens written on another stream must be visible first.
+            wait_for = {id(c.req.last_event): c.req.last_event for c in chunks
+                        if c.req.last_event is not None and c.req.last_event.stream != stream
+                        and not c.req.last_event.query()}
+            la = self.executor.launch(self.executor.prepare(chunks), stream, step, list(wait_for.values()),
+                                      stagger)
+            for c in chunks:
+                c.req.num_computed += c.num_tokens
+                c.req.last_event = la.end
+            for c, slot in zip(la.prepared.sampled, la.slots, strict=True):
+                c.req.output_ids.append(-(slot + 1))  # placeholder until the token lands
+            launches.append(la)
+        return launches
+
+    def _collect(
+        self, batch: ScheduleBatch, launches: list[Launch], tokens: list[list[int]], out: StepOutput, now: int
+    ) -> None:
+        """Step 5: replace placeholders with tokens, finish requests, publish full blocks."""
+        mm, rm = self.mm, self.rm
+        for la, toks in zip(launches, tokens, strict=True):
+            for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True):
+                req = c.req
+                if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
+                    continue  # finished or preempted while this round was in flight
+                req.output_ids[req.output_ids.index(-(slot + 1), req.num_real_outputs)] = tok
+                req.token_ns.append(now)
+                out.tokens.append((req.request_id, tok))
+                if not req.first_token_ns:
+                    req.first_token_ns = rm.mark(req, "first_token")
+                sp = req.sample.sampling_params
+                if tok in self.eos_ids and not sp.ignore_eos:
+                    self._finish(req, FinishReason.EOS)
+                elif req.num_real_outputs >= sp.max_new_tokens:
+                    self._finish(req, FinishReason.LENGTH)
         for c in batch.chunks:
             req = c.req
-            req.num_computed += c.num_tokens
-            if req.num_computed // mm.block_size > req.num_hashed_blocks:
+            if req.status is not RequestStatus.RUNNING or c.generation != req.num_preemptions:
+                continue
+            # Only tokens known on the host can be hashed; in overlap mode the
+            # next round may already have computed one more (a placeholder).
+            known = min(req.num_computed, req.sample.valid_len + req.num_real_outputs)
+            if known // mm.block_size > req.num_hashed_blocks:
                 req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
-                    req.token_ids(), req.block_table, req.num_computed,
-                    req.num_hashed_blocks, req.last_block_hash)
-        for c, tok in zip(prepared.sampled, tokens, strict=True):
-            req = c.req
-            req.output_ids.append(tok)
-            req.token_ns.append(now)
-            out.tokens.append((req.request_id, tok))
-            if not req.first_token_ns:
-                req.first_token_ns = rm.mark(req, "first_token")
-            sp = req.sample.sampling_params
-            if tok in self.eos_ids and not sp.ignore_eos:
-                self._finish(req, FinishReason.EOS)
-            elif len(req.output_ids) >= sp.max_new_tokens:
-                self._finish(req, FinishReason.LENGTH)
+                    req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason, detail: str = "") -> None:
         self._release(req)
-        self.rm.finish(req, reason)
+        req.drop_placeholders()  # a token of the next round may be in flight: it is discarded
+        self.rm.finish(req, reason, detail)
 
     def _release(self, req: Request) -> None:
+        """Give a request's blocks back, behind the KV fence.
+
+        Work on one stream runs in order, so a block freed now and reused by a
+        later launch on the same stream is safe without waiting. Across streams
+        it is not: the blocks go back only when every in-flight launch that
+        might read them has completed (the `kv_fence`).
+        """
         if not req.block_table:
             return
-        ev = self.executor.last_event
-        if ev is not None:
-            # Resource fence: a block goes back to the free list only once the
-            # device work that reads it is done. In serial mode the barrier has
-            # already waited, so this is one query(); overlap modes really wait here.
-            timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
-                       signaller=f"{ev.stream}-stream", boundary=KV_FENCE, timeout_s=self.cfg.wait_timeout_s,
-                       buf=self._pb, step=self.step_no)
-        self.mm.free(req.request_id, req.block_table)
+        fence = [la.end for la in self._inflight[1]] if self._inflight is not None else []
+        if req.last_event is not None:
+            fence.append(req.last_event)
+        if self.cfg.split_on and any(not ev.query() for ev in fence):
+            self._fenced.append((fence, req.request_id, req.block_table))
+            self._fenced_blocks += len(req.block_table)
+        else:
+            self.mm.free(req.request_id, req.block_table)
         req.block_table = []
+
+    def _release_fenced(self) -> None:
+        if not self._fenced:
+            return
+        keep = []
+        for fence, rid, table in self._fenced:
+            t0 = now_ns()
+            if all(ev.query() for ev in fence):
+                self.mm.free(rid, table)
+                self._fenced_blocks -= len(table)
+                if self._pb is not None:
+                    self._pb.append((t0, now_ns() - t0, KV_FENCE, "host", self.probes.rank, self.step_no))
+            else:
+                keep.append((fence, rid, table))
+        self._fenced = keep
 
     def _snapshot_blocks(self, step: int) -> None:
         """A full block-table snapshot into the memory table: one row per (block, holder)."""

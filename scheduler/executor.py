@@ -1,22 +1,30 @@
-"""The Executor: step 4 of a round. It turns a ScheduleBatch into a forward pass
-over the paged KV cache and samples the next tokens.
+"""The Executor: step 4 of a round. It turns scheduled chunks into a forward
+pass over the paged KV cache on a stream, and samples the next tokens there.
 
-prepare() is host work (index tensors, one host->device copy); forward() is
-device work. They are separate calls because that seam is where overlap
-scheduling later puts the next round's host work under this round's device work.
+prepare() is host work (index tensors, one host->device copy); launch() only
+enqueues device work and returns at once; wait() is the scheduler barrier.
+Serial mode calls them back to back; overlap mode prepares and launches round
+N+1 before it waits for round N.
+
+Sampled tokens stay on the device in a ring of "future" slots (SGLang's
+FutureMap, mini-sglang's token pool): a decode scheduled before its previous
+token is known carries the placeholder id -(slot + 1), and the forward
+replaces placeholders from the ring on the device, with no host round trip.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from probes.boundaries import SCHEDULER_BARRIER
+from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
-from scheduler.batch import ScheduleBatch, ScheduledChunk
+from scheduler.batch import ScheduledChunk
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import sample
@@ -24,14 +32,35 @@ from scheduler.model.transformer import CausalLM
 from scheduler.request import Request
 from scheduler.streams import Event, Stream
 
+FUTURE_SLOTS = 1 << 16  # > 2 rounds in flight x max batch; a slot is reused only after both finished
+
 
 @dataclass(slots=True)
 class PreparedBatch:
     forward: ForwardBatch
+    chunks: list[ScheduledChunk]
     sampled: list[ScheduledChunk]  # chunks that produce a token, in logits-row order
     temperatures: list[float]
     top_ps: list[float]
     generators: list[torch.Generator | None]
+    has_placeholders: bool
+
+
+@dataclass(slots=True)
+class Launch:
+    """One prepared batch enqueued on one stream."""
+
+    prepared: PreparedBatch
+    stream: str
+    step: int
+    slots: list[int]  # future slot of each sampled chunk
+    start: Event
+    end: Event
+    result: list[list[int]] = field(default_factory=list)
+
+    def device_ns(self) -> int:
+        s, e = self.start.ts_ns, self.end.ts_ns
+        return 0 if s is None or e is None else e - s
 
 
 class Executor:
@@ -58,45 +87,76 @@ class Executor:
         self.wait_timeout_s = wait_timeout_s
         self._buf = probe_buf
         self._rank = rank
-        # The last submitted forward: KV blocks it reads must not be reused before it completes.
-        self.last_event: Event | None = None
+        self.future = torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
+        self._next_slot = 0
 
-    def prepare(self, batch: ScheduleBatch) -> PreparedBatch:
-        chunks = batch.chunks
+    def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
         seqs: list[SeqChunk] = []
+        placeholders = False
         for c in chunks:
             toks = c.req.token_ids()[c.start : c.start + c.num_tokens]
+            placeholders = placeholders or toks[-1] < 0
             seqs.append(SeqChunk(toks, c.start, c.req.block_table, c.sample))
         sampled = [c for c in chunks if c.sample]
         params = [c.req.sample.sampling_params for c in sampled]
         return PreparedBatch(
             forward=build_forward_batch(seqs, self.block_size, self.device),
+            chunks=list(chunks),
             sampled=sampled,
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
             generators=[self._generator(c.req) for c in sampled],
+            has_placeholders=placeholders,
         )
 
-    def forward(self, prepared: PreparedBatch, step: int) -> list[int]:
-        """Serial: submit to the main stream, then block on its event (the scheduler barrier)."""
-        main = self.streams["main"]
-        result: list[list[int]] = []
-        main.submit(lambda: result.append(self.run_model(prepared)), f"forward#{step}", step)
-        ev = main.record()
-        self.last_event = ev
-        timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
-                   signaller="main-stream", boundary=SCHEDULER_BARRIER, timeout_s=self.wait_timeout_s,
-                   buf=self._buf, rank=self._rank, step=step)
-        if main.error is not None:
-            raise RuntimeError(f"forward failed on the main stream: {main.error!r}") from main.error
-        return result[0]
+    def alloc_slots(self, n: int) -> list[int]:
+        s = self._next_slot
+        self._next_slot = (s + n) % FUTURE_SLOTS
+        return [(s + i) % FUTURE_SLOTS for i in range(n)]
 
-    def run_model(self, prepared: PreparedBatch) -> list[int]:
-        """Device work: the forward pass and sampling."""
-        logits = self.model(prepared.forward, self.kv)
+    def launch(
+        self,
+        prepared: PreparedBatch,
+        stream: str,
+        step: int,
+        wait_for: Sequence[Event] = (),
+        stagger_us: float = 0.0,
+    ) -> Launch:
+        """Enqueue the forward and sampling on `stream`; returns without waiting."""
+        s = self.streams[stream]
+        for ev in wait_for:
+            s.wait_event(ev)
+        start = s.record()
+        if stagger_us > 0:
+            s.submit(lambda: _device_sleep(stagger_us, self.device), f"stagger#{step}", step, PREFILL_STAGGER)
+        launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
+        s.submit(lambda: launch.result.append(self.run_model(prepared, launch.slots)), f"forward#{step}", step)
+        launch.end = s.record()
+        return launch
+
+    def wait(self, launch: Launch) -> list[int]:
+        """The scheduler barrier: block until the launch's tokens are on the host."""
+        ev = launch.end
+        timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
+                   signaller=f"{launch.stream}-stream", boundary=SCHEDULER_BARRIER,
+                   timeout_s=self.wait_timeout_s, buf=self._buf, rank=self._rank, step=launch.step)
+        err = self.streams[launch.stream].error
+        if err is not None:
+            raise RuntimeError(f"forward failed on the {launch.stream} stream: {err!r}") from err
+        return launch.result[0]
+
+    def run_model(self, prepared: PreparedBatch, slots: list[int]) -> list[int]:
+        """Device work: resolve placeholders, forward, sample, publish tokens to the future ring."""
+        fb = prepared.forward
+        if prepared.has_placeholders:
+            ids = fb.input_ids
+            fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
+        logits = self.model(fb, self.kv)
         if not prepared.sampled:
             return []
-        return sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+        tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+        self.future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
+        return tokens
 
     def _generator(self, req: Request) -> torch.Generator | None:
         sp = req.sample.sampling_params
@@ -109,3 +169,11 @@ class Executor:
             req.generator = torch.Generator(device=self.device).manual_seed(seed)
         gen: torch.Generator = req.generator
         return gen
+
+
+def _device_sleep(us: float, device: torch.device) -> None:
+    if device.type == "cuda":
+        # ~1 GHz: cycles ~ ns. A device-side delay, so the host is never blocked.
+        torch.cuda._sleep(int(us * 1000))
+    else:
+        time.sleep(us / 1e6)

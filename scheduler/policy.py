@@ -2,14 +2,23 @@
 
 FCFS admission as in the seed: the waiting queue is scanned in arrival order
 and the scan stops at the first request that does not fit. Chunked prefill
-caps the prefill tokens of a round at `prefill_chunk`; decodes always run.
-When a decode must grow into a new block and none is free, the most recently
-admitted running request is preempted (its blocks freed, recomputed later),
-so a full pool can never wedge the engine.
+caps the prefill tokens of a round at `prefill_chunk` (time-slice mode: one
+`timeslice_chunk` per round). Decodes run every round.
+
+Every decision that delays a request leaves a timeline event:
+  * preempted (value = tokens to recompute): a decode needed a block and the
+    pool was empty, or a prefill waited past `prefill_max_wait_ms` for blocks;
+    the most recently admitted running request loses its blocks (vLLM's
+    recompute policy) and goes back to the front of the waiting queue;
+  * decode_priority: a decode waited past `decode_max_wait_ms` since its last
+    token, so this round runs decodes only (no prefill), as the seed advises.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from probes.clock import now_ns
 from scheduler.batch import ScheduleBatch, ScheduledChunk
 from scheduler.config import EngineConfig
 from scheduler.memory_manager import MemoryManager
@@ -18,19 +27,44 @@ from scheduler.request_manager import RequestManager
 
 
 class Policy:
-    def __init__(self, cfg: EngineConfig, rm: RequestManager, mm: MemoryManager) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        rm: RequestManager,
+        mm: MemoryManager,
+        release: Callable[[Request], None] | None = None,
+        pending_free: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.cfg = cfg
         self.rm = rm
         self.mm = mm
+        # Frees a request's blocks behind the engine's KV fence; plain free by default.
+        self._release = release or self._free_now
+        self._pending_free = pending_free  # blocks released but still behind the KV fence
         self._reserve = int(cfg.watermark_frac * mm.num_blocks)
+        self._timeslice = cfg.mode == "timeslice"
 
     def schedule(self, step: int) -> ScheduleBatch:
         batch = ScheduleBatch(step)
+        now = now_ns()
         self._group_decodes(batch)
-        budget = self.cfg.prefill_chunk
+        if self._decode_starved(batch, now):
+            return batch
+        budget = self.cfg.timeslice_chunk if self._timeslice else self.cfg.prefill_chunk
         budget = self._continue_prefills(batch, budget)
-        self._admit_waiting(batch, budget)
+        if self._timeslice and batch.prefills:
+            return batch  # time-slice: exactly one prefill chunk per cycle
+        self._admit_waiting(batch, budget, now)
         return batch
+
+    def _decode_starved(self, batch: ScheduleBatch, now: int) -> bool:
+        limit = int(self.cfg.decode_max_wait_ms * 1e6)
+        for c in batch.decodes:
+            last = c.req.token_ns[-1] if c.req.token_ns else c.req.first_token_ns
+            if last and now - last > limit:
+                self.rm.mark(c.req, "decode_priority", (now - last) // 1_000_000)
+                return True
+        return False
 
     # step 2 (decode group) + step 3 for decodes: a decode only needs a new
     # block when its next token crosses a block boundary.
@@ -39,20 +73,22 @@ class Policy:
         for req in list(self.rm.running):
             if req not in self.rm.running or not req.is_decoding:
                 continue  # preempted below as a victim, or still prefilling
+            if len(req.output_ids) >= req.sample.sampling_params.max_new_tokens:
+                continue  # its last token is in flight; it finishes when that lands
             while req.num_tokens > len(req.block_table) * bs:
                 if self.mm.num_free > 0:
                     self.mm.append_block(req.request_id, req.block_table)
                     continue
                 victim = self._pick_victim(batch)
-                self._preempt(victim, batch)
+                self._preempt(victim, batch, "no free block for a decode")
                 if victim is req:
                     break
             else:
-                batch.decodes.append(ScheduledChunk(req, req.num_computed, 1, True))
+                batch.decodes.append(ScheduledChunk(req, req.num_computed, 1, True, req.num_preemptions))
 
     def _continue_prefills(self, batch: ScheduleBatch, budget: int) -> int:
         for req in self.rm.running:
-            if budget <= 0:
+            if budget <= 0 or (self._timeslice and batch.prefills):
                 break
             if req.is_decoding or req.num_uncomputed == 0:
                 continue
@@ -60,9 +96,11 @@ class Policy:
         return budget
 
     # step 1 (scan) + step 3 (allocate) for new requests.
-    def _admit_waiting(self, batch: ScheduleBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduleBatch, budget: int, now: int) -> None:
         mm = self.mm
         while self.rm.waiting and budget > 0 and len(self.rm.running) < self.cfg.max_running:
+            if self._timeslice and batch.prefills:
+                break
             req = self.rm.waiting[0]
             worst = mm.blocks_needed(req.sample.valid_len + req.sample.sampling_params.max_new_tokens)
             if worst > mm.num_blocks:
@@ -71,27 +109,48 @@ class Policy:
             tokens = req.token_ids()
             prefix = mm.match_prefix(tokens)
             need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
-            if need > mm.num_free - self._reserve:
+            if need > mm.num_free - self._reserve and not self._evict_for(req, need, batch, now):
                 break  # seed step 1: stop at the first request that does not fit
+            if need > mm.num_free - self._reserve:
+                break  # evicted, but the blocks come back only after the KV fence
             req.block_table = mm.allocate(req.request_id, len(tokens), prefix)
             req.num_computed = req.num_cached_prefix = prefix.num_blocks * mm.block_size
             req.num_hashed_blocks, req.last_block_hash = prefix.num_blocks, prefix.last_hash
             self.rm.admit(req)
             budget -= self._add_prefill(batch, req, budget)
 
+    def _evict_for(self, req: Request, need: int, batch: ScheduleBatch, now: int) -> bool:
+        """Starvation remedy: a prefill waiting past prefill_max_wait_ms for blocks evicts decodes."""
+        waited = now - req.wait_since_ns
+        if waited < self.cfg.prefill_max_wait_ms * 1e6 or not self.rm.running:
+            return False
+        evicted = False
+        while need > self.mm.num_free + self._pending_free() - self._reserve and self.rm.running:
+            victim = self._pick_victim(batch)
+            self._preempt(victim, batch, f"{req.request_id} waited {waited // 1_000_000} ms for blocks")
+            evicted = True
+        return evicted
+
     def _add_prefill(self, batch: ScheduleBatch, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed, budget)
-        batch.prefills.append(ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
+        batch.prefills.append(ScheduledChunk(req, req.num_computed, n, req.num_computed + n == req.num_tokens,
+                                             req.num_preemptions))
         return n
 
     def _pick_victim(self, batch: ScheduleBatch) -> Request:
         # Last admitted loses: it has the least invested work (vLLM's recompute policy).
         return self.rm.running[-1]
 
-    def _preempt(self, victim: Request, batch: ScheduleBatch) -> None:
+    def _preempt(self, victim: Request, batch: ScheduleBatch, why: str) -> None:
         batch.decodes = [c for c in batch.decodes if c.req is not victim]
-        self.mm.free(victim.request_id, victim.block_table)
-        self.rm.preempt(victim)
+        batch.prefills = [c for c in batch.prefills if c.req is not victim]
+        self._release(victim)
+        victim.drop_placeholders()
+        self.rm.preempt(victim, why)
+
+    def _free_now(self, req: Request) -> None:
+        self.mm.free(req.request_id, req.block_table)
+        req.block_table = []
 
     def _reject(self, req: Request, worst: int) -> None:
         sp = req.sample

@@ -63,13 +63,16 @@ class Request:
     finish_reason: FinishReason | None = None
     finish_detail: str = ""
     queued_ns: int = 0
+    wait_since_ns: int = 0  # entered the waiting queue (again, after a preemption)
     admitted_ns: int = 0
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     finish_ns: int = 0
     num_preemptions: int = 0
+    preempt_reasons: list[str] = field(default_factory=list)
     num_prefill_chunks: int = 0
     token_ns: list[int] = field(default_factory=list)  # when each output token was collected
+    last_event: Any = None  # end event of the last launch that touched this request (cross-stream waits)
     generator: Any = None  # torch.Generator for seeded sampling; typed Any to keep torch out of this module
 
     @property
@@ -82,6 +85,17 @@ class Request:
 
     def token_ids(self) -> list[int]:
         return self.sample.input_ids + self.output_ids
+
+    @property
+    def num_real_outputs(self) -> int:
+        """Output tokens already known on the host (placeholders, ids < 0, are in flight)."""
+        n = len(self.output_ids)
+        while n and self.output_ids[n - 1] < 0:
+            n -= 1
+        return n
+
+    def drop_placeholders(self) -> None:
+        del self.output_ids[self.num_real_outputs :]
 
     @property
     def num_uncomputed(self) -> int:

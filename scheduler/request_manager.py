@@ -35,7 +35,7 @@ class RequestManager:
         req = Request(sample)
         self.mark(req, "arrived", ts=sample.arrival_ns)
         self.mark(req, "tokenized", sample.valid_len, ts=sample.tokenized_ns)
-        req.queued_ns = self.mark(req, "queued")
+        req.queued_ns = req.wait_since_ns = self.mark(req, "queued")
         self.waiting.append(req)
         return req
 
@@ -51,12 +51,13 @@ class RequestManager:
         req.admitted_ns = req.admitted_ns or t
         self.running.append(req)
 
-    def preempt(self, req: Request) -> None:
-        """running -> front of waiting. Its blocks are already freed; it recomputes later."""
+    def preempt(self, req: Request, why: str = "") -> None:
+        """running -> front of waiting. Its blocks are already released; it recomputes later."""
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.mark(req, "preempted", req.num_computed)
+        req.preempt_reasons.append(why)
+        req.wait_since_ns = self.mark(req, "preempted", req.num_computed)
         req.num_computed = 0
         req.num_cached_prefix = 0
         req.num_hashed_blocks = 0

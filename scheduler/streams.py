@@ -29,7 +29,8 @@ from probes.clock import now_ns
 from probes.recorder import Probes, Row
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
 
-STREAM_NAMES = ("main", "prefill", "comm")
+MAIN, PREFILL, COMM = "main", "prefill", "comm"
+STREAM_NAMES = (MAIN, PREFILL, COMM)
 
 
 class Event(Protocol):

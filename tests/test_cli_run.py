@@ -60,8 +60,10 @@ def _teacher_forced_mismatches(model_dir, prompt, output):
     return bad, ties
 
 
-@pytest.mark.parametrize("builder", [build_llama, build_qwen2], ids=["llama-gqa-tied", "qwen2-bias"])
-def test_run_matches_transformers_greedy(tmp_path, builder):
+@pytest.mark.parametrize("builder,mode", [
+    (build_llama, "serial"), (build_qwen2, "serial"), (build_llama, "overlap"), (build_qwen2, "timeslice"),
+], ids=["llama-gqa-tied", "qwen2-bias", "llama-overlap", "qwen2-timeslice"])
+def test_run_matches_transformers_greedy(tmp_path, builder, mode):
     model_dir = builder(tmp_path / "ckpt")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
@@ -76,8 +78,8 @@ def test_run_matches_transformers_greedy(tmp_path, builder):
     wl.write_text("\n".join(json.dumps(x) for x in lines))
     out = tmp_path / "trace"
     # Small blocks and chunks so prompts span several blocks and several rounds.
-    p = mstrace("run", "--model", str(model_dir), "--workload", str(wl), "--out", str(out),
-                "--block-size", "4", "--prefill-chunk", "16", "--kv-blocks", "200", "-q")
+    p = mstrace("run", "--model", str(model_dir), "--workload", str(wl), "--out", str(out), "--mode", mode,
+                "--block-size", "4", "--prefill-chunk", "16", "--timeslice-chunk", "16", "--kv-blocks", "200", "-q")
     assert p.returncode == 0, p.stderr
     req = read_table(out, "requests").to_pydict()
     assert sorted(req["request_id"]) == [f"r{i}" for i in range(6)]

@@ -40,6 +40,12 @@ class RunArgs:
     wait_timeout: float = 5.0
     snapshot_every: int = 50
     debug_bookkeeping_sleep_ms: float = 0.0
+    timeslice_chunk: int = 256
+    overlap_schedule: bool | None = None
+    split_streams: bool | None = None
+    prefill_stagger_us: float = 0.0
+    decode_max_wait_ms: float = 500.0
+    prefill_max_wait_ms: float = 2000.0
 
 
 class _ProgressSink:
@@ -72,7 +78,10 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
             device_threads=args.device_threads, seed=args.seed, probes=args.probes,
             wait_timeout_s=args.wait_timeout, snapshot_every=args.snapshot_every,
-            debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms,
+            debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms, timeslice_chunk=args.timeslice_chunk,
+            overlap_schedule=args.overlap_schedule, split_streams=args.split_streams,
+            prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
+            prefill_max_wait_ms=args.prefill_max_wait_ms,
         )
         cfg.validate()
         model_dir = resolve_model(args.model)

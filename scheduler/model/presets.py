@@ -244,12 +244,12 @@ def generate_weights(spec: PresetSpec) -> dict[str, torch.Tensor]:
 
 
 @functools.cache
-def _environment_fingerprint() -> dict[str, str]:
+def _environment_fingerprint(vocab_size: int) -> dict[str, str]:
     # Things outside the spec that change the built bytes: the stdlib text the
     # tokenizer learns from, the BPE trainer, and torch's normal() sampler.
     torch_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     return {
-        "corpus": tokenizer_build.corpus_fingerprint(),
+        "corpus": tokenizer_build.corpus_fingerprint(vocab_size),
         "tokenizer_recipe": str(tokenizer_build.TOKENIZER_RECIPE_VERSION),
         "tokenizers": tokenizers.__version__,
         "torch": torch_minor,
@@ -262,7 +262,7 @@ def preset_key(name: str) -> str:
     payload = {
         "spec": dataclasses.asdict(spec),
         "generator_version": GENERATOR_VERSION,
-        "environment": _environment_fingerprint(),
+        "environment": _environment_fingerprint(spec.vocab_size),
     }
     blob = json.dumps(payload, sort_keys=True).encode("utf-8")
     return f"{name}-{hashlib.sha256(blob).hexdigest()[:12]}"
@@ -320,7 +320,7 @@ def build_preset(spec: PresetSpec, out_dir: Path, name: str = "custom") -> None:
             "name": name,
             "spec": dataclasses.asdict(spec),
             "generator_version": GENERATOR_VERSION,
-            "environment": _environment_fingerprint(),
+            "environment": _environment_fingerprint(spec.vocab_size),
             "num_parameters": spec.num_parameters(),
             "sha256": {f: _sha256(out_dir / f) for f in files},
         },

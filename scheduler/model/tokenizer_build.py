@@ -29,13 +29,17 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # it BPE has no room for the byte alphabet and round-tripping breaks.
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
-# ~3 MB trains an 8k vocab in well under a second on 2 cores; more text barely
-# changes the merges of a vocab this small.
+# The corpus grows with the vocab (more merges need more text to rank), capped
+# so that even the largest preset trains in about a second on 2 cores; small
+# vocabs get less text, which keeps the test presets quick to build.
 CORPUS_MAX_CHARS = 3_000_000
-# Per-file caps so the corpus spreads over the whole alphabet of modules rather
-# than stopping at the first few big ones (``_pydecimal``, ``argparse``, ...).
-PROSE_MAX_CHARS = 1_000_000
-MODULE_MAX_CHARS = 16_000
+CORPUS_MIN_CHARS = 400_000
+CORPUS_CHARS_PER_TOKEN = 300
+# A third of the budget is English prose, the rest code, spread evenly over
+# the modules so the corpus covers the whole alphabet of modules rather than
+# stopping at the first few big ones (``_pydecimal``, ``argparse``, ...).
+PROSE_SHARE = 1 / 3
+MODULE_MIN_CHARS = 2_000
 
 # Bumped whenever the corpus selection or the trainer settings change, so that
 # cached presets built with an older recipe get a new cache key.
@@ -56,25 +60,31 @@ def _stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def corpus_chars(vocab_size: int) -> int:
+    """Corpus size used to train a vocab of ``vocab_size``."""
+    return max(CORPUS_MIN_CHARS, min(CORPUS_MAX_CHARS, CORPUS_CHARS_PER_TOKEN * vocab_size))
+
+
 def stdlib_corpus(max_chars: int = CORPUS_MAX_CHARS) -> list[str]:
     """Return the training texts, in a fixed order, totalling at most ``max_chars``."""
     root = _stdlib_dir()
+    texts: list[str] = []
     # Prose first: the reference manual text teaches the merges for English
     # words, the modules after it teach the ones for code.
-    sources: list[tuple[Path, int]] = []
     topics = root / "pydoc_data" / "topics.py"
     if topics.is_file():
-        sources.append((topics, PROSE_MAX_CHARS))
+        texts.append(
+            topics.read_text(encoding="utf-8", errors="replace")[: int(max_chars * PROSE_SHARE)]
+        )
     # Top-level modules only: a recursive walk would pull in test/ and
     # site-packages (slow, and site-packages differs between environments).
-    sources.extend((p, MODULE_MAX_CHARS) for p in sorted(root.glob("*.py")))
-    if not sources:
+    modules = sorted(root.glob("*.py"))
+    if not modules:
         raise RuntimeError(f"no standard-library sources found under {root}")
-
-    texts: list[str] = []
-    total = 0
-    for path, cap in sources:
-        text = path.read_text(encoding="utf-8", errors="replace")[:cap]
+    total = sum(map(len, texts))
+    per_module = max(MODULE_MIN_CHARS, (max_chars - total) // len(modules))
+    for path in modules:
+        text = path.read_text(encoding="utf-8", errors="replace")[:per_module]
         text = text[: max_chars - total]
         if text:
             texts.append(text)
@@ -84,10 +94,10 @@ def stdlib_corpus(max_chars: int = CORPUS_MAX_CHARS) -> list[str]:
     return texts
 
 
-def corpus_fingerprint(texts: list[str] | None = None) -> str:
-    """Short hash of the corpus, so a cache key changes when the stdlib does."""
+def corpus_fingerprint(vocab_size: int) -> str:
+    """Short hash of the corpus for ``vocab_size``, so a cache key changes when the stdlib does."""
     h = hashlib.sha256()
-    for text in stdlib_corpus() if texts is None else texts:
+    for text in stdlib_corpus(corpus_chars(vocab_size)):
         h.update(text.encode("utf-8", errors="replace"))
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -110,13 +120,13 @@ def train_tokenizer(vocab_size: int, texts: list[str] | None = None) -> Tokenize
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(stdlib_corpus() if texts is None else texts, trainer=trainer)
+    if texts is None:
+        texts = stdlib_corpus(corpus_chars(vocab_size))
+    tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         # A corpus too small for the requested merges would silently give a
         # smaller vocab and an embedding matrix that disagrees with it.
-        raise RuntimeError(
-            f"trained vocab has {tok.get_vocab_size()} entries, wanted {vocab_size}"
-        )
+        raise RuntimeError(f"trained vocab has {tok.get_vocab_size()} entries, wanted {vocab_size}")
     for token, want in zip(SPECIAL_TOKENS, (UNK_ID, BOS_ID, EOS_ID), strict=True):
         got = tok.token_to_id(token)
         if got != want:

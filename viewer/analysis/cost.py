@@ -102,14 +102,30 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
     return arr.indices.to_numpy(zero_copy_only=False), arr.dictionary.to_pylist()
 
 
-def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> CostTable:
-    """Pure function from the probes and steps tables to the cost table."""
+def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[str, np.ndarray]:
+    """The attribution behind `cost_table`, kept per cycle (what `diff` resamples).
+
+    Every array has one entry per cycle, in time order (float64 ns unless noted):
+      start_ns, end_ns   cycle bounds (int64)
+      cycle_ns           cycle length minus idle (no-work) time
+      idle_ns            no-work time inside the cycle
+      device_ns          device-busy time (union of device_compute intervals)
+      raw_ns:<b>         raw time of boundary b, by the cycle its interval starts in;
+                         rows before the first / after the last cycle count to that
+                         cycle, so the sums equal the trace totals the table reports
+      hidden_ns:<b>      the part of raw_ns:<b> under device compute (absent for device_compute)
+      count:<b>          probe rows of b
+      exposed_ns:<b>     device-idle time charged to b: host-exclusive boundaries,
+                         scheduler_barrier (the remainder) and device_compute (= device_ns)
+    scheduler_barrier and device_compute are always present; other boundaries only
+    when they have rows. Empty dict when there are no steps.
+    """
     st = steps.sort_by("ts_ns")
     S = st["ts_ns"].to_numpy()
     D = st["dur_ns"].to_numpy()
     n = len(S)
     if n == 0:
-        return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
+        return {}
     E = np.empty(n, dtype=np.int64)
     E[:-1] = S[1:]
     E[-1] = S[-1] + D[-1]
@@ -133,58 +149,74 @@ def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> CostT
     def in_cycles(t: np.ndarray) -> np.ndarray:
         return (t >= S[0]) & (t < E[-1])
 
+    def per(t: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(cycle_of(t), weights=w, minlength=n).astype(np.float64)
+
     # idle time (no work) comes off the cycle length
     idle_m = rows(B.IDLE)
     idle_ts, idle_end = ts[idle_m], ts[idle_m] + dur[idle_m]
     cycle_len = (E - S).astype(np.float64)
-    idle_total = 0.0
+    idle_per = np.zeros(n)
     if idle_m.any():
         keep = in_cycles(idle_ts)
-        idle_per = np.bincount(cycle_of(idle_ts[keep]), weights=(idle_end - idle_ts)[keep], minlength=n)
+        idle_per = per(idle_ts[keep], (idle_end - idle_ts)[keep])
         cycle_len -= idle_per
-        idle_total = float(idle_per.sum())
     dev_per = cov.covered(S, E).astype(np.float64)
-    total = float(cycle_len.sum())
+    out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
+                                  "device_ns": dev_per}
 
-    out: list[BoundaryCost] = []
     exposed_sum = np.zeros(n)
-    raw: dict[str, tuple[float, int, float, float | None]] = {}
-    for name in HOST_EXCLUSIVE + CONCURRENT:
+    for name in (B.SCHEDULER_BARRIER, *HOST_EXCLUSIVE, *CONCURRENT):
         m = rows(name)
-        if not m.any():
+        if not m.any() and name != B.SCHEDULER_BARRIER:
             continue
         a, d = ts[m], dur[m]
         hid = cov.covered(a, a + d).astype(np.float64)
-        exposed = d - hid
-        keep = in_cycles(a)
-        share: float | None = None
+        # integer-valued float sums are exact, so these add up to the same totals
+        # as summing the rows directly
+        out[f"raw_ns:{name}"] = per(a, d.astype(np.float64))
+        out[f"hidden_ns:{name}"] = per(a, hid)
+        out[f"count:{name}"] = per(a)
         if name in HOST_EXCLUSIVE:
-            per = np.bincount(cycle_of(a[keep]), weights=exposed[keep], minlength=n)
-            exposed_sum += per
-            share = float(per.sum()) / total if total else 0.0
-        rsum = float(d.sum())
-        raw[name] = (rsum, int(m.sum()), float(hid.sum()) / rsum if rsum else 0.0, share)
+            keep = in_cycles(a)  # exposed time must partition the cycles: drop rows outside them
+            exposed = per(a[keep], (d - hid)[keep])
+            out[f"exposed_ns:{name}"] = exposed
+            exposed_sum += exposed
+    out[f"exposed_ns:{B.SCHEDULER_BARRIER}"] = cycle_len - dev_per - exposed_sum
+    out[f"raw_ns:{B.DEVICE_COMPUTE}"] = dev_per
+    out[f"count:{B.DEVICE_COMPUTE}"] = per(ts[dev])
+    out[f"exposed_ns:{B.DEVICE_COMPUTE}"] = dev_per
+    return out
 
-    barrier_m = rows(B.SCHEDULER_BARRIER)
-    b_raw = float(dur[barrier_m].sum())
-    b_exposed = float((cycle_len - dev_per - exposed_sum).sum())
-    b_hidden = float(cov.covered(ts[barrier_m], ts[barrier_m] + dur[barrier_m]).sum()) / b_raw if b_raw else None
+
+def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> CostTable:
+    """Pure function from the probes and steps tables to the cost table (sums of `per_cycle`)."""
+    pcy = per_cycle(probes, steps, rank)
+    if not pcy:
+        return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
+    n = len(pcy["cycle_ns"])
+    total = float(pcy["cycle_ns"].sum())
+    out: list[BoundaryCost] = []
     for name in ORDER:
+        if f"raw_ns:{name}" not in pcy:
+            continue
+        rsum = float(pcy[f"raw_ns:{name}"].sum())
+        exposed = pcy.get(f"exposed_ns:{name}")
+        share = None if exposed is None else (float(exposed.sum()) / total if total else 0.0)
+        hidden: float | None = None
         if name == B.SCHEDULER_BARRIER:
-            out.append(BoundaryCost(name, b_raw / n / 1e6, int(barrier_m.sum()),
-                                    b_exposed / total if total else 0.0, b_hidden, B.REMOVABLE[name]))
-        elif name == B.DEVICE_COMPUTE:
-            out.append(BoundaryCost(name, float(dev_per.sum()) / n / 1e6, int(dev.sum()),
-                                    float(dev_per.sum()) / total if total else 0.0, None, B.REMOVABLE[name]))
-        elif name in raw:
-            rsum, cnt, hidden, share = raw[name]
-            out.append(BoundaryCost(name, rsum / n / 1e6, cnt, share, hidden, B.REMOVABLE[name]))
+            hidden = float(pcy[f"hidden_ns:{name}"].sum()) / rsum if rsum else None
+        elif name != B.DEVICE_COMPUTE:
+            hidden = float(pcy[f"hidden_ns:{name}"].sum()) / rsum if rsum else 0.0
+        out.append(BoundaryCost(name, rsum / n / 1e6, int(pcy[f"count:{name}"].sum()), share, hidden,
+                                B.REMOVABLE[name]))
+    S, E = pcy["start_ns"], pcy["end_ns"]
     return CostTable(
         cycles=n,
         cycle_ms=total / n / 1e6,
         cycle_total_s=total / 1e9,
-        idle_s=idle_total / 1e9,
+        idle_s=float(pcy["idle_ns"].sum()) / 1e9,
         wall_s=float(E[-1] - S[0]) / 1e9,
-        device_busy=float(dev_per.sum()) / total if total else 0.0,
+        device_busy=float(pcy["device_ns"].sum()) / total if total else 0.0,
         boundaries=out,
     )
