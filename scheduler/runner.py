@@ -79,12 +79,14 @@ def run_workload(
     return RunResult(start, now_ns(), steps, len(items))
 
 
-def run_meta(engine: Engine, items: list[WorkloadItem], workload_source: str) -> dict[str, Any]:
+def run_meta(
+    engine: Engine, items: list[WorkloadItem], workload_source: str, anchor: tuple[int, int] | None = None
+) -> dict[str, Any]:
     import tokenizers
     import torch
     import transformers
 
-    mono, unix = wall_anchor()
+    mono, unix = anchor or wall_anchor()
     mc = engine.model_config
     return {
         "tool": "mstrace",

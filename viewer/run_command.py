@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -73,7 +73,7 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
 
     try:
         cfg = EngineConfig(
-            model=args.model, mode=args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
+            model=args.model, mode="serial" if args.mode == "all" else args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
             kv_bytes=parse_size(args.kv_bytes) if args.kv_bytes else None, prefill_chunk=args.prefill_chunk,
             max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
             device_threads=args.device_threads, seed=args.seed, probes=args.probes,
@@ -98,12 +98,7 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         except OtlpUnavailableError as e:
             fail(escape(str(e)))  # escaped: "mstrace[otlp]" is not rich markup
 
-    from probes.clock import wall_anchor
-    from scheduler.engine import Engine
     from scheduler.model.config import ModelConfig
-    from scheduler.runner import TraceRequestsSink, run_meta, run_workload
-    from tracing.otel import SpanSink
-    from tracing.writer import TraceWriter
 
     try:
         mc = ModelConfig.from_file(model_dir / "config.json")
@@ -121,29 +116,81 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
     if args.save_workload is not None:
         save_workload(items, args.save_workload)
 
-    writer = TraceWriter(args.out)
-    span_sink = SpanSink(writer, wall_anchor(), args.otlp_endpoint)
+    if args.mode != "all":
+        _run_one(args, cfg, items, source, args.out, console, fail)
+        render_report(console, build_report(args.out))
+        console.print(f"trace written to [bold]{args.out}[/]")
+        return
+    # The seed's control group: the same workload through all three modes.
+    from dataclasses import replace
+
+    outs = {}
+    for mode in ("serial", "timeslice", "overlap"):
+        outs[mode] = args.out / mode
+        _run_one(args, replace(cfg, mode=mode), items, source, outs[mode], console, fail)
+    render_modes(console, {m: build_report(o) for m, o in outs.items()})
+    console.print(f"traces written to [bold]{args.out}[/]/{{serial,timeslice,overlap}}; "
+                  f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
+
+
+def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, console: Console,
+             fail: Callable[[str], NoReturn]) -> None:
+    from probes.clock import wall_anchor
+    from scheduler.config import ConfigError
+    from scheduler.engine import Engine
+    from scheduler.model.config import ModelLoadError
+    from scheduler.runner import TraceRequestsSink, run_meta, run_workload
+    from tracing.otel import SpanSink
+    from tracing.writer import TraceWriter
+
+    writer = TraceWriter(out)
+    anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
+    span_sink = SpanSink(writer, anchor, args.otlp_endpoint)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
-    task = progress.add_task(f"{args.mode} run", total=len(items))
+    task = progress.add_task(f"{cfg.mode} run", total=len(items))
     try:
         try:
             engine = Engine(cfg, sinks=[TraceRequestsSink(writer), span_sink, _ProgressSink(progress, task)],
                             trace=writer)
         except (ModelLoadError, ConfigError) as e:
             fail(str(e))
-        writer.write_meta(run_meta(engine, items, source))
+        writer.write_meta(run_meta(engine, items, source, anchor))
         with progress:
             try:
                 result = run_workload(engine, items)
             finally:
                 engine.close()
-        meta = run_meta(engine, items, source)
+        meta = run_meta(engine, items, source, anchor)
         meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
         writer.write_meta(meta)
     finally:
         span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
         writer.close()
 
-    render_report(console, build_report(args.out))
-    console.print(f"trace written to [bold]{args.out}[/]")
+
+def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:
+    """The three-way control-group table: one column per mode."""
+    from rich.table import Table
+
+    t = Table(title="same workload, three modes", header_style="bold", title_justify="left")
+    t.add_column("metric")
+    for m in reps:
+        t.add_column(m, justify="right")
+
+    def row(label: str, f: Callable[[dict[str, Any]], float | None], fmt: str) -> None:
+        t.add_row(label, *("—" if (v := f(r)) is None else format(v, fmt) for r in reps.values()))
+
+    def bshare(name: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda r: next((100 * (b["share"] or 0) for b in r["boundaries"] if b["boundary"] == name), None)
+
+    row("output tok/s", lambda r: r["throughput"]["output_tok_per_s"], ".1f")
+    row("cycle ms", lambda r: r["cycle_ms"], ".2f")
+    row("device busy %", lambda r: 100 * r["device_busy"], ".1f")
+    row("barrier exposed %", bshare("scheduler_barrier"), ".1f")
+    row("bookkeeping exposed %", bshare("bookkeeping"), ".1f")
+    row("batch_prepare exposed %", bshare("batch_prepare"), ".1f")
+    for k, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        row(f"{label} p50 ms", lambda r, k=k: r["latency"][k]["p50"], ".1f")
+        row(f"{label} p99 ms", lambda r, k=k: r["latency"][k]["p99"], ".1f")
+    console.print(t)
