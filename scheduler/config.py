@@ -46,6 +46,10 @@ class EngineConfig:
     snapshot_every: int = 50  # full block-table snapshot every N rounds; 0 = never
     # Test-only: sleep this long inside bookkeeping, to check the report is truthful.
     debug_bookkeeping_sleep_ms: float = 0.0
+    # Test-only: verify on the device stream that no KV slot is read before its write,
+    # and (negative control) drop the cross-stream event waits that guarantee it.
+    debug_kv_check: bool = False
+    debug_skip_stream_waits: bool = False
 
     def validate(self) -> None:
         if self.mode not in MODES:

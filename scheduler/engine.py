@@ -102,6 +102,8 @@ class Engine:
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.wait_timeout_s, self._pb)
+        if config.debug_kv_check:
+            self.executor.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks))
         self._steps_buf = trace.buffer("steps") if trace else None
@@ -269,6 +271,10 @@ class Engine:
             self.rm.finish(req, FinishReason.REJECTED, sample.error)
         elif sample.valid_len == 0:
             self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
+        elif max(sample.input_ids) >= self.model_config.vocab_size or min(sample.input_ids) < 0:
+            bad = next(t for t in sample.input_ids if not 0 <= t < self.model_config.vocab_size)
+            self.rm.finish(req, FinishReason.REJECTED,
+                           f"token id {bad} is outside the vocabulary of {self.model_config.vocab_size}")
 
     def _launch(self, batch: ScheduleBatch, step: int) -> list[Launch]:
         """Step 4: prepare and enqueue the batch, one launch per stream; does not wait."""
@@ -289,7 +295,7 @@ class Engine:
             # KV and future tokens written on another stream must be visible first.
             wait_for = {id(c.req.last_event): c.req.last_event for c in chunks
                         if c.req.last_event is not None and c.req.last_event.stream != stream
-                        and not c.req.last_event.query()}
+                        and not c.req.last_event.query() and not self.cfg.debug_skip_stream_waits}
             la = self.executor.launch(self.executor.prepare(chunks), stream, step, list(wait_for.values()),
                                       stagger)
             for c in chunks:

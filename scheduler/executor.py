@@ -36,6 +36,15 @@ FUTURE_SLOTS = 1 << 16  # > 2 rounds in flight x max batch; a slot is reused onl
 
 
 @dataclass(slots=True)
+class KvReadCheck:
+    """Test-only: what a batch's attention will read, to verify on the device stream."""
+
+    slots: torch.Tensor  # context slots read (positions before each chunk's start)
+    positions: torch.Tensor
+    tokens: torch.Tensor  # host's token at each position; < 0 = placeholder (position checked only)
+
+
+@dataclass(slots=True)
 class PreparedBatch:
     forward: ForwardBatch
     chunks: list[ScheduledChunk]
@@ -44,6 +53,7 @@ class PreparedBatch:
     top_ps: list[float]
     generators: list[torch.Generator | None]
     has_placeholders: bool
+    kv_check: KvReadCheck | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +99,13 @@ class Executor:
         self._rank = rank
         self.future = torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
         self._next_slot = 0
+        # Test-only stream-ordering check: every KV slot is tagged (position, token) when a
+        # stream writes it; a read must find the tag it expects, in stream execution order.
+        self.kv_tags: torch.Tensor | None = None
+        self.kv_violations: list[str] = []
+
+    def enable_kv_check(self) -> None:
+        self.kv_tags = torch.full((self.kv.k[0].shape[0],), -1, dtype=torch.long, device=self.device)
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
         seqs: list[SeqChunk] = []
@@ -99,6 +116,7 @@ class Executor:
             seqs.append(SeqChunk(toks, c.start, c.req.block_table, c.sample))
         sampled = [c for c in chunks if c.sample]
         params = [c.req.sample.sampling_params for c in sampled]
+        check = self._kv_reads(chunks) if self.kv_tags is not None else None
         return PreparedBatch(
             forward=build_forward_batch(seqs, self.block_size, self.device),
             chunks=list(chunks),
@@ -107,7 +125,20 @@ class Executor:
             top_ps=[p.top_p for p in params],
             generators=[self._generator(c.req) for c in sampled],
             has_placeholders=placeholders,
+            kv_check=check,
         )
+
+    def _kv_reads(self, chunks: Sequence[ScheduledChunk]) -> KvReadCheck:
+        bs = self.block_size
+        slots, pos, toks = [], [], []
+        for c in chunks:
+            ids = c.req.token_ids()
+            for p in range(c.start):
+                slots.append(c.req.block_table[p // bs] * bs + p % bs)
+                pos.append(p)
+                toks.append(ids[p])
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return KvReadCheck(t(slots), t(pos), t(toks))
 
     def alloc_slots(self, n: int) -> list[int]:
         s = self._next_slot
@@ -151,12 +182,26 @@ class Executor:
         if prepared.has_placeholders:
             ids = fb.input_ids
             fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
+        if self.kv_tags is not None:
+            self._check_kv(prepared)
         logits = self.model(fb, self.kv)
         if not prepared.sampled:
             return []
         tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
         self.future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
+
+    def _check_kv(self, prepared: PreparedBatch) -> None:
+        tags, chk, fb = self.kv_tags, prepared.kv_check, prepared.forward
+        assert tags is not None and chk is not None
+        if len(chk.slots):
+            got = tags[chk.slots]
+            want = (chk.positions << 32) + chk.tokens.clamp(min=0)
+            ok = torch.where(chk.tokens < 0, (got >> 32) == chk.positions, got == want)
+            if not bool(ok.all()):
+                bad = int((~ok).sum())
+                self.kv_violations.append(f"{bad} KV slots read before the write that fills them")
+        tags[fb.slot_mapping] = (fb.positions << 32) + fb.input_ids
 
     def _generator(self, req: Request) -> torch.Generator | None:
         sp = req.sample.sampling_params

@@ -122,7 +122,9 @@ class Policy:
     def _evict_for(self, req: Request, need: int, batch: ScheduleBatch, now: int) -> bool:
         """Starvation remedy: a prefill waiting past prefill_max_wait_ms for blocks evicts decodes."""
         waited = now - req.wait_since_ns
-        if waited < self.cfg.prefill_max_wait_ms * 1e6 or not self.rm.running:
+        # A request that was itself evicted waits for blocks to free up
+        # naturally; letting victims evict in turn makes the pool thrash.
+        if waited < self.cfg.prefill_max_wait_ms * 1e6 or not self.rm.running or req.num_preemptions:
             return False
         evicted = False
         while need > self.mm.num_free + self._pending_free() - self._reserve and self.rm.running:

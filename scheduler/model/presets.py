@@ -43,7 +43,7 @@ from scheduler.model import tokenizer_build
 GENERATOR_VERSION = 1
 
 CACHE_ENV_VAR = "MSTRACE_CACHE_DIR"
-# Written last-but-atomically with the folder; records what built it.
+# Written last in a build: what built the folder, and its files' hashes.
 MANIFEST_NAME = "mstrace_preset.json"
 REQUIRED_FILES: tuple[str, ...] = (
     "config.json",
@@ -59,7 +59,12 @@ STALE_TMP_SECONDS = 3600.0
 
 @dataclass(slots=True, frozen=True)
 class PresetSpec:
-    """Architecture numbers of one preset (Llama, float32)."""
+    """Architecture numbers of one preset (Llama, float32).
+
+    With ``tie_word_embeddings`` the special tokens' output rows are not
+    zeroed (they double as input embeddings), so greedy decoding may emit
+    ``</s>``; the built-in presets are all untied.
+    """
 
     description: str
     vocab_size: int
@@ -124,19 +129,23 @@ class PresetSpec:
         }
 
 
-# How the init scales were chosen (measured with transformers on each preset,
-# greedy decoding; numbers in the module's tests and the design notes):
+# How the init scales were chosen (measured with transformers, greedy decoding
+# of 4-8k steps per preset):
 # - initializer_range (embeddings and all layer weights) is 0.05 rather than
-#   Llama's 0.02: at 0.02 the deeper presets fall into a fixed point and
-#   greedy decoding repeats one token forever, which hides KV-cache bugs
-#   (a repeated token is consistent with almost any cache). At 0.05 outputs
-#   are varied and every next token depends on the context.
-# - lm_head_initializer_range is much larger: after the final RMSNorm the
-#   logits' spread is lm_head std * sqrt(hidden_size), and at 0.02 about 1% of
-#   greedy steps had a top-1/top-2 margin under 1e-3, close enough to float32
-#   noise that two correct implementations could pick different tokens. The
-#   values below give logits with a std of 8-11 and margins under 1e-2 in
-#   about 0.2% of steps, several hundred times the measured float noise.
+#   Llama's 0.02: at 0.02 `default` falls into a fixed point and greedy
+#   decoding repeats one token forever, which would hide KV-cache bugs (a
+#   repeated token is consistent with almost any cache). At 0.05 outputs are
+#   varied and the next token depends on more than the last 8 tokens.
+# - lm_head_initializer_range is larger: after the final RMSNorm the logits'
+#   spread is lm_head std * sqrt(hidden_size). With everything at 0.02, 1.2%
+#   of `default`'s greedy steps had a top-1/top-2 margin under 1e-3; with the
+#   values below the logits' std is 8 (tiny, small) or 11 (default) and
+#   about 0.06% of steps have a margin under 1e-3, 0.4-0.5% under 1e-2.
+#   Scaling lm_head further would shrink those fractions but not the real
+#   risk: float noise in the logits scales with lm_head too (it is ~2e-6 of
+#   the logits' std here), so the chance that noise flips a greedy token,
+#   about 1 in 10^4-10^5 steps for `default`, is set by the layers, not by
+#   this scale. Comparisons against a reference should tolerate it.
 #   Only lm_head is scaled: a large *embedding* instead turns the model into
 #   a bigram table whose output ignores the context.
 PRESETS: dict[str, PresetSpec] = {
@@ -269,6 +278,7 @@ def preset_key(name: str) -> str:
 
 
 def get_spec(name: str) -> PresetSpec:
+    """The spec of preset ``name``; ``ValueError`` naming the known ones if unknown."""
     try:
         return PRESETS[name]
     except KeyError:
