@@ -1,0 +1,43 @@
+"""Shared helpers for the benchmarks: run the CLI like a user, read reports."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "out"
+
+
+def mstrace_run(out: Path, *args: str) -> None:
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    p = subprocess.run([sys.executable, "-m", "viewer.cli", "run", "--out", str(out), "-q", *args],
+                       cwd=REPO, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"mstrace run failed: {p.stderr.strip()}")
+
+
+def report(trace: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from viewer.report import build_report
+
+    return build_report(trace)
+
+
+def share(rep: dict[str, Any], boundary: str) -> float:
+    return next((b["share"] or 0.0 for b in rep["boundaries"] if b["boundary"] == boundary), 0.0)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
