@@ -10,6 +10,7 @@ DEVICE_COMPUTE: Final = "device_compute"  # device stream busy with model work (
 ALL_REDUCE: Final = "all_reduce"  # a rank waits in a collective (TP)
 BOOKKEEPING: Final = "bookkeeping"  # host updates block table, ref counts, free list, request state
 RESPONSE_SEND: Final = "response_send"  # hand-off of new tokens to the sender path
+RESPONSE_DELIVER: Final = "response_deliver"  # the sender thread detokenizes and delivers one round
 BATCH_BROADCAST: Final = "batch_broadcast"  # rank 0 ships the batch description to other ranks
 KV_FENCE: Final = "kv_fence"  # freeing/reusing blocks waits for device work that still reads them
 TOKENIZE: Final = "tokenize"  # a request's time in the tokenizer pool
@@ -20,7 +21,7 @@ IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (no
 
 ALL: Final = (
     SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
-    BATCH_BROADCAST, KV_FENCE, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, IDLE,
+    BATCH_BROADCAST, KV_FENCE, RESPONSE_DELIVER, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, IDLE,
 )
 
 # The seed's judgement of each boundary (DIGEST.md, "The cost table").
@@ -30,6 +31,7 @@ REMOVABLE: Final[dict[str, str]] = {
     ALL_REDUCE: "partly overlappable",
     BOOKKEEPING: "parallel to device",
     RESPONSE_SEND: "should be async",
+    RESPONSE_DELIVER: "off-thread already",
     BATCH_BROADCAST: "overlappable",
     KV_FENCE: "defer the free",
     TOKENIZE: "off-thread already",

@@ -46,6 +46,10 @@ class EngineConfig:
     snapshot_every: int = 50  # full block-table snapshot every N rounds; 0 = never
     # Test-only: sleep this long inside bookkeeping, to check the report is truthful.
     debug_bookkeeping_sleep_ms: float = 0.0
+    inject: tuple[str, ...] = ()  # fault injection, see scheduler/faults.py
+    gc: bool = True  # the periodic GC scan that reclaims leaked / stuck blocks
+    gc_after_s: float = 10.0
+    on_stall: str = "abort"  # abort | continue, when a wait passes wait_timeout_s
     # Test-only: verify on the device stream that no KV slot is read before its write,
     # and (negative control) drop the cross-stream event waits that guarantee it.
     debug_kv_check: bool = False
@@ -79,8 +83,26 @@ class EngineConfig:
             raise ConfigError(f"--wait-timeout must be > 0 (got {self.wait_timeout_s})")
         if self.snapshot_every < 0:
             raise ConfigError(f"--snapshot-every must be >= 0 (got {self.snapshot_every})")
+        if self.on_stall not in ("abort", "continue"):
+            raise ConfigError(f"--on-stall must be abort or continue (got {self.on_stall!r})")
+        if self.gc_after_s < 0:
+            raise ConfigError(f"--gc-after-s must be >= 0 (got {self.gc_after_s})")
+        from scheduler.faults import parse_faults
+
+        try:
+            parse_faults(self.inject)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if "deadlock" in self.inject and not self.split_on:
+            raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be >= 1")
+
+    @property
+    def hard_wait_timeout_s(self) -> float:
+        """When a wait itself gives up: after the watchdog has had time to report it
+        (abort), or much later (continue: a slow wait is reported but allowed to finish)."""
+        return self.wait_timeout_s + 0.5 if self.on_stall == "abort" else 10 * self.wait_timeout_s
 
     @property
     def overlap_on(self) -> bool:

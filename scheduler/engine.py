@@ -31,11 +31,13 @@ from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
 from scheduler.executor import Executor, Launch
+from scheduler.faults import SLOW_SENDER_S
 from scheduler.memory_manager import MemoryManager
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
 from scheduler.model.presets import resolve_model
 from scheduler.policy import Policy
+from scheduler.reclaim import Reclaimer
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.request_manager import RequestManager
 from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
@@ -92,20 +94,23 @@ class Engine:
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
         self._mem_buf = self.probes.buffer("memory")
         self.registry = WaitRegistry()
-        self.streams = make_streams(self.device, self.probes, self.registry, config.wait_timeout_s)
+        self.streams = make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s)
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing)
         self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
-        self._fenced: list[tuple[list[Event], str, list[int]]] = []
+        self._fenced: list[tuple[list[Event], str, list[int], str]] = []
         self._fenced_blocks = 0
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
-                                 self.streams, self.registry, config.wait_timeout_s, self._pb)
+                                 self.streams, self.registry, config.hard_wait_timeout_s, self._pb)
         if config.debug_kv_check:
             self.executor.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
-        self.sender = Sender(self.tokenizer, list(sinks))
+        self.sender = Sender(self.tokenizer, list(sinks), self.probes,
+                             SLOW_SENDER_S if "slow-sender" in config.inject else 0.0)
+        self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
+        self._leak_injected = False
         self._steps_buf = trace.buffer("steps") if trace else None
         # Everything allocated so far (weights, KV pool, tables) is long-lived:
         # freezing it keeps the cyclic GC from rescanning it while probe
@@ -116,6 +121,8 @@ class Engine:
         self._submit_lock = threading.Lock()
         self._submitted = 0
         self._received = 0
+        if "starve" in config.inject:
+            self._inject_starve()
 
     # ---- set-up --------------------------------------------------------
     def _pool_blocks(self, dtype: torch.dtype) -> int:
@@ -157,6 +164,15 @@ class Engine:
         self.pool.submit(rid, prompt if isinstance(prompt, str) else list(prompt),
                          params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
         return rid
+
+    def _inject_starve(self) -> None:
+        """Four long decodes, submitted first, that together pin ~90% of the pool."""
+        pool_tokens = self.mm.num_blocks * self.mm.block_size
+        prompt, new = max(1, int(0.2 * pool_tokens)), max(1, int(0.02 * pool_tokens))
+        vocab = self.model_config.vocab_size
+        for i in range(4):
+            ids = [(7919 * (i * prompt + j)) % (vocab - 10) + 5 for j in range(prompt)]
+            self.submit(ids, SamplingParams(new, ignore_eos=True), f"starve-pin-{i}")
 
     def has_work(self) -> bool:
         return (len(self.rm) > 0 or self._received < self._submitted or self._inflight is not None
@@ -214,6 +230,8 @@ class Engine:
             if out.finished:
                 self.sender.queue.put(out)
             return None
+        if self.reclaimer is not None and self.reclaimer.due(t3):
+            self._gc(t3)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
             self._snapshot_blocks(step)
         if self.cfg.debug_bookkeeping_sleep_ms:
@@ -242,6 +260,7 @@ class Engine:
                 step, self.cfg.mode, t0, t5 - t0, max(0, (t5 - t0) - device_ns), device_ns,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
+                self.sender.queue.qsize(),
             ))
         return stats
 
@@ -337,12 +356,35 @@ class Engine:
                 req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
                     req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)
 
-    def _finish(self, req: Request, reason: FinishReason, detail: str = "") -> None:
-        self._release(req)
+    def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
+        if "leak" in self.cfg.inject and not self._leak_injected:
+            # Injected fault: the request dies on an exception path that skips
+            # the free. Its blocks stay held by a request that no longer runs.
+            self._leak_injected = True
+            self.rm.mark(req, "fault_injected", len(req.block_table))
+            req.drop_placeholders()
+            self.rm.finish(req, FinishReason.ABORTED, "injected fault: died without freeing its blocks")
+            return
+        self._release(req, kind)
         req.drop_placeholders()  # a token of the next round may be in flight: it is discarded
         self.rm.finish(req, reason, detail)
 
-    def _release(self, req: Request) -> None:
+    def _gc(self, now: int, force: bool = False) -> None:
+        assert self.reclaimer is not None
+        orphans, stuck = self.reclaimer.scan(self.rm, self.mm, now, force)
+        for o in orphans:
+            if self.trace is not None:
+                self.trace.buffer("timeline").append((now, o.request_id, "reclaimed", self.step_no, len(o.blocks)))
+        for req, why in stuck:
+            self.rm.mark(req, "reclaimed", len(req.block_table))
+            self._finish(req, FinishReason.ABORTED, f"gc: {why}", kind="reclaim")
+
+    def finish_run(self) -> None:
+        """End of a run: a last GC pass reclaims any orphan whatever its age."""
+        if self.reclaimer is not None:
+            self._gc(now_ns(), force=True)
+
+    def _release(self, req: Request, kind: str = "free") -> None:
         """Give a request's blocks back, behind the KV fence.
 
         Work on one stream runs in order, so a block freed now and reused by a
@@ -356,25 +398,25 @@ class Engine:
         if req.last_event is not None:
             fence.append(req.last_event)
         if self.cfg.split_on and any(not ev.query() for ev in fence):
-            self._fenced.append((fence, req.request_id, req.block_table))
+            self._fenced.append((fence, req.request_id, req.block_table, kind))
             self._fenced_blocks += len(req.block_table)
         else:
-            self.mm.free(req.request_id, req.block_table)
+            self.mm.free(req.request_id, req.block_table, kind)
         req.block_table = []
 
     def _release_fenced(self) -> None:
         if not self._fenced:
             return
         keep = []
-        for fence, rid, table in self._fenced:
+        for fence, rid, table, kind in self._fenced:
             t0 = now_ns()
             if all(ev.query() for ev in fence):
-                self.mm.free(rid, table)
+                self.mm.free(rid, table, kind)
                 self._fenced_blocks -= len(table)
                 if self._pb is not None:
                     self._pb.append((t0, now_ns() - t0, KV_FENCE, "host", self.probes.rank, self.step_no))
             else:
-                keep.append((fence, rid, table))
+                keep.append((fence, rid, table, kind))
         self._fenced = keep
 
     def _snapshot_blocks(self, step: int) -> None:

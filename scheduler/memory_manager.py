@@ -91,6 +91,9 @@ class MemoryManager:
         # least recently freed block; revived prefix blocks are removed by key.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        # request id -> its block table (the same list object the request holds),
+        # so the GC can reconcile holders against live requests.
+        self.tables: dict[str, list[int]] = {}
         self._on_event = on_event
         self.enable_prefix_sharing = enable_prefix_sharing
 
@@ -146,6 +149,7 @@ class MemoryManager:
             table.append(bid)
         for _ in range(fresh):
             table.append(self._take_free(request_id))
+        self.tables[request_id] = table
         return table
 
     def append_block(self, request_id: str, table: list[int]) -> int:
@@ -156,8 +160,12 @@ class MemoryManager:
         table.append(bid)
         return bid
 
-    def free(self, request_id: str, table: Sequence[int]) -> None:
-        """Drop one reference to each block; a block with no references left is free again."""
+    def free(self, request_id: str, table: Sequence[int], kind: str = "free") -> None:
+        """Drop one reference to each block; a block with no references left is free again.
+
+        kind="reclaim" marks blocks the GC took back from a dead holder.
+        """
+        self.tables.pop(request_id, None)
         # Reverse order puts a request's tail blocks at the LRU front, so its
         # (more widely shared) prefix blocks survive longest for revival.
         for bid in reversed(table):
@@ -167,9 +175,9 @@ class MemoryManager:
             blk.ref_count -= 1
             if blk.ref_count == 0:
                 self._free[bid] = None
-                self._emit("free", bid, request_id, 0)
+                self._emit(kind, bid, request_id, 0)
             else:
-                self._emit("unref", bid, request_id, blk.ref_count)
+                self._emit("unref" if kind == "free" else kind, bid, request_id, blk.ref_count)
 
     def register_full_blocks(
         self,

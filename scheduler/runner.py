@@ -76,6 +76,7 @@ def run_workload(
     finally:
         stop.set()
         feeder.join()
+    engine.finish_run()
     return RunResult(start, now_ns(), steps, len(items))
 
 

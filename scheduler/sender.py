@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from probes.boundaries import RESPONSE_DELIVER
+from probes.clock import now_ns
+from probes.recorder import Probes
 from scheduler.request import Request
 from scheduler.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,8 +66,14 @@ class OutputSink(Protocol):
 
 
 class Sender:
-    def __init__(self, tokenizer: Tokenizer | None, sinks: list[OutputSink]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, sinks: list[OutputSink], probes: Probes | None = None,
+        inject_delay_s: float = 0.0,
+    ) -> None:
         self.queue: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        self._buf = probes.buffer() if probes is not None else None
+        self._rank = probes.rank if probes is not None else 0
+        self._delay = inject_delay_s  # the slow-sender fault
         self._tok = tokenizer
         self._sinks = sinks
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -83,10 +93,15 @@ class Sender:
             item = self.queue.get()
             if item is None:
                 return
+            t0 = now_ns()
             try:
+                if self._delay:
+                    time.sleep(self._delay)
                 self._deliver(item)
             except BaseException as e:  # noqa: BLE001 - reported on close(); keep draining
                 self.error = self.error or e
+            if self._buf is not None:
+                self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 
     def _deliver(self, out: StepOutput) -> None:
         for rid, tok in out.tokens:

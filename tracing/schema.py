@@ -59,6 +59,7 @@ STEPS = pa.schema([
     ("blocks_free", pa.int32()),
     ("num_waiting", pa.int32()),
     ("num_running", pa.int32()),
+    ("out_queue_depth", pa.int32()),  # StepOutputs the sender thread has not delivered yet
 ])
 
 MEMORY = pa.schema([
@@ -94,6 +95,26 @@ SPANS = pa.schema([
     ("attributes", pa.string()),  # JSON object of the span's attributes
 ])
 
+# One row per stalled wait noticed by the watchdog (probes/watchdog.py): the
+# wait that passed the watchdog's timeout, the wait cycle if any, and the dump
+# (wait-for graph, stream states, thread stacks, KV summary, all active waits) as JSON.
+STALLS = pa.schema([
+    ("ts_ns", pa.int64()),  # when the watchdog noticed
+    ("rank", pa.int32()),
+    ("step", pa.int64()),
+    ("waiter", pa.string()),
+    ("what", pa.string()),
+    ("signaller", pa.string()),
+    ("boundary", pa.string()),
+    ("waited_ns", pa.int64()),
+    ("cycle", pa.string()),  # "a -> what -> b -> ... -> a", "" when the graph has no cycle
+    ("graph_json", pa.string()),
+    ("streams_json", pa.string()),
+    ("stacks_json", pa.string()),
+    ("kv_json", pa.string()),
+    ("waits_json", pa.string()),
+])
+
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,
     "requests": REQUESTS,
@@ -101,4 +122,5 @@ TABLES: dict[str, pa.Schema] = {
     "steps": STEPS,
     "memory": MEMORY,
     "spans": SPANS,
+    "stalls": STALLS,
 }

@@ -73,6 +73,10 @@ def run(
     wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
     snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
     debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,
+    inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve (repeatable).")] = None,
+    no_gc: Annotated[bool, typer.Option("--no-gc", help="Turn off the GC scan, so a leak stays visible.")] = False,
+    gc_after_s: Annotated[float, typer.Option(help="GC reclaims blocks of dead or stuck holders after this long.")] = 10.0,
+    on_stall: Annotated[str, typer.Option(help="abort (flush the trace, exit 3) or continue, when a wait passes --wait-timeout.")] = "abort",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace\\[otlp].")] = None,
 ) -> None:
@@ -88,6 +92,10 @@ def run(
         device_threads=device_threads, save_workload=save_workload, quiet=quiet, probes=not no_probes,
         wait_timeout=wait_timeout, snapshot_every=snapshot_every,
         debug_bookkeeping_sleep_ms=debug_bookkeeping_sleep_ms, otlp_endpoint=otlp_endpoint,
+        timeslice_chunk=timeslice_chunk, overlap_schedule=overlap_schedule, split_streams=split_streams,
+        prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
+        prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,
+        gc_after_s=gc_after_s, on_stall=on_stall,
     )
     execute_run(args, console, fail)
 
@@ -111,6 +119,77 @@ def report(
         print(json.dumps(rep, indent=2))
     else:
         render_report(console, rep)
+
+
+@app.command()
+def stalls(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+) -> None:
+    """Waits the stall watchdog caught: the wait cycle, each stream's state, thread stacks, the KV pool."""
+    import json
+
+    from tracing.reader import TraceError, read_meta, read_table
+    from viewer.analysis.stalls import stall_records
+    from viewer.stalls_view import render_stalls
+
+    try:
+        meta = read_meta(trace)
+        # A trace written before the stalls table existed has no folder for it: no stalls recorded.
+        recs = stall_records(read_table(trace, "stalls")) if (trace / "stalls").is_dir() else []
+    except TraceError as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps({"trace": str(trace), "count": len(recs), "stalls": [r.to_dict() for r in recs]},
+                         indent=2))
+    else:
+        render_stalls(console, str(trace), meta, recs)
+
+
+@app.command()
+def leaks(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+) -> None:
+    """KV blocks still held at the end by finished requests, reclaimed blocks, and fragmentation over time."""
+    import json
+
+    from tracing.reader import TraceError, read_meta, read_table
+    from viewer.analysis.leaks import leak_report
+    from viewer.stalls_view import render_leaks
+
+    try:
+        meta = read_meta(trace)
+        rep = leak_report(read_table(trace, "memory"), read_table(trace, "requests", ["request_id", "finish_reason"]),
+                          int(meta.get("model", {}).get("kv_blocks") or 0), run_ended="run" in meta)
+    except TraceError as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps({"trace": str(trace), **rep.to_dict()}, indent=2))
+    else:
+        render_leaks(console, str(trace), meta, rep)
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(help="Baseline trace directory (A).")],
+    b: Annotated[Path, typer.Argument(help="Trace directory to compare with A (B).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+) -> None:
+    """Did a change pay? B - A for per-boundary cost, device idle and serving metrics, with 95% bootstrap intervals."""
+    import json
+
+    from tracing.reader import TraceError
+    from viewer.diff import build_diff, render_diff
+
+    try:
+        d = build_diff(a, b)
+    except TraceError as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps(d, indent=2))
+    else:
+        render_diff(console, d)
 
 
 def main() -> None:

@@ -46,6 +46,10 @@ class RunArgs:
     prefill_stagger_us: float = 0.0
     decode_max_wait_ms: float = 500.0
     prefill_max_wait_ms: float = 2000.0
+    inject: tuple[str, ...] = ()
+    gc: bool = True
+    gc_after_s: float = 10.0
+    on_stall: str = "abort"
 
 
 class _ProgressSink:
@@ -81,7 +85,8 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms, timeslice_chunk=args.timeslice_chunk,
             overlap_schedule=args.overlap_schedule, split_streams=args.split_streams,
             prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
-            prefill_max_wait_ms=args.prefill_max_wait_ms,
+            prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
+            gc_after_s=args.gc_after_s, on_stall=args.on_stall,
         )
         cfg.validate()
         model_dir = resolve_model(args.model)

@@ -1,0 +1,320 @@
+"""The stall watchdog: finds waits that last too long and dumps why.
+
+The seed's remedy for deadlocks (DIGEST.md, "Troubleshooting") was a timeout
+on every wait that, on expiry, dumps every stream's state, its recent kernels
+and the call stack. Every engine wait goes through `probes.waits.timed_wait`,
+which registers an `ActiveWait` while it lasts, so a separate thread can see
+the stall *while it is still happening* (the stacks are only meaningful then)
+and can also name the wait cycle: each active wait is an edge
+"waiter --what--> signaller"; the engine adds resource edges (who holds the
+blocks a waiter needs); a cycle in that graph is the deadlock.
+
+Typical wiring (the watchdog thread is the producer that owns the buffer):
+
+    buf = writer.buffer("stalls")
+    wd = Watchdog(engine.registry, 2.0, on_stall=lambda r: buf.append(r.to_row()),
+                  streams=lambda: [s.state() for s in engine.streams.values()])
+    wd.start() ... wd.stop()
+
+Probes never import the engine: everything engine-specific arrives through
+callables.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from probes.clock import now_ns
+from probes.waits import ActiveWait, WaitRegistry
+
+DEFAULT_INTERVAL_S = 0.1
+
+
+@dataclass(slots=True)
+class Edge:
+    """`src` waits for `label`, which `dst` must signal or release."""
+
+    src: str
+    label: str
+    dst: str
+
+
+def wait_for_graph(waits: list[ActiveWait], extra: list[Edge]) -> list[Edge]:
+    """One edge per active wait (waiter --what--> signaller), then the engine's extra edges."""
+    return [Edge(w.waiter, w.what, w.signaller) for w in waits] + list(extra)
+
+
+def find_cycle(edges: list[Edge], start: str | None = None) -> list[Edge] | None:
+    """A cycle in the wait-for graph as its edges in order, or None.
+
+    Deterministic: the search starts at `start` (the stalled waiter, so the
+    cycle reads from its point of view) and then at every other node in sorted
+    order, following each node's edges in the order given. Iterative DFS with
+    white/grey/black colouring: a grey node reached again closes a cycle.
+    """
+    adj: dict[str, list[Edge]] = {}
+    for e in edges:
+        adj.setdefault(e.src, []).append(e)
+        adj.setdefault(e.dst, [])
+    roots = sorted(adj)
+    if start is not None and start in adj:
+        roots.remove(start)
+        roots.insert(0, start)
+    done: set[str] = set()
+    for root in roots:
+        if root in done:
+            continue
+        path: list[Edge] = []  # the edges from root to the current node
+        on_path: dict[str, int] = {root: 0}  # node -> index in path of the edge leaving it
+        stack: list[tuple[str, int]] = [(root, 0)]  # (node, next edge index to try)
+        while stack:
+            node, i = stack[-1]
+            if i >= len(adj[node]):
+                stack.pop()
+                done.add(node)
+                del on_path[node]
+                if path:
+                    path.pop()
+                continue
+            stack[-1] = (node, i + 1)
+            e = adj[node][i]
+            if e.dst in on_path:
+                return path[on_path[e.dst]:] + [e]
+            if e.dst in done:
+                continue
+            on_path[e.dst] = len(path) + 1
+            path.append(e)
+            stack.append((e.dst, 0))
+    return None
+
+
+def name_cycle(cycle: list[Edge]) -> str:
+    """`a -> what a waits for -> b -> ... -> a`; "" for no cycle."""
+    if not cycle:
+        return ""
+    parts = [cycle[0].src]
+    for e in cycle:
+        parts += [e.label, e.dst]
+    return " -> ".join(parts)
+
+
+@dataclass(slots=True)
+class ThreadStack:
+    thread_id: int
+    name: str
+    frames: list[str]  # traceback.format_stack entries, outermost first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"thread_id": self.thread_id, "name": self.name, "frames": self.frames}
+
+
+def thread_stacks(skip: int | None = None) -> list[ThreadStack]:
+    """Every Python thread's current stack, named, sorted by name for a stable dump."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = [
+        ThreadStack(tid, names.get(tid, f"thread-{tid}"), traceback.format_stack(frame))
+        for tid, frame in sys._current_frames().items()
+        if tid != skip
+    ]
+    out.sort(key=lambda s: (s.name, s.thread_id))
+    return out
+
+
+def _wait_dict(w: ActiveWait, now: int) -> dict[str, Any]:
+    return {**asdict(w), "waited_ns": now - w.since_ns}
+
+
+@dataclass(slots=True)
+class StallReport:
+    ts_ns: int  # when the watchdog noticed
+    rank: int
+    step: int  # the engine's step when noticed; -1 when unknown
+    wait: ActiveWait  # the wait that passed the timeout
+    waited_ns: int
+    waits: list[ActiveWait]  # every active wait at that moment
+    graph: list[Edge]
+    cycle: list[Edge] | None
+    streams: list[dict[str, Any]] = field(default_factory=list)
+    stacks: list[ThreadStack] = field(default_factory=list)
+    kv: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cycle_name(self) -> str:
+        return name_cycle(self.cycle or [])
+
+    def to_row(self) -> tuple[Any, ...]:
+        """The `stalls` table row, in tracing.schema.STALLS column order."""
+        w = self.wait
+        return (
+            self.ts_ns, self.rank, self.step, w.waiter, w.what, w.signaller, w.boundary,
+            self.waited_ns, self.cycle_name,
+            _json([asdict(e) for e in self.graph]),
+            _json(self.streams),
+            _json([s.to_dict() for s in self.stacks]),
+            _json(self.kv),
+            _json([_wait_dict(x, self.ts_ns) for x in self.waits]),
+        )
+
+    def render_text(self) -> str:
+        """A plain-text dump for logs: the wait, the cycle, streams, KV, waits, stacks."""
+        w = self.wait
+        lines = [
+            f"STALL rank {self.rank} step {self.step}: {w.waiter} has waited "
+            f"{self.waited_ns / 1e9:.2f} s for {w.what} (to be signalled by {w.signaller}; boundary {w.boundary})",
+            f"wait cycle: {self.cycle_name}" if self.cycle else "wait cycle: none (nobody signals it, or it is slow)",
+            "active waits:",
+        ]
+        for x in sorted(self.waits, key=lambda x: x.since_ns):
+            lines.append(f"  {x.waiter} -> {x.what} -> {x.signaller}  "
+                         f"({(self.ts_ns - x.since_ns) / 1e9:.2f} s, thread {x.thread_id})")
+        extra = self.graph[len(self.waits):]
+        if extra:
+            lines.append("resource edges:")
+            lines += [f"  {e.src} -> {e.label} -> {e.dst}" for e in extra]
+        lines.append("streams:")
+        for s in self.streams:
+            cur = s.get("in_progress")
+            lines.append(f"  {s.get('stream', '?')}: queue depth {s.get('queue_depth')}, "
+                         f"in progress {cur.get('label') if isinstance(cur, dict) else cur}, "
+                         f"error {s.get('error')}")
+            for op in list(s.get("recent") or [])[-8:]:
+                label, step, t0, t1 = op
+                lines.append(f"    {label} step {step}: {(t1 - t0) / 1e3:.0f} us, "
+                             f"ended {(self.ts_ns - t1) / 1e6:.1f} ms ago")
+        lines.append(f"kv: {_json(self.kv)}")
+        for st in self.stacks:
+            lines.append(f"thread {st.name} ({st.thread_id}):")
+            lines += [ln for f in st.frames for ln in f.rstrip("\n").split("\n")]
+        return "\n".join(lines)
+
+
+def _json(obj: Any) -> str:
+    # default=str: stream state or a KV summary may carry values JSON lacks (enums, paths).
+    return json.dumps(obj, default=str, separators=(",", ":"))
+
+
+def _guard(fn: Callable[[], Any], fallback: Any) -> Any:
+    """Collect one part of a report; a failing collector must not lose the rest of the dump."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the dump is best effort by design
+        return fallback(e)
+
+
+class Watchdog:
+    """A daemon thread that reports every wait lasting longer than `timeout_s`, once.
+
+    `timeout_s` should be below the waits' own timeout (5 s by default), so the
+    dump is taken while the stall is live and the stacks show it.
+    """
+
+    def __init__(
+        self,
+        registry: WaitRegistry,
+        timeout_s: float,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        on_stall: Callable[[StallReport], None],
+        streams: Callable[[], list[dict[str, Any]]] | None = None,
+        kv_summary: Callable[[], dict[str, Any]] | None = None,
+        extra_edges: Callable[[], list[Edge]] | None = None,
+        rank: int = 0,
+        step: Callable[[], int] | None = None,
+    ) -> None:
+        if timeout_s <= 0 or interval_s <= 0:
+            raise ValueError(f"timeout_s and interval_s must be > 0, got {timeout_s}, {interval_s}")
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self.on_stall = on_stall
+        self.streams = streams
+        self.kv_summary = kv_summary
+        self.extra_edges = extra_edges
+        self.rank = rank
+        self.step = step
+        self.stalls_reported = 0  # reports built so far (each wait at most once)
+        self.checks = 0
+        self._timeout_ns = int(timeout_s * 1e9)
+        # Reported waits by id(); holding the object keeps its id from being
+        # reused by a later wait while the entry lives.
+        self._fired: dict[int, ActiveWait] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> Watchdog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def check(self) -> list[StallReport]:
+        """One pass: report waits newly past the timeout. Cheap when nothing is stalled:
+        one registry snapshot and one comparison per active wait."""
+        self.checks += 1
+        waits = self.registry.snapshot()
+        if not waits and not self._fired:
+            return []
+        limit = now_ns() - self._timeout_ns
+        fired = self._fired
+        expired = [w for w in waits if w.since_ns < limit and id(w) not in fired]
+        if fired:
+            # Forget waits that ended, so the dict stays as small as the live set.
+            live = {id(w) for w in waits}
+            for k in [k for k in fired if k not in live]:
+                del fired[k]
+        if not expired:
+            return []
+        # Everything below runs only when something has stalled: cost is irrelevant.
+        reports = []
+        for w in sorted(expired, key=lambda x: x.since_ns):
+            fired[id(w)] = w
+            rep = self._build(w, waits)
+            reports.append(rep)
+            self.stalls_reported += 1
+            try:
+                self.on_stall(rep)
+            except Exception:  # noqa: BLE001 - a broken sink must not kill the watchdog
+                traceback.print_exc(file=sys.stderr)
+        return reports
+
+    def _build(self, w: ActiveWait, waits: list[ActiveWait]) -> StallReport:
+        ts = now_ns()
+        extra: list[Edge] = (_guard(self.extra_edges, lambda e: [])
+                             if self.extra_edges is not None else [])
+        graph = wait_for_graph(waits, extra)
+        cycle = find_cycle(graph, start=w.waiter)
+        streams: list[dict[str, Any]] = (_guard(self.streams, lambda e: [{"error": repr(e)}])
+                                         if self.streams is not None else [])
+        kv: dict[str, Any] = (_guard(self.kv_summary, lambda e: {"error": repr(e)})
+                              if self.kv_summary is not None else {})
+        step: int = _guard(self.step, lambda e: -1) if self.step is not None else -1
+        # The watchdog's own stack is just this reporting code: leave it out.
+        return StallReport(ts, self.rank, step, w, ts - w.since_ns, list(waits), graph, cycle,
+                           streams, thread_stacks(skip=threading.get_ident()), kv)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - keep watching; the next pass may succeed
+                traceback.print_exc(file=sys.stderr)
