@@ -17,11 +17,12 @@ TOKENIZE: Final = "tokenize"  # a request's time in the tokenizer pool
 BATCH_PREPARE: Final = "batch_prepare"  # host builds the step's device tensors (launch cost)
 STREAM_WAIT: Final = "stream_wait"  # a stream waits for an event recorded on another stream
 PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill work (seed's cache remedy)
+DEFRAG: Final = "defrag"  # scheduling paused while live KV blocks move to the low end
 IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
 
 ALL: Final = (
     SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
-    BATCH_BROADCAST, KV_FENCE, RESPONSE_DELIVER, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, IDLE,
+    BATCH_BROADCAST, KV_FENCE, RESPONSE_DELIVER, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, DEFRAG, IDLE,
 )
 
 # The seed's judgement of each boundary (DIGEST.md, "The cost table").
@@ -38,5 +39,6 @@ REMOVABLE: Final[dict[str, str]] = {
     BATCH_PREPARE: "overlappable",
     STREAM_WAIT: "remove the dependency",
     PREFILL_STAGGER: "tunable (--prefill-stagger-us)",
+    DEFRAG: "rare (free > 30%, no run fits)",
     IDLE: "not a cost",
 }

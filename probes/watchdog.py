@@ -53,19 +53,22 @@ def wait_for_graph(waits: list[ActiveWait], extra: list[Edge]) -> list[Edge]:
 def find_cycle(edges: list[Edge], start: str | None = None) -> list[Edge] | None:
     """A cycle in the wait-for graph as its edges in order, or None.
 
-    Deterministic: the search starts at `start` (the stalled waiter, so the
-    cycle reads from its point of view) and then at every other node in sorted
-    order, following each node's edges in the order given. Iterative DFS with
-    white/grey/black colouring: a grey node reached again closes a cycle.
+    With `start` (the stalled waiter) only cycles reachable from it count, and
+    one through it reads from its point of view: a wait that merely sits
+    beside an unrelated deadlock is not "in" it (that deadlock's own waits get
+    their own reports). Without `start`, every node is a root, in sorted order.
+    Deterministic: each node's edges are followed in the order given.
+    Iterative DFS with white/grey/black colouring: a grey node reached again
+    closes a cycle.
     """
     adj: dict[str, list[Edge]] = {}
     for e in edges:
         adj.setdefault(e.src, []).append(e)
         adj.setdefault(e.dst, [])
-    roots = sorted(adj)
-    if start is not None and start in adj:
-        roots.remove(start)
-        roots.insert(0, start)
+    if start is not None:
+        roots = [start] if start in adj else []
+    else:
+        roots = sorted(adj)
     done: set[str] = set()
     for root in roots:
         if root in done:

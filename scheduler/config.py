@@ -32,6 +32,10 @@ class EngineConfig:
     # Blocks kept back at admission so running decodes can still grow.
     watermark_frac: float = 0.01
     enable_prefix_sharing: bool = True
+    # paged: a request's blocks are scattered (block table). contiguous: one run of
+    # consecutive blocks reserved for its whole life (fragments; see defrag).
+    kv_layout: str = "paged"
+    defrag_free_frac: float = 0.3  # defragment when free > this share of the pool but no run fits
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # Intra-op threads for the "device" on CPU. 0 = cores - 1, so the host
@@ -83,6 +87,8 @@ class EngineConfig:
             raise ConfigError(f"--wait-timeout must be > 0 (got {self.wait_timeout_s})")
         if self.snapshot_every < 0:
             raise ConfigError(f"--snapshot-every must be >= 0 (got {self.snapshot_every})")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ConfigError(f"--kv-layout must be paged or contiguous (got {self.kv_layout!r})")
         if self.on_stall not in ("abort", "continue"):
             raise ConfigError(f"--on-stall must be abort or continue (got {self.on_stall!r})")
         if self.gc_after_s < 0:

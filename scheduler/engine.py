@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, IDLE, KV_FENCE, RESPONSE_SEND
+from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, DEFRAG, IDLE, KV_FENCE, RESPONSE_SEND
 from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
@@ -97,7 +97,7 @@ class Engine:
         self.streams = make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s)
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
-                                config.enable_prefix_sharing)
+                                config.enable_prefix_sharing and config.kv_layout == "paged")
         self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
         self._fenced: list[tuple[list[Event], str, list[int], str]] = []
         self._fenced_blocks = 0
@@ -230,6 +230,9 @@ class Engine:
             if out.finished:
                 self.sender.queue.put(out)
             return None
+        pause = (0, 0)
+        if self.policy.fragmented_need and self.mm.num_free > self.cfg.defrag_free_frac * self.mm.num_blocks:
+            pause = self._defrag(step)
         if self.reclaimer is not None and self.reclaimer.due(t3):
             self._gc(t3)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
@@ -250,7 +253,11 @@ class Engine:
             pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
             if batch:
                 pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
-            pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
+            if pause[1]:  # the defrag pause is its own row, not bookkeeping
+                pb.append((t3, pause[0] - t3, BOOKKEEPING, "host", r, step))
+                pb.append((pause[1], t4 - pause[1], BOOKKEEPING, "host", r, step))
+            else:
+                pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
             pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
         n_sampled = sum(len(t) for t in tokens)
         stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
@@ -369,6 +376,42 @@ class Engine:
         req.drop_placeholders()  # a token of the next round may be in flight: it is discarded
         self.rm.finish(req, reason, detail)
 
+    def _defrag(self, step: int) -> tuple[int, int]:
+        """Move every live run to the low end of the pool, scheduling paused.
+
+        Waits until no stream has work that could touch the old positions,
+        then copies the KV on the main stream and waits for that too.
+        """
+        t0 = now_ns()
+        self._wait_streams_idle(step)
+        holders = sorted((r for r in self.rm.running if r.block_table), key=lambda r: r.block_table[0])
+        moves: list[tuple[int, int]] = []
+        moved = {}
+        at = 0
+        for req in holders:
+            m = self.mm.move(req.request_id, req.block_table, at)
+            at += len(req.block_table)
+            if m:
+                moves += m
+                moved[req.request_id] = len(m)
+                self.rm.mark(req, "defrag_moved", len(m))
+        if moves:
+            src, dst = [a for a, _ in moves], [b for _, b in moves]
+            self.streams[MAIN].submit(lambda: self.executor.copy_blocks(src, dst), f"defrag#{step}", step, DEFRAG)
+            self._wait_streams_idle(step)
+        self.policy.fragmented_need = 0
+        t1 = now_ns()
+        if self._pb is not None:
+            self._pb.append((t0, t1 - t0, DEFRAG, "host", self.probes.rank, step))
+        return t0, t1
+
+    def _wait_streams_idle(self, step: int) -> None:
+        for name in (MAIN, PREFILL):
+            ev = self.streams[name].record()
+            timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
+                       signaller=f"{name}-stream", boundary=DEFRAG, timeout_s=self.cfg.hard_wait_timeout_s,
+                       step=step)
+
     def _gc(self, now: int, force: bool = False) -> None:
         assert self.reclaimer is not None
         orphans, stuck = self.reclaimer.scan(self.rm, self.mm, now, force)
@@ -398,6 +441,7 @@ class Engine:
         if req.last_event is not None:
             fence.append(req.last_event)
         if self.cfg.split_on and any(not ev.query() for ev in fence):
+            self.mm.detach(req.request_id, req.block_table)
             self._fenced.append((fence, req.request_id, req.block_table, kind))
             self._fenced_blocks += len(req.block_table)
         else:

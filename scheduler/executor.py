@@ -191,6 +191,15 @@ class Executor:
         self.future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Device work: move KV blocks (defragmentation); test-only tags move with them."""
+        self.kv.copy_blocks(src, dst)
+        if self.kv_tags is not None:
+            bs = self.block_size
+            s = torch.tensor([b * bs + i for b in src for i in range(bs)], device=self.device)
+            d = torch.tensor([b * bs + i for b in dst for i in range(bs)], device=self.device)
+            self.kv_tags[d] = self.kv_tags[s].clone()
+
     def _check_kv(self, prepared: PreparedBatch) -> None:
         tags, chk, fb = self.kv_tags, prepared.kv_check, prepared.forward
         assert tags is not None and chk is not None

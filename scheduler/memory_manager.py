@@ -112,6 +112,67 @@ class MemoryManager:
     def free_block_ids(self) -> list[int]:
         return list(self._free)
 
+    # ---- the contiguous layout (--kv-layout contiguous) -----------------
+    # The seed's "pool as a contiguous array": a request owns one run of
+    # consecutive blocks, so free space can be plentiful yet too scattered.
+    def free_runs(self) -> list[tuple[int, int]]:
+        """(start, length) of every run of consecutive free block ids, in id order."""
+        runs: list[tuple[int, int]] = []
+        start = prev = -2
+        for b in sorted(self._free):
+            if b != prev + 1:
+                if prev >= 0:
+                    runs.append((start, prev - start + 1))
+                start = b
+            prev = b
+        if prev >= 0:
+            runs.append((start, prev - start + 1))
+        return runs
+
+    def largest_free_run(self) -> int:
+        return max((n for _, n in self.free_runs()), default=0)
+
+    def allocate_run(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """First fit: the lowest run of num_blocks free consecutive blocks, or None."""
+        start = next((s for s, n in self.free_runs() if n >= num_blocks), None)
+        if start is None:
+            return None
+        table = []
+        for bid in range(start, start + num_blocks):
+            del self._free[bid]
+            blk = self.blocks[bid]
+            if blk.hash != NO_HASH:
+                self._unpublish(blk)
+            blk.ref_count = 1
+            self._emit("alloc", bid, request_id, 1)
+            table.append(bid)
+        self.tables[request_id] = table
+        return table
+
+    def move(self, request_id: str, table: list[int], dst_start: int) -> list[tuple[int, int]]:
+        """Defragmentation: give a request the run starting at dst_start (blocks
+        that are free or its own). Returns the (src, dst) block moves whose KV
+        the caller must copy; the table is updated in place."""
+        dst = list(range(dst_start, dst_start + len(table)))
+        own, dst_set = set(table), set(dst)
+        if any(b not in self._free and b not in own for b in dst):
+            raise RuntimeError(f"defrag: target run at {dst_start} is not free for {request_id}")
+        moves = [(s, d) for s, d in zip(table, dst, strict=True) if s != d]
+        # Ownership moves as ordinary alloc/free events, so a replay of the
+        # memory table needs no special case; a block in both sets stays held.
+        for d in dst:
+            if d not in own:
+                del self._free[d]
+                self.blocks[d].ref_count = 1
+                self._emit("alloc", d, request_id, 1)
+        for s_ in table:
+            if s_ not in dst_set:
+                self.blocks[s_].ref_count = 0
+                self._free[s_] = None
+                self._emit("free", s_, request_id, 0)
+        table[:] = dst
+        return moves
+
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Longest run of already-computed full blocks equal to the prompt's start.
 
@@ -165,7 +226,8 @@ class MemoryManager:
 
         kind="reclaim" marks blocks the GC took back from a dead holder.
         """
-        self.tables.pop(request_id, None)
+        if self.tables.get(request_id) is table:
+            del self.tables[request_id]
         # Reverse order puts a request's tail blocks at the LRU front, so its
         # (more widely shared) prefix blocks survive longest for revival.
         for bid in reversed(table):
@@ -178,6 +240,13 @@ class MemoryManager:
                 self._emit(kind, bid, request_id, 0)
             else:
                 self._emit("unref" if kind == "free" else kind, bid, request_id, blk.ref_count)
+
+    def detach(self, request_id: str, table: list[int]) -> None:
+        """Stop tracking a table whose free is deferred (behind the KV fence): the
+        engine owns it until then, so the GC must not mistake it for a leak, and a
+        re-admitted request of the same id gets its own entry."""
+        if self.tables.get(request_id) is table:
+            del self.tables[request_id]
 
     def register_full_blocks(
         self,

@@ -43,6 +43,10 @@ class Policy:
         self._pending_free = pending_free  # blocks released but still behind the KV fence
         self._reserve = int(cfg.watermark_frac * mm.num_blocks)
         self._timeslice = cfg.mode == "timeslice"
+        self._contiguous = cfg.kv_layout == "contiguous"
+        # Contiguous layout: blocks the head request needs when enough are free
+        # but no run is long enough (the engine's defragmentation trigger).
+        self.fragmented_need = 0
 
     def schedule(self, step: int) -> ScheduleBatch:
         batch = ScheduleBatch(step)
@@ -106,6 +110,11 @@ class Policy:
             if worst > mm.num_blocks:
                 self._reject(req, worst)
                 continue
+            if self._contiguous:
+                if not self._admit_contiguous(req, worst):
+                    break
+                budget -= self._add_prefill(batch, req, budget)
+                continue
             tokens = req.token_ids()
             prefix = mm.match_prefix(tokens)
             need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
@@ -118,6 +127,20 @@ class Policy:
             req.num_hashed_blocks, req.last_block_hash = prefix.num_blocks, prefix.last_hash
             self.rm.admit(req)
             budget -= self._add_prefill(batch, req, budget)
+
+    def _admit_contiguous(self, req: Request, need: int) -> bool:
+        """One run for the request's whole life (prompt + max_new_tokens): no growth, no sharing."""
+        self.fragmented_need = 0
+        if need > self.mm.num_free - self._reserve:
+            return False
+        table = self.mm.allocate_run(req.request_id, need)
+        if table is None:
+            self.fragmented_need = need  # enough free blocks, but scattered
+            return False
+        req.block_table = table
+        req.num_computed = req.num_cached_prefix = 0
+        self.rm.admit(req)
+        return True
 
     def _evict_for(self, req: Request, need: int, batch: ScheduleBatch, now: int) -> bool:
         """Starvation remedy: a prefill waiting past prefill_max_wait_ms for blocks evicts decodes."""

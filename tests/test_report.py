@@ -14,8 +14,7 @@ import pytest
 from tests.cli import REPO, mstrace
 from tracing.reader import read_table
 
-CORE = {"scheduler_barrier", "device_compute", "bookkeeping", "response_send", "kv_fence", "tokenize",
-        "batch_prepare"}
+CORE = {"scheduler_barrier", "device_compute", "bookkeeping", "response_send", "tokenize", "batch_prepare"}
 
 
 def report_json(path):
@@ -75,6 +74,16 @@ def test_bookkeeping_row_is_truthful(tmp_path):
     for name in ("device_compute", "batch_prepare", "response_send"):
         # absolute: the rows must not absorb the injected 2 ms (the machine is shared and noisy)
         assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=0.6), name
+
+
+def test_overlap_with_split_streams_records_kv_fences(tmp_path):
+    """kv_fence exists only where a free must wait for another stream: split streams."""
+    out = tmp_path / "ov"
+    p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", "overlap", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    got = rows(report_json(out))
+    assert got["kv_fence"]["count"] > 0
+    assert abs(sum(b["share"] or 0 for b in report_json(out)["boundaries"]) - 1) <= 0.02
 
 
 def test_no_probes_keeps_requests(tmp_path):

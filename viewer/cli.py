@@ -66,6 +66,7 @@ def run(
     kv_bytes: Annotated[str | None, typer.Option(help="KV pool size in bytes (e.g. 256MiB).")] = None,
     max_running: Annotated[int, typer.Option(help="Max requests in the running queue.")] = 256,
     no_prefix_sharing: Annotated[bool, typer.Option("--no-prefix-sharing", help="Disable shared prefix blocks.")] = False,
+    kv_layout: Annotated[str, typer.Option(help="paged (scattered blocks) or contiguous (one run per request; fragments, defragments).")] = "paged",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     device_threads: Annotated[int, typer.Option(help="CPU intra-op threads for the model (0 = cores - 1).")] = 0,
     save_workload: Annotated[Path | None, typer.Option(help="Also write the workload that ran as JSONL.")] = None,
@@ -95,7 +96,7 @@ def run(
         timeslice_chunk=timeslice_chunk, overlap_schedule=overlap_schedule, split_streams=split_streams,
         prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
         prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,
-        gc_after_s=gc_after_s, on_stall=on_stall,
+        gc_after_s=gc_after_s, on_stall=on_stall, kv_layout=kv_layout,
     )
     execute_run(args, console, fail)
 

@@ -50,6 +50,7 @@ class RunArgs:
     gc: bool = True
     gc_after_s: float = 10.0
     on_stall: str = "abort"
+    kv_layout: str = "paged"
 
 
 class _ProgressSink:
@@ -86,7 +87,7 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             overlap_schedule=args.overlap_schedule, split_streams=args.split_streams,
             prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
             prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
-            gc_after_s=args.gc_after_s, on_stall=args.on_stall,
+            gc_after_s=args.gc_after_s, on_stall=args.on_stall, kv_layout=args.kv_layout,
         )
         cfg.validate()
         model_dir = resolve_model(args.model)

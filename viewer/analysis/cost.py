@@ -27,11 +27,12 @@ from probes import boundaries as B
 
 # Boundaries that run on the scheduling thread, one at a time: their
 # device-idle parts are disjoint, so they partition the idle time exactly.
-HOST_EXCLUSIVE = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.KV_FENCE, B.BATCH_BROADCAST, B.ALL_REDUCE)
+HOST_EXCLUSIVE = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.KV_FENCE, B.BATCH_BROADCAST, B.ALL_REDUCE,
+                  B.DEFRAG)
 # Off the scheduling thread (tokenizer pool) or on a stream: informational rows.
-CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT)
+CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 ORDER = (B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND,
-         B.KV_FENCE, B.BATCH_BROADCAST, B.TOKENIZE, B.STREAM_WAIT, B.DEVICE_COMPUTE)
+         B.KV_FENCE, B.BATCH_BROADCAST, B.DEFRAG, B.TOKENIZE, B.RESPONSE_DELIVER, B.STREAM_WAIT, B.DEVICE_COMPUTE)
 
 
 @dataclass(slots=True)

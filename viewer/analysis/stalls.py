@@ -1,0 +1,72 @@
+"""Stalls: the watchdog's reports, read back from the `stalls` table."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+
+@dataclass(slots=True)
+class StallRecord:
+    ts_ns: int
+    rank: int
+    step: int
+    waiter: str
+    what: str
+    signaller: str
+    boundary: str
+    waited_ns: int
+    cycle: str  # "" when no wait cycle is reachable from the waiter
+    graph: list[dict[str, Any]] = field(default_factory=list)
+    streams: list[dict[str, Any]] = field(default_factory=list)
+    stacks: list[dict[str, Any]] = field(default_factory=list)
+    kv: dict[str, Any] = field(default_factory=dict)
+    waits: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _load(text: str | None, empty: Any) -> Any:
+    # A row the watchdog could not fully fill still shows its wait and cycle.
+    if not text:
+        return empty
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return empty
+
+
+def stall_records(stalls: pa.Table) -> list[StallRecord]:
+    """Every stall in the table, newest first (ties: higher rank, then later row, first)."""
+    cols = stalls.to_pydict()
+    n = stalls.num_rows
+    out = [
+        StallRecord(
+            ts_ns=cols["ts_ns"][i], rank=cols["rank"][i], step=cols["step"][i],
+            waiter=cols["waiter"][i] or "", what=cols["what"][i] or "",
+            signaller=cols["signaller"][i] or "", boundary=cols["boundary"][i] or "",
+            waited_ns=cols["waited_ns"][i], cycle=cols["cycle"][i] or "",
+            graph=_load(cols["graph_json"][i], []), streams=_load(cols["streams_json"][i], []),
+            stacks=_load(cols["stacks_json"][i], []), kv=_load(cols["kv_json"][i], {}),
+            waits=_load(cols["waits_json"][i], []),
+        )
+        for i in range(n)
+    ]
+    order = sorted(range(n), key=lambda i: (out[i].ts_ns, out[i].rank, i), reverse=True)
+    return [out[i] for i in order]
+
+
+def interesting_frames(frames: list[str], keep: int = 6) -> tuple[int, list[str]]:
+    """(frames hidden, innermost frames worth reading) of one formatted stack.
+
+    threading.py frames are either the start-up frames every thread shares
+    (_bootstrap, run) or the inside of Event/Condition.wait under the caller
+    that matters; dropping them leaves the engine's own frames, innermost last.
+    """
+    useful = [f for f in frames if '/threading.py", line' not in f]
+    kept = useful[-keep:] if keep > 0 else []
+    return len(frames) - len(kept), kept

@@ -1,0 +1,160 @@
+"""Rich rendering for `mstrace stalls` and `mstrace leaks` (the data comes from viewer/analysis)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from viewer.analysis.leaks import HeldBlocks, LeakReport
+from viewer.analysis.stalls import StallRecord, interesting_frames
+
+RECENT_OPS = 5
+
+
+def _when(meta: dict[str, Any], ts_ns: int) -> str:
+    """Seconds since the run started; a killed run (the usual case after a deadlock)
+    has no `run` in meta.json, so fall back to wall time through the clock anchor."""
+    start = (meta.get("run") or {}).get("start_ns")
+    if isinstance(start, int):
+        return f"+{(ts_ns - start) / 1e9:.3f} s into the run"
+    clock = meta.get("clock") or {}
+    mono, unix = clock.get("anchor_monotonic_ns"), clock.get("anchor_unix_ns")
+    if isinstance(mono, int) and isinstance(unix, int):
+        from datetime import datetime
+
+        return datetime.fromtimestamp((ts_ns - mono + unix) / 1e9).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return f"ts {ts_ns}"
+
+
+def _ranges(ids: list[int]) -> str:
+    """[1,2,3,7,9,10] -> "1-3, 7, 9-10": a leaked table is usually a few runs."""
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list[StallRecord]) -> None:
+    console.print(f"[bold]{trace}[/]  {len(recs)} stall(s)", highlight=False)
+    if not recs:
+        console.print("[green]no stalls: no wait outlasted the watchdog's timeout[/]")
+        return
+    for n, r in enumerate(recs, 1):
+        console.rule(f"stall {n}/{len(recs)}  {_when(meta, r.ts_ns)}  rank {r.rank}  step {r.step}")
+        console.print(Text.assemble(
+            (r.waiter, "bold"), f" waited {r.waited_ns / 1e9:.2f} s for ", (r.what, "bold"),
+            f" (to be signalled by {r.signaller}; boundary {r.boundary})",
+        ))
+        if r.cycle:
+            console.print(Text.assemble("wait cycle: ", (r.cycle, "bold red")))
+        else:
+            console.print(Text("no wait cycle: the signaller is slow, dead, or never coming", style="yellow"))
+
+        waits = Table(title="active waits", title_justify="left", header_style="bold")
+        for col in ("waiter", "waits for", "signaller", "waited s", "thread"):
+            waits.add_column(col, justify="right" if col == "waited s" else "left")
+        thread_names = {s.get("thread_id"): str(s.get("name")) for s in r.stacks}
+        for w in sorted(r.waits, key=lambda w: -int(w.get("waited_ns", 0))):
+            waits.add_row(str(w.get("waiter")), str(w.get("what")), str(w.get("signaller")),
+                          f"{int(w.get('waited_ns', 0)) / 1e9:.2f}",
+                          thread_names.get(w.get("thread_id"), str(w.get("thread_id"))))
+        console.print(waits)
+        extra = r.graph[len(r.waits):]
+        if extra:
+            console.print("resource edges: " + "; ".join(f"{e['src']} -> {e['label']} -> {e['dst']}" for e in extra),
+                          highlight=False)
+
+        if r.streams:
+            st = Table(title="streams", title_justify="left", header_style="bold")
+            for col in ("stream", "queue", "in progress", f"last {RECENT_OPS} ops (label step us)", "error"):
+                st.add_column(col)
+            for s in r.streams:
+                cur = s.get("in_progress")
+                cur_s = "—" if not cur else (
+                    f"{cur.get('label')} ({(r.ts_ns - int(cur.get('since_ns', r.ts_ns))) / 1e6:.0f} ms)"
+                    if isinstance(cur, dict) else str(cur))
+                recent = [f"{op[0]} {op[1]} {(op[3] - op[2]) / 1e3:.0f}"
+                          for op in list(s.get("recent") or [])[-RECENT_OPS:] if len(op) >= 4]
+                st.add_row(str(s.get("stream", "?")), str(s.get("queue_depth", "")), cur_s,
+                           "\n".join(recent) or "—", str(s.get("error") or "—"))
+            console.print(st)
+
+        if r.kv:
+            console.print("KV pool: " + ", ".join(f"{k}={v}" for k, v in r.kv.items()), highlight=False)
+
+        waiting = {int(w.get("thread_id", 0)) for w in r.waits}
+        console.print(Text("thread stacks (waiting threads first, innermost frames):", style="bold"))
+        for s in sorted(r.stacks, key=lambda s: (s.get("thread_id") not in waiting, str(s.get("name")))):
+            frames = list(s.get("frames") or [])
+            mark = " [waiting]" if s.get("thread_id") in waiting else ""
+            if s.get("thread_id") in waiting:
+                hidden, kept = interesting_frames(frames)
+            else:
+                hidden, kept = interesting_frames(frames, keep=1)  # other threads: where they are, briefly
+            console.print(Text(f"  {s.get('name')} ({s.get('thread_id')}){mark}"
+                               + (f", {hidden} frames hidden" if hidden else ""),
+                               style="bold" if mark else ""))
+            for f in kept:
+                console.print(Text("    " + f.rstrip("\n").replace("\n", "\n    "), style="dim" if not mark else ""))
+
+
+def _held_table(title: str, rows: list[HeldBlocks]) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("request", "status", "finish", "blocks", "block ids"):
+        t.add_column(col, justify="right" if col == "blocks" else "left")
+    for h in rows:
+        t.add_row(h.request_id or "(none)", h.status, h.finish_reason or "—", str(len(h.block_ids)),
+                  _ranges(h.block_ids))
+    return t
+
+
+def render_leaks(console: Console, trace: str, meta: dict[str, Any], rep: LeakReport) -> None:
+    console.print(f"[bold]{trace}[/]  {rep.events} block events replayed", highlight=False)
+    if not meta.get("config", {}).get("probes", True):
+        console.print("[yellow]this trace was recorded with --no-probes: no memory table to replay[/]")
+    if not rep.run_ended:
+        console.print("[yellow]the run did not finish cleanly: blocks of requests not in `requests` "
+                      "are counted as still running, not leaked[/]")
+    cap = f"{rep.capacity}" + (" (inferred: meta.json has no kv_blocks)" if rep.capacity_inferred else "")
+    console.print(f"KV pool at the end: {rep.final_free}/{cap} blocks free, {rep.final_held} held", highlight=False)
+    if rep.leaks:
+        console.print(Text(f"{rep.leaked_blocks} leaked block(s) in {len(rep.leaks)} request(s)", style="bold red"))
+        console.print(_held_table("leaked blocks", rep.leaks))
+    else:
+        console.print("[green]no leaks: every finished request released its blocks[/]")
+    if rep.still_running:
+        console.print(_held_table("held by requests still running when the trace ended", rep.still_running))
+    if rep.reclaimed:
+        t = Table(title=f"reclaimed by the engine's GC: {rep.reclaimed_blocks} block(s)", title_justify="left",
+                  header_style="bold")
+        for col in ("request", "blocks", "block ids"):
+            t.add_column(col, justify="right" if col == "blocks" else "left")
+        for rid, ids in rep.reclaimed.items():
+            t.add_row(rid or "(none)", str(len(ids)), _ranges(ids))
+        console.print(t)
+    else:
+        console.print("no blocks reclaimed")
+    rng = rep.frag_range()
+    if rng is None:
+        console.print("fragmentation: no block-table snapshots in this trace (--snapshot-every 0?)")
+    else:
+        worst = max(rep.fragmentation, key=lambda f: f.frag_index)
+        ratios = [f.free_ratio for f in rep.fragmentation]
+        console.print(
+            f"fragmentation over {len(rep.fragmentation)} snapshots: index min {rng[0]:.3f} max {rng[1]:.3f} "
+            f"(1 - largest free run / free blocks); free ratio {min(ratios):.1%}-{max(ratios):.1%}; "
+            f"worst at step {worst.step}: {worst.free_blocks} free, largest run {worst.largest_free_run}",
+            highlight=False,
+        )
+    if rep.num_anomalies:
+        console.print(Text(f"{rep.num_anomalies} event(s) the replay could not reconcile:", style="yellow"))
+        for a in rep.anomalies[:10]:
+            console.print(Text("  " + a))
