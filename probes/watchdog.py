@@ -243,6 +243,7 @@ class Watchdog:
         self.step = step
         self.stalls_reported = 0  # reports built so far (each wait at most once)
         self.checks = 0
+        self.busy_ns = 0  # time spent checking, so its own cost can be stated (and tested)
         self._timeout_ns = int(timeout_s * 1e9)
         # Reported waits by id(); holding the object keeps its id from being
         # reused by a later wait while the entry lives.
@@ -317,7 +318,9 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            t0 = now_ns()
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - keep watching; the next pass may succeed
                 traceback.print_exc(file=sys.stderr)
+            self.busy_ns += now_ns() - t0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +28,8 @@ import torch
 from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, DEFRAG, IDLE, KV_FENCE, RESPONSE_SEND
 from probes.clock import now_ns
 from probes.recorder import Probes
-from probes.waits import WaitRegistry, timed_wait
+from probes.waits import WaitRegistry, WaitTimeout, timed_wait
+from probes.watchdog import StallReport, Watchdog
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
 from scheduler.executor import Executor, Launch
@@ -45,6 +47,16 @@ from scheduler.streams import MAIN, PREFILL, Event, make_streams
 from scheduler.tokenizer import Tokenizer, TokenizerError
 from scheduler.tokenizer_pool import TokenizerPool
 from tracing.writer import TraceWriter
+
+
+class EngineStalled(RuntimeError):
+    """A wait passed its timeout with --on-stall abort; the watchdog's reports say why."""
+
+    def __init__(self, reports: list[StallReport], cause: BaseException) -> None:
+        what = reports[0].cycle_name or reports[0].wait.what if reports else str(cause)
+        super().__init__(f"engine stalled: {what}")
+        self.reports = reports
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,6 +123,13 @@ class Engine:
                              SLOW_SENDER_S if "slow-sender" in config.inject else 0.0)
         self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
         self._leak_injected = False
+        self._deadlock_injected = False
+        self.stalls: list[StallReport] = []
+        self._stall_buf = trace.buffer("stalls") if trace is not None else None
+        self.watchdog = Watchdog(self.registry, config.wait_timeout_s, on_stall=self._on_stall,
+                                 streams=lambda: [st.state() for st in self.streams.values()],
+                                 kv_summary=self._kv_summary, step=lambda: self.step_no)
+        self.watchdog.start()
         self._steps_buf = trace.buffer("steps") if trace else None
         # Everything allocated so far (weights, KV pool, tables) is long-lived:
         # freezing it keeps the cyclic GC from rescanning it while probe
@@ -220,7 +239,10 @@ class Engine:
         tokens: list[list[int]] = []
         device_ns = 0
         if done is not None:
-            tokens = [self.executor.wait(la) for la in done[1]]  # the scheduler barrier
+            try:
+                tokens = [self.executor.wait(la) for la in done[1]]  # the scheduler barrier
+            except (WaitTimeout, RuntimeError) as e:
+                raise self._stalled(e) from e
             device_ns = sum(la.device_ns() for la in done[1])
         t3 = now_ns()
         if done is not None:
@@ -279,10 +301,48 @@ class Engine:
         return False
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.pool.shutdown()
         for s in self.streams.values():
             s.close()
         self.sender.close()
+
+    # ---- stalls ----------------------------------------------------------
+    def _on_stall(self, report: StallReport) -> None:
+        """Watchdog thread: keep the evidence in the trace and say it at once."""
+        self.stalls.append(report)
+        if self._stall_buf is not None:
+            self._stall_buf.append(report.to_row())
+        print(report.render_text(), file=sys.stderr, flush=True)
+
+    def _stalled(self, cause: BaseException) -> BaseException:
+        # The watchdog reports at wait_timeout; the wait itself gives up a little
+        # later, so by now the report exists (give its thread a moment if not).
+        deadline = now_ns() + 500_000_000
+        while not self.stalls and now_ns() < deadline and isinstance(cause, WaitTimeout):
+            time.sleep(0.01)
+        if self.stalls or isinstance(cause, WaitTimeout):
+            return EngineStalled(list(self.stalls), cause)
+        return cause
+
+    def _kv_summary(self) -> dict[str, Any]:
+        mm = self.mm
+        return {"num_blocks": mm.num_blocks, "free": mm.num_free, "fenced": self._fenced_blocks,
+                "holders": {rid: len(t) for rid, t in list(mm.tables.items())[:64]},
+                "largest_free_run": mm.largest_free_run() if self.cfg.kv_layout == "contiguous" else None}
+
+    def _inject_deadlock(self, batch: ScheduleBatch, step: int) -> None:
+        """The seed's deadlock: main waits for blocks the prefill stream would free,
+        while the prefill stream waits for an event recorded on main after that."""
+        self._deadlock_injected = True
+        victim = batch.prefills[0].req
+        freed = threading.Event()  # the prefill stream would set it; it never gets to
+        main = self.streams[MAIN]
+        main.submit(lambda: timed_wait(
+            freed.wait, registry=self.registry, waiter="main-stream",
+            what=f"blocks held by req {victim.request_id}", signaller="prefill-stream", boundary=KV_FENCE,
+            timeout_s=self.cfg.hard_wait_timeout_s, step=step), f"injected: wait for free blocks#{step}", step)
+        self.streams[PREFILL].wait_event(main.record())
 
     # ---- step internals ------------------------------------------------
     def _drain_arrivals(self) -> None:
@@ -314,6 +374,9 @@ class Engine:
             groups = [(MAIN, batch.decodes, 0.0), (PREFILL, batch.prefills, self.cfg.prefill_stagger_us)]
         else:
             groups = [(MAIN, batch.chunks, 0.0)]
+        if ("deadlock" in self.cfg.inject and not self._deadlock_injected and batch.decodes and batch.prefills
+                and self.cfg.split_on):
+            self._inject_deadlock(batch, step)
         launches = []
         for stream, chunks, stagger in groups:
             if not chunks:

@@ -122,8 +122,14 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
     if args.save_workload is not None:
         save_workload(items, args.save_workload)
 
+    from scheduler.engine import EngineStalled
+
     if args.mode != "all":
-        _run_one(args, cfg, items, source, args.out, console, fail)
+        try:
+            _run_one(args, cfg, items, source, args.out, console, fail)
+        except EngineStalled as e:
+            # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
+            fail(f"{e}; trace flushed to {args.out}, see `mstrace stalls {args.out}`", 3)
         render_report(console, build_report(args.out))
         console.print(f"trace written to [bold]{args.out}[/]")
         return
