@@ -192,6 +192,7 @@ def test_second_call_reuses_cache(tiny_dir: Path, monkeypatch: pytest.MonkeyPatc
 def test_build_leaves_only_the_final_folder(tmp_path: Path) -> None:
     folder = ensure_preset("tiny", tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert folder.stat().st_mode & 0o755 == 0o755  # not mkdtemp's owner-only mode
 
 
 def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -375,6 +375,9 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
     try:
         build_preset(spec, tmp, name=name)
+        # mkdtemp makes the folder owner-only; a model folder is not secret,
+        # and a cache shared between users or containers must be readable.
+        os.chmod(tmp, 0o755)
         try:
             # rename(2) of a directory is atomic and refuses to replace a
             # non-empty one, which is how a lost race shows up.

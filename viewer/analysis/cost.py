@@ -93,7 +93,23 @@ class _Coverage:
         return np.where(i >= 0, self.cum[ic] + part, 0)
 
     def covered(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return self.before(b) - self.before(a)
+        """Busy time in [a, b). One binary search per row: a probe interval almost
+        never spans the start of another device interval, so b's index is a's
+        (or the next one), and only the rare exceptions are searched again."""
+        s, e = self.s, self.e
+        if len(s) == 0:
+            return np.zeros(len(a), dtype=np.int64)
+        i = np.searchsorted(s, a, side="right") - 1
+        ic = np.clip(i, 0, None)
+        nxt = np.minimum(i + 1, len(s) - 1)
+        far = (i + 1 < len(s)) & (b >= s[nxt])
+        j = i.copy()
+        if far.any():
+            j[far] = np.searchsorted(s, b[far], side="right") - 1
+        jc = np.clip(j, 0, None)
+        at_a = np.where(i >= 0, self.cum[ic] + np.clip(a - s[ic], 0, e[ic] - s[ic]), 0)
+        at_b = np.where(j >= 0, self.cum[jc] + np.clip(b - s[jc], 0, e[jc] - s[jc]), 0)
+        return at_b - at_a
 
 
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
@@ -132,7 +148,9 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     E[-1] = S[-1] + D[-1]
 
     if rank is not None and probes.num_rows:
-        probes = probes.filter(pc.equal(probes["rank"], rank))
+        lo_hi = pc.min_max(probes["rank"]).as_py()
+        if (lo_hi["min"], lo_hi["max"]) != (rank, rank):  # the filter copies every column: skip it when it is a no-op
+            probes = probes.filter(pc.equal(probes["rank"], rank))
     codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
     ts = probes["ts_ns"].to_numpy()
     dur = probes["dur_ns"].to_numpy()
@@ -150,8 +168,9 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     def in_cycles(t: np.ndarray) -> np.ndarray:
         return (t >= S[0]) & (t < E[-1])
 
-    def per(t: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
-        return np.bincount(cycle_of(t), weights=w, minlength=n).astype(np.float64)
+    def per(t: np.ndarray | None, w: np.ndarray | None = None, ci: np.ndarray | None = None) -> np.ndarray:
+        idx = cycle_of(t) if ci is None else ci  # type: ignore[arg-type]
+        return np.bincount(idx, weights=w, minlength=n).astype(np.float64)
 
     # idle time (no work) comes off the cycle length
     idle_m = rows(B.IDLE)
@@ -173,14 +192,15 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
             continue
         a, d = ts[m], dur[m]
         hid = cov.covered(a, a + d).astype(np.float64)
+        ci = cycle_of(a)
         # integer-valued float sums are exact, so these add up to the same totals
         # as summing the rows directly
-        out[f"raw_ns:{name}"] = per(a, d.astype(np.float64))
-        out[f"hidden_ns:{name}"] = per(a, hid)
-        out[f"count:{name}"] = per(a)
+        out[f"raw_ns:{name}"] = per(None, d.astype(np.float64), ci)
+        out[f"hidden_ns:{name}"] = per(None, hid, ci)
+        out[f"count:{name}"] = per(None, None, ci)
         if name in HOST_EXCLUSIVE:
             keep = in_cycles(a)  # exposed time must partition the cycles: drop rows outside them
-            exposed = per(a[keep], (d - hid)[keep])
+            exposed = per(None, (d - hid)[keep], ci[keep])
             out[f"exposed_ns:{name}"] = exposed
             exposed_sum += exposed
     out[f"exposed_ns:{B.SCHEDULER_BARRIER}"] = cycle_len - dev_per - exposed_sum
