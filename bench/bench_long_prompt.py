@@ -58,7 +58,7 @@ def main() -> None:
         t0, t1 = long["arrival_ns"], long["first_token_ns"]
         gaps = []
         for r in req.filter(pc.not_equal(req["request_id"], "long")).to_pylist():
-            ts = np.array(r["token_ns"])
+            ts = r["first_token_ns"] + np.concatenate([[0], np.cumsum(r["dur_itl_ns"])])
             d = np.diff(ts)
             inside = (ts[1:] >= t0) & (ts[:-1] <= t1)  # gaps overlapping the long prefill
             gaps.extend((d[inside] / 1e6).tolist())

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from tracing.reader import read_meta, read_table
+from tracing.writer import write_parquet_atomic
 
 
 def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
@@ -28,9 +28,11 @@ def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
         if name.endswith("_ns") and pa.types.is_integer(c.type):
             # 0 means "never happened" in requests; keep it 0
             c = pc.if_else(pc.equal(c, 0), c, pc.add(c, dt)) if name != "dur_ns" and not name.startswith("dur_") else c
-        elif name == "token_ns":
-            flat = pc.add(pc.list_flatten(c), dt)
-            c = pa.ListArray.from_arrays(c.combine_chunks().offsets, flat.combine_chunks() if isinstance(flat, pa.ChunkedArray) else flat)
+        elif name == "token_runs":  # [first_step, count, ...]: shift the steps, keep the counts
+            arr = c.combine_chunks()
+            flat = pc.list_flatten(arr).to_numpy().copy()
+            flat[0::2] += dstep
+            c = pa.ListArray.from_arrays(arr.offsets, pa.array(flat))
         elif name == "step":
             c = pc.if_else(pc.less(c, 0), c, pc.add(c, dstep))
         elif name == "request_id" and suffix is not None:
@@ -65,8 +67,7 @@ def main() -> None:
         for start in range(0, k, per_part):
             copies = [shifted(t, i * span, i * nstep, f"#{i}" if i else None)
                       for i in range(start, min(k, start + per_part))]
-            pq.write_table(pa.concat_tables(copies), a.out / name / f"part-{start // per_part:06d}.parquet",
-                           compression="zstd")
+            write_parquet_atomic(pa.concat_tables(copies), a.out / name / f"part-{start // per_part:06d}.parquet")
     meta["replicated"] = {"from": str(a.src), "copies": k}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2))
     print(f"{k} copies -> {k * probes.num_rows} probe rows in {a.out}")

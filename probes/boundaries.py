@@ -19,10 +19,12 @@ STREAM_WAIT: Final = "stream_wait"  # a stream waits for an event recorded on an
 PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill work (seed's cache remedy)
 DEFRAG: Final = "defrag"  # scheduling paused while live KV blocks move to the low end
 IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
+PP_BUBBLE: Final = "pp_bubble"  # a pipeline stage waits for its input hidden states from the previous stage
 
 ALL: Final = (
     SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
     BATCH_BROADCAST, KV_FENCE, RESPONSE_DELIVER, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, DEFRAG, IDLE,
+    PP_BUBBLE,
 )
 
 # The seed's judgement of each boundary (DIGEST.md, "The cost table").
@@ -41,4 +43,5 @@ REMOVABLE: Final[dict[str, str]] = {
     PREFILL_STAGGER: "tunable (--prefill-stagger-us)",
     DEFRAG: "rare (free > 30%, no run fits)",
     IDLE: "not a cost",
+    PP_BUBBLE: "shrinks with more micro-batches in flight",
 }

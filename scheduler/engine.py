@@ -289,7 +289,7 @@ class Engine:
                 step, self.cfg.mode, t0, t5 - t0, max(0, (t5 - t0) - device_ns), device_ns,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
-                self.sender.queue.qsize(),
+                self.sender.queue.qsize(), t3 if done is not None else 0,
             ))
         return stats
 
@@ -407,6 +407,11 @@ class Engine:
                     continue  # finished or preempted while this round was in flight
                 req.output_ids[req.output_ids.index(-(slot + 1), req.num_real_outputs)] = tok
                 req.token_ns.append(now)
+                runs = req.token_runs
+                if runs and runs[-2] + runs[-1] == self.step_no:
+                    runs[-1] += 1
+                else:
+                    runs += (self.step_no, 1)
                 out.tokens.append((req.request_id, tok))
                 if not req.first_token_ns:
                     req.first_token_ns = rm.mark(req, "first_token")

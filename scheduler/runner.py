@@ -33,7 +33,9 @@ class TraceRequestsSink:
             r.request_id, r.input_ids, r.output_ids, text, len(r.input_ids), len(r.output_ids),
             r.cached_prefix_len, r.finish_reason, r.finish_detail, r.arrival_ns, r.tokenized_ns,
             r.queued_ns, r.admitted_ns, r.first_scheduled_ns, r.first_token_ns, r.finish_ns,
-            r.num_preemptions, r.num_prefill_chunks, r.token_ns,
+            r.num_preemptions, r.num_prefill_chunks,
+            [b - a for a, b in zip(r.token_ns, r.token_ns[1:], strict=False)],  # ITL gaps, off the hot path
+            r.token_runs,
         ))
 
 

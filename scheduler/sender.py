@@ -39,6 +39,7 @@ class FinishedRecord:
     num_preemptions: int
     num_prefill_chunks: int
     token_ns: list[int]
+    token_runs: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, r: Request) -> FinishedRecord:
@@ -48,7 +49,7 @@ class FinishedRecord:
             r.finish_reason.value if r.finish_reason else "", r.finish_detail,
             s.arrival_ns, s.tokenized_ns, r.queued_ns, r.admitted_ns, r.first_scheduled_ns,
             r.first_token_ns, r.finish_ns, r.num_preemptions, r.num_prefill_chunks,
-            list(r.token_ns),
+            list(r.token_ns), list(r.token_runs),
         )
 
 

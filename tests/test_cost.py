@@ -36,7 +36,7 @@ def table(schema, rows):
 def test_serial_cycle_adds_up_exactly():
     # two 10 ms cycles: 1 ms bookkeeping, 1 ms prepare, device busy 6 ms, barrier wait 6.5 ms, 0.5 ms send
     ms = 1_000_000
-    steps = table(STEPS, [(i, "serial", i * 10 * ms, 10 * ms, 4 * ms, 6 * ms, 0, 0, 1, 1, 1, 1, 0, 1, 0)
+    steps = table(STEPS, [(i, "serial", i * 10 * ms, 10 * ms, 4 * ms, 6 * ms, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)
                           for i in range(2)])
     rows = []
     for i in range(2):
@@ -59,7 +59,7 @@ def test_serial_cycle_adds_up_exactly():
 
 def test_host_work_under_device_compute_is_hidden():
     ms = 1_000_000
-    steps = table(STEPS, [(0, "overlap", 0, 10 * ms, 0, 8 * ms, 0, 0, 1, 1, 1, 1, 0, 1, 0)])
+    steps = table(STEPS, [(0, "overlap", 0, 10 * ms, 0, 8 * ms, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)])
     rows = [(0, 8 * ms, "device_compute", "main", 0, 0), (ms, 2 * ms, "bookkeeping", "host", 0, 0),
             (9 * ms, ms, "bookkeeping", "host", 0, 0)]
     c = cost_table(table(PROBES, rows), steps)

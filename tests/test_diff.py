@@ -49,7 +49,7 @@ def requests(n: int, ttft_ms: float, seed: int) -> pa.Table:
     return pa.table({
         "arrival_ns": arrival, "first_token_ns": first, "finish_ns": [t[-1] for t in tokens],
         "prompt_len": rng.integers(16, 64, n).astype(np.int32), "output_len": out_len.astype(np.int32),
-        "token_ns": pa.array([t.tolist() for t in tokens], pa.list_(pa.int64())),
+        "dur_itl_ns": pa.array([np.diff(t).tolist() for t in tokens], pa.list_(pa.int64())),
         "finish_reason": ["length"] * n, "num_preemptions": np.zeros(n, np.int32),
     })
 

@@ -145,3 +145,20 @@ def test_truncated_part_and_wrong_schema(tiny_trace, tmp_path):
     (old / "meta.json").write_text(json.dumps(meta))
     p = mstrace("report", str(old))
     assert p.returncode == 2 and "schema_version 99" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags", [["--mode", "overlap"], ["--kv-blocks", "24", "--mode", "serial"],
+                                   ["--mode", "timeslice", "--timeslice-chunk", "32"]])
+def test_itl_from_token_runs_equals_per_token_gaps(tmp_path, flags):
+    """The report's ITL (weighted, from runs) is exactly the pooled per-token gaps."""
+    from viewer.analysis.serving import itl_from_runs, serving_metrics
+
+    out = tmp_path / "itl"
+    p = mstrace("run", "--model", "tiny", "--requests", "16", "--out", str(out), "-q", *flags)
+    assert p.returncode == 0, p.stderr
+    req, steps = read_table(out, "requests"), read_table(out, "steps")
+    want = serving_metrics(req).itl_ms
+    got = itl_from_runs(req["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
+    assert got.count == want.count > 0
+    for k in ("mean", "p50", "p90", "p99"):
+        assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-5)

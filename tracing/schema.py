@@ -33,7 +33,13 @@ REQUESTS = pa.schema([
     ("finish_ns", pa.int64()),
     ("num_preemptions", pa.int32()),
     ("num_prefill_chunks", pa.int32()),
-    ("token_ns", pa.list_(pa.int64())),  # when each output token left the scheduler (for ITL)
+    # gaps between consecutive output tokens (ITL), stored as gaps rather than
+    # timestamps: the report pools tens of millions of them and needs no diff
+    ("dur_itl_ns", pa.list_(pa.int64())),
+    # the rounds whose collect produced this request's tokens, as runs
+    # [first_step, count, first_step, count, ...]: with steps.collect_ns they give
+    # every ITL gap exactly, from a few numbers per request
+    ("token_runs", pa.list_(pa.int64())),
 ])
 
 TIMELINE = pa.schema([
@@ -60,6 +66,7 @@ STEPS = pa.schema([
     ("num_waiting", pa.int32()),
     ("num_running", pa.int32()),
     ("out_queue_depth", pa.int32()),  # StepOutputs the sender thread has not delivered yet
+    ("collect_ns", pa.int64()),  # when this round's sampled tokens were collected (0: none)
 ])
 
 MEMORY = pa.schema([

@@ -31,7 +31,8 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
     metas = [read_meta(r) for r in (a_root, b_root)]  # first: a bad trace fails before any work
     reps_ = [build_report(r) for r in (a_root, b_root)]
     tables = [{name: read_table(r, name, cols) for name, cols in
-               (("probes", PROBE_COLUMNS), ("steps", STEP_COLUMNS), ("requests", REQUEST_COLUMNS))}
+               (("probes", PROBE_COLUMNS), ("steps", STEP_COLUMNS),
+                                   ("requests", [*REQUEST_COLUMNS, "dur_itl_ns"]))}
               for r in (a_root, b_root)]
     ta, tb = tables
     warnings = trace_warnings(*metas)

@@ -13,13 +13,13 @@ from rich.table import Table
 from tracing.reader import read_meta, read_table
 from viewer.analysis.cost import CostTable, cost_table
 from viewer.analysis.kv import kv_usage
-from viewer.analysis.serving import Dist, serving_metrics
+from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]
-STEP_COLUMNS = ["step", "mode", "ts_ns", "dur_ns", "blocks_used"]
-REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len", "token_ns",
-                   "finish_reason", "num_preemptions", "cached_prefix_len"]
+STEP_COLUMNS = ["step", "mode", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
+REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
+                   "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
 
 
 def build_report(root: str | Path) -> dict[str, Any]:
@@ -29,7 +29,10 @@ def build_report(root: str | Path) -> dict[str, Any]:
     steps = read_table(root, "steps", STEP_COLUMNS)
     requests = read_table(root, "requests", REQUEST_COLUMNS)
     cost = cost_table(probes, steps)
-    serving = serving_metrics(requests)
+    # ITL from token runs and round collect times: exact, and a long trace's tens
+    # of millions of per-token gaps never have to be read
+    itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
+    serving = serving_metrics(requests, itl)
     kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
     rep: dict[str, Any] = {
         "trace": str(root),

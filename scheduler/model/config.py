@@ -217,6 +217,38 @@ class ModelConfig:
         return torch.where(medium, smoothed, scaled)
 
 
+@dataclass(slots=True, frozen=True)
+class ModelPart:
+    """The slice of the network one process holds: a contiguous layer range, plus the input
+    embedding (first pipeline stage) and the final norm + LM head (last stage).
+
+    Engine layer ``i`` of a part is checkpoint layer ``first_layer + i``; a single-process model
+    is :meth:`whole`.
+    """
+
+    first_layer: int
+    num_layers: int
+    embed: bool
+    head: bool
+
+    @classmethod
+    def whole(cls, cfg: ModelConfig) -> ModelPart:
+        return cls(0, cfg.num_hidden_layers, embed=True, head=True)
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    def validate(self, cfg: ModelConfig) -> None:
+        if self.first_layer < 0 or self.num_layers < 0:
+            raise ModelLoadError(f"bad model part {self}")
+        if self.first_layer + self.num_layers > cfg.num_hidden_layers:
+            raise ModelLoadError(
+                f"model part layers {self.first_layer}..{self.first_layer + self.num_layers - 1} "
+                f"exceed the checkpoint's {cfg.num_hidden_layers} layers"
+            )
+
+
 def _qwen2_sliding_window(raw: dict[str, Any]) -> int | None:
     # Qwen2 only windows when use_sliding_window is set, and then only on some layers; the
     # engine applies one window to every layer, so a mixed layout is rejected rather than

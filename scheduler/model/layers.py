@@ -2,10 +2,16 @@
 
 Weights are stored fused (``qkv_proj`` = q|k|v rows, ``gate_up_proj`` = gate|up rows) so that each
 layer runs 4 GEMMs instead of 7; the loader fills the fused tensors slice by slice.
+
+Under tensor parallelism (``scheduler.parallel``) a layer holds this rank's heads and MLP columns,
+so ``o_proj`` and ``down_proj`` produce partial sums: the optional ``all_reduce`` hook given at
+construction sums them across the TP group before the (replicated) row-parallel bias is added.
+Without a hook the forward is exactly the single-process one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +144,19 @@ def paged_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+# Sums a row-parallel partial output across the tensor-parallel group (in place or not) and
+# returns the sum; see scheduler.parallel.comm.AllReduce.
+AllReduceFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        all_reduce: AllReduceFn | None = None,
+    ) -> None:
         super().__init__()
         hs, qs, kvs, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
@@ -147,6 +164,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = qs, kvs
+        self.all_reduce = all_reduce
 
         def p(present: bool, *shape: int) -> nn.Parameter | None:
             return new_param(shape, dtype, device) if present else None
@@ -162,6 +180,55 @@ class DecoderLayer(nn.Module):
         self.down_proj = new_param((hs, inter), dtype, device)
         self.down_bias = p(cfg.mlp_bias, hs)
 
+    def attention_core(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: AttnPlan,
+    ) -> torch.Tensor:
+        """Norm, q/k/v, RoPE, KV write and attention: ``[T, q_size]``, the input of ``o_proj``."""
+        t = x.shape[0]
+        qkv = F.linear(rms_norm(x, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
+        # RoPE on q and k heads together: one elementwise pass instead of two.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        return paged_attention(q, k, v, k_cache, v_cache, batch, plan)
+
+    def mlp_core(self, x: torch.Tensor) -> torch.Tensor:
+        """Norm, gate/up and SiLU-gating: ``[T, intermediate]``, the input of ``down_proj``."""
+        gu = F.linear(
+            rms_norm(x, self.post_attention_layernorm, self.eps),
+            self.gate_up_proj,
+            self.gate_up_bias,
+        )
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # The row-parallel halves without their bias: under TP these are the partial sums that go
+    # through the all-reduce, and the bias is added once to the sum (``add_bias``).
+    def attn_partial(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: AttnPlan,
+    ) -> torch.Tensor:
+        attn = self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan)
+        return F.linear(attn, self.o_proj)
+
+    def mlp_partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.mlp_core(x), self.down_proj)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -172,23 +239,23 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         plan: AttnPlan,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
-        # RoPE on q and k heads together: one elementwise pass instead of two.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
-        attn = paged_attention(q, k, v, k_cache, v_cache, batch, plan)
-        x = x + F.linear(attn, self.o_proj, self.o_bias)
-        gu = F.linear(
-            rms_norm(x, self.post_attention_layernorm, self.eps),
-            self.gate_up_proj,
-            self.gate_up_bias,
-        )
-        gate, up = gu.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        reduce = self.all_reduce
+        if reduce is None:  # single rank: fused GEMM + bias, exactly the pre-TP forward
+            x = x + F.linear(
+                self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan),
+                self.o_proj,
+                self.o_bias,
+            )
+            return x + F.linear(self.mlp_core(x), self.down_proj, self.down_bias)
+        # Reduce before the bias: every rank holds the full bias, adding it pre-reduce would
+        # count it tp_size times.
+        partial = self.attn_partial(x, cos, sin, k_cache, v_cache, batch, plan)
+        x = x + add_bias(reduce(partial), self.o_bias)
+        return x + add_bias(reduce(self.mlp_partial(x)), self.down_bias)
+
+
+def add_bias(t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return t if bias is None else t + bias
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -3,7 +3,8 @@
 Each HF tensor is mapped to a :class:`WeightTarget` (an engine parameter plus a row range inside
 it, because q/k/v and gate/up are fused).  Tensors stream one at a time from ``safe_open`` through
 ``shard_fn`` into their slice, so peak extra memory is one tensor and a tensor-parallel loader can
-slice each tensor (``shard_fn``) while the model allocates per-rank shapes.
+slice each tensor (``shard_fn``) while the model allocates per-rank shapes (``cfg``).  A pipeline
+stage loads only its :class:`ModelPart`; tensors of other stages are skipped unread.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig, ModelLoadError
+from .config import ModelConfig, ModelLoadError, ModelPart
+from .layers import AllReduceFn
 from .transformer import CausalLM
 
 # (hf_name, tensor) -> the part of the tensor this process keeps; identity without TP.
@@ -33,18 +35,24 @@ class WeightTarget:
     rows: int  # number of rows it fills
 
 
-def weight_targets(cfg: ModelConfig) -> dict[str, WeightTarget]:
-    """HF tensor name -> engine destination, for every tensor the checkpoint must provide."""
+def weight_targets(cfg: ModelConfig, part: ModelPart | None = None) -> dict[str, WeightTarget]:
+    """HF tensor name -> engine destination, for every tensor ``part`` (default: the whole
+    model) must be given.  Row counts follow ``cfg``, i.e. per-rank shapes under TP."""
+    part = part or ModelPart.whole(cfg)
     qs, kvs, inter, hs = cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.hidden_size
-    out: dict[str, WeightTarget] = {
-        "model.embed_tokens.weight": WeightTarget("embed_tokens", 0, cfg.vocab_size),
-        "model.norm.weight": WeightTarget("norm", 0, hs),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = WeightTarget("lm_head", 0, cfg.vocab_size)
+    out: dict[str, WeightTarget] = {}
+    vocab = cfg.vocab_size
+    if part.embed:
+        out["model.embed_tokens.weight"] = WeightTarget("embed_tokens", 0, vocab)
+    if part.head:
+        out["model.norm.weight"] = WeightTarget("norm", 0, hs)
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = WeightTarget("lm_head", 0, vocab)
+        elif not part.embed:  # tied, but the embedding is not here: the head gets its own copy
+            out["model.embed_tokens.weight"] = WeightTarget("lm_head", 0, vocab)
     fused = (("q", 0, qs), ("k", qs, kvs), ("v", qs + kvs, kvs))
-    for i in range(cfg.num_hidden_layers):
-        hf, me = f"model.layers.{i}.", f"layers.{i}."
+    for i in part.layers:
+        hf, me = f"model.layers.{i}.", f"layers.{i - part.first_layer}."
         out[hf + "input_layernorm.weight"] = WeightTarget(me + "input_layernorm", 0, hs)
         out[hf + "post_attention_layernorm.weight"] = WeightTarget(
             me + "post_attention_layernorm", 0, hs
@@ -94,19 +102,31 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     shard_fn: ShardFn | None = None,
+    *,
+    cfg: ModelConfig | None = None,
+    part: ModelPart | None = None,
+    all_reduce: AllReduceFn | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build a :class:`CausalLM` from an HF checkpoint folder (config.json + safetensors)."""
+    """Build a :class:`CausalLM` from an HF checkpoint folder (config.json + safetensors).
+
+    The keyword arguments are for ``scheduler.parallel``: ``cfg`` replaces the folder's config
+    for allocation (per-rank shapes; ``shard_fn`` must slice to them), ``part`` selects a
+    pipeline stage, ``all_reduce`` is the layers' TP hook.  Returns the config the model uses.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder not found: {model_dir}")
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    if cfg is None:
+        cfg = ModelConfig.from_file(model_dir / "config.json")
     files = safetensors_files(model_dir)
     device = torch.device(device)
     dtype = dtype or default_dtype(cfg, device)
 
-    model = CausalLM(cfg, dtype=dtype, device=device)
+    model = CausalLM(cfg, dtype=dtype, device=device, part=part, all_reduce=all_reduce)
     params = dict(model.named_parameters(remove_duplicate=False))
-    targets = weight_targets(cfg)
+    targets = weight_targets(cfg, model.part)
+    # Names of the whole model: another stage's tensor is skipped, an unknown one is an error.
+    known = targets.keys() | weight_targets(cfg).keys()
     filled: set[str] = set()
     for path in files:
         try:
@@ -117,8 +137,10 @@ def load_model(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 target = targets.get(name)
                 if target is None:
-                    if name.endswith(_IGNORED_SUFFIXES) or (
-                        name == "lm_head.weight" and cfg.tie_word_embeddings
+                    if (
+                        name in known
+                        or name.endswith(_IGNORED_SUFFIXES)
+                        or (name == "lm_head.weight" and cfg.tie_word_embeddings)
                     ):
                         continue
                     raise ModelLoadError(

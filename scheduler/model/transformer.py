@@ -1,4 +1,9 @@
-"""The engine's own decoder-only transformer (Llama / Mistral / Qwen2) over a paged KV cache."""
+"""The engine's own decoder-only transformer (Llama / Mistral / Qwen2) over a paged KV cache.
+
+A :class:`CausalLM` may hold only part of the network (:class:`ModelPart`: a pipeline stage's
+layer range, with or without the embedding and the head); ``forward`` needs the whole network,
+and ``embed`` / ``run_layers`` / ``compute_logits`` are the pieces a pipeline stage composes.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +11,111 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, ModelPart
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
-from .layers import DecoderLayer, RotaryTable, new_param, plan_attention, rms_norm
+from .layers import (
+    AllReduceFn,
+    AttnPlan,
+    DecoderLayer,
+    RotaryTable,
+    new_param,
+    plan_attention,
+    rms_norm,
+)
 
 
 class CausalLM(nn.Module):
-    """Parameters are allocated uninitialised; :func:`scheduler.model.loader.load_model` fills them."""
+    """Parameters are allocated uninitialised; :func:`scheduler.model.loader.load_model` fills them.
+
+    ``all_reduce`` (tensor parallelism only) is handed to every layer to sum its row-parallel
+    partial outputs; ``None`` (one rank) costs nothing.
+    """
+
+    embed_tokens: nn.Parameter | None
+    norm: nn.Parameter | None
+    lm_head: nn.Parameter | None
 
     def __init__(
         self,
         cfg: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        part: ModelPart | None = None,
+        all_reduce: AllReduceFn | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
+        part = part or ModelPart.whole(cfg)
+        part.validate(cfg)
         self.cfg = cfg
+        self.part = part
         self.dtype = dtype
-        self.embed_tokens = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        vh = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = new_param(vh, dtype, device) if part.embed else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, dtype, device, all_reduce) for _ in range(part.num_layers)
         )
-        self.norm = new_param((cfg.hidden_size,), dtype, device)
-        if cfg.tie_word_embeddings:
+        self.norm = new_param((cfg.hidden_size,), dtype, device) if part.head else None
+        if not part.head:
+            self.lm_head = None
+        elif cfg.tie_word_embeddings and self.embed_tokens is not None:
             self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = new_param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        else:  # untied, or tied but the embedding lives on another pipeline stage
+            self.lm_head = new_param(vh, dtype, device)
         self.rope = RotaryTable(cfg.rope_inv_freq(), dtype, device)
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.rope.device
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
-        return PagedKVCache.for_model(self.cfg, num_blocks, block_size, self.dtype, self.device)
+        # len(self.layers), not cfg.num_hidden_layers: a pipeline stage caches only its layers.
+        cfg = self.cfg
+        return PagedKVCache(
+            len(self.layers),
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Run one step; returns float32 logits ``[batch.num_sampled, vocab]`` in chunk order."""
+        return self.compute_logits(self.run_layers(self.embed(batch), batch, kv), batch)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise RuntimeError("this model part has no embedding (not the first pipeline stage)")
+        return F.embedding(batch.input_ids, self.embed_tokens)
+
+    def attention_inputs(
+        self, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttnPlan]:
+        """RoPE cos/sin ``[T, 1, head_dim]`` and the attention plan, shared by all layers."""
+        # Gathered once per step rather than once per layer.
+        cos, sin = self.rope.lookup(batch.positions, batch.max_context_len)
+        return cos, sin, plan_attention(batch, self.cfg.sliding_window)
+
+    def check_kv(self, kv: PagedKVCache) -> None:
         if kv.num_layers != len(self.layers):
             raise ValueError(f"KV cache has {kv.num_layers} layers, model has {len(self.layers)}")
-        x = F.embedding(batch.input_ids, self.embed_tokens)
-        # Shared by all layers: gathered once per step rather than once per layer.
-        cos, sin = self.rope.lookup(batch.positions, batch.max_context_len)
-        plan = plan_attention(batch, self.cfg.sliding_window)
+
+    def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """This part's decoder layers over hidden states ``x [T, hidden]``."""
+        self.check_kv(kv)
+        cos, sin, plan = self.attention_inputs(batch)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch, plan)
+        return x
+
+    def compute_logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm + LM head on the sampled rows: float32 ``[batch.num_sampled, vocab]``."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError("this model part has no LM head (not the last pipeline stage)")
         if batch.num_sampled == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=x.device)
         # Norm and LM head only on rows whose logits are needed: the vocab GEMM is the single

@@ -152,12 +152,17 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
         if (lo_hi["min"], lo_hi["max"]) != (rank, rank):  # the filter copies every column: skip it when it is a no-op
             probes = probes.filter(pc.equal(probes["rank"], rank))
     codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
-    ts = probes["ts_ns"].to_numpy()
-    dur = probes["dur_ns"].to_numpy()
+    # Group rows by boundary once (a stable sort keeps each group in time
+    # order): every boundary is then a contiguous slice, not a mask + gather.
+    order = np.argsort(codes, kind="stable")
+    ts = probes["ts_ns"].to_numpy()[order]
+    dur = probes["dur_ns"].to_numpy()[order]
+    bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
     code = {name: i for i, name in enumerate(names)}
 
-    def rows(name: str) -> np.ndarray:
-        return codes == code[name] if name in code else np.zeros(len(codes), dtype=bool)
+    def rows(name: str) -> slice:
+        i = code.get(name)
+        return slice(0, 0) if i is None else slice(int(bounds[i]), int(bounds[i + 1]))
 
     dev = rows(B.DEVICE_COMPUTE)
     cov = _Coverage(ts[dev], ts[dev] + dur[dev])
@@ -177,7 +182,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     idle_ts, idle_end = ts[idle_m], ts[idle_m] + dur[idle_m]
     cycle_len = (E - S).astype(np.float64)
     idle_per = np.zeros(n)
-    if idle_m.any():
+    if len(idle_ts):
         keep = in_cycles(idle_ts)
         idle_per = per(idle_ts[keep], (idle_end - idle_ts)[keep])
         cycle_len -= idle_per
@@ -188,7 +193,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     exposed_sum = np.zeros(n)
     for name in (B.SCHEDULER_BARRIER, *HOST_EXCLUSIVE, *CONCURRENT):
         m = rows(name)
-        if not m.any() and name != B.SCHEDULER_BARRIER:
+        if m.stop == m.start and name != B.SCHEDULER_BARRIER:
             continue
         a, d = ts[m], dur[m]
         hid = cov.covered(a, a + d).astype(np.float64)

@@ -145,12 +145,10 @@ def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps
 
 
 def token_gaps(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Every gap between consecutive output tokens (ns) and the request row it belongs to."""
+    """Every gap between consecutive output tokens (ns, the dur_itl_ns lists) and its request row."""
     lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
     flat = pc.list_flatten(col).to_numpy()
-    owner = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    same = owner[1:] == owner[:-1]  # drops the gap from one request's last token to the next's first
-    return np.diff(flat)[same], owner[1:][same]
+    return flat, np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
 
 
 class PooledDist:
@@ -258,7 +256,7 @@ class RequestStats:
                                        served]).astype(np.float64)
         rows = np.arange(self.n)
         multi = served & (out_len > 1)
-        gaps, gap_owner = token_gaps(requests["token_ns"])
+        gaps, gap_owner = token_gaps(requests["dur_itl_ns"])
         self.series = {  # the same expressions as serving_metrics, so row 0 reproduces the report
             "ttft_ms": PooledDist((first[served] - arrival[served]) / 1e6, rows[served], self.n),
             "tpot_ms": PooledDist((finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1), rows[multi],

@@ -8,6 +8,7 @@ Percentiles are linear-interpolated (numpy's default)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,28 @@ class Dist:
     p90: float
     p99: float
     count: int
+
+    @classmethod
+    def weighted(cls, values: np.ndarray, weights: np.ndarray) -> Dist:
+        """Exactly Dist.of(np.repeat(values, weights)), without expanding the repeats."""
+        keep = weights > 0
+        v, w = values[keep], weights[keep]
+        n = int(w.sum())
+        if n == 0:
+            nan = float("nan")
+            return cls(nan, nan, nan, nan, 0)
+        order = np.argsort(v, kind="stable")
+        v, cw = v[order], np.cumsum(w[order])
+
+        def at(k: int) -> float:  # the k-th smallest of the expanded multiset
+            return float(v[np.searchsorted(cw, k, side="right")])
+
+        vals = []
+        for q in (50, 90, 99):
+            p = (n - 1) * q / 100
+            lo, hi = int(p), min(int(p) + 1, n - 1)
+            vals.append(at(lo) + (at(hi) - at(lo)) * (p - lo))
+        return cls(float((v * w[order]).sum() / n), vals[0], vals[1], vals[2], n)
 
     @classmethod
     def of(cls, xs: np.ndarray, scale: float = 1.0) -> Dist:
@@ -62,7 +85,9 @@ class Serving:
         return asdict(self)
 
 
-def serving_metrics(requests: pa.Table) -> Serving:
+def serving_metrics(requests: pa.Table, itl: Dist | None = None) -> Serving:
+    """`itl`: precomputed (see `itl_from_runs`), so a long trace never materialises
+    its tens of millions of gaps; otherwise pooled from the dur_itl_ns lists."""
     n = requests.num_rows
     reasons: dict[str, int] = {}
     for row in pc.value_counts(requests["finish_reason"]).to_pylist() if n else []:
@@ -78,7 +103,8 @@ def serving_metrics(requests: pa.Table) -> Serving:
     e2e = (finish[served] - arrival[served]) / 1e6
     multi = served & (out_len > 1)
     tpot = (finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1)
-    itl = _inter_token_ns(requests["token_ns"])
+    if itl is None:
+        itl = Dist.of(inter_token_ms(requests["dur_itl_ns"].chunks))
     out_tok = int(out_len[served].sum())
     in_tok = int(in_len[served].sum())
     return Serving(
@@ -93,31 +119,61 @@ def serving_metrics(requests: pa.Table) -> Serving:
         output_tok_per_s=out_tok / duration if duration else 0.0,
         ttft_ms=Dist.of(ttft),
         tpot_ms=Dist.of(tpot),
-        itl_ms=Dist.of(itl, 1e-6),
+        itl_ms=itl,
         e2e_ms=Dist.of(e2e),
         preemptions=int(pc.sum(requests["num_preemptions"]).as_py() or 0) if n else 0,
     )
 
 
-def _inter_token_ns(col: pa.ChunkedArray) -> np.ndarray:
-    """Gaps between consecutive tokens of each request, pooled, as int64 ns.
-
-    Works chunk by chunk on the list offsets (no parent-index array), because
-    a long trace holds tens of millions of token timestamps.
-    """
+def inter_token_ms(chunks: Iterable[pa.ListArray]) -> np.ndarray:
+    """All requests' inter-token gaps (the dur_itl_ns lists), pooled, in ms as
+    float32: tens of millions of values on a long trace, and float32 keeps 7
+    significant digits, plenty for a percentile."""
     parts = []
-    for chunk in col.chunks:
-        offsets = chunk.offsets.to_numpy()
-        if len(offsets) < 2:
+    for chunk in chunks:
+        flat = pc.list_flatten(chunk).to_numpy()
+        if len(flat):
+            parts.append((flat * 1e-6).astype(np.float32))
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np.ndarray) -> Dist:
+    """ITL pooled over all requests, exactly, from per-request token runs.
+
+    Every token of a run [s0, s0 + n) was collected at the end of consecutive
+    rounds, so the run's gaps are the collect-time intervals of rounds
+    s0+1 .. s0+n-1: a difference array counts how many runs cover each round
+    interval, and a weighted percentile over ~one value per round replaces tens
+    of millions of per-token values. Gaps between two runs of one request
+    (after a preemption or a skipped round) are added one by one.
+    """
+    order = np.argsort(step)
+    step, collect_ns = step[order], collect_ns[order]
+    if len(step) == 0:
+        return Dist.weighted(np.zeros(0), np.zeros(0, np.int64))
+    base = int(step[0])
+    c = np.zeros(int(step[-1]) - base + 2, dtype=np.int64)
+    c[step - base] = collect_ns
+    cover = np.zeros(len(c) + 1, dtype=np.int64)
+    extra: list[np.ndarray] = []
+    for chunk in runs:
+        flat = pc.list_flatten(chunk).to_numpy()
+        if not len(flat):
             continue
-        flat = chunk.values.to_numpy()[offsets[0] : offsets[-1]]
-        if len(flat) < 2:
-            continue
-        d = np.diff(flat)
-        # drop the gap from one request's last token to the next request's first
-        cut = offsets[1:-1] - offsets[0] - 1
-        cut = cut[(cut >= 0) & (cut < len(d))]
-        keep = np.ones(len(d), dtype=bool)
-        keep[cut] = False
-        parts.append(d[keep])
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        s0, cnt = flat[0::2] - base, flat[1::2]
+        # rounds s0+1 .. s0+cnt-1 each contribute one gap (c[i] - c[i-1])
+        np.add.at(cover, s0 + 1, 1)
+        np.add.at(cover, s0 + cnt, -1)
+        # gaps between consecutive runs of the same request
+        owner = np.repeat(np.arange(len(chunk)), pc.list_value_length(chunk).to_numpy() // 2)
+        same = owner[1:] == owner[:-1]
+        if same.any():
+            end_prev = (s0 + cnt - 1)[:-1][same]
+            start_next = s0[1:][same]
+            extra.append(c[start_next] - c[end_prev])
+    w = np.cumsum(cover)[: len(c)]
+    d = np.zeros(len(c), dtype=np.int64)
+    d[1:] = c[1:] - c[:-1]
+    vals = np.concatenate([d, *extra]).astype(np.float64) * 1e-6
+    weights = np.concatenate([w, *(np.ones(len(e), np.int64) for e in extra)])
+    return Dist.weighted(vals, weights)

@@ -1,0 +1,40 @@
+"""Tensor- and pipeline-parallel model execution over torch.distributed (model level).
+
+``group`` builds the process groups (:class:`ParallelState`, passed explicitly, never global),
+``tp`` shards a checkpoint Megatron-style and runs the layers (optionally overlapping each
+all-reduce with the other half of the batch), ``comm`` is the observable all-reduce, ``pp`` the
+pipeline stage primitives, and ``runner.ShardedModel`` puts one rank's share together.
+"""
+
+from .comm import COMM_TIMEOUT_S, AllReduce, CollectiveRecord, PendingAllReduce
+from .group import ParallelState, destroy, init_distributed
+from .pp import PipelineStage, stage_layers, stage_part
+from .runner import ShardedModel
+from .tp import (
+    TPRunner,
+    kv_heads_for_rank,
+    slice_batch,
+    split_row,
+    tp_config,
+    tp_shard_fn,
+)
+
+__all__ = [
+    "COMM_TIMEOUT_S",
+    "AllReduce",
+    "CollectiveRecord",
+    "ParallelState",
+    "PendingAllReduce",
+    "PipelineStage",
+    "ShardedModel",
+    "TPRunner",
+    "destroy",
+    "init_distributed",
+    "kv_heads_for_rank",
+    "slice_batch",
+    "split_row",
+    "stage_layers",
+    "stage_part",
+    "tp_config",
+    "tp_shard_fn",
+]

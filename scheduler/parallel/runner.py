@@ -1,0 +1,101 @@
+"""One rank's share of a tensor x pipeline parallel model, and one forward step over it.
+
+Every rank builds the same :class:`~scheduler.model.forward_batch.ForwardBatch` from the same
+``SeqChunk`` list and calls :meth:`ShardedModel.step`; the logits come back on
+``state.logits_rank`` (TP rank 0 of the last stage) and None everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from probes.recorder import Row
+from probes.waits import WaitRegistry
+from scheduler.model.config import ModelConfig
+from scheduler.model.forward_batch import ForwardBatch
+from scheduler.model.kv_cache import PagedKVCache
+from scheduler.model.loader import load_model
+from scheduler.model.transformer import CausalLM
+
+from .comm import COMM_TIMEOUT_S, AllReduce
+from .group import ParallelState
+from .pp import PipelineStage, stage_part
+from .tp import TPRunner, tp_config, tp_shard_fn
+
+
+@dataclass(slots=True)
+class ShardedModel:
+    state: ParallelState
+    full_cfg: ModelConfig  # the checkpoint's
+    cfg: ModelConfig  # this rank's shapes (heads, KV heads, intermediate divided by tp)
+    model: CausalLM  # this rank's layers and, per stage, embedding / head
+    stage: PipelineStage
+    tp: TPRunner | None  # None when tp_size == 1
+    registry: WaitRegistry  # every wait of this rank's forward (for the stall watchdog)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        state: ParallelState,
+        *,
+        dtype: torch.dtype | None = None,
+        overlap: bool = False,
+        probe_buf: list[Row] | None = None,
+        registry: WaitRegistry | None = None,
+        timeout_s: float = COMM_TIMEOUT_S,
+    ) -> ShardedModel:
+        """Load this rank's shard of the checkpoint at ``model_dir`` (each tensor read whole,
+        sliced, copied: peak extra memory is one checkpoint tensor)."""
+        full = ModelConfig.from_file(Path(model_dir) / "config.json")
+        registry = registry if registry is not None else WaitRegistry()
+        comm = None
+        if state.tp_size > 1:
+            comm = AllReduce(
+                state.tp_group, state.rank, buf=probe_buf, registry=registry, timeout_s=timeout_s
+            )
+        model, cfg = load_model(
+            model_dir,
+            state.device,
+            dtype,
+            tp_shard_fn(full, state.tp_rank, state.tp_size) if comm else None,
+            cfg=tp_config(full, state.tp_size),
+            part=stage_part(full, state),
+            all_reduce=comm,
+        )
+        tp = TPRunner(model, comm, overlap) if comm else None
+        stage = PipelineStage(
+            model, state, tp, buf=probe_buf, registry=registry, timeout_s=timeout_s
+        )
+        return cls(state, full, cfg, model, stage, tp, registry)
+
+    @property
+    def overlap(self) -> bool:
+        return self.tp is not None and self.tp.overlap
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """This stage's layers x this rank's KV heads."""
+        return self.model.make_kv_cache(num_blocks, block_size)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """KV bytes one block costs on this rank (its stage's layers, its KV heads)."""
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        layers = len(self.model.layers)
+        return 2 * layers * block_size * self.cfg.num_key_value_heads * self.cfg.head_dim * elem
+
+    def step(self, batch: ForwardBatch, kv: PagedKVCache, step: int = -1) -> torch.Tensor | None:
+        """One forward step on this rank; logits on the logits rank, None elsewhere."""
+        if self.tp is not None:
+            self.tp.comm.step = step
+        st = self.state
+        hidden_in = None if st.is_first_stage else self.stage.recv_hidden(batch.num_tokens, step)
+        out = self.stage.stage_forward(batch, kv, hidden_in)
+        if st.is_last_stage:
+            return out
+        assert out is not None
+        self.stage.send_hidden(out, step)
+        self.stage.flush()
+        return None
