@@ -178,13 +178,16 @@ def test_forward_batch_layout() -> None:
     assert b.positions.tolist() == [17, 0, 0, 1, 2, 5, 6]
     assert b.slot_mapping.tolist() == [1, 48, 64, 65, 66, 37, 38]
     assert b.logits_indices.tolist() == [0, 6, 1]  # chunk order of sample=True chunks
-    assert b.decode_slots is not None and b.decode_mask is not None
-    assert b.decode_slots.shape == (2, 18) and b.decode_slots[0, 16:].tolist() == [0, 1]
+    assert b.decode_blocks is not None and b.decode_mask is not None
+    # whole blocks, padded with block 0; the mask keeps exactly each context's positions
+    assert b.decode_blocks.tolist() == [[1, 0], [3, 0]]
+    assert b.decode_mask.shape == (2, 1, 1, 32)
     assert b.decode_mask[:, 0, 0].sum(-1).tolist() == [18, 1]
     first, second = b.prefills
-    assert first.ctx_slots is None and first.mask is None  # start_pos 0: causal, no gather
-    assert second.ctx_slots is not None and second.ctx_slots.tolist() == list(range(32, 39))
-    assert second.mask is not None and second.mask.sum(-1).tolist() == [6, 7]
+    assert first.ctx_blocks is None and first.mask is None  # start_pos 0: causal, no gather
+    assert second.ctx_blocks is not None and second.ctx_blocks.tolist() == [2]
+    assert second.mask is not None and second.mask.shape == (2, 16)
+    assert second.mask.sum(-1).tolist() == [6, 7]
     assert b.max_context_len == 18
     with pytest.raises(ValueError, match="cannot hold"):
         build_forward_batch([SeqChunk([1, 2], 15, [0], True)], 16, "cpu")

@@ -608,7 +608,7 @@ def test_split_row_and_slice() -> None:
     assert split_row(b) == 2  # the decode/prefill boundary halves 7 rows best
     head, tail = slice_batch(b, 0, 2), slice_batch(b, 2, 7)
     assert (head.num_decode, len(head.prefills), head.num_seqs) == (2, 0, 2)
-    assert (tail.num_decode, tail.decode_slots, len(tail.prefills)) == (0, None, 2)
+    assert (tail.num_decode, tail.decode_blocks, len(tail.prefills)) == (0, None, 2)
     assert [(p.row_start, p.row_end) for p in tail.prefills] == [(0, 3), (3, 5)]
     assert tail.input_ids.tolist() == [10, 11, 12, 30, 31]
     one = build_forward_batch([SeqChunk([1, 2, 3], 0, [0], True)], BLOCK, "cpu")

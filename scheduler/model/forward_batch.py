@@ -15,8 +15,9 @@ model returns logits for the ``sample=True`` chunks in the order they were passe
 
 Attention is the only per-sequence op:
 
-* every decode row is handled by **one** padded SDPA call: each sequence's context slots are
-  gathered into ``decode_slots [D, Lmax]`` with a key mask ``decode_mask [D, 1, 1, Lmax]``.  Decode
+* every decode row is handled by **one** padded SDPA call: each sequence's context is
+  gathered a whole KV block at a time (``decode_blocks [D, nblk]``) with a key mask
+  ``decode_mask [D, 1, 1, nblk * block_size]``.  Decode
   attention is tiny per sequence, so one batched call keeps the kernel launch count (and the
   Python overhead, which dominates on CPU) independent of the batch size;
 * each prefill chunk gets its own SDPA call over its cached prefix plus itself, with a causal
@@ -52,10 +53,10 @@ class PrefillAttn:
     row_start: int
     row_end: int
     start_pos: int
-    # Slots of positions [0, start_pos + n) to gather K/V from; None when start_pos == 0
-    # (the chunk's own fresh K/V are the whole context).
-    ctx_slots: torch.Tensor | None
-    # [n, start_pos + n] bool, True = attend; None means plain causal (start_pos == 0).
+    # Blocks covering positions [0, start_pos + n) to gather K/V from, whole blocks at a
+    # time; None when start_pos == 0 (the chunk's own fresh K/V are the whole context).
+    ctx_blocks: torch.Tensor | None
+    # [n, len(ctx_blocks) * block_size] bool, True = attend; None means plain causal.
     mask: torch.Tensor | None
 
 
@@ -69,10 +70,13 @@ class ForwardBatch:
     num_seqs: int
     num_sampled: int
     num_decode: int  # decode rows are [0, num_decode)
-    decode_slots: torch.Tensor | None  # [D, Lmax] int64 context slots (padding -> slot 0)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] bool key mask
+    # Context gathered a whole block at a time: one 16-token row of the cache per index is
+    # ~5x faster than gathering slot by slot (measured with index_select on CPU).
+    decode_blocks: torch.Tensor | None  # [D, nblk] int64 block ids (padding -> block 0, masked)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, nblk * block_size] bool key mask
     prefills: list[PrefillAttn]
     max_context_len: int  # max over chunks of start_pos + len(token_ids) (host int, no sync)
+    block_size: int = 16
 
 
 def _slot(block_table: list[int], pos: int, block_size: int) -> int:
@@ -125,19 +129,19 @@ def build_forward_batch(
         n = len(c.token_ids)
         row0 = len(ids)
         ids.extend(c.token_ids)
-        p = torch.arange(c.start_pos + n, dtype=torch.int64)
+        p = torch.arange(c.start_pos, c.start_pos + n, dtype=torch.int64)
         bt = torch.as_tensor(c.block_table, dtype=torch.int64)
-        ctx = bt[p // block_size] * block_size + p % block_size
-        pos_pieces.append(p[c.start_pos :])
-        slot_pieces.append(ctx[c.start_pos :])
-        ctx_pieces.append(ctx if c.start_pos > 0 else ctx[:0])
+        pos_pieces.append(p)
+        slot_pieces.append(bt[p // block_size] * block_size + p % block_size)
+        nblk_ctx = (c.start_pos + n + block_size - 1) // block_size
+        ctx_pieces.append(bt[:nblk_ctx] if c.start_pos > 0 else bt[:0])
         prefill_meta.append((row0, row0 + n, c.start_pos))
         row_of_chunk_last[i] = row0 + n - 1
 
     logits_rows = [row_of_chunk_last[i] for i, c in enumerate(chunks) if c.sample]
 
-    # Decode context: [D, Lmax] slots from a padded block-table matrix, one vectorised op.
-    decode_slot_host = torch.empty((0, 0), dtype=torch.int64)
+    # Decode context: a padded [D, nblk] block-table matrix.
+    decode_block_host = torch.empty((0, 0), dtype=torch.int64)
     decode_mask_host: torch.Tensor | None = None
     if decodes:
         lens = torch.tensor([c.start_pos + 1 for _, c in decodes], dtype=torch.int64)
@@ -150,16 +154,15 @@ def build_forward_batch(
             ],
             dtype=torch.int64,
         )
-        decode_slot_host = (bt_pad[:, :, None] * block_size + torch.arange(block_size)).reshape(
-            len(decodes), -1
-        )[:, :lmax]
-        decode_mask_host = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+        decode_block_host = bt_pad
+        decode_mask_host = (torch.arange(nblk * block_size)[None, :] < lens[:, None])[:, None, None, :]
 
     masks_host: list[torch.Tensor] = []
     for row0, row1, sp in prefill_meta:
         if sp > 0:
             q_pos = torch.arange(sp, sp + row1 - row0)
-            masks_host.append(torch.arange(sp + row1 - row0)[None, :] <= q_pos[:, None])
+            nkeys = (sp + row1 - row0 + block_size - 1) // block_size * block_size
+            masks_host.append(torch.arange(nkeys)[None, :] <= q_pos[:, None])
 
     # One host->device copy for all int64 indices, one for all bool masks.
     t = len(ids)
@@ -168,7 +171,7 @@ def build_forward_batch(
         torch.cat(pos_pieces),
         torch.cat(slot_pieces),
         torch.tensor(logits_rows, dtype=torch.int64),
-        decode_slot_host.reshape(-1),
+        decode_block_host.reshape(-1),
         *ctx_pieces,
     ]
     ints = _to_device(torch.cat(int_parts), device)
@@ -183,21 +186,22 @@ def build_forward_batch(
     ctx_views = views[5:]
 
     boff = 0
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if decode_mask_host is not None and bools is not None:
-        decode_slots = dec_flat.view(decode_slot_host.shape)
+        decode_blocks = dec_flat.view(decode_block_host.shape)
         decode_mask = bools[: decode_mask_host.numel()].view(decode_mask_host.shape)
         boff = decode_mask_host.numel()
 
     prefills: list[PrefillAttn] = []
     for (row0, row1, sp), ctx in zip(prefill_meta, ctx_views, strict=True):
-        ctx_slots = mask = None
+        ctx_blocks = mask = None
         if sp > 0 and bools is not None:
             n = row1 - row0
-            ctx_slots = ctx
-            mask = bools[boff : boff + n * (sp + n)].view(n, sp + n)
-            boff += n * (sp + n)
-        prefills.append(PrefillAttn(row0, row1, sp, ctx_slots, mask))
+            ctx_blocks = ctx
+            nkeys = ctx.numel() * block_size
+            mask = bools[boff : boff + n * nkeys].view(n, nkeys)
+            boff += n * nkeys
+        prefills.append(PrefillAttn(row0, row1, sp, ctx_blocks, mask))
 
     return ForwardBatch(
         input_ids=input_ids,
@@ -208,10 +212,11 @@ def build_forward_batch(
         num_seqs=len(chunks),
         num_sampled=len(logits_rows),
         num_decode=num_decode,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         prefills=prefills,
         max_context_len=max_ctx,
+        block_size=block_size,
     )
 
 

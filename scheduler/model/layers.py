@@ -81,15 +81,18 @@ class AttnPlan:
     prefill_masks: list[torch.Tensor | None]
 
 
-def plan_attention(batch: ForwardBatch, sliding_window: int | None) -> AttnPlan:
-    """Masks from the batch, narrowed by the sliding window only when some context exceeds it."""
+def plan_attention(
+    batch: ForwardBatch, sliding_window: int | None, dtype: torch.dtype = torch.float32
+) -> AttnPlan:
+    """Masks from the batch, narrowed by the sliding window only when some context exceeds it,
+    as additive float masks: CPU SDPA ran ~1.6x faster with them than with bool masks."""
     if sliding_window is None or batch.max_context_len <= sliding_window:
-        return AttnPlan(batch.decode_mask, [p.mask for p in batch.prefills])
+        return AttnPlan(_additive(batch.decode_mask, dtype), [_additive(p.mask, dtype) for p in batch.prefills])
     w = sliding_window
     dmask = batch.decode_mask
-    if dmask is not None and batch.decode_slots is not None:
+    if dmask is not None and batch.decode_blocks is not None:
         q_pos = batch.positions[: batch.num_decode]
-        k_pos = torch.arange(batch.decode_slots.shape[1], device=q_pos.device)
+        k_pos = torch.arange(batch.decode_blocks.shape[1] * batch.block_size, device=q_pos.device)
         dmask = dmask & (k_pos[None, :] > q_pos[:, None] - w)[:, None, None, :]
     pmasks: list[torch.Tensor | None] = []
     for p in batch.prefills:
@@ -98,10 +101,17 @@ def plan_attention(batch: ForwardBatch, sliding_window: int | None) -> AttnPlan:
             pmasks.append(p.mask)
             continue
         q_pos = torch.arange(p.start_pos, p.start_pos + n, device=batch.positions.device)
-        k_pos = torch.arange(p.start_pos + n if p.ctx_slots is not None else n, device=q_pos.device)
+        nkeys = p.ctx_blocks.numel() * batch.block_size if p.ctx_blocks is not None else n
+        k_pos = torch.arange(nkeys, device=q_pos.device)
         diff = q_pos[:, None] - k_pos[None, :]
         pmasks.append((diff >= 0) & (diff < w))
-    return AttnPlan(dmask, pmasks)
+    return AttnPlan(_additive(dmask, dtype), [_additive(m, dtype) for m in pmasks])
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def paged_attention(
@@ -118,23 +128,28 @@ def paged_attention(
     kvh = k_new.shape[1]
     outs: list[torch.Tensor] = []
     nd = batch.num_decode
+    bs = batch.block_size
+    # Block view of the cache: a gather index is a whole block (bs * KVH * hd values).
+    kb = k_cache.view(-1, bs * kvh * d)
+    vb = v_cache.view(-1, bs * kvh * d)
     if nd:
-        assert batch.decode_slots is not None
+        assert batch.decode_blocks is not None
         # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
         # attends against [D, KVH, L, hd] with no K/V head replication.
         qd = q[:nd].reshape(nd, kvh, h // kvh, d)
-        flat = batch.decode_slots.view(-1)
-        ctx_shape = (nd, batch.decode_slots.shape[1], kvh, d)
-        kd = k_cache.index_select(0, flat).view(ctx_shape).transpose(1, 2)
-        vd = v_cache.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+        flat = batch.decode_blocks.view(-1)
+        ctx_shape = (nd, batch.decode_blocks.shape[1] * bs, kvh, d)
+        kd = kb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+        vd = vb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
         outs.append(o.reshape(nd, h * d))
     for p, mask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
-        if p.ctx_slots is None:
+        if p.ctx_blocks is None:
             kp, vp = k_new[p.row_start : p.row_end], v_new[p.row_start : p.row_end]
         else:
-            kp, vp = k_cache.index_select(0, p.ctx_slots), v_cache.index_select(0, p.ctx_slots)
+            kp = kb.index_select(0, p.ctx_blocks).view(-1, kvh, d)
+            vp = vb.index_select(0, p.ctx_blocks).view(-1, kvh, d)
         kp = kp.transpose(0, 1)[None]
         vp = vp.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(

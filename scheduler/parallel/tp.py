@@ -160,7 +160,7 @@ def slice_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
     nd = batch.num_decode
     d0, d1 = min(r0, nd), min(r1, nd)
     prefills = [
-        PrefillAttn(p.row_start - r0, p.row_end - r0, p.start_pos, p.ctx_slots, p.mask)
+        PrefillAttn(p.row_start - r0, p.row_end - r0, p.start_pos, p.ctx_blocks, p.mask)
         for p in batch.prefills
         if r0 <= p.row_start and p.row_end <= r1
     ]
@@ -174,10 +174,11 @@ def slice_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
         num_seqs=(d1 - d0) + len(prefills),
         num_sampled=0,
         num_decode=d1 - d0,
-        decode_slots=batch.decode_slots[d0:d1] if dec and batch.decode_slots is not None else None,
+        decode_blocks=batch.decode_blocks[d0:d1] if dec and batch.decode_blocks is not None else None,
         decode_mask=batch.decode_mask[d0:d1] if dec and batch.decode_mask is not None else None,
         prefills=prefills,
         max_context_len=batch.max_context_len,
+        block_size=batch.block_size,
     )
 
 
