@@ -128,7 +128,7 @@ def test_slow_sender_does_not_slow_the_engine(tmp_path):
 def test_starve_injection_completes_through_preemption(tmp_path):
     out = tmp_path / "st"
     p = mstrace("run", "--model", "tiny", "--requests", "6", "--prompt-len", "200-300", "--output-len", "8-16",
-                "--kv-blocks", "256", "--inject", "starve", "--prefill-max-wait-ms", "100", "--out", str(out), "-q")
+                "--kv-blocks", "256", "--inject", "starve", "--prefill-max-wait-ms", "0", "--out", str(out), "-q")
     assert p.returncode == 0, p.stderr
     req = read_table(out, "requests").to_pydict()
     assert len(req["request_id"]) == 10 and set(req["finish_reason"]) == {"length"}

@@ -123,7 +123,9 @@ def generate(
     return step
 
 
-def oracle_check(ckpt: Path, prompts: list[list[int]], out: list[list[int]], logits: list[Any]) -> None:
+def oracle_check(
+    ckpt: Path, prompts: list[list[int]], out: list[list[int]], logits: list[Any]
+) -> None:
     # Parent-side only: importing transformers in every rank would cost seconds each.
     try:
         from tests.test_model_oracle import Req as OracleReq
@@ -406,7 +408,8 @@ def test_pp2_stages(ckpts: dict[str, Path], tmp_path: Path) -> None:
     assert not s0["records"] and not s1["records"]  # no TP, no all-reduce
     bubbles = [r for r in s1["probes"] if r[2] == PP_BUBBLE]
     # one input wait per forward step
-    assert len(bubbles) == len(s1["got_logits"]) and all(r[3] == "comm" and r[4] == 1 for r in bubbles)
+    assert len(bubbles) == len(s1["got_logits"])
+    assert all(r[3] == "comm" and r[4] == 1 for r in bubbles)
     assert not [r for r in s0["probes"] if r[2] == PP_BUBBLE]  # stage 0 waits for no input
 
 

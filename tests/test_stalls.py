@@ -82,7 +82,7 @@ def test_watchdog_costs_under_one_percent():
     eng = Engine(EngineConfig(model="tiny"))
     try:
         t0 = time.monotonic_ns()
-        run_workload(eng, synthetic_workload(SyntheticSpec(48, (16, 128), (16, 64)), 500, {0, 1, 2}))
+        run_workload(eng, synthetic_workload(SyntheticSpec(64, (16, 128), (64, 128)), 500, {0, 1, 2}))
         wall = time.monotonic_ns() - t0
     finally:
         eng.close()

@@ -98,7 +98,8 @@ class CausalLM(nn.Module):
         """RoPE cos/sin ``[T, 1, head_dim]`` and the attention plan, shared by all layers."""
         # Gathered once per step rather than once per layer.
         cos, sin = self.rope.lookup(batch.positions, batch.max_context_len)
-        return cos, sin, plan_attention(batch, self.cfg.sliding_window, self.embed_tokens.dtype)
+        # self.dtype, not embed_tokens.dtype: later pipeline stages hold no embedding.
+        return cos, sin, plan_attention(batch, self.cfg.sliding_window, self.dtype)
 
     def check_kv(self, kv: PagedKVCache) -> None:
         if kv.num_layers != len(self.layers):

@@ -174,7 +174,9 @@ def slice_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
         num_seqs=(d1 - d0) + len(prefills),
         num_sampled=0,
         num_decode=d1 - d0,
-        decode_blocks=batch.decode_blocks[d0:d1] if dec and batch.decode_blocks is not None else None,
+        decode_blocks=(
+            batch.decode_blocks[d0:d1] if dec and batch.decode_blocks is not None else None
+        ),
         decode_mask=batch.decode_mask[d0:d1] if dec and batch.decode_mask is not None else None,
         prefills=prefills,
         max_context_len=batch.max_context_len,
@@ -208,7 +210,7 @@ class TPRunner:
         cos, sin, _ = model.attention_inputs(batch)
         bounds = ((0, row), (row, batch.num_tokens))
         mbs = [slice_batch(batch, a, b) for a, b in bounds]
-        plans = [plan_attention(mb, model.cfg.sliding_window) for mb in mbs]
+        plans = [plan_attention(mb, model.cfg.sliding_window, model.dtype) for mb in mbs]
         rope = [(cos[a:b], sin[a:b]) for a, b in bounds]
         xs = [x[a:b] for a, b in bounds]
         pending: list[PendingAllReduce | None] = [None, None]
