@@ -58,6 +58,12 @@ class EngineConfig:
     # and (negative control) drop the cross-stream event waits that guarantee it.
     debug_kv_check: bool = False
     debug_skip_stream_waits: bool = False
+    # Tensor x pipeline parallel (scheduler/parallel/): this process is rank 0 and spawns the
+    # other tp * pp - 1 ranks. comm_overlap: hide each all-reduce behind the other half of the
+    # batch (scheduler/parallel/tp.py).
+    tp: int = 1
+    pp: int = 1
+    comm_overlap: bool = True
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +109,19 @@ class EngineConfig:
             raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be >= 1")
+        if self.tp < 1 or self.pp < 1:
+            raise ConfigError(f"--tp and --pp must be >= 1 (got {self.tp}, {self.pp})")
+        if self.world_size > 1 and (self.overlap_on or self.split_on):
+            # A placeholder token lives in rank 0's future ring only; the other ranks would
+            # need the ring too (and split streams would interleave two forwards' collectives).
+            raise ConfigError("--tp/--pp > 1 runs rounds serially: use --no-overlap-schedule "
+                              "--no-split-streams (mstrace run sets both)")
+        if "stall-rank" in self.inject and self.world_size < 2:
+            raise ConfigError("--inject stall-rank needs more than one rank (--tp or --pp > 1)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
 
     @property
     def hard_wait_timeout_s(self) -> float:

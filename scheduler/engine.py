@@ -21,11 +21,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, DEFRAG, IDLE, KV_FENCE, RESPONSE_SEND
+from probes.boundaries import (
+    BATCH_PREPARE,
+    BOOKKEEPING,
+    DEFRAG,
+    IDLE,
+    KV_FENCE,
+    RESPONSE_SEND,
+    SCHEDULER_BARRIER,
+)
 from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, WaitTimeout, timed_wait
@@ -35,6 +43,7 @@ from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
 from scheduler.executor import Executor, Launch
 from scheduler.faults import SLOW_SENDER_S
 from scheduler.memory_manager import MemoryManager
+from scheduler.model.config import ModelConfig
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
 from scheduler.model.presets import resolve_model
@@ -48,12 +57,20 @@ from scheduler.tokenizer import Tokenizer, TokenizerError
 from scheduler.tokenizer_pool import TokenizerPool
 from tracing.writer import TraceWriter
 
+if TYPE_CHECKING:
+    from scheduler.parallel.coordinator import Coordinator
+
 
 class EngineStalled(RuntimeError):
     """A wait passed its timeout with --on-stall abort; the watchdog's reports say why."""
 
     def __init__(self, reports: list[StallReport], cause: BaseException) -> None:
-        what = reports[0].cycle_name or reports[0].wait.what if reports else str(cause)
+        # The most telling report: a wait cycle, else the wait underneath the scheduler's barrier
+        # (e.g. a collective some rank never joined), else the first.
+        rep = (next((r for r in reports if r.cycle), None)
+               or next((r for r in reports if r.wait.boundary != SCHEDULER_BARRIER), None)
+               or (reports[0] if reports else None))
+        what = (rep.cycle_name or rep.wait.what) if rep is not None else str(cause)
         super().__init__(f"engine stalled: {what}")
         self.reports = reports
 
@@ -80,6 +97,7 @@ class Engine:
         config: EngineConfig,
         sinks: Sequence[OutputSink] = (),
         trace: TraceWriter | None = None,
+        parallel: Coordinator | None = None,
     ) -> None:
         config.validate()
         self.cfg = config
@@ -90,22 +108,36 @@ class Engine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.resolved_device_threads())
         dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.model, self.model_config = load_model(self.model_dir, self.device, dtype)
+        # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
+        self.parallel = parallel
+        if parallel is None:
+            self.model, self.model_config = load_model(self.model_dir, self.device, dtype)
+            per_block = PagedKVCache.bytes_per_block(self.model_config, config.block_size, dtype)
+        else:
+            self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
+            per_block = parallel.kv_bytes_per_block(self.model_config, config.block_size, dtype)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
         except TokenizerError:
             self.tokenizer = None  # ids-only workloads still run
         self.eos_ids = frozenset(self.model_config.eos_token_id or ())
 
-        num_blocks = self._pool_blocks(dtype)
-        mc = self.model_config
-        self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
-                               mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+        num_blocks = self._pool_blocks(per_block)
         self.trace = trace
         self.probes = Probes(trace.buffer if trace is not None and config.probes else None, rank=0)
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
         self._mem_buf = self.probes.buffer("memory")
         self.registry = WaitRegistry()
+        if parallel is None:
+            mc = self.model_config
+            self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
+                                   mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+        else:
+            # Every rank gets the same block count (the block tables are rank 0's); the engine's
+            # registry, so the watchdog sees rank 0's collective waits.
+            sharded = parallel.start_ranks(self.model_dir, num_blocks, dtype, self.probes, self.registry)
+            self.model = sharded.model
+            self.kv = sharded.make_kv_cache(num_blocks, config.block_size)
         self.streams = make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s)
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
@@ -115,7 +147,8 @@ class Engine:
         self._fenced_blocks = 0
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
-                                 self.streams, self.registry, config.hard_wait_timeout_s, self._pb)
+                                 self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
+                                 parallel=parallel)
         if config.debug_kv_check:
             self.executor.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
@@ -144,11 +177,11 @@ class Engine:
             self._inject_starve()
 
     # ---- set-up --------------------------------------------------------
-    def _pool_blocks(self, dtype: torch.dtype) -> int:
+    def _pool_blocks(self, per_block: int) -> int:
+        """Pool size in blocks; ``per_block`` = KV bytes of one block on this process."""
         cfg = self.cfg
         if cfg.kv_blocks is not None:
             return cfg.kv_blocks
-        per_block = PagedKVCache.bytes_per_block(self.model_config, cfg.block_size, dtype)
         if cfg.kv_bytes is not None:
             n = cfg.kv_bytes // per_block
             if n < 1:

@@ -18,6 +18,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from scheduler.model.sampling import sample
 from scheduler.model.transformer import CausalLM
 from scheduler.request import Request
 from scheduler.streams import Event, Stream
+
+if TYPE_CHECKING:
+    from scheduler.parallel.coordinator import Coordinator
 
 FUTURE_SLOTS = 1 << 16  # > 2 rounds in flight x max batch; a slot is reused only after both finished
 
@@ -54,6 +58,7 @@ class PreparedBatch:
     generators: list[torch.Generator | None]
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
+    seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
 
 
 @dataclass(slots=True)
@@ -86,8 +91,10 @@ class Executor:
         wait_timeout_s: float,
         probe_buf: list[Row] | None,
         rank: int = 0,
+        parallel: Coordinator | None = None,
     ) -> None:
         self.model = model
+        self.parallel = parallel
         self.kv = kv
         self.block_size = block_size
         self.device = device
@@ -126,6 +133,7 @@ class Executor:
             generators=[self._generator(c.req) for c in sampled],
             has_placeholders=placeholders,
             kv_check=check,
+            seqs=seqs,
         )
 
     def _kv_reads(self, chunks: Sequence[ScheduledChunk]) -> KvReadCheck:
@@ -161,7 +169,8 @@ class Executor:
         if stagger_us > 0:
             s.submit(lambda: _device_sleep(stagger_us, self.device), f"stagger#{step}", step, PREFILL_STAGGER)
         launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
-        s.submit(lambda: launch.result.append(self.run_model(prepared, launch.slots)), f"forward#{step}", step)
+        s.submit(lambda: launch.result.append(self.run_model(prepared, launch.slots, step)), f"forward#{step}",
+                 step)
         launch.end = s.record()
         return launch
 
@@ -176,7 +185,7 @@ class Executor:
             raise RuntimeError(f"forward failed on the {launch.stream} stream: {err!r}") from err
         return launch.result[0]
 
-    def run_model(self, prepared: PreparedBatch, slots: list[int]) -> list[int]:
+    def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> list[int]:
         """Device work: resolve placeholders, forward, sample, publish tokens to the future ring."""
         fb = prepared.forward
         if prepared.has_placeholders:
@@ -184,10 +193,16 @@ class Executor:
             fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
         if self.kv_tags is not None:
             self._check_kv(prepared)
-        logits = self.model(fb, self.kv)
-        if not prepared.sampled:
-            return []
-        tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+        if self.parallel is not None:
+            # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
+            tokens = self.parallel.forward(prepared, self.kv, step)
+            if not tokens:
+                return []
+        else:
+            logits = self.model(fb, self.kv)
+            if not prepared.sampled:
+                return []
+            tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
         self.future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
 

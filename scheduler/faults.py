@@ -10,9 +10,12 @@ FAULTS: dict[str, str] = {
     "leak": "the first request to finish dies on an exception path that skips freeing its blocks",
     "slow-sender": "the output path takes 50 ms per round to deliver tokens (a slow client)",
     "starve": "four long decodes are submitted first and pin ~90% of the KV pool",
+    "stall-rank": "with --tp/--pp > 1, the last rank stops joining collectives at step 3 (it hangs "
+                  "before its next all-reduce, or before its forward without TP) until the run is ended",
 }
 
 SLOW_SENDER_S = 0.05
+STALL_RANK_STEP = 3
 
 
 def parse_faults(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -91,6 +91,8 @@ def run_meta(
 
     mono, unix = anchor or wall_anchor()
     mc = engine.model_config
+    # ranks (clock offsets) and parallel (sizes, backend) of a TP/PP run
+    par = engine.parallel.meta() if engine.parallel is not None else {"ranks": {"0": {"offset_ns": 0}}}
     return {
         "tool": "mstrace",
         "config": engine.cfg.to_dict(),
@@ -120,7 +122,7 @@ def run_meta(
             "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
         },
         "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
-        "ranks": {"0": {"offset_ns": 0}},
+        **par,
     }
 
 

@@ -122,6 +122,23 @@ STALLS = pa.schema([
     ("waits_json", pa.string()),
 ])
 
+# One row per tensor-parallel all-reduce of one rank (scheduler/parallel/comm.py's
+# CollectiveRecord): NCCL's flight-recorder idea. `seq` numbers the collectives of a
+# group identically on every member rank, so rows join across ranks on (group, seq):
+# who issued last (the straggler view), who never issued at all (a stall-rank stall).
+COLLECTIVES = pa.schema([
+    ("rank", pa.int32()),
+    ("group", _str),  # "tp<stage>": the TP group of pipeline stage <stage>
+    ("seq", pa.int64()),
+    ("step", pa.int64()),
+    ("numel", pa.int64()),
+    ("overlapped", pa.bool_()),  # issued with independent compute behind it
+    ("issue_ns", pa.int64()),  # the host enqueued it
+    ("start_ns", pa.int64()),  # the transport started (== issue_ns on gloo)
+    ("end_ns", pa.int64()),  # completion; -1: still in flight when the rank stopped
+    ("dur_wait_ns", pa.int64()),  # the host blocked in wait() (exposed); -1: never waited out
+])
+
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,
     "requests": REQUESTS,
@@ -130,4 +147,20 @@ TABLES: dict[str, pa.Schema] = {
     "memory": MEMORY,
     "spans": SPANS,
     "stalls": STALLS,
+    "collectives": COLLECTIVES,
+}
+
+# Point-in-time columns per table (durations excluded): a rank other than 0 writes them
+# already moved onto rank 0's clock (tracing.writer.TraceWriter's clock_offset_ns).
+# Values <= 0 are "never happened" markers and are left alone.
+TIMESTAMPS: dict[str, tuple[str, ...]] = {
+    "probes": ("ts_ns",),
+    "requests": ("arrival_ns", "tokenized_ns", "queued_ns", "admitted_ns", "first_scheduled_ns",
+                 "first_token_ns", "finish_ns"),
+    "timeline": ("ts_ns",),
+    "steps": ("ts_ns", "collect_ns"),
+    "memory": ("ts_ns",),
+    "spans": ("start_ns", "end_ns"),
+    "stalls": ("ts_ns",),
+    "collectives": ("issue_ns", "start_ns", "end_ns"),
 }

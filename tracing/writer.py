@@ -4,6 +4,12 @@ Each producer (a thread, a stream worker) gets its own list per table and
 appends plain tuples in the schema's column order: no lock on the hot path. A background thread drains the lists into zstd Parquet parts at least
 once per `flush_interval_s`. Each part is written to a temporary name and
 renamed into place, so a killed run leaves only whole, readable parts.
+
+Several processes (the ranks of a tensor/pipeline-parallel run) may write into
+one trace directory: rank r > 0 names its parts `part-r<r>-NNNNNN.parquet`, so
+names never collide and `part-*.parquet` still finds them all, and it writes
+its timestamps already on rank 0's clock (`clock_offset_ns`, measured at
+start-up; see docs/trace-schema.md).
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.schema import SCHEMA_VERSION, TABLES
+from tracing.schema import SCHEMA_VERSION, TABLES, TIMESTAMPS
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -55,8 +62,15 @@ class TraceWriter:
         root: str | Path,
         tables: dict[str, pa.Schema] | None = None,
         flush_interval_s: float = 0.5,
+        *,
+        rank: int = 0,
+        clock_offset_ns: int = 0,
     ) -> None:
         self.root = Path(root)
+        self.rank = rank
+        # This process's clock minus rank 0's: subtracted from every timestamp column.
+        self.clock_offset_ns = clock_offset_ns
+        self._prefix = "part-" if rank == 0 else f"part-r{rank}-"
         self.schemas = dict(TABLES if tables is None else tables)
         self.root.mkdir(parents=True, exist_ok=True)
         for name in self.schemas:
@@ -115,8 +129,15 @@ class TraceWriter:
         schema = self.schemas[name]
         cols = list(zip(*rows, strict=True))
         arrays = [pa.array(col, type=f.type) for col, f in zip(cols, schema, strict=True)]
+        if self.clock_offset_ns:
+            shift = set(TIMESTAMPS.get(name, ()))
+            off = pa.scalar(self.clock_offset_ns, pa.int64())
+            arrays = [
+                pc.if_else(pc.greater(a, 0), pc.subtract(a, off), a) if f.name in shift else a
+                for a, f in zip(arrays, schema, strict=True)
+            ]
         table = pa.Table.from_arrays(arrays, schema=schema)
         seq = self._seq[name]
         self._seq[name] = seq + 1
-        write_parquet_atomic(table, self.root / name / f"part-{seq:06d}.parquet")
+        write_parquet_atomic(table, self.root / name / f"{self._prefix}{seq:06d}.parquet")
         self._rows_written[name] += len(rows)

@@ -74,16 +74,21 @@ def run(
     wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
     snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
     debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,
-    inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve (repeatable).")] = None,
+    inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve, stall-rank (repeatable).")] = None,
     no_gc: Annotated[bool, typer.Option("--no-gc", help="Turn off the GC scan, so a leak stays visible.")] = False,
     gc_after_s: Annotated[float, typer.Option(help="GC reclaims blocks of dead or stuck holders after this long.")] = 10.0,
     on_stall: Annotated[str, typer.Option(help="abort (flush the trace, exit 3) or continue, when a wait passes --wait-timeout.")] = "abort",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline-parallel stages; --tp x --pp ranks in all.")] = 1,
+    comm_overlap: Annotated[str, typer.Option(help="on: hide each TP all-reduce behind the other half of the batch; off: synchronous.")] = "on",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace\\[otlp].")] = None,
 ) -> None:
     """Run a workload through the reference engine and write a trace."""
     from viewer.run_command import RunArgs, execute_run
 
+    if comm_overlap not in ("on", "off"):
+        fail(f"--comm-overlap must be on or off, got {comm_overlap!r}")
     args = RunArgs(
         model=model, workload=workload, requests=requests, prompt_len=_range(prompt_len, "prompt-len"),
         output_len=_range(output_len, "output-len"), shared_prefix=shared_prefix, rate=rate, seed=seed,
@@ -97,6 +102,7 @@ def run(
         prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
         prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,
         gc_after_s=gc_after_s, on_stall=on_stall, kv_layout=kv_layout,
+        tp=tp, pp=pp, comm_overlap=comm_overlap == "on",
     )
     execute_run(args, console, fail)
 
@@ -131,13 +137,16 @@ def stalls(
     import json
 
     from tracing.reader import TraceError, read_meta, read_table
-    from viewer.analysis.stalls import stall_records
+    from viewer.analysis.stalls import name_missing_ranks, stall_records
     from viewer.stalls_view import render_stalls
 
     try:
         meta = read_meta(trace)
         # A trace written before the stalls table existed has no folder for it: no stalls recorded.
         recs = stall_records(read_table(trace, "stalls")) if (trace / "stalls").is_dir() else []
+        tp = int((meta.get("parallel") or {}).get("tp", 1))
+        if recs and tp > 1 and (trace / "collectives").is_dir():
+            name_missing_ranks(recs, read_table(trace, "collectives"), tp)
     except TraceError as e:
         fail(str(e))
     if json_out:

@@ -23,7 +23,13 @@ from viewer.analysis.diff import (
     diff_requests,
     trace_warnings,
 )
-from viewer.report import PROBE_COLUMNS, REQUEST_COLUMNS, STEP_COLUMNS, build_report
+from viewer.report import (
+    PROBE_COLUMNS,
+    REQUEST_COLUMNS,
+    STEP_COLUMNS,
+    build_report,
+    read_collectives,
+)
 
 
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
@@ -36,7 +42,8 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
               for r in (a_root, b_root)]
     ta, tb = tables
     warnings = trace_warnings(*metas)
-    cyc = diff_cycles(ta["probes"], ta["steps"], tb["probes"], tb["steps"], reps, seed)
+    colls = [read_collectives(r) for r in (a_root, b_root)]  # all_reduce's HTA hidden fraction (TP runs)
+    cyc = diff_cycles(ta["probes"], ta["steps"], tb["probes"], tb["steps"], reps, seed, *colls)
     probes_ok = all(r["probes"] for r in reps_)
     for side, r in zip("AB", reps_, strict=True):
         # with --no-probes every cycle would count as barrier: no cost comparison at all

@@ -6,11 +6,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 
 from tracing.reader import read_meta, read_table
+from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
+from viewer.analysis.collectives import straggler_view
 from viewer.analysis.cost import CostTable, cost_table
 from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
@@ -28,7 +31,8 @@ def build_report(root: str | Path) -> dict[str, Any]:
     probes = read_table(root, "probes", PROBE_COLUMNS)
     steps = read_table(root, "steps", STEP_COLUMNS)
     requests = read_table(root, "requests", REQUEST_COLUMNS)
-    cost = cost_table(probes, steps)
+    colls = read_collectives(root)
+    cost = cost_table(probes, steps, collectives=colls)
     # ITL from token runs and round collect times: exact, and a long trace's tens
     # of millions of per-token gaps never have to be read
     itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
@@ -59,12 +63,26 @@ def build_report(root: str | Path) -> dict[str, Any]:
     modes = pc.unique(steps["mode"]).to_pylist() if steps.num_rows else []
     if len(modes) > 1:
         rep["per_mode"] = {
-            str(m): _cost_dict(cost_table(probes, steps.filter(pc.equal(steps["mode"], m)))) for m in modes
+            str(m): _cost_dict(cost_table(probes, steps.filter(pc.equal(steps["mode"], m)), collectives=colls))
+            for m in modes
         }
     ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows else []
     if len(ranks) > 1:
-        rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r)) for r in sorted(ranks)}
+        # every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
+        rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r, collectives=colls))
+                           for r in sorted(ranks)}
+    if colls is not None:
+        sv = straggler_view(colls)
+        rep["stragglers"] = sv.to_dict() if sv is not None else None
     return rep
+
+
+def read_collectives(root: str | Path) -> pa.Table | None:
+    """The collectives table (TP runs), or None: traces from before it existed have no folder."""
+    if not (Path(root) / "collectives").is_dir():
+        return None
+    t = read_table(root, "collectives", COLLECTIVE_COLUMNS)
+    return t if t.num_rows else None
 
 
 def _cost_dict(c: CostTable) -> dict[str, Any]:
@@ -127,7 +145,9 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
     for m, c in rep.get("per_mode", {}).items():
         render_cost(console, c, f"mode {m}")
     for r, c in rep.get("per_rank", {}).items():
-        render_cost(console, c, f"rank {r}")
+        render_cost(console, c, f"rank {r} (against rank 0's cycles)")
+    if rep.get("per_rank"):
+        render_comm(console, rep)
 
     tp = rep["throughput"]
     t = Table(title="throughput and latency", header_style="bold", title_justify="left")
@@ -152,3 +172,32 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
         f"({kv['prefix_hit_tokens']} of {kv['prompt_tokens']} prompt tokens)",
         highlight=False,
     )
+
+
+def render_comm(console: Console, rep: dict[str, Any]) -> None:
+    """TP/PP: all_reduce exposed vs hidden per rank (HTA's comm/compute overlap), then stragglers."""
+    t = Table(title="all_reduce per rank: exposed (host wait) vs hidden (rank computing)",
+              header_style="bold", title_justify="left")
+    for col in ("rank", "collectives", "ms/cycle", "exposed", "hidden", "pp_bubble exposed"):
+        t.add_column(col, justify="right")
+    for r, c in rep["per_rank"].items():
+        b = {x["boundary"]: x for x in c["boundaries"]}
+        ar, pb = b.get("all_reduce"), b.get("pp_bubble")
+        t.add_row(r, str(ar["count"]) if ar else "0", _ms(ar["mean_ms"]) if ar else "—",
+                  _pct(ar["share"]) if ar else "—", _pct(ar["hidden"]) if ar else "—",
+                  _pct(pb["share"]) if pb else "—")
+    console.print(t)
+    sv = rep.get("stragglers")
+    if not sv:
+        return
+    st = Table(title=f"stragglers: which rank issued each collective last ({sv['collectives']} collectives; "
+                     f"lateness p50 {sv['lateness_p50_ms']:.3f} ms, p99 {sv['lateness_p99_ms']:.3f} ms)",
+               header_style="bold", title_justify="left")
+    for col in ("rank", "last", "share", "mean late ms", "max late ms"):
+        st.add_column(col, justify="right")
+    for x in sv["ranks"]:
+        st.add_row(str(x["rank"]), str(x["last"]), _pct(x["share"]), f"{x['mean_ms']:.3f}", f"{x['max_ms']:.3f}")
+    console.print(st)
+    worst = ", ".join(f"{w['group']} #{w['seq']} (step {w['step']}): rank {w['rank']} +{w['late_ms']:.2f} ms"
+                      for w in sv["worst"])
+    console.print(f"latest arrivals: {worst}", highlight=False)

@@ -51,6 +51,9 @@ class RunArgs:
     gc_after_s: float = 10.0
     on_stall: str = "abort"
     kv_layout: str = "paged"
+    tp: int = 1
+    pp: int = 1
+    comm_overlap: bool = True
 
 
 class _ProgressSink:
@@ -76,6 +79,16 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         synthetic_workload,
     )
 
+    overlap_schedule, split_streams = args.overlap_schedule, args.split_streams
+    if args.tp * args.pp > 1:
+        # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
+        # token of overlap scheduling lives in rank 0's future ring only.
+        if overlap_schedule or split_streams:
+            fail("--overlap-schedule and --split-streams cannot be used with --tp/--pp > 1")
+        if args.mode in ("overlap", "all") and not args.quiet:
+            console.print("note: with --tp/--pp > 1 overlap mode runs without overlap scheduling "
+                          "and split streams", highlight=False)
+        overlap_schedule = split_streams = False
     try:
         cfg = EngineConfig(
             model=args.model, mode="serial" if args.mode == "all" else args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
@@ -84,10 +97,11 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             device_threads=args.device_threads, seed=args.seed, probes=args.probes,
             wait_timeout_s=args.wait_timeout, snapshot_every=args.snapshot_every,
             debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms, timeslice_chunk=args.timeslice_chunk,
-            overlap_schedule=args.overlap_schedule, split_streams=args.split_streams,
+            overlap_schedule=overlap_schedule, split_streams=split_streams,
             prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
             prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
             gc_after_s=args.gc_after_s, on_stall=args.on_stall, kv_layout=args.kv_layout,
+            tp=args.tp, pp=args.pp, comm_overlap=args.comm_overlap,
         )
         cfg.validate()
         model_dir = resolve_model(args.model)
@@ -161,11 +175,17 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
+    coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
+    ok = False
     try:
         try:
+            if cfg.world_size > 1:
+                from scheduler.parallel.coordinator import Coordinator
+
+                coord = Coordinator.start(cfg, out)
             engine = Engine(cfg, sinks=[TraceRequestsSink(writer), span_sink, _ProgressSink(progress, task)],
-                            trace=writer)
-        except (ModelLoadError, ConfigError) as e:
+                            trace=writer, parallel=coord)
+        except (ModelLoadError, ConfigError, ValueError) as e:
             fail(str(e))
         writer.write_meta(run_meta(engine, items, source, anchor))
         with progress:
@@ -176,7 +196,11 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
         meta = run_meta(engine, items, source, anchor)
         meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
         writer.write_meta(meta)
+        ok = True
     finally:
+        if coord is not None:
+            # STOP on success; otherwise terminate, then kill: no rank outlives the run.
+            coord.close(ok)
         span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
         writer.close()
 

@@ -53,6 +53,11 @@ def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list
             (r.waiter, "bold"), f" waited {r.waited_ns / 1e9:.2f} s for ", (r.what, "bold"),
             f" (to be signalled by {r.signaller}; boundary {r.boundary})",
         ))
+        for nj in r.never_joined:
+            last = f"#{nj['last_seq']}" if nj["last_seq"] >= 0 else "none"
+            console.print(Text.assemble(
+                (f"rank {nj['rank']} never joined", "bold red"),
+                f" this collective: the last one it issued was {last} (from its collectives history)"))
         if r.cycle:
             console.print(Text.assemble("wait cycle: ", (r.cycle, "bold red")))
         else:

@@ -74,6 +74,9 @@ class ForwardBatch:
     # ~5x faster than gathering slot by slot (measured with index_select on CPU).
     decode_blocks: torch.Tensor | None  # [D, nblk] int64 block ids (padding -> block 0, masked)
     decode_mask: torch.Tensor | None  # [D, 1, 1, nblk * block_size] bool key mask
+    # (row0, row1, nblk) per length group of the (longest-first) decode rows; attention
+    # slices decode_blocks[row0:row1, :nblk]. None: one group over all decode rows.
+    decode_groups: list[tuple[int, int, int]] | None
     prefills: list[PrefillAttn]
     max_context_len: int  # max over chunks of start_pos + len(token_ids) (host int, no sync)
     block_size: int = 16
@@ -106,6 +109,9 @@ def build_forward_batch(
             )
         max_ctx = max(max_ctx, end)
         (decodes if n == 1 else prefill_chunks).append((i, c))
+    # Longest context first (the seed: sort by valid_len to cut padding), so the
+    # decode rows can be attended in a few length groups, each padded only to its own max.
+    decodes.sort(key=lambda ic: -ic[1].start_pos)
 
     ids: list[int] = []
     dec_pos: list[int] = []
@@ -142,6 +148,7 @@ def build_forward_batch(
 
     # Decode context: a padded [D, nblk] block-table matrix.
     decode_block_host = torch.empty((0, 0), dtype=torch.int64)
+    decode_groups: list[tuple[int, int, int]] | None = None
     decode_mask_host: torch.Tensor | None = None
     if decodes:
         lens = torch.tensor([c.start_pos + 1 for _, c in decodes], dtype=torch.int64)
@@ -155,6 +162,7 @@ def build_forward_batch(
             dtype=torch.int64,
         )
         decode_block_host = bt_pad
+        decode_groups = _length_groups([(c.start_pos + block_size) // block_size for _, c in decodes])
         decode_mask_host = (torch.arange(nblk * block_size)[None, :] < lens[:, None])[:, None, None, :]
 
     masks_host: list[torch.Tensor] = []
@@ -214,10 +222,22 @@ def build_forward_batch(
         num_decode=num_decode,
         decode_blocks=decode_blocks,
         decode_mask=decode_mask,
+        decode_groups=decode_groups,
         prefills=prefills,
         max_context_len=max_ctx,
         block_size=block_size,
     )
+
+
+def _length_groups(nblks: list[int], max_groups: int = 4) -> list[tuple[int, int, int]]:
+    """Split rows (block counts, longest first) into at most `max_groups` contiguous groups,
+    cutting where the block count drops most: fewer padded keys, few extra attention calls."""
+    n = len(nblks)
+    if n < 2 * max_groups or nblks[0] == nblks[-1]:
+        return [(0, n, nblks[0])]
+    drops = sorted(range(1, n), key=lambda r: nblks[r - 1] - nblks[r], reverse=True)[: max_groups - 1]
+    cuts = [0, *sorted(d for d in drops if nblks[d - 1] > nblks[d]), n]
+    return [(a, b, nblks[a]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -133,16 +133,19 @@ def paged_attention(
     kb = k_cache.view(-1, bs * kvh * d)
     vb = v_cache.view(-1, bs * kvh * d)
     if nd:
-        assert batch.decode_blocks is not None
+        assert batch.decode_blocks is not None and plan.decode_mask is not None
         # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
         # attends against [D, KVH, L, hd] with no K/V head replication.
         qd = q[:nd].reshape(nd, kvh, h // kvh, d)
-        flat = batch.decode_blocks.view(-1)
-        ctx_shape = (nd, batch.decode_blocks.shape[1] * bs, kvh, d)
-        kd = kb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
-        vd = vb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask)
-        outs.append(o.reshape(nd, h * d))
+        groups = batch.decode_groups or [(0, nd, batch.decode_blocks.shape[1])]
+        for r0, r1, nblk in groups:
+            flat = batch.decode_blocks[r0:r1, :nblk].reshape(-1)
+            ctx_shape = (r1 - r0, nblk * bs, kvh, d)
+            kd = kb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+            vd = vb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+            mask = plan.decode_mask[r0:r1, :, :, : nblk * bs]
+            o = F.scaled_dot_product_attention(qd[r0:r1], kd, vd, attn_mask=mask)
+            outs.append(o.reshape(r1 - r0, h * d))
     for p, mask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
         if p.ctx_blocks is None:

@@ -74,7 +74,7 @@ class AllReduce:
 
     __slots__ = (
         "group", "rank", "buf", "registry", "timeout_s", "step", "issued", "records",
-        "track_completion", "_inflight", "_host_blocking",
+        "track_completion", "before_issue", "_inflight", "_host_blocking",
     )
 
     def __init__(
@@ -97,6 +97,9 @@ class AllReduce:
         self.issued = 0  # also the next sequence number
         self.records: deque[CollectiveRecord] = deque(maxlen=history)
         self.track_completion = track_completion
+        # Called with the sequence number before each collective is issued. Fault injection
+        # (--inject stall-rank) hangs here, so the peers' waits name the collective it never joined.
+        self.before_issue: Callable[[int], None] | None = None
         self._inflight: dict[int, PendingAllReduce] = {}
         # gloo's work.wait blocks the host (with a timeout); nccl's only orders the current
         # stream after the collective and returns at once, so it needs no slicing.
@@ -105,6 +108,8 @@ class AllReduce:
     def issue(self, t: torch.Tensor, *, overlapped: bool = True) -> PendingAllReduce:
         """Start summing ``t`` in place across the group; ``t`` must not be read until waited."""
         seq = self.issued
+        if self.before_issue is not None:
+            self.before_issue(seq)
         self.issued += 1
         ts = now_ns()
         rec = CollectiveRecord(seq, self.step, t.numel(), overlapped, ts, ts)

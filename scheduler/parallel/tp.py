@@ -178,6 +178,7 @@ def slice_batch(batch: ForwardBatch, r0: int, r1: int) -> ForwardBatch:
             batch.decode_blocks[d0:d1] if dec and batch.decode_blocks is not None else None
         ),
         decode_mask=batch.decode_mask[d0:d1] if dec and batch.decode_mask is not None else None,
+        decode_groups=None,  # one length group over the slice's decode rows
         prefills=prefills,
         max_context_len=batch.max_context_len,
         block_size=batch.block_size,

@@ -12,10 +12,21 @@ These shares add up to 100% of cycle time by construction, so the table
 reconciles with the measured wall time. For each boundary we also report its
 raw time and the fraction of it hidden under device compute: overlap
 scheduling moves time from exposed to hidden, which `diff` shows.
+
+Tensor/pipeline parallel runs (scheduler/parallel/). Cycles are always rank 0's
+(the scheduler's steps and idle time); any rank's rows are attributed against
+them (every rank's timestamps are on rank 0's clock). A rank's communication
+waits (all_reduce, pp_bubble, batch_broadcast) happen on the thread that is its
+device, inside its device_compute intervals: they are taken out of device-busy
+time, so they count as exposed, not as compute. all_reduce follows HTA's
+comm/compute overlap: with the `collectives` table, its raw time is each
+collective's issue -> completion, its hidden fraction the part of that during
+which the rank computed, and its exposed share the host wait (the probe rows).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,12 +38,16 @@ from probes import boundaries as B
 
 # Boundaries that run on the scheduling thread, one at a time: their
 # device-idle parts are disjoint, so they partition the idle time exactly.
+# pp_bubble: a TP/PP rank's device thread waiting for its input (or, on rank 0, for the last
+# stage's tokens) while the scheduling thread sits in the barrier: disjoint from the others.
 HOST_EXCLUSIVE = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.KV_FENCE, B.BATCH_BROADCAST, B.ALL_REDUCE,
-                  B.DEFRAG)
+                  B.DEFRAG, B.PP_BUBBLE)
 # Off the scheduling thread (tokenizer pool) or on a stream: informational rows.
 CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
-ORDER = (B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND,
+ORDER = (B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.PP_BUBBLE, B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND,
          B.KV_FENCE, B.BATCH_BROADCAST, B.DEFRAG, B.TOKENIZE, B.RESPONSE_DELIVER, B.STREAM_WAIT, B.DEVICE_COMPUTE)
+# A rank's communication waits: its device thread blocks in them, so they are not device-busy.
+COMM_WAITS = (B.ALL_REDUCE, B.PP_BUBBLE, B.BATCH_BROADCAST)
 
 
 @dataclass(slots=True)
@@ -112,6 +127,24 @@ class _Coverage:
         return at_b - at_a
 
 
+def _subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals [s, e) minus the union of [cs, ce), as sorted disjoint intervals.
+
+    One sweep over all endpoints: a segment between consecutive endpoints is kept when some
+    [s, e) is open and no [cs, ce) is (zero-length segments at tied endpoints drop out).
+    """
+    if not len(cs) or not len(s):
+        return s, e
+    t = np.concatenate([s, e, cs, ce])
+    n, m = len(s), len(cs)
+    busy = np.concatenate([np.ones(n, np.int64), -np.ones(n, np.int64), np.zeros(2 * m, np.int64)])
+    wait = np.concatenate([np.zeros(2 * n, np.int64), np.ones(m, np.int64), -np.ones(m, np.int64)])
+    order = np.argsort(t, kind="stable")
+    t, b, w = t[order], np.cumsum(busy[order]), np.cumsum(wait[order])
+    keep = (b[:-1] > 0) & (w[:-1] == 0) & (t[1:] > t[:-1])
+    return t[:-1][keep], t[1:][keep]
+
+
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if not pa.types.is_dictionary(arr.type):
@@ -119,8 +152,12 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
     return arr.indices.to_numpy(zero_copy_only=False), arr.dictionary.to_pylist()
 
 
-def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[str, np.ndarray]:
+def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
+              collectives: pa.Table | None = None) -> dict[str, np.ndarray]:
     """The attribution behind `cost_table`, kept per cycle (what `diff` resamples).
+
+    `rank` selects one rank's rows (None: all); `collectives` (the table of that name, any
+    ranks) gives all_reduce its HTA raw/hidden times (module docstring).
 
     Every array has one entry per cycle, in time order (float64 ns unless noted):
       start_ns, end_ns   cycle bounds (int64)
@@ -147,9 +184,16 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     E[:-1] = S[1:]
     E[-1] = S[-1] + D[-1]
 
+    idle_from: tuple[np.ndarray, np.ndarray] | None = None  # (ts, dur) of idle rows, when not `rank`'s own
     if rank is not None and probes.num_rows:
         lo_hi = pc.min_max(probes["rank"]).as_py()
         if (lo_hi["min"], lo_hi["max"]) != (rank, rank):  # the filter copies every column: skip it when it is a no-op
+            if rank != 0:
+                # cycles are rank 0's, and so is the no-work time taken out of them
+                r0 = probes.filter(pc.equal(probes["rank"], 0))
+                c0, n0 = _codes(r0["boundary"]) if r0.num_rows else (np.zeros(0, np.int64), [])
+                m0 = c0 == (n0.index(B.IDLE) if B.IDLE in n0 else -1)
+                idle_from = (r0["ts_ns"].to_numpy()[m0], r0["dur_ns"].to_numpy()[m0])
             probes = probes.filter(pc.equal(probes["rank"], rank))
     codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
     # Group rows by boundary once (a stable sort keeps each group in time
@@ -165,7 +209,9 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
         return slice(0, 0) if i is None else slice(int(bounds[i]), int(bounds[i + 1]))
 
     dev = rows(B.DEVICE_COMPUTE)
-    cov = _Coverage(ts[dev], ts[dev] + dur[dev])
+    waits = [rows(b) for b in COMM_WAITS]
+    ws = np.concatenate([ts[m] for m in waits])
+    cov = _Coverage(*_subtract(ts[dev], ts[dev] + dur[dev], ws, ws + np.concatenate([dur[m] for m in waits])))
 
     def cycle_of(t: np.ndarray) -> np.ndarray:
         return np.clip(np.searchsorted(S, t, side="right") - 1, 0, n - 1)
@@ -179,7 +225,8 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
 
     # idle time (no work) comes off the cycle length
     idle_m = rows(B.IDLE)
-    idle_ts, idle_end = ts[idle_m], ts[idle_m] + dur[idle_m]
+    idle_ts, idle_end = (ts[idle_m], ts[idle_m] + dur[idle_m]) if idle_from is None else \
+        (idle_from[0], idle_from[0] + idle_from[1])
     cycle_len = (E - S).astype(np.float64)
     idle_per = np.zeros(n)
     if len(idle_ts):
@@ -190,24 +237,33 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
                                   "device_ns": dev_per}
 
-    exposed_sum = np.zeros(n)
-    for name in (B.SCHEDULER_BARRIER, *HOST_EXCLUSIVE, *CONCURRENT):
+    def attribute(name: str) -> dict[str, np.ndarray]:
         m = rows(name)
-        if m.stop == m.start and name != B.SCHEDULER_BARRIER:
-            continue
         a, d = ts[m], dur[m]
         hid = cov.covered(a, a + d).astype(np.float64)
         ci = cycle_of(a)
         # integer-valued float sums are exact, so these add up to the same totals
         # as summing the rows directly
-        out[f"raw_ns:{name}"] = per(None, d.astype(np.float64), ci)
-        out[f"hidden_ns:{name}"] = per(None, hid, ci)
-        out[f"count:{name}"] = per(None, None, ci)
+        res = {f"raw_ns:{name}": per(None, d.astype(np.float64), ci), f"hidden_ns:{name}": per(None, hid, ci),
+               f"count:{name}": per(None, None, ci)}
         if name in HOST_EXCLUSIVE:
             keep = in_cycles(a)  # exposed time must partition the cycles: drop rows outside them
-            exposed = per(None, (d - hid)[keep], ci[keep])
-            out[f"exposed_ns:{name}"] = exposed
-            exposed_sum += exposed
+            res[f"exposed_ns:{name}"] = per(None, (d - hid)[keep], ci[keep])
+        return res
+
+    names_present = [nm for nm in (B.SCHEDULER_BARRIER, *HOST_EXCLUSIVE, *CONCURRENT)
+                     if nm == B.SCHEDULER_BARRIER or rows(nm).stop > rows(nm).start]
+    # Boundaries are independent and numpy's searches and ufuncs release the
+    # GIL: two threads use both cores on a long trace.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for res in pool.map(attribute, names_present):
+            out.update(res)
+    exposed_sum = np.zeros(n)
+    for name in HOST_EXCLUSIVE:
+        if f"exposed_ns:{name}" in out:
+            exposed_sum += out[f"exposed_ns:{name}"]
+    if collectives is not None and collectives.num_rows:
+        _collective_times(out, collectives, rank, cov, cycle_of, per)
     out[f"exposed_ns:{B.SCHEDULER_BARRIER}"] = cycle_len - dev_per - exposed_sum
     out[f"raw_ns:{B.DEVICE_COMPUTE}"] = dev_per
     out[f"count:{B.DEVICE_COMPUTE}"] = per(ts[dev])
@@ -215,9 +271,29 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> dict[s
     return out
 
 
-def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0) -> CostTable:
+def _collective_times(out: dict[str, np.ndarray], colls: pa.Table, rank: int | None, cov: _Coverage,
+                      cycle_of: Any, per: Any) -> None:
+    """all_reduce's raw, hidden and count from the collectives table (HTA's comm/compute overlap):
+    raw = issue -> completion of each completed collective, hidden = the part of it during which
+    the rank's device computed. The exposed share stays the host waits' (the probe rows)."""
+    if rank is not None:
+        colls = colls.filter(pc.equal(colls["rank"], rank))
+    issue, end = colls["issue_ns"].to_numpy(), colls["end_ns"].to_numpy()
+    done = end >= issue  # in flight at the end (end -1): no duration
+    issue, end = issue[done], end[done]
+    if not len(issue):
+        return
+    ci = cycle_of(issue)
+    b = B.ALL_REDUCE
+    out[f"raw_ns:{b}"] = per(None, (end - issue).astype(np.float64), ci)
+    out[f"hidden_ns:{b}"] = per(None, cov.covered(issue, end).astype(np.float64), ci)
+    out[f"count:{b}"] = per(None, None, ci)
+
+
+def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
+               collectives: pa.Table | None = None) -> CostTable:
     """Pure function from the probes and steps tables to the cost table (sums of `per_cycle`)."""
-    pcy = per_cycle(probes, steps, rank)
+    pcy = per_cycle(probes, steps, rank, collectives)
     if not pcy:
         return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
     n = len(pcy["cycle_ns"])

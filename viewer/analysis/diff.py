@@ -118,11 +118,13 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
 
 
 def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps_b: pa.Table,
-                reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
-    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden} deltas, resampling cycles."""
+                reps: int = RESAMPLES, seed: int = SEED, colls_a: pa.Table | None = None,
+                colls_b: pa.Table | None = None) -> dict[str, Any]:
+    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden} deltas, resampling cycles.
+    ``colls_*``: the collectives tables of TP runs (all_reduce's raw/hidden, see cost.per_cycle)."""
     stats = []
-    for i, (p, s) in enumerate(((probes_a, steps_a), (probes_b, steps_b))):
-        pcy = per_cycle(p, s)
+    for i, (p, s, c) in enumerate(((probes_a, steps_a, colls_a), (probes_b, steps_b, colls_b))):
+        pcy = per_cycle(p, s, collectives=c)
         n = len(pcy.get("cycle_ns", ()))
         stats.append(bootstrap(n, reps, np.random.default_rng([seed, i]), lambda w, pcy=pcy: cycle_stats(pcy, w)))
     sa, sb = stats

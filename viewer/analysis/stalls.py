@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,6 +26,9 @@ class StallRecord:
     stacks: list[dict[str, Any]] = field(default_factory=list)
     kv: dict[str, Any] = field(default_factory=dict)
     waits: list[dict[str, Any]] = field(default_factory=list)
+    # A stalled collective (TP): the member ranks that never issued it, [{rank, last_seq}]
+    # from the collectives table (name_missing_ranks).
+    never_joined: list[dict[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,3 +74,25 @@ def interesting_frames(frames: list[str], keep: int = 6) -> tuple[int, list[str]
     useful = [f for f in frames if '/threading.py", line' not in f]
     kept = useful[-keep:] if keep > 0 else []
     return len(frames) - len(kept), kept
+
+
+_COLLECTIVE = re.compile(r"^all_reduce #(\d+)$")
+
+
+def name_missing_ranks(recs: list[StallRecord], collectives: pa.Table, tp_size: int) -> None:
+    """What NCCL's flight recorder tells: for each stalled all-reduce wait, the ranks of the TP
+    group that never issued that collective (their collective history stops before its sequence
+    number).  Rewrites ``what`` to say so, e.g. ``all_reduce #17 (rank 1 never joined)``."""
+    from viewer.analysis.collectives import never_joined
+
+    for r in recs:
+        m = _COLLECTIVE.match(r.what)
+        if m is None or tp_size < 2:
+            continue
+        seq, stage = int(m.group(1)), r.rank // tp_size
+        peers = [x for x in range(stage * tp_size, (stage + 1) * tp_size) if x != r.rank]
+        missing = never_joined(collectives, f"tp{stage}", seq, peers)
+        if missing:
+            r.never_joined = [{"rank": x, "last_seq": s} for x, s in sorted(missing.items())]
+            who = ", ".join(f"rank {x}" for x in sorted(missing))
+            r.what = f"all_reduce #{seq} ({who} never joined)"

@@ -1,0 +1,219 @@
+"""Rank 0 of ``mstrace run --tp N --pp M``: the scheduler's side of a tensor x pipeline parallel run.
+
+Rank 0 owns everything of the engine (policy, memory manager, sender, trace writer) and also
+holds a model shard: TP rank 0 of pipeline stage 0.  Per round, on its main stream's thread
+(:meth:`Coordinator.forward`, called by :meth:`scheduler.executor.Executor.run_model`):
+
+1. broadcast the batch description to every rank (``batch_wire``; ``batch_broadcast``);
+2. run its own shard (``ShardedModel.step``: all-reduces with its TP peers, hidden states to the
+   next stage);
+3. sample, when it is the logits rank (``pp == 1``), with the engine's own per-request
+   generators, exactly as one process would; otherwise receive the tokens the logits rank (TP
+   rank 0 of the last stage) sampled, waited on as ``pp_bubble`` (stage 0 idles while the later
+   stages run).  There the logits rank samples with a generator per row seeded by rank 0 from
+   the request's own generator, so a seeded request is reproducible run to run and whatever it
+   is batched with, but not token-identical to a ``pp == 1`` run when temperature > 0.
+
+Rounds are serial: with tp * pp > 1 the engine runs with overlap scheduling and split streams
+off (``EngineConfig.validate``), because a placeholder token lives in rank 0's future ring
+only, and the other ranks would need that ring too.  Pipeline micro-batching across rounds is
+not done either, so a stage idles while the others compute (the ``pp_bubble`` rows show it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from probes.boundaries import PP_BUBBLE
+from probes.recorder import Probes, Row
+from probes.waits import WaitRegistry, timed_wait
+from scheduler.config import EngineConfig
+from scheduler.model.config import ModelConfig
+from scheduler.model.kv_cache import PagedKVCache
+from scheduler.model.sampling import sample
+
+from .batch_wire import RUN, STOP, BatchChannel, WireBatch
+from .comm import COMM_STREAM, work_ready
+from .group import ParallelState, destroy, init_distributed
+from .launch import (
+    ClockOffset,
+    CollectiveLog,
+    RunSpec,
+    backend_for,
+    control_group,
+    free_port,
+    measure_offsets,
+    send_spec,
+    spawn_workers,
+    stop_workers,
+)
+from .pp import stage_layers
+from .runner import ShardedModel
+from .tp import tp_config
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from scheduler.executor import PreparedBatch
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SEED_BOUND = 1 << 62
+
+
+class Coordinator:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        trace_dir: Path,
+        state: ParallelState,
+        control: dist.ProcessGroup,
+        procs: list[subprocess.Popen[bytes]],
+        offsets: dict[int, ClockOffset],
+        backend: str,
+    ) -> None:
+        self.cfg = cfg
+        self.trace_dir = trace_dir
+        self.state = state
+        self.control = control
+        self.procs = procs  # empty under torchrun: its agent owns the other ranks
+        self.offsets = offsets
+        self.backend = backend
+        self.sm: ShardedModel | None = None
+        self.channel: BatchChannel | None = None
+        self.log = CollectiveLog(None, None, 0, "tp0")
+        self.registry = WaitRegistry()
+        self._buf: list[Row] | None = None  # the main stream thread's probe rows (comm waits)
+        self.exit_codes: list[int | None] = []
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, trace_dir: Path) -> Coordinator:
+        """Spawn the other ranks (unless torchrun did), join the process groups, sync clocks."""
+        world = cfg.tp * cfg.pp
+        backend = backend_for(cfg.device)
+        procs: list[subprocess.Popen[bytes]] = []
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        if env_world > 1:  # under torchrun: the other ranks exist already
+            if env_world != world or os.environ.get("RANK", "0") != "0":
+                raise ValueError(f"torchrun started {env_world} ranks (this is rank "
+                                 f"{os.environ.get('RANK')}), but --tp x --pp is {world}")
+            init_method = "env://"
+        else:
+            port = free_port()
+            procs = spawn_workers(world, port, {
+                "MSTRACE_TP": str(cfg.tp), "MSTRACE_PP": str(cfg.pp), "MSTRACE_DEVICE": cfg.device,
+            })
+            init_method = f"tcp://127.0.0.1:{port}"
+        try:
+            state = init_distributed(backend, 0, world, init_method, tp_size=cfg.tp, pp_size=cfg.pp)
+            control = control_group(world)
+            offsets = measure_offsets(world)
+        except BaseException:
+            stop_workers(procs, graceful=False)
+            raise
+        return cls(cfg, trace_dir, state, control, procs, offsets, backend)
+
+    def kv_bytes_per_block(self, full: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """KV bytes one block costs on rank 0 (its stage's layers, its KV heads): what
+        --kv-bytes budgets.  Other stages may hold a different number of layers."""
+        local = tp_config(full, self.cfg.tp)
+        layers = len(stage_layers(full.num_hidden_layers, self.cfg.pp, 0))
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * block_size * local.num_key_value_heads * local.head_dim * elem
+
+    def start_ranks(
+        self, model_dir: Path, num_blocks: int, dtype: torch.dtype, probes: Probes,
+        registry: WaitRegistry,
+    ) -> ShardedModel:
+        """Tell every rank what to run, then load rank 0's own shard (the others load theirs
+        meanwhile).  ``registry`` is the engine's, so the stall watchdog sees rank 0's
+        collective waits."""
+        cfg = self.cfg
+        from scheduler.faults import STALL_RANK_STEP
+
+        send_spec(RunSpec(
+            model_dir=str(model_dir), trace_dir=str(self.trace_dir), tp=cfg.tp, pp=cfg.pp,
+            dtype=_DTYPE_NAMES[dtype], device_threads=cfg.resolved_device_threads(),
+            block_size=cfg.block_size, num_blocks=num_blocks, comm_overlap=cfg.comm_overlap,
+            comm_timeout_s=cfg.hard_wait_timeout_s, watchdog_s=cfg.wait_timeout_s,
+            probes=cfg.probes, stall_step=STALL_RANK_STEP if "stall-rank" in cfg.inject else -1,
+        ))
+        self.registry = registry
+        self._buf = probes.buffer()
+        self.sm = ShardedModel.load(
+            model_dir, self.state, dtype=dtype, overlap=cfg.comm_overlap, probe_buf=self._buf,
+            registry=registry, timeout_s=cfg.hard_wait_timeout_s,
+        )
+        self.channel = BatchChannel(self.control, 0, registry=registry,
+                                    timeout_s=cfg.hard_wait_timeout_s, buf=self._buf)
+        comm = self.sm.tp.comm if self.sm.tp is not None else None
+        self.log = CollectiveLog(comm, probes.buffer("collectives"), 0, "tp0")
+        return self.sm
+
+    def forward(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> list[int]:
+        """One round on rank 0 (the main stream's thread): broadcast, forward, tokens."""
+        sm, ch = self.sm, self.channel
+        assert sm is not None and ch is not None, "start_ranks() first"
+        st = self.state
+        seeds = [0] * len(prepared.sampled)
+        if not st.is_logits_rank:
+            # The logits rank samples: each random row gets a seed drawn from its request's own
+            # generator, so the request's randomness still comes from one per-request stream.
+            for i, (t, g) in enumerate(zip(prepared.temperatures, prepared.generators, strict=True)):
+                if t > 0 and g is not None:
+                    seeds[i] = int(torch.randint(0, SEED_BOUND, (1,), generator=g))
+        ch.send(WireBatch(RUN, step, prepared.seqs, prepared.temperatures, prepared.top_ps, seeds))
+        logits = sm.step(prepared.forward, kv, step)
+        self.log.drain()
+        if not prepared.sampled:
+            return []
+        if logits is not None:
+            return sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+        return self._recv_tokens(len(prepared.sampled), step)
+
+    def _recv_tokens(self, n: int, step: int) -> list[int]:
+        src = self.state.logits_rank
+        toks = torch.empty(n, dtype=torch.int64)
+        work = dist.irecv(toks, src=src, group=self.control)
+        assert work is not None
+        timed_wait(
+            work_ready(work), registry=self.registry, waiter="rank0",
+            what=f"sampled tokens of step {step}", signaller=f"rank {src} (last pp stage)",
+            boundary=PP_BUBBLE, timeout_s=self.cfg.hard_wait_timeout_s, buf=self._buf,
+            stream=COMM_STREAM, rank=0, step=step,
+        )
+        return [int(t) for t in toks.tolist()]
+
+    def meta(self) -> dict[str, Any]:
+        """``meta.json``'s ``ranks`` (clock offsets) and ``parallel`` sections."""
+        ranks: dict[str, Any] = {"0": {"offset_ns": 0}}
+        for r, o in sorted(self.offsets.items()):
+            ranks[str(r)] = asdict(o)
+        return {
+            "ranks": ranks,
+            "parallel": {"tp": self.cfg.tp, "pp": self.cfg.pp, "world": self.state.world_size,
+                         "backend": self.backend, "comm_overlap": self.cfg.comm_overlap,
+                         "logits_rank": self.state.logits_rank,
+                         "launcher": "mstrace" if self.procs else "torchrun"},
+        }
+
+    def close(self, ok: bool) -> None:
+        """End the run on every rank.  ``ok``: broadcast STOP and let the workers flush and exit;
+        otherwise (a stall, an error) terminate them (they flush on SIGTERM), then kill.  Either
+        way no child survives this call.  Rank 0's collectives still in flight are written last:
+        they are the evidence of a collective that a peer never joined."""
+        try:
+            if ok and self.channel is not None:
+                self.channel.send(WireBatch(STOP, -1))
+        except Exception:  # noqa: BLE001 - a peer already gone: fall back to terminating
+            ok = False
+        finally:
+            self.exit_codes = stop_workers(self.procs, graceful=ok)
+            self.log.drain(final=True)
+        if ok:
+            destroy()

@@ -1,0 +1,174 @@
+"""A rank other than 0 of ``mstrace run --tp N --pp M``: ``python -m scheduler.parallel.worker``.
+
+Spawned by rank 0 (``scheduler.parallel.launch.spawn_workers``) or started by torchrun on every
+node.  Under torchrun the same command line starts every rank: rank 0 runs the ``mstrace``
+command line given after the module name (``torchrun ... -m scheduler.parallel.worker run --tp 2
+...``) and owns the scheduler; every other rank runs :func:`worker_main`:
+
+    join the groups, answer the clock handshake, receive the RunSpec, load this rank's shard,
+    then per round: receive the batch, build the same ForwardBatch, run ShardedModel.step,
+    sample and send the tokens back to rank 0 (the logits rank under PP only), log collectives,
+    until rank 0 broadcasts STOP.
+
+Its trace rows (probes, collectives, stalls) go into rank 0's trace directory as its own parts
+(``part-r<rank>-*.parquet``), with timestamps on rank 0's clock.  It dies with its parent, and
+turns SIGTERM (rank 0 ending a failed run) into a trace flush and exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from probes.boundaries import DEVICE_COMPUTE, PP_BUBBLE
+from probes.clock import now_ns
+from probes.recorder import Probes
+from probes.waits import WaitRegistry, timed_wait
+from probes.watchdog import StallReport, Watchdog
+from scheduler.model.forward_batch import build_forward_batch
+from scheduler.model.sampling import sample
+from tracing.writer import TraceWriter
+
+from .batch_wire import STOP, BatchChannel, WireBatch
+from .comm import work_ready
+from .group import destroy, init_distributed
+from .launch import (
+    CollectiveLog,
+    RunSpec,
+    answer_offsets,
+    argv_option,
+    backend_for,
+    control_group,
+    die_with_parent,
+    recv_spec,
+)
+from .runner import ShardedModel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    # Unwinds the main thread (every wait here is sliced, so it runs within ~0.1 s) through
+    # worker_main's finally: the in-flight collectives and the trace buffers get written.
+    raise SystemExit(128 + signum)
+
+
+def worker_main(argv: list[str]) -> int:
+    die_with_parent()
+    signal.signal(signal.SIGTERM, _sigterm)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tp = int(os.environ.get("MSTRACE_TP") or argv_option(argv, "--tp", "1"))
+    pp = int(os.environ.get("MSTRACE_PP") or argv_option(argv, "--pp", "1"))
+    device = os.environ.get("MSTRACE_DEVICE") or argv_option(argv, "--device", "auto")
+    state = init_distributed(backend_for(device), rank, world, "env://", tp_size=tp, pp_size=pp)
+    control = control_group(world)
+    offset = answer_offsets()
+    spec = recv_spec()
+    torch.set_num_threads(max(1, spec.device_threads))
+    writer = TraceWriter(spec.trace_dir, rank=rank, clock_offset_ns=offset)
+    probes = Probes(writer.buffer if spec.probes else None, rank=rank)
+    buf = probes.buffer()
+    registry = WaitRegistry()
+    step = -1
+    stall_buf = writer.buffer("stalls")
+
+    def on_stall(rep: StallReport) -> None:
+        stall_buf.append(rep.to_row())
+        w = rep.wait
+        print(f"STALL rank {rank} step {rep.step}: {w.waiter} has waited {rep.waited_ns / 1e9:.2f} s "
+              f"for {w.what} (to be signalled by {w.signaller})", file=sys.stderr, flush=True)
+
+    watchdog = Watchdog(registry, spec.watchdog_s, on_stall=on_stall, rank=rank, step=lambda: step)
+    watchdog.start()
+    log = CollectiveLog(None, None, rank, f"tp{state.pp_rank}")
+    clean = False
+    try:
+        sm = ShardedModel.load(
+            spec.model_dir, state, dtype=_DTYPES[spec.dtype], overlap=spec.comm_overlap,
+            probe_buf=buf, registry=registry, timeout_s=spec.comm_timeout_s,
+        )
+        kv = sm.make_kv_cache(spec.num_blocks, spec.block_size)
+        comm = sm.tp.comm if sm.tp is not None else None
+        log = CollectiveLog(comm, probes.buffer("collectives"), rank, f"tp{state.pp_rank}")
+        stall = _stall_rank(spec, rank, world)
+        if comm is not None and stall is not None:
+            comm.before_issue = lambda seq: stall(comm.step)
+        channel = BatchChannel(control, rank, registry=registry, timeout_s=spec.comm_timeout_s,
+                               buf=buf)
+        while True:
+            wb = channel.recv()
+            if wb.code == STOP:
+                break
+            step = wb.step
+            if stall is not None and comm is None:
+                stall(step)  # no collectives (tp == 1): stop before the forward instead
+            t0 = now_ns()
+            fb = build_forward_batch(wb.seqs, spec.block_size, state.device)
+            logits = sm.step(fb, kv, step)
+            if logits is not None and fb.num_sampled:  # the logits rank of a PP run
+                _send_tokens(_sample(logits, wb), control, registry, rank, spec.comm_timeout_s, step)
+            if buf is not None:
+                buf.append((t0, now_ns() - t0, DEVICE_COMPUTE, "main", rank, step))
+            log.drain()
+        clean = True
+    finally:
+        log.drain(final=True)
+        watchdog.stop()
+        writer.close()
+        if clean:
+            destroy()  # a failed run's peers may be gone: leave the groups to process exit
+    return 0
+
+
+def _stall_rank(spec: RunSpec, rank: int, world: int) -> Callable[[int], None] | None:
+    """--inject stall-rank: the last rank stops joining collectives from ``spec.stall_step`` on;
+    it sleeps until rank 0 ends the run (SIGTERM), like a rank hung in a kernel or a host call."""
+    if spec.stall_step < 0 or rank != world - 1:
+        return None
+
+    def stall(step: int) -> None:
+        if step >= spec.stall_step:
+            while True:
+                time.sleep(0.1)
+
+    return stall
+
+
+def _sample(logits: torch.Tensor, wb: WireBatch) -> list[int]:
+    gens = [
+        torch.Generator(device=logits.device).manual_seed(s) if t > 0 else None
+        for t, s in zip(wb.temperatures, wb.seeds, strict=True)
+    ]
+    return sample(logits, wb.temperatures, wb.top_ps, gens)
+
+
+def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegistry, rank: int,
+                 timeout_s: float, step: int) -> None:
+    t = torch.tensor(toks, dtype=torch.int64)
+    work = dist.isend(t, dst=0, group=group)
+    assert work is not None
+    timed_wait(work_ready(work), registry=registry, waiter=f"rank{rank}",
+               what=f"send of the sampled tokens of step {step}", signaller="rank 0",
+               boundary=PP_BUBBLE, timeout_s=timeout_s, rank=rank, step=step)
+
+
+def main() -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        # torchrun's rank 0 is the scheduler: the mstrace command line it was given.
+        from viewer.cli import main as cli_main
+
+        sys.argv = ["mstrace", *sys.argv[1:]]
+        cli_main()
+        return 0
+    return worker_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

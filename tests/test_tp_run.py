@@ -1,0 +1,302 @@
+"""`mstrace run --tp N --pp M` end to end: real gloo ranks spawned by the CLI, against transformers.
+
+The slow tests run the CLI as a user does (a subprocess, which spawns its own worker ranks) and
+check, after every run including the failed one, that no worker survives: each run carries a
+unique environment tag that its workers inherit, and /proc is scanned for it (a worker orphaned
+by a dead rank 0 is re-parented, so "children of the test" would miss it).  The fast tests cover
+the pieces: the batch wire format, per-rank trace parts and clock shift, the analyses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from probes import boundaries as B
+from scheduler.config import ConfigError, EngineConfig
+from scheduler.model.forward_batch import SeqChunk
+from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
+from tests.checkpoints import build_llama
+from tests.cli import REPO, mstrace
+from tracing.reader import read_meta, read_table
+from tracing.schema import COLLECTIVES, PROBES, STEPS
+from tracing.writer import TraceWriter
+from viewer.analysis.collectives import never_joined, straggler_view
+from viewer.analysis.cost import _subtract, cost_table
+
+TAG = "MSTRACE_TEST_TAG"
+RUN_TIMEOUT_S = 40.0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _tagged(tag: str, exclude: int | None = None) -> list[int]:
+    """Pids of live processes whose environment carries ``TAG=tag``."""
+    out = []
+    needle = f"{TAG}={tag}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == exclude:
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if needle in env.split(b"\0") and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _run(*args: str, tag: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, TAG: tag}
+    return subprocess.run([sys.executable, "-m", "viewer.cli", "run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _assert_no_survivors(tag: str) -> None:
+    deadline = time.monotonic() + 2  # a just-killed child may take a moment to be reaped
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"worker processes survived the run: {left}"
+
+
+def _workload(model_dir: Path, path: Path) -> list[dict[str, object]]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    lines = [{"id": f"r{i}", "input_ids": torch.randint(10, vocab, (n,), generator=g).tolist(),
+              "max_new_tokens": 10 + i, "ignore_eos": True} for i, n in enumerate([3, 17, 40, 70, 33])]
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    return lines
+
+
+def _check_greedy(model_dir: Path, out: Path, lines: list[dict[str, object]]) -> None:
+    from tests.test_cli_run import _teacher_forced_mismatches  # transformers: parent only
+
+    req = read_table(out, "requests").to_pydict()
+    assert sorted(req["request_id"]) == [f"r{i}" for i in range(len(lines))]
+    checked = 0
+    for i, rid in enumerate(req["request_id"]):
+        prompt, output = req["input_ids"][i], req["output_ids"][i]
+        assert len(output) == lines[int(rid[1:])]["max_new_tokens"]
+        bad, ties = _teacher_forced_mismatches(model_dir, prompt, output)
+        assert bad == 0, f"{rid}: {bad} greedy tokens differ from transformers"
+        checked += len(output) - ties
+    assert checked >= 0.95 * sum(len(o) for o in req["output_ids"])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Not a preset: GQA 6 / 2 (one KV head per TP rank), tied embeddings, 3 layers (PP2: 2 + 1).
+    return build_llama(tmp_path_factory.mktemp("tp_run") / "llama")
+
+
+ARGS = ("--block-size", "4", "--prefill-chunk", "16", "--kv-blocks", "200", "-q")
+
+
+# ----------------------------------------------------------------------------- slow: real ranks
+
+
+@pytest.mark.slow
+def test_tp2_run_matches_transformers_and_traces_every_rank(ckpt: Path, tmp_path: Path) -> None:
+    lines = _workload(ckpt, tmp_path / "w.jsonl")
+    out, tag = tmp_path / "trace", uuid.uuid4().hex
+    p = _run("--model", str(ckpt), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out),
+             "--tp", "2", "--comm-overlap", "on", *ARGS, tag=tag)
+    _assert_no_survivors(tag)
+    assert p.returncode == 0, p.stderr
+    _check_greedy(ckpt, out, lines)
+
+    meta = read_meta(out)
+    assert meta["parallel"]["tp"] == 2 and meta["parallel"]["world"] == 2
+    assert meta["ranks"]["1"]["same_clock"] and meta["ranks"]["1"]["offset_ns"] == 0
+    assert abs(meta["ranks"]["1"]["measured_ns"]) <= meta["ranks"]["1"]["rtt_ns"]
+    assert any(f.name.startswith("part-r1-") for f in (out / "probes").iterdir())
+    probes = read_table(out, "probes").to_pydict()
+    ar = [(r, s) for b, r, s in zip(probes["boundary"], probes["rank"], probes["stream"], strict=True)
+          if b == B.ALL_REDUCE]
+    assert {r for r, _ in ar} == {0, 1} and {s for _, s in ar} == {"comm"}
+    colls = read_table(out, "collectives").to_pydict()
+    for r in (0, 1):  # numbered 0, 1, 2, ... on each rank, all completed and waited
+        seqs = [s for s, rk in zip(colls["seq"], colls["rank"], strict=True) if rk == r]
+        assert seqs == list(range(len(seqs))) and seqs
+    assert min(colls["end_ns"]) > 0 and min(colls["dur_wait_ns"]) >= 0
+    assert any(colls["overlapped"])  # --comm-overlap on: the split-batch schedule ran
+
+    rep = json.loads(mstrace("report", str(out), "--json").stdout)
+    share = {b["boundary"]: b for b in rep["boundaries"]}
+    assert share["all_reduce"]["share"] > 0 and share["batch_broadcast"]["count"] > 0
+    assert set(rep["per_rank"]) == {"0", "1"}
+    r1 = {b["boundary"]: b for b in rep["per_rank"]["1"]["boundaries"]}
+    assert r1["all_reduce"]["count"] == len([s for s in colls["rank"] if s == 1])
+    assert 0 < r1["device_compute"]["share"] < 1 and r1["all_reduce"]["share"] > 0
+    assert abs(rep["per_rank"]["1"]["share_sum"] - 1) < 1e-6  # worker rows partition rank 0's cycles
+    sv = rep["stragglers"]
+    assert sv["collectives"] == len(colls["seq"]) // 2 and {x["rank"] for x in sv["ranks"]} == {0, 1}
+
+
+@pytest.mark.slow
+def test_pp2_run_matches_transformers(ckpt: Path, tmp_path: Path) -> None:
+    lines = _workload(ckpt, tmp_path / "w.jsonl")
+    out, tag = tmp_path / "trace", uuid.uuid4().hex
+    p = _run("--model", str(ckpt), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out),
+             "--pp", "2", *ARGS, tag=tag)
+    _assert_no_survivors(tag)
+    assert p.returncode == 0, p.stderr
+    _check_greedy(ckpt, out, lines)
+    assert read_meta(out)["parallel"]["logits_rank"] == 1
+    probes = read_table(out, "probes").to_pydict()
+    bubbles = {r for b, r in zip(probes["boundary"], probes["rank"], strict=True) if b == B.PP_BUBBLE}
+    assert bubbles == {0, 1}  # rank 0 waits for the tokens, rank 1 for its input
+    rep = json.loads(mstrace("report", str(out), "--json").stdout)
+    assert {b["boundary"] for b in rep["per_rank"]["1"]["boundaries"]} >= {B.PP_BUBBLE, B.DEVICE_COMPUTE}
+
+
+@pytest.mark.slow
+def test_stall_rank_names_the_missing_rank_and_leaves_no_process(ckpt: Path, tmp_path: Path) -> None:
+    _workload(ckpt, tmp_path / "w.jsonl")
+    out, tag = tmp_path / "trace", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "viewer.cli", "run", "--model", str(ckpt), "--workload",
+           str(tmp_path / "w.jsonl"), "--out", str(out), "--tp", "2", "--inject", "stall-rank",
+           "--wait-timeout", "2", *ARGS]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, TAG: tag}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        seen: list[int] = []
+        while not seen and proc.poll() is None and time.monotonic() - t0 < RUN_TIMEOUT_S:
+            seen = _tagged(tag, exclude=proc.pid)  # the scan does see the workers (positive control)
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    elapsed = time.monotonic() - t0
+    assert seen, "never saw a worker process"
+    _assert_no_survivors(tag)
+    assert proc.returncode == 3, err
+    assert elapsed < 2 + 10, f"a stalled run took {elapsed:.1f} s to end"
+    assert "all_reduce #" in err and "rank 1 never joined" in err
+
+    d = json.loads(mstrace("stalls", str(out), "--json").stdout)
+    ar = [s for s in d["stalls"] if s["boundary"] == B.ALL_REDUCE]
+    assert ar and ar[0]["rank"] == 0 and ar[0]["never_joined"][0]["rank"] == 1
+    seq = int(ar[0]["what"].split("#")[1].split()[0])
+    assert ar[0]["what"] == f"all_reduce #{seq} (rank 1 never joined)"
+    assert ar[0]["never_joined"][0]["last_seq"] == seq - 1  # it joined every collective before
+    colls = read_table(out, "collectives").to_pydict()
+    r0 = [(s, e) for s, e, r in zip(colls["seq"], colls["end_ns"], colls["rank"], strict=True) if r == 0]
+    assert (seq, -1) in r0  # rank 0's own record: issued, never completed
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_batch_wire_round_trip() -> None:
+    b = WireBatch(RUN, 17, [
+        SeqChunk([5, 6, 7], 0, [3, 9], False),
+        SeqChunk([8], 40, [1, 2, 4], True),
+        SeqChunk(list(range(20)), 16, [0, 5, 6], True),
+    ], [0.0, 0.7], [1.0, 0.9], [0, 123456789012345])
+    header, payload = encode(b)
+    assert header.dtype == payload.dtype == torch.int64 and header.tolist()[:3] == [RUN, 17, 3]
+    got = decode(header, payload)
+    assert got == b
+    with pytest.raises(ValueError, match="placeholder"):
+        encode(WireBatch(RUN, 1, [SeqChunk([-3], 4, [0], True)], [0.0], [1.0], [0]))
+
+
+def test_config_refuses_overlap_and_lone_stall_rank() -> None:
+    with pytest.raises(ConfigError, match="serially"):
+        EngineConfig(tp=2, mode="overlap").validate()
+    EngineConfig(tp=2, mode="overlap", overlap_schedule=False, split_streams=False).validate()
+    with pytest.raises(ConfigError, match="more than one rank"):
+        EngineConfig(inject=("stall-rank",)).validate()
+
+
+def test_worker_parts_are_named_per_rank_and_shifted(tmp_path: Path) -> None:
+    w0, w1 = TraceWriter(tmp_path), TraceWriter(tmp_path, rank=1, clock_offset_ns=1000)
+    w0.buffer("probes").append((5000, 10, B.ALL_REDUCE, "comm", 0, 1))
+    w1.buffer("probes").append((5000, 10, B.ALL_REDUCE, "comm", 1, 1))
+    w1.buffer("collectives").append((1, "tp0", 0, 1, 4, False, 5000, 5000, -1, -1))
+    w0.close()
+    w1.close()
+    assert sorted(p.name for p in (tmp_path / "probes").iterdir()) == [
+        "part-000000.parquet", "part-r1-000000.parquet"]
+    rows = sorted(read_table(tmp_path, "probes").to_pylist(), key=lambda r: r["rank"])
+    assert [(r["ts_ns"], r["dur_ns"]) for r in rows] == [(5000, 10), (4000, 10)]  # durations unshifted
+    c = read_table(tmp_path, "collectives").to_pylist()[0]
+    assert (c["issue_ns"], c["end_ns"], c["dur_wait_ns"]) == (4000, -1, -1)  # -1 stays "never"
+
+
+def test_subtract_intervals() -> None:
+    a = np.array
+    s, e = _subtract(a([0, 100]), a([50, 200]), a([10, 40, 150]), a([20, 120, 160]))
+    assert list(zip(s.tolist(), e.tolist(), strict=True)) == [(0, 10), (20, 40), (120, 150), (160, 200)]
+    s, e = _subtract(a([0]), a([10]), a([], dtype=np.int64), a([], dtype=np.int64))
+    assert (s.tolist(), e.tolist()) == ([0], [10])
+
+
+def _tables(rows: list[tuple[object, ...]], steps: list[tuple[int, int]]) -> tuple[pa.Table, pa.Table]:
+    probes = pa.Table.from_pylist([dict(zip(PROBES.names, r, strict=True)) for r in rows], schema=PROBES)
+    st = pa.Table.from_pylist(
+        [{**dict.fromkeys(STEPS.names, 0), "step": i + 1, "mode": "serial", "ts_ns": t, "dur_ns": d}
+         for i, (t, d) in enumerate(steps)], schema=STEPS)
+    return probes, st
+
+
+def test_worker_rank_costs_against_rank_0_cycles() -> None:
+    """Rank 1's comm waits are device-idle (exposed), rank 0's idle time leaves its cycles, and
+    all_reduce's hidden fraction is the part of issue -> completion under compute (HTA)."""
+    rows = [
+        (0, 1000, B.DEVICE_COMPUTE, "main", 0, 1),
+        (1000, 500, B.IDLE, "host", 0, -1),  # rank 0 had no work: not a cycle cost for anyone
+        (0, 800, B.DEVICE_COMPUTE, "main", 1, 1),  # rank 1's forward ...
+        (100, 200, B.ALL_REDUCE, "comm", 1, 1),  # ... blocked 200 ns in a collective ...
+        (0, 50, B.BATCH_BROADCAST, "comm", 1, 1),  # ... and 50 ns receiving the batch
+    ]
+    probes, steps = _tables(rows, [(0, 1500)])
+    colls = pa.Table.from_pylist([
+        {"rank": 1, "group": "tp0", "seq": 0, "step": 1, "numel": 4, "overlapped": True,
+         "issue_ns": 0, "start_ns": 0, "end_ns": 300, "dur_wait_ns": 200},
+    ], schema=COLLECTIVES)
+    c = cost_table(probes, steps, rank=1, collectives=colls)
+    b = {x.boundary: x for x in c.boundaries}
+    assert c.cycle_total_s * 1e9 == pytest.approx(1000)  # 1500 - rank 0's 500 idle
+    assert b[B.DEVICE_COMPUTE].share == pytest.approx(550 / 1000)  # 800 - 200 - 50
+    assert b[B.ALL_REDUCE].share == pytest.approx(200 / 1000)
+    assert b[B.BATCH_BROADCAST].share == pytest.approx(50 / 1000)
+    assert b[B.ALL_REDUCE].mean_ms * 1e6 == pytest.approx(300)  # issue -> completion
+    assert b[B.ALL_REDUCE].hidden == pytest.approx(50 / 300)  # computing in [50, 100) only
+    assert c.share_sum == pytest.approx(1)
+
+
+def _colls(rows: list[tuple[int, int, int]]) -> pa.Table:
+    """(rank, seq, issue_ns) rows of group tp0."""
+    return pa.Table.from_pylist([
+        {"rank": r, "group": "tp0", "seq": s, "step": 1, "numel": 1, "overlapped": False,
+         "issue_ns": t, "start_ns": t, "end_ns": t + 10, "dur_wait_ns": 5} for r, s, t in rows
+    ], schema=COLLECTIVES)
+
+
+def test_stragglers_and_never_joined() -> None:
+    c = _colls([(0, 0, 100), (1, 0, 400), (0, 1, 900), (1, 1, 600), (0, 2, 1000)])
+    sv = straggler_view(c)
+    assert sv is not None and sv.collectives == 2  # #2 was issued by rank 0 only
+    by = {x.rank: x for x in sv.ranks}
+    assert (by[1].last, by[0].last) == (1, 1)
+    assert by[1].mean_ms == pytest.approx(300e-6) and by[0].max_ms == pytest.approx(300e-6)
+    assert never_joined(c, "tp0", 2, [1]) == {1: 1}
+    assert never_joined(c, "tp0", 1, [1]) == {}
+    assert never_joined(c, "tp0", 0, [1, 2]) == {2: -1}

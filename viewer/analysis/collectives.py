@@ -1,0 +1,114 @@
+"""Collectives across ranks: the straggler view and the missing rank of a stalled collective.
+
+Both join the `collectives` table's rows of different ranks on (group, seq): the sequence number
+of a group's collectives is the same on every member rank (scheduler/parallel/comm.py), which is
+what NCCL's flight recorder relies on too.
+
+* stragglers: for each collective every member issued, the rank that issued it last and by how
+  much after the first (the time the earliest rank had to wait for it, at the least);
+* never joined: for a collective some rank issued, the member ranks whose history stops before
+  it, i.e. the ranks that never issued it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+COLUMNS = ["rank", "group", "seq", "step", "issue_ns", "end_ns", "dur_wait_ns", "overlapped"]
+WORST = 5
+
+
+@dataclass(slots=True)
+class RankLateness:
+    rank: int
+    last: int  # collectives this rank issued last
+    share: float  # of all the collectives every member issued
+    mean_ms: float  # lateness when last: its issue minus the earliest member's
+    max_ms: float
+
+
+@dataclass(slots=True)
+class Straggler:
+    group: str
+    seq: int
+    step: int
+    rank: int  # issued last
+    late_ms: float
+
+
+@dataclass(slots=True)
+class StragglerView:
+    collectives: int  # collectives joined by every member of their group
+    lateness_p50_ms: float
+    lateness_p99_ms: float
+    ranks: list[RankLateness] = field(default_factory=list)
+    worst: list[Straggler] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _group_key(colls: pa.Table) -> tuple[np.ndarray, list[str]]:
+    g = colls["group"].combine_chunks()
+    if pa.types.is_dictionary(g.type):
+        g = g.cast(pa.string())
+    names = sorted(set(g.to_pylist()))
+    idx = {n: i for i, n in enumerate(names)}
+    return np.array([idx[x] for x in g.to_pylist()], dtype=np.int64), names
+
+
+def straggler_view(colls: pa.Table) -> StragglerView | None:
+    """None when the trace has no collective issued by more than one rank."""
+    if colls.num_rows == 0:
+        return None
+    gk, gnames = _group_key(colls)
+    seq = colls["seq"].to_numpy()
+    rank = colls["rank"].to_numpy()
+    issue = colls["issue_ns"].to_numpy()
+    step = colls["step"].to_numpy()
+    order = np.lexsort((issue, seq, gk))  # by group, seq, then issue time: the last one last
+    gk, seq, rank, issue, step = gk[order], seq[order], rank[order], issue[order], step[order]
+    new = np.ones(len(seq), dtype=bool)
+    new[1:] = (gk[1:] != gk[:-1]) | (seq[1:] != seq[:-1])
+    starts = np.flatnonzero(new)
+    ends = np.append(starts[1:], len(seq))
+    # members per group: every rank that issued any collective of it
+    members = {g: len(set(rank[gk == g].tolist())) for g in range(len(gnames))}
+    full = (ends - starts) == np.array([members[g] for g in gk[starts]])
+    full &= (ends - starts) > 1
+    if not full.any():
+        return None
+    s, e = starts[full], ends[full]
+    late_ns = issue[e - 1] - issue[s]
+    last_rank = rank[e - 1]
+    ranks = []
+    for r in sorted(set(rank.tolist())):
+        m = last_rank == r
+        lat = late_ns[m] / 1e6
+        ranks.append(RankLateness(int(r), int(m.sum()), float(m.mean()),
+                                  float(lat.mean()) if len(lat) else 0.0,
+                                  float(lat.max()) if len(lat) else 0.0))
+    worst = [Straggler(gnames[gk[a]], int(seq[a]), int(step[a]), int(last_rank[i]), float(late_ns[i] / 1e6))
+             for i, a in sorted(enumerate(s), key=lambda x: -late_ns[x[0]])[:WORST]]
+    p50, p99 = (float(x) for x in np.percentile(late_ns / 1e6, [50, 99]))
+    return StragglerView(len(s), p50, p99, ranks, worst)
+
+
+def never_joined(colls: pa.Table, group: str, seq: int, members: list[int]) -> dict[int, int]:
+    """Member ranks of ``group`` that never issued collective ``seq``: {rank: its last seq (-1: none)}."""
+    last: dict[int, int] = {r: -1 for r in members}
+    if colls.num_rows:
+        g = colls["group"].combine_chunks()
+        if pa.types.is_dictionary(g.type):
+            g = g.cast(pa.string())
+        in_group = np.array([x == group for x in g.to_pylist()], dtype=bool)
+        ranks, seqs = colls["rank"].to_numpy()[in_group], colls["seq"].to_numpy()[in_group]
+        for r in members:
+            mine = seqs[ranks == r]
+            if len(mine):
+                last[r] = int(mine.max())
+    return {r: s for r, s in last.items() if s < seq}
