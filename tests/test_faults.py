@@ -8,11 +8,10 @@ import collections
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine
 from scheduler.request import SamplingParams
-from scheduler.runner import run_workload
 from scheduler.workload import SyntheticSpec, WorkloadItem, synthetic_workload
 from tests.cli import mstrace
+from tests.engine_run import run_engine
 from tracing.reader import read_table
 
 
@@ -29,14 +28,6 @@ def fragmenting_workload() -> list[WorkloadItem]:
     items.append(WorkloadItem("big", None, tuple(range(100, 164)), SamplingParams(384, ignore_eos=True), 0.03))
     return items  # big: 64+384 = 28 blocks
 
-
-def run_engine(cfg: EngineConfig, items: list[WorkloadItem]) -> Engine:
-    eng = Engine(cfg)
-    try:
-        run_workload(eng, items)
-    finally:
-        eng.close()
-    return eng
 
 
 def test_contiguous_layout_defragments_and_keeps_tokens_exact():

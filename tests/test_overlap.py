@@ -7,17 +7,8 @@ import pytest
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
-from scheduler.runner import run_workload
-from scheduler.workload import SyntheticSpec, WorkloadItem, synthetic_workload
-
-
-def run_engine(cfg: EngineConfig, items: list[WorkloadItem]) -> Engine:
-    eng = Engine(cfg)
-    try:
-        run_workload(eng, items)
-    finally:
-        eng.close()
-    return eng
+from scheduler.workload import SyntheticSpec, synthetic_workload
+from tests.engine_run import run_engine
 
 
 def workload(n=24, seed=0):
