@@ -1,0 +1,79 @@
+"""The Engine as a library user drives it: submit, step, abort, EOS."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import FinishReason, SamplingParams
+from tests.checkpoints import build_llama
+
+
+def drive(eng: Engine, limit: int = 500) -> None:
+    for _ in range(limit):
+        if not eng.has_work():
+            return
+        if eng.step() is None:
+            eng.wait_for_arrivals(0.05)
+    raise AssertionError("engine did not finish")
+
+
+def test_eos_finishes_a_request(tmp_path):
+    ckpt = build_llama(tmp_path / "ckpt")
+    prompt = [11, 42, 7, 99, 5]
+    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=64))
+    try:
+        eng.submit(prompt, SamplingParams(12, ignore_eos=True), "ref")
+        drive(eng)
+        ref = eng.rm.finished[0].output_ids
+    finally:
+        eng.close()
+    eos = ref[3]
+    first = ref.index(eos)
+    eos_dir = tmp_path / "eos"
+    shutil.copytree(ckpt, eos_dir)
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    cfg["eos_token_id"] = [eos]
+    (eos_dir / "config.json").write_text(json.dumps(cfg))
+    eng = Engine(EngineConfig(model=str(eos_dir), block_size=4, kv_blocks=64))
+    try:
+        eng.submit(prompt, SamplingParams(12), "a")
+        eng.submit(prompt, SamplingParams(12, ignore_eos=True), "b")
+        drive(eng)
+        got = {r.request_id: r for r in eng.rm.finished}
+        assert got["a"].finish_reason is FinishReason.EOS and got["a"].output_ids == ref[: first + 1]
+        assert got["b"].finish_reason is FinishReason.LENGTH and got["b"].output_ids == ref
+        assert eng.mm.num_free == eng.mm.num_blocks
+    finally:
+        eng.close()
+
+
+def test_abort_releases_blocks_and_is_recorded():
+    eng = Engine(EngineConfig(model="tiny", kv_blocks=64))
+    try:
+        eng.submit(list(range(5, 60)), SamplingParams(200, ignore_eos=True), "long")
+        for _ in range(5):
+            if eng.step() is None:
+                eng.wait_for_arrivals(0.05)
+        assert eng.mm.num_free < eng.mm.num_blocks
+        assert eng.abort("long") and not eng.abort("nope")
+        drive(eng)
+        r = eng.rm.finished[0]
+        assert r.finish_reason is FinishReason.ABORTED and eng.mm.num_free == eng.mm.num_blocks
+    finally:
+        eng.close()
+
+
+def test_seeded_sampling_is_reproducible():
+    outs = []
+    for _ in range(2):
+        eng = Engine(EngineConfig(model="tiny"))
+        try:
+            eng.submit([5, 6, 7, 8], SamplingParams(16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True), "s")
+            drive(eng)
+            outs.append(eng.rm.finished[0].output_ids)
+        finally:
+            eng.close()
+    assert outs[0] == outs[1] and len(outs[0]) == 16
