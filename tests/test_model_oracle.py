@@ -340,14 +340,13 @@ def test_presets_match_transformers(name: str, preset_cache: Path) -> None:
 def test_length_grouped_decode_attention_matches_one_group(monkeypatch) -> None:
     """Decode rows attended in several length groups give the same logits as one padded group."""
     import scheduler.model.forward_batch as fbm
-
     from scheduler.model.presets import ensure_preset
 
     model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
     kv = model.make_kv_cache(400, 4)
     g = torch.Generator().manual_seed(0)
     chunks, used = [], 0
-    for i, ctx in enumerate([3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]):
+    for ctx in [3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]:
         nblk = ctx // 4 + 1
         table = list(range(used, used + nblk))
         used += nblk
