@@ -198,10 +198,12 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
     # Group rows by boundary once (a stable sort keeps each group in time
     # order): every boundary is then a contiguous slice, not a mask + gather.
-    order = np.argsort(codes, kind="stable")
+    # uint8 codes make numpy's stable sort a radix sort: O(n) on 10 M rows, not O(n log n)
+    small = codes.astype(np.uint8) if len(names) < 256 else codes
+    order = np.argsort(small, kind="stable")
     ts = probes["ts_ns"].to_numpy()[order]
     dur = probes["dur_ns"].to_numpy()[order]
-    bounds = np.searchsorted(codes[order], np.arange(len(names) + 1))
+    bounds = np.searchsorted(small[order], np.arange(len(names) + 1))
     code = {name: i for i, name in enumerate(names)}
 
     def rows(name: str) -> slice:
