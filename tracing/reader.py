@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
 from tracing.schema import SCHEMA_VERSION, TABLES
 
@@ -39,19 +37,6 @@ def read_meta(root: str | Path) -> dict[str, Any]:
             f"trace {r} has schema_version {v}; this mstrace reads version {SCHEMA_VERSION}"
         )
     return meta
-
-
-def scan_column(root: str | Path, name: str, column: str) -> Iterator[pa.Array]:
-    """One column, batch by batch, for columns too large to hold whole (dur_itl_ns)."""
-    parts = _parts(root, name)
-    try:
-        # Per-file row-group batches: several times faster than a dataset scan here.
-        for p in parts:
-            for batch in pq.ParquetFile(p).iter_batches(batch_size=262144, columns=[column]):
-                yield batch.column(0)
-    except (pa.ArrowInvalid, OSError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TraceError(f"corrupt {name}/ table in {root}: {first}") from None
 
 
 def _parts(root: str | Path, name: str) -> list[Path]:
