@@ -152,7 +152,7 @@ class Policy:
         evicted = False
         while need > self.mm.num_free + self._pending_free() - self._reserve and self.rm.running:
             victim = self._pick_victim(batch)
-            self._preempt(victim, batch, f"{req.request_id} waited {waited // 1_000_000} ms for blocks")
+            self._preempt(victim, batch, f"{req.request_id} waited {waited // 1_000_000} ms for blocks", req)
             evicted = True
         return evicted
 
@@ -166,12 +166,12 @@ class Policy:
         # Last admitted loses: it has the least invested work (vLLM's recompute policy).
         return self.rm.running[-1]
 
-    def _preempt(self, victim: Request, batch: ScheduleBatch, why: str) -> None:
+    def _preempt(self, victim: Request, batch: ScheduleBatch, why: str, behind: Request | None = None) -> None:
         batch.decodes = [c for c in batch.decodes if c.req is not victim]
         batch.prefills = [c for c in batch.prefills if c.req is not victim]
         self._release(victim)
         victim.drop_placeholders()
-        self.rm.preempt(victim, why)
+        self.rm.preempt(victim, why, behind)
 
     def _free_now(self, req: Request) -> None:
         self.mm.free(req.request_id, req.block_table)

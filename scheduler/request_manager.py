@@ -51,8 +51,9 @@ class RequestManager:
         req.admitted_ns = req.admitted_ns or t
         self.running.append(req)
 
-    def preempt(self, req: Request, why: str = "") -> None:
-        """running -> front of waiting. Its blocks are already released; it recomputes later."""
+    def preempt(self, req: Request, why: str = "", behind: Request | None = None) -> None:
+        """running -> front of waiting (or just behind `behind`, the request it made room
+        for). Its blocks are already released; it recomputes later."""
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -63,7 +64,12 @@ class RequestManager:
         req.num_hashed_blocks = 0
         req.last_block_hash = -1
         req.block_table = []
-        self.waiting.appendleft(req)
+        if behind is not None and behind in self.waiting:
+            # Behind the request it was evicted for: otherwise it is re-admitted first into
+            # the blocks just freed, evicted again, and neither makes progress.
+            self.waiting.insert(self.waiting.index(behind) + 1, req)
+        else:
+            self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: FinishReason, detail: str = "") -> None:
         if req.status is RequestStatus.RUNNING:

@@ -4,6 +4,11 @@
 ``tp`` shards a checkpoint Megatron-style and runs the layers (optionally overlapping each
 all-reduce with the other half of the batch), ``comm`` is the observable all-reduce, ``pp`` the
 pipeline stage primitives, and ``runner.ShardedModel`` puts one rank's share together.
+
+The runtime of ``mstrace run --tp N --pp M`` (imported by name, not re-exported here):
+``launch`` starts and stops the ranks and holds what they share at start-up (clock handshake,
+run spec, collectives log), ``batch_wire`` is the per-round batch broadcast, ``coordinator``
+is rank 0's side (the engine's hooks call it) and ``worker`` every other rank's entry point.
 """
 
 from .comm import COMM_TIMEOUT_S, AllReduce, CollectiveRecord, PendingAllReduce

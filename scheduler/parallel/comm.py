@@ -19,10 +19,15 @@ Timestamps, per collective (:class:`CollectiveRecord`):
 The probe row per collective is the host wait, ``(wait_start_ns, wait_ns, "all_reduce", "comm",
 rank, step)``: the cost table treats ``all_reduce`` as a host boundary on the scheduling thread,
 and with comm/compute overlap only the wait is a cost (the transfer behind compute is hidden).
+A synchronous collective (``overlapped=False``, :meth:`AllReduce.__call__`) has nothing
+independent between its issue and its wait, so its row starts at ``issue_ns``: the gap (Python
+overhead, the GIL, a descheduled thread; measured at 0.1-2 ms on 2 busy cores) is exposed too,
+not compute.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -139,13 +144,16 @@ class AllReduce:
             signaller="tp group",
             boundary=ALL_REDUCE,
             timeout_s=self.timeout_s,
-            buf=self.buf,
             stream=COMM_STREAM,
             rank=self.rank,
             step=self.step,
         )
+        t1 = now_ns()
         if p.record.end_ns < 0:  # untracked, or the callback still waits for the GIL
-            p.record.end_ns = now_ns()
+            p.record.end_ns = t1
+        if self.buf is not None:
+            t0 = t1 - p.record.wait_ns if p.record.overlapped else p.record.issue_ns
+            self.buf.append((t0, t1 - t0, ALL_REDUCE, COMM_STREAM, self.rank, self.step))
         del self._inflight[seq]
         return p.tensor
 
@@ -176,6 +184,39 @@ def work_ready(work: dist.Work, host_blocking: bool = True) -> Callable[[float],
             if work.is_completed():  # a real failure (peer gone), not the slice expiring
                 raise
             return False  # on gloo the group stays usable after a timed-out wait
+        return True
+
+    return ready
+
+
+def p2p_ready(work: dist.Work, timeout_s: float, host_blocking: bool = True) -> Callable[[float], bool]:
+    """:func:`work_ready` for a point-to-point send or receive, which gloo cannot wait for in
+    slices: a timed-out ``wait`` fails a p2p work and closes the connection to the peer
+    ("Application timeout caused pair closure"; its ``is_completed`` also only changes inside
+    ``wait``).  So the first blocking call waits for the whole of ``timeout_s`` at once; the
+    wait is registered before it starts, so the stall watchdog still sees it live.
+    """
+    deadline = now_ns() + int(timeout_s * 1e9)
+
+    def ready(slice_s: float) -> bool:
+        left = (deadline - now_ns()) / 1e9
+        if left <= 0:  # timed out: leave the failed work alone, timed_wait raises WaitTimeout
+            time.sleep(min(max(slice_s, 0.0), 1e-3))
+            return False
+        if work.is_completed():
+            work.wait()  # re-raises the op's error, if it failed
+            return True
+        if slice_s <= 0:
+            return False
+        if not host_blocking:  # nccl: wait() only orders the current stream, never blocks
+            work.wait()
+            return True
+        try:
+            work.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+        except RuntimeError:
+            if now_ns() >= deadline:
+                return False
+            raise  # a real failure (peer gone)
         return True
 
     return ready

@@ -39,7 +39,7 @@ from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import sample
 
 from .batch_wire import RUN, STOP, BatchChannel, WireBatch
-from .comm import COMM_STREAM, work_ready
+from .comm import COMM_STREAM, p2p_ready
 from .group import ParallelState, destroy, init_distributed
 from .launch import (
     ClockOffset,
@@ -182,7 +182,7 @@ class Coordinator:
         work = dist.irecv(toks, src=src, group=self.control)
         assert work is not None
         timed_wait(
-            work_ready(work), registry=self.registry, waiter="rank0",
+            p2p_ready(work, self.cfg.hard_wait_timeout_s), registry=self.registry, waiter="rank0",
             what=f"sampled tokens of step {step}", signaller=f"rank {src} (last pp stage)",
             boundary=PP_BUBBLE, timeout_s=self.cfg.hard_wait_timeout_s, buf=self._buf,
             stream=COMM_STREAM, rank=0, step=step,

@@ -280,8 +280,11 @@ class CollectiveLog:
                 continue
             if c.wait_ns < 0 and not final:
                 break  # in flight: written once it completes, or by the final drain
+            # Never waited out: its work may have "completed" only by failing when a peer was
+            # killed (gloo then runs the completion callback too), so no completion time.
+            end = c.end_ns if c.wait_ns >= 0 else -1
             self.buf.append((self.rank, self.group, c.seq, c.step, c.numel, c.overlapped,
-                             c.issue_ns, c.start_ns, c.end_ns, c.wait_ns))
+                             c.issue_ns, c.start_ns, end, c.wait_ns))
             self._next = c.seq + 1
 
 

@@ -25,7 +25,7 @@ from scheduler.model.forward_batch import ForwardBatch
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.transformer import CausalLM
 
-from .comm import COMM_STREAM, COMM_TIMEOUT_S, work_ready
+from .comm import COMM_STREAM, COMM_TIMEOUT_S, p2p_ready
 from .group import ParallelState
 from .tp import TPRunner
 
@@ -109,7 +109,7 @@ class PipelineStage:
         work = dist.irecv(x, src=src, group=st.pp_group)
         assert work is not None  # None only for ranks outside the group
         timed_wait(
-            work_ready(work, self._host_blocking),
+            p2p_ready(work, self.timeout_s, self._host_blocking),
             registry=self.registry,
             waiter=f"rank{st.rank}",
             what=f"hidden states of step {step}",
@@ -139,7 +139,7 @@ class PipelineStage:
         while self._sends:
             work, _, step = self._sends[0]
             timed_wait(
-                work_ready(work, self._host_blocking),
+                p2p_ready(work, self.timeout_s, self._host_blocking),
                 registry=self.registry,
                 waiter=f"rank{st.rank}",
                 what=f"send of hidden states of step {step}",

@@ -37,7 +37,7 @@ from scheduler.model.sampling import sample
 from tracing.writer import TraceWriter
 
 from .batch_wire import STOP, BatchChannel, WireBatch
-from .comm import work_ready
+from .comm import p2p_ready
 from .group import destroy, init_distributed
 from .launch import (
     CollectiveLog,
@@ -154,7 +154,7 @@ def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegist
     t = torch.tensor(toks, dtype=torch.int64)
     work = dist.isend(t, dst=0, group=group)
     assert work is not None
-    timed_wait(work_ready(work), registry=registry, waiter=f"rank{rank}",
+    timed_wait(p2p_ready(work, timeout_s), registry=registry, waiter=f"rank{rank}",
                what=f"send of the sampled tokens of step {step}", signaller="rank 0",
                boundary=PP_BUBBLE, timeout_s=timeout_s, rank=rank, step=step)
 
