@@ -80,8 +80,10 @@ def test_bookkeeping_row_is_truthful(tmp_path):
             break
     assert delta == pytest.approx(2.0, rel=0.10), delta
     for name in ("device_compute", "batch_prepare", "response_send"):
-        # absolute: the rows must not absorb the injected 2 ms (the machine is shared and noisy)
-        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=0.6), name
+        # The rows must not absorb the injected 2 ms. Identical tiny runs differ by up to
+        # ~1 ms per cycle in device_compute on this shared machine, so the bound is half
+        # the injection: a misattributed delay would move a row by the whole 2 ms.
+        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=1.0), name
 
 
 def test_overlap_with_split_streams_records_kv_fences(tmp_path):
