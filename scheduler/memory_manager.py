@@ -201,7 +201,9 @@ class MemoryManager:
         """Blocks for the first num_tokens tokens of a request, reusing a matched prefix."""
         shared = prefix.block_ids if prefix else []
         fresh = self.blocks_needed(num_tokens) - len(shared)
-        from_free = fresh + (prefix.num_from_free if prefix else 0)
+        # Counted now, not taken from the match: a free between match and allocate
+        # (an eviction) can drop a matched block's last reference.
+        from_free = fresh + sum(1 for b in shared if self.blocks[b].ref_count == 0)
         if from_free > len(self._free):
             raise OutOfBlocks(f"need {from_free} free blocks, have {len(self._free)}")
         table: list[int] = []

@@ -12,6 +12,9 @@ Every decision that delays a request leaves a timeline event:
     recompute policy) and goes back to the front of the waiting queue;
   * decode_priority: a decode waited past `decode_max_wait_ms` since its last
     token, so this round runs decodes only (no prefill), as the seed advises.
+  * fence_wait (value = blocks behind the fence): a decode needed a block, none
+    was free, but released blocks were still behind the KV fence; it skips
+    this round instead of evicting more.
 """
 
 from __future__ import annotations
@@ -83,6 +86,13 @@ class Policy:
                 if self.mm.num_free > 0:
                     self.mm.append_block(req.request_id, req.block_table)
                     continue
+                pending = self._pending_free()
+                if pending:
+                    # Blocks already released come back once the KV fence passes (next
+                    # round); evicting more now frees nothing sooner and, when every
+                    # decode does it, preempts the whole batch in a loop that never ends.
+                    self.rm.mark(req, "fence_wait", pending)
+                    break
                 victim = self._pick_victim(batch)
                 self._preempt(victim, batch, "no free block for a decode")
                 if victim is req:
@@ -118,10 +128,14 @@ class Policy:
             tokens = req.token_ids()
             prefix = mm.match_prefix(tokens)
             need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
-            if need > mm.num_free - self._reserve and not self._evict_for(req, need, batch, now):
-                break  # seed step 1: stop at the first request that does not fit
             if need > mm.num_free - self._reserve:
-                break  # evicted, but the blocks come back only after the KV fence
+                if not self._evict_for(req, need, batch, now):
+                    break  # seed step 1: stop at the first request that does not fit
+                # A victim may have held some of the matched blocks: they are free now.
+                prefix = mm.match_prefix(tokens)
+                need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
+                if need > mm.num_free - self._reserve:
+                    break  # evicted, but the blocks come back only after the KV fence
             req.block_table = mm.allocate(req.request_id, len(tokens), prefix)
             req.num_computed = req.num_cached_prefix = prefix.num_blocks * mm.block_size
             req.num_hashed_blocks, req.last_block_hash = prefix.num_blocks, prefix.last_hash

@@ -87,6 +87,26 @@ def test_out_of_blocks():
         mm.allocate("b", 1)
 
 
+def test_allocate_counts_matched_blocks_freed_since_the_match():
+    """Regression: a prefix matched while another request held it, then that request
+    was evicted. Its blocks are free now, and allocating must take them from the free
+    list too, not trust the match's stale count (which emptied the list mid-allocate)."""
+    mm = MemoryManager(5, 4)
+    prompt = list(range(8))  # 2 full blocks
+    a = mm.allocate("a", 9)
+    mm.register_full_blocks(prompt + [50], a, num_computed=9)
+    mm.allocate("c", 8)  # the pool's last 2 blocks
+    m = mm.match_prefix(prompt + [99])
+    assert m.block_ids == a[:2] and m.num_from_free == 0
+    mm.free("a", a)  # the eviction between the match and the allocate: 3 free
+    with pytest.raises(OutOfBlocks):
+        mm.allocate("b", 13, m)  # 2 revived + 2 fresh: 4 from a free list of 3
+    mm.check_invariants([mm.tables["c"]])
+    b = mm.allocate("b", 9, m)  # 2 revived + 1 fresh = 3 free blocks: fits exactly
+    assert b[:2] == a[:2] and mm.num_free == 0
+    mm.check_invariants([mm.tables["c"], b])
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Random admit / grow / share / finish / abort; the pool must never
     double-free, leak, or lose a block."""

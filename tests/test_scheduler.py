@@ -121,6 +121,36 @@ def test_decode_growth_preempts_latest_when_pool_is_full():
     mm.check_invariants([a.block_table])
 
 
+def test_decodes_wait_for_fenced_blocks_instead_of_preempting_everyone():
+    """Regression (CI hang): with split streams a victim's blocks come back only after
+    the KV fence, so evicting more in the same round frees nothing. Every decode of a
+    full pool used to evict the next, the whole batch was preempted, re-admitted to
+    the same full pool, and preempted again, forever."""
+    rm, mm, _, events = make(num_blocks=6, block_size=4, chunk=100)
+    fenced: list[tuple[str, list[int]]] = []
+
+    def release(req):  # the engine's fenced release: detached now, free next round
+        mm.detach(req.request_id, req.block_table)
+        fenced.append((req.request_id, req.block_table))
+        req.block_table = []
+
+    policy = Policy(EngineConfig(block_size=4, prefill_chunk=100, watermark_frac=0), rm, mm, release,
+                    lambda: sum(len(t) for _, t in fenced))
+    reqs = [add(rm, r, 8, max_new=8) for r in "abc"]
+    run_round(rm, mm, policy, 1)  # all three admitted: 6 blocks, each holds 9 tokens
+    assert mm.num_free == 0
+    b2 = run_round(rm, mm, policy, 2)  # a needs a 3rd block: c is evicted, a and b wait for the fence
+    assert reqs[2].status is RequestStatus.WAITING and reqs[2].num_preemptions == 1
+    assert [r.num_preemptions for r in reqs[:2]] == [0, 0] and b2.decodes == []
+    assert sum(e[2] == "fence_wait" for e in events) == 2
+    for rid, table in fenced:  # the fence passes
+        mm.free(rid, table)
+    fenced.clear()
+    b3 = run_round(rm, mm, policy, 3)
+    assert [c.req.request_id for c in b3.decodes] == ["a", "b"]
+    assert all(r.num_preemptions == 0 for r in reqs[:2])
+
+
 def test_prefix_hit_skips_computed_tokens():
     rm, mm, policy, _ = make(num_blocks=16, block_size=4, chunk=100)
     a = add(rm, "a", 10, max_new=3)
