@@ -43,6 +43,10 @@ class EngineConfig:
     # every core given to OpenMP, any other runnable thread makes its barrier
     # spin and a step can get ~100x slower (measured on 2 cores, BENCHMARKS.md).
     device_threads: int = 0
+    # thread: the CPU device's streams are threads of this process (they share its GIL with
+    # the scheduler). process: the device is a process of its own (scheduler/device_process.py),
+    # so host work overlaps device work as it does on a GPU.
+    cpu_device: str = "thread"
     tokenizer_threads: int = 1
     seed: int = 0
     probes: bool = True  # False: no probes/memory tables (requests, timeline, steps stay)
@@ -107,6 +111,16 @@ class EngineConfig:
             raise ConfigError(str(e)) from None
         if "deadlock" in self.inject and not self.split_on:
             raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
+        if self.cpu_device not in ("thread", "process"):
+            raise ConfigError(f"--cpu-device must be thread or process (got {self.cpu_device!r})")
+        if self.cpu_device == "process":
+            # These hand the device Python callables or host objects, which cannot cross a process.
+            clash = [flag for flag, on in (("--tp/--pp > 1", self.world_size > 1),
+                                           ("--inject deadlock", "deadlock" in self.inject),
+                                           ("the KV ordering check", self.debug_kv_check)) if on]
+            if clash:
+                raise ConfigError(f"--cpu-device process does not support {', '.join(clash)}; "
+                                  "use --cpu-device thread")
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be >= 1")
         if self.tp < 1 or self.pp < 1:
@@ -136,6 +150,13 @@ class EngineConfig:
     @property
     def split_on(self) -> bool:
         return self.mode == "overlap" if self.split_streams is None else self.split_streams
+
+    def pick_cpu_device(self) -> str:
+        """What `--cpu-device auto` means for this run: a device process, unless a feature
+        needs the device in this process (see validate)."""
+        if self.world_size > 1 or "deadlock" in self.inject or self.debug_kv_check:
+            return "thread"
+        return "process"
 
     def resolved_device_threads(self) -> int:
         return self.device_threads if self.device_threads > 0 else max(1, (os.cpu_count() or 1) - 1)

@@ -40,19 +40,21 @@ from probes.waits import WaitRegistry, WaitTimeout, timed_wait
 from probes.watchdog import StallReport, Watchdog
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
-from scheduler.executor import Executor, Launch
+from scheduler.device_process import DeviceProcess, DeviceSpec
+from scheduler.executor import FUTURE_SLOTS, Executor, Launch
 from scheduler.faults import SLOW_SENDER_S
 from scheduler.memory_manager import MemoryManager
 from scheduler.model.config import ModelConfig
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
 from scheduler.model.presets import resolve_model
+from scheduler.model.transformer import CausalLM
 from scheduler.policy import Policy
 from scheduler.reclaim import Reclaimer
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.request_manager import RequestManager
 from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
-from scheduler.streams import MAIN, PREFILL, Event, make_streams
+from scheduler.streams import MAIN, PREFILL, Event, Stream, make_streams
 from scheduler.tokenizer import Tokenizer, TokenizerError
 from scheduler.tokenizer_pool import TokenizerPool
 from tracing.writer import TraceWriter
@@ -110,7 +112,14 @@ class Engine:
         dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
-        if parallel is None:
+        # --cpu-device process: the model and KV pool live in the device process.
+        self.device_proc: DeviceProcess | None = None
+        remote = self.device.type == "cpu" and config.cpu_device == "process"
+        self.model: CausalLM | None = None
+        if parallel is None and remote:
+            self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
+            per_block = PagedKVCache.bytes_per_block(self.model_config, config.block_size, dtype)
+        elif parallel is None:
             self.model, self.model_config = load_model(self.model_dir, self.device, dtype)
             per_block = PagedKVCache.bytes_per_block(self.model_config, config.block_size, dtype)
         else:
@@ -128,7 +137,12 @@ class Engine:
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
         self._mem_buf = self.probes.buffer("memory")
         self.registry = WaitRegistry()
-        if parallel is None:
+        self.kv: PagedKVCache | None = None
+        if parallel is None and remote:
+            self.device_proc = DeviceProcess(DeviceSpec(
+                str(self.model_dir), str(dtype).removeprefix("torch."), num_blocks, config.block_size,
+                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS), self.probes)
+        elif parallel is None:
             mc = self.model_config
             self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
                                    mc.num_key_value_heads, mc.head_dim, dtype, self.device)
@@ -138,7 +152,9 @@ class Engine:
             sharded = parallel.start_ranks(self.model_dir, num_blocks, dtype, self.probes, self.registry)
             self.model = sharded.model
             self.kv = sharded.make_kv_cache(num_blocks, config.block_size)
-        self.streams = make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s)
+        self.streams: dict[str, Stream] = (
+            dict(self.device_proc.streams) if self.device_proc is not None
+            else make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s))
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing and config.kv_layout == "paged")
@@ -338,6 +354,8 @@ class Engine:
         self.pool.shutdown()
         for s in self.streams.values():
             s.close()
+        if self.device_proc is not None:
+            self.device_proc.close()
         self.sender.close()
 
     # ---- stalls ----------------------------------------------------------
@@ -498,7 +516,7 @@ class Engine:
                 self.rm.mark(req, "defrag_moved", len(m))
         if moves:
             src, dst = [a for a, _ in moves], [b for _, b in moves]
-            self.streams[MAIN].submit(lambda: self.executor.copy_blocks(src, dst), f"defrag#{step}", step, DEFRAG)
+            self.streams[MAIN].submit(self.executor.copy_work(src, dst), f"defrag#{step}", step, DEFRAG)
             self._wait_streams_idle(step)
         self.policy.fragmented_need = 0
         t1 = now_ns()
@@ -580,4 +598,5 @@ class Engine:
 
     def _emit_finished(self, out: StepOutput) -> None:
         for req in self.rm.drain_finished():
+            self.executor.forget(req)
             out.finished.append(FinishedRecord.of(req))

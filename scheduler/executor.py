@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduledChunk
+from scheduler.device_process import RemoteOp
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import sample
@@ -50,7 +51,7 @@ class KvReadCheck:
 
 @dataclass(slots=True)
 class PreparedBatch:
-    forward: ForwardBatch
+    forward: ForwardBatch | None  # None on a device process, which builds it from `seqs`
     chunks: list[ScheduledChunk]
     sampled: list[ScheduledChunk]  # chunks that produce a token, in logits-row order
     temperatures: list[float]
@@ -81,8 +82,8 @@ class Launch:
 class Executor:
     def __init__(
         self,
-        model: CausalLM,
-        kv: PagedKVCache,
+        model: CausalLM | None,
+        kv: PagedKVCache | None,
         block_size: int,
         device: torch.device,
         seed: int,
@@ -95,6 +96,9 @@ class Executor:
     ) -> None:
         self.model = model
         self.parallel = parallel
+        # The device is another process (scheduler/device_process.py): work goes there as
+        # RemoteOp data; the model, KV pool, future ring and generators live there.
+        self.remote = model is None
         self.kv = kv
         self.block_size = block_size
         self.device = device
@@ -104,7 +108,8 @@ class Executor:
         self.wait_timeout_s = wait_timeout_s
         self._buf = probe_buf
         self._rank = rank
-        self.future = torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
+        self.future = None if self.remote else torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
+        self._dropped: list[str] = []
         self._next_slot = 0
         # Test-only stream-ordering check: every KV slot is tagged (position, token) when a
         # stream writes it; a read must find the tag it expects, in stream execution order.
@@ -112,6 +117,7 @@ class Executor:
         self.kv_violations: list[str] = []
 
     def enable_kv_check(self) -> None:
+        assert self.kv is not None, "local device only"
         self.kv_tags = torch.full((self.kv.k[0].shape[0],), -1, dtype=torch.long, device=self.device)
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
@@ -125,12 +131,12 @@ class Executor:
         params = [c.req.sample.sampling_params for c in sampled]
         check = self._kv_reads(chunks) if self.kv_tags is not None else None
         return PreparedBatch(
-            forward=build_forward_batch(seqs, self.block_size, self.device),
+            forward=None if self.remote else build_forward_batch(seqs, self.block_size, self.device),
             chunks=list(chunks),
             sampled=sampled,
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
-            generators=[self._generator(c.req) for c in sampled],
+            generators=[] if self.remote else [self._generator(c.req) for c in sampled],
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,
@@ -167,10 +173,19 @@ class Executor:
             s.wait_event(ev)
         start = s.record()
         if stagger_us > 0:
-            s.submit(lambda: _device_sleep(stagger_us, self.device), f"stagger#{step}", step, PREFILL_STAGGER)
+            sleep = (RemoteOp("sleep", (stagger_us,)) if self.remote
+                     else lambda: _device_sleep(stagger_us, self.device))
+            s.submit(sleep, f"stagger#{step}", step, PREFILL_STAGGER)
         launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
-        s.submit(lambda: launch.result.append(self.run_model(prepared, launch.slots, step)), f"forward#{step}",
-                 step)
+        work: Callable[[], None] | RemoteOp
+        if self.remote:
+            work = RemoteOp("forward", (
+                [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs],
+                prepared.temperatures, prepared.top_ps, [self._generator_spec(c.req) for c in prepared.sampled],
+                launch.slots, prepared.has_placeholders, self._drop_generators()), launch.result.append)
+        else:
+            work = lambda: launch.result.append(self.run_model(prepared, launch.slots, step))  # noqa: E731
+        s.submit(work, f"forward#{step}", step)
         launch.end = s.record()
         return launch
 
@@ -187,27 +202,43 @@ class Executor:
 
     def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> list[int]:
         """Device work: resolve placeholders, forward, sample, publish tokens to the future ring."""
-        fb = prepared.forward
+        fb, kv, future = prepared.forward, self.kv, self.future
+        assert fb is not None and kv is not None and future is not None, "local device only"
         if prepared.has_placeholders:
             ids = fb.input_ids
-            fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
+            fb.input_ids = torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
         if self.kv_tags is not None:
             self._check_kv(prepared)
         if self.parallel is not None:
             # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
-            tokens = self.parallel.forward(prepared, self.kv, step)
+            tokens = self.parallel.forward(prepared, kv, step)
             if not tokens:
                 return []
         else:
-            logits = self.model(fb, self.kv)
+            assert self.model is not None
+            logits = self.model(fb, kv)
             if not prepared.sampled:
                 return []
             tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
-        self.future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
+        future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
+
+    def copy_work(self, src: list[int], dst: list[int]) -> Callable[[], None] | RemoteOp:
+        """The device work of a defragmentation copy, for a stream to run."""
+        return RemoteOp("copy", (src, dst)) if self.remote else lambda: self.copy_blocks(src, dst)
+
+    def forget(self, req: Request) -> None:
+        """A finished request's generator can go (on a device process, with the next launch)."""
+        if self.remote and req.sample.sampling_params.temperature > 0:
+            self._dropped.append(req.request_id)
+
+    def _drop_generators(self) -> list[str]:
+        d, self._dropped = self._dropped, []
+        return d
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device work: move KV blocks (defragmentation); test-only tags move with them."""
+        assert self.kv is not None, "local device only"
         self.kv.copy_blocks(src, dst)
         if self.kv_tags is not None:
             bs = self.block_size
@@ -217,7 +248,7 @@ class Executor:
 
     def _check_kv(self, prepared: PreparedBatch) -> None:
         tags, chk, fb = self.kv_tags, prepared.kv_check, prepared.forward
-        assert tags is not None and chk is not None
+        assert tags is not None and chk is not None and fb is not None
         if len(chk.slots):
             got = tags[chk.slots]
             want = (chk.positions << 32) + chk.tokens.clamp(min=0)
@@ -232,12 +263,19 @@ class Executor:
         if sp.temperature <= 0:
             return None
         if req.generator is None:
-            # Unseeded requests still get a reproducible stream: derived from the
-            # run seed and the request id, never from global RNG state.
-            seed = sp.seed if sp.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(self._seed(req))
         gen: torch.Generator = req.generator
         return gen
+
+    def _generator_spec(self, req: Request) -> tuple[str, int] | None:
+        """What the device process needs to create (once) the request's generator."""
+        return (req.request_id, self._seed(req)) if req.sample.sampling_params.temperature > 0 else None
+
+    def _seed(self, req: Request) -> int:
+        # Unseeded requests still get a reproducible stream: derived from the
+        # run seed and the request id, never from global RNG state.
+        sp = req.sample.sampling_params
+        return sp.seed if sp.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
 
 
 def _device_sleep(us: float, device: torch.device) -> None:

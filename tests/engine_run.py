@@ -8,10 +8,19 @@ from scheduler.runner import run_workload
 from scheduler.workload import WorkloadItem
 
 
-def run_engine(cfg: EngineConfig, items: list[WorkloadItem]) -> Engine:
+def run_engine(cfg: EngineConfig, items: list[WorkloadItem], max_steps: int | None = None) -> Engine:
+    """`max_steps` turns a scheduling livelock (rounds that never finish a request)
+    into a failure that shows the queues, instead of a test that never ends."""
     eng = Engine(cfg)
+
+    def guard(e: Engine) -> None:
+        if max_steps is not None and e.step_no > max_steps:
+            running = [(r.request_id, r.num_tokens, len(r.block_table), r.num_preemptions) for r in e.rm.running]
+            raise AssertionError(f"no end after {max_steps} rounds: free={e.mm.num_free} running={running} "
+                                 f"waiting={[r.request_id for r in e.rm.waiting]}")
+
     try:
-        run_workload(eng, items)
+        run_workload(eng, items, on_step=guard)
     finally:
         eng.close()
     return eng

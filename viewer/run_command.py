@@ -54,6 +54,7 @@ class RunArgs:
     tp: int = 1
     pp: int = 1
     comm_overlap: bool = True
+    cpu_device: str = "auto"
 
 
 class _ProgressSink:
@@ -101,8 +102,10 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
             prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
             gc_after_s=args.gc_after_s, on_stall=args.on_stall, kv_layout=args.kv_layout,
-            tp=args.tp, pp=args.pp, comm_overlap=args.comm_overlap,
+            tp=args.tp, pp=args.pp, comm_overlap=args.comm_overlap, cpu_device=args.cpu_device,
         )
+        if args.cpu_device == "auto":
+            cfg.cpu_device = cfg.pick_cpu_device()
         cfg.validate()
         model_dir = resolve_model(args.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -1,0 +1,382 @@
+"""A CPU "device" in its own process (``--cpu-device process``).
+
+Why: with the thread backend (scheduler/streams.py) the device's work runs on
+stream threads of the engine's own process, so the forward's Python dispatch
+and the host's scheduling take turns on one GIL. On a small model, whose
+forward is mostly dispatch, overlap scheduling then hides nothing, which is an
+artefact of the emulation, not of overlap: a GPU runs its kernels whatever the
+host's interpreter is doing. A device process has its own interpreter, so the
+host's round N+1 really runs while the device computes round N, as on a GPU.
+
+The device process holds the model, the KV pool, the future-token ring and the
+per-request sampling generators. It runs one thread per stream, each doing its
+queue's items in order, exactly like CpuStream; events and cross-stream waits
+are device-side. The host sees it through ProcStream (the Stream interface):
+every item it submits is answered, in order, by one completion message that
+carries the device's CLOCK_MONOTONIC timestamps (the clock is system-wide, so
+the rows land on the host's timeline unchanged), and a reader thread turns the
+answers into probe rows, completed events and the launch's tokens.
+
+The wire is a multiprocessing pipe of small tuples of ints and floats (block
+tables, token ids); nothing of it reaches a trace file. The device builds the
+forward's index tensors itself from that wire (as the TP workers do), so on
+this backend `batch_prepare` on the host covers only the wire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import traceback
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
+from probes.clock import now_ns
+from probes.recorder import Probes, Row
+from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord
+
+START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
+MAX_GENERATORS = 1 << 16  # bounded: a generator of a request that finished on EOS mid-flight may be recreated
+
+
+@dataclass(slots=True)
+class DeviceSpec:
+    model_dir: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    threads: int
+    wait_timeout_s: float
+    future_slots: int
+
+
+@dataclass(slots=True)
+class RemoteOp:
+    """Device work named by kind and plain data (a closure cannot cross a process).
+
+    kinds: ``forward`` (seqs, temperatures, top_ps, generator specs, future slots,
+    has_placeholders, request ids whose generators to drop), ``copy`` (src, dst
+    blocks), ``sleep`` (microseconds). ``on_result`` runs on the host's reader
+    thread with what the op returned.
+    """
+
+    kind: str
+    payload: tuple[Any, ...]
+    on_result: Callable[[Any], None] | None = None
+
+
+class ProcEvent(CpuEvent):
+    __slots__ = ("id",)
+
+    def __init__(self, label: str, stream: str, ev_id: int) -> None:
+        super().__init__(label, stream)
+        self.id = ev_id
+
+    def complete_at(self, ts_ns: int) -> None:
+        self._ts = ts_ns
+        self._done.set()
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str  # op | record | wait
+    label: str
+    step: int
+    boundary: str
+    on_result: Callable[[Any], None] | None = None
+    event: ProcEvent | None = None
+
+
+class DeviceProcess:
+    """The host's handle on the device process: spawn, send, read answers, stop."""
+
+    def __init__(self, spec: DeviceSpec, probes: Probes) -> None:
+        self.spec = spec
+        self.probes = probes
+        self.streams: dict[str, ProcStream] = {}
+        ctx = mp.get_context("spawn")  # fork would copy the host's threads' locks mid-state
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=device_main, args=(child, self.spec), name="mstrace-device", daemon=True)
+        self._proc.start()
+        child.close()
+        self._send_lock = threading.Lock()
+        self._events = 0
+        self.error: str | None = None
+        if not self._conn.poll(START_TIMEOUT_S):
+            self._proc.kill()
+            raise RuntimeError(f"the device process did not start within {START_TIMEOUT_S:.0f} s")
+        msg = self._recv()
+        if msg[0] != "ready":
+            self._proc.join(5)
+            raise RuntimeError(f"the device process failed to start: {msg[1]}")
+        for n in STREAM_NAMES:
+            self.streams[n] = ProcStream(n, self)
+        self._reader = threading.Thread(target=self._read, name="device-reader", daemon=True)
+        self._reader.start()
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            msg: tuple[Any, ...] = self._conn.recv()
+            return msg
+        except (EOFError, OSError):
+            return ("dead", f"the device process exited (code {self._proc.exitcode})")
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError) as e:
+                self._fail(f"the device process is gone: {e!r}")
+
+    def _fail(self, why: str) -> None:
+        """The device died: every stream fails and every pending event completes, so the
+        scheduler's barrier returns at once with the error instead of waiting to time out."""
+        self.error = self.error or why
+        for st in self.streams.values():
+            st.fail(why)
+
+    def next_event_id(self) -> int:
+        self._events += 1
+        return self._events
+
+    def _read(self) -> None:
+        while True:
+            msg = self._recv()
+            if msg[0] == "done":
+                _, name, t0, t1, result, err = msg
+                self.streams[name].complete(t0, t1, result, err)
+            elif msg[0] in ("dead", "stopped"):
+                if msg[0] == "dead":
+                    self._fail(msg[1])
+                return
+
+    def close(self) -> None:
+        self.send(("stop",))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._reader.join(5)
+        self._conn.close()
+
+
+class ProcStream:
+    """One stream of the device process, seen from the host (the Stream interface)."""
+
+    def __init__(self, name: str, device: DeviceProcess, history: int = 32) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self._dev = device
+        self._rank = device.probes.rank
+        self._buf: list[Row] | None = device.probes.buffer()  # written by the reader thread only
+        self._pending: deque[_Pending] = deque()
+        self._since = now_ns()  # when the item at the head of the queue could start
+        self._events = 0
+        self.completed: deque[OpRecord] = deque(maxlen=history)
+
+    def submit(self, fn: Any, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+        # Items are queued here before they are sent, so an answer always finds its item.
+        if not isinstance(fn, RemoteOp):
+            raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
+        self._pending.append(_Pending("op", label, step, boundary, fn.on_result))
+        self._dev.send(("op", self.name, fn.kind, fn.payload))
+
+    def record(self) -> ProcEvent:
+        self._events += 1
+        ev = ProcEvent(f"{self.name}#{self._events}", self.name, self._dev.next_event_id())
+        self._pending.append(_Pending("record", ev.label, -1, "", event=ev))
+        self._dev.send(("record", self.name, ev.id))
+        return ev
+
+    def wait_event(self, ev: Event) -> None:
+        if not isinstance(ev, ProcEvent):
+            raise TypeError("a device-process stream can only wait for its own device's events")
+        self._pending.append(_Pending("wait", f"wait {ev.label}", -1, STREAM_WAIT))
+        self._dev.send(("wait", self.name, ev.id, ev.label))
+
+    def complete(self, t0: int, t1: int, result: Any, err: str | None) -> None:
+        """Reader thread: the device finished the oldest item of this stream."""
+        if not self._pending:
+            return  # failed meanwhile (fail() drained the queue)
+        p = self._pending.popleft()
+        self._since = t1
+        if err is not None and self.error is None:
+            self.error = RuntimeError(err)
+        if p.kind == "record":
+            assert p.event is not None
+            p.event.complete_at(t1)
+            return
+        if p.kind == "op" and err is None and p.on_result is not None:
+            p.on_result(result)
+        self.completed.append(OpRecord(p.label, p.step, t0, t1))
+        if self._buf is not None:
+            self._buf.append((t0, t1 - t0, p.boundary, self.name, self._rank, p.step))
+
+    def fail(self, why: str) -> None:
+        self.error = self.error or RuntimeError(why)
+        while self._pending:
+            p = self._pending.popleft()
+            if p.event is not None:
+                p.event.complete_at(now_ns())
+
+    def state(self) -> dict[str, Any]:
+        head = self._pending[0] if self._pending else None
+        return {
+            "stream": self.name,
+            "queue_depth": len(self._pending),
+            # The device reports an item when it ends, so the head is in progress, or waiting to start.
+            "in_progress": None if head is None else {"label": head.label, "since_ns": self._since},
+            "recent": [(o.label, o.step, o.start_ns, o.end_ns) for o in list(self.completed)],
+            "error": None if self.error is None else repr(self.error),
+            "backend": "process",
+        }
+
+    def close(self) -> None:
+        pass  # the DeviceProcess owns the pipe and stops every stream at once
+
+
+# ------------------------------------------------------------ device side
+def device_main(conn: Connection, spec: DeviceSpec) -> None:
+    """Entry point of the device process."""
+    try:
+        dev = _Device(conn, spec)
+    except BaseException as e:  # noqa: BLE001 - reported to the host, which exits with it
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready",))
+    dev.serve()
+
+
+class _Device:
+    def __init__(self, conn: Connection, spec: DeviceSpec) -> None:
+        import torch
+
+        from scheduler.model.kv_cache import PagedKVCache
+        from scheduler.model.loader import load_model
+
+        torch.set_num_threads(max(1, spec.threads))
+        self.torch = torch
+        self.conn = conn
+        self.spec = spec
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
+        self.model, mc = load_model(spec.model_dir, "cpu", dtype)
+        self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
+                               mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
+        self.future = torch.zeros(spec.future_slots, dtype=torch.long)
+        self.generators: OrderedDict[str, Any] = OrderedDict()
+        self._out = threading.Lock()
+        self._cond = threading.Condition()
+        self._recorded: set[int] = set()
+        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
+        self._threads = []
+        for n in STREAM_NAMES:
+            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            self._queues[n] = q
+            t = threading.Thread(target=self._stream_loop, args=(n, q), name=f"device-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = ("stop",)  # the host died: nothing left to serve
+            if msg[0] == "stop":
+                for q in self._queues.values():
+                    q.put(None)
+                for t in self._threads:
+                    t.join(self.spec.wait_timeout_s + 1)
+                try:
+                    self.conn.send(("stopped",))
+                except OSError:
+                    pass
+                return
+            self._queues[msg[1]].put(msg)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        with self._out:
+            self.conn.send(msg)
+
+    def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
+        failed: str | None = None
+        while True:
+            msg = q.get()
+            if msg is None:
+                return
+            t0 = now_ns()
+            result: Any = None
+            err: str | None = None
+            try:
+                if msg[0] == "record":
+                    with self._cond:
+                        self._recorded.add(msg[2])
+                        self._cond.notify_all()
+                elif msg[0] == "wait":
+                    ev_id, label = msg[2], msg[3]
+                    with self._cond:
+                        if not self._cond.wait_for(lambda: ev_id in self._recorded, self.spec.wait_timeout_s):
+                            raise TimeoutError(f"{name}-stream: event {label} not recorded "
+                                               f"after {self.spec.wait_timeout_s:.1f} s")
+                elif failed is None:  # after a failure, later work is skipped but events still complete
+                    result = self._run(msg[2], msg[3])
+            except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
+                failed = failed or f"{type(e).__name__}: {e}"
+                err = failed + ("\n" + traceback.format_exc(limit=4) if msg[0] == "op" else "")
+            self._send(("done", name, t0, now_ns(), result, err))
+
+    def _run(self, kind: str, payload: tuple[Any, ...]) -> Any:
+        if kind == "forward":
+            return self._forward(*payload)
+        if kind == "copy":
+            self.kv.copy_blocks(*payload)
+            return None
+        if kind == "sleep":
+            import time
+
+            time.sleep(payload[0] / 1e6)
+            return None
+        raise ValueError(f"unknown device op {kind!r}")
+
+    def _forward(
+        self,
+        seqs: list[tuple[list[int], int, list[int], bool]],
+        temperatures: list[float],
+        top_ps: list[float],
+        gens: list[tuple[str, int] | None],
+        slots: list[int],
+        has_placeholders: bool,
+        drop: list[str],
+    ) -> list[int]:
+        from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+        from scheduler.model.sampling import sample
+
+        torch = self.torch
+        fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
+        if has_placeholders:
+            ids = fb.input_ids
+            fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
+        logits = self.model(fb, self.kv)
+        tokens: list[int] = []
+        if slots:
+            tokens = sample(logits, temperatures, top_ps, [self._generator(g) for g in gens])
+            self.future[torch.tensor(slots)] = torch.tensor(tokens)
+        for rid in drop:
+            self.generators.pop(rid, None)
+        return tokens
+
+    def _generator(self, spec: tuple[str, int] | None) -> Any:
+        if spec is None:
+            return None
+        rid, seed = spec
+        g = self.generators.get(rid)
+        if g is None:
+            g = self.generators[rid] = self.torch.Generator().manual_seed(seed)
+            if len(self.generators) > MAX_GENERATORS:
+                self.generators.popitem(last=False)
+        return g
