@@ -32,13 +32,14 @@ import traceback
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes, Row
-from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord
+from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
 MAX_GENERATORS = 1 << 16  # bounded: a generator of a request that finished on EOS mid-flight may be recreated
@@ -179,7 +180,7 @@ class ProcStream:
         self._events = 0
         self.completed: deque[OpRecord] = deque(maxlen=history)
 
-    def submit(self, fn: Any, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
         # Items are queued here before they are sent, so an answer always finds its item.
         if not isinstance(fn, RemoteOp):
             raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
@@ -320,7 +321,8 @@ class _Device:
                 elif msg[0] == "wait":
                     ev_id, label = msg[2], msg[3]
                     with self._cond:
-                        if not self._cond.wait_for(lambda: ev_id in self._recorded, self.spec.wait_timeout_s):
+                        if not self._cond.wait_for(partial(set.__contains__, self._recorded, ev_id),
+                                                   self.spec.wait_timeout_s):
                             raise TimeoutError(f"{name}-stream: event {label} not recorded "
                                                f"after {self.spec.wait_timeout_s:.1f} s")
                 elif failed is None:  # after a failure, later work is skipped but events still complete

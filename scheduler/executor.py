@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import sample
 from scheduler.model.transformer import CausalLM
 from scheduler.request import Request
-from scheduler.streams import Event, Stream
+from scheduler.streams import Event, Stream, Work
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -177,7 +177,7 @@ class Executor:
                      else lambda: _device_sleep(stagger_us, self.device))
             s.submit(sleep, f"stagger#{step}", step, PREFILL_STAGGER)
         launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
-        work: Callable[[], None] | RemoteOp
+        work: Work
         if self.remote:
             work = RemoteOp("forward", (
                 [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs],
@@ -223,7 +223,7 @@ class Executor:
         future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
 
-    def copy_work(self, src: list[int], dst: list[int]) -> Callable[[], None] | RemoteOp:
+    def copy_work(self, src: list[int], dst: list[int]) -> Work:
         """The device work of a defragmentation copy, for a stream to run."""
         return RemoteOp("copy", (src, dst)) if self.remote else lambda: self.copy_blocks(src, dst)
 

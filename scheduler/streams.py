@@ -22,14 +22,19 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes, Row
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
 
+if TYPE_CHECKING:
+    from scheduler.device_process import RemoteOp
+
 MAIN, PREFILL, COMM = "main", "prefill", "comm"
+# What a stream runs: a callable here, or plain data for a device process.
+Work: TypeAlias = "Callable[[], Any] | RemoteOp"
 STREAM_NAMES = (MAIN, PREFILL, COMM)
 
 
@@ -49,7 +54,7 @@ class Stream(Protocol):
     name: str
     error: BaseException | None
 
-    def submit(self, fn: Callable[[], Any], label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
+    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
 
     def record(self) -> Event: ...
 
@@ -123,7 +128,9 @@ class CpuStream:
         self._thread = threading.Thread(target=self._loop, name=f"stream-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any], label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+        if not callable(fn):
+            raise TypeError(f"{label}: an in-process stream runs Python callables")
         self._queued += 1
         self._q.put((fn, label, step, boundary))
 
@@ -243,7 +250,9 @@ class CudaStream:
         ev.record(self.stream)
         return ev
 
-    def submit(self, fn: Callable[[], Any], label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
+        if not callable(fn):
+            raise TypeError(f"{label}: a CUDA stream runs Python callables that launch kernels")
         start = self._event()
         try:
             with self._torch.cuda.stream(self.stream):

@@ -168,6 +168,7 @@ class Coordinator:
                 if t > 0 and g is not None:
                     seeds[i] = int(torch.randint(0, SEED_BOUND, (1,), generator=g))
         ch.send(WireBatch(RUN, step, prepared.seqs, prepared.temperatures, prepared.top_ps, seeds))
+        assert prepared.forward is not None, "TP/PP runs use the in-process device"
         logits = sm.step(prepared.forward, kv, step)
         self.log.drain()
         if not prepared.sampled:
