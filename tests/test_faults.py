@@ -90,10 +90,10 @@ def test_clean_randomized_runs_never_leak(seed):
     rng = random.Random(seed)
     mode = rng.choice(["serial", "timeslice", "overlap"])
     cfg = EngineConfig(model="tiny", mode=mode, block_size=rng.choice([4, 8, 16]),
-                       kv_blocks=rng.choice([40, 80, 400]), prefill_chunk=rng.choice([16, 64, 512]),
+                       kv_blocks=rng.choice([24, 40, 80, 400]), prefill_chunk=rng.choice([16, 64, 512]),
                        timeslice_chunk=rng.choice([8, 32]), split_streams=rng.random() < 0.5,
-                       prefill_max_wait_ms=rng.choice([50.0, 2000.0]), gc=False, probes=False)
-    spec = SyntheticSpec(rng.randint(4, 14), (1, 90), (1, 40), rng.random(), rng.choice([4, 16]),
+                       prefill_max_wait_ms=rng.choice([0.0, 5.0, 50.0, 2000.0]), gc=False, probes=False)
+    spec = SyntheticSpec(rng.randint(4, 24), (1, 90), (1, 60), rng.random(), rng.choice([4, 16]),
                          seed=seed)
     # A few hundred rounds at most; 20000 means the scheduler is going round in circles.
     eng = run_engine(cfg, synthetic_workload(spec, 500, {0, 1, 2}), max_steps=20000)
