@@ -8,8 +8,7 @@ artefact of the emulation, not of overlap: a GPU runs its kernels whatever the
 host's interpreter is doing. A device process has its own interpreter, so the
 host's round N+1 really runs while the device computes round N, as on a GPU.
 
-The device process holds the model, the KV pool, the future-token ring and the
-per-request sampling generators. It runs one thread per stream, each doing its
+The device process holds the model, the KV pool and the future-token ring. It runs one thread per stream, each doing its
 queue's items in order, exactly like CpuStream; events and cross-stream waits
 are device-side. The host sees it through ProcStream (the Stream interface):
 every item it submits is answered, in order, by one completion message that
@@ -29,7 +28,7 @@ import multiprocessing as mp
 import queue
 import threading
 import traceback
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -42,7 +41,6 @@ from probes.recorder import Probes, Row
 from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
-MAX_GENERATORS = 1 << 16  # bounded: a generator of a request that finished on EOS mid-flight may be recreated
 
 
 @dataclass(slots=True)
@@ -60,8 +58,8 @@ class DeviceSpec:
 class RemoteOp:
     """Device work named by kind and plain data (a closure cannot cross a process).
 
-    kinds: ``forward`` (seqs, temperatures, top_ps, generator specs, future slots,
-    has_placeholders, request ids whose generators to drop), ``copy`` (src, dst
+    kinds: ``forward`` (seqs, temperatures, top_ps, draw seeds, future slots,
+    has_placeholders), ``copy`` (src, dst
     blocks), ``sleep`` (microseconds). ``on_result`` runs on the host's reader
     thread with what the op returned.
     """
@@ -269,7 +267,6 @@ class _Device:
         self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)
-        self.generators: OrderedDict[str, Any] = OrderedDict()
         self._out = threading.Lock()
         self._cond = threading.Condition()
         self._recorded: set[int] = set()
@@ -350,13 +347,12 @@ class _Device:
         seqs: list[tuple[list[int], int, list[int], bool]],
         temperatures: list[float],
         top_ps: list[float],
-        gens: list[tuple[str, int] | None],
+        seeds: list[int | None],
         slots: list[int],
         has_placeholders: bool,
-        drop: list[str],
     ) -> list[int]:
         from scheduler.model.forward_batch import SeqChunk, build_forward_batch
-        from scheduler.model.sampling import sample
+        from scheduler.model.sampling import row_generators, sample
 
         torch = self.torch
         fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
@@ -366,19 +362,6 @@ class _Device:
         logits = self.model(fb, self.kv)
         tokens: list[int] = []
         if slots:
-            tokens = sample(logits, temperatures, top_ps, [self._generator(g) for g in gens])
+            tokens = sample(logits, temperatures, top_ps, row_generators(seeds, "cpu"))
             self.future[torch.tensor(slots)] = torch.tensor(tokens)
-        for rid in drop:
-            self.generators.pop(rid, None)
         return tokens
-
-    def _generator(self, spec: tuple[str, int] | None) -> Any:
-        if spec is None:
-            return None
-        rid, seed = spec
-        g = self.generators.get(rid)
-        if g is None:
-            g = self.generators[rid] = self.torch.Generator().manual_seed(seed)
-            if len(self.generators) > MAX_GENERATORS:
-                self.generators.popitem(last=False)
-        return g

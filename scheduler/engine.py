@@ -598,5 +598,4 @@ class Engine:
 
     def _emit_finished(self, out: StepOutput) -> None:
         for req in self.rm.drain_finished():
-            self.executor.forget(req)
             out.finished.append(FinishedRecord.of(req))

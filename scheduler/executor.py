@@ -29,7 +29,7 @@ from scheduler.batch import ScheduledChunk
 from scheduler.device_process import RemoteOp
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import sample
+from scheduler.model.sampling import row_generators, sample, token_seed
 from scheduler.model.transformer import CausalLM
 from scheduler.request import Request
 from scheduler.streams import Event, Stream, Work
@@ -56,7 +56,7 @@ class PreparedBatch:
     sampled: list[ScheduledChunk]  # chunks that produce a token, in logits-row order
     temperatures: list[float]
     top_ps: list[float]
-    generators: list[torch.Generator | None]
+    seeds: list[int | None]  # each sampled row's draw seed (token_seed); None = greedy
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
     seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
@@ -97,7 +97,7 @@ class Executor:
         self.model = model
         self.parallel = parallel
         # The device is another process (scheduler/device_process.py): work goes there as
-        # RemoteOp data; the model, KV pool, future ring and generators live there.
+        # RemoteOp data; the model, KV pool and future ring live there.
         self.remote = model is None
         self.kv = kv
         self.block_size = block_size
@@ -109,7 +109,6 @@ class Executor:
         self._buf = probe_buf
         self._rank = rank
         self.future = None if self.remote else torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
-        self._dropped: list[str] = []
         self._next_slot = 0
         # Test-only stream-ordering check: every KV slot is tagged (position, token) when a
         # stream writes it; a read must find the tag it expects, in stream execution order.
@@ -136,7 +135,7 @@ class Executor:
             sampled=sampled,
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
-            generators=[] if self.remote else [self._generator(c.req) for c in sampled],
+            seeds=[self._draw_seed(c) for c in sampled],
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,
@@ -181,8 +180,8 @@ class Executor:
         if self.remote:
             work = RemoteOp("forward", (
                 [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs],
-                prepared.temperatures, prepared.top_ps, [self._generator_spec(c.req) for c in prepared.sampled],
-                launch.slots, prepared.has_placeholders, self._drop_generators()), launch.result.append)
+                prepared.temperatures, prepared.top_ps, prepared.seeds, launch.slots, prepared.has_placeholders),
+                launch.result.append)
         else:
             work = lambda: launch.result.append(self.run_model(prepared, launch.slots, step))  # noqa: E731
         s.submit(work, f"forward#{step}", step)
@@ -219,22 +218,14 @@ class Executor:
             logits = self.model(fb, kv)
             if not prepared.sampled:
                 return []
-            tokens = sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+            tokens = sample(logits, prepared.temperatures, prepared.top_ps,
+                            row_generators(prepared.seeds, self.device))
         future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
         return tokens
 
     def copy_work(self, src: list[int], dst: list[int]) -> Work:
         """The device work of a defragmentation copy, for a stream to run."""
         return RemoteOp("copy", (src, dst)) if self.remote else lambda: self.copy_blocks(src, dst)
-
-    def forget(self, req: Request) -> None:
-        """A finished request's generator can go (on a device process, with the next launch)."""
-        if self.remote and req.sample.sampling_params.temperature > 0:
-            self._dropped.append(req.request_id)
-
-    def _drop_generators(self) -> list[str]:
-        d, self._dropped = self._dropped, []
-        return d
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device work: move KV blocks (defragmentation); test-only tags move with them."""
@@ -258,18 +249,11 @@ class Executor:
                 self.kv_violations.append(f"{bad} KV slots read before the write that fills them")
         tags[fb.slot_mapping] = (fb.positions << 32) + fb.input_ids
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        sp = req.sample.sampling_params
-        if sp.temperature <= 0:
+    def _draw_seed(self, c: ScheduledChunk) -> int | None:
+        """The seed of the draw for the token at position c.start + c.num_tokens."""
+        if c.req.sample.sampling_params.temperature <= 0:
             return None
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device).manual_seed(self._seed(req))
-        gen: torch.Generator = req.generator
-        return gen
-
-    def _generator_spec(self, req: Request) -> tuple[str, int] | None:
-        """What the device process needs to create (once) the request's generator."""
-        return (req.request_id, self._seed(req)) if req.sample.sampling_params.temperature > 0 else None
+        return token_seed(self._seed(c.req), c.start + c.num_tokens)
 
     def _seed(self, req: Request) -> int:
         # Unseeded requests still get a reproducible stream: derived from the

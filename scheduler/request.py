@@ -74,7 +74,6 @@ class Request:
     token_ns: list[int] = field(default_factory=list)  # when each output token was collected
     token_runs: list[int] = field(default_factory=list)  # [first_step, count, ...] of the collecting rounds
     last_event: Any = None  # end event of the last launch that touched this request (cross-stream waits)
-    generator: Any = None  # torch.Generator for seeded sampling; typed Any to keep torch out of this module
 
     @property
     def request_id(self) -> str:

@@ -166,6 +166,26 @@ def test_pp2_run_matches_transformers(ckpt: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_pp2_samples_the_same_tokens_as_one_process(ckpt: Path, tmp_path: Path) -> None:
+    # Draw seeds travel with the batch (token_seed of request and position): the last stage
+    # samples what one process (here the default CPU device process) samples.
+    lines = _workload(ckpt, tmp_path / "w.jsonl")
+    for i, x in enumerate(lines):
+        x.update({"temperature": 0.9, "top_p": 0.95}, **({"seed": 40 + i} if i % 2 else {}))
+    (tmp_path / "w.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    outs = []
+    for extra in ((), ("--pp", "2")):
+        out, tag = tmp_path / f"trace{len(extra)}", uuid.uuid4().hex
+        p = _run("--model", str(ckpt), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out), *extra, *ARGS,
+                 tag=tag)
+        _assert_no_survivors(tag)
+        assert p.returncode == 0, p.stderr
+        req = read_table(out, "requests").to_pydict()
+        outs.append(dict(zip(req["request_id"], req["output_ids"], strict=True)))
+    assert outs[0] == outs[1] and len(outs[0]) == len(lines)
+
+
+@pytest.mark.slow
 def test_stall_rank_names_the_missing_rank_and_leaves_no_process(ckpt: Path, tmp_path: Path) -> None:
     _workload(ckpt, tmp_path / "w.jsonl")
     out, tag = tmp_path / "trace", uuid.uuid4().hex

@@ -58,6 +58,26 @@ def sample(
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(request_seed: int, position: int) -> int:
+    """The seed of one draw: a request's seed mixed with the position of the token drawn
+    (splitmix64). A token's randomness then depends on nothing but the request and where
+    the token goes, not on how many draws came before: a draw whose token was thrown away
+    (a preemption while its round was in flight) or redone (recompute) changes nothing,
+    and every mode, device and parallel layout draws the same tokens."""
+    x = (request_seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits: any torch.Generator takes it
+
+
+def row_generators(seeds: Sequence[int | None], device: torch.device | str) -> list[torch.Generator | None]:
+    """One generator per sampled row from its draw seed (None: greedy)."""
+    return [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
 def _check(gen: torch.Generator | None, device: torch.device) -> torch.Generator | None:
     if gen is not None and gen.device.type != device.type:
         raise ValueError(f"generator on {gen.device} cannot sample logits on {device}")

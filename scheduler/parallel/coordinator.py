@@ -7,12 +7,11 @@ holds a model shard: TP rank 0 of pipeline stage 0.  Per round, on its main stre
 1. broadcast the batch description to every rank (``batch_wire``; ``batch_broadcast``);
 2. run its own shard (``ShardedModel.step``: all-reduces with its TP peers, hidden states to the
    next stage);
-3. sample, when it is the logits rank (``pp == 1``), with the engine's own per-request
-   generators, exactly as one process would; otherwise receive the tokens the logits rank (TP
-   rank 0 of the last stage) sampled, waited on as ``pp_bubble`` (stage 0 idles while the later
-   stages run).  There the logits rank samples with a generator per row seeded by rank 0 from
-   the request's own generator, so a seeded request is reproducible run to run and whatever it
-   is batched with, but not token-identical to a ``pp == 1`` run when temperature > 0.
+3. sample, when it is the logits rank (``pp == 1``), exactly as one process would; otherwise
+   receive the tokens the logits rank (TP rank 0 of the last stage) sampled, waited on as
+   ``pp_bubble`` (stage 0 idles while the later stages run).  Each random row's draw seed
+   (``token_seed``: the request's seed and the token's position) travels with the batch, so
+   every layout draws the same tokens as a single process.
 
 Rounds are serial: with tp * pp > 1 the engine runs with overlap scheduling and split streams
 off (``EngineConfig.validate``), because a placeholder token lives in rank 0's future ring
@@ -36,7 +35,7 @@ from probes.waits import WaitRegistry, timed_wait
 from scheduler.config import EngineConfig
 from scheduler.model.config import ModelConfig
 from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import sample
+from scheduler.model.sampling import row_generators, sample
 
 from .batch_wire import RUN, STOP, BatchChannel, WireBatch
 from .comm import COMM_STREAM, p2p_ready
@@ -63,7 +62,6 @@ if TYPE_CHECKING:
     from scheduler.executor import PreparedBatch
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-SEED_BOUND = 1 << 62
 
 
 class Coordinator:
@@ -159,14 +157,7 @@ class Coordinator:
         """One round on rank 0 (the main stream's thread): broadcast, forward, tokens."""
         sm, ch = self.sm, self.channel
         assert sm is not None and ch is not None, "start_ranks() first"
-        st = self.state
-        seeds = [0] * len(prepared.sampled)
-        if not st.is_logits_rank:
-            # The logits rank samples: each random row gets a seed drawn from its request's own
-            # generator, so the request's randomness still comes from one per-request stream.
-            for i, (t, g) in enumerate(zip(prepared.temperatures, prepared.generators, strict=True)):
-                if t > 0 and g is not None:
-                    seeds[i] = int(torch.randint(0, SEED_BOUND, (1,), generator=g))
+        seeds = [0 if s is None else s for s in prepared.seeds]
         ch.send(WireBatch(RUN, step, prepared.seqs, prepared.temperatures, prepared.top_ps, seeds))
         assert prepared.forward is not None, "TP/PP runs use the in-process device"
         logits = sm.step(prepared.forward, kv, step)
@@ -174,7 +165,8 @@ class Coordinator:
         if not prepared.sampled:
             return []
         if logits is not None:
-            return sample(logits, prepared.temperatures, prepared.top_ps, prepared.generators)
+            return sample(logits, prepared.temperatures, prepared.top_ps,
+                          row_generators(prepared.seeds, logits.device))
         return self._recv_tokens(len(prepared.sampled), step)
 
     def _recv_tokens(self, n: int, step: int) -> list[int]:

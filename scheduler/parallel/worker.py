@@ -33,7 +33,7 @@ from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
 from probes.watchdog import StallReport, Watchdog
 from scheduler.model.forward_batch import build_forward_batch
-from scheduler.model.sampling import sample
+from scheduler.model.sampling import row_generators, sample
 from tracing.writer import TraceWriter
 
 from .batch_wire import STOP, BatchChannel, WireBatch
@@ -142,11 +142,8 @@ def _stall_rank(spec: RunSpec, rank: int, world: int) -> Callable[[int], None] |
 
 
 def _sample(logits: torch.Tensor, wb: WireBatch) -> list[int]:
-    gens = [
-        torch.Generator(device=logits.device).manual_seed(s) if t > 0 else None
-        for t, s in zip(wb.temperatures, wb.seeds, strict=True)
-    ]
-    return sample(logits, wb.temperatures, wb.top_ps, gens)
+    seeds = [s if t > 0 else None for t, s in zip(wb.temperatures, wb.seeds, strict=True)]
+    return sample(logits, wb.temperatures, wb.top_ps, row_generators(seeds, logits.device))
 
 
 def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegistry, rank: int,
