@@ -33,7 +33,10 @@ class ActiveWait:
     signaller: str  # who is expected to complete it
     boundary: str
     since_ns: int
-    thread_id: int
+    thread_id: int  # DEVICE_THREAD: a wait inside the CPU device process, no host thread
+
+
+DEVICE_THREAD = 0
 
 
 class WaitRegistry:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probes.clock import now_ns
-from probes.waits import ActiveWait, WaitRegistry
+from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 
 DEFAULT_INTERVAL_S = 0.1
 
@@ -175,7 +175,8 @@ class StallReport:
         ]
         for x in sorted(self.waits, key=lambda x: x.since_ns):
             lines.append(f"  {x.waiter} -> {x.what} -> {x.signaller}  "
-                         f"({(self.ts_ns - x.since_ns) / 1e9:.2f} s, thread {x.thread_id})")
+                         f"({(self.ts_ns - x.since_ns) / 1e9:.2f} s, "
+                         f"{'thread ' + str(x.thread_id) if x.thread_id != DEVICE_THREAD else 'device process'})")
         extra = self.graph[len(self.waits):]
         if extra:
             lines.append("resource edges:")

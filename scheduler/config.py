@@ -116,7 +116,6 @@ class EngineConfig:
         if self.cpu_device == "process":
             # These hand the device Python callables or host objects, which cannot cross a process.
             clash = [flag for flag, on in (("--tp/--pp > 1", self.world_size > 1),
-                                           ("--inject deadlock", "deadlock" in self.inject),
                                            ("the KV ordering check", self.debug_kv_check)) if on]
             if clash:
                 raise ConfigError(f"--cpu-device process does not support {', '.join(clash)}; "
@@ -154,7 +153,7 @@ class EngineConfig:
     def pick_cpu_device(self) -> str:
         """What `--cpu-device auto` means for this run: a device process, unless a feature
         needs the device in this process (see validate)."""
-        if self.world_size > 1 or "deadlock" in self.inject or self.debug_kv_check:
+        if self.world_size > 1 or self.debug_kv_check:
             return "thread"
         return "process"
 

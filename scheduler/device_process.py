@@ -38,6 +38,7 @@ from typing import Any
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes, Row
+from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
@@ -88,15 +89,18 @@ class _Pending:
     step: int
     boundary: str
     on_result: Callable[[Any], None] | None = None
-    event: ProcEvent | None = None
+    event: ProcEvent | None = None  # record: the event it completes; wait: the event waited for
+    what: str = ""  # wait: what the stream waits for, as the watchdog names it
+    key: int | None = None  # wait: its entry in the wait registry while it heads the queue
 
 
 class DeviceProcess:
     """The host's handle on the device process: spawn, send, read answers, stop."""
 
-    def __init__(self, spec: DeviceSpec, probes: Probes) -> None:
+    def __init__(self, spec: DeviceSpec, probes: Probes, registry: WaitRegistry) -> None:
         self.spec = spec
         self.probes = probes
+        self.registry = registry
         self.streams: dict[str, ProcStream] = {}
         ctx = mp.get_context("spawn")  # fork would copy the host's threads' locks mid-state
         self._conn, child = ctx.Pipe(duplex=True)
@@ -165,7 +169,13 @@ class DeviceProcess:
 
 
 class ProcStream:
-    """One stream of the device process, seen from the host (the Stream interface)."""
+    """One stream of the device process, seen from the host (the Stream interface).
+
+    Device-side waits are registered in the engine's wait registry from the moment they
+    head their stream's queue, so the watchdog's wait-for graph has the same edges as with
+    an in-process device (the device answers an item when it ends: the head is the item in
+    progress, or about to start).
+    """
 
     def __init__(self, name: str, device: DeviceProcess, history: int = 32) -> None:
         self.name = name
@@ -174,36 +184,57 @@ class ProcStream:
         self._rank = device.probes.rank
         self._buf: list[Row] | None = device.probes.buffer()  # written by the reader thread only
         self._pending: deque[_Pending] = deque()
+        self._lock = threading.Lock()  # the host thread appends, the reader thread pops
         self._since = now_ns()  # when the item at the head of the queue could start
         self._events = 0
         self.completed: deque[OpRecord] = deque(maxlen=history)
 
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
-        # Items are queued here before they are sent, so an answer always finds its item.
         if not isinstance(fn, RemoteOp):
             raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
-        self._pending.append(_Pending("op", label, step, boundary, fn.on_result))
-        self._dev.send(("op", self.name, fn.kind, fn.payload))
+        self._enqueue(_Pending("op", label, step, boundary, fn.on_result), ("op", self.name, fn.kind, fn.payload))
 
-    def record(self) -> ProcEvent:
+    def reserve(self) -> ProcEvent:
+        """An event of this stream that a later record(ev) completes (others may wait on it first)."""
         self._events += 1
-        ev = ProcEvent(f"{self.name}#{self._events}", self.name, self._dev.next_event_id())
-        self._pending.append(_Pending("record", ev.label, -1, "", event=ev))
-        self._dev.send(("record", self.name, ev.id))
+        return ProcEvent(f"{self.name}#{self._events}", self.name, self._dev.next_event_id())
+
+    def record(self, ev: ProcEvent | None = None) -> ProcEvent:
+        ev = ev or self.reserve()
+        self._enqueue(_Pending("record", ev.label, -1, "", event=ev), ("record", self.name, ev.id))
         return ev
 
-    def wait_event(self, ev: Event) -> None:
+    def wait_event(self, ev: Event, what: str = "", label: str = "") -> None:
         if not isinstance(ev, ProcEvent):
             raise TypeError("a device-process stream can only wait for its own device's events")
-        self._pending.append(_Pending("wait", f"wait {ev.label}", -1, STREAM_WAIT))
-        self._dev.send(("wait", self.name, ev.id, ev.label))
+        self._enqueue(_Pending("wait", label or f"wait {ev.label}", -1, STREAM_WAIT, event=ev,
+                               what=what or f"event {ev.label}"), ("wait", self.name, ev.id, ev.label))
+
+    def _enqueue(self, p: _Pending, msg: tuple[Any, ...]) -> None:
+        # Queued before it is sent, so an answer always finds its item.
+        with self._lock:
+            self._pending.append(p)
+            if len(self._pending) == 1:
+                self._since = now_ns()
+                self._register_head()
+        self._dev.send(msg)
+
+    def _register_head(self) -> None:
+        head = self._pending[0] if self._pending else None
+        if head is not None and head.kind == "wait" and head.key is None and head.event is not None:
+            head.key = self._dev.registry.begin(ActiveWait(
+                f"{self.name}-stream", head.what, f"{head.event.stream}-stream", STREAM_WAIT, self._since, DEVICE_THREAD))
 
     def complete(self, t0: int, t1: int, result: Any, err: str | None) -> None:
         """Reader thread: the device finished the oldest item of this stream."""
-        if not self._pending:
-            return  # failed meanwhile (fail() drained the queue)
-        p = self._pending.popleft()
-        self._since = t1
+        with self._lock:
+            if not self._pending:
+                return  # failed meanwhile (fail() drained the queue)
+            p = self._pending.popleft()
+            if p.key is not None:
+                self._dev.registry.end(p.key)
+            self._since = t1
+            self._register_head()
         if err is not None and self.error is None:
             self.error = RuntimeError(err)
         if p.kind == "record":
@@ -218,17 +249,19 @@ class ProcStream:
 
     def fail(self, why: str) -> None:
         self.error = self.error or RuntimeError(why)
-        while self._pending:
-            p = self._pending.popleft()
-            if p.event is not None:
-                p.event.complete_at(now_ns())
+        with self._lock:
+            while self._pending:
+                p = self._pending.popleft()
+                if p.key is not None:
+                    self._dev.registry.end(p.key)
+                if p.kind == "record" and p.event is not None:
+                    p.event.complete_at(now_ns())
 
     def state(self) -> dict[str, Any]:
         head = self._pending[0] if self._pending else None
         return {
             "stream": self.name,
             "queue_depth": len(self._pending),
-            # The device reports an item when it ends, so the head is in progress, or waiting to start.
             "in_progress": None if head is None else {"label": head.label, "since_ns": self._since},
             "recent": [(o.label, o.step, o.start_ns, o.end_ns) for o in list(self.completed)],
             "error": None if self.error is None else repr(self.error),

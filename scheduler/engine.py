@@ -141,7 +141,8 @@ class Engine:
         if parallel is None and remote:
             self.device_proc = DeviceProcess(DeviceSpec(
                 str(self.model_dir), str(dtype).removeprefix("torch."), num_blocks, config.block_size,
-                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS), self.probes)
+                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS), self.probes,
+                self.registry)
         elif parallel is None:
             mc = self.model_config
             self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
@@ -387,6 +388,16 @@ class Engine:
         while the prefill stream waits for an event recorded on main after that."""
         self._deadlock_injected = True
         victim = batch.prefills[0].req
+        if self.device_proc is not None:
+            # The same cycle from device-side events: main waits for an event the prefill
+            # stream records only after its own wait for main.
+            main_p, prefill_p = self.device_proc.streams[MAIN], self.device_proc.streams[PREFILL]
+            freed = prefill_p.reserve()
+            main_p.wait_event(freed, what=f"blocks held by req {victim.request_id}",
+                              label=f"injected: wait for free blocks#{step}")
+            prefill_p.wait_event(main_p.record())
+            prefill_p.record(freed)
+            return
         freed = threading.Event()  # the prefill stream would set it; it never gets to
         main = self.streams[MAIN]
         main.submit(lambda: timed_wait(

@@ -113,11 +113,11 @@ def test_a_dead_device_fails_the_run_at_once():
 
 
 def test_features_that_need_an_in_process_device_are_refused():
-    for kw in ({"inject": ("deadlock",), "mode": "overlap"}, {"debug_kv_check": True}):
+    for kw in ({"debug_kv_check": True}, {"tp": 2, "overlap_schedule": False, "split_streams": False}):
         cfg = EngineConfig(model="tiny", cpu_device="process", **kw)
         with pytest.raises(ConfigError, match="--cpu-device thread"):
             cfg.validate()
         assert replace(cfg, cpu_device="thread").pick_cpu_device() == "thread"
-    assert EngineConfig(model="tiny").pick_cpu_device() == "process"
+    assert EngineConfig(model="tiny", inject=("deadlock",)).pick_cpu_device() == "process"
     p = mstrace("run", "--model", "tiny", "--cpu-device", "gpu", "--out", "/tmp/never", "-q")
     assert p.returncode != 0 and "thread or process" in p.stderr and "Traceback" not in p.stderr

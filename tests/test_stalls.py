@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.runner import run_workload
@@ -14,11 +16,12 @@ from tests.cli import mstrace
 from tracing.reader import read_table
 
 
-def test_injected_deadlock_is_caught_and_named(tmp_path):
+@pytest.mark.parametrize("device", ["thread", "process"])
+def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     out = tmp_path / "dl"
     t0 = time.monotonic()
     p = mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2",
-                "--out", str(out), "-q", timeout=60)
+                "--cpu-device", device, "--out", str(out), "-q", timeout=60)
     elapsed = time.monotonic() - t0
     assert p.returncode == 3, p.stderr
     assert elapsed < 2 + 5 + 4  # timeout + 5 s, plus the interpreter's start-up (~3 s here)
@@ -38,9 +41,10 @@ def test_injected_deadlock_is_caught_and_named(tmp_path):
     assert streams["main"]["in_progress"]["label"].startswith("injected: wait for free blocks")
     assert streams["prefill"]["recent"], "the prefill stream's recent ops are shown"
     names = {st["name"] for st in rec["stacks"]}
-    assert {"stream-main", "stream-prefill"} <= names
+    # the host's stacks: the stream threads themselves, or the thread reading the device's answers
+    assert ({"stream-main", "stream-prefill"} if device == "thread" else {"device-reader"}) <= names
     text = mstrace("stalls", str(out)).stdout
-    assert "wait cycle" in text and "stream-main" in text
+    assert "wait cycle" in text and "main-stream" in text
     # the rest of the trace was flushed and is readable
     assert read_table(out, "steps").num_rows > 0
 

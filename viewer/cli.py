@@ -69,7 +69,7 @@ def run(
     kv_layout: Annotated[str, typer.Option(help="paged (scattered blocks) or contiguous (one run per request; fragments, defragments).")] = "paged",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     device_threads: Annotated[int, typer.Option(help="CPU intra-op threads for the model (0 = cores - 1).")] = 0,
-    cpu_device: Annotated[str, typer.Option(help="CPU only: process (the device has its own interpreter, as a GPU runs apart from the host), thread (stream threads share the scheduler's GIL), or auto (process, unless --tp/--pp or --inject deadlock need thread).")] = "auto",
+    cpu_device: Annotated[str, typer.Option(help="CPU only: process (the device has its own interpreter, as a GPU runs apart from the host), thread (stream threads share the scheduler's GIL), or auto (process, unless --tp/--pp need thread).")] = "auto",
     save_workload: Annotated[Path | None, typer.Option(help="Also write the workload that ran as JSONL.")] = None,
     no_probes: Annotated[bool, typer.Option("--no-probes", help="No probes/memory tables (requests stay).")] = False,
     wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
