@@ -78,12 +78,12 @@ def test_bookkeeping_row_is_truthful(tmp_path):
         delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
         if delta == pytest.approx(2.0, rel=0.10):
             break
-    assert delta == pytest.approx(2.0, rel=0.10), delta
+    assert delta == pytest.approx(2.0, rel=0.10), (delta, a, b)
     for name in ("device_compute", "batch_prepare", "response_send"):
         # The rows must not absorb the injected 2 ms. Identical tiny runs differ by up to
         # ~1 ms per cycle in device_compute on this shared machine, so the bound is half
         # the injection: a misattributed delay would move a row by the whole 2 ms.
-        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=1.0), name
+        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=1.0), (name, a, b)
 
 
 def test_overlap_with_split_streams_records_kv_fences(tmp_path):
