@@ -230,6 +230,7 @@ class Watchdog:
         extra_edges: Callable[[], list[Edge]] | None = None,
         rank: int = 0,
         step: Callable[[], int] | None = None,
+        extra_stacks: Callable[[], list[ThreadStack]] | None = None,
     ) -> None:
         if timeout_s <= 0 or interval_s <= 0:
             raise ValueError(f"timeout_s and interval_s must be > 0, got {timeout_s}, {interval_s}")
@@ -240,6 +241,7 @@ class Watchdog:
         self.streams = streams
         self.kv_summary = kv_summary
         self.extra_edges = extra_edges
+        self.extra_stacks = extra_stacks  # threads outside this process (a CPU device process)
         self.rank = rank
         self.step = step
         self.stalls_reported = 0  # reports built so far (each wait at most once)
@@ -314,8 +316,11 @@ class Watchdog:
                               if self.kv_summary is not None else {})
         step: int = _guard(self.step, lambda e: -1) if self.step is not None else -1
         # The watchdog's own stack is just this reporting code: leave it out.
+        stacks = thread_stacks(skip=threading.get_ident())
+        if self.extra_stacks is not None:
+            stacks += _guard(self.extra_stacks, lambda e: [ThreadStack(0, f"error: {e!r}", [])])
         return StallReport(ts, self.rank, step, w, ts - w.since_ns, list(waits), graph, cycle,
-                           streams, thread_stacks(skip=threading.get_ident()), kv)
+                           streams, stacks, kv)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -24,6 +24,7 @@ this backend `batch_prepare` on the host covers only the wire.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import queue
 import threading
@@ -39,6 +40,7 @@ from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes, Row
 from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
+from probes.watchdog import ThreadStack
 from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
@@ -109,6 +111,8 @@ class DeviceProcess:
         child.close()
         self._send_lock = threading.Lock()
         self._events = 0
+        self._stack_replies: dict[int, tuple[threading.Event, list[ThreadStack]]] = {}
+        self._stack_keys = itertools.count()  # the watchdog's thread asks; atomic under the GIL
         self.error: str | None = None
         if not self._conn.poll(START_TIMEOUT_S):
             self._proc.kill()
@@ -153,10 +157,28 @@ class DeviceProcess:
             if msg[0] == "done":
                 _, name, t0, t1, result, err = msg
                 self.streams[name].complete(t0, t1, result, err)
+            elif msg[0] == "stacks":
+                reply = self._stack_replies.get(msg[1])
+                if reply is not None:
+                    reply[1].extend(ThreadStack(tid, f"device process: {name}", frames) for tid, name, frames in msg[2])
+                    reply[0].set()
             elif msg[0] in ("dead", "stopped"):
                 if msg[0] == "dead":
                     self._fail(msg[1])
                 return
+
+    def stacks(self, timeout_s: float = 1.0) -> list[ThreadStack]:
+        """Every thread's stack in the device process (for a stall report). Its dispatcher
+        answers even while every stream thread is blocked."""
+        key = next(self._stack_keys)
+        reply: tuple[threading.Event, list[ThreadStack]] = (threading.Event(), [])
+        self._stack_replies[key] = reply
+        try:
+            self.send(("stacks", key))
+            reply[0].wait(timeout_s)
+            return list(reply[1])
+        finally:
+            del self._stack_replies[key]
 
     def close(self) -> None:
         self.send(("stop",))
@@ -328,6 +350,9 @@ class _Device:
                 except OSError:
                     pass
                 return
+            if msg[0] == "stacks":
+                self._send(("stacks", msg[1], _stacks()))
+                continue
             self._queues[msg[1]].put(msg)
 
     def _send(self, msg: tuple[Any, ...]) -> None:
@@ -398,3 +423,12 @@ class _Device:
             tokens = sample(logits, temperatures, top_ps, row_generators(seeds, "cpu"))
             self.future[torch.tensor(slots)] = torch.tensor(tokens)
         return tokens
+
+
+def _stacks() -> list[tuple[int, str, list[str]]]:
+    import sys
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()  # the dispatcher: its stack is just this function
+    return sorted(((tid, names.get(tid, f"thread-{tid}"), traceback.format_stack(frame))
+                   for tid, frame in sys._current_frames().items() if tid != me), key=lambda x: x[1])

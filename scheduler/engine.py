@@ -178,7 +178,8 @@ class Engine:
         self._stall_buf = trace.buffer("stalls") if trace is not None else None
         self.watchdog = Watchdog(self.registry, config.wait_timeout_s, on_stall=self._on_stall,
                                  streams=lambda: [st.state() for st in self.streams.values()],
-                                 kv_summary=self._kv_summary, step=lambda: self.step_no)
+                                 kv_summary=self._kv_summary, step=lambda: self.step_no,
+                                 extra_stacks=self.device_proc.stacks if self.device_proc is not None else None)
         self.watchdog.start()
         self._steps_buf = trace.buffer("steps") if trace else None
         # Everything allocated so far (weights, KV pool, tables) is long-lived:

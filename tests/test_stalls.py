@@ -41,8 +41,11 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     assert streams["main"]["in_progress"]["label"].startswith("injected: wait for free blocks")
     assert streams["prefill"]["recent"], "the prefill stream's recent ops are shown"
     names = {st["name"] for st in rec["stacks"]}
-    # the host's stacks: the stream threads themselves, or the thread reading the device's answers
-    assert ({"stream-main", "stream-prefill"} if device == "thread" else {"device-reader"}) <= names
+    # the stream threads' stacks, in this process or in the device process
+    assert ({"stream-main", "stream-prefill"} if device == "thread"
+            else {"device process: device-main", "device process: device-prefill"}) <= names
+    blocked = next(st for st in rec["stacks"] if st["name"].endswith("-main"))
+    assert any("wait" in f for f in blocked["frames"])  # the stream thread's own stack, blocked in its wait
     text = mstrace("stalls", str(out)).stdout
     assert "wait cycle" in text and "main-stream" in text
     # the rest of the trace was flushed and is readable
