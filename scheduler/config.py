@@ -68,6 +68,9 @@ class EngineConfig:
     tp: int = 1
     pp: int = 1
     comm_overlap: bool = True
+    # pp > 1: cut each round's batch at a sequence boundary into this many parts (1 or 2), so
+    # the next stage computes the first while this stage computes the second.
+    pp_microbatches: int = 2
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -129,6 +132,8 @@ class EngineConfig:
             # need the ring too (and split streams would interleave two forwards' collectives).
             raise ConfigError("--tp/--pp > 1 runs rounds serially: use --no-overlap-schedule "
                               "--no-split-streams (mstrace run sets both)")
+        if self.pp_microbatches not in (1, 2):
+            raise ConfigError(f"--pp-microbatches must be 1 or 2 (got {self.pp_microbatches})")
         if "stall-rank" in self.inject and self.world_size < 2:
             raise ConfigError("--inject stall-rank needs more than one rank (--tp or --pp > 1)")
 

@@ -246,6 +246,8 @@ def test_config_refuses_overlap_and_lone_stall_rank() -> None:
     EngineConfig(tp=2, mode="overlap", overlap_schedule=False, split_streams=False).validate()
     with pytest.raises(ConfigError, match="more than one rank"):
         EngineConfig(inject=("stall-rank",)).validate()
+    with pytest.raises(ConfigError, match="--pp-microbatches must be 1 or 2"):
+        EngineConfig(pp=2, pp_microbatches=3, overlap_schedule=False, split_streams=False).validate()
 
 
 def test_worker_parts_are_named_per_rank_and_shifted(tmp_path: Path) -> None:

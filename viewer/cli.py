@@ -82,6 +82,7 @@ def run(
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.")] = 1,
     pp: Annotated[int, typer.Option(help="Pipeline-parallel stages; --tp x --pp ranks in all.")] = 1,
     comm_overlap: Annotated[str, typer.Option(help="on: hide each TP all-reduce behind the other half of the batch; off: synchronous.")] = "on",
+    pp_microbatches: Annotated[int, typer.Option(help="--pp > 1: pipeline each round's batch in 1 or 2 parts (2: the next stage computes the first half while this one computes the second).")] = 2,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace\\[otlp].")] = None,
 ) -> None:
@@ -103,7 +104,7 @@ def run(
         prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
         prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,
         gc_after_s=gc_after_s, on_stall=on_stall, kv_layout=kv_layout,
-        tp=tp, pp=pp, comm_overlap=comm_overlap == "on",
+        tp=tp, pp=pp, comm_overlap=comm_overlap == "on", pp_microbatches=pp_microbatches,
     )
     execute_run(args, console, fail)
 

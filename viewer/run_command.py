@@ -55,6 +55,7 @@ class RunArgs:
     pp: int = 1
     comm_overlap: bool = True
     cpu_device: str = "auto"
+    pp_microbatches: int = 2
 
 
 class _ProgressSink:
@@ -103,6 +104,7 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
             gc_after_s=args.gc_after_s, on_stall=args.on_stall, kv_layout=args.kv_layout,
             tp=args.tp, pp=args.pp, comm_overlap=args.comm_overlap, cpu_device=args.cpu_device,
+            pp_microbatches=args.pp_microbatches,
         )
         if args.cpu_device == "auto":
             cfg.cpu_device = cfg.pick_cpu_device()

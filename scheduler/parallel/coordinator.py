@@ -140,12 +140,13 @@ class Coordinator:
             block_size=cfg.block_size, num_blocks=num_blocks, comm_overlap=cfg.comm_overlap,
             comm_timeout_s=cfg.hard_wait_timeout_s, watchdog_s=cfg.wait_timeout_s,
             probes=cfg.probes, stall_step=STALL_RANK_STEP if "stall-rank" in cfg.inject else -1,
+            pp_microbatches=cfg.pp_microbatches,
         ))
         self.registry = registry
         self._buf = probes.buffer()
         self.sm = ShardedModel.load(
             model_dir, self.state, dtype=dtype, overlap=cfg.comm_overlap, probe_buf=self._buf,
-            registry=registry, timeout_s=cfg.hard_wait_timeout_s,
+            registry=registry, timeout_s=cfg.hard_wait_timeout_s, microbatches=cfg.pp_microbatches,
         )
         self.channel = BatchChannel(self.control, 0, registry=registry,
                                     timeout_s=cfg.hard_wait_timeout_s, buf=self._buf)
@@ -191,6 +192,7 @@ class Coordinator:
             "ranks": ranks,
             "parallel": {"tp": self.cfg.tp, "pp": self.cfg.pp, "world": self.state.world_size,
                          "backend": self.backend, "comm_overlap": self.cfg.comm_overlap,
+                         "pp_microbatches": self.cfg.pp_microbatches,
                          "logits_rank": self.state.logits_rank,
                          "launcher": "mstrace" if self.procs else "torchrun"},
         }

@@ -65,6 +65,7 @@ class RunSpec:
     watchdog_s: float  # the stall watchdog's timeout (--wait-timeout)
     probes: bool
     stall_step: int  # --inject stall-rank: the last rank stops joining at this step; -1 = off
+    pp_microbatches: int = 2  # a round's batch in this many pipelined parts (pp > 1)
 
 
 def backend_for(device: str) -> str:

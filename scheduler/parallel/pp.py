@@ -8,8 +8,10 @@ sends its own copy and no gather is needed.  ``T`` is known on every rank from t
 is built identically everywhere, so no shape is exchanged.
 
 The receive is the stage's idle time waiting for its input: it goes through
-:func:`probes.waits.timed_wait` as a ``pp_bubble`` probe row.  Micro-batching across stages (to
-shrink the bubble) is the engine's job; this module provides the per-stage primitives.
+:func:`probes.waits.timed_wait` as a ``pp_bubble`` probe row.  Micro-batches (``ShardedModel.step``)
+shrink the bubble: a round's batch is cut at a sequence boundary into two halves, and a stage
+starts sending the first half's hidden states (an async ``isend``) before it computes the
+second, so the next stage computes half A while this one computes half B.
 """
 
 from __future__ import annotations
@@ -89,13 +91,24 @@ class PipelineStage:
         st = self.state
         if st.is_first_stage != (hidden_in is None):
             raise ValueError("hidden_in must be None exactly on the first pipeline stage")
-        x = self.model.embed(batch) if hidden_in is None else hidden_in
-        if self.tp is not None:
-            x = self.tp.run_layers(x, batch, kv)
-        else:
-            x = self.model.run_layers(x, batch, kv)
+        x = self.layers_forward(batch, kv, hidden_in)
         if not st.is_last_stage:
             return x
+        return self.model.compute_logits(x, batch) if self.model.part.head else None
+
+    @torch.inference_mode()
+    def layers_forward(
+        self, batch: ForwardBatch, kv: PagedKVCache, hidden_in: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Embedding (first stage) and this stage's layers: hidden states ``[T, hidden]``."""
+        x = self.model.embed(batch) if hidden_in is None else hidden_in
+        if self.tp is not None:
+            return self.tp.run_layers(x, batch, kv)
+        return self.model.run_layers(x, batch, kv)
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Last stage: logits from the whole batch's hidden states (None off the head rank)."""
         return self.model.compute_logits(x, batch) if self.model.part.head else None
 
     def recv_hidden(self, num_tokens: int, step: int = -1) -> torch.Tensor:

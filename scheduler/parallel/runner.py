@@ -23,7 +23,7 @@ from scheduler.model.transformer import CausalLM
 from .comm import COMM_TIMEOUT_S, AllReduce
 from .group import ParallelState
 from .pp import PipelineStage, stage_part
-from .tp import TPRunner, tp_config, tp_shard_fn
+from .tp import TPRunner, slice_batch, split_row, tp_config, tp_shard_fn
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class ShardedModel:
     stage: PipelineStage
     tp: TPRunner | None  # None when tp_size == 1
     registry: WaitRegistry  # every wait of this rank's forward (for the stall watchdog)
+    microbatches: int = 2  # pp > 1: a round's batch in this many pipelined parts (1 or 2)
 
     @classmethod
     def load(
@@ -47,6 +48,7 @@ class ShardedModel:
         probe_buf: list[Row] | None = None,
         registry: WaitRegistry | None = None,
         timeout_s: float = COMM_TIMEOUT_S,
+        microbatches: int = 2,
     ) -> ShardedModel:
         """Load this rank's shard of the checkpoint at ``model_dir`` (each tensor read whole,
         sliced, copied: peak extra memory is one checkpoint tensor)."""
@@ -70,7 +72,7 @@ class ShardedModel:
         stage = PipelineStage(
             model, state, tp, buf=probe_buf, registry=registry, timeout_s=timeout_s
         )
-        return cls(state, full, cfg, model, stage, tp, registry)
+        return cls(state, full, cfg, model, stage, tp, registry, microbatches)
 
     @property
     def overlap(self) -> bool:
@@ -90,12 +92,19 @@ class ShardedModel:
         """One forward step on this rank; logits on the logits rank, None elsewhere."""
         if self.tp is not None:
             self.tp.comm.step = step
-        st = self.state
-        hidden_in = None if st.is_first_stage else self.stage.recv_hidden(batch.num_tokens, step)
-        out = self.stage.stage_forward(batch, kv, hidden_in)
+        st, stage = self.state, self.stage
+        row = split_row(batch) if st.pp_size > 1 and self.microbatches > 1 else None
+        parts = [batch] if row is None else [slice_batch(batch, 0, row), slice_batch(batch, row, batch.num_tokens)]
+        # Every rank builds the same batch, so every rank cuts it at the same row.
+        outs = []
+        for mb in parts:
+            hidden_in = None if st.is_first_stage else stage.recv_hidden(mb.num_tokens, step)
+            x = stage.layers_forward(mb, kv, hidden_in)
+            if st.is_last_stage:
+                outs.append(x)
+            else:
+                stage.send_hidden(x, step)  # async: the next stage starts on it while this one goes on
         if st.is_last_stage:
-            return out
-        assert out is not None
-        self.stage.send_hidden(out, step)
-        self.stage.flush()
+            return stage.logits(outs[0] if len(outs) == 1 else torch.cat(outs), batch)
+        stage.flush()
         return None
