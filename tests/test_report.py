@@ -65,25 +65,27 @@ def test_report_lists_core_boundaries_and_shares_add_up(tiny_trace):
 def test_bookkeeping_row_is_truthful(tmp_path):
     """A known 2 ms inside bookkeeping shows up as +2 ms (+-10%) in that row only.
 
-    The machine is shared: a run whose threads were descheduled reads long, so a
-    pair outside tolerance is measured once more (a fresh pair), never averaged away.
+    The machine is shared: a run whose threads were descheduled reads long (a hiccup of
+    ~50 ms moves a 30-round run's means by ~1.5 ms), so a pair outside tolerance is
+    measured once more (a fresh pair), never averaged away.
     """
-    common = ["run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-64", "--output-len", "24-24",
+    common = ["run", "--model", "tiny", "--requests", "32", "--prompt-len", "16-64", "--output-len", "40-40",
               "--shared-prefix", "0", "-q"]
-    for attempt in range(2):
+    others = ("device_compute", "batch_prepare", "response_send")
+    for attempt in range(3):
         base = mstrace(*common, "--out", str(tmp_path / f"a{attempt}"))
         slow = mstrace(*common, "--out", str(tmp_path / f"b{attempt}"), "--debug-bookkeeping-sleep-ms", "2")
         assert base.returncode == 0 and slow.returncode == 0, base.stderr + slow.stderr
         a, b = rows(report_json(tmp_path / f"a{attempt}")), rows(report_json(tmp_path / f"b{attempt}"))
         delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
-        if delta == pytest.approx(2.0, rel=0.10):
+        # The other rows must not absorb the injected 2 ms. Identical tiny runs differ by up to
+        # ~1 ms per cycle in device_compute on this shared machine, so the bound is half the
+        # injection: a misattributed delay would move a row by the whole 2 ms.
+        moved = {n: b[n]["mean_ms"] - a[n]["mean_ms"] for n in others if abs(b[n]["mean_ms"] - a[n]["mean_ms"]) > 1.0}
+        if delta == pytest.approx(2.0, rel=0.10) and not moved:
             break
     assert delta == pytest.approx(2.0, rel=0.10), (delta, a, b)
-    for name in ("device_compute", "batch_prepare", "response_send"):
-        # The rows must not absorb the injected 2 ms. Identical tiny runs differ by up to
-        # ~1 ms per cycle in device_compute on this shared machine, so the bound is half
-        # the injection: a misattributed delay would move a row by the whole 2 ms.
-        assert b[name]["mean_ms"] == pytest.approx(a[name]["mean_ms"], abs=1.0), (name, a, b)
+    assert not moved, (moved, a, b)
 
 
 def test_overlap_with_split_streams_records_kv_fences(tmp_path):

@@ -181,8 +181,11 @@ def work_ready(work: dist.Work, host_blocking: bool = True) -> Callable[[float],
             # Never 0: a zero timeout means "no timeout" to c10d and would block forever.
             work.wait(timeout=timedelta(seconds=max(slice_s, 1e-3)))
         except RuntimeError:
-            if work.is_completed():  # a real failure (peer gone), not the slice expiring
-                raise
+            if work.is_completed():
+                # Done after all: the peer finished just as the slice expired (then this
+                # returns), or the op really failed, e.g. the peer is gone (then it re-raises).
+                work.wait()
+                return True
             return False  # on gloo the group stays usable after a timed-out wait
         return True
 
