@@ -5,7 +5,10 @@ time-slice and overlap modes, compared. A single run is noisy, so every delta
 here comes with a 95% percentile bootstrap interval, and a delta is flagged
 `significant` only when that interval excludes 0:
   * cycle statistics (per-boundary ms/cycle, exposed share, hidden fraction,
-    cycle time, device idle) resample *cycles* (`cost.per_cycle`);
+    cycle time, device idle) resample *cycles* (`cost.per_cycle`), in moving
+    blocks of about n^(1/3) consecutive cycles: neighbouring cycles share a batch
+    composition and a machine state, so drawing them one by one would treat
+    correlated cycles as independent and give intervals too narrow;
   * serving statistics (throughput, TTFT/TPOT/ITL/E2E mean and percentiles)
     resample *requests*; ITL pools every gap of the resampled requests.
 A and B are resampled independently. Resamples are multinomial count matrices
@@ -46,26 +49,41 @@ class Delta:
     significant: bool  # the interval excludes 0
 
 
-def resample_weights(n: int, reps: int, rng: np.random.Generator) -> np.ndarray:
-    """(reps, n) bootstrap draw counts: how often each of n items was drawn in each resample."""
+def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1) -> np.ndarray:
+    """(reps, n) bootstrap draw counts: how often each of n items was drawn in each resample.
+
+    block > 1: a moving-block bootstrap; each resample is ceil(n / block) runs of `block`
+    consecutive items with uniform starts, cut to n draws.
+    """
     if n == 0:
         return np.zeros((reps, 0))
-    idx = rng.integers(0, n, size=(reps, n)) + (np.arange(reps) * n)[:, None]
+    block = max(1, min(block, n))
+    if block == 1:
+        idx = rng.integers(0, n, size=(reps, n))
+    else:
+        starts = rng.integers(0, n - block + 1, size=(reps, -(-n // block)))
+        idx = (starts[:, :, None] + np.arange(block)).reshape(reps, -1)[:, :n]
+    idx = idx + (np.arange(reps) * n)[:, None]
     return np.bincount(idx.ravel(), minlength=reps * n).reshape(reps, n).astype(np.float64)
 
 
+def cycle_block(n: int) -> int:
+    """Block length for resampling n consecutive cycles (the usual n^(1/3) rule)."""
+    return max(1, round(n ** (1 / 3)))
+
+
 def bootstrap(n: int, reps: int, rng: np.random.Generator,
-              stat: Callable[[np.ndarray], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+              stat: Callable[[np.ndarray], dict[str, np.ndarray]], block: int = 1) -> dict[str, np.ndarray]:
     """`stat` over [the sample itself, reps resamples] of n items: arrays of reps + 1 values.
 
-    Row 0 (all ones) is the point estimate. Rows go through `stat` in blocks of
+    Row 0 (all ones) is the point estimate. Rows go through `stat` in chunks of
     ~4M draw counts so memory stays bounded on long traces.
     """
-    block = max(1, BLOCK_ELEMS // max(n, 1))
+    chunk = max(1, BLOCK_ELEMS // max(n, 1))  # resamples per pass
     parts: list[dict[str, np.ndarray]] = []
-    for r0 in range(0, reps + 1, block):
-        rows = min(block, reps + 1 - r0)
-        w = resample_weights(n, rows - (r0 == 0), rng)
+    for r0 in range(0, reps + 1, chunk):
+        rows = min(chunk, reps + 1 - r0)
+        w = resample_weights(n, rows - (r0 == 0), rng, block)
         parts.append(stat(np.vstack([np.ones((1, n)), w]) if r0 == 0 else w))
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
@@ -126,7 +144,8 @@ def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps
     for i, (p, s, c) in enumerate(((probes_a, steps_a, colls_a), (probes_b, steps_b, colls_b))):
         pcy = per_cycle(p, s, collectives=c)
         n = len(pcy.get("cycle_ns", ()))
-        stats.append(bootstrap(n, reps, np.random.default_rng([seed, i]), lambda w, pcy=pcy: cycle_stats(pcy, w)))
+        stats.append(bootstrap(n, reps, np.random.default_rng([seed, i]), lambda w, pcy=pcy: cycle_stats(pcy, w),
+                               cycle_block(n)))
     sa, sb = stats
     none = np.full(reps + 1, np.nan)
     out: dict[str, Any] = {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("cycle_ms", "device_idle")}
