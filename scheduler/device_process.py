@@ -297,6 +297,11 @@ class ProcStream:
 # ------------------------------------------------------------ device side
 def device_main(conn: Connection, spec: DeviceSpec) -> None:
     """Entry point of the device process."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the host handles it and stops this process
+    # (a "stop" message, or the pipe's end when the host is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         dev = _Device(conn, spec)
     except BaseException as e:  # noqa: BLE001 - reported to the host, which exits with it

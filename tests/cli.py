@@ -14,3 +14,23 @@ def mstrace(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str
         [sys.executable, "-m", "viewer.cli", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )
+
+
+TAG = "MSTRACE_TEST_TAG"  # set in a run's environment; every process it starts inherits it
+
+
+def tagged_pids(tag: str, exclude: int | None = None) -> list[int]:
+    """Pids of live processes whose environment carries ``TAG=tag``."""
+    out = []
+    needle = f"{TAG}={tag}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == exclude:
+            continue
+        try:
+            env = (d / "environ").read_bytes()
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if needle in env.split(b"\0") and state != "Z":
+            out.append(int(d.name))
+    return out

@@ -4,14 +4,16 @@ bookkeeping row, a SIGKILLed run still readable, and bad traces refused."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.cli import REPO, TAG, mstrace, tagged_pids
 from tracing.reader import read_table
 
 CORE = {"scheduler_barrier", "device_compute", "bookkeeping", "response_send", "tokenize", "batch_prepare"}
@@ -132,6 +134,36 @@ def test_sigkill_leaves_a_readable_trace(tmp_path):
     rep = report_json(out)
     assert rep["cycles"] > 0 and rep["throughput"]["requests"] > 0
     assert rep["throughput"]["requests"] < 400  # it really died mid-run
+
+
+@pytest.mark.slow
+def test_ctrl_c_flushes_the_trace_and_stops_the_device_process(tmp_path):
+    """Ctrl-C reaches the whole foreground process group, the device process included."""
+    out, tag = tmp_path / "i", uuid.uuid4().hex
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests", "400", "--output-len",
+         "200-400", "--cpu-device", "process", "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, TAG: tag}, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a shell's `&` would ignore it
+    try:
+        deadline = time.monotonic() + 120
+        while not (list((out / "steps").glob("part-*.parquet")) and list((out / "requests").glob("part-*.parquet"))):
+            assert proc.poll() is None and time.monotonic() < deadline, "run never flushed"
+            time.sleep(0.1)
+        assert len(tagged_pids(tag)) >= 2  # the host and its device process (positive control)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert f"interrupted: trace flushed to {out}" in err and "Traceback" not in err, err
+    deadline = time.monotonic() + 5
+    while tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tagged_pids(tag), "the device process outlived the run"
+    rep = report_json(out)
+    assert rep["cycles"] > 0 and 0 < rep["throughput"]["requests"] < 400
 
 
 def test_missing_trace(tmp_path):

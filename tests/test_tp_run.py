@@ -29,35 +29,17 @@ from scheduler.config import ConfigError, EngineConfig
 from scheduler.model.forward_batch import SeqChunk
 from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
 from tests.checkpoints import build_llama
-from tests.cli import REPO, mstrace
+from tests.cli import REPO, TAG, mstrace, tagged_pids
 from tracing.reader import read_meta, read_table
 from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter
 from viewer.analysis.collectives import never_joined, straggler_view
 from viewer.analysis.cost import _subtract, cost_table
 
-TAG = "MSTRACE_TEST_TAG"
 RUN_TIMEOUT_S = 40.0
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _tagged(tag: str, exclude: int | None = None) -> list[int]:
-    """Pids of live processes whose environment carries ``TAG=tag``."""
-    out = []
-    needle = f"{TAG}={tag}".encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == exclude:
-            continue
-        try:
-            env = (d / "environ").read_bytes()
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        if needle in env.split(b"\0") and state != "Z":
-            out.append(int(d.name))
-    return out
 
 
 def _run(*args: str, tag: str) -> subprocess.CompletedProcess[str]:
@@ -68,7 +50,7 @@ def _run(*args: str, tag: str) -> subprocess.CompletedProcess[str]:
 
 def _assert_no_survivors(tag: str) -> None:
     deadline = time.monotonic() + 2  # a just-killed child may take a moment to be reaped
-    while (left := _tagged(tag)) and time.monotonic() < deadline:
+    while (left := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"worker processes survived the run: {left}"
 
@@ -198,7 +180,7 @@ def test_stall_rank_names_the_missing_rank_and_leaves_no_process(ckpt: Path, tmp
     try:
         seen: list[int] = []
         while not seen and proc.poll() is None and time.monotonic() - t0 < RUN_TIMEOUT_S:
-            seen = _tagged(tag, exclude=proc.pid)  # the scan does see the workers (positive control)
+            seen = tagged_pids(tag, exclude=proc.pid)  # the scan does see the workers (positive control)
             time.sleep(0.05)
         _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -205,11 +204,7 @@ def diff(
 
 
 def main() -> None:
-    try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
+    app()  # typer turns Ctrl-C into exit code 130
 
 
 if __name__ == "__main__":

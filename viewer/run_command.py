@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +182,7 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
     coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
-    ok = False
+    ok = interrupted = False
     try:
         try:
             if cfg.world_size > 1:
@@ -202,12 +203,17 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
         meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
         writer.write_meta(meta)
         ok = True
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         if coord is not None:
             # STOP on success; otherwise terminate, then kill: no rank outlives the run.
             coord.close(ok)
         span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
         writer.close()
+        if interrupted:  # typer exits 130 without a word; say where the evidence is
+            print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
 
 
 def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:
