@@ -111,10 +111,11 @@ def test_no_probes_keeps_requests(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_leaves_a_readable_trace(tmp_path):
-    out = tmp_path / "k"
+    out, tag = tmp_path / "k", uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests", "400", "--output-len",
-         "200-400", "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         "200-400", "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, TAG: tag})
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -131,6 +132,10 @@ def test_sigkill_leaves_a_readable_trace(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 5  # the device process sees its pipe close and exits
+    while tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tagged_pids(tag), "the device process outlived a killed run"
     rep = report_json(out)
     assert rep["cycles"] > 0 and rep["throughput"]["requests"] > 0
     assert rep["throughput"]["requests"] < 400  # it really died mid-run
