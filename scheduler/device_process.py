@@ -414,14 +414,17 @@ class _Device:
         slots: list[int],
         has_placeholders: bool,
     ) -> list[int]:
-        from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+        from scheduler.model.forward_batch import (
+            SeqChunk,
+            build_forward_batch,
+            resolve_placeholders,
+        )
         from scheduler.model.sampling import row_generators, sample
 
         torch = self.torch
         fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
         if has_placeholders:
-            ids = fb.input_ids
-            fb.input_ids = torch.where(ids < 0, self.future[(-ids - 1).clamp(min=0)], ids)
+            resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
         tokens: list[int] = []
         if slots:

@@ -27,7 +27,12 @@ from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduledChunk
 from scheduler.device_process import RemoteOp
-from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from scheduler.model.forward_batch import (
+    ForwardBatch,
+    SeqChunk,
+    build_forward_batch,
+    resolve_placeholders,
+)
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.sampling import row_generators, sample, token_seed
 from scheduler.model.transformer import CausalLM
@@ -204,8 +209,7 @@ class Executor:
         fb, kv, future = prepared.forward, self.kv, self.future
         assert fb is not None and kv is not None and future is not None, "local device only"
         if prepared.has_placeholders:
-            ids = fb.input_ids
-            fb.input_ids = torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
+            resolve_placeholders(fb, future)
         if self.kv_tags is not None:
             self._check_kv(prepared)
         if self.parallel is not None:

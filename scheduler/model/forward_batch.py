@@ -248,3 +248,9 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host
     # Pinned memory makes the copy asynchronous with respect to the host thread.
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def resolve_placeholders(fb: ForwardBatch, future: torch.Tensor) -> None:
+    """Replace placeholder ids -(slot + 1) by the tokens in the future ring, on the device."""
+    ids = fb.input_ids
+    fb.input_ids = torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
