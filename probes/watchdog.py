@@ -318,7 +318,7 @@ class Watchdog:
         # The watchdog's own stack is just this reporting code: leave it out.
         stacks = thread_stacks(skip=threading.get_ident())
         if self.extra_stacks is not None:
-            stacks += _guard(self.extra_stacks, lambda e: [ThreadStack(0, f"error: {e!r}", [])])
+            stacks += _guard(self.extra_stacks, lambda e: [ThreadStack(-1, f"error: {e!r}", [])])
         return StallReport(ts, self.rank, step, w, ts - w.since_ns, list(waits), graph, cycle,
                            streams, stacks, kv)
 

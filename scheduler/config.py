@@ -115,11 +115,10 @@ class EngineConfig:
         if "deadlock" in self.inject and not self.split_on:
             raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
         if self.cpu_device not in ("thread", "process"):
-            raise ConfigError(f"--cpu-device must be thread or process (got {self.cpu_device!r})")
+            raise ConfigError(f"--cpu-device must be auto, thread or process (got {self.cpu_device!r})")
         if self.cpu_device == "process":
             # These hand the device Python callables or host objects, which cannot cross a process.
-            clash = [flag for flag, on in (("--tp/--pp > 1", self.world_size > 1),
-                                           ("the KV ordering check", self.debug_kv_check)) if on]
+            clash = self._needs_in_process_device()
             if clash:
                 raise ConfigError(f"--cpu-device process does not support {', '.join(clash)}; "
                                   "use --cpu-device thread")
@@ -158,9 +157,12 @@ class EngineConfig:
     def pick_cpu_device(self) -> str:
         """What `--cpu-device auto` means for this run: a device process, unless a feature
         needs the device in this process (see validate)."""
-        if self.world_size > 1 or self.debug_kv_check:
-            return "thread"
-        return "process"
+        return "thread" if self._needs_in_process_device() else "process"
+
+    def _needs_in_process_device(self) -> list[str]:
+        """Features that hand the device Python objects, which cannot cross a process."""
+        return [flag for flag, on in (("--tp/--pp > 1", self.world_size > 1),
+                                      ("the KV ordering check", self.debug_kv_check)) if on]
 
     def resolved_device_threads(self) -> int:
         return self.device_threads if self.device_threads > 0 else max(1, (os.cpu_count() or 1) - 1)

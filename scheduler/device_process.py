@@ -113,24 +113,29 @@ class DeviceProcess:
         self._events = 0
         self._stack_replies: dict[int, tuple[threading.Event, list[ThreadStack]]] = {}
         self._stack_keys = itertools.count()  # the watchdog's thread asks; atomic under the GIL
-        self.error: str | None = None
         if not self._conn.poll(START_TIMEOUT_S):
-            self._proc.kill()
+            self._stop_failed()
             raise RuntimeError(f"the device process did not start within {START_TIMEOUT_S:.0f} s")
         msg = self._recv()
         if msg[0] != "ready":
-            self._proc.join(5)
+            self._stop_failed()
             raise RuntimeError(f"the device process failed to start: {msg[1]}")
         for n in STREAM_NAMES:
             self.streams[n] = ProcStream(n, self)
         self._reader = threading.Thread(target=self._read, name="device-reader", daemon=True)
         self._reader.start()
 
+    def _stop_failed(self) -> None:
+        self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+
     def _recv(self) -> tuple[Any, ...]:
         try:
             msg: tuple[Any, ...] = self._conn.recv()
             return msg
         except (EOFError, OSError):
+            self._proc.join(1)  # so the exit code is known
             return ("dead", f"the device process exited (code {self._proc.exitcode})")
 
     def send(self, msg: tuple[Any, ...]) -> None:
@@ -143,7 +148,6 @@ class DeviceProcess:
     def _fail(self, why: str) -> None:
         """The device died: every stream fails and every pending event completes, so the
         scheduler's barrier returns at once with the error instead of waiting to time out."""
-        self.error = self.error or why
         for st in self.streams.values():
             st.fail(why)
 
@@ -239,7 +243,17 @@ class ProcStream:
             if len(self._pending) == 1:
                 self._since = now_ns()
                 self._register_head()
-        self._dev.send(msg)
+        try:
+            self._dev.send(msg)
+        except BaseException:
+            # Never sent (a payload that cannot be pickled, Ctrl-C): no answer will come, and a
+            # stale item would pair every later answer with the wrong item.
+            with self._lock:
+                if self._pending and self._pending[-1] is p:
+                    self._pending.pop()
+                    if p.key is not None:
+                        self._dev.registry.end(p.key)
+            raise
 
     def _register_head(self) -> None:
         head = self._pending[0] if self._pending else None
@@ -280,10 +294,12 @@ class ProcStream:
                     p.event.complete_at(now_ns())
 
     def state(self) -> dict[str, Any]:
-        head = self._pending[0] if self._pending else None
+        with self._lock:  # the reader thread pops concurrently
+            head = self._pending[0] if self._pending else None
+            depth = len(self._pending)
         return {
             "stream": self.name,
-            "queue_depth": len(self._pending),
+            "queue_depth": depth,
             "in_progress": None if head is None else {"label": head.label, "since_ns": self._since},
             "recent": [(o.label, o.step, o.start_ns, o.end_ns) for o in list(self.completed)],
             "error": None if self.error is None else repr(self.error),
@@ -329,7 +345,8 @@ class _Device:
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)
         self._out = threading.Lock()
         self._cond = threading.Condition()
-        self._recorded: set[int] = set()
+        # recorded[i] == 1 once event i was recorded: a byte per event, however long the run
+        self._recorded = bytearray(1024)
         self._queues: dict[str, queue.SimpleQueue[Any]] = {}
         self._threads = []
         for n in STREAM_NAMES:
@@ -376,21 +393,28 @@ class _Device:
             try:
                 if msg[0] == "record":
                     with self._cond:
-                        self._recorded.add(msg[2])
+                        ev = msg[2]
+                        if ev >= len(self._recorded):
+                            self._recorded.extend(bytes(max(ev + 1 - len(self._recorded), len(self._recorded))))
+                        self._recorded[ev] = 1
                         self._cond.notify_all()
                 elif msg[0] == "wait":
                     ev_id, label = msg[2], msg[3]
                     with self._cond:
-                        if not self._cond.wait_for(partial(set.__contains__, self._recorded, ev_id),
-                                                   self.spec.wait_timeout_s):
+                        if not self._cond.wait_for(partial(self._is_recorded, ev_id), self.spec.wait_timeout_s):
                             raise TimeoutError(f"{name}-stream: event {label} not recorded "
                                                f"after {self.spec.wait_timeout_s:.1f} s")
                 elif failed is None:  # after a failure, later work is skipped but events still complete
                     result = self._run(msg[2], msg[3])
+                else:
+                    err = f"skipped after: {failed}"
             except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
                 failed = failed or f"{type(e).__name__}: {e}"
                 err = failed + ("\n" + traceback.format_exc(limit=4) if msg[0] == "op" else "")
             self._send(("done", name, t0, now_ns(), result, err))
+
+    def _is_recorded(self, ev: int) -> bool:
+        return ev < len(self._recorded) and self._recorded[ev] == 1
 
     def _run(self, kind: str, payload: tuple[Any, ...]) -> Any:
         if kind == "forward":

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from probes.clock import now_ns
 from scheduler.batch import ScheduleBatch, ScheduledChunk
 from scheduler.config import EngineConfig
-from scheduler.memory_manager import MemoryManager
+from scheduler.memory_manager import MemoryManager, PrefixMatch
 from scheduler.request import FinishReason, Request
 from scheduler.request_manager import RequestManager
 
@@ -126,14 +126,12 @@ class Policy:
                 budget -= self._add_prefill(batch, req, budget)
                 continue
             tokens = req.token_ids()
-            prefix = mm.match_prefix(tokens)
-            need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
+            prefix, need = self._blocks_to_take(tokens)
             if need > mm.num_free - self._reserve:
                 if not self._evict_for(req, need, batch, now):
                     break  # seed step 1: stop at the first request that does not fit
                 # A victim may have held some of the matched blocks: they are free now.
-                prefix = mm.match_prefix(tokens)
-                need = mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
+                prefix, need = self._blocks_to_take(tokens)
                 if need > mm.num_free - self._reserve:
                     break  # evicted, but the blocks come back only after the KV fence
             req.block_table = mm.allocate(req.request_id, len(tokens), prefix)
@@ -141,6 +139,12 @@ class Policy:
             req.num_hashed_blocks, req.last_block_hash = prefix.num_blocks, prefix.last_hash
             self.rm.admit(req)
             budget -= self._add_prefill(batch, req, budget)
+
+    def _blocks_to_take(self, tokens: list[int]) -> tuple[PrefixMatch, int]:
+        """The prompt's prefix match, and the free-list blocks admitting it takes: fresh ones
+        plus matched blocks that nobody holds (they leave the free list too)."""
+        prefix = self.mm.match_prefix(tokens)
+        return prefix, self.mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
 
     def _admit_contiguous(self, req: Request, need: int) -> bool:
         """One run for the request's whole life (prompt + max_new_tokens): no growth, no sharing."""

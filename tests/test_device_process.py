@@ -112,6 +112,27 @@ def test_a_dead_device_fails_the_run_at_once():
         eng.close()
 
 
+def test_stream_answers_stay_paired_after_a_failed_send_and_a_failed_op():
+    from scheduler.device_process import RemoteOp
+    from scheduler.streams import MAIN
+
+    eng = Engine(EngineConfig(model="tiny", cpu_device="process"))
+    try:
+        assert eng.device_proc is not None
+        s = eng.device_proc.streams[MAIN]
+        with pytest.raises(Exception, match="pickle"):
+            s.submit(RemoteOp("sleep", (lambda: 1,)), "unsendable")  # never reaches the device
+        assert s.record().wait(30) and s.error is None  # the next answer pairs with the right item
+        s.submit(RemoteOp("bogus", ()), "bogus")
+        s.submit(RemoteOp("sleep", (1,)), "after")
+        assert s.record().wait(30)
+        assert "unknown device op" in repr(s.error)
+        assert [o.label for o in s.completed][-2:] == ["bogus", "after"]  # skipped, but answered
+        assert s.state()["queue_depth"] == 0
+    finally:
+        eng.close()
+
+
 def test_features_that_need_an_in_process_device_are_refused():
     for kw in ({"debug_kv_check": True}, {"tp": 2, "overlap_schedule": False, "split_streams": False}):
         cfg = EngineConfig(model="tiny", cpu_device="process", **kw)

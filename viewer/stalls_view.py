@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from probes.waits import DEVICE_THREAD
 from viewer.analysis.leaks import HeldBlocks, LeakReport
 from viewer.analysis.stalls import StallRecord, interesting_frames
 
@@ -70,8 +71,8 @@ def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list
         for w in sorted(r.waits, key=lambda w: -int(w.get("waited_ns", 0))):
             waits.add_row(str(w.get("waiter")), str(w.get("what")), str(w.get("signaller")),
                           f"{int(w.get('waited_ns', 0)) / 1e9:.2f}",
-                          thread_names.get(w.get("thread_id"), str(w.get("thread_id")) if w.get("thread_id")
-                                           else "device process"))
+                          "device process" if w.get("thread_id") == DEVICE_THREAD
+                          else thread_names.get(w.get("thread_id"), str(w.get("thread_id"))))
         console.print(waits)
         extra = r.graph[len(r.waits):]
         if extra:

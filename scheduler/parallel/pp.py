@@ -57,7 +57,8 @@ def stage_part(cfg: ModelConfig, state: ParallelState) -> ModelPart:
 
 
 class PipelineStage:
-    """One rank's stage: ``stage_forward`` plus the send/receive of hidden states."""
+    """One rank's stage: its layers (``layers_forward``), the LM head on the last stage's logits
+    rank (``logits``), and the send/receive of hidden states."""
 
     __slots__ = ("model", "state", "tp", "buf", "registry", "timeout_s", "_sends", "_host_blocking")
 
@@ -80,21 +81,6 @@ class PipelineStage:
         # isend buffers must stay alive and unmodified until their work completes.
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._host_blocking = state.pp_group is None or dist.get_backend(state.pp_group) != "nccl"
-
-    @torch.inference_mode()
-    def stage_forward(
-        self, batch: ForwardBatch, kv: PagedKVCache, hidden_in: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """First stage: ``hidden_in`` is None and the batch is embedded.  Returns the hidden
-        states ``[T, hidden]`` on a non-last stage, float32 logits ``[num_sampled, vocab]`` on the
-        last stage's logits rank, None on the last stage's other TP ranks."""
-        st = self.state
-        if st.is_first_stage != (hidden_in is None):
-            raise ValueError("hidden_in must be None exactly on the first pipeline stage")
-        x = self.layers_forward(batch, kv, hidden_in)
-        if not st.is_last_stage:
-            return x
-        return self.model.compute_logits(x, batch) if self.model.part.head else None
 
     @torch.inference_mode()
     def layers_forward(

@@ -5,13 +5,13 @@ time-slice and overlap modes, compared. A single run is noisy, so every delta
 here comes with a 95% percentile bootstrap interval, and a delta is flagged
 `significant` only when that interval excludes 0:
   * cycle statistics (per-boundary ms/cycle, exposed share, hidden fraction,
-    cycle time, device idle) resample *cycles* (`cost.per_cycle`), in moving
+    cycle time, device idle) resample *cycles* (`cost.per_cycle`), in circular
     blocks of about n^(1/3) consecutive cycles: neighbouring cycles share a batch
     composition and a machine state, so drawing them one by one would treat
     correlated cycles as independent and give intervals too narrow;
   * serving statistics (throughput, TTFT/TPOT/ITL/E2E mean and percentiles)
     resample *requests*; ITL pools every gap of the resampled requests.
-A and B are resampled independently. Resamples are multinomial count matrices
+A and B are resampled independently. Resamples are draw-count matrices
 W (row r: how often each cycle/request was drawn), so a statistic over all
 resamples is one matrix product, never a copy of the data; row 0 is all ones,
 the sample itself, so the point estimate and the intervals come from the same code.
@@ -52,8 +52,9 @@ class Delta:
 def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1) -> np.ndarray:
     """(reps, n) bootstrap draw counts: how often each of n items was drawn in each resample.
 
-    block > 1: a moving-block bootstrap; each resample is ceil(n / block) runs of `block`
-    consecutive items with uniform starts, cut to n draws.
+    block > 1: a circular block bootstrap; each resample is ceil(n / block) runs of
+    `block` consecutive items (wrapping past the end, so every item is drawn once on
+    average, the first and last cycles included), cut to n draws.
     """
     if n == 0:
         return np.zeros((reps, 0))
@@ -61,8 +62,8 @@ def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1
     if block == 1:
         idx = rng.integers(0, n, size=(reps, n))
     else:
-        starts = rng.integers(0, n - block + 1, size=(reps, -(-n // block)))
-        idx = (starts[:, :, None] + np.arange(block)).reshape(reps, -1)[:, :n]
+        starts = rng.integers(0, n, size=(reps, -(-n // block)))
+        idx = ((starts[:, :, None] + np.arange(block)) % n).reshape(reps, -1)[:, :n]
     idx = idx + (np.arange(reps) * n)[:, None]
     return np.bincount(idx.ravel(), minlength=reps * n).reshape(reps, n).astype(np.float64)
 
