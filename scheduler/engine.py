@@ -244,6 +244,11 @@ class Engine:
             ids = [(7919 * (i * prompt + j)) % (vocab - 10) + 5 for j in range(prompt)]
             self.submit(ids, SamplingParams(new, ignore_eos=True), f"starve-pin-{i}")
 
+    @property
+    def submitted(self) -> int:
+        """Requests submitted so far (what an interrupted run's end record reports)."""
+        return self._submitted
+
     def has_work(self) -> bool:
         return (len(self.rm) > 0 or self._received < self._submitted or self._inflight is not None
                 or bool(self._fenced))
@@ -319,10 +324,9 @@ class Engine:
             while now_ns() < until:
                 pass
         t4 = now_ns()
-        self.sender.queue.put(out)
-        t5 = now_ns()
+        n_sampled = sum(len(t) for t in tokens)
+        r = self.probes.rank
         if pb is not None:
-            r = self.probes.rank
             pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
             if batch:
                 pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
@@ -331,17 +335,22 @@ class Engine:
                 pb.append((pause[1], t4 - pause[1], BOOKKEEPING, "host", r, step))
             else:
                 pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
-            pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
-        n_sampled = sum(len(t) for t in tokens)
-        stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
-                          len(batch.decodes), n_sampled, len(out.finished))
         if self._steps_buf is not None:
+            # Appended before the tokens leave for the sender: a requests row that
+            # names this round is never in the trace without the round's own row
+            # (tracing/schema.py DRAIN_ORDER). So the row ends at the hand-off, t4.
             self._steps_buf.append((
-                step, self.cfg.mode, t0, t5 - t0, max(0, (t5 - t0) - device_ns), device_ns,
+                step, self.cfg.mode, t0, t4 - t0, max(0, (t4 - t0) - device_ns), device_ns,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
                 self.sender.queue.qsize(), t3 if done is not None else 0,
             ))
+        self.sender.queue.put(out)
+        t5 = now_ns()
+        if pb is not None:
+            pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
+        stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
+                          len(batch.decodes), n_sampled, len(out.finished))
         return stats
 
     def abort(self, request_id: str) -> bool:

@@ -52,8 +52,13 @@ def run_workload(
     items: list[WorkloadItem],
     on_step: Callable[[Engine], None] | None = None,
     idle_poll_s: float = 0.02,
+    result: RunResult | None = None,
 ) -> RunResult:
+    """`result`, when given, is kept up to date as the run goes, so a caller whose
+    run ends in an exception still knows when it started and how far it got."""
     start = now_ns()
+    res = result if result is not None else RunResult(start, 0, 0, len(items))
+    res.start_ns, res.requests = start, len(items)
     stop = threading.Event()
 
     def feed() -> None:
@@ -73,13 +78,16 @@ def run_workload(
                 engine.wait_for_arrivals(idle_poll_s)
             else:
                 steps += 1
+                res.steps = steps
             if on_step is not None:
                 on_step(engine)
     finally:
         stop.set()
         feeder.join()
+        res.end_ns = now_ns()
     engine.finish_run()
-    return RunResult(start, now_ns(), steps, len(items))
+    res.end_ns = now_ns()
+    return res
 
 
 def run_meta(

@@ -159,6 +159,7 @@ def test_clock_round_trip_is_exact(mono):
 
 def test_parquet_exporter_round_trip(tmp_path):
     writer = TraceWriter(tmp_path)
+    writer.write_meta({})
     sink = SpanSink(writer, ANCHOR)
     recs = [record("a"), rejected("b"), record("c", num_preemptions=2, admitted_ns=T0 + 50 * MS)]
     for r in recs:
@@ -191,6 +192,7 @@ def test_parquet_exporter_round_trip(tmp_path):
 
 def test_exporter_refuses_after_shutdown(tmp_path):
     writer = TraceWriter(tmp_path)
+    writer.write_meta({})
     exp = ParquetSpanExporter(writer, ANCHOR)
     exp.shutdown()
     assert exp.export([]) is SpanExportResult.FAILURE
@@ -200,6 +202,7 @@ def test_exporter_refuses_after_shutdown(tmp_path):
 def test_span_cost_per_request_is_small(tmp_path):
     """Measured cost of one request's spans (root + 4 stages, Parquet export)."""
     writer = TraceWriter(tmp_path, flush_interval_s=60)
+    writer.write_meta({})
     sink = SpanSink(writer, ANCHOR)
     recs = [record(f"r{i}") for i in range(2000)]
     for r in recs[:200]:  # warm up
@@ -225,6 +228,7 @@ def test_otlp_endpoint_gets_traces_path():
 def test_missing_otlp_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, OTLP_MODULE, None)  # makes the import raise ImportError
     writer = TraceWriter(tmp_path)
+    writer.write_meta({})
     try:
         with pytest.raises(OtlpUnavailableError) as e:
             SpanSink(writer, ANCHOR, "http://localhost:4318")
@@ -270,6 +274,7 @@ def test_otlp_export_reaches_a_collector(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         writer = TraceWriter(tmp_path)
+        writer.write_meta({})
         sink = SpanSink(writer, ANCHOR, f"http://127.0.0.1:{server.server_port}")
         sink.on_finish(record("otlp-1"), "")
         sink.close()  # flushes the batch processor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -234,13 +235,16 @@ def test_config_refuses_overlap_and_lone_stall_rank() -> None:
 
 def test_worker_parts_are_named_per_rank_and_shifted(tmp_path: Path) -> None:
     w0, w1 = TraceWriter(tmp_path), TraceWriter(tmp_path, rank=1, clock_offset_ns=1000)
+    w0.write_meta({})
     w0.buffer("probes").append((5000, 10, B.ALL_REDUCE, "comm", 0, 1))
     w1.buffer("probes").append((5000, 10, B.ALL_REDUCE, "comm", 1, 1))
     w1.buffer("collectives").append((1, "tp0", 0, 1, 4, False, 5000, 5000, -1, -1))
     w0.close()
     w1.close()
-    assert sorted(p.name for p in (tmp_path / "probes").iterdir()) == [
-        "part-000000.parquet", "part-r1-000000.parquet"]
+    names = sorted(p.name for p in (tmp_path / "probes").iterdir())
+    assert len(names) == 2 and re.fullmatch(r"part-\d{6}\.parquet", names[0]) \
+        and re.fullmatch(r"part-r1-\d{6}\.parquet", names[1]), names
+    assert (tmp_path / "manifest.json").is_file() and (tmp_path / "manifest-r1.json").is_file()
     rows = sorted(read_table(tmp_path, "probes").to_pylist(), key=lambda r: r["rank"])
     assert [(r["ts_ns"], r["dur_ns"]) for r in rows] == [(5000, 10), (4000, 10)]  # durations unshifted
     c = read_table(tmp_path, "collectives").to_pylist()[0]

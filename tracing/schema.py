@@ -164,3 +164,18 @@ TIMESTAMPS: dict[str, tuple[str, ...]] = {
     "stalls": ("ts_ns",),
     "collectives": ("issue_ns", "start_ns", "end_ns"),
 }
+
+# The order a flush drains the producers' buffers in. Rows are appended with no lock,
+# so a flush sees each buffer at a different moment; the order makes every committed
+# flush closed under the references the analyses follow. When a referent row is always
+# appended before the rows that refer to it, those rows are drained first (whatever was
+# appended before them is still there when its own table is drained); when it is always
+# appended after, it is drained first.
+#   spans -> requests        the sender writes a request's row, then its spans
+#   requests -> steps        the engine appends a round's steps row before the sender gets its tokens
+#   requests -> memory, timeline   a request frees its blocks and logs `finished` before its row
+#   steps -> timeline, memory, probes   a round's own rows precede its steps row; what they
+#                            hold of the next round is clipped by readers of an unfinished trace
+DRAIN_ORDER: tuple[str, ...] = ("spans", "requests", "stalls", "collectives", "steps", "timeline", "memory",
+                                "probes")
+assert set(DRAIN_ORDER) == set(TABLES)

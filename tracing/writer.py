@@ -1,15 +1,21 @@
 """The trace directory writer.
 
 Each producer (a thread, a stream worker) gets its own list per table and
-appends plain tuples in the schema's column order: no lock on the hot path. A background thread drains the lists into zstd Parquet parts at least
-once per `flush_interval_s`. Each part is written to a temporary name and
-renamed into place, so a killed run leaves only whole, readable parts.
+appends plain tuples in the schema's column order: no lock on the hot path. A
+background thread drains the lists at least once per `flush_interval_s`, in
+`schema.DRAIN_ORDER`, writes one zstd Parquet part per table that has rows, and
+commits them all with one manifest write (tracing/manifest.py): a reader sees
+whole flushes or nothing of them. After each commit it merges small parts
+(tracing/compaction.py), and `close()` compacts what is left, so the writer never
+holds more than one flush's rows or one compaction batch, however long the run.
 
 Several processes (the ranks of a tensor/pipeline-parallel run) may write into
-one trace directory: rank r > 0 names its parts `part-r<r>-NNNNNN.parquet`, so
-names never collide and `part-*.parquet` still finds them all, and it writes
-its timestamps already on rank 0's clock (`clock_offset_ns`, measured at
-start-up; see docs/trace-schema.md).
+one trace directory: rank r > 0 names its parts `part-r<r>-NNNNNN.parquet` and
+commits them in its own `manifest-r<r>.json`, and it writes its timestamps
+already on rank 0's clock (`clock_offset_ns`, measured at start-up; see
+docs/trace-schema.md). Each writer holds an exclusive lock on its manifest's lock
+file while it lives, so readers can tell a live trace from a killed one, and
+`mstrace compact` never rewrites parts under a running writer.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.schema import SCHEMA_VERSION, TABLES, TIMESTAMPS
+from tracing.compaction import Merge, Targets, plan_full, plan_tiered, read_parts
+from tracing.manifest import SEALED, STORE, Manifest, ManifestError, PartEntry, write_manifest
+from tracing.schema import DRAIN_ORDER, SCHEMA_VERSION, TABLES, TIMESTAMPS
+from tracing.store_lock import WriterLock
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -43,10 +52,10 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     return {"compression": "zstd", "use_dictionary": dictionary, "column_encoding": enc}
 
 
-def write_parquet_atomic(table: pa.Table, final: Path) -> None:
-    """Write under a temporary name, then rename: readers never see half a part."""
+def write_parquet_atomic(table: pa.Table, final: Path, row_group_size: int | None = None) -> None:
+    """Write under a temporary name, then rename: no file ever holds half a part."""
     tmp = final.with_name(f".{final.name}.tmp")
-    pq.write_table(table, tmp, **parquet_options(table.schema))
+    pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table.schema))
     os.replace(tmp, final)
 
 
@@ -54,6 +63,62 @@ def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
+
+
+class PartStore:
+    """One rank's committed parts: writing parts, committing them, merging them.
+
+    Shared by the run's writer and `mstrace compact`; the caller serialises calls."""
+
+    def __init__(self, root: Path, manifest: Manifest, schemas: dict[str, pa.Schema], targets: Targets) -> None:
+        self.root, self.manifest, self.schemas, self.targets = root, manifest, schemas, targets
+
+    def write_part(self, name: str, table: pa.Table, level: int = 0) -> PartEntry:
+        """Write one part (not yet committed: no manifest names it)."""
+        file = self.manifest.new_name()
+        write_parquet_atomic(table, self.root / name / file, self.targets.max_rows)
+        return PartEntry(file, table.num_rows, table.nbytes, level)
+
+    def commit(self, added: dict[str, list[PartEntry]]) -> None:
+        for name, entries in added.items():
+            self.manifest.tables.setdefault(name, []).extend(entries)
+        self.manifest.epoch += 1
+        write_manifest(self.root, self.manifest)
+
+    def compact(self, final: bool) -> int:
+        """Merge until the plan has nothing left; returns the number of merges."""
+        merges = 0
+        for name in list(self.manifest.tables):
+            while True:
+                entries = self.manifest.tables[name]
+                plan = plan_full(entries, self.targets) if final else plan_tiered(entries, self.targets)
+                step = next(iter(plan), None)
+                if step is None:
+                    break
+                if isinstance(step, Merge):
+                    self._merge(name, step)
+                    merges += 1
+                else:  # seal in place: a manifest-only change
+                    entries[step].level = SEALED
+                    self.commit({})
+        return merges
+
+    def _merge(self, name: str, m: Merge) -> None:
+        entries = self.manifest.tables[name]
+        old = entries[m.start:m.stop]
+        table = read_parts(self.root / name, [e.file for e in old], self.schemas[name])
+        if table.num_rows != sum(e.rows for e in old):
+            raise ManifestError(f"{name}/ parts {old[0].file}..{old[-1].file} hold {table.num_rows} rows, "
+                                f"the manifest committed {sum(e.rows for e in old)}")
+        new = self.write_part(name, table, m.level)
+        del table
+        # The commit swaps the new part in for the old ones in one manifest write;
+        # only after it are the old files removed (a kill in between leaves
+        # unreferenced files, which readers ignore and `compact` removes).
+        entries[m.start:m.stop] = [new]
+        self.commit({})
+        for e in old:
+            (self.root / name / e.file).unlink(missing_ok=True)
 
 
 class TraceWriter:
@@ -65,23 +130,30 @@ class TraceWriter:
         *,
         rank: int = 0,
         clock_offset_ns: int = 0,
+        targets: Targets | None = None,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
         # This process's clock minus rank 0's: subtracted from every timestamp column.
         self.clock_offset_ns = clock_offset_ns
-        self._prefix = "part-" if rank == 0 else f"part-r{rank}-"
         self.schemas = dict(TABLES if tables is None else tables)
         self.root.mkdir(parents=True, exist_ok=True)
         for name in self.schemas:
             (self.root / name).mkdir(exist_ok=True)
+        self._lock = WriterLock.acquire(self.root, rank)
+        self._store = PartStore(self.root, Manifest(rank), self.schemas, targets or Targets())
+        # An empty commit at once: a trace of this format always has its manifest, so
+        # parts written before the first commit are never mistaken for a legacy trace's.
+        self._store.commit({})
+        self._order = [n for n in DRAIN_ORDER if n in self.schemas] + \
+            [n for n in self.schemas if n not in DRAIN_ORDER]
         self._buffers: dict[str, list[list[tuple[Any, ...]]]] = {name: [] for name in self.schemas}
         self._register_lock = threading.Lock()
-        self._seq = {name: 0 for name in self.schemas}
         self._rows_written = {name: 0 for name in self.schemas}
         self._interval = flush_interval_s
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -96,36 +168,58 @@ class TraceWriter:
         return buf
 
     def write_meta(self, meta: dict[str, Any]) -> None:
-        write_json_atomic(self.root / "meta.json", {"schema_version": SCHEMA_VERSION, **meta})
+        write_json_atomic(self.root / "meta.json", {"schema_version": SCHEMA_VERSION, "store": STORE, **meta})
 
     def rows_written(self, table: str) -> int:
         return self._rows_written[table]
 
+    @property
+    def manifest(self) -> Manifest:
+        return self._store.manifest
+
     def flush(self) -> None:
+        """Drain every buffer, write one part per table, commit them together."""
         with self._flush_lock:
-            for name in self.schemas:
-                with self._register_lock:
-                    bufs = list(self._buffers[name])
-                rows: list[tuple[Any, ...]] = []
-                for buf in bufs:
-                    n = len(buf)
-                    # Slice then delete the same prefix: rows appended meanwhile
-                    # sit past n and stay for the next flush.
-                    rows += buf[:n]
-                    del buf[:n]
-                if rows:
-                    self._write_part(name, rows)
+            drained = [(name, self._drain(name)) for name in self._order]
+            added = {name: [self._store.write_part(name, self._table(name, rows))] for name, rows in drained if rows}
+            if added:
+                self._store.commit(added)
+                for name, rows in drained:
+                    self._rows_written[name] += len(rows)
 
     def close(self) -> None:
+        """Last flush, then compact what is left: a finished run's trace has few parts."""
+        if self._closed:
+            return
         self._stop.set()
         self._thread.join()
-        self.flush()
+        try:
+            self.flush()
+            with self._flush_lock:
+                self._store.compact(final=True)
+        finally:
+            self._closed = True
+            self._lock.release()
+
+    def _drain(self, name: str) -> list[tuple[Any, ...]]:
+        with self._register_lock:
+            bufs = list(self._buffers[name])
+        rows: list[tuple[Any, ...]] = []
+        for buf in bufs:
+            n = len(buf)
+            # Slice then delete the same prefix: rows appended meanwhile
+            # sit past n and stay for the next flush.
+            rows += buf[:n]
+            del buf[:n]
+        return rows
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
             self.flush()
+            with self._flush_lock:
+                self._store.compact(final=False)
 
-    def _write_part(self, name: str, rows: list[tuple[Any, ...]]) -> None:
+    def _table(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
         schema = self.schemas[name]
         cols = list(zip(*rows, strict=True))
         arrays = [pa.array(col, type=f.type) for col, f in zip(cols, schema, strict=True)]
@@ -136,8 +230,4 @@ class TraceWriter:
                 pc.if_else(pc.greater(a, 0), pc.subtract(a, off), a) if f.name in shift else a
                 for a, f in zip(arrays, schema, strict=True)
             ]
-        table = pa.Table.from_arrays(arrays, schema=schema)
-        seq = self._seq[name]
-        self._seq[name] = seq + 1
-        write_parquet_atomic(table, self.root / name / f"{self._prefix}{seq:06d}.parquet")
-        self._rows_written[name] += len(rows)
+        return pa.Table.from_arrays(arrays, schema=schema)

@@ -137,24 +137,26 @@ def stalls(
     """Waits the stall watchdog caught: the wait cycle, each stream's state, thread stacks, the KV pool."""
     import json
 
-    from tracing.reader import TraceError, read_meta, read_table
+    from tracing.reader import Trace, TraceError
     from viewer.analysis.stalls import name_missing_ranks, stall_records
+    from viewer.report import status_line
     from viewer.stalls_view import render_stalls
 
     try:
-        meta = read_meta(trace)
+        tr = Trace.open(trace)
         # A trace written before the stalls table existed has no folder for it: no stalls recorded.
-        recs = stall_records(read_table(trace, "stalls")) if (trace / "stalls").is_dir() else []
-        tp = int((meta.get("parallel") or {}).get("tp", 1))
-        if recs and tp > 1 and (trace / "collectives").is_dir():
-            name_missing_ranks(recs, read_table(trace, "collectives"), tp)
+        recs = stall_records(tr.table("stalls")) if tr.has_table("stalls") else []
+        tp = int((tr.meta.get("parallel") or {}).get("tp", 1))
+        if recs and tp > 1 and tr.has_table("collectives"):
+            name_missing_ranks(recs, tr.table("collectives"), tp)
     except TraceError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps({"trace": str(trace), "count": len(recs), "stalls": [r.to_dict() for r in recs]},
-                         indent=2))
+        print(json.dumps({"trace": str(trace), "status": tr.status.to_dict(), "count": len(recs),
+                          "stalls": [r.to_dict() for r in recs]}, indent=2))
     else:
-        render_stalls(console, str(trace), meta, recs)
+        status_line(console, tr.status.to_dict(), str(trace))
+        render_stalls(console, str(trace), tr.meta, recs)
 
 
 @app.command()
@@ -165,20 +167,40 @@ def leaks(
     """KV blocks still held at the end by finished requests, reclaimed blocks, and fragmentation over time."""
     import json
 
-    from tracing.reader import TraceError, read_meta, read_table
+    from tracing.consistency import read_consistent
+    from tracing.reader import Trace, TraceError
     from viewer.analysis.leaks import leak_report
+    from viewer.report import status_line
     from viewer.stalls_view import render_leaks
 
     try:
-        meta = read_meta(trace)
-        rep = leak_report(read_table(trace, "memory"), read_table(trace, "requests", ["request_id", "finish_reason"]),
-                          int(meta.get("model", {}).get("kv_blocks") or 0), run_ended="run" in meta)
+        tr = Trace.open(trace)
+        t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]})
+        rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
+                          run_ended=tr.status.complete)
     except TraceError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps({"trace": str(trace), **rep.to_dict()}, indent=2))
+        print(json.dumps({"trace": str(trace), "status": tr.status.to_dict(), **rep.to_dict()}, indent=2))
     else:
-        render_leaks(console, str(trace), meta, rep)
+        status_line(console, tr.status.to_dict(), str(trace))
+        render_leaks(console, str(trace), tr.meta, rep)
+
+
+@app.command()
+def compact(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
+) -> None:
+    """Merge a trace's many small parts into few large ones (a killed run's, or an older version's)."""
+    from tracing.compact_trace import compact_trace
+    from tracing.reader import TraceError
+
+    try:
+        res = compact_trace(trace)
+    except TraceError as e:
+        fail(str(e))
+    console.print(f"{trace}: {res.parts_before} parts -> {res.parts_after} ({res.merges} merges); "
+                  f"removed {res.removed} uncommitted files", highlight=False)
 
 
 @app.command()

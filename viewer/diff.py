@@ -10,7 +10,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tracing.reader import read_meta, read_table
 from viewer.analysis.diff import (
     LATENCIES,
     LEVEL,
@@ -23,27 +22,19 @@ from viewer.analysis.diff import (
     diff_requests,
     trace_warnings,
 )
-from viewer.report import (
-    PROBE_COLUMNS,
-    REQUEST_COLUMNS,
-    STEP_COLUMNS,
-    build_report,
-    read_collectives,
-)
+from viewer.report import REQUEST_COLUMNS, build_report, load_inputs
 
 
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
     """Everything `diff` shows, as plain data (what --json prints)."""
-    metas = [read_meta(r) for r in (a_root, b_root)]  # first: a bad trace fails before any work
-    reps_ = [build_report(r) for r in (a_root, b_root)]
-    tables = [{name: read_table(r, name, cols) for name, cols in
-               (("probes", PROBE_COLUMNS), ("steps", STEP_COLUMNS),
-                                   ("requests", [*REQUEST_COLUMNS, "dur_itl_ns"]))}
-              for r in (a_root, b_root)]
-    ta, tb = tables
-    warnings = trace_warnings(*metas)
-    colls = [read_collectives(r) for r in (a_root, b_root)]  # all_reduce's HTA hidden fraction (TP runs)
-    cyc = diff_cycles(ta["probes"], ta["steps"], tb["probes"], tb["steps"], reps, seed, *colls)
+    # Both traces open first: a bad trace fails before any work.
+    inputs = [load_inputs(r, [*REQUEST_COLUMNS, "dur_itl_ns"]) for r in (a_root, b_root)]
+    reps_ = [build_report(inp) for inp in inputs]
+    ia, ib = inputs
+    warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
+                for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
+    warnings += trace_warnings(ia.trace.meta, ib.trace.meta)
+    cyc = diff_cycles(ia.probes, ia.steps, ib.probes, ib.steps, reps, seed, ia.collectives, ib.collectives)
     probes_ok = all(r["probes"] for r in reps_)
     for side, r in zip("AB", reps_, strict=True):
         # with --no-probes every cycle would count as barrier: no cost comparison at all
@@ -53,7 +44,7 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
     if not probes_ok:
         cyc["boundaries"] = {}
         cyc["device_idle"] = Delta(None, None, None, None, None, None, False)
-    delta = {**cyc, **diff_requests(ta["requests"], tb["requests"], reps, seed)}
+    delta = {**cyc, **diff_requests(ia.requests, ib.requests, reps, seed)}
     return {
         "a": reps_[0],
         "b": reps_[1],
@@ -113,10 +104,11 @@ def _table(title: str, first: list[str], la: str, lb: str) -> Table:
 def render_diff(console: Console, d: dict[str, Any]) -> None:
     a, b, dl = d["a"], d["b"], d["delta"]
     la, lb = f"A {a['mode']}", f"B {b['mode']}"
+    # Warnings first: a truncated, stalled or interrupted side is the first thing to know.
+    for w in d["warnings"]:
+        console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False, soft_wrap=True)
     console.print(f"[bold]A[/] {escape(a['trace'])} (mode {a['mode']}, model {a['model']})  vs  "
                   f"[bold]B[/] {escape(b['trace'])} (mode {b['mode']}, model {b['model']})", highlight=False)
-    for w in d["warnings"]:
-        console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False)
 
     t = _table("sync cost per boundary (device view)", ["boundary", "metric"], la, lb)
     for name, m in dl["boundaries"].items():

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from tracing.reader import read_meta, read_table
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from tracing.run_status import RunStatus
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import straggler_view
 from viewer.analysis.cost import CostTable, cost_table
@@ -25,13 +29,27 @@ REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "o
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
 
 
-def build_report(root: str | Path) -> dict[str, Any]:
+@dataclass(slots=True)
+class ReportInputs:
+    """The tables one trace's report reads, from one consistent snapshot."""
+
+    trace: Trace
+    probes: pa.Table
+    steps: pa.Table
+    requests: pa.Table
+    collectives: pa.Table | None
+
+
+def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) -> ReportInputs:
+    trace = Trace.open(root)
+    t = read_consistent(trace, {"probes": PROBE_COLUMNS, "steps": STEP_COLUMNS, "requests": request_columns})
+    return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
+
+
+def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
     """Everything `report` shows, as plain data (what --json prints)."""
-    meta = read_meta(root)
-    probes = read_table(root, "probes", PROBE_COLUMNS)
-    steps = read_table(root, "steps", STEP_COLUMNS)
-    requests = read_table(root, "requests", REQUEST_COLUMNS)
-    colls = read_collectives(root)
+    inp = root if isinstance(root, ReportInputs) else load_inputs(root)
+    meta, probes, steps, requests, colls = inp.trace.meta, inp.probes, inp.steps, inp.requests, inp.collectives
     cost = cost_table(probes, steps, collectives=colls)
     # ITL from token runs and round collect times: exact, and a long trace's tens
     # of millions of per-token gaps never have to be read
@@ -39,7 +57,8 @@ def build_report(root: str | Path) -> dict[str, Any]:
     serving = serving_metrics(requests, itl)
     kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
     rep: dict[str, Any] = {
-        "trace": str(root),
+        "trace": str(inp.trace.root),
+        "status": inp.trace.status.to_dict(),
         "model": meta.get("model", {}).get("name"),
         "mode": meta.get("config", {}).get("mode"),
         "workload_digest": meta.get("workload", {}).get("digest"),
@@ -48,6 +67,7 @@ def build_report(root: str | Path) -> dict[str, Any]:
         "throughput": {
             "requests": serving.requests,
             "completed": serving.completed,
+            "submitted": inp.trace.status.submitted,
             "finish_reasons": serving.finish_reasons,
             "duration_s": serving.duration_s,
             "request_per_s": serving.request_per_s,
@@ -77,12 +97,23 @@ def build_report(root: str | Path) -> dict[str, Any]:
     return rep
 
 
-def read_collectives(root: str | Path) -> pa.Table | None:
+def read_collectives(trace: Trace) -> pa.Table | None:
     """The collectives table (TP runs), or None: traces from before it existed have no folder."""
-    if not (Path(root) / "collectives").is_dir():
+    if not trace.has_table("collectives"):
         return None
-    t = read_table(root, "collectives", COLLECTIVE_COLUMNS)
+    t = trace.table("collectives", COLLECTIVE_COLUMNS)
     return t if t.num_rows else None
+
+
+def status_line(console: Console, status: dict[str, Any], trace: str) -> None:
+    """The first line of every command on a trace that is not complete."""
+    rs = RunStatus(**status)
+    line = rs.headline()
+    if line is None:
+        return
+    if rs.state == "stalled":
+        line += f"; see `mstrace stalls {trace}`"
+    console.print(f"[bold yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
 
 
 def _cost_dict(c: CostTable) -> dict[str, Any]:
@@ -137,6 +168,7 @@ def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
 
 
 def render_report(console: Console, rep: dict[str, Any]) -> None:
+    status_line(console, rep["status"], rep["trace"])
     console.print(f"[bold]{rep['trace']}[/]  model={rep['model']}  mode={rep['mode']}", highlight=False)
     if not rep["probes"]:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
@@ -159,8 +191,9 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
         t.add_row(label, *(_ms(d[k]) for k in ("mean", "p50", "p90", "p99")))
     console.print(t)
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(tp["finish_reasons"].items()))
+    submitted = f", {tp['submitted']} submitted" if rep["status"]["state"] == "interrupted" else ""
     console.print(
-        f"{tp['completed']}/{tp['requests']} requests ({reasons}) in {tp['duration_s']:.2f} s: "
+        f"{tp['completed']}/{tp['requests']} requests{submitted} ({reasons}) in {tp['duration_s']:.2f} s: "
         f"{tp['input_tok_per_s']:.1f} input tok/s, {tp['output_tok_per_s']:.1f} output tok/s, "
         f"{tp['request_per_s']:.2f} req/s; {tp['preemptions']} preemptions",
         highlight=False,

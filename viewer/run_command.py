@@ -169,10 +169,11 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
              fail: Callable[[str], NoReturn]) -> None:
     from probes.clock import wall_anchor
     from scheduler.config import ConfigError
-    from scheduler.engine import Engine
+    from scheduler.engine import Engine, EngineStalled
     from scheduler.model.config import ModelLoadError
-    from scheduler.runner import TraceRequestsSink, run_meta, run_workload
+    from scheduler.runner import RunResult, TraceRequestsSink, run_meta, run_workload
     from tracing.otel import SpanSink
+    from tracing.run_status import end_record
     from tracing.writer import TraceWriter
 
     writer = TraceWriter(out)
@@ -182,7 +183,9 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
     coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
-    ok = interrupted = False
+    engine = None
+    result = RunResult(0, 0, 0, len(items))
+    state, detail = "error", "the run ended without saying why"
     try:
         try:
             if cfg.world_size > 1:
@@ -196,23 +199,32 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
         writer.write_meta(run_meta(engine, items, source, anchor))
         with progress:
             try:
-                result = run_workload(engine, items)
+                run_workload(engine, items, result=result)
             finally:
                 engine.close()
-        meta = run_meta(engine, items, source, anchor)
-        meta["run"] = {"start_ns": result.start_ns, "end_ns": result.end_ns, "steps": result.steps}
-        writer.write_meta(meta)
-        ok = True
+        state, detail = "complete", ""
     except KeyboardInterrupt:
-        interrupted = True
+        state, detail = "interrupted", "Ctrl-C"
+        raise
+    except EngineStalled as e:
+        state, detail = "stalled", str(e)
+        raise
+    except BaseException as e:
+        detail = (str(e).splitlines() or [type(e).__name__])[0]
         raise
     finally:
         if coord is not None:
             # STOP on success; otherwise terminate, then kill: no rank outlives the run.
-            coord.close(ok)
+            coord.close(state == "complete")
         span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
         writer.close()
-        if interrupted:  # typer exits 130 without a word; say where the evidence is
+        if engine is not None:
+            # The end-of-run record comes after the last commit: a trace that has it is whole.
+            meta = run_meta(engine, items, source, anchor)
+            meta["run"] = end_record(state, detail, engine.submitted, result.start_ns or None,
+                                     result.end_ns or None, result.steps)
+            writer.write_meta(meta)
+        if state == "interrupted":  # typer exits 130 without a word; say where the evidence is
             print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,107 @@
+"""Cross-table references, checked as a trace is read.
+
+The references the analyses follow:
+  * requests.token_runs -> steps: every round a request's tokens came from has a
+    steps row with a collect time (ITL is computed from those times);
+  * probes / timeline / memory .step -> steps: the round a row belongs to.
+On a complete trace a broken reference means the trace is corrupt: `TraceError`.
+On any other (killed, stalled, failed, interrupted) the rows of the round that
+never finished, and anything naming a round that is not on disk, are clipped and
+counted in `RunStatus.clipped`, so no analysis joins against rows that are not there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracing.reader import Trace, TraceError
+
+STEP_TABLES = ("probes", "timeline", "memory")
+
+
+def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str, pa.Table]:
+    """The wanted tables (name -> columns, None for all), references checked or clipped.
+
+    `steps` is always read (what the references point at); it is returned when wanted."""
+    step_cols: list[str] | None = ["step", "collect_ns"]
+    if "steps" in want:
+        wanted = want["steps"]
+        step_cols = None if wanted is None else list(dict.fromkeys([*wanted, "step", "collect_ns"]))
+    steps = trace.table("steps", step_cols)
+    _check_unique_steps(trace, steps)
+    last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
+    out: dict[str, pa.Table] = {}
+    for name, cols in want.items():
+        if name == "steps":
+            continue
+        extra = ["step"] if name in STEP_TABLES and cols is not None and "step" not in cols else []
+        t = trace.table(name, None if cols is None else [*cols, *extra])
+        if name in STEP_TABLES and not trace.status.complete:
+            t = _clip_past(trace, name, t, last)
+        if name == "requests" and "token_runs" in t.column_names:
+            t = _check_token_runs(trace, t, steps)
+        out[name] = t.drop_columns(extra) if extra else t
+    if "steps" in want:
+        out["steps"] = steps if want["steps"] is None else steps.select(want["steps"])
+    return out
+
+
+def _check_unique_steps(trace: Trace, steps: pa.Table) -> None:
+    s = steps["step"].to_numpy()
+    if len(s) < 2 or bool(np.all(s[1:] > s[:-1])):  # the writer's order: one comparison per row
+        return
+    u, counts = np.unique(s, return_counts=True)
+    if (counts > 1).any():
+        raise TraceError(f"corrupt trace {trace.root}: steps has {int(counts[counts > 1][0])} rows for "
+                         f"round {int(u[counts > 1][0])} (a duplicated part?)")
+
+
+def _clip(trace: Trace, name: str, t: pa.Table, keep: pa.Array | np.ndarray) -> pa.Table:
+    mask = keep if isinstance(keep, pa.Array) else pa.array(keep)
+    n = t.num_rows - int(pc.sum(mask).as_py() or 0)
+    if n:
+        trace.status.clipped[name] = trace.status.clipped.get(name, 0) + n
+        t = t.filter(mask)
+    return t
+
+
+def _clip_past(trace: Trace, name: str, t: pa.Table, last: int | None) -> pa.Table:
+    """An unfinished run: rows of rounds after the last committed steps row."""
+    if not t.num_rows:
+        return t
+    keep = pc.less(t["step"], 0) if last is None else pc.less_equal(t["step"], last)
+    return _clip(trace, name, t, keep.combine_chunks() if isinstance(keep, pa.ChunkedArray) else keep)
+
+
+def _check_token_runs(trace: Trace, req: pa.Table, steps: pa.Table) -> pa.Table:
+    runs = req["token_runs"].combine_chunks() if req.num_rows else None
+    if runs is None or not len(runs):
+        return req
+    flat = pc.list_flatten(runs).to_numpy()
+    lens = pc.list_value_length(runs).fill_null(0).to_numpy()
+    if len(flat) % 2 or (lens % 2).any():
+        raise TraceError(f"corrupt requests/ table in {trace.root}: a token_runs list has an odd length")
+    s0, cnt = flat[0::2], flat[1::2]
+    st, col = steps["step"].to_numpy(), steps["collect_ns"].to_numpy()
+    st = st[col > 0]
+    if len(s0) == 0:
+        return req
+    lo = min(int(s0.min()), int(st.min()) if len(st) else 0)
+    hi = max(int((s0 + cnt).max()), int(st.max()) + 1 if len(st) else 0)
+    have = np.zeros(hi - lo + 1, np.int64)
+    have[st - lo] = 1
+    cum = np.concatenate([[0], np.cumsum(have)])
+    ok_run = (cnt > 0) & (cum[s0 + cnt - lo] - cum[s0 - lo] == cnt)
+    owner = np.repeat(np.arange(len(runs)), lens // 2)
+    bad = np.zeros(len(runs), bool)
+    bad[owner[~ok_run]] = True
+    if not bad.any():
+        return req
+    if trace.status.complete:
+        i = int(np.flatnonzero(bad)[0])
+        rid = req["request_id"][i].as_py() if "request_id" in req.column_names else f"row {i}"
+        raise TraceError(f"corrupt trace {trace.root}: request {rid} has tokens from rounds the steps "
+                         "table does not have")
+    return _clip(trace, "requests", req, ~bad)
