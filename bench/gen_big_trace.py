@@ -1,24 +1,43 @@
 """Replicate a real trace to a target number of probe rows, for report scale tests.
 
 Every table is copied K times with timestamps shifted by the trace's span and
-steps shifted by its step count, so the result looks like one long run.
+steps shifted by its step count, so the result looks like one long run. Two
+layouts, both committed through the store's own code (tracing/writer.py PartStore):
 
-    python bench/gen_big_trace.py SRC_TRACE OUT_TRACE --probe-rows 10000000
+  uncompacted  what a long run leaves when nothing merges its flushes: one row group
+               per table per 0.5 s flush window of the rows' own timestamps, in parts
+               of about 1 M rows (`--flush-files`: one part file per flush window, the
+               layout the writer of older versions left)
+  compacted    that trace after `mstrace compact` (parts of up to ~1 M-row row groups)
+
+    python bench/gen_big_trace.py SRC_TRACE OUT_TRACE --probe-rows 10000000 --layout uncompacted
+    python bench/gen_big_trace.py SRC_TRACE OUT_TRACE --layout compacted   # = uncompacted, then compact
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from tracing.reader import read_meta, read_table
-from tracing.writer import write_parquet_atomic
+from tracing.compaction import MAX_ROWS, Targets
+from tracing.manifest import Manifest, PartEntry
+from tracing.reader import Trace
+from tracing.schema import TABLES
+from tracing.writer import PartStore, parquet_options, write_json_atomic
+
+FLUSH_S = 0.5
+# the column whose time decides which flush a row left in
+FLUSH_TIME = {"probes": "ts_ns", "steps": "ts_ns", "requests": "finish_ns", "timeline": "ts_ns", "memory": "ts_ns"}
 
 
 def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
@@ -41,36 +60,91 @@ def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
     return pa.table(cols, schema=t.schema)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("src", type=Path)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--probe-rows", type=int, default=10_000_000)
-    a = ap.parse_args()
-    meta = read_meta(a.src)
-    tables = {n: read_table(a.src, n) for n in ("probes", "steps", "requests", "timeline", "memory")}
-    probes = tables["probes"]
-    k = max(1, math.ceil(a.probe_rows / probes.num_rows))
-    steps = tables["steps"]
+def replicate(src: Path, probe_rows: int) -> tuple[dict[str, pa.Table], dict[str, object], int]:
+    tr = Trace.open(src)
+    tables = {n: tr.table(n) for n in FLUSH_TIME}
+    probes, steps = tables["probes"], tables["steps"]
+    k = max(1, math.ceil(probe_rows / probes.num_rows))
     t0 = min(pc.min(probes["ts_ns"]).as_py(), pc.min(steps["ts_ns"]).as_py())
     t1 = max(pc.max(pc.add(probes["ts_ns"], probes["dur_ns"])).as_py(),
              pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
     span = t1 - t0 + 1000
     nstep = pc.max(steps["step"]).as_py() + 1
+    big = {name: pa.concat_tables([shifted(t, i * span, i * nstep, f"#{i}" if i else None) for i in range(k)])
+           for name, t in tables.items()}
+    return big, tr.meta, k
+
+
+def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, object], files: bool) -> int:
+    """One row group per table per flush window (`files`: one part file per flush
+    window, as the writer of older versions left them), committed in one manifest.
+    Returns the number of flush windows of the probes table."""
+    for name in TABLES:
+        (out / name).mkdir(parents=True)
+    store = PartStore(out, Manifest(0), TABLES, Targets())
+    t_min = min(int(pc.min(pc.filter(t[c], pc.greater(t[c], 0))).as_py()) for c, t in
+                ((FLUSH_TIME[n], tables[n]) for n in tables))
+    windows = 0
+    for name, t in tables.items():
+        ts = t[FLUSH_TIME[name]].to_numpy()
+        window = (np.maximum(ts - t_min, 0) // int(FLUSH_S * 1e9)).astype(np.int64)
+        order = np.argsort(window, kind="stable")  # a flush keeps its producers' append order
+        t, window = t.take(pa.array(order)), window[order]
+        cuts = np.flatnonzero(np.diff(window)) + 1
+        bounds = list(zip([0, *cuts.tolist()], [*cuts.tolist(), t.num_rows], strict=True))
+        windows = windows or len(bounds)
+        if files:
+            entries = [store.write_part(name, t.slice(a, b - a)) for a, b in bounds]
+        else:
+            entries = _row_group_parts(store, name, t, bounds)
+        store.commit({name: entries})
+    write_json_atomic(out / "meta.json", {**meta, "store": "manifest-v1"})
+    return windows
+
+
+def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]]) -> list[PartEntry]:
+    """Parts of about MAX_ROWS rows, each flush window its own row group."""
+    entries: list[PartEntry] = []
+    i = 0
+    while i < len(bounds):
+        j, start = i, bounds[i][0]
+        while j < len(bounds) and bounds[j][1] - start <= MAX_ROWS:
+            j += 1
+        j = max(j, i + 1)
+        file = store.manifest.new_name()
+        final = store.root / name / file
+        tmp = final.with_name(f".{final.name}.tmp")
+        with pq.ParquetWriter(tmp, t.schema, **parquet_options(t.schema)) as w:
+            for a, b in bounds[i:j]:
+                w.write_table(t.slice(a, b - a).combine_chunks(), row_group_size=b - a)
+        tmp.rename(final)
+        piece = t.slice(start, bounds[j - 1][1] - start)
+        entries.append(PartEntry(file, piece.num_rows, piece.nbytes, 0, j - i))
+        i = j
+    return entries
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("src", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--probe-rows", type=int, default=10_000_000)
+    ap.add_argument("--layout", choices=("uncompacted", "compacted"), default="uncompacted")
+    ap.add_argument("--flush-files", action="store_true",
+                    help="uncompacted: one part file per flush (not one row group per flush)")
+    a = ap.parse_args()
+    tables, meta, k = replicate(a.src, a.probe_rows)
+    meta = {**meta, "replicated": {"from": str(a.src), "copies": k}}
     if a.out.exists():
         shutil.rmtree(a.out)
-    a.out.mkdir(parents=True)
-    for name, t in tables.items():
-        (a.out / name).mkdir()
-        # group copies into parts of roughly 1M rows, like a long run's flushes would
-        per_part = max(1, 1_000_000 // max(t.num_rows, 1))
-        for start in range(0, k, per_part):
-            copies = [shifted(t, i * span, i * nstep, f"#{i}" if i else None)
-                      for i in range(start, min(k, start + per_part))]
-            write_parquet_atomic(pa.concat_tables(copies), a.out / name / f"part-{start // per_part:06d}.parquet")
-    meta["replicated"] = {"from": str(a.src), "copies": k}
-    (a.out / "meta.json").write_text(json.dumps(meta, indent=2))
-    print(f"{k} copies -> {k * probes.num_rows} probe rows in {a.out}")
+    windows = write_uncompacted(a.out, tables, meta, a.flush_files)
+    what = "part files" if a.flush_files else "row groups"
+    print(f"{k} copies -> {tables['probes'].num_rows} probe rows in {windows} flush windows "
+          f"({windows} {what} in probes/) in {a.out}")
+    if a.layout == "compacted":
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "viewer.cli", "compact", str(a.out)], check=True)
+        print(f"mstrace compact: {time.perf_counter() - t:.1f} s")
 
 
 if __name__ == "__main__":

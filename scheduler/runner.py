@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from probes.clock import now_ns, wall_anchor
+from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.sender import FinishedRecord
 from scheduler.workload import WorkloadItem, workload_digest
@@ -90,6 +91,20 @@ def run_workload(
     return res
 
 
+def start_meta(
+    cfg: EngineConfig, items: list[WorkloadItem], workload_source: str, anchor: tuple[int, int]
+) -> dict[str, Any]:
+    """What meta.json can say before the engine exists: a run killed while it loads
+    its model still leaves a trace that reads (truncated, with no rounds)."""
+    mono, unix = anchor
+    return {
+        "tool": "mstrace",
+        "config": cfg.to_dict(),
+        "workload": {"source": workload_source, "requests": len(items), "digest": workload_digest(items)},
+        "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
+    }
+
+
 def run_meta(
     engine: Engine, items: list[WorkloadItem], workload_source: str, anchor: tuple[int, int] | None = None
 ) -> dict[str, Any]:
@@ -97,13 +112,11 @@ def run_meta(
     import torch
     import transformers
 
-    mono, unix = anchor or wall_anchor()
     mc = engine.model_config
     # ranks (clock offsets) and parallel (sizes, backend) of a TP/PP run
     par = engine.parallel.meta() if engine.parallel is not None else {"ranks": {"0": {"offset_ns": 0}}}
     return {
-        "tool": "mstrace",
-        "config": engine.cfg.to_dict(),
+        **start_meta(engine.cfg, items, workload_source, anchor or wall_anchor()),
         "model": {
             "path": str(engine.model_dir),
             "name": engine.cfg.model,
@@ -114,7 +127,6 @@ def run_meta(
             "kv_blocks": engine.mm.num_blocks,
             "block_size": engine.mm.block_size,
         },
-        "workload": {"source": workload_source, "requests": len(items), "digest": workload_digest(items)},
         "versions": {
             "mstrace": _version(),
             "python": sys.version.split()[0],
@@ -129,7 +141,6 @@ def run_meta(
             "device": str(engine.device),
             "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
         },
-        "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
         **par,
     }
 

@@ -34,3 +34,19 @@ def tagged_pids(tag: str, exclude: int | None = None) -> list[int]:
         if needle in env.split(b"\0") and state != "Z":
             out.append(int(d.name))
     return out
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """The CLI in this process (exit code, stdout, stderr): for analyses run many
+    times in one test, where a fresh interpreter each time would dominate."""
+    from typer.testing import CliRunner
+
+    from viewer.cli import app
+
+    r = CliRunner().invoke(app, list(args), catch_exceptions=True)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        import traceback
+
+        tb = "".join(traceback.format_exception(r.exception))
+        return 99, r.stdout, r.stderr + "Traceback (most recent call last):\n" + tb
+    return r.exit_code, r.stdout, r.stderr

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracing.schema import PROBES, STEPS
-from viewer.analysis.cost import _Coverage, cost_table
+from viewer.analysis.cost import cost_table
+from viewer.analysis.intervals import Coverage as _Coverage
 
 
 @settings(max_examples=200, deadline=None)

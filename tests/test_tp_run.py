@@ -35,7 +35,8 @@ from tracing.reader import read_meta, read_table
 from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter
 from viewer.analysis.collectives import never_joined, straggler_view
-from viewer.analysis.cost import _subtract, cost_table
+from viewer.analysis.cost import cost_table
+from viewer.analysis.intervals import subtract as _subtract
 
 RUN_TIMEOUT_S = 40.0
 

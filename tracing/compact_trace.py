@@ -92,7 +92,7 @@ def _adopt_legacy(r: Path, meta: dict[str, object]) -> None:
                 raise TraceError(f"corrupt {t}/ table in {r}: {f}: {str(e).splitlines()[0]}") from None
             m = by_rank.setdefault(rank, Manifest(rank))
             nbytes = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
-            m.tables.setdefault(t, []).append(PartEntry(f, md.num_rows, nbytes, 0))
+            m.tables.setdefault(t, []).append(PartEntry(f, md.num_rows, nbytes, 0, md.num_row_groups))
     by_rank.setdefault(0, Manifest(0))
     for m in by_rank.values():
         m.next_seq = max_seq_on_disk(r, m.rank, list(TABLES)) + 1

@@ -44,9 +44,11 @@ class PartEntry:
     rows: int
     nbytes: int  # in-memory (Arrow) size when written: bounds a compaction batch's memory
     level: int  # 0: one flush; k: merged k times; SEALED: at the compaction target
+    row_groups: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "rows": self.rows, "nbytes": self.nbytes, "level": self.level}
+        return {"file": self.file, "rows": self.rows, "nbytes": self.nbytes, "level": self.level,
+                "row_groups": self.row_groups}
 
 
 @dataclass(slots=True)
@@ -77,8 +79,8 @@ class Manifest:
                                     f"{MANIFEST_FORMAT}")
             tables: dict[str, list[PartEntry]] = {}
             for t, es in obj["tables"].items():
-                entries = [PartEntry(str(e["file"]), int(e["rows"]), int(e["nbytes"]), int(e["level"]))
-                           for e in es]
+                entries = [PartEntry(str(e["file"]), int(e["rows"]), int(e["nbytes"]), int(e["level"]),
+                                     int(e.get("row_groups", 1))) for e in es]
                 names = [e.file for e in entries]
                 if len(set(names)) != len(names):
                     dup = next(n for n in names if names.count(n) > 1)

@@ -77,7 +77,7 @@ class PartStore:
         """Write one part (not yet committed: no manifest names it)."""
         file = self.manifest.new_name()
         write_parquet_atomic(table, self.root / name / file, self.targets.max_rows)
-        return PartEntry(file, table.num_rows, table.nbytes, level)
+        return PartEntry(file, table.num_rows, table.nbytes, level, max(1, -(-table.num_rows // self.targets.max_rows)))
 
     def commit(self, added: dict[str, list[PartEntry]]) -> None:
         for name, entries in added.items():

@@ -171,13 +171,14 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
     from scheduler.config import ConfigError
     from scheduler.engine import Engine, EngineStalled
     from scheduler.model.config import ModelLoadError
-    from scheduler.runner import RunResult, TraceRequestsSink, run_meta, run_workload
+    from scheduler.runner import RunResult, TraceRequestsSink, run_meta, run_workload, start_meta
     from tracing.otel import SpanSink
     from tracing.run_status import end_record
     from tracing.writer import TraceWriter
 
     writer = TraceWriter(out)
     anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
+    writer.write_meta(start_meta(cfg, items, source, anchor))
     span_sink = SpanSink(writer, anchor, args.otlp_endpoint)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)

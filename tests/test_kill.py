@@ -1,0 +1,142 @@
+"""SIGKILL at any moment: of a run (at many offsets, not only after its first flush)
+and of `mstrace compact`. Every analysis must read what was committed, say it is
+truncated, and never see a row the commit did not include."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.cli import REPO, TAG, cli, mstrace, tagged_pids
+from tracing.compaction import Targets
+from tracing.manifest import read_manifests
+from tracing.reader import Trace
+
+RUN = ["run", "--model", "tiny", "--requests", "160", "--output-len", "40-160", "--prompt-len", "16-128",
+       "--rate", "80", "-q"]
+KILLS = 10  # offsets spread over the run
+MAX_TRIES = 14  # a run that finishes before its kill is not a kill: try another offset, this many at most
+
+
+def _start(out: Path, tag: str, cpu_device: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "viewer.cli", *RUN, "--cpu-device", cpu_device,
+                             "--out", str(out)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, TAG: tag})
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[bytes], limit_s: float = 120) -> float:
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        assert proc.poll() is None, "the run ended before it wrote a manifest"
+        assert time.monotonic() < deadline, "the run never started writing"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def _first_line(text: str) -> str:
+    return next((ln for ln in text.splitlines() if ln.strip()), "")
+
+
+@pytest.mark.slow
+def test_sigkill_at_ten_offsets_leaves_consistent_truncated_traces(tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    proc = _start(ref, uuid.uuid4().hex, "thread")
+    t0 = _wait_for(ref / "meta.json", proc)
+    assert proc.wait(timeout=300) == 0
+    span = time.monotonic() - t0  # from the first commit to the end of the run
+    assert Trace.open(ref).status.complete
+    fractions = [0.02 + 0.9 * i / (KILLS - 1) for i in range(KILLS)]
+    kills = tries = 0
+    while kills < KILLS and tries < MAX_TRIES:
+        # the later tries aim earlier: this run was faster than the reference
+        frac = fractions[kills] if tries < KILLS else fractions[kills] * 0.5
+        tries += 1
+        out, tag = tmp_path / f"k{tries}", uuid.uuid4().hex
+        cpu_device = "process" if tries % 2 else "thread"
+        proc = _start(out, tag, cpu_device)
+        t = _wait_for(out / "meta.json", proc)
+        time.sleep(max(0.0, t + frac * span - time.monotonic()))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        if proc.returncode != -signal.SIGKILL:
+            assert proc.returncode == 0
+            continue  # it finished first
+        kills += 1
+        deadline = time.monotonic() + 5  # the device process sees its pipe close and exits
+        while tagged_pids(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not tagged_pids(tag), "the device process outlived a killed run"
+        _check_truncated(out, ref, frac)
+    assert kills == KILLS, f"only {kills} of {tries} runs were killed before they finished"
+
+
+def _check_truncated(out: Path, ref: Path, frac: float) -> None:
+    where = f"killed at {frac:.0%} of the run ({out})"
+    code, stdout, stderr = cli("report", str(out), "--json")
+    assert code == 0, (where, stderr)
+    rep = json.loads(stdout)
+    st = rep["status"]
+    assert st["state"] == "truncated" and not st["live"], where
+    # The engine hands a round's tokens to the sender only after its steps row, and a
+    # flush drains requests before steps: no committed request names a missing round.
+    assert st["clipped"].get("requests", 0) == 0, (where, st)
+    assert rep["throughput"]["requests"] < 160, where
+    for cmd in (["report", str(out)], ["stalls", str(out)], ["leaks", str(out)], ["diff", str(ref), str(out)]):
+        code, stdout, stderr = cli(*cmd)
+        assert code == 0 and "Traceback" not in stderr, (where, cmd, stderr)
+        assert "TRUNCATED" in _first_line(stdout), (where, cmd, stdout[:300])
+    code, stdout, _ = cli("leaks", str(out), "--json")
+    leaks = json.loads(stdout)
+    # requests are drained before memory: a finished request's frees are always committed with it
+    assert leaks["leaked_blocks"] == 0 and leaks["num_anomalies"] == 0, (where, leaks["leaks"][:3])
+
+
+def _uncompacted(root: Path, flushes: int) -> None:
+    """A killed long run's layout: many committed one-flush parts, never merged."""
+    from tests.test_store import write_flushes
+
+    write_flushes(root, flushes, rows=50, targets=Targets(fan_in=1 << 30), close=False)
+
+
+def _committed_rows(root: Path) -> dict[str, int]:
+    return {t: sum(e.rows for e in es) for m in read_manifests(root) for t, es in m.tables.items()}
+
+
+@pytest.mark.slow
+def test_sigkill_during_compact_loses_and_duplicates_no_row(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    _uncompacted(base, 1500)
+    want_rows = _committed_rows(base)
+    want = Trace.open(base).table("probes", ["step"])["step"].to_pylist()
+    # how long compact takes here, to spread the kills over it
+    timing = tmp_path / "timing"
+    shutil.copytree(base, timing)
+    t = time.monotonic()
+    p = mstrace("compact", str(timing))
+    took = time.monotonic() - t
+    assert p.returncode == 0, p.stderr
+    killed = 0
+    for i in range(8):
+        t_dir = tmp_path / f"c{i}"
+        shutil.copytree(base, t_dir)
+        proc = subprocess.Popen([sys.executable, "-m", "viewer.cli", "compact", str(t_dir)], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(took * (0.3 + 0.65 * i / 7))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        killed += proc.returncode == -signal.SIGKILL
+        assert _committed_rows(t_dir) == want_rows, f"kill {i}"
+        assert Trace.open(t_dir).table("probes", ["step"])["step"].to_pylist() == want, f"kill {i}"
+        code, _, stderr = cli("compact", str(t_dir))  # and it finishes afterwards
+        assert code == 0, stderr
+        assert Trace.open(t_dir).table("probes", ["step"])["step"].to_pylist() == want
+    assert killed >= 4, f"only {killed} of 8 compactions were still running when killed"

@@ -1,0 +1,208 @@
+"""The trace store: manifest commits, compaction, legacy traces, run status, references."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from probes import boundaries as B
+from tracing.compact_trace import compact_trace
+from tracing.compaction import Targets, plan_tiered
+from tracing.consistency import read_consistent
+from tracing.manifest import SEALED, PartEntry, read_manifests
+from tracing.reader import Trace, TraceError, read_table
+from tracing.writer import TraceWriter
+
+SMALL = Targets(fan_in=3, max_rows=40, max_bytes=1 << 30)
+
+
+def probe_row(i: int) -> tuple[int, int, str, str, int, int]:
+    return (1000 + i, 1, B.BOOKKEEPING, "host", 0, i)
+
+
+def write_flushes(root: Path, flushes: int, rows: int, targets: Targets = SMALL, close: bool = True,
+                  run: bool = True) -> TraceWriter:
+    """A trace of `flushes` commits of `rows` probe rows each (the writer's thread never flushes)."""
+    w = TraceWriter(root, flush_interval_s=3600, targets=targets)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    buf = w.buffer("probes")
+    for f in range(flushes):
+        buf.extend(probe_row(f * rows + i) for i in range(rows))
+        w.flush()
+        w._store.compact(final=False)  # what the writer's thread does after each flush
+    if close:
+        w.close()
+        if run:
+            w.write_meta({"model": {"kv_blocks": 4}, "run": {"status": "complete"}})
+    return w
+
+
+def steps_of(root: Path) -> list[int]:
+    return read_table(root, "probes", ["step"])["step"].to_pylist()
+
+
+def test_tiered_plan_merges_fan_in_parts_of_one_level_and_seals_full_ones() -> None:
+    e = [PartEntry(f"part-{i:06d}.parquet", 5, 10, 0) for i in range(7)]
+    plan = list(plan_tiered(e, SMALL))
+    assert [(m.start, m.stop, m.level) for m in plan] == [(0, 3, 1), (3, 6, 1)]
+    big = [PartEntry("part-000000.parquet", 30, 10, 1), PartEntry("part-000001.parquet", 30, 10, 1)]
+    assert list(plan_tiered(big, SMALL)) == [0]  # two 30-row parts exceed 40: seal the first in place
+
+
+def test_compaction_keeps_every_row_in_order_and_bounds_the_part_count(tmp_path: Path) -> None:
+    write_flushes(tmp_path, flushes=60, rows=4, close=False)
+    live = [e for es in read_manifests(tmp_path)[0].tables.values() for e in es]
+    # 60 flushes of 4 rows: without compaction 60 parts
+    assert len(live) <= 12, [(e.rows, e.level) for e in live]
+    assert steps_of(tmp_path) == list(range(240))
+    on_disk = {p.name for p in (tmp_path / "probes").iterdir()}
+    assert on_disk == {e.file for e in live}  # merged-away parts are removed
+
+
+def test_close_compacts_what_is_left_and_row_groups_follow_the_target(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    write_flushes(tmp_path, flushes=25, rows=7)
+    entries = read_manifests(tmp_path)[0].tables["probes"]
+    assert sum(e.rows for e in entries) == 175
+    assert all(e.rows <= SMALL.max_rows for e in entries)
+    assert sum(e.level == SEALED for e in entries) >= len(entries) - 1
+    for e in entries:
+        md = pq.read_metadata(tmp_path / "probes" / e.file)
+        assert all(md.row_group(i).num_rows <= SMALL.max_rows for i in range(md.num_row_groups))
+    assert steps_of(tmp_path) == list(range(175))
+
+
+def test_a_part_no_manifest_names_is_ignored(tmp_path: Path) -> None:
+    write_flushes(tmp_path, flushes=2, rows=3)
+    src = next((tmp_path / "probes").iterdir())
+    shutil.copy(src, tmp_path / "probes" / "part-000999.parquet")  # written, never committed
+    assert steps_of(tmp_path) == list(range(6))
+    res = compact_trace(tmp_path)
+    assert res.removed == 1 and not (tmp_path / "probes" / "part-000999.parquet").exists()
+    assert steps_of(tmp_path) == list(range(6))
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("op", ["replace", "unlink"])
+def test_a_crash_at_any_file_operation_of_compaction_loses_and_duplicates_nothing(tmp_path: Path, op: str,
+                                                                                  monkeypatch) -> None:
+    """Interrupt `mstrace compact` at its k-th rename (a part or a manifest commit) or
+    k-th removal, for every k: the trace reads the same rows, then compacts cleanly."""
+    base = tmp_path / "base"
+    write_flushes(base, flushes=20, rows=3, targets=Targets(fan_in=100, max_rows=1 << 20), close=False)
+    want = steps_of(base)
+    real = getattr(os, op) if op == "replace" else Path.unlink
+    k = 0
+    while True:
+        t = tmp_path / f"k{k}"
+        shutil.copytree(base, t)
+        calls = 0
+
+        def crashing(*a, **kw):
+            nonlocal calls
+            calls += 1
+            if calls > k:
+                raise Crash
+            return real(*a, **kw)
+
+        monkeypatch.setattr(os, "replace", crashing) if op == "replace" else \
+            monkeypatch.setattr(Path, "unlink", crashing)
+        try:
+            compact_trace(t, Targets(fan_in=4, max_rows=16))
+            finished = True
+        except Crash:
+            finished = False
+        monkeypatch.undo()
+        assert steps_of(t) == want, f"crash after {k} {op} calls"
+        compact_trace(t, Targets(fan_in=4, max_rows=16))
+        assert steps_of(t) == want
+        if finished:
+            break
+        k += 1
+    assert k >= 3  # the crash points really were inside the compaction
+
+
+def test_legacy_trace_reads_every_part_and_compact_adopts_it(tmp_path: Path) -> None:
+    from tracing.writer import write_parquet_atomic
+    from tracing.schema import PROBES
+
+    (tmp_path / "probes").mkdir()
+    for i in range(5):
+        t = pa.Table.from_pylist([dict(zip(PROBES.names, probe_row(3 * i + j), strict=True)) for j in range(3)],
+                                 schema=PROBES)
+        write_parquet_atomic(t, tmp_path / "probes" / f"part-{i:06d}.parquet")
+    (tmp_path / "meta.json").write_text(json.dumps({"schema_version": 1, "run": {"steps": 1}}))
+    tr = Trace.open(tmp_path)
+    assert tr.legacy and tr.status.complete
+    assert steps_of(tmp_path) == list(range(15))
+    res = compact_trace(tmp_path)
+    assert res.parts_before == 5 and res.parts_after == 1
+    assert not Trace.open(tmp_path).legacy and steps_of(tmp_path) == list(range(15))
+
+
+def test_a_trace_without_an_end_record_is_truncated_and_live_while_its_writer_runs(tmp_path: Path) -> None:
+    w = write_flushes(tmp_path, flushes=2, rows=2, close=False)
+    st = Trace.open(tmp_path).status
+    assert st.state == "truncated" and st.live and "still being written" in (st.headline() or "")
+    with pytest.raises(TraceError, match="still being written"):
+        compact_trace(tmp_path)
+    w.close()
+    st = Trace.open(tmp_path).status
+    assert st.state == "truncated" and not st.live and "killed" in (st.headline() or "")
+
+
+def _trace_with_requests(root: Path, runs: list[int], steps: list[int], status: str | None) -> None:
+    w = TraceWriter(root, flush_interval_s=3600)
+    meta: dict = {"model": {"kv_blocks": 4}}
+    w.write_meta(meta)
+    sb = w.buffer("steps")
+    for s in steps:
+        sb.append((s, "serial", 1000 * s, 10, 5, 5, 0, 0, 1, 1, 1, 3, 0, 1, 0, 1000 * s + 9))
+    w.buffer("requests").append(("r0", [1], [2, 3], "", 1, 2, 0, "length", "", 1, 1, 1, 1, 1, 1, 9, 0, 1,
+                                 [5], runs))
+    w.buffer("probes").extend(probe_row(s) for s in range(max(steps) + 3))
+    w.close()
+    if status is not None:
+        w.write_meta({**meta, "run": {"status": status, "detail": "engine stalled: x"}})
+
+
+def test_broken_references_fail_a_complete_trace_and_are_clipped_in_an_unfinished_one(tmp_path: Path) -> None:
+    want = {"requests": ["request_id", "token_runs"], "probes": ["step"]}
+    _trace_with_requests(tmp_path / "ok", [1, 2], [1, 2], "complete")
+    t = read_consistent(Trace.open(tmp_path / "ok"), want)
+    assert t["requests"].num_rows == 1 and t["probes"].num_rows == 5
+
+    _trace_with_requests(tmp_path / "bad", [1, 3], [1, 2], "complete")  # tokens from rounds 1-3
+    with pytest.raises(TraceError, match="request r0 has tokens from rounds the steps table does not have"):
+        read_consistent(Trace.open(tmp_path / "bad"), want)
+
+    _trace_with_requests(tmp_path / "cut", [1, 3], [1, 2], None)
+    tr = Trace.open(tmp_path / "cut")
+    t = read_consistent(tr, want)
+    assert t["requests"].num_rows == 0 and t["probes"]["step"].to_pylist() == [0, 1, 2]
+    assert tr.status.clipped == {"requests": 1, "probes": 2}
+    assert "clipped 2 probes rows, 1 requests rows" in (tr.status.headline() or "")
+
+    _trace_with_requests(tmp_path / "stalled", [1, 2], [1, 2], "stalled")
+    st = Trace.open(tmp_path / "stalled").status
+    assert st.state == "stalled" and (st.headline() or "").startswith("STALLED: the run ended in a stall")
+
+
+def test_duplicate_steps_are_a_corrupt_trace(tmp_path: Path) -> None:
+    _trace_with_requests(tmp_path, [1, 2], [1, 2], "complete")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    part = m["tables"]["steps"][0]
+    shutil.copy(tmp_path / "steps" / part["file"], tmp_path / "steps" / "part-000900.parquet")
+    m["tables"]["steps"].append({**part, "file": "part-000900.parquet"})
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TraceError, match="steps has 2 rows for round 1"):
+        read_consistent(Trace.open(tmp_path), {"probes": ["step"]})

@@ -1,0 +1,119 @@
+"""Interval arithmetic for the cost table: merged busy intervals with prefix
+sums (how much of [a, b) a stream was busy), interval subtraction, and per-cycle
+sums accumulated block by block.
+
+A long trace has millions of rows per boundary. Every step here is a numpy pass,
+and a pass over a 20 MB array runs at memory speed; cut into blocks of BLOCK rows
+the same passes stay in cache (measured on 2.7 M bookkeeping rows: 0.35 s whole,
+0.14 s in blocks of 32 k).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+BLOCK = 1 << 15
+
+
+def search(s: np.ndarray, q: np.ndarray, lo_q: int, hi_q: int) -> np.ndarray:
+    """np.searchsorted(s, q, "right") for a block whose values lie in [lo_q, hi_q]:
+    searching only the slice of s they can land in keeps the search in cache."""
+    lo = max(int(np.searchsorted(s, lo_q, side="right")) - 1, 0)
+    hi = int(np.searchsorted(s, hi_q, side="right"))
+    return np.searchsorted(s[lo:hi], q, side="right") + lo
+
+
+def blocks(n: int) -> Iterator[slice]:
+    for k in range(0, n, BLOCK):
+        yield slice(k, min(n, k + BLOCK))
+
+
+class CycleSums:
+    """Per-cycle sums over rows assigned to cycles by start time.
+
+    A row belongs to the cycle whose start is the last one at or before it; rows
+    before the first cycle count to it and rows after the last to the last."""
+
+    def __init__(self, starts: np.ndarray) -> None:
+        self.S = starts
+        self.n = len(starts)
+
+    def cycle_of(self, t: np.ndarray) -> np.ndarray:
+        if not len(t):
+            return np.zeros(0, np.int64)
+        return np.clip(search(self.S, t, int(t.min()), int(t.max())) - 1, 0, self.n - 1)
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros(self.n, dtype=np.float64)
+
+    @staticmethod
+    def add(out: np.ndarray, ci: np.ndarray, w: np.ndarray | None = None) -> None:
+        """out[ci] += w (or 1), for one block: its cycles span a narrow range,
+        so the bincount is the range's length, not the whole trace's."""
+        if not len(ci):
+            return
+        lo, hi = int(ci.min()), int(ci.max())
+        out[lo:hi + 1] += np.bincount(ci - lo, weights=w, minlength=hi - lo + 1)
+
+
+class Coverage:
+    """Prefix sums over the merged device-busy intervals: covered(a, b) = busy time in [a, b)."""
+
+    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
+        if len(starts):
+            order = np.argsort(starts, kind="stable")
+            s, e = starts[order], ends[order]
+            # merge overlapping intervals (two streams busy at once count once)
+            run_end = np.maximum.accumulate(e)
+            new = np.empty(len(s), dtype=bool)
+            new[0] = True
+            new[1:] = s[1:] > run_end[:-1]
+            ms = s[new]
+            # run_end only grows: a merged interval ends at its last member's running maximum
+            me = run_end[np.flatnonzero(np.append(new[1:], True))]
+        else:
+            ms = me = np.zeros(0, dtype=np.int64)
+        self.s, self.e = ms, me
+        self.len = me - ms
+        self.cum = np.concatenate([[0], np.cumsum(self.len)])
+
+    def covered(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Busy time in [a, b): busy time before b minus busy time before a. Meant for cache-sized
+        blocks (`blocks`): on a long trace the arrays of a whole boundary spill
+        every cache, and each pass then costs a trip to memory."""
+        s, ln, cum = self.s, self.len, self.cum
+        if len(s) == 0:
+            return np.zeros(len(a), dtype=np.int64)
+        if not len(a):
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = int(a.min()), int(b.max())
+        i = search(s, a, lo, hi) - 1
+        j = search(s, b, lo, hi) - 1
+        ic, jc = np.maximum(i, 0), np.maximum(j, 0)
+        fa = np.minimum(np.maximum(a - s[ic], 0), ln[ic])
+        fb = np.minimum(np.maximum(b - s[jc], 0), ln[jc])
+        fa[i < 0] = 0
+        fb[j < 0] = 0
+        return (cum[jc] + fb) - (cum[ic] + fa)
+
+
+def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals [s, e) minus the union of [cs, ce), as sorted disjoint intervals.
+
+    One sweep over all endpoints: a segment between consecutive endpoints is kept when some
+    [s, e) is open and no [cs, ce) is (zero-length segments at tied endpoints drop out).
+    """
+    if not len(cs) or not len(s):
+        return s, e
+    t = np.concatenate([s, e, cs, ce])
+    n, m = len(s), len(cs)
+    busy = np.concatenate([np.ones(n, np.int64), -np.ones(n, np.int64), np.zeros(2 * m, np.int64)])
+    wait = np.concatenate([np.zeros(2 * n, np.int64), np.ones(m, np.int64), -np.ones(m, np.int64)])
+    order = np.argsort(t, kind="stable")
+    t, b, w = t[order], np.cumsum(busy[order]), np.cumsum(wait[order])
+    keep = (b[:-1] > 0) & (w[:-1] == 0) & (t[1:] > t[:-1])
+    return t[:-1][keep], t[1:][keep]
+
+
