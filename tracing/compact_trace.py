@@ -49,11 +49,7 @@ def compact_trace(root: str | Path, targets: Targets | None = None) -> CompactRe
     if live:
         raise TraceError(f"trace {r} is still being written (rank {live[0]}'s writer is running); "
                          "compact it when the run has ended")
-    # The trace must read before it is touched: a bad manifest, a committed part that is gone.
-    for t, parts in Trace.open(r).parts.items():
-        gone = next((p for p in parts if not p.path.is_file()), None)
-        if gone is not None:
-            raise TraceError(f"corrupt {t}/ table in {r}: the manifest names {gone.path.name}, which is missing")
+    _verify(Trace.open(r))
     if meta.get("store") != STORE:
         _adopt_legacy(r, meta)
     try:
@@ -76,6 +72,18 @@ def compact_trace(root: str | Path, targets: Targets | None = None) -> CompactRe
         for lk in locks:
             lk.release()
     return CompactResult(before, after, merges, removed)
+
+
+def _verify(tr: Trace) -> None:
+    """Every committed part must read whole before anything is rewritten: a corrupt
+    trace is refused untouched, never half compacted. One part at a time, so the
+    check holds no more than a part in memory."""
+    for t, parts in tr.parts.items():
+        if t not in TABLES:
+            continue
+        for p in parts:
+            one = Trace(tr.root, tr.meta, tr.status, tr.legacy, {t: [p]})
+            one.table(t)  # TraceError for a missing, truncated, garbled or mistyped part
 
 
 def _adopt_legacy(r: Path, meta: dict[str, object]) -> None:
