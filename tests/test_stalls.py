@@ -50,6 +50,15 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     assert "wait cycle" in text and "main-stream" in text
     # the rest of the trace was flushed and is readable
     assert read_table(out, "steps").num_rows > 0
+    # ... and says how the run ended, first thing, in every command
+    for cmd in ("report", "stalls", "leaks"):
+        first = mstrace(cmd, str(out)).stdout.splitlines()[0]
+        assert first.startswith("STALLED: the run ended in a stall: engine stalled:"), (cmd, first)
+    rep = json.loads(mstrace("report", str(out), "--json").stdout)
+    assert rep["status"]["state"] == "stalled" and rep["status"]["clipped"].get("probes", 0) > 0
+    # the stalled round's seconds-long barrier is clipped, not charged to the last round that finished
+    barrier = next(b for b in rep["boundaries"] if b["boundary"] == "scheduler_barrier")
+    assert barrier["mean_ms"] < 1000, barrier
 
 
 def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):

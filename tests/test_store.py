@@ -107,7 +107,7 @@ def test_a_crash_at_any_file_operation_of_compaction_loses_and_duplicates_nothin
         shutil.copytree(base, t)
         calls = 0
 
-        def crashing(*a, **kw):
+        def crashing(*a, k=k, **kw):
             nonlocal calls
             calls += 1
             if calls > k:
@@ -132,8 +132,8 @@ def test_a_crash_at_any_file_operation_of_compaction_loses_and_duplicates_nothin
 
 
 def test_legacy_trace_reads_every_part_and_compact_adopts_it(tmp_path: Path) -> None:
-    from tracing.writer import write_parquet_atomic
     from tracing.schema import PROBES
+    from tracing.writer import write_parquet_atomic
 
     (tmp_path / "probes").mkdir()
     for i in range(5):

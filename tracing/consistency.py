@@ -7,7 +7,9 @@ The references the analyses follow:
 On a complete trace a broken reference means the trace is corrupt: `TraceError`.
 On any other (killed, stalled, failed, interrupted) the rows of the round that
 never finished, and anything naming a round that is not on disk, are clipped and
-counted in `RunStatus.clipped`, so no analysis joins against rows that are not there.
+counted in `RunStatus.clipped`, so no analysis joins against rows that are not
+there, and the unfinished round's waits (a stalled barrier of seconds) are not
+charged to the last round that did finish.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str
     """The wanted tables (name -> columns, None for all), references checked or clipped.
 
     `steps` is always read (what the references point at); it is returned when wanted."""
-    step_cols: list[str] | None = ["step", "collect_ns"]
+    need = ["step", "collect_ns", "ts_ns", "dur_ns"]
+    step_cols: list[str] | None = need
     if "steps" in want:
         wanted = want["steps"]
-        step_cols = None if wanted is None else list(dict.fromkeys([*wanted, "step", "collect_ns"]))
+        step_cols = None if wanted is None else list(dict.fromkeys([*wanted, *need]))
     steps = trace.table("steps", step_cols)
     _check_unique_steps(trace, steps)
     last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
+    # when the last committed round handed off its tokens
+    last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) if steps.num_rows else None
     out: dict[str, pa.Table] = {}
     for name, cols in want.items():
         if name == "steps":
@@ -39,7 +44,7 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str
         extra = ["step"] if name in STEP_TABLES and cols is not None and "step" not in cols else []
         t = trace.table(name, None if cols is None else [*cols, *extra])
         if name in STEP_TABLES and not trace.status.complete:
-            t = _clip_past(trace, name, t, last)
+            t = _clip_past(trace, name, t, last, last_end if name == "probes" else None)
         if name == "requests" and "token_runs" in t.column_names:
             t = _check_token_runs(trace, t, steps)
         out[name] = t.drop_columns(extra) if extra else t
@@ -67,11 +72,16 @@ def _clip(trace: Trace, name: str, t: pa.Table, keep: pa.Array | np.ndarray) -> 
     return t
 
 
-def _clip_past(trace: Trace, name: str, t: pa.Table, last: int | None) -> pa.Table:
-    """An unfinished run: rows of rounds after the last committed steps row."""
+def _clip_past(trace: Trace, name: str, t: pa.Table, last: int | None, last_end: int | None) -> pa.Table:
+    """An unfinished run: rows of rounds after the last committed steps row, and
+    (`last_end`, probes) rows that start after that round handed off: in overlap
+    mode the next round waits on this round's launches under this round's number,
+    so a round that never finished leaves rows that name the last committed one."""
     if not t.num_rows:
         return t
     keep = pc.less(t["step"], 0) if last is None else pc.less_equal(t["step"], last)
+    if last_end is not None and "ts_ns" in t.column_names:
+        keep = pc.and_(keep, pc.less(t["ts_ns"], last_end))
     return _clip(trace, name, t, keep.combine_chunks() if isinstance(keep, pa.ChunkedArray) else keep)
 
 
