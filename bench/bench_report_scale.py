@@ -1,46 +1,70 @@
-"""`mstrace report` on a ~10 M probe-row trace: wall time and peak memory.
+"""`mstrace report` on a ~10 M probe-row trace, in both layouts: wall time and peak memory.
 
-    python bench/bench_report_scale.py [--probe-rows 10000000] [--repeats 3]
+    python bench/bench_report_scale.py [--probe-rows 10000000] [--repeats 3] [--flush-files]
 
-Builds a real tiny-model trace, replicates it (bench/gen_big_trace.py) with
-shifted times and steps, then runs `mstrace report` as a user would, under
-/usr/bin/time -v, and prints the median wall time and the max peak RSS.
+Builds a real tiny-model trace, replicates it (bench/gen_big_trace.py) with shifted
+times and steps into the uncompacted layout a long run leaves (one row group per
+0.5 s flush; `--rows-per-group N`: one per N rows of each table; `--flush-files`: one
+part file per flush), then `mstrace compact`s a copy
+of it, and runs `mstrace report` on each as a user would, under /usr/bin/time -v:
+median wall time and max peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from common import OUT, REPO, load, mstrace_run
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "viewer.cli", *cmd],
+                       cwd=REPO, capture_output=True, text=True, check=True)
+    m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", p.stderr)
+    r = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
+    assert m is not None and r is not None
+    return int(m.group(1)) * 60 + float(m.group(2)), int(r.group(1)) / 1e6
+
+
+def bench(trace: Path, repeats: int, label: str) -> None:
+    runs = [timed(["report", str(trace)]) for _ in range(repeats)]
+    walls = [w for w, _ in runs]
+    print(f"{label}: report wall median {statistics.median(walls):.2f} s "
+          f"(runs {', '.join(f'{w:.2f}' for w in walls)}), peak RSS max {max(r for _, r in runs):.2f} GB",
+          flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--probe-rows", type=int, default=10_000_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--flush-files", action="store_true", help="uncompacted: one part file per flush")
+    ap.add_argument("--rows-per-group", type=int, default=0,
+                    help="uncompacted: one row group per this many rows of each table, not per flush")
     a = ap.parse_args()
-    src, big = OUT / "scale_src", OUT / "scale_big"
+    src, unc, cmp_ = OUT / "scale_src", OUT / "scale_uncompacted", OUT / "scale_compacted"
     mstrace_run(src, "--model", "tiny", "--requests", "64", "--seed", "0")
-    subprocess.run([sys.executable, str(REPO / "bench" / "gen_big_trace.py"), str(src), str(big),
-                    "--probe-rows", str(a.probe_rows)], check=True, cwd=REPO)
-    print(f"load before: {load()}")
-    walls, rss = [], []
-    for _ in range(a.repeats):
-        p = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "viewer.cli", "report", str(big)],
-                           cwd=REPO, capture_output=True, text=True, check=True)
-        m = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", p.stderr)
-        assert m is not None
-        walls.append(int(m.group(1)) * 60 + float(m.group(2)))
-        r = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
-        assert r is not None
-        rss.append(int(r.group(1)) / 1e6)
-    print(f"load after: {load()}")
-    print(f"report on {a.probe_rows} probe rows: wall median {statistics.median(walls):.2f} s "
-          f"(runs {', '.join(f'{w:.2f}' for w in walls)}), peak RSS max {max(rss):.2f} GB")
+    gen = [sys.executable, str(REPO / "bench" / "gen_big_trace.py"), str(src), str(unc),
+           "--probe-rows", str(a.probe_rows), "--rows-per-group", str(a.rows_per_group),
+           *(["--flush-files"] if a.flush_files else [])]
+    subprocess.run(gen, check=True, cwd=REPO)
+    if cmp_.exists():
+        shutil.rmtree(cmp_)
+    shutil.copytree(unc, cmp_)
+    t = time.perf_counter()
+    w, rss = timed(["compact", str(cmp_)])
+    print(f"mstrace compact: {w:.1f} s wall, peak RSS {rss:.2f} GB", flush=True)
+    print(f"load before: {load()}", flush=True)
+    bench(unc, a.repeats, "uncompacted")
+    bench(cmp_, a.repeats, "compacted")
+    print(f"load after: {load()}; total {time.perf_counter() - t:.0f} s")
 
 
 if __name__ == "__main__":

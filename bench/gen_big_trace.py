@@ -75,10 +75,12 @@ def replicate(src: Path, probe_rows: int) -> tuple[dict[str, pa.Table], dict[str
     return big, tr.meta, k
 
 
-def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, object], files: bool) -> int:
+def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, object], files: bool,
+                      rows_per_group: int = 0) -> int:
     """One row group per table per flush window (`files`: one part file per flush
     window, as the writer of older versions left them), committed in one manifest.
-    Returns the number of flush windows of the probes table."""
+    `rows_per_group`: instead, one row group per that many rows of every table (the
+    replication the issue measured). Returns the number of row groups of probes."""
     for name in TABLES:
         (out / name).mkdir(parents=True)
     store = PartStore(out, Manifest(0), TABLES, Targets())
@@ -86,11 +88,14 @@ def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, ob
                 ((FLUSH_TIME[n], tables[n]) for n in tables))
     windows = 0
     for name, t in tables.items():
-        ts = t[FLUSH_TIME[name]].to_numpy()
-        window = (np.maximum(ts - t_min, 0) // int(FLUSH_S * 1e9)).astype(np.int64)
-        order = np.argsort(window, kind="stable")  # a flush keeps its producers' append order
-        t, window = t.take(pa.array(order)), window[order]
-        cuts = np.flatnonzero(np.diff(window)) + 1
+        if rows_per_group:
+            cuts = np.arange(rows_per_group, t.num_rows, rows_per_group)
+        else:
+            ts = t[FLUSH_TIME[name]].to_numpy()
+            window = (np.maximum(ts - t_min, 0) // int(FLUSH_S * 1e9)).astype(np.int64)
+            order = np.argsort(window, kind="stable")  # a flush keeps its producers' append order
+            t, window = t.take(pa.array(order)), window[order]
+            cuts = np.flatnonzero(np.diff(window)) + 1
         bounds = list(zip([0, *cuts.tolist()], [*cuts.tolist(), t.num_rows], strict=True))
         windows = windows or len(bounds)
         if files:
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--probe-rows", type=int, default=10_000_000)
     ap.add_argument("--layout", choices=("uncompacted", "compacted"), default="uncompacted")
+    ap.add_argument("--rows-per-group", type=int, default=0,
+                    help="uncompacted: one row group per this many rows of each table, not per flush")
     ap.add_argument("--flush-files", action="store_true",
                     help="uncompacted: one part file per flush (not one row group per flush)")
     a = ap.parse_args()
@@ -137,10 +144,11 @@ def main() -> None:
     meta = {**meta, "replicated": {"from": str(a.src), "copies": k}}
     if a.out.exists():
         shutil.rmtree(a.out)
-    windows = write_uncompacted(a.out, tables, meta, a.flush_files)
+    groups = write_uncompacted(a.out, tables, meta, a.flush_files, a.rows_per_group)
     what = "part files" if a.flush_files else "row groups"
-    print(f"{k} copies -> {tables['probes'].num_rows} probe rows in {windows} flush windows "
-          f"({windows} {what} in probes/) in {a.out}")
+    per = f"{a.rows_per_group} rows each" if a.rows_per_group else f"one per {FLUSH_S} s flush"
+    print(f"{k} copies -> {tables['probes'].num_rows} probe rows, {groups} {what} in probes/ ({per}) "
+          f"in {a.out}")
     if a.layout == "compacted":
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "viewer.cli", "compact", str(a.out)], check=True)

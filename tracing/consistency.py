@@ -41,9 +41,10 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str
     for name, cols in want.items():
         if name == "steps":
             continue
-        extra = ["step"] if name in STEP_TABLES and cols is not None and "step" not in cols else []
+        clip = name in STEP_TABLES and not trace.status.complete
+        extra = ["step"] if clip and cols is not None and "step" not in cols else []
         t = trace.table(name, None if cols is None else [*cols, *extra])
-        if name in STEP_TABLES and not trace.status.complete:
+        if clip:
             t = _clip_past(trace, name, t, last, last_end if name == "probes" else None)
         if name == "requests" and "token_runs" in t.column_names:
             t = _check_token_runs(trace, t, steps)

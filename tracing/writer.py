@@ -38,18 +38,25 @@ from tracing.store_lock import WriterLock
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     """Per-column encodings: flat integer columns (timestamps, durations,
-    steps) as DELTA_BINARY_PACKED, strings dictionary-encoded, all zstd.
+    steps) as DELTA_BINARY_PACKED, strings dictionary-encoded.
     Measured on a 10 M-row probes table: 56 MB -> 5 MB, read 0.35 s -> 0.15 s.
     List columns keep the default: delta-decoding 50 M token timestamps was
-    3x slower than plain + zstd (1.0 s vs 0.3 s)."""
+    3x slower than plain + zstd (1.0 s vs 0.3 s).
+    Codecs: lz4 for the flat columns (after delta encoding zstd saves almost nothing
+    there, and lz4 decodes a 1 M-row probes part in 26 ms against 44, and a column chunk
+    of a small flush in 10 us against 17); zstd for lists and free text (the requests
+    table's token ids: 7.5 MB against 18.6 with lz4)."""
     enc: dict[str, str] = {}
     dictionary: list[str] = []
+    codec: dict[str, str] = {}
     for f in schema:
         if pa.types.is_integer(f.type):
             enc[f.name] = "DELTA_BINARY_PACKED"
         elif pa.types.is_dictionary(f.type) or pa.types.is_string(f.type):
             dictionary.append(f.name)
-    return {"compression": "zstd", "use_dictionary": dictionary, "column_encoding": enc}
+        flat = pa.types.is_integer(f.type) or pa.types.is_dictionary(f.type) or pa.types.is_boolean(f.type)
+        codec[f.name] = "lz4" if flat else "zstd"
+    return {"compression": codec, "use_dictionary": dictionary, "column_encoding": enc}
 
 
 def write_parquet_atomic(table: pa.Table, final: Path, row_group_size: int | None = None) -> None:

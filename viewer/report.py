@@ -23,8 +23,8 @@ from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
-PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]
-STEP_COLUMNS = ["step", "mode", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
+STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
 
@@ -42,7 +42,10 @@ class ReportInputs:
 
 def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) -> ReportInputs:
     trace = Trace.open(root)
-    t = read_consistent(trace, {"probes": PROBE_COLUMNS, "steps": STEP_COLUMNS, "requests": request_columns})
+    ranks = trace.meta.get("ranks")
+    # A long trace's probes are most of its bytes: skip the rank column when the run had one rank.
+    probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
+    t = read_consistent(trace, {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns})
     return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
 
 
@@ -80,13 +83,7 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
         "latency": {k: _dist(getattr(serving, k)) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
         "kv": kv.to_dict(),
     }
-    modes = pc.unique(steps["mode"]).to_pylist() if steps.num_rows else []
-    if len(modes) > 1:
-        rep["per_mode"] = {
-            str(m): _cost_dict(cost_table(probes, steps.filter(pc.equal(steps["mode"], m)), collectives=colls))
-            for m in modes
-        }
-    ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows else []
+    ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows and "rank" in probes.column_names else []
     if len(ranks) > 1:
         # every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
         rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r, collectives=colls))
@@ -174,8 +171,6 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
     else:
         render_cost(console, rep, "sync-cost table (device view; exposed shares sum to the cycle)")
-    for m, c in rep.get("per_mode", {}).items():
-        render_cost(console, c, f"mode {m}")
     for r, c in rep.get("per_rank", {}).items():
         render_cost(console, c, f"rank {r} (against rank 0's cycles)")
     if rep.get("per_rank"):

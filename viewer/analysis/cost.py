@@ -119,7 +119,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     E[-1] = S[-1] + D[-1]
 
     idle_from: tuple[np.ndarray, np.ndarray] | None = None  # (ts, dur) of idle rows, when not `rank`'s own
-    if rank is not None and probes.num_rows:
+    if rank is not None and probes.num_rows and "rank" in probes.column_names:
         lo_hi = pc.min_max(probes["rank"]).as_py()
         if (lo_hi["min"], lo_hi["max"]) != (rank, rank):  # the filter copies every column: skip it when it is a no-op
             if rank != 0:

@@ -162,8 +162,8 @@ def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np
             continue
         s0, cnt = flat[0::2] - base, flat[1::2]
         # rounds s0+1 .. s0+cnt-1 each contribute one gap (c[i] - c[i-1])
-        np.add.at(cover, s0 + 1, 1)
-        np.add.at(cover, s0 + cnt, -1)
+        # (bincount, not np.add.at: the same sums at a fraction of the cost)
+        cover += np.bincount(s0 + 1, minlength=len(cover)) - np.bincount(s0 + cnt, minlength=len(cover))
         # gaps between consecutive runs of the same request
         owner = np.repeat(np.arange(len(chunk)), pc.list_value_length(chunk).to_numpy() // 2)
         same = owner[1:] == owner[:-1]
