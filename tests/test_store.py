@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -206,3 +207,41 @@ def test_duplicate_steps_are_a_corrupt_trace(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(TraceError, match="steps has 2 rows for round 1"):
         read_consistent(Trace.open(tmp_path), {"probes": ["step"]})
+
+
+def test_the_writers_own_thread_flushes_and_compacts_while_rows_arrive(tmp_path: Path) -> None:
+    import threading
+
+    w = TraceWriter(tmp_path, flush_interval_s=0.005, targets=SMALL)
+    w.write_meta({})
+    buf = w.buffer("probes")
+    stop = threading.Event()
+    n = 0
+
+    def produce() -> None:
+        nonlocal n
+        while not stop.is_set() or n < 400:  # at least 400 rows, over many flushes
+            buf.append(probe_row(n))
+            n += 1
+            if n % 4 == 0:
+                stop.wait(0.001)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    deadline = time.monotonic() + 30
+    while read_manifests(tmp_path)[0].epoch < 60 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join()
+    w.close()
+    m = read_manifests(tmp_path)[0]
+    assert m.epoch >= 60  # many commits: flushes and merges
+    # merged as it went and at the end: parts above half the target, not one per flush
+    assert len(m.tables["probes"]) <= 2 * n // SMALL.max_rows + 1, [e.rows for e in m.tables["probes"]]
+    assert steps_of(tmp_path) == list(range(n))
+
+
+def test_an_error_status_says_so(tmp_path: Path) -> None:
+    _trace_with_requests(tmp_path, [1, 2], [1, 2], "error")
+    st = Trace.open(tmp_path).status
+    assert st.state == "error" and (st.headline() or "").startswith("FAILED: the run ended in an error")

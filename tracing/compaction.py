@@ -72,14 +72,19 @@ def plan_tiered(entries: list[PartEntry], t: Targets) -> Iterator[Merge | int]:
 
 
 def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
-    """At the end: pack each run of consecutive unsealed parts into parts within the targets."""
+    """At the end: pack each run of consecutive parts below the targets into parts within
+    them (and rewrite a part alone whose row groups are smaller than its rows need)."""
     i, n = 0, len(entries)
+
+    def full(e: PartEntry) -> bool:  # (a part sealed only because its neighbour was large still packs)
+        return t.sealed(e.rows, e.nbytes)
+
     while i < n:
-        if entries[i].level == SEALED:
+        if full(entries[i]) and entries[i].row_groups <= -(-entries[i].rows // t.max_rows):
             i += 1
             continue
         j, rows, nbytes = i, 0, 0
-        while (j < n and entries[j].level != SEALED
+        while (j < n and (j == i or not full(entries[j]))
                and (j == i or (rows + entries[j].rows <= t.max_rows and nbytes + entries[j].nbytes <= t.max_bytes))):
             rows, nbytes = rows + entries[j].rows, nbytes + entries[j].nbytes
             j += 1
