@@ -23,8 +23,10 @@ from tracing.reader import Trace, TraceError
 STEP_TABLES = ("probes", "timeline", "memory")
 
 
-def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str, pa.Table]:
-    """The wanted tables (name -> columns, None for all), references checked or clipped.
+def read_consistent(trace: Trace, want: dict[str, list[str] | None],
+                    dictionary: dict[str, tuple[str, ...]] | None = None) -> dict[str, pa.Table]:
+    """The wanted tables (name -> columns, None for all), references checked or clipped;
+    `dictionary`: per table, string columns to read dictionary-encoded.
 
     `steps` is always read (what the references point at); it is returned when wanted."""
     need = ["step", "collect_ns", "ts_ns", "dur_ns"]
@@ -43,7 +45,7 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None]) -> dict[str
             continue
         clip = name in STEP_TABLES and not trace.status.complete
         extra = ["step"] if clip and cols is not None and "step" not in cols else []
-        t = trace.table(name, None if cols is None else [*cols, *extra])
+        t = trace.table(name, None if cols is None else [*cols, *extra], (dictionary or {}).get(name, ()))
         if clip:
             t = _clip_past(trace, name, t, last, last_end if name == "probes" else None)
         if name == "requests" and "token_runs" in t.column_names:

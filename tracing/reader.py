@@ -80,7 +80,9 @@ class Trace:
     def has_table(self, name: str) -> bool:
         return (self.root / name).is_dir()
 
-    def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+    def table(self, name: str, columns: list[str] | None = None, dictionary: tuple[str, ...] = ()) -> pa.Table:
+        """`dictionary`: string columns to read dictionary-encoded (as Parquet stores
+        them), so ten million repeated request ids are not built as strings."""
         if name not in TABLES:
             raise TraceError(f"unknown table {name!r}; tables: {', '.join(TABLES)}")
         if not self.has_table(name):
@@ -95,7 +97,7 @@ class Trace:
             gone = next((p for p in parts if not p.path.is_file()), None)
             if gone is None:
                 try:
-                    t = _read_parts(parts, schema, columns)
+                    t = _read_parts(parts, schema, columns, dictionary)
                     break
                 except FileNotFoundError as e:  # removed by a live compaction meanwhile
                     gone = Part(Path(e.filename or "?"), None)
@@ -127,7 +129,8 @@ class _PartSchemaError(Exception):
     pass
 
 
-def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None) -> pa.Table:
+def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
+                dictionary: tuple[str, ...] = ()) -> pa.Table:
     """The parts' rows in order, as one chunk per column.
 
     Each part is read with ParquetFile, not the dataset scanner: on a trace of
@@ -136,18 +139,20 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None)
     threads (decoding releases the GIL), then their string dictionaries unified and
     chunks combined, so analyses never loop over thousands of chunks."""
     names = columns if columns is not None else schema.names
-    want = pa.schema([schema.field(c) for c in names])
+    dictionary = tuple(c for c in dictionary if c in names)
+    as_dict = pa.dictionary(pa.int32(), pa.string())
+    want = pa.schema([schema.field(c).with_type(as_dict) if c in dictionary else schema.field(c) for c in names])
     if not parts:
         return want.empty_table()
 
     def one(p: Part) -> pa.Table:
-        pf = pq.ParquetFile(p.path)
+        pf = pq.ParquetFile(p.path, read_dictionary=dictionary or None)
         got = pf.schema_arrow
         for f in want:
             i = got.get_field_index(f.name)
             if i < 0:
                 raise _PartSchemaError(f"{p.path.name} has no column {f.name!r}")
-            if got.field(i).type != f.type:
+            if got.field(i).type != f.type and not (f.name in dictionary and got.field(i).type == pa.string()):
                 raise _PartSchemaError(f"{p.path.name} column {f.name!r} is {got.field(i).type}, not {f.type}")
         return pf.read(columns=names, use_threads=False)
 

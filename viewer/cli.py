@@ -175,7 +175,8 @@ def leaks(
 
     try:
         tr = Trace.open(trace)
-        t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]})
+        t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]},
+                            dictionary={"memory": ("request_id",)})
         rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
                           run_ended=tr.status.complete)
     except TraceError as e:
