@@ -4,13 +4,28 @@ fragmented), and the stalls/leaks commands on a real tiny run."""
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
+import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import viewer.analysis.leak_fragmentation as frag_mod
+import viewer.analysis.leak_replay as replay_mod
+import viewer.analysis.leaks as leaks_mod
 from tests.cli import mstrace
+from tests.leak_oracle import oracle_leak_report
 from tracing.schema import MEMORY, REQUESTS
-from viewer.analysis.leaks import HeldBlocks, frag_point, largest_run, leak_report
+from viewer.analysis.leaks import (
+    MAX_ANOMALIES,
+    HeldBlocks,
+    LeakReport,
+    frag_point,
+    largest_run,
+    leak_report,
+)
 
 CAP = 10
 
@@ -170,3 +185,161 @@ def test_stalls_and_leaks_do_not_import_torch_or_the_engine(tiny_trace):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- the vectorised replay vs the oracle
+RIDS = ["r0", "r1", "r2", "r3", "r4", "", None]
+
+
+class _Engine:
+    """A toy block manager emitting memory rows, consistent unless told to misbehave."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.t, self.rows = cap, 0, []
+        self.held: dict[int, dict[str, int]] = {}
+
+    def emit(self, kind, bid, rid, ref) -> None:
+        self.rows.append((self.t, kind, bid, rid, ref))
+
+    def total(self, bid: int) -> int:
+        return sum(self.held.get(bid, {}).values())
+
+    def op(self, code: int, x: int, y: int) -> None:
+        rid = RIDS[y % 5]
+        held = sorted(self.held)
+        if code <= 2:  # alloc a free block
+            free = [b for b in range(self.cap) if b not in self.held]
+            if free:
+                b = free[x % len(free)]
+                self.held[b] = {rid: 1}
+                self.emit("alloc", b, rid, 1)
+        elif code == 3:  # share a block (or revive a free one)
+            b = held[x % len(held)] if held and x % 4 else x % self.cap
+            h = self.held.setdefault(b, {})
+            h[rid] = h.get(rid, 0) + 1
+            self.emit("ref", b, rid, self.total(b))
+        elif code in (4, 5, 6, 7) and held:  # a holder lets go: unref, free or reclaim
+            b = held[x % len(held)]
+            h = self.held[b]
+            r = sorted(h)[y % len(h)]
+            h[r] -= 1
+            if not h[r]:
+                del h[r]
+            left = self.total(b)
+            if not h:
+                del self.held[b]
+            self.emit("reclaim" if code == 7 else "free" if not left else "unref", b, r, left)
+        elif code == 8:
+            self.snapshot(x, y)
+
+    def snapshot(self, x: int, y: int) -> None:
+        if x % 5:  # else: snapshot rows with no snapshot_begin
+            self.emit("snapshot_begin", -1, "", self.cap - len(self.held) + (y % 7 == 0))
+        for b, h in sorted(self.held.items()):
+            if (b + x) % 6:  # else: held behind a fence, unlisted
+                for r, n in h.items():
+                    self.emit("snapshot", b, r, n)
+        if x % 11 == 0:  # a second begin at the same ts: the last one counts
+            self.emit("snapshot_begin", -1, "", y % 4)
+
+    def chaos(self, x: int, y: int, z: int) -> None:
+        kinds = ["alloc", "ref", "unref", "free", "reclaim", "snapshot", "bogus", None]
+        bid = None if z % 23 == 0 else (x % (self.cap + 2)) - (z % 13 == 0)
+        self.emit(kinds[z % len(kinds)], bid, RIDS[y % len(RIDS)], None if z % 5 == 0 else (x + z) % 4)
+
+
+@st.composite
+def scenarios(draw):
+    """(capacity, memory rows, finished requests): mostly a consistent engine, with a drawn share of bad rows."""
+    cap = draw(st.integers(1, 9))
+    chaos = draw(st.sampled_from([0.0, 0.0, 0.02, 0.2]))
+    rnd = draw(st.randoms(use_true_random=False))
+    eng = _Engine(cap)
+    for _ in range(draw(st.integers(0, 250))):
+        eng.t += rnd.choice((0, 0, 1, 2))  # 0: equal timestamps, decided by file order
+        x, y, z = rnd.randrange(50), rnd.randrange(50), rnd.randrange(50)
+        if rnd.random() < chaos:
+            eng.chaos(x, y, z)
+        else:
+            eng.op(rnd.choices(range(9), weights=(3, 3, 3, 2, 2, 2, 2, 1, 1))[0], x, y)
+    rows = eng.rows
+    if draw(st.booleans()):  # file order differs from time order; equal timestamps stay in order
+        keys = [rnd.randrange(1000) for _ in range(eng.t + 1)]
+        rows = sorted(rows, key=lambda r: keys[r[0]])
+    done = draw(st.dictionaries(st.sampled_from(RIDS[:5]), st.sampled_from(["eos", "length", "", None])))
+    return cap, rows, done
+
+
+def _memory_variant(rows: list[tuple], cuts: list[int], dict_rid: bool, plain_kind: bool) -> pa.Table:
+    """The rows as a multi-chunk table (each chunk with its own dictionaries), in one of the column encodings."""
+    schema = MEMORY
+    if dict_rid:
+        schema = schema.set(schema.get_field_index("request_id"), pa.field("request_id", pa.dictionary(pa.int32(), pa.string())))
+    if plain_kind:
+        schema = schema.set(schema.get_field_index("kind"), pa.field("kind", pa.string()))
+    bounds = sorted({0, len(rows), *(c % (len(rows) + 1) for c in cuts)})
+    parts = [memory(rows[a:b]).cast(schema) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+    return pa.concat_tables(parts) if parts else memory([]).cast(schema)
+
+
+def _requests(done: dict, dict_rid: bool = False) -> pa.Table:
+    rid = pa.dictionary(pa.int32(), pa.string()) if dict_rid else pa.string()
+    return pa.table({"request_id": list(done), "finish_reason": list(done.values())},
+                    schema=pa.schema([("request_id", rid), REQUESTS.field("finish_reason")]))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(-1, 3), st.booleans(), st.lists(st.integers(0, 200), max_size=3),
+       st.booleans(), st.booleans(), st.integers(1, 40))
+def test_vectorised_replay_equals_the_oracle(sc, dcap, run_ended, cuts, dict_rid, plain_kind, cells):
+    cap, rows, done = sc
+    capacity = 0 if dcap < 0 else cap + dcap - 1  # 0: inferred; else possibly below the largest block id
+    mem, req = _memory_variant(rows, cuts, dict_rid, plain_kind), _requests(done, dict_rid)
+    try:
+        want = oracle_leak_report(mem, req, capacity, run_ended)
+    except TypeError:  # null block ids among sorted ones: the replay fails, and so must we
+        with pytest.raises(TypeError):
+            leak_report(mem, req, capacity, run_ended)
+        return
+    old, frag_mod.CHUNK_CELLS = frag_mod.CHUNK_CELLS, cells  # several fragmentation chunks
+    try:
+        got = leak_report(mem, req, capacity, run_ended)
+    finally:
+        frag_mod.CHUNK_CELLS = old
+    for f in fields(LeakReport):
+        assert getattr(got, f.name) == getattr(want, f.name), f.name
+    assert got.to_dict() == want.to_dict()
+    # The fast path sends a block to the exact replay only for a real anomaly (each has one at least).
+    assert len(replay_mod.suspect(leaks_mod._replay_state(mem)[2])) <= want.num_anomalies
+
+
+def test_vectorised_replay_finds_anomalies_in_time_order_past_the_cap():
+    """Many bad blocks: the count is exact, the messages are the first MAX_ANOMALIES in time order."""
+    rows = []
+    for t in range(2 * MAX_ANOMALIES):
+        b = (t * 7) % 30  # interleaved blocks, so time order differs from block order
+        rows += [(2 * t, "free", b, "r1", 0), (2 * t + 1, "bogus" if t % 9 == 0 else "unref", b + 100, "r2", 1)]
+    mem, req = memory(rows), _requests({"r1": "eos"})
+    got, want = leak_report(mem, req, 0, True), oracle_leak_report(mem, req, 0, True)
+    assert got == want and got.num_anomalies == 4 * MAX_ANOMALIES and len(got.anomalies) == MAX_ANOMALIES
+
+
+def test_block_order_slow_path_equals_the_packed_one():
+    """Keys too wide for one int64 (vast block ids, many rows) take an argsort: same order."""
+    rng = np.random.default_rng(0)
+    bid, kind, rid = rng.integers(0, 5, 300), rng.integers(0, 5, 300).astype(np.int8), rng.integers(0, 9, 300)
+    pos = np.sort(rng.choice(1000, 300, replace=False))
+    packed = replay_mod._block_order(bid, pos, kind, rid, 9)
+    slow = replay_mod._block_order(bid * (1 << 30), pos * (1 << 28), kind, rid, 9)
+    assert np.array_equal(packed[0].astype(np.int64) << 28, slow[0]) and np.array_equal(packed[0], pos[np.lexsort((pos, bid))])
+    assert all(np.array_equal(a, b) for a, b in zip(packed[1:3], slow[1:3], strict=True))
+    assert np.array_equal(packed[3] * (1 << 30), slow[3]) and np.array_equal(packed[4], slow[4])
+
+
+def test_counts_too_large_for_int16_cells():
+    n = 1 << 15  # one shared block with more holders than an int16 matrix cell holds
+    rows = [(0, "alloc", 2, "r0", 1)] + [(1 + i, "ref", 2, f"q{i}", i + 2) for i in range(n)]
+    rows += [(n + 1, "snapshot_begin", -1, "", CAP - 1), (n + 2, "unref", 2, "r0", n)]
+    mem, req = memory(rows), _requests({"r0": "eos"})
+    got, want = leak_report(mem, req, CAP, True), oracle_leak_report(mem, req, CAP, True)
+    assert got == want and got.fragmentation[0].free_blocks == CAP - 1 and got.num_anomalies == 0

@@ -12,16 +12,27 @@ fragmentation over time.
 A block still held when the trace ends is a leak when its holder is finished
 (it has a row in `requests`), or is unknown to `requests` although the run
 ended cleanly. In a killed run an unknown holder was simply still running.
+
+How it is done at scale: leak_replay.py (the replay) and leak_fragmentation.py
+(the free blocks at each snapshot).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-MAX_ANOMALIES = 50  # keep the report readable when a trace is badly inconsistent
+from viewer.analysis import leak_fragmentation as frag
+from viewer.analysis import leak_replay as replay
+from viewer.analysis.leak_fragmentation import FragPoint
+from viewer.analysis.leak_replay import MAX_ANOMALIES
+
+__all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "frag_point", "largest_run", "leak_report"]
 
 
 @dataclass(slots=True)
@@ -30,17 +41,6 @@ class HeldBlocks:
     status: str  # "finished" (in requests), "unknown" (not in requests) or "running" (killed run)
     finish_reason: str | None
     block_ids: list[int]
-
-
-@dataclass(slots=True)
-class FragPoint:
-    ts_ns: int
-    step: int
-    free_blocks: int  # block ids held by nobody, per the snapshot and the replay
-    free_reported: int | None  # the engine's own free count (snapshot_begin.ref_count)
-    free_ratio: float
-    largest_free_run: int  # longest run of contiguous free block ids
-    frag_index: float  # 1 - largest_free_run / free_blocks; 0 with no free blocks
 
 
 @dataclass(slots=True)
@@ -92,117 +92,26 @@ def largest_run(sorted_ids: list[int]) -> int:
     return best
 
 
+
 def frag_point(ts_ns: int, step: int, free_ids: list[int], capacity: int,
                free_reported: int | None = None) -> FragPoint:
-    free = len(free_ids)
-    run = largest_run(sorted(free_ids))
-    return FragPoint(ts_ns, step, free, free_reported, free / capacity if capacity else 0.0, run,
-                     1.0 - run / free if free else 0.0)
+    return frag.point(ts_ns, step, len(free_ids), largest_run(sorted(free_ids)), capacity, free_reported)
 
 
-@dataclass(slots=True)
-class _Snap:
-    ts_ns: int
-    step: int
-    free_reported: int | None = None
-    listed: set[int] = field(default_factory=set)  # blocks the snapshot shows held
-    replay_held: set[int] = field(default_factory=set)  # blocks the replay holds at that moment
-
-
-def leak_report(memory: pa.Table, requests: pa.Table, capacity: int, run_ended: bool) -> LeakReport:
-    """Replay `memory`; `requests` needs `request_id` and `finish_reason`; capacity = meta kv_blocks."""
-    m = memory.to_pydict()
-    ts, steps, kinds = m["ts_ns"], m["step"], m["kind"]
-    bids, rids, refs = m["block_id"], m["request_id"], m["ref_count"]
-    # sorted() is stable: equal timestamps keep file order, which is emission order within a producer.
-    order = sorted(range(memory.num_rows), key=ts.__getitem__)
-
-    holders: dict[int, dict[str, int]] = {}  # block -> {request: references}; absent = free
-    reclaimed: dict[str, list[int]] = {}
-    anomalies: list[str] = []
-    n_anom = 0
-    snaps: dict[int, _Snap] = {}
-    events = 0
-    max_bid = -1
-
-    def anomaly(msg: str) -> None:
-        nonlocal n_anom
-        n_anom += 1
-        if len(anomalies) < MAX_ANOMALIES:
-            anomalies.append(msg)
-
-    for i in order:
-        kind, bid, rid = kinds[i], bids[i], rids[i] or ""
-        if bid is not None and bid > max_bid:
-            max_bid = bid
-        if kind == "snapshot_begin":
-            s = snaps.setdefault(ts[i], _Snap(ts[i], steps[i]))
-            s.free_reported = refs[i]
-            s.replay_held = set(holders)
-            continue
-        if kind == "snapshot":
-            snaps.setdefault(ts[i], _Snap(ts[i], steps[i])).listed.add(bid)
-            continue
-        events += 1
-        h = holders.get(bid)
-        if kind == "alloc":
-            if h:
-                anomaly(f"ts {ts[i]}: alloc of block {bid} to {rid} while held by {sorted(h)}")
-            holders[bid] = {rid: 1}
-        elif kind == "ref":
-            h = holders.setdefault(bid, {})  # a ref may revive a free prefix block
-            h[rid] = h.get(rid, 0) + 1
-        elif kind == "unref":
-            if not h or rid not in h:
-                anomaly(f"ts {ts[i]}: unref of block {bid} by {rid}, which does not hold it")
-                continue
-            h[rid] -= 1
-            if h[rid] == 0:
-                del h[rid]
-            if not h:
-                # The engine says others still hold it; the replay lost them.
-                anomaly(f"ts {ts[i]}: unref of block {bid} by {rid} left no holder (ref_count {refs[i]})")
-                del holders[bid]
-        elif kind == "free":
-            if not h:
-                anomaly(f"ts {ts[i]}: free of block {bid} by {rid}, which is already free")
-            elif set(h) != {rid} or h[rid] != 1:
-                anomaly(f"ts {ts[i]}: free of block {bid} by {rid} while held by {h}")
-            holders.pop(bid, None)
-        elif kind == "reclaim":
-            # The GC drops the dead holder's reference: a free when it was the
-            # last one (ref_count 0 after), an unref of a shared block otherwise.
-            reclaimed.setdefault(rid, []).append(bid)
-            if not h or rid not in h:
-                anomaly(f"ts {ts[i]}: reclaim of block {bid} from {rid}, which does not hold it")
-            else:
-                h[rid] -= 1
-                if h[rid] == 0:
-                    del h[rid]
-            if refs[i] == 0 or not holders.get(bid):
-                if holders.get(bid):
-                    anomaly(f"ts {ts[i]}: reclaim freed block {bid} still held by {holders[bid]}")
-                holders.pop(bid, None)
-        else:
-            events -= 1
-            anomaly(f"ts {ts[i]}: unknown memory event kind {kind!r}")
-            continue
-        if kind in ("ref", "unref", "reclaim") and bid in holders:
-            held = sum(holders[bid].values())
-            if refs[i] is not None and refs[i] != held:
-                anomaly(f"ts {ts[i]}: block {bid} ref_count {refs[i]} but the replay counts {held}")
-
-    inferred = capacity <= 0
-    if inferred:
-        capacity = max_bid + 1
-
-    req = requests.select(["request_id", "finish_reason"]).to_pydict()
-    finished = {r: fr for r, fr in zip(req["request_id"], req["finish_reason"], strict=True) if fr}
-
-    by_req: dict[str, list[int]] = {}
-    for bid, h in holders.items():
-        for rid in h:
+# ------------------------------------------------------------ end state
+def _classify(holders: dict[Any, list[str]], requests: pa.Table,
+              run_ended: bool) -> tuple[list[HeldBlocks], list[HeldBlocks]]:
+    by_req: dict[str, list[Any]] = {}
+    for bid, names in holders.items():
+        for rid in names:
             by_req.setdefault(rid, []).append(bid)
+    req = requests.select(["request_id", "finish_reason"])
+    if by_req and req.num_rows:  # only the holders' rows: cheap on a long run's requests
+        col = req["request_id"]
+        col = col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+        req = req.filter(pc.is_in(col, value_set=pa.array(list(by_req), col.type)))
+    d = req.to_pydict() if by_req else {"request_id": [], "finish_reason": []}
+    finished = {r: fr for r, fr in zip(d["request_id"], d["finish_reason"], strict=True) if fr}
     leaks: list[HeldBlocks] = []
     running: list[HeldBlocks] = []
     for rid in sorted(by_req):
@@ -213,20 +122,58 @@ def leak_report(memory: pa.Table, requests: pa.Table, capacity: int, run_ended: 
             leaks.append(HeldBlocks(rid, "unknown", None, ids))
         else:
             running.append(HeldBlocks(rid, "running", None, ids))
+    return leaks, running
 
-    frag = []
-    all_ids = set(range(capacity))
-    for t in sorted(snaps):
-        s = snaps[t]
-        # A snapshot lists only running requests' tables; blocks held elsewhere
-        # (awaiting a device fence) are known to the replay. Free = neither.
-        busy = s.listed | s.replay_held
-        free_ids = sorted(all_ids - busy)  # set difference runs in C: snapshots x capacity adds up
-        frag.append(frag_point(s.ts_ns, s.step, free_ids, capacity, s.free_reported))
 
+def _reclaimed(rows: replay.Rows) -> dict[str, list[int]]:
+    p = np.flatnonzero(rows.kind == replay.RECLAIM)
+    o = np.lexsort((rows.bid[p], rows.rid[p]))
+    codes, ids = rows.rid[p][o], [None if x == replay.NOBID else x for x in rows.bid[p][o].tolist()]
+    at = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]]) if len(p) else p
+    cuts = np.r_[at, len(p)].tolist()
+    # sorted() again on sorted lists is linear, and fails on null block ids as the replay does
+    got = {n: sorted(ids[a:z]) for n, a, z in zip(rows.rids(codes[at]), cuts[:-1], cuts[1:], strict=True)}
+    return {k: got[k] for k in sorted(got)}
+
+
+# ------------------------------------------------------------ the report
+def _replay_state(memory: pa.Table) -> tuple[replay.Rows, frag.Snaps, replay.Blocks]:
+    with ThreadPoolExecutor(1) as pool:
+        # Hashing the request id strings is the costliest step; Arrow does it without the GIL,
+        # so it runs beside the block sort, which does not need them.
+        rids = pool.submit(replay.codes, memory["request_id"], replay.rid_luts)
+        rows = replay.read_rows(memory)
+        sn = frag.snapshots(rows)
+        b = replay.blocks(rows, rids)
+    replay.own_counts(b, rows)
+    return rows, sn, b
+
+
+def leak_report(memory: pa.Table, requests: pa.Table, capacity: int, run_ended: bool) -> LeakReport:
+    """Replay `memory`; `requests` needs `request_id` and `finish_reason`; capacity = meta kv_blocks.
+    Any string column may be dictionary-encoded (cheaper to read and to replay)."""
+    pa.default_memory_pool().release_unused()  # the reader's freed decode buffers: lowers our peak
+    rows, sn, b = _replay_state(memory)
+    ranks = replay.suspect(b)
+    dirty = replay.replay_dirty(rows, b, ranks)
+    clean = np.ones(len(b.ub), bool)
+    clean[ranks] = False
+    anomalies, n_anom = replay.anomalies(rows, dirty)
+    inferred = capacity <= 0
+    if inferred:
+        top = pc.max(memory["block_id"]).as_py()
+        capacity = max(-1, -1 if top is None else top) + 1
+    holders = replay.final_holders(rows, b, clean, dirty)
+    leaks, running = _classify(holders, requests, run_ended)
+    reclaimed = _reclaimed(rows)
+    wide = len(b.ta) and max(b.ta.max(), -b.ta.min()) >= 1 << 14  # a count int16 cells could not hold
+    held = frag.Held(b.spos, b.sbid, b.skind, np.int32 if wide else np.int16,
+                      [None if x == replay.NOBID else x for x in b.ub[ranks].tolist()], dirty.flips)
+    events = len(b.idx)
+    del rows, b  # the block-order arrays: fragmentation's matrix needs the room
     return LeakReport(
         capacity=capacity, capacity_inferred=inferred, run_ended=run_ended, events=events,
         final_held=len(holders), final_free=capacity - len(holders), leaks=leaks,
-        still_running=running, reclaimed={k: sorted(v) for k, v in sorted(reclaimed.items())},
-        anomalies=anomalies, num_anomalies=n_anom, fragmentation=frag,
+        still_running=running, reclaimed=reclaimed, anomalies=anomalies, num_anomalies=n_anom,
+        fragmentation=frag.fragmentation(sn, held, capacity),
     )
