@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.compaction import MAX_ROWS, Targets
+from tracing.compaction import MAX_BYTES, MAX_ROWS, Targets
 from tracing.manifest import Manifest, PartEntry
 from tracing.reader import Trace
 from tracing.schema import TABLES
@@ -108,12 +108,15 @@ def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, ob
 
 
 def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]]) -> list[PartEntry]:
-    """Parts of about MAX_ROWS rows, each flush window its own row group."""
+    """Parts of up to MAX_ROWS rows and MAX_BYTES of Arrow memory (as the writer's
+    merges bound them), each flush window its own row group."""
     entries: list[PartEntry] = []
+    per_row = t.nbytes / max(t.num_rows, 1)
     i = 0
     while i < len(bounds):
         j, start = i, bounds[i][0]
-        while j < len(bounds) and bounds[j][1] - start <= MAX_ROWS:
+        while (j < len(bounds) and bounds[j][1] - start <= MAX_ROWS
+               and (bounds[j][1] - start) * per_row <= MAX_BYTES):
             j += 1
         j = max(j, i + 1)
         file = store.manifest.new_name()

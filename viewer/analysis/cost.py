@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probes import boundaries as B
-from viewer.analysis.intervals import Breakpoints, Coverage, CycleSums, blocks, subtract
+from viewer.analysis.intervals import Coverage, CycleSums, blocks, subtract
 
 # Boundaries that run on the scheduling thread, one at a time: their
 # device-idle parts are disjoint, so they partition the idle time exactly.
@@ -149,7 +149,6 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     ws = np.concatenate([w[0] for w in waits])
     cov = Coverage(*subtract(dev_ts, dev_ts + dev_dur, ws, ws + np.concatenate([w[1] for w in waits])))
     bins = CycleSums(S)
-    where = Breakpoints(S, cov)
 
     def in_cycles(t: np.ndarray) -> np.ndarray:
         return (t >= S[0]) & (t < E[-1])
@@ -172,7 +171,8 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
         exposed = bins.zeros() if name in HOST_EXCLUSIVE else None
         for blk in blocks(len(a_all)):
             a, d = a_all[blk], d_all[blk]
-            ci, h = where.locate(a, a + d)
+            h = cov.covered(a, a + d)
+            ci = bins.cycle_of(a)
             # integer-valued float sums are exact, so these add up to the same totals
             # as summing the rows directly
             bins.add(raw, ci, d)

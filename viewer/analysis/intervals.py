@@ -63,8 +63,11 @@ class Coverage:
 
     def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
         if len(starts):
-            order = np.argsort(starts, kind="stable")
-            s, e = starts[order], ends[order]
+            if bool(np.all(starts[1:] >= starts[:-1])):  # one stream's rows are already in order
+                s, e = starts, ends
+            else:
+                order = np.argsort(starts, kind="stable")
+                s, e = starts[order], ends[order]
             # merge overlapping intervals (two streams busy at once count once)
             run_end = np.maximum.accumulate(e)
             new = np.empty(len(s), dtype=bool)
@@ -115,45 +118,3 @@ def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tu
     t, b, w = t[order], np.cumsum(busy[order]), np.cumsum(wait[order])
     keep = (b[:-1] > 0) & (w[:-1] == 0) & (t[1:] > t[:-1])
     return t[:-1][keep], t[1:][keep]
-
-
-
-
-class Breakpoints:
-    """Cycle starts and merged busy intervals as one sorted list of breakpoints, so a
-    single search per endpoint gives both a row's cycle and the busy time before it
-    (separately: three searches and twice the gathers per row).
-
-    Slot k is [P[k], P[k+1]); it lies in one cycle and is wholly busy or wholly idle.
-    P[0] is a sentinel below every timestamp (cycle 0, idle, nothing busy before it)."""
-
-    def __init__(self, cycle_starts: np.ndarray, cov: Coverage) -> None:
-        n = len(cycle_starts)
-        vals = np.concatenate([cycle_starts, cov.s, cov.e])
-        # one stable sort of three sorted runs, then every slot's state by running sums
-        order = np.argsort(vals, kind="stable")
-        opens = np.concatenate([np.zeros(n, np.int64), np.ones(len(cov.s), np.int64),
-                                -np.ones(len(cov.e), np.int64)])[order]
-        starts = np.concatenate([np.ones(n, np.int64), np.zeros(2 * len(cov.s), np.int64)])[order]
-        P = vals[order]
-        busy = np.cumsum(opens)  # 0 or 1: merged intervals never overlap
-        before = np.zeros(len(P), np.int64)
-        if len(P) > 1:
-            before[1:] = np.cumsum(busy[:-1] * np.diff(P))
-        lowest = np.array([np.iinfo(np.int64).min])
-        self.P = np.concatenate([lowest, P])
-        self.cycle = np.clip(np.concatenate([[0], np.cumsum(starts) - 1]), 0, max(n - 1, 0))
-        self.busy = np.concatenate([[0], busy])
-        self.before = np.concatenate([[0], before])
-
-    def locate(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(cycle of a, busy time in [a, b)) for one block of rows with a <= b."""
-        if not len(a):
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        P, lo, hi = self.P, int(a.min()), int(b.max())
-        k = search(P, a, lo, hi) - 1
-        m = search(P, b, lo, hi) - 1
-        # busy is 0 in the sentinel slot, so its wrapped difference never counts
-        at_a = self.before[k] + self.busy[k] * (a - P[k])
-        at_b = self.before[m] + self.busy[m] * (b - P[m])
-        return self.cycle[k], at_b - at_a
