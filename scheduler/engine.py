@@ -162,6 +162,11 @@ class Engine:
         self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
         self._fenced: list[tuple[list[Event], str, list[int], str]] = []
         self._fenced_blocks = 0
+        # Finished requests whose blocks wait behind the fence: their records go to the
+        # sender once the blocks are free, so a committed requests row never precedes
+        # its frees in the trace (tracing/schema.py DRAIN_ORDER).
+        self._fenced_finish: dict[str, FinishedRecord] = {}
+        self._unfenced: list[str] = []
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
@@ -597,6 +602,7 @@ class Engine:
             if all(ev.query() for ev in fence):
                 self.mm.free(rid, table, kind)
                 self._fenced_blocks -= len(table)
+                self._unfenced.append(rid)
                 if self._pb is not None:
                     self._pb.append((t0, now_ns() - t0, KV_FENCE, "host", self.probes.rank, self.step_no))
             else:
@@ -618,5 +624,14 @@ class Engine:
                 buf.append((ts, step, "snapshot", bid, rid, blocks[bid].ref_count))
 
     def _emit_finished(self, out: StepOutput) -> None:
+        fenced = {rid for _, rid, _, _ in self._fenced}
         for req in self.rm.drain_finished():
-            out.finished.append(FinishedRecord.of(req))
+            rec = FinishedRecord.of(req)
+            if req.request_id in fenced:
+                self._fenced_finish[req.request_id] = rec
+            else:
+                out.finished.append(rec)
+        for rid in self._unfenced:
+            if rid not in fenced and rid in self._fenced_finish:
+                out.finished.append(self._fenced_finish.pop(rid))
+        self._unfenced.clear()

@@ -25,6 +25,7 @@ from tracing.manifest import (
     PartEntry,
     legacy_parts,
     max_seq_on_disk,
+    part_rank,
     read_manifests,
     write_manifest,
 )
@@ -56,7 +57,14 @@ def compact_trace(root: str | Path, targets: Targets | None = None) -> CompactRe
         manifests = read_manifests(r)
     except ManifestError as e:
         raise TraceError(f"trace {r}: {e}") from None
-    locks = [WriterLock.acquire(r, m.rank) for m in manifests]  # no run may start writing meanwhile
+    locks: list[WriterLock] = []
+    try:
+        for m in manifests:  # no run, and no other compact, may write meanwhile
+            locks.append(WriterLock.acquire(r, m.rank))
+    except RuntimeError as e:
+        for lk in locks:
+            lk.release()
+        raise TraceError(str(e)) from None
     try:
         before = sum(len(es) for m in manifests for es in m.tables.values())
         merges = 0
@@ -93,7 +101,7 @@ def _adopt_legacy(r: Path, meta: dict[str, object]) -> None:
         if not (r / t).is_dir():
             continue
         for f in legacy_parts(r, t):
-            rank = int(f[len("part-r"):].split("-", 1)[0]) if f.startswith("part-r") else 0
+            rank = part_rank(f)
             try:
                 md = pq.read_metadata(r / t / f)
             except (pa.ArrowException, OSError) as e:

@@ -80,7 +80,7 @@ def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
         return t.sealed(e.rows, e.nbytes)
 
     while i < n:
-        if full(entries[i]) and entries[i].row_groups <= -(-entries[i].rows // t.max_rows):
+        if full(entries[i]) and entries[i].row_groups <= max(1, -(-entries[i].rows // t.max_rows)):
             i += 1
             continue
         j, rows, nbytes = i, 0, 0
@@ -88,7 +88,7 @@ def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
                and (j == i or (rows + entries[j].rows <= t.max_rows and nbytes + entries[j].nbytes <= t.max_bytes))):
             rows, nbytes = rows + entries[j].rows, nbytes + entries[j].nbytes
             j += 1
-        if j - i >= 2 or entries[i].row_groups > -(-entries[i].rows // t.max_rows):
+        if j - i >= 2 or entries[i].row_groups > max(1, -(-entries[i].rows // t.max_rows)):
             # (a part alone is rewritten when it holds more row groups than its rows need)
             yield Merge(i, j, SEALED if t.sealed(rows, nbytes) else max(e.level for e in entries[i:j]) + 1)
         i = j

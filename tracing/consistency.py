@@ -2,9 +2,10 @@
 
 The references the analyses follow:
   * requests.token_runs -> steps: every round a request's tokens came from has a
-    steps row with a collect time (ITL is computed from those times);
-  * probes / timeline / memory .step -> steps: the round a row belongs to.
-On a complete trace a broken reference means the trace is corrupt: `TraceError`.
+    steps row with a collect time (ITL is computed from those times); on a
+    complete trace a broken one means the trace is corrupt: `TraceError`;
+  * probes / timeline / memory .step -> steps: the round a row belongs to. Rounds
+    with no work have no steps row, so this one is only used to clip.
 On any other (killed, stalled, failed, interrupted) the rows of the round that
 never finished, and anything naming a round that is not on disk, are clipped and
 counted in `RunStatus.clipped`, so no analysis joins against rows that are not
@@ -82,9 +83,10 @@ def _clip_past(trace: Trace, name: str, t: pa.Table, last: int | None, last_end:
     so a round that never finished leaves rows that name the last committed one."""
     if not t.num_rows:
         return t
-    keep = pc.less(t["step"], 0) if last is None else pc.less_equal(t["step"], last)
+    keep = pc.less_equal(t["step"], 0) if last is None else pc.less_equal(t["step"], last)
     if last_end is not None and "ts_ns" in t.column_names:
-        keep = pc.and_(keep, pc.less(t["ts_ns"], last_end))
+        # (<=: the last round's own response_send row starts at its hand-off)
+        keep = pc.and_(keep, pc.less_equal(t["ts_ns"], last_end))
     return _clip(trace, name, t, keep.combine_chunks() if isinstance(keep, pa.ChunkedArray) else keep)
 
 
@@ -101,12 +103,16 @@ def _check_token_runs(trace: Trace, req: pa.Table, steps: pa.Table) -> pa.Table:
     st = st[col > 0]
     if len(s0) == 0:
         return req
-    lo = min(int(s0.min()), int(st.min()) if len(st) else 0)
-    hi = max(int((s0 + cnt).max()), int(st.max()) + 1 if len(st) else 0)
+    # rounds outside the steps table's range (or a garbled count) are broken at once;
+    # the rest are checked against a prefix count over that range only
+    lo, hi = (int(st.min()), int(st.max()) + 1) if len(st) else (0, 0)
+    inside = (cnt > 0) & (s0 >= lo) & (s0 + cnt <= hi)
     have = np.zeros(hi - lo + 1, np.int64)
     have[st - lo] = 1
     cum = np.concatenate([[0], np.cumsum(have)])
-    ok_run = (cnt > 0) & (cum[s0 + cnt - lo] - cum[s0 - lo] == cnt)
+    a = np.where(inside, s0 - lo, 0)
+    b = np.where(inside, s0 + cnt - lo, 0)
+    ok_run = inside & (cum[b] - cum[a] == cnt)
     owner = np.repeat(np.arange(len(runs)), lens // 2)
     bad = np.zeros(len(runs), bool)
     bad[owner[~ok_run]] = True

@@ -34,6 +34,15 @@ _MANIFEST_NAME = re.compile(r"manifest(?:-r(\d+))?\.json")
 _PART_SEQ = re.compile(r"part-(?:r\d+-)?(\d+)\.parquet")
 
 
+def part_prefix(rank: int) -> str:
+    return "part-" if rank == 0 else f"part-r{rank}-"
+
+
+def part_rank(name: str) -> int:
+    """The rank that wrote a part, from its file name."""
+    return int(name[len("part-r"):].split("-", 1)[0]) if name.startswith("part-r") else 0
+
+
 class ManifestError(Exception):
     """A manifest that cannot be trusted. str(e) is one line."""
 
@@ -58,12 +67,8 @@ class Manifest:
     next_seq: int = 0  # the next part number: names are never reused
     tables: dict[str, list[PartEntry]] = field(default_factory=dict)  # commit order
 
-    @property
-    def prefix(self) -> str:
-        return "part-" if self.rank == 0 else f"part-r{self.rank}-"
-
     def new_name(self) -> str:
-        name = f"{self.prefix}{self.next_seq:06d}.parquet"
+        name = f"{part_prefix(self.rank)}{self.next_seq:06d}.parquet"
         self.next_seq += 1
         return name
 
@@ -117,7 +122,7 @@ def read_manifests(root: Path) -> list[Manifest]:
         try:
             obj = json.loads(p.read_text())
         except FileNotFoundError:
-            continue  # a rank's file cannot vanish, but a reader racing `compact` of a legacy trace may
+            continue  # listed by the glob, gone since: nothing removes manifests, so a damaged trace
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"corrupt {p.name}: {e}") from None
         if not isinstance(obj, dict):
@@ -138,7 +143,7 @@ def legacy_parts(root: Path, table: str) -> list[str]:
 def max_seq_on_disk(root: Path, rank: int, tables: list[str]) -> int:
     """The highest part number rank `rank` has used in any table (-1: none): a
     new name must not collide with an uncommitted leftover either."""
-    prefix = "part-" if rank == 0 else f"part-r{rank}-"
+    prefix = part_prefix(rank)
     best = -1
     for t in tables:
         d = root / t

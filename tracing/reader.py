@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracing.manifest import STORE, ManifestError, legacy_parts, read_manifests
+from tracing.manifest import STORE, ManifestError, legacy_parts, part_rank, read_manifests
 from tracing.run_status import RunStatus, run_status
 from tracing.schema import SCHEMA_VERSION, TABLES
 
@@ -75,7 +75,12 @@ class Trace:
         r = Path(root)
         meta = read_meta(r)
         legacy = meta.get("store") != STORE
-        return cls(r, meta, run_status(r, meta), legacy, _committed(r, legacy))
+        parts = _committed(r, legacy)
+        if legacy and read_meta(r).get("store") == STORE:
+            # `mstrace compact` adopted the trace while we listed its files: the
+            # listing may hold a merged part beside its sources; take the manifests
+            meta, legacy, parts = read_meta(r), False, _committed(r, False)
+        return cls(r, meta, run_status(r, meta), legacy, parts)
 
     def has_table(self, name: str) -> bool:
         return (self.root / name).is_dir()
@@ -92,6 +97,9 @@ class Trace:
             missing = [c for c in columns if c not in schema.names]
             if missing:
                 raise TraceError(f"table {name} has no column {missing[0]!r}")
+        # A retry reads a later snapshot; rows only ever append (merges keep their order),
+        # so each rank's rows are cut back to what the first snapshot committed.
+        first = _rows_by_rank(self.parts.get(name, []))
         for attempt in range(_REOPEN_TRIES):
             parts = self.parts.get(name, [])
             gone = next((p for p in parts if not p.path.is_file()), None)
@@ -117,7 +125,26 @@ class Trace:
         if not self.legacy and t.num_rows != want:
             raise TraceError(f"corrupt {name}/ table in {self.root}: its parts hold {t.num_rows} rows, "
                              f"the manifest committed {want}")
+        if attempt and not self.legacy:
+            t = _cut_to(t, _rows_by_rank(parts), first)
         return t
+
+
+def _rows_by_rank(parts: list[Part]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for p in parts:
+        r = part_rank(p.path.name)
+        out[r] = out.get(r, 0) + (p.rows or 0)
+    return out
+
+
+def _cut_to(t: pa.Table, now: dict[int, int], first: dict[int, int]) -> pa.Table:
+    """Rows are rank after rank (manifests are read in rank order): keep each rank's first rows."""
+    pieces, at = [], 0
+    for rank in sorted(now):
+        pieces.append(t.slice(at, min(now[rank], first.get(rank, 0))))
+        at += now[rank]
+    return pa.concat_tables(pieces).combine_chunks() if pieces else t
 
 
 def read_table(root: str | Path, name: str, columns: list[str] | None = None) -> pa.Table:

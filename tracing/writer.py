@@ -95,7 +95,7 @@ class PartStore:
     def compact(self, final: bool) -> int:
         """Merge until the plan has nothing left; returns the number of merges."""
         merges = 0
-        for name in list(self.manifest.tables):
+        for name in [t for t in self.manifest.tables if t in self.schemas]:  # (a newer version's tables stay)
             while True:
                 entries = self.manifest.tables[name]
                 plan = plan_full(entries, self.targets) if final else plan_tiered(entries, self.targets)
@@ -160,6 +160,8 @@ class TraceWriter:
         self._interval = flush_interval_s
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
+        self._retry: dict[str, list[tuple[Any, ...]]] = {}  # rows of a flush whose write failed
+        self.last_error: BaseException | None = None  # the background thread's, kept for diagnosis
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="trace-writer", daemon=True)
         self._thread.start()
@@ -187,15 +189,24 @@ class TraceWriter:
     def flush(self) -> None:
         """Drain every buffer, write one part per table, commit them together."""
         with self._flush_lock:
-            drained = [(name, self._drain(name)) for name in self._order]
-            added = {name: [self._store.write_part(name, self._table(name, rows))] for name, rows in drained if rows}
-            if added:
-                self._store.commit(added)
-                for name, rows in drained:
-                    self._rows_written[name] += len(rows)
+            drained = [(name, self._retry.pop(name, []) + self._drain(name)) for name in self._order]
+            try:
+                added = {name: [self._store.write_part(name, self._table(name, rows))]
+                         for name, rows in drained if rows}
+                if added:
+                    self._store.commit(added)
+            except BaseException:
+                # Nothing of this flush is committed (its written parts are ignored):
+                # keep its rows for the next one rather than lose them.
+                self._retry = {name: rows for name, rows in drained if rows}
+                raise
+            for name, rows in drained:
+                self._rows_written[name] += len(rows)
 
-    def close(self) -> None:
-        """Last flush, then compact what is left: a finished run's trace has few parts."""
+    def close(self, meta: dict[str, Any] | None = None) -> None:
+        """Last flush, then compact what is left (a finished run's trace has few parts),
+        then `meta` (the end-of-run record), all before the lock is let go: a reader
+        never sees a finished run's trace as a killed one."""
         if self._closed:
             return
         self._stop.set()
@@ -204,6 +215,8 @@ class TraceWriter:
             self.flush()
             with self._flush_lock:
                 self._store.compact(final=True)
+            if meta is not None:
+                self.write_meta(meta)
         finally:
             self._closed = True
             self._lock.release()
@@ -222,9 +235,12 @@ class TraceWriter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):
-            self.flush()
-            with self._flush_lock:
-                self._store.compact(final=False)
+            try:
+                self.flush()
+                with self._flush_lock:
+                    self._store.compact(final=False)
+            except Exception as e:  # noqa: BLE001 - a full disk may clear; close() flushes again and raises
+                self.last_error = e
 
     def _table(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
         schema = self.schemas[name]

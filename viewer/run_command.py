@@ -165,6 +165,9 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
 
+NO_DETAIL = "the run ended without saying why"
+
+
 def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, console: Console,
              fail: Callable[[str], NoReturn]) -> None:
     from probes.clock import wall_anchor
@@ -186,7 +189,7 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
     coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
     engine = None
     result = RunResult(0, 0, 0, len(items))
-    state, detail = "error", "the run ended without saying why"
+    state, detail = "error", NO_DETAIL
     try:
         try:
             if cfg.world_size > 1:
@@ -196,7 +199,8 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
             engine = Engine(cfg, sinks=[TraceRequestsSink(writer), span_sink, _ProgressSink(progress, task)],
                             trace=writer, parallel=coord)
         except (ModelLoadError, ConfigError, ValueError) as e:
-            fail(str(e))
+            detail = str(e)
+            fail(detail)
         writer.write_meta(run_meta(engine, items, source, anchor))
         with progress:
             try:
@@ -211,20 +215,22 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
         state, detail = "stalled", str(e)
         raise
     except BaseException as e:
-        detail = (str(e).splitlines() or [type(e).__name__])[0]
+        if detail == NO_DETAIL:
+            detail = (str(e).splitlines() or [type(e).__name__])[0] or type(e).__name__
         raise
     finally:
         if coord is not None:
             # STOP on success; otherwise terminate, then kill: no rank outlives the run.
             coord.close(state == "complete")
         span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
-        writer.close()
-        if engine is not None:
-            # The end-of-run record comes after the last commit: a trace that has it is whole.
-            meta = run_meta(engine, items, source, anchor)
-            meta["run"] = end_record(state, detail, engine.submitted, result.start_ns or None,
-                                     result.end_ns or None, result.steps)
-            writer.write_meta(meta)
+        # The end-of-run record comes after the last commit: a trace that has it is whole.
+        meta = run_meta(engine, items, source, anchor) if engine is not None else start_meta(cfg, items, source, anchor)
+        meta["run"] = end_record(state, detail, engine.submitted if engine is not None else 0,
+                                 result.start_ns or None, result.end_ns or None, result.steps)
+        try:
+            writer.close(meta)
+        except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so
+            fail(f"could not write the trace to {out}: {e}")
         if state == "interrupted":  # typer exits 130 without a word; say where the evidence is
             print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
 

@@ -132,7 +132,9 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     codes, names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.int64), [])
     small = codes.astype(np.uint8) if len(names) < 256 else codes
     ts, dur = probes["ts_ns"].to_numpy(), probes["dur_ns"].to_numpy()
-    code = {name: i for i, name in enumerate(names)}
+    # only boundaries with rows: a filtered or clipped column keeps its whole dictionary
+    have = np.bincount(small, minlength=len(names)) if len(names) else np.zeros(0, np.int64)
+    code = {name: i for i, name in enumerate(names) if have[i]}
 
     def rows(name: str) -> tuple[np.ndarray, np.ndarray]:
         """A boundary's rows in file order. A mask and a gather of increasing
