@@ -65,7 +65,7 @@ STEPS = pa.schema([
     ("blocks_free", pa.int32()),
     ("num_waiting", pa.int32()),
     ("num_running", pa.int32()),
-    ("out_queue_depth", pa.int32()),  # StepOutputs the sender thread has not delivered yet
+    ("out_queue_depth", pa.int32()),  # StepOutputs the sender has not delivered when this round hands off its own
     ("collect_ns", pa.int64()),  # when this round's sampled tokens were collected (0: none)
 ])
 
