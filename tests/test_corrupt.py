@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -136,7 +137,8 @@ def check_outcome(cmd: tuple[str, ...], code: int, out: str, err: str, kind: str
             assert out == clean_out, (kind, cmd)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=int(os.environ.get("MSTRACE_CORRUPT_EXAMPLES", "200")), deadline=None,
+          derandomize="MSTRACE_CORRUPT_EXAMPLES" not in os.environ, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_command_on_a_corrupted_trace_is_one_line_and_changes_nothing(
