@@ -103,7 +103,8 @@ def _check_truncated(out: Path, ref: Path, frac: float) -> None:
     # The engine hands a round's tokens to the sender only after its steps row, and a
     # flush drains requests before steps: no committed request names a missing round.
     assert st["clipped"].get("requests", 0) == 0, (where, st)
-    assert rep["throughput"]["requests"] < 160, where
+    # (all 160 may be committed: a kill during the last flush's compaction, before the record)
+    assert rep["throughput"]["requests"] <= 160, where
     for cmd in (["report", str(out)], ["stalls", str(out)], ["leaks", str(out)], ["diff", str(ref), str(out)]):
         code, stdout, stderr = cli(*cmd)
         assert code == 0 and "Traceback" not in stderr, (where, cmd, stderr)
