@@ -113,11 +113,11 @@ def _check_token_runs(trace: Trace, req: pa.Table, steps: pa.Table) -> pa.Table:
     a = np.where(inside, s0 - lo, 0)
     b = np.where(inside, s0 + cnt - lo, 0)
     ok_run = inside & (cum[b] - cum[a] == cnt)
+    if bool(ok_run.all()):
+        return req
     owner = np.repeat(np.arange(len(runs)), lens // 2)
     bad = np.zeros(len(runs), bool)
     bad[owner[~ok_run]] = True
-    if not bad.any():
-        return req
     if trace.status.complete:
         i = int(np.flatnonzero(bad)[0])
         rid = req["request_id"][i].as_py() if "request_id" in req.column_names else f"row {i}"

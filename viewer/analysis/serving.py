@@ -34,7 +34,7 @@ class Dist:
         if n == 0:
             nan = float("nan")
             return cls(nan, nan, nan, nan, 0)
-        order = np.argsort(v, kind="stable")
+        order = np.argsort(v)  # ties are equal values: any order gives the same percentiles (and SIMD sorts 4x faster)
         v, cw = v[order], np.cumsum(w[order])
 
         def at(k: int) -> float:  # the k-th smallest of the expanded multiset
@@ -147,8 +147,9 @@ def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np
     of millions of per-token values. Gaps between two runs of one request
     (after a preemption or a skipped round) are added one by one.
     """
-    order = np.argsort(step)
-    step, collect_ns = step[order], collect_ns[order]
+    if not bool(np.all(step[1:] >= step[:-1])):  # one rank's rounds are written in order
+        order = np.argsort(step)
+        step, collect_ns = step[order], collect_ns[order]
     if len(step) == 0:
         return Dist.weighted(np.zeros(0), np.zeros(0, np.int64))
     base = int(step[0])
