@@ -16,6 +16,12 @@ already on rank 0's clock (`clock_offset_ns`, measured at start-up; see
 docs/trace-schema.md). Each writer holds an exclusive lock on its manifest's lock
 file while it lives, so readers can tell a live trace from a killed one, and
 `mstrace compact` never rewrites parts under a running writer.
+
+The writer accounts for its own cost (`WriterStats`): the CPU time of its thread
+(that thread's own CPU clock), of `close()` on the caller's thread, and per table,
+with the rows it committed. `close(meta)` writes it into the end-of-run record
+(meta.json `run.writer`), so a trace says what tracing it cost (BENCHMARKS.md,
+bench/bench_probe_cpu.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +80,28 @@ def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+_cpu = time.thread_time_ns  # the calling thread's own CPU clock (CLOCK_THREAD_CPUTIME_ID)
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """What the writer cost and wrote (meta.json `run.writer`; docs/trace-schema.md)."""
+
+    thread_cpu_ns: int  # the writer thread's own CPU time, its whole life
+    close_cpu_ns: int  # close() on the caller's thread: the last flush and the final compaction
+    table_cpu_ns: dict[str, int]  # per table: drain + build + write + merge, on either thread
+    rows: dict[str, int]  # rows committed per table
+    flushes: int  # flushes that committed rows
+
+    @property
+    def cpu_ns(self) -> int:
+        return self.thread_cpu_ns + self.close_cpu_ns
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_ns": self.cpu_ns, "thread_cpu_ns": self.thread_cpu_ns, "close_cpu_ns": self.close_cpu_ns,
+                "table_cpu_ns": dict(self.table_cpu_ns), "rows": dict(self.rows), "flushes": self.flushes}
+
+
 class PartStore:
     """One rank's committed parts: writing parts, committing them, merging them.
 
@@ -92,10 +122,12 @@ class PartStore:
         self.manifest.epoch += 1
         write_manifest(self.root, self.manifest)
 
-    def compact(self, final: bool) -> int:
-        """Merge until the plan has nothing left; returns the number of merges."""
+    def compact(self, final: bool, cpu: dict[str, int] | None = None) -> int:
+        """Merge until the plan has nothing left; returns the number of merges.
+        `cpu`, when given, gains each table's merge CPU time (this thread's clock)."""
         merges = 0
         for name in [t for t in self.manifest.tables if t in self.schemas]:  # (a newer version's tables stay)
+            c0 = _cpu()
             while True:
                 entries = self.manifest.tables[name]
                 plan = plan_full(entries, self.targets) if final else plan_tiered(entries, self.targets)
@@ -108,6 +140,8 @@ class PartStore:
                 else:  # seal in place: a manifest-only change
                     entries[step].level = SEALED
                     self.commit({})
+            if cpu is not None:
+                cpu[name] = cpu.get(name, 0) + _cpu() - c0
         return merges
 
     def _merge(self, name: str, m: Merge) -> None:
@@ -157,6 +191,10 @@ class TraceWriter:
         self._buffers: dict[str, list[list[tuple[Any, ...]]]] = {name: [] for name in self.schemas}
         self._register_lock = threading.Lock()
         self._rows_written = {name: 0 for name in self.schemas}
+        self._table_cpu = {name: 0 for name in self.schemas}
+        self._flushes = 0
+        self._thread_cpu_ns = 0  # set by the writer thread as it ends
+        self._close_cpu_ns = 0
         self._interval = flush_interval_s
         self._stop = threading.Event()
         self._flush_lock = threading.Lock()
@@ -182,17 +220,33 @@ class TraceWriter:
     def rows_written(self, table: str) -> int:
         return self._rows_written[table]
 
+    def stats(self) -> WriterStats:
+        """The writer's cost so far; complete once close() has returned."""
+        return WriterStats(self._thread_cpu_ns, self._close_cpu_ns, dict(self._table_cpu),
+                           dict(self._rows_written), self._flushes)
+
     @property
     def manifest(self) -> Manifest:
         return self._store.manifest
 
     def flush(self) -> None:
         """Drain every buffer, write one part per table, commit them together."""
+        cpu = self._table_cpu
         with self._flush_lock:
-            drained = [(name, self._retry.pop(name, []) + self._drain(name)) for name in self._order]
+            # Every table drained before any is written (the DRAIN_ORDER guarantee);
+            # each table's share of this thread's CPU is taken as it goes.
+            drained = []
+            for name in self._order:
+                c0 = _cpu()
+                drained.append((name, self._retry.pop(name, []) + self._drain(name)))
+                cpu[name] += _cpu() - c0
             try:
-                added = {name: [self._store.write_part(name, self._table(name, rows))]
-                         for name, rows in drained if rows}
+                added = {}
+                for name, rows in drained:
+                    if rows:
+                        c0 = _cpu()
+                        added[name] = [self._store.write_part(name, self._table(name, rows))]
+                        cpu[name] += _cpu() - c0
                 if added:
                     self._store.commit(added)
             except BaseException:
@@ -200,8 +254,13 @@ class TraceWriter:
                 # keep its rows for the next one rather than lose them.
                 self._retry = {name: rows for name, rows in drained if rows}
                 raise
+            self._flushes += bool(added)
             for name, rows in drained:
                 self._rows_written[name] += len(rows)
+                if rows:  # freeing the rows' tuples is this table's cost too
+                    c0 = _cpu()
+                    rows.clear()
+                    cpu[name] += _cpu() - c0
 
     def close(self, meta: dict[str, Any] | None = None) -> None:
         """Last flush, then compact what is left (a finished run's trace has few parts),
@@ -212,10 +271,15 @@ class TraceWriter:
         self._stop.set()
         self._thread.join()
         try:
+            c0 = _cpu()
             self.flush()
             with self._flush_lock:
-                self._store.compact(final=True)
+                self._store.compact(final=True, cpu=self._table_cpu)
+            self._close_cpu_ns = _cpu() - c0
             if meta is not None:
+                run = meta.get("run")
+                if isinstance(run, dict):  # the end-of-run record says what the tracing cost
+                    meta = {**meta, "run": {**run, "writer": self.stats().to_dict()}}
                 self.write_meta(meta)
         finally:
             self._closed = True
@@ -234,13 +298,18 @@ class TraceWriter:
         return rows
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self.flush()
-                with self._flush_lock:
-                    self._store.compact(final=False)
-            except Exception as e:  # noqa: BLE001 - a full disk may clear; close() flushes again and raises
-                self.last_error = e
+        try:
+            while not self._stop.wait(self._interval):
+                try:
+                    self.flush()
+                    with self._flush_lock:
+                        self._store.compact(final=False, cpu=self._table_cpu)
+                except Exception as e:  # noqa: BLE001 - a full disk may clear; close() flushes again and raises
+                    self.last_error = e
+        finally:
+            # Read inside the thread: its CPU clock counts from the thread's creation,
+            # and only this thread can read it once the thread has ended.
+            self._thread_cpu_ns = _cpu()
 
     def _table(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
         schema = self.schemas[name]
