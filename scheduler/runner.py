@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from probes.clock import now_ns, wall_anchor
+from probes.cpu import cpu_record, sample_cpu
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.sender import FinishedRecord
@@ -46,6 +47,9 @@ class RunResult:
     end_ns: int
     steps: int
     requests: int
+    # CPU time spent from start_ns to end_ns (probes.cpu.cpu_record; meta.json run.cpu),
+    # set once the run has ended cleanly
+    cpu: dict[str, Any] | None = None
 
 
 def run_workload(
@@ -57,6 +61,7 @@ def run_workload(
 ) -> RunResult:
     """`result`, when given, is kept up to date as the run goes, so a caller whose
     run ends in an exception still knows when it started and how far it got."""
+    cpu0 = sample_cpu()  # before the clock read: the window is then [start, end] or a little wider
     start = now_ns()
     res = result if result is not None else RunResult(start, 0, 0, len(items))
     res.start_ns, res.requests = start, len(items)
@@ -88,6 +93,7 @@ def run_workload(
         res.end_ns = now_ns()
     engine.finish_run()
     res.end_ns = now_ns()
+    res.cpu = cpu_record(cpu0, sample_cpu())
     return res
 
 
@@ -142,6 +148,7 @@ def run_meta(
             "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
         },
         **par,
+        **({"debug_delays": engine.debug_held.to_dict()} if engine.cfg.debug_delay_ms else {}),
     }
 
 

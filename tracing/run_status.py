@@ -67,7 +67,11 @@ def run_status(root: Path, meta: dict[str, Any]) -> RunStatus:
 
 
 def end_record(state: str, detail: str, submitted: int, start_ns: int | None, end_ns: int | None,
-               steps: int | None) -> dict[str, Any]:
-    """meta.json `run`, written once the last flush is committed."""
-    return {"status": state, "detail": detail, "submitted": submitted, "start_ns": start_ns, "end_ns": end_ns,
-            "steps": steps}
+               steps: int | None, cpu: dict[str, Any] | None = None) -> dict[str, Any]:
+    """meta.json `run`, written once the last flush is committed. `cpu`: the run's CPU
+    time (probes/cpu.py), when it ended cleanly; the writer adds its own cost (`writer`)."""
+    rec: dict[str, Any] = {"status": state, "detail": detail, "submitted": submitted, "start_ns": start_ns,
+                           "end_ns": end_ns, "steps": steps}
+    if cpu is not None:
+        rec["cpu"] = cpu
+    return rec

@@ -226,7 +226,7 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
         # The end-of-run record comes after the last commit: a trace that has it is whole.
         meta = run_meta(engine, items, source, anchor) if engine is not None else start_meta(cfg, items, source, anchor)
         meta["run"] = end_record(state, detail, engine.submitted if engine is not None else 0,
-                                 result.start_ns or None, result.end_ns or None, result.steps)
+                                 result.start_ns or None, result.end_ns or None, result.steps, result.cpu)
         try:
             writer.close(meta)
         except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so
