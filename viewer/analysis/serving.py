@@ -138,25 +138,35 @@ def inter_token_ms(chunks: Iterable[pa.ListArray]) -> np.ndarray:
 
 
 def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np.ndarray) -> Dist:
-    """ITL pooled over all requests, exactly, from per-request token runs.
+    """ITL pooled over all requests, exactly, from per-request token runs (see `itl_rounds`)."""
+    vals, weights, _ = itl_rounds(runs, step, collect_ns)
+    return Dist.weighted(vals, weights)
+
+
+def itl_rounds(runs: Iterable[pa.ListArray], step: np.ndarray,
+               collect_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every inter-token gap, as (value ms, how many gaps have it, the round it ends in).
 
     Every token of a run [s0, s0 + n) was collected at the end of consecutive
     rounds, so the run's gaps are the collect-time intervals of rounds
     s0+1 .. s0+n-1: a difference array counts how many runs cover each round
     interval, and a weighted percentile over ~one value per round replaces tens
     of millions of per-token values. Gaps between two runs of one request
-    (after a preemption or a skipped round) are added one by one.
+    (after a preemption or a skipped round) are added one by one. The round
+    (a step number) is what `diff` resamples: every request decoding in a
+    round shares that round's gap, so the round, not the request, carries its noise.
     """
     if not bool(np.all(step[1:] >= step[:-1])):  # one rank's rounds are written in order
         order = np.argsort(step)
         step, collect_ns = step[order], collect_ns[order]
     if len(step) == 0:
-        return Dist.weighted(np.zeros(0), np.zeros(0, np.int64))
+        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)
     base = int(step[0])
     c = np.zeros(int(step[-1]) - base + 2, dtype=np.int64)
     c[step - base] = collect_ns
     cover = np.zeros(len(c) + 1, dtype=np.int64)
     extra: list[np.ndarray] = []
+    extra_round: list[np.ndarray] = []
     for chunk in runs:
         flat = pc.list_flatten(chunk).to_numpy()
         if not len(flat):
@@ -172,9 +182,11 @@ def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np
             end_prev = (s0 + cnt - 1)[:-1][same]
             start_next = s0[1:][same]
             extra.append(c[start_next] - c[end_prev])
+            extra_round.append(start_next + base)
     w = np.cumsum(cover)[: len(c)]
     d = np.zeros(len(c), dtype=np.int64)
     d[1:] = c[1:] - c[:-1]
     vals = np.concatenate([d, *extra]).astype(np.float64) * 1e-6
     weights = np.concatenate([w, *(np.ones(len(e), np.int64) for e in extra)])
-    return Dist.weighted(vals, weights)
+    rounds = np.concatenate([np.arange(len(c), dtype=np.int64) + base, *extra_round])
+    return vals, weights, rounds
