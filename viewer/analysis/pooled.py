@@ -1,0 +1,112 @@
+"""Pooled mean and percentiles under resampling of the groups that own the values.
+
+`diff` resamples units (requests, rounds) and needs, for every resample, the
+mean/p50/p90/p99 of all values their units own, pooled. Materialising each
+resample would copy the values a thousand times; `PooledDist` computes the
+same numbers from one matrix product per block of resamples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QUANTILES = (50, 90, 99)
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den != 0, num / np.where(den != 0, den, 1), np.nan)
+
+
+class PooledDist:
+    """mean/p50/p90/p99 of pooled values under resampling of their groups.
+
+    Groups are what is resampled: requests for TTFT and E2E, rounds for ITL
+    (every request decoding in a round shares its gap, so `mult` gives each
+    value how many times its group holds it: a round's gap once per request).
+    Prepared once (sorted values, per-chunk counts), then evaluated on blocks of
+    draw-count rows. Exact without materialising any resample: each row's
+    cumulative count per chunk of the sorted values is one matrix product, and
+    only the chunk holding each wanted rank is scanned. Percentiles interpolate
+    like Dist.of (numpy's linear).
+    """
+
+    def __init__(self, values: np.ndarray, owner: np.ndarray, groups: int, scale: float = 1.0,
+                 step: int | None = None, mult: np.ndarray | None = None) -> None:
+        order = np.argsort(values, kind="stable")
+        self.v = values[order].astype(np.float64)
+        self.g = owner[order].astype(np.int64)
+        self.m = None if mult is None else mult[order].astype(np.int64)
+        self.scale = scale
+        n = len(self.v)
+        # chunk size balancing the product (groups x chunks) against the scan (chunk
+        # length per rank); at most 2048 chunks
+        self.step = step or int(np.clip(np.sqrt(groups * n / 2000), 1, max(n, 1)))
+        self.step = max(self.step, -(-n // 2048))
+        self.k = -(-n // self.step) if n else 0
+        m = None if self.m is None else self.m.astype(np.float64)
+        counts = np.bincount(self.g * self.k + np.arange(n) // self.step, weights=m, minlength=groups * self.k)
+        # per group: value count, value sum, cumulative count through each chunk; `w @ columns`
+        # gives every resample's n, sum and per-chunk cumulative counts at once
+        self.columns = np.column_stack([np.bincount(self.g, weights=m, minlength=groups),
+                                        np.bincount(self.g, weights=self.v * (1 if m is None else m),
+                                                    minlength=groups),
+                                        np.cumsum(counts.reshape(groups, self.k), axis=1)]).astype(np.float64)
+
+    def __call__(self, w: np.ndarray, sums: np.ndarray | None = None,
+                 wi: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """`sums` (= w @ self.columns) and `wi` (= w as int32) may be passed in, computed once
+        for several distributions over the same draws."""
+        reps, g_n = w.shape[0], len(self.v)
+        if g_n == 0:
+            return {k: np.full(reps, np.nan) for k in ("mean", *(f"p{q}" for q in QUANTILES))}
+        sums = w @ self.columns if sums is None else sums
+        n, cum = sums[:, 0], sums[:, 2:]  # values in each resample; count through the end of each chunk
+        out = {"mean": _ratio(sums[:, 1], n) * self.scale}
+        last = np.maximum(n - 1, 0).astype(np.int64)[:, None]
+        pos = last * np.array(QUANTILES) / 100  # as Dist.of: (n - 1) * q / 100
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, last)
+        rows = np.broadcast_to(np.arange(reps)[:, None], lo.shape).ravel()
+        wi = w.astype(np.int32) if wi is None else wi  # draw counts are small integers: narrower gathers
+        at_lo, at_hi = self._locate(wi, cum, rows, lo.ravel(), hi.ravel())
+        missed = at_hi < 0  # hi fell past the chunk that holds lo: look it up on its own
+        if missed.any():
+            at_hi[missed] = self._locate(wi, cum, rows[missed], hi.ravel()[missed])[0]
+        vlo, vhi = self.v[at_lo].reshape(lo.shape), self.v[at_hi].reshape(lo.shape)
+        pct = (vlo + (vhi - vlo) * (pos - lo)) * self.scale
+        pct[n == 0] = np.nan
+        for i, q in enumerate(QUANTILES):
+            out[f"p{q}"] = pct[:, i]
+        return out
+
+    def _locate(self, wi: np.ndarray, cum: np.ndarray, rows: np.ndarray, ranks: np.ndarray,
+                ranks2: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted position of the value at `ranks` (0-based) in each row's resample; also of
+        `ranks2` (>= ranks) where it lies in the same chunk, else -1."""
+        g_n, step, k = len(self.v), self.step, self.k
+        # chunk holding each rank = number of chunks whose count is <= the rank; one
+        # searchsorted over all rows at once, each row shifted past the previous one
+        shift = cum[:, -1].max() + 1
+        flat = (cum + (np.arange(len(cum)) * shift)[:, None]).ravel()
+        c = np.searchsorted(flat, ranks + rows * shift, side="right") - rows * k
+        c = np.minimum(c, k - 1)  # only for empty resamples (their values are dropped)
+        at, at2 = np.empty(len(ranks), np.int64), np.full(len(ranks), -1, np.int64)
+        span = max(1, 2_000_000 // step)  # bounded memory: span queries x step at a time
+        for q0 in range(0, len(ranks), span):
+            sl = slice(q0, q0 + span)
+            cq, rq = c[sl], rows[sl]
+            prior = np.where(cq > 0, cum[rq, np.maximum(cq - 1, 0)], 0.0).astype(np.int64)
+            idx = cq[:, None] * step + np.arange(step)
+            at_v = np.minimum(idx, g_n - 1)
+            cnt = np.where(idx < g_n, wi[rq[:, None], self.g[at_v]], 0)
+            if self.m is not None:
+                cnt = cnt * self.m[at_v]
+            cw = prior[:, None] + np.cumsum(cnt, axis=1)
+            # first position whose cumulative count passes the rank
+            j = (cw <= ranks[sl][:, None]).sum(axis=1)
+            at[sl] = np.minimum(cq * step + j, g_n - 1)
+            if ranks2 is not None:
+                j2 = (cw <= ranks2[sl][:, None]).sum(axis=1)
+                at2[sl] = np.where(j2 < step, np.minimum(cq * step + j2, g_n - 1), -1)
+        return at, at2
