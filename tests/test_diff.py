@@ -1,19 +1,30 @@
 """`mstrace diff`: the bootstrap sees a real 2 ms shift and no shift in identical
-inputs, its statistics are the report's, warnings catch unfair comparisons, and
-bad traces are refused in one line."""
+inputs, its statistics are the report's, warnings catch unfair comparisons, a
+trace against itself stars nothing, nothing is lost at 80 or 60 columns, and bad
+traces are refused in one line. Calibration over many pairs: test_diff_calibration.py."""
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from rich.console import Console
 
+from tests import diff_synth
 from tests.cli import mstrace
+from viewer.analysis import bootstrap as BS
 from viewer.analysis import diff as D
 from viewer.analysis.cost import cost_table
-from viewer.analysis.serving import Dist, serving_metrics
+from viewer.analysis.pooled import PooledDist
+from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
+from viewer.diff import _LABEL, _fmt, build_diff, render_diff
 
 
 def cycles(n: int, bookkeeping_ms: float, seed: int) -> tuple[pa.Table, pa.Table]:
@@ -86,39 +97,51 @@ def test_request_bootstrap_sees_a_ttft_shift_and_not_noise():
     dr = D.diff_requests(requests(300, 20.0, 1), requests(300, 22.0, 2))
     assert dr["latency"]["ttft_ms"]["mean"].significant
     assert dr["latency"]["ttft_ms"]["mean"].delta == pytest.approx(2.0, abs=0.5)
-    # inter-token gaps come from the same distribution on both sides
-    assert not dr["latency"]["itl_ms"]["p50"].significant
+    assert dr["resampling"]["paired"] is False  # no request ids: drawn independently
+    # inter-token gaps: rounds from the same distribution on both sides
+    a, b = diff_synth.run(200, seed=1), diff_synth.run(200, seed=2)
+    itl = D.diff_itl(a.requests, a.steps, b.requests, b.steps)["itl_ms"]
+    assert not itl["p50"].significant and itl["p99"].ci_high > itl["p99"].ci_low
 
 
 def test_point_estimates_are_the_reports():
-    p, s = cycles(200, 1.0, 4)
-    r = requests(150, 20.0, 4)
+    side = diff_synth.run(200, seed=4)
+    p, s, r = side.probes, side.steps, side.requests
     ct, sv = cost_table(p, s), serving_metrics(r)
     d, dr = D.diff_cycles(p, s, p, s), D.diff_requests(r, r)
+    itl = D.diff_itl(r, s, r, s)["itl_ms"]
     assert d["cycle_ms"].a == pytest.approx(ct.cycle_ms) and d["device_idle"].a == pytest.approx(1 - ct.device_busy)
+    fields = {"mean_ms": "mean_ms", "share": "share", "hidden": "hidden", "host": "host_share"}
     for b in ct.boundaries:
         row = d["boundaries"][b.boundary]
-        assert row["mean_ms"].a == pytest.approx(b.mean_ms)
-        assert row["share"].a == (None if b.share is None else pytest.approx(b.share))
-        assert row["hidden"].a == (None if b.hidden is None else pytest.approx(b.hidden))
+        for metric, fld in fields.items():
+            want = getattr(b, fld, None)  # host_share: once cost.py has a host view
+            if want is not None:
+                assert row[metric].a == pytest.approx(want), (b.boundary, metric)
     for k in D.THROUGHPUT:
         assert dr["throughput"][k].a == pytest.approx(getattr(sv, k))
-    for lat in D.LATENCIES:
+    for lat in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for q in ("mean", "p50", "p90", "p99"):
             assert dr["latency"][lat][q].a == pytest.approx(getattr(getattr(sv, lat), q)), (lat, q)
+    # ITL by rounds reproduces the report's (token runs and collect times) and the per-token gaps
+    want = itl_from_runs(r["token_runs"].chunks, s["step"].to_numpy(), s["collect_ns"].to_numpy())
+    for q in ("mean", "p50", "p90", "p99"):
+        assert itl[q].a == pytest.approx(getattr(want, q)) == pytest.approx(getattr(sv.itl_ms, q))
 
 
 @pytest.mark.parametrize("step", [None, 1, 3, 50])
-def test_pooled_percentiles_match_materialised_resamples(step):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_percentiles_match_materialised_resamples(step, weighted):
     rng = np.random.default_rng(7)
     for _ in range(20):
         groups, n = int(rng.integers(1, 25)), int(rng.integers(1, 300))
         values = rng.integers(0, 40, n).astype(float)  # ties on purpose
         owner = rng.integers(0, groups, n)
-        w = np.vstack([np.ones((1, groups)), np.zeros((1, groups)), D.resample_weights(groups, 30, rng)])
-        got = D.PooledDist(values, owner, groups, 0.5, step)(w)
+        mult = rng.integers(1, 5, n) if weighted else None  # a round's gap, once per request in it
+        w = np.vstack([np.ones((1, groups)), np.zeros((1, groups)), BS.resample_weights(groups, 30, rng)])
+        got = PooledDist(values, owner, groups, 0.5, step, mult)(w)
         for r in range(len(w)):
-            xs = np.repeat(values, w[r][owner].astype(int))
+            xs = np.repeat(values, w[r][owner].astype(int) * (1 if mult is None else mult))
             if not len(xs):
                 assert all(np.isnan(got[k][r]) for k in got)
                 continue
@@ -130,40 +153,28 @@ def test_pooled_percentiles_match_materialised_resamples(step):
 def test_blocks_do_not_change_the_answer(monkeypatch):
     a, b = cycles(300, 1.0, 1), cycles(300, 3.0, 2)
     whole = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["mean_ms"]
-    monkeypatch.setattr(D, "BLOCK_ELEMS", 1000)  # 3 rows per block
+    monkeypatch.setattr(BS, "BLOCK_ELEMS", 1000)  # 3 rows per block
     blocked = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["mean_ms"]
     assert blocked.delta == whole.delta and blocked.significant
     assert blocked.ci_low == pytest.approx(whole.ci_low, abs=0.05)
 
 
-def test_block_resampling_draws_runs_of_consecutive_cycles():
-    rng = np.random.default_rng(0)
-    w = D.resample_weights(100, 500, rng, block=5)
-    assert w.shape == (500, 100) and (w.sum(axis=1) == 100).all()
-    # circular: every cycle, the first and last included, is drawn once on average
-    assert np.abs(w.mean(axis=0) - 1).max() < 0.25 and w[:, 0].mean() == pytest.approx(1, abs=0.25)
-    for row in w[:20]:  # drawn cycles come in runs of >= 5 neighbours (around the circle), but for one cut run
-        drawn = np.flatnonzero(row)
-        runs = np.split(drawn, np.flatnonzero(np.diff(drawn) > 1) + 1)
-        if len(runs) > 1 and runs[0][0] == 0 and runs[-1][-1] == 99:  # a run that wraps around
-            runs = [np.concatenate([runs[-1], runs[0]]), *runs[1:-1]]
-        assert sum(len(r) < 5 for r in runs) <= 1
-    assert D.cycle_block(1) == 1 and D.cycle_block(141) == 5 and D.cycle_block(1_000_000) == 100
-
-
-def test_block_bootstrap_widens_the_interval_of_correlated_cycles():
-    """Cycles in slow phases (a drift plus noise): one-by-one resampling would call a
-    difference the phases explain significant far more often than blocks do."""
-    rng = np.random.default_rng(1)
-    n = 400
-    phase = np.repeat(rng.normal(0, 1, n // 40), 40)  # 10 phases of 40 cycles
-    x = 5 + phase + rng.normal(0, 0.2, n)
-
-    def width(block: int) -> float:
-        s = D.bootstrap(n, 400, np.random.default_rng(2), lambda w: {"m": w @ x / w.sum(axis=1)}, block)["m"]
-        return float(np.percentile(s[1:], 97.5) - np.percentile(s[1:], 2.5))
-
-    assert width(D.cycle_block(n)) > 1.5 * width(1)
+def test_paired_draws_are_the_same_requests():
+    """Same workload: B's request with A's id gets A's draw count, whatever the row order."""
+    side = diff_synth.run(200, seed=1, requests=60)
+    r = side.requests
+    shuffled = r.take(np.random.default_rng(0).permutation(r.num_rows))
+    pair, why = D.pairing(r, shuffled, side.meta, side.meta)
+    assert why == "same workload"
+    assert shuffled["request_id"].to_pylist() == [r["request_id"][i].as_py() for i in pair]
+    dr = D.diff_requests(r, shuffled, side.meta, side.meta)
+    for x in [*dr["throughput"].values(), *(v for lat in dr["latency"].values() for v in lat.values())]:
+        # zero up to summation order (B's rows are shuffled)
+        assert x.delta == pytest.approx(0, abs=1e-9) and x.ci_low == pytest.approx(x.ci_high, abs=1e-9)
+        assert x.p_value > 0.5 and not x.significant
+    other = {"workload": {"digest": "other"}}
+    assert D.pairing(r, shuffled, side.meta, other) == (None, "the traces ran different workloads")
+    assert D.pairing(r, r.slice(1), side.meta, side.meta)[0] is None  # a request missing on one side
 
 
 def test_warnings():
@@ -205,6 +216,9 @@ def test_diff_sees_injected_bookkeeping(traces):
     assert {"a", "b", "delta", "warnings"} <= set(d)
     assert not any("workload" in w for w in d["warnings"]), d["warnings"]
     bk = d["delta"]["boundaries"]["bookkeeping"]["mean_ms"]
+    assert {"p_value", "p_adjusted"} <= set(bk) and bk["p_adjusted"] <= d["bootstrap"]["fdr"]["q"]
+    assert d["bootstrap"]["fdr"]["method"] == "Benjamini-Hochberg" and d["bootstrap"]["fdr"]["rows"] >= 30
+    assert d["bootstrap"]["resampling"]["requests"]["paired"]  # one workload: requests paired by id
     # +2 ms injected per round. One-sided slack: on a loaded machine the spin at the end
     # of the injected sleep gets descheduled now and then, which only ever adds time.
     assert 1.8 <= bk["delta"] <= 2.6, bk
@@ -241,3 +255,84 @@ def test_diff_missing_trace(traces, tmp_path):
         p = mstrace("diff", *map(str, args))
         assert p.returncode == 2 and "trace not found" in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def _rows(delta: dict) -> list[tuple[str, dict]]:
+    """(kind, delta row) for every row diff renders."""
+    out = [(_LABEL[m][1], x) for row in delta["boundaries"].values() for m, x in row.items()]
+    out += [("ms", delta["cycle_ms"]), ("pct", delta["device_idle"])]
+    out += [("rate", x) for x in delta["throughput"].values()]
+    out += [("ms", x) for lat in delta["latency"].values() for x in lat.values()]
+    return [(k, x) for k, x in out if x["a"] is not None or x["b"] is not None]
+
+
+def test_diff_trace_against_itself_stars_nothing(traces):
+    d = build_diff(traces / "a", traces / "a")
+    rows = _rows(d["delta"])
+    assert len(rows) > 35 and not any(x["significant"] for _, x in rows)
+    # one run on both sides: the same draws for both, so no interval has any width
+    for _, x in rows:
+        assert x["delta"] == 0
+        if x["ci_low"] is not None:
+            assert x["ci_low"] == x["ci_high"] == 0 and x["p_value"] == 1
+    text = rendered(d, 80)
+    assert text.count("*") == 1  # the footnote's
+
+
+def test_itl_p99_interval_of_two_runs_has_width(traces):
+    """ITL gaps are round gaps shared by every request in the round: resampled by request,
+    p99 came out as [x, x]; by round it has a width."""
+    d = build_diff(traces / "a", traces / "b")
+    p99 = d["delta"]["latency"]["itl_ms"]["p99"]
+    assert p99["ci_high"] - p99["ci_low"] > 0.01, p99
+    assert d["bootstrap"]["resampling"]["rounds"]["a"]["n"] > 50
+
+
+def rendered(d: dict, width: int) -> str:
+    buf = io.StringIO()
+    render_diff(Console(file=buf, width=width, force_terminal=False, color_system=None), d)
+    return buf.getvalue()
+
+
+def assert_nothing_lost(d: dict, text: str, width: int) -> None:
+    """Every star and every full number of every row is in the text; no row line is wider."""
+    assert "…" not in text
+    body = [ln for ln in text.splitlines() if not ln.startswith(("* =", "A /", "B /", "warning:"))]
+    rows = _rows(d["delta"])
+    assert sum(ln.count("*") for ln in body) == sum(x["significant"] for _, x in rows)
+    for kind, x in rows:
+        want = [_fmt(x["a"], kind), _fmt(x["b"], kind), _fmt(x["delta"], kind, signed=True)]
+        if x["ci_low"] is not None:
+            want.append(f"[{_fmt(x['ci_low'], kind, True)}, {_fmt(x['ci_high'], kind, True)}]")
+        for w in want:
+            assert w in text, (w, x)
+        if x["significant"]:  # the mark sits right after its delta
+            assert f"{_fmt(x['delta'], kind, signed=True)} *" in text
+    assert max(len(ln) for ln in body) <= width
+
+
+@pytest.mark.parametrize("width", [80, 60, 40])
+def test_diff_renders_everything_at_any_width(traces, width):
+    d = build_diff(traces / "a", traces / "b")
+    assert any(x["significant"] for _, x in _rows(d["delta"]))  # bookkeeping, at least
+    assert_nothing_lost(d, rendered(d, width), width)
+    # wide numbers and a star on every row with an interval: still all there
+    wide = copy.deepcopy(d)
+    for kind, x in _rows(wide["delta"]):
+        x["significant"] = x["ci_low"] is not None
+        if kind == "rate":
+            x.update({k: v * 1000 for k, v in x.items() if k in ("a", "b", "delta", "ci_low", "ci_high")})
+    assert_nothing_lost(wide, rendered(wide, width), width)
+
+
+def test_diff_piped_at_80_and_60_columns_keeps_its_stars(traces):
+    d = build_diff(traces / "a", traces / "b")
+    stars = sum(x["significant"] for _, x in _rows(d["delta"]))
+    for cols in ("80", "60"):
+        p = subprocess.run([sys.executable, "-m", "viewer.cli", "diff", str(traces / "a"), str(traces / "b")],
+                           capture_output=True, text=True, env={**os.environ, "COLUMNS": cols}, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "noise within these two runs" in " ".join(p.stdout.split())
+        assert "Benjamini-Hochberg" in p.stdout and "…" not in p.stdout
+        assert_nothing_lost(d, p.stdout, int(cols))
+        assert sum(ln.count("*") for ln in p.stdout.splitlines() if not ln.startswith("* =")) == stars

@@ -1,16 +1,22 @@
-"""`mstrace diff A B`: did the change from trace A to trace B pay? Build and render."""
+"""`mstrace diff A B`: did the change from trace A to trace B pay? Build and render.
+
+Rendering never cuts a number or drops a significance mark: the rows are laid
+out as a table when the table fits the console (80 columns when piped), and
+otherwise stacked, one row per line, wrapped between fields, never inside one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from viewer.analysis.diff import (
+    FDR_Q,
     LATENCIES,
     LEVEL,
     QUANTILES,
@@ -18,8 +24,8 @@ from viewer.analysis.diff import (
     SEED,
     THROUGHPUT,
     Delta,
-    diff_cycles,
-    diff_requests,
+    Side,
+    compare,
     trace_warnings,
 )
 from viewer.report import REQUEST_COLUMNS, build_report, load_inputs
@@ -28,29 +34,35 @@ from viewer.report import REQUEST_COLUMNS, build_report, load_inputs
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
     """Everything `diff` shows, as plain data (what --json prints)."""
     # Both traces open first: a bad trace fails before any work.
-    inputs = [load_inputs(r, [*REQUEST_COLUMNS, "dur_itl_ns"]) for r in (a_root, b_root)]
+    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])))
+              for r in (a_root, b_root)]
     reps_ = [build_report(inp) for inp in inputs]
-    ia, ib = inputs
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
                 for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
-    warnings += trace_warnings(ia.trace.meta, ib.trace.meta)
-    cyc = diff_cycles(ia.probes, ia.steps, ib.probes, ib.steps, reps, seed, ia.collectives, ib.collectives)
+    warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
     probes_ok = all(r["probes"] for r in reps_)
     for side, r in zip("AB", reps_, strict=True):
         # with --no-probes every cycle would count as barrier: no cost comparison at all
         r["device_idle"] = 1 - r["device_busy"] if probes_ok and r["cycles"] else None
         if not r["probes"]:
             warnings.append(f"trace {side} was recorded with --no-probes: no boundary or device-idle comparison")
-    if not probes_ok:
-        cyc["boundaries"] = {}
-        cyc["device_idle"] = Delta(None, None, None, None, None, None, False)
-    delta = {**cyc, **diff_requests(ia.requests, ib.requests, reps, seed)}
+    # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
+    keep = {(row["boundary"], m) for r in reps_ for row in r.get("boundaries", [])
+            for m, fld in (("mean_ms", "mean_ms"), ("share", "share"), ("hidden", "hidden"), ("host", "host_share"))
+            if row.get(fld) is not None}
+    sides = [Side(i.probes, i.steps, i.requests, i.collectives, i.trace.meta) for i in inputs]
+    delta, how = compare(sides[0], sides[1], reps, seed, probes_ok, keep)
+    if not how["resampling"]["requests"]["paired"]:
+        warnings.append("requests resampled independently (" + how["resampling"]["requests"]["why"]
+                        + "): serving intervals include the workload's own spread")
     return {
         "a": reps_[0],
         "b": reps_[1],
         "delta": _plain(delta),
         "warnings": warnings,
-        "bootstrap": {"resamples": reps, "seed": seed, "level": LEVEL},
+        "bootstrap": {"resamples": reps, "seed": seed, "level": LEVEL, **how,
+                      "covers": "noise within these two runs (their rounds and requests resampled), "
+                                "not run-to-run variation"},
     }
 
 
@@ -63,8 +75,13 @@ def _plain(x: Any) -> Any:
 
 
 # Which way is better, for colouring significant deltas: +1 higher, -1 lower, 0 neither.
-_BETTER = {"mean_ms": -1, "share": -1, "hidden": +1, "cycle_ms": -1, "device_idle": -1,
+_BETTER = {"mean_ms": -1, "share": -1, "hidden": +1, "host": -1, "cycle_ms": -1, "device_idle": -1,
            **{k: +1 for k in THROUGHPUT}, **{k: -1 for k in LATENCIES}}
+# Rows where more is neither better nor worse: compute, the wait for it, time no probe saw.
+_NEUTRAL = ("device_compute", "scheduler_barrier", "unattributed")
+_LABEL = {"mean_ms": ("ms/cycle", "ms"), "share": ("device share", "pct"), "hidden": ("hidden", "pct"),
+          "host": ("host share", "pct")}
+_MARK = "*"
 
 
 def _fmt(x: float | None, kind: str, signed: bool = False) -> str:
@@ -78,65 +95,156 @@ def _fmt(x: float | None, kind: str, signed: bool = False) -> str:
     return f"{x:{sign}.3f}"
 
 
-def _cells(d: dict[str, Any], kind: str, better: int) -> list[str]:
-    mark = ""
-    delta = _fmt(d["delta"], kind, signed=True)
+@dataclass(slots=True)
+class Row:
+    """One rendered delta: plain-text cells (their widths are what is laid out) and a colour."""
+
+    label: str
+    a: str
+    b: str
+    delta: str
+    ci: str
+    mark: str  # _MARK or ""
+    colour: str | None  # for delta and mark: green better, red worse
+    group: str | None = None  # a heading printed above this row (the boundary)
+
+
+def _row(label: str, d: dict[str, Any], kind: str, better: int, group: str | None = None) -> Row:
+    colour = None
     if d["significant"]:
-        mark = "*"
         good = better * (d["delta"] or 0)
-        if good:
-            colour = "green" if good > 0 else "red"
-            delta, mark = f"[{colour}]{delta}[/]", f"[{colour}]*[/]"
+        colour = ("green" if good > 0 else "red") if good else None
     ci = "—" if d["ci_low"] is None else f"[{_fmt(d['ci_low'], kind, True)}, {_fmt(d['ci_high'], kind, True)}]"
-    return [_fmt(d["a"], kind), _fmt(d["b"], kind), delta, ci, mark]
+    return Row(label, _fmt(d["a"], kind), _fmt(d["b"], kind), _fmt(d["delta"], kind, signed=True), ci,
+               _MARK if d["significant"] else "", colour, group)
 
 
-def _table(title: str, first: list[str], la: str, lb: str) -> Table:
-    t = Table(title=title, header_style="bold", title_justify="left")
-    for c in first:
-        t.add_column(c, no_wrap=True)
-    for c in (la, lb, "Δ (B−A)", f"{LEVEL:.0%} CI"):
-        t.add_column(c, justify="right", no_wrap=True)
-    t.add_column("", no_wrap=True)
-    return t
+def _sections(dl: dict[str, Any]) -> list[tuple[str, list[Row]]]:
+    cost: list[Row] = []
+    for name, m in dl["boundaries"].items():
+        first = True
+        for key, d in m.items():
+            if d["a"] is None and d["b"] is None:
+                continue
+            label, kind = _LABEL[key]
+            better = 0 if name in _NEUTRAL else _BETTER[key]
+            cost.append(_row("  " + label, d, kind, better, name if first else None))
+            first = False
+    cost.append(_row("  ms/cycle", dl["cycle_ms"], "ms", _BETTER["cycle_ms"], "cycle"))
+    di = dl["device_idle"]
+    if di["a"] is not None or di["b"] is not None:
+        cost.append(_row("device idle", di, "pct", _BETTER["device_idle"], ""))
+    serving = [_row(label, dl["throughput"][key], "rate", _BETTER[key])
+               for key, label in (("output_tok_per_s", "output tok/s"), ("input_tok_per_s", "input tok/s"),
+                                  ("request_per_s", "req/s"))]
+    for lat in LATENCIES:
+        for i, k in enumerate(("mean", *(f"p{q}" for q in QUANTILES))):
+            serving.append(_row(f"  {k} ms", dl["latency"][lat][k], "ms", _BETTER[lat],
+                                lat[:-3].upper() if i == 0 else None))
+    return [("sync cost per boundary", cost), ("serving (bench_serving definitions)", serving)]
+
+
+def _paint(text: str, colour: str | None) -> str:
+    return f"[{colour}]{escape(text)}[/]" if colour and text else escape(text)
+
+
+def _widths(rows: list[Row], la: str, lb: str, two_line: bool = False) -> tuple[list[int], int]:
+    """Column widths of a table layout and its total width (group headings included).
+    two_line: each row's interval goes on a line of its own, under the row."""
+    head = Row("", la, lb, "Δ (B−A)", f"{LEVEL:.0%} CI", "", None)
+    w = [max(cell_len(getattr(r, f)) for r in (head, *rows)) for f in ("label", "a", "b", "delta", "ci")]
+    total = sum(w[:4]) + 2 + 2 + 2 + 2  # gaps, and " *" after the delta
+    if two_line:
+        total = max(total, 2 + w[4] + 3)  # "CI " + the interval, indented
+    else:
+        total += 1 + w[4]
+    return w, max(total, *(cell_len(r.group) for r in rows if r.group))
+
+
+def _table(console: Console, title: str, rows: list[Row], la: str, lb: str, two_line: bool = False) -> None:
+    """The rows as a table (the caller checked that it fits)."""
+    w, total = _widths(rows, la, lb, two_line)
+    head = Row("", la, lb, "Δ (B−A)", "" if two_line else f"{LEVEL:.0%} CI", "", None)
+
+    def line(r: Row, paint: bool = True) -> str:
+        cells = escape("  ".join((r.label.ljust(w[0]), r.a.rjust(w[1]), r.b.rjust(w[2]))))
+        dlt, mark = r.delta.rjust(w[3]), (r.mark or " ")
+        ci = "" if two_line else " " + escape(r.ci.rjust(w[4]))
+        if not paint:
+            return f"{cells}  {escape(dlt)} {mark}{ci}".rstrip()
+        return f"{cells}  {_paint(dlt, r.colour)} {_paint(mark, r.colour)}{ci}".rstrip()
+
+    console.print(f"[bold]{escape(title)}[/]", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{line(head, paint=False)}[/]", highlight=False, soft_wrap=True)
+    console.print("─" * total, highlight=False, soft_wrap=True)
+    for r in rows:
+        if r.group is not None:
+            console.print(escape(r.group), highlight=False, soft_wrap=True)
+        console.print(line(r), highlight=False, soft_wrap=True)
+        if two_line:  # the interval under its row, ending under the delta
+            ci = f"{LEVEL:.0%} CI {r.ci}"
+            console.print(escape(ci.rjust(max(total - 2, cell_len(ci) + 4))), highlight=False, soft_wrap=True)
+
+
+def _stacked(console: Console, title: str, rows: list[Row]) -> None:
+    """One row per line, wrapped between fields (never inside one) when the console is narrow."""
+    console.print(f"[bold]{escape(title)}[/]", highlight=False, soft_wrap=True)
+    for r in rows:
+        if r.group is not None:
+            console.print(escape(r.group), highlight=False, soft_wrap=True)
+        fields = [(r.label, escape(r.label)), (f"A {r.a}", escape(f"A {r.a}")), (f"B {r.b}", escape(f"B {r.b}")),
+                  (f"Δ {r.delta}" + (f" {r.mark}" if r.mark else ""),
+                   "Δ " + _paint(r.delta, r.colour) + (" " + _paint(r.mark, r.colour) if r.mark else "")),
+                  (f"CI {r.ci}", escape(f"CI {r.ci}"))]
+        plain, out = "", ""
+        for text, markup in fields:
+            if plain and cell_len(plain) + 2 + cell_len(text) > console.width:
+                console.print(out, highlight=False, soft_wrap=True)
+                plain, out = "      ", "      "  # continuation lines, indented under the label
+            elif plain:
+                plain, out = plain + "  ", out + "  "
+            plain, out = plain + text, out + markup
+        console.print(out, highlight=False, soft_wrap=True)
 
 
 def render_diff(console: Console, d: dict[str, Any]) -> None:
-    a, b, dl = d["a"], d["b"], d["delta"]
+    a, b, dl, bs = d["a"], d["b"], d["delta"], d["bootstrap"]
     la, lb = f"A {a['mode']}", f"B {b['mode']}"
     # Warnings first: a truncated, stalled or interrupted side is the first thing to know.
     for w in d["warnings"]:
         console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False, soft_wrap=True)
-    console.print(f"[bold]A[/] {escape(a['trace'])} (mode {a['mode']}, model {a['model']})  vs  "
-                  f"[bold]B[/] {escape(b['trace'])} (mode {b['mode']}, model {b['model']})", highlight=False)
+    for side, r in (("A", a), ("B", b)):
+        console.print(f"[bold]{side}[/] {escape(r['trace'])} (mode {r['mode']}, model {r['model']})",
+                      highlight=False, soft_wrap=True)
+    sections = _sections(dl)
+    # the widest layout that fits: a table, a table with each interval under its row,
+    # or every field stacked (all sections alike, so they read alike)
+    for two_line in (False, True):
+        if all(_widths(rows, la, lb, two_line)[1] <= console.width for _, rows in sections):
+            for title, rows in sections:
+                _table(console, title, rows, la, lb, two_line)
+            break
+    else:
+        console.print(f"{la} → {lb}; Δ = B − A; CI = {LEVEL:.0%} interval of Δ", highlight=False)
+        for title, rows in sections:
+            _stacked(console, title, rows)
+    console.print(_footnote(bs), highlight=False)
 
-    t = _table("sync cost per boundary (device view)", ["boundary", "metric"], la, lb)
-    for name, m in dl["boundaries"].items():
-        for key, label, kind in (("mean_ms", "ms/cycle", "ms"), ("share", "exposed", "pct"),
-                                 ("hidden", "hidden", "pct")):
-            if m[key]["a"] is None and m[key]["b"] is None:
-                continue
-            better = 0 if name == "device_compute" else _BETTER[key]  # more compute share: neither
-            t.add_row(name if key == "mean_ms" else "", label, *_cells(m[key], kind, better))
-    t.add_section()
-    t.add_row("cycle", "ms/cycle", *_cells(dl["cycle_ms"], "ms", _BETTER["cycle_ms"]))
-    console.print(t)
-    di = dl["device_idle"]
-    if di["a"] is not None or di["b"] is not None:
-        ca = _cells(di, "pct", _BETTER["device_idle"])
-        console.print(f"device idle (1 − device busy, of cycle time): {la} {ca[0]} → {lb} {ca[1]}: "
-                      f"Δ {ca[2]} {ca[3]} {ca[4]}", highlight=False, soft_wrap=True)
 
-    t = _table("serving (bench_serving definitions)", ["metric"], la, lb)
-    for key, label in (("output_tok_per_s", "output tok/s"), ("input_tok_per_s", "input tok/s"),
-                       ("request_per_s", "req/s")):
-        t.add_row(label, *_cells(dl["throughput"][key], "rate", _BETTER[key]))
-    for lat in LATENCIES:
-        t.add_section()
-        for k in ("mean", *(f"p{q}" for q in QUANTILES)):
-            t.add_row(f"{lat[:-3].upper()} {k} ms", *_cells(dl["latency"][lat][k], "ms", _BETTER[lat]))
-    console.print(t)
-    bs = d["bootstrap"]
-    console.print(f"* the {bs['level']:.0%} bootstrap interval of B−A ({bs['resamples']} resamples of cycles "
-                  "for cost rows, of requests for serving rows) excludes 0; green = better, red = worse",
-                  highlight=False)
+def _footnote(bs: dict[str, Any]) -> str:
+    rs = bs.get("resampling", {})
+    cyc, req = rs.get("cycles", {}), rs.get("requests", {})
+    ca, cb = cyc.get("a", {}), cyc.get("b", {})
+    if req.get("paired"):
+        how = f"requests paired by id (same workload: the same {req['n']} requests drawn for A and B)"
+    else:
+        how = f"requests drawn independently for A and B ({req.get('why', 'not paired')})"
+    how += ", their times scaled by each run's resampled rounds"
+    fd = bs.get("fdr", {"q": FDR_Q, "rows": 0})
+    return (f"{_MARK} = significant: Benjamini-Hochberg, false discovery rate {fd['q']} over the {fd['rows']} rows "
+            f"with an interval (two-sided bootstrap p-values); green = better, red = worse.\n"
+            f"The {bs['level']:.0%} intervals ({bs['resamples']} resamples) cover the noise within these two runs, "
+            f"not run-to-run variation: cycles and rounds resampled in circular blocks (A: {ca.get('n', 0)} "
+            f"cycles, blocks of {ca.get('block', 1)}; B: {cb.get('n', 0)}, blocks of {cb.get('block', 1)}), "
+            f"{how}. A rerun of the same command can differ by more; alternated pairs (bench/) say whether a "
+            f"change pays.")

@@ -1,321 +1,246 @@
-"""Did a change pay? Deltas between two traces, each with a bootstrap interval.
+"""Did a change pay? Deltas between two traces, each with a bootstrap interval and p-value.
 
 The seed article's method is a control group: the same workload in serial,
-time-slice and overlap modes, compared. A single run is noisy, so every delta
-here comes with a 95% percentile bootstrap interval, and a delta is flagged
-`significant` only when that interval excludes 0:
-  * cycle statistics (per-boundary ms/cycle, exposed share, hidden fraction,
-    cycle time, device idle) resample *cycles* (`cost.per_cycle`), in circular
-    blocks of about n^(1/3) consecutive cycles: neighbouring cycles share a batch
-    composition and a machine state, so drawing them one by one would treat
-    correlated cycles as independent and give intervals too narrow;
-  * serving statistics (throughput, TTFT/TPOT/ITL/E2E mean and percentiles)
-    resample *requests*; ITL pools every gap of the resampled requests.
-A and B are resampled independently. Resamples are draw-count matrices
-W (row r: how often each cycle/request was drawn), so a statistic over all
-resamples is one matrix product, never a copy of the data; row 0 is all ones,
-the sample itself, so the point estimate and the intervals come from the same code.
+time-slice and overlap modes, compared. Every delta here comes with a 95%
+bootstrap percentile interval and a two-sided bootstrap p-value; a delta is
+`significant` when it survives Benjamini-Hochberg at q = 0.05 over every row
+with an interval (some forty rows are tested at once, so an uncorrected 5%
+would star two of them by chance in every diff). What is resampled is the unit
+that carries the noise:
+  * cost rows and cycle time: *cycles* (`cost.per_cycle`), in circular blocks
+    whose length the Politis-White rule picks from the cycle-length series
+    (neighbouring cycles share a batch composition and a machine state);
+  * ITL: *rounds*. A round's collect-to-collect gap is the gap of every request
+    decoding in it, so resampling requests would redraw the same few values and
+    give intervals of zero width;
+  * throughput, TTFT, TPOT, E2E: *requests*, in arrival order and blocks. When
+    both traces ran the same workload (same request ids, same digest) each
+    resample draws the same requests for A and B, so what the workload itself
+    contributes cancels (a trace against itself: zero width); otherwise A and B
+    are drawn independently, and the output says so.
+Cycles and rounds of two runs are never paired: round i of A and of B hold
+different batches once their timings differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from viewer.analysis.cost import CONCURRENT, ORDER, per_cycle
+from viewer.analysis import cost
+from viewer.analysis.bootstrap import blocks, bootstrap, widen
+from viewer.analysis.delta import FDR_Q, LEVEL, Delta, delta, fdr
+from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
+from viewer.analysis.serving import itl_rounds
+from viewer.analysis.serving_boot import LATENCIES, THROUGHPUT, diff_requests, pairing
+
+try:  # the two-view cost table keeps its per-cycle attribution in cycle_views
+    from viewer.analysis.cycle_views import CONCURRENT, per_cycle
+except ImportError:  # before it: cost.py itself
+    from viewer.analysis.cost import CONCURRENT, per_cycle  # type: ignore[attr-defined, no-redef, unused-ignore]
 
 RESAMPLES = 1000
 SEED = 0
-BLOCK_ELEMS = 4_000_000
-LEVEL = 0.95
-QUANTILES = (50, 90, 99)
-LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-THROUGHPUT = ("output_tok_per_s", "input_tok_per_s", "request_per_s")
+# Per-boundary metrics: ms per cycle (raw), device-view share, hidden fraction, host-view share.
+METRICS = ("mean_ms", "share", "hidden", "host")
+# The report's field for each (what `report --json` calls it).
+REPORT_FIELD = {"mean_ms": "mean_ms", "share": "share", "hidden": "hidden", "host": "host_share"}
+__all__ = ["FDR_Q", "LATENCIES", "LEVEL", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta", "Side",
+           "compare", "cycle_stats", "delta", "diff_cycles", "diff_itl", "diff_requests", "fdr", "pairing",
+           "trace_warnings"]
 
 
 @dataclass(slots=True)
-class Delta:
-    a: float | None
-    b: float | None
-    delta: float | None  # b - a
-    rel: float | None  # (b - a) / |a|
-    ci_low: float | None  # 95% bootstrap percentile interval of b - a
-    ci_high: float | None
-    significant: bool  # the interval excludes 0
+class Side:
+    """One trace's tables, as `diff` reads them."""
+
+    probes: pa.Table
+    steps: pa.Table
+    requests: pa.Table
+    collectives: pa.Table | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
-def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1) -> np.ndarray:
-    """(reps, n) bootstrap draw counts: how often each of n items was drawn in each resample.
-
-    block > 1: a circular block bootstrap; each resample is ceil(n / block) runs of
-    `block` consecutive items (wrapping past the end, so every item is drawn once on
-    average, the first and last cycles included), cut to n draws.
-    """
-    if n == 0:
-        return np.zeros((reps, 0))
-    block = max(1, min(block, n))
-    if block == 1:
-        idx = rng.integers(0, n, size=(reps, n))
-    else:
-        starts = rng.integers(0, n, size=(reps, -(-n // block)))
-        idx = ((starts[:, :, None] + np.arange(block)) % n).reshape(reps, -1)[:, :n]
-    idx = idx + (np.arange(reps) * n)[:, None]
-    return np.bincount(idx.ravel(), minlength=reps * n).reshape(reps, n).astype(np.float64)
+def _none(reps: int) -> np.ndarray:
+    return np.full(reps + 1, np.nan)
 
 
-def cycle_block(n: int) -> int:
-    """Block length for resampling n consecutive cycles (the usual n^(1/3) rule)."""
-    return max(1, round(n ** (1 / 3)))
-
-
-def bootstrap(n: int, reps: int, rng: np.random.Generator,
-              stat: Callable[[np.ndarray], dict[str, np.ndarray]], block: int = 1) -> dict[str, np.ndarray]:
-    """`stat` over [the sample itself, reps resamples] of n items: arrays of reps + 1 values.
-
-    Row 0 (all ones) is the point estimate. Rows go through `stat` in chunks of
-    ~4M draw counts so memory stays bounded on long traces.
-    """
-    chunk = max(1, BLOCK_ELEMS // max(n, 1))  # resamples per pass
-    parts: list[dict[str, np.ndarray]] = []
-    for r0 in range(0, reps + 1, chunk):
-        rows = min(chunk, reps + 1 - r0)
-        w = resample_weights(n, rows - (r0 == 0), rng, block)
-        parts.append(stat(np.vstack([np.ones((1, n)), w]) if r0 == 0 else w))
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
-def delta(sa: np.ndarray, sb: np.ndarray, level: float = LEVEL) -> Delta:
-    """Delta of one statistic, given its values over [sample, resample 1, ...] for A and B."""
-    a = float(sa[0]) if np.isfinite(sa[0]) else None
-    b = float(sb[0]) if np.isfinite(sb[0]) else None
-    if a is None or b is None:
-        return Delta(a, b, None, None, None, None, False)
-    d = sb[1:] - sa[1:]
-    d = d[np.isfinite(d)]
-    if not len(d):
-        return Delta(a, b, b - a, (b - a) / abs(a) if a else None, None, None, False)
-    tail = 100 * (1 - level) / 2
-    lo, hi = (float(x) for x in np.percentile(d, [tail, 100 - tail]))
-    return Delta(a, b, b - a, (b - a) / abs(a) if a else None, lo, hi, lo > 0 or hi < 0)
-
-
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den != 0, num / np.where(den != 0, den, 1), np.nan)
+def boundaries_of(keys: Any) -> list[str]:
+    """Boundaries with any per-cycle column, in the cost table's order (device-view rows,
+    host-view rows, unattributed, then any other), whatever version of cost.py made them."""
+    present = {k.split(":", 1)[1] for k in keys
+               if k.split(":", 1)[0] in ("raw_ns", "hidden_ns", "exposed_ns", "host_ns", "mean_ms", "share",
+                                         "hidden", "host")}
+    order = [*cost.ORDER, *getattr(cost, "HOST_ORDER", ()), getattr(cost, "UNATTRIBUTED", "unattributed")]
+    seen = list(dict.fromkeys(b for b in order if b in present))
+    return seen + sorted(present - set(seen))
 
 
 def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarray]:
     """Cost-table statistics over each row of `w` (draw counts of cycles); same definitions as cost_table.
 
-    Keys: cycle_ms, device_idle, and mean_ms:<b>, share:<b>, hidden:<b> for each boundary present.
+    Keys: cycle_ms, device_idle, and per boundary mean_ms:<b> (raw per cycle; the host
+    view's time where a row has no raw time, as unattributed), share:<b> (device view),
+    hidden:<b> (hidden / raw), host:<b> (host view), for whichever columns are present.
     """
     if not pcy:
         return {}
     cols = {"cycle": pcy["cycle_ns"], "device": pcy["device_ns"]}
-    for k in pcy:
-        if k.startswith(("raw_ns:", "hidden_ns:", "exposed_ns:")):
+    for k in pcy:  # every view's columns, whatever cost.per_cycle currently emits
+        if k.startswith(("raw_ns:", "hidden_ns:", "exposed_ns:", "host_ns:")):
             cols[k] = pcy[k]
     names = list(cols)
     sums = w @ np.column_stack([cols[k] for k in names])  # one product for every statistic
     s = {k: sums[:, i] for i, k in enumerate(names)}
     ncyc = w.sum(axis=1)
     out = {"cycle_ms": s["cycle"] / ncyc / 1e6, "device_idle": 1 - _ratio(s["device"], s["cycle"])}
-    for b in ORDER:
-        if f"raw_ns:{b}" not in s:
-            continue
-        out[f"mean_ms:{b}"] = s[f"raw_ns:{b}"] / ncyc / 1e6
+    for b in boundaries_of(s):
+        raw = s.get(f"raw_ns:{b}", s.get(f"host_ns:{b}"))
+        if raw is not None:
+            out[f"mean_ms:{b}"] = raw / ncyc / 1e6
         if f"exposed_ns:{b}" in s:
             out[f"share:{b}"] = _ratio(s[f"exposed_ns:{b}"], s["cycle"])
-        if f"hidden_ns:{b}" in s:
+        if f"hidden_ns:{b}" in s and f"raw_ns:{b}" in s:
             out[f"hidden:{b}"] = _ratio(s[f"hidden_ns:{b}"], s[f"raw_ns:{b}"])
+        if f"host_ns:{b}" in s:
+            out[f"host:{b}"] = _ratio(s[f"host_ns:{b}"], s["cycle"])
+    return out
+
+
+def cycle_boot(probes: pa.Table, steps: pa.Table, reps: int, rng: np.random.Generator,
+               collectives: pa.Table | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """`cycle_stats` over [sample, reps resamples] of one trace's cycles, in circular blocks
+    (Politis-White length from its cycle-length series); plus round_scale, each resample's
+    mean round length (idle included) over the sample's: what the run's duration would
+    have been, relative to what it was, with those rounds. And how it resampled."""
+    pcy = per_cycle(probes, steps, collectives=collectives)
+    n = len(pcy.get("cycle_ns", ()))
+    if not n:
+        return {}, {"unit": "cycles", "n": 0, "block": 1, "widen": 1.0}
+    bl = blocks(pcy["cycle_ns"])
+    wall = pcy["cycle_ns"] + pcy["idle_ns"]
+
+    def stat(w: np.ndarray) -> dict[str, np.ndarray]:
+        return {**cycle_stats(pcy, w), "round_ns": (w @ wall) / w.sum(axis=1)}
+
+    out = widen(bootstrap(n, reps, rng, [(stat, None)], bl.length)[0], bl.widen)
+    out["round_scale"] = _ratio(out.pop("round_ns"), np.full(reps + 1, wall.mean()))
+    return out, {"unit": "cycles", "n": n, "block": bl.length, "widen": round(bl.widen, 3)}
+
+
+def cycle_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int) -> dict[str, Any]:
+    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden, host} deltas."""
+    none = _none(reps)
+    out: dict[str, Any] = {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("cycle_ms", "device_idle")}
+    out["boundaries"] = {}
+    for b in boundaries_of([*sa, *sb]):
+        row = {m: delta(sa.get(f"{m}:{b}", none), sb.get(f"{m}:{b}", none)) for m in METRICS
+               if f"{m}:{b}" in sa or f"{m}:{b}" in sb}
+        if b in CONCURRENT:
+            # off the scheduling thread: cycles are not its unit (tokenize runs before the
+            # first cycle and would all be drawn with cycle 0), so no interval is claimed
+            for d in row.values():
+                d.ci_low = d.ci_high = d.p_value = None
+                d.significant = False
+        out["boundaries"][b] = row
     return out
 
 
 def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps_b: pa.Table,
                 reps: int = RESAMPLES, seed: int = SEED, colls_a: pa.Table | None = None,
                 colls_b: pa.Table | None = None) -> dict[str, Any]:
-    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden} deltas, resampling cycles.
-    ``colls_*``: the collectives tables of TP runs (all_reduce's raw/hidden, see cost.per_cycle)."""
-    stats = []
-    for i, (p, s, c) in enumerate(((probes_a, steps_a, colls_a), (probes_b, steps_b, colls_b))):
-        pcy = per_cycle(p, s, collectives=c)
-        n = len(pcy.get("cycle_ns", ()))
-        stats.append(bootstrap(n, reps, np.random.default_rng([seed, i]), lambda w, pcy=pcy: cycle_stats(pcy, w),
-                               cycle_block(n)))
-    sa, sb = stats
-    none = np.full(reps + 1, np.nan)
-    out: dict[str, Any] = {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("cycle_ms", "device_idle")}
-    present = {k.split(":", 1)[1] for k in (*sa, *sb) if k.startswith("mean_ms:")}
-    out["boundaries"] = {}
-    for b in ORDER:
-        if b not in present:
-            continue
-        row = {m: delta(sa.get(f"{m}:{b}", none), sb.get(f"{m}:{b}", none)) for m in ("mean_ms", "share", "hidden")}
-        if b in CONCURRENT:
-            # off the scheduling thread: cycles are not its unit (tokenize runs before the
-            # first cycle and would all be drawn with cycle 0), so no interval is claimed
-            for d in row.values():
-                d.ci_low = d.ci_high = None
-                d.significant = False
-        out["boundaries"][b] = row
+    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden, host} deltas, resampling
+    each trace's cycles (`cycle_boot`); ``colls_*``: the collectives tables of TP runs
+    (all_reduce's raw/hidden, see cost.per_cycle). "resampling" says how, per side."""
+    (sa, ia), (sb, ib) = (cycle_boot(p, s, reps, np.random.default_rng([seed, i]), c)
+                          for i, (p, s, c) in enumerate(((probes_a, steps_a, colls_a), (probes_b, steps_b, colls_b))))
+    out = cycle_deltas(sa, sb, reps)
+    fdr(out)
+    out["resampling"] = {"a": ia, "b": ib}
     return out
 
 
-def token_gaps(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Every gap between consecutive output tokens (ns, the dur_itl_ns lists) and its request row."""
-    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
-    flat = pc.list_flatten(col).to_numpy()
-    return flat, np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+def round_gaps(requests: pa.Table, steps: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every inter-token gap as (value ms, multiplicity, cycle index), and the collect-to-collect
+    series of the rounds in time order (what the block length is chosen from)."""
+    step, collect = steps["step"].to_numpy(), steps["collect_ns"].to_numpy()
+    by_time = np.argsort(steps["ts_ns"].to_numpy(), kind="stable")  # cycles, as cost.per_cycle orders them
+    vals, mult, rounds = itl_rounds(requests["token_runs"].chunks, step, collect)
+    keep = mult > 0
+    vals, mult, rounds = vals[keep], mult[keep], rounds[keep]
+    st = step[by_time]
+    srt = np.argsort(st, kind="stable")
+    at = srt[np.clip(np.searchsorted(st[srt], rounds), 0, max(len(st) - 1, 0))] if len(st) else rounds
+    ok = st[at] == rounds if len(st) else np.zeros(0, bool)
+    return vals[ok], mult[ok], at[ok], np.diff(collect[by_time]).astype(np.float64)
 
 
-class PooledDist:
-    """mean/p50/p90/p99 of pooled values under resampling of their groups (requests).
-
-    Prepared once (sorted values, per-chunk counts), then evaluated on blocks of
-    draw-count rows. Exact without materialising any resample: each row's
-    cumulative count per chunk of the sorted values is one matrix product, and
-    only the chunk holding each wanted rank is scanned. Percentiles interpolate
-    like Dist.of (numpy's linear).
-    """
-
-    def __init__(self, values: np.ndarray, owner: np.ndarray, groups: int, scale: float = 1.0,
-                 step: int | None = None) -> None:
-        order = np.argsort(values, kind="stable")
-        self.v = values[order].astype(np.float64)
-        self.g = owner[order].astype(np.int64)
-        self.scale = scale
-        n = len(self.v)
-        # chunk size balancing the product (groups x chunks) against the scan (chunk
-        # length per rank); at most 2048 chunks
-        self.step = step or int(np.clip(np.sqrt(groups * n / 2000), 1, max(n, 1)))
-        self.step = max(self.step, -(-n // 2048))
-        self.k = -(-n // self.step) if n else 0
-        counts = np.bincount(self.g * self.k + np.arange(n) // self.step, minlength=groups * self.k)
-        # per group: value count, value sum, cumulative count through each chunk; `w @ columns`
-        # gives every resample's n, sum and per-chunk cumulative counts at once
-        self.columns = np.column_stack([np.bincount(self.g, minlength=groups),
-                                        np.bincount(self.g, weights=self.v, minlength=groups),
-                                        np.cumsum(counts.reshape(groups, self.k), axis=1)]).astype(np.float64)
-
-    def __call__(self, w: np.ndarray, sums: np.ndarray | None = None,
-                 wi: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """`sums` (= w @ self.columns) and `wi` (= w as int32) may be passed in, computed once
-        for several distributions over the same draws."""
-        reps, g_n = w.shape[0], len(self.v)
-        if g_n == 0:
-            return {k: np.full(reps, np.nan) for k in ("mean", *(f"p{q}" for q in QUANTILES))}
-        sums = w @ self.columns if sums is None else sums
-        n, cum = sums[:, 0], sums[:, 2:]  # values in each resample; count through the end of each chunk
-        out = {"mean": _ratio(sums[:, 1], n) * self.scale}
-        last = np.maximum(n - 1, 0).astype(np.int64)[:, None]
-        pos = last * np.array(QUANTILES) / 100  # as Dist.of: (n - 1) * q / 100
-        lo = np.floor(pos).astype(np.int64)
-        hi = np.minimum(lo + 1, last)
-        rows = np.broadcast_to(np.arange(reps)[:, None], lo.shape).ravel()
-        wi = w.astype(np.int32) if wi is None else wi  # draw counts are small integers: narrower gathers
-        at_lo, at_hi = self._locate(wi, cum, rows, lo.ravel(), hi.ravel())
-        missed = at_hi < 0  # hi fell past the chunk that holds lo: look it up on its own
-        if missed.any():
-            at_hi[missed] = self._locate(wi, cum, rows[missed], hi.ravel()[missed])[0]
-        vlo, vhi = self.v[at_lo].reshape(lo.shape), self.v[at_hi].reshape(lo.shape)
-        pct = (vlo + (vhi - vlo) * (pos - lo)) * self.scale
-        pct[n == 0] = np.nan
-        for i, q in enumerate(QUANTILES):
-            out[f"p{q}"] = pct[:, i]
-        return out
-
-    def _locate(self, wi: np.ndarray, cum: np.ndarray, rows: np.ndarray, ranks: np.ndarray,
-                ranks2: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Sorted position of the value at `ranks` (0-based) in each row's resample; also of
-        `ranks2` (>= ranks) where it lies in the same chunk, else -1."""
-        g_n, step, k = len(self.v), self.step, self.k
-        # chunk holding each rank = number of chunks whose count is <= the rank; one
-        # searchsorted over all rows at once, each row shifted past the previous one
-        shift = cum[:, -1].max() + 1
-        flat = (cum + (np.arange(len(cum)) * shift)[:, None]).ravel()
-        c = np.searchsorted(flat, ranks + rows * shift, side="right") - rows * k
-        c = np.minimum(c, k - 1)  # only for empty resamples (their values are dropped)
-        at, at2 = np.empty(len(ranks), np.int64), np.full(len(ranks), -1, np.int64)
-        span = max(1, 2_000_000 // step)  # bounded memory: span queries x step at a time
-        for q0 in range(0, len(ranks), span):
-            sl = slice(q0, q0 + span)
-            cq, rq = c[sl], rows[sl]
-            prior = np.where(cq > 0, cum[rq, np.maximum(cq - 1, 0)], 0.0).astype(np.int64)
-            idx = cq[:, None] * step + np.arange(step)
-            cnt = np.where(idx < g_n, wi[rq[:, None], self.g[np.minimum(idx, g_n - 1)]], 0)
-            cw = prior[:, None] + np.cumsum(cnt, axis=1)
-            # first position whose cumulative count passes the rank
-            j = (cw <= ranks[sl][:, None]).sum(axis=1)
-            at[sl] = np.minimum(cq * step + j, g_n - 1)
-            if ranks2 is not None:
-                j2 = (cw <= ranks2[sl][:, None]).sum(axis=1)
-                at2[sl] = np.where(j2 < step, np.minimum(cq * step + j2, g_n - 1), -1)
-        return at, at2
+def diff_itl(req_a: pa.Table, steps_a: pa.Table, req_b: pa.Table, steps_b: pa.Table,
+             reps: int = RESAMPLES, seed: int = SEED, same: bool = False) -> dict[str, Any]:
+    """ITL mean and percentiles, resampling each trace's rounds in circular blocks
+    (same: one run on both sides, drawn alike)."""
+    stats: list[dict[str, np.ndarray]] = []
+    info: dict[str, Any] = {}
+    for i, (r, s) in enumerate(((req_a, steps_a), (req_b, steps_b))):
+        n = s.num_rows
+        if not n or "token_runs" not in r.column_names or "collect_ns" not in s.column_names:
+            stats.append({})
+            info["ab"[i]] = {"unit": "rounds", "n": 0, "block": 1, "widen": 1.0}
+            continue
+        vals, mult, owner, series = round_gaps(r, s)
+        dist = PooledDist(vals, owner, n, mult=mult)
+        bl = blocks(series)
+        info["ab"[i]] = {"unit": "rounds", "n": n, "block": bl.length, "widen": round(bl.widen, 3)}
+        rng = np.random.default_rng([seed, 4 + (0 if same else i)])
+        stats.append(widen(bootstrap(n, reps, rng, [(dist, None)], bl.length)[0], bl.widen))
+    none = _none(reps)
+    sa, sb = stats
+    out: dict[str, Any] = {"itl_ms": {k: delta(sa.get(k, none), sb.get(k, none))
+                                      for k in ("mean", *(f"p{q}" for q in QUANTILES))}}
+    fdr(out)
+    out["resampling"] = info
+    return out
 
 
-class RequestStats:
-    """serving_metrics' throughput and latency, as a function of request draw counts.
-
-    Called on (rows, requests) draw counts; returns output_tok_per_s,
-    input_tok_per_s, request_per_s and <latency>:<mean|p50|p90|p99>, one value per row.
-    """
-
-    def __init__(self, requests: pa.Table) -> None:
-        self.n = requests.num_rows
-        arrival = requests["arrival_ns"].to_numpy()
-        first = requests["first_token_ns"].to_numpy()
-        finish = requests["finish_ns"].to_numpy()
-        out_len = requests["output_len"].to_numpy()
-        in_len = requests["prompt_len"].to_numpy()
-        served = first > 0
-        self.arrival, self.finish = arrival.astype(np.float64), finish.astype(np.float64)
-        self.tokens = np.column_stack([np.where(served, out_len, 0), np.where(served, in_len, 0),
-                                       served]).astype(np.float64)
-        rows = np.arange(self.n)
-        multi = served & (out_len > 1)
-        gaps, gap_owner = token_gaps(requests["dur_itl_ns"])
-        self.series = {  # the same expressions as serving_metrics, so row 0 reproduces the report
-            "ttft_ms": PooledDist((first[served] - arrival[served]) / 1e6, rows[served], self.n),
-            "tpot_ms": PooledDist((finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1), rows[multi],
-                                  self.n),
-            "itl_ms": PooledDist(gaps, gap_owner, self.n, 1e-6),
-            "e2e_ms": PooledDist((finish[served] - arrival[served]) / 1e6, rows[served], self.n),
-        }
-        # one matrix product per block for everything: on a busy machine each BLAS call
-        # costs milliseconds of thread hand-off whatever its size
-        self.columns = np.column_stack([self.tokens, *(d.columns for d in self.series.values())])
-        self.cuts = np.cumsum([self.tokens.shape[1], *(d.columns.shape[1] for d in self.series.values())])
-
-    def __call__(self, w: np.ndarray) -> dict[str, np.ndarray]:
-        drawn = w > 0
-        # a resample's duration is its own first arrival .. last finish, as for the sample
-        dur = (np.where(drawn, self.finish, -np.inf).max(axis=1)
-               - np.where(drawn, self.arrival, np.inf).min(axis=1)) / 1e9
-        tok, *sums = np.split(w @ self.columns, self.cuts[:-1], axis=1)
-        wi = w.astype(np.int32)
-        out = {k: _ratio(tok[:, i], dur) for i, k in enumerate(THROUGHPUT)}
-        for (name, dist), s in zip(self.series.items(), sums, strict=True):
-            for k, arr in dist(w, s, wi).items():
-                out[f"{name}:{k}"] = arr
-        return out
+def same_run(a: Side, b: Side) -> bool:
+    """Whether both sides are one run (a trace diffed against itself): identical rounds."""
+    sa, sb = a.steps, b.steps
+    return (sa.num_rows == sb.num_rows and a.probes.num_rows == b.probes.num_rows
+            and all(np.array_equal(sa[c].to_numpy(), sb[c].to_numpy()) for c in ("ts_ns", "dur_ns")))
 
 
-def diff_requests(req_a: pa.Table, req_b: pa.Table, reps: int = RESAMPLES,
-                  seed: int = SEED) -> dict[str, Any]:
-    """Throughput and latency deltas, resampling requests."""
-    sa, sb = ({} if not t.num_rows else bootstrap(t.num_rows, reps, np.random.default_rng([seed, 2 + i]),
-                                                   RequestStats(t)) for i, t in enumerate((req_a, req_b)))
-    none = np.full(reps + 1, np.nan)
-    return {
-        "throughput": {k: delta(sa.get(k, none), sb.get(k, none)) for k in THROUGHPUT},
-        "latency": {lat: {k: delta(sa.get(f"{lat}:{k}", none), sb.get(f"{lat}:{k}", none))
-                          for k in ("mean", *(f"p{q}" for q in QUANTILES))} for lat in LATENCIES},
-    }
+def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: bool = True,
+            keep: set[tuple[str, str]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """All of diff's deltas (B - A) and how they were resampled, with BH over every row.
+
+    probes False (a side recorded with --no-probes): no boundary or device-idle rows.
+    keep: the (boundary, metric) rows to compare (those the report shows); None: all."""
+    # the same run on both sides: its noise is one realisation, so both get the same draws
+    # and every interval has zero width (otherwise two runs' rounds are never paired)
+    same = same_run(a, b)
+    (ca, ia), (cb, ib) = (cycle_boot(x.probes, x.steps, reps, np.random.default_rng([seed, 0 if same else i]),
+                                     x.collectives) for i, x in enumerate((a, b)))
+    cyc = cycle_deltas(ca, cb, reps)
+    cyc["resampling"] = {"a": ia, "b": ib}
+    if not probes:
+        cyc["boundaries"] = {}
+        cyc["device_idle"] = Delta(None, None, None, None, None, None, False)
+    if keep is not None:
+        cyc["boundaries"] = {bd: {m: d for m, d in row.items() if (bd, m) in keep}
+                             for bd, row in cyc["boundaries"].items()}
+        cyc["boundaries"] = {bd: row for bd, row in cyc["boundaries"].items() if row}
+    req = diff_requests(a.requests, b.requests, a.meta, b.meta, reps, seed,
+                        (ca.get("round_scale"), cb.get("round_scale")))
+    itl = diff_itl(a.requests, a.steps, b.requests, b.steps, reps, seed, same)
+    resampling = {"cycles": cyc.pop("resampling"), "rounds": itl.pop("resampling"),
+                  "requests": req.pop("resampling")}
+    lat = req.pop("latency")
+    out = {**cyc, **req, "latency": {k: itl["itl_ms"] if k == "itl_ms" else lat[k] for k in LATENCIES}}
+    tested = fdr(out)
+    return out, {"resampling": resampling, "fdr": {"method": "Benjamini-Hochberg", "q": FDR_Q, "rows": tested}}
 
 
 def trace_warnings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[str]:

@@ -1,0 +1,138 @@
+"""`diff`'s serving rows resampled by request: throughput, TTFT, TPOT, E2E.
+
+Requests are drawn in circular blocks along their arrival order (requests that
+arrive together queue together, so neighbours are not independent), with the
+Politis-White block length of their E2E series. When A and B ran the same
+workload, each resample draws the same requests for both: request i's own
+length and position in the queue are the same on both sides, so only how each
+run served it is left in the difference. ITL is resampled by round instead
+(viewer/analysis/diff.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from viewer.analysis.bootstrap import blocks, bootstrap, widen
+from viewer.analysis.delta import delta, fdr
+from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+THROUGHPUT = ("output_tok_per_s", "input_tok_per_s", "request_per_s")
+BY_REQUEST = ("ttft_ms", "tpot_ms", "e2e_ms")  # ITL's unit is the round
+
+
+class RequestStats:
+    """serving_metrics' throughput and per-request latencies, as a function of request draw counts.
+
+    Called on (rows, requests) draw counts; returns output_tok_per_s, input_tok_per_s,
+    request_per_s and <ttft_ms|tpot_ms|e2e_ms>:<mean|p50|p90|p99>, one value per row.
+    """
+
+    def __init__(self, requests: pa.Table) -> None:
+        self.n = requests.num_rows
+        arrival = requests["arrival_ns"].to_numpy()
+        first = requests["first_token_ns"].to_numpy()
+        finish = requests["finish_ns"].to_numpy()
+        out_len = requests["output_len"].to_numpy()
+        in_len = requests["prompt_len"].to_numpy()
+        served = first > 0
+        self.arrival, self.finish = arrival.astype(np.float64), finish.astype(np.float64)
+        self.tokens = np.column_stack([np.where(served, out_len, 0), np.where(served, in_len, 0),
+                                       served]).astype(np.float64)
+        rows = np.arange(self.n)
+        multi = served & (out_len > 1)
+        self.e2e = np.where(served, (finish - arrival) / 1e6, np.nan)
+        self.series = {  # the same expressions as serving_metrics, so row 0 reproduces the report
+            "ttft_ms": PooledDist((first[served] - arrival[served]) / 1e6, rows[served], self.n),
+            "tpot_ms": PooledDist((finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1), rows[multi],
+                                  self.n),
+            "e2e_ms": PooledDist((finish[served] - arrival[served]) / 1e6, rows[served], self.n),
+        }
+        # one matrix product per block for everything: on a busy machine each BLAS call
+        # costs milliseconds of thread hand-off whatever its size
+        self.columns = np.column_stack([self.tokens, *(d.columns for d in self.series.values())])
+        self.cuts = np.cumsum([self.tokens.shape[1], *(d.columns.shape[1] for d in self.series.values())])
+        # arrival order, ties (a burst at t = 0) by row: the sequence blocks run along
+        self.order = np.lexsort((rows, arrival))
+
+    def __call__(self, w: np.ndarray) -> dict[str, np.ndarray]:
+        drawn = w > 0
+        # a resample's duration is its own first arrival .. last finish, as for the sample
+        dur = (np.where(drawn, self.finish, -np.inf).max(axis=1)
+               - np.where(drawn, self.arrival, np.inf).min(axis=1)) / 1e9
+        tok, *sums = np.split(w @ self.columns, self.cuts[:-1], axis=1)
+        wi = w.astype(np.int32)
+        out = {k: _ratio(tok[:, i], dur) for i, k in enumerate(THROUGHPUT)}
+        for (name, dist), s in zip(self.series.items(), sums, strict=True):
+            for k, arr in dist(w, s, wi).items():
+                out[f"{name}:{k}"] = arr
+        return out
+
+
+def pairing(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
+            meta_b: dict[str, Any] | None = None) -> tuple[np.ndarray | None, str]:
+    """For each of B's requests, the row of A's request with the same id, when both ran the
+    same workload; else None. With the reason, for the output."""
+    da, db = ((m or {}).get("workload", {}).get("digest") for m in (meta_a, meta_b))
+    if da is not None and db is not None and da != db:
+        return None, "the traces ran different workloads"
+    if "request_id" not in req_a.column_names or "request_id" not in req_b.column_names:
+        return None, "a trace has no request ids"
+    ia, ib = (np.asarray(t["request_id"].to_pylist(), dtype=object) for t in (req_a, req_b))
+    if len(ia) != len(ib) or not len(ia) or len(set(ia)) != len(ia) or set(ia) != set(ib):
+        return None, "the traces did not finish the same requests"
+    row_of = {rid: i for i, rid in enumerate(ia)}
+    return np.array([row_of[rid] for rid in ib], dtype=np.int64), "same workload"
+
+
+def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
+                  meta_b: dict[str, Any] | None = None, reps: int = 1000, seed: int = 0,
+                  round_scale: tuple[np.ndarray | None, np.ndarray | None] = (None, None)) -> dict[str, Any]:
+    """Throughput and per-request latency deltas, resampling requests (paired when A and B
+    ran the same workload). "resampling" says how.
+
+    round_scale: per side, each resample's mean round length over the sample's (from the
+    cycle bootstrap, `diff.cycle_boot`). A run's duration and every request's latency are
+    sums of round lengths, so much of their noise lives in the rounds, and requests alone
+    leave it out: two runs of one workload, paired, differ by the same few rounds in every
+    request (all requests of a burst share them), which would give intervals of near-zero
+    width around whatever the two runs happened to differ by. Each resample's throughput
+    is divided by its side's factor and its latencies multiplied by it, adding that noise.
+    """
+    pair, why = pairing(req_a, req_b, meta_a, meta_b)
+    ra, rb = RequestStats(req_a), RequestStats(req_b)
+    info: dict[str, Any]
+    if pair is not None:
+        # the block length of what is left after pairing: B's E2E minus A's, request by request
+        bl = blocks((rb.e2e - ra.e2e[pair])[np.argsort(pair)][ra.order])
+        sa, sb = (widen(x, bl.widen) for x in bootstrap(ra.n, reps, np.random.default_rng([seed, 2]),
+                                                        [(ra, None), (rb, pair)], bl.length, ra.order))
+        info = {"unit": "requests", "paired": True, "why": why, "n": ra.n, "block": bl.length,
+                "widen": round(bl.widen, 3)}
+    else:
+        sides, info = [], {"unit": "requests", "paired": False, "why": why}
+        for i, r in enumerate((ra, rb)):
+            bl = blocks(r.e2e[r.order])
+            info["ab"[i]] = {"n": r.n, "block": bl.length, "widen": round(bl.widen, 3)}
+            rng = np.random.default_rng([seed, 2 + i])
+            sides.append({} if not r.n else
+                         widen(bootstrap(r.n, reps, rng, [(r, None)], bl.length, r.order)[0], bl.widen))
+        sa, sb = sides
+    for side, scale in zip((sa, sb), round_scale, strict=True):
+        if scale is None or not side:
+            continue
+        for k in side:
+            side[k] = side[k] / scale if k in THROUGHPUT else side[k] * scale
+    none = np.full(reps + 1, np.nan)
+    out: dict[str, Any] = {
+        "throughput": {k: delta(sa.get(k, none), sb.get(k, none)) for k in THROUGHPUT},
+        "latency": {lat: {k: delta(sa.get(f"{lat}:{k}", none), sb.get(f"{lat}:{k}", none))
+                          for k in ("mean", *(f"p{q}" for q in QUANTILES))} for lat in BY_REQUEST},
+    }
+    fdr(out)
+    out["resampling"] = info
+    return out
