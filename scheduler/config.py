@@ -52,8 +52,9 @@ class EngineConfig:
     probes: bool = True  # False: no probes/memory tables (requests, timeline, steps stay)
     wait_timeout_s: float = 5.0  # every timed wait in the engine (the seed's 5 s)
     snapshot_every: int = 50  # full block-table snapshot every N rounds; 0 = never
-    # Test-only: sleep this long inside bookkeeping, to check the report is truthful.
-    debug_bookkeeping_sleep_ms: float = 0.0
+    # Test-only (the truth harness, scheduler/debug_delay.py): (place, ms) delays that a
+    # test checks the cost table charges to the right row.
+    debug_delay_ms: tuple[tuple[str, float], ...] = ()
     inject: tuple[str, ...] = ()  # fault injection, see scheduler/faults.py
     gc: bool = True  # the periodic GC scan that reclaims leaked / stuck blocks
     gc_after_s: float = 10.0
@@ -106,7 +107,13 @@ class EngineConfig:
             raise ConfigError(f"--on-stall must be abort or continue (got {self.on_stall!r})")
         if self.gc_after_s < 0:
             raise ConfigError(f"--gc-after-s must be >= 0 (got {self.gc_after_s})")
+        from scheduler.debug_delay import PLACES
         from scheduler.faults import parse_faults
+
+        bad = [p for p, ms in self.debug_delay_ms if p not in PLACES or ms < 0]
+        if bad:
+            raise ConfigError(f"--debug-delay-ms: unknown place or negative delay at {bad[0]!r}; "
+                              f"places: {', '.join(PLACES)}")
 
         try:
             parse_faults(self.inject)

@@ -55,6 +55,7 @@ class DeviceSpec:
     threads: int
     wait_timeout_s: float
     future_slots: int
+    debug_delay_ns: int = 0  # the truth harness: held inside every forward (scheduler/debug_delay.py)
 
 
 @dataclass(slots=True)
@@ -450,6 +451,10 @@ class _Device:
         if has_placeholders:
             resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
+        if self.spec.debug_delay_ns:
+            from scheduler.debug_delay import hold
+
+            hold(self.spec.debug_delay_ns)
         tokens: list[int] = []
         if slots:
             tokens = sample(logits, temperatures, top_ps, row_generators(seeds, "cpu"))

@@ -38,8 +38,10 @@ from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, WaitTimeout, timed_wait
 from probes.watchdog import StallReport, Watchdog
+from scheduler import debug_delay as dd
 from scheduler.batch import ScheduleBatch
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
+from scheduler.debug_delay import delay_ns
 from scheduler.device_process import DeviceProcess, DeviceSpec
 from scheduler.executor import FUTURE_SLOTS, Executor, Launch
 from scheduler.faults import SLOW_SENDER_S
@@ -103,6 +105,13 @@ class Engine:
     ) -> None:
         config.validate()
         self.cfg = config
+        # the truth harness's known delays (0: off; one attribute read per place)
+        d = config.debug_delay_ms
+        self._delay_bookkeeping = delay_ns(d, dd.BOOKKEEPING)
+        self._delay_prepare = delay_ns(d, dd.BATCH_PREPARE)
+        self._delay_send = delay_ns(d, dd.RESPONSE_SEND)
+        self._delay_between = delay_ns(d, dd.BETWEEN_ROUNDS)
+        self.debug_held = dd.Held()
         self.model_dir: Path = resolve_model(config.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
@@ -141,7 +150,8 @@ class Engine:
         if parallel is None and remote:
             self.device_proc = DeviceProcess(DeviceSpec(
                 str(self.model_dir), str(dtype).removeprefix("torch."), num_blocks, config.block_size,
-                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS), self.probes,
+                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS,
+                delay_ns(d, dd.DEVICE_COMPUTE)), self.probes,
                 self.registry)
         elif parallel is None:
             mc = self.model_config
@@ -170,7 +180,7 @@ class Engine:
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
-                                 parallel=parallel)
+                                 parallel=parallel, debug_delay_ns=delay_ns(d, dd.DEVICE_COMPUTE))
         if config.debug_kv_check:
             self.executor.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
@@ -291,6 +301,8 @@ class Engine:
         batch = self.policy.schedule(step)  # steps 1-3
         t1 = now_ns()
         launches = self._launch(batch, step) if batch else []  # step 4
+        if self._delay_prepare and batch:
+            self.debug_held.hold(dd.BATCH_PREPARE, self._delay_prepare)
         t2 = now_ns()
         if self.cfg.overlap_on:
             done, self._inflight = self._inflight, (batch, launches) if batch else None
@@ -320,14 +332,8 @@ class Engine:
             self._gc(t3)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
             self._snapshot_blocks(step)
-        if self.cfg.debug_bookkeeping_sleep_ms:
-            # Sleep most of it (releases the GIL), spin the last 0.3 ms: a
-            # plain sleep overshoots by timer slack, and the truthfulness test
-            # needs the injected delay to be known exactly.
-            until = now_ns() + int(self.cfg.debug_bookkeeping_sleep_ms * 1e6)
-            time.sleep(max(0.0, (until - now_ns()) / 1e9 - 3e-4))
-            while now_ns() < until:
-                pass
+        if self._delay_bookkeeping:
+            self.debug_held.hold(dd.BOOKKEEPING, self._delay_bookkeeping)
         t4 = now_ns()
         n_sampled = sum(len(t) for t in tokens)
         r = self.probes.rank
@@ -351,9 +357,13 @@ class Engine:
                 self.sender.queue.qsize(), t3 if done is not None else 0,
             ))
         self.sender.queue.put(out)
+        if self._delay_send:
+            self.debug_held.hold(dd.RESPONSE_SEND, self._delay_send)
         t5 = now_ns()
         if pb is not None:
             pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
+        if self._delay_between:
+            self.debug_held.hold(dd.BETWEEN_ROUNDS, self._delay_between)
         stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
                           len(batch.decodes), n_sampled, len(out.finished))
         return stats

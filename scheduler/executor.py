@@ -26,6 +26,7 @@ from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduledChunk
+from scheduler.debug_delay import hold
 from scheduler.device_process import RemoteOp
 from scheduler.model.forward_batch import (
     ForwardBatch,
@@ -98,8 +99,10 @@ class Executor:
         probe_buf: list[Row] | None,
         rank: int = 0,
         parallel: Coordinator | None = None,
+        debug_delay_ns: int = 0,
     ) -> None:
         self.model = model
+        self.debug_delay_ns = debug_delay_ns  # the truth harness: held inside every forward
         self.parallel = parallel
         # The device is another process (scheduler/device_process.py): work goes there as
         # RemoteOp data; the model, KV pool and future ring live there.
@@ -220,6 +223,8 @@ class Executor:
         else:
             assert self.model is not None
             logits = self.model(fb, kv)
+            if self.debug_delay_ns:
+                _device_hold(self.debug_delay_ns, self.device)
             if not prepared.sampled:
                 return []
             tokens = sample(logits, prepared.temperatures, prepared.top_ps,
@@ -264,6 +269,15 @@ class Executor:
         # run seed and the request id, never from global RNG state.
         sp = req.sample.sampling_params
         return sp.seed if sp.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
+
+
+def _device_hold(ns: int, device: torch.device) -> None:
+    """A known delay inside the forward: on a GPU a kernel that spins (the host is not
+    held); on the CPU the stream thread is the device."""
+    if device.type == "cuda":
+        torch.cuda._sleep(ns)  # ~1 GHz: cycles ~ ns
+    else:
+        hold(ns)
 
 
 def _device_sleep(us: float, device: torch.device) -> None:

@@ -50,45 +50,20 @@ def test_every_table_written_and_non_empty(tiny_trace):
     assert "snapshot_begin" in mem["kind"] and "snapshot" in mem["kind"]
 
 
-def test_report_lists_core_boundaries_and_shares_add_up(tiny_trace):
+def test_report_lists_core_boundaries_in_both_views(tiny_trace):
     rep = report_json(tiny_trace)
     got = rows(rep)
     assert CORE <= set(got)
-    shares = sum(b["share"] or 0 for b in rep["boundaries"])
-    assert abs(shares - 1) <= 0.02
     assert rep["cycle_ms"] > 0 and rep["cycles"] > 0
-    # cycles + idle reconcile with the wall time
-    assert rep["cycle_total_s"] + rep["idle_s"] == pytest.approx(rep["wall_s"], rel=1e-6)
-    assert got["device_compute"]["share"] > 0.2
+    # both views, each row measured: tests/views.py checks they sum to the cycle; here, that
+    # the scheduling thread's own time is where it should be
+    assert got["device_compute"]["share"] > 0.2 and got["device_compute"]["host_share"] is None
+    assert got["scheduler_barrier"]["host_share"] > 0.2  # serial: the host waits out the forward
+    assert got["tokenize"]["share"] is None and got["tokenize"]["host_share"] is None  # off-thread
+    assert rep["backend"]["name"] in ("cpu-process", "cpu-thread", "cuda") and rep["worth_attacking"]
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert rep["latency"][k]["p50"] > 0
     assert rep["throughput"]["output_tok_per_s"] > 0 and rep["kv"]["peak_blocks"] > 0
-
-
-def test_bookkeeping_row_is_truthful(tmp_path):
-    """A known 2 ms inside bookkeeping shows up as +2 ms (+-10%) in that row only.
-
-    The machine is shared: a run whose threads were descheduled reads long (a hiccup of
-    ~50 ms moves a 30-round run's means by ~1.5 ms), so a pair outside tolerance is
-    measured once more (a fresh pair), never averaged away.
-    """
-    common = ["run", "--model", "tiny", "--requests", "32", "--prompt-len", "16-64", "--output-len", "40-40",
-              "--shared-prefix", "0", "-q"]
-    others = ("device_compute", "batch_prepare", "response_send")
-    for attempt in range(3):
-        base = mstrace(*common, "--out", str(tmp_path / f"a{attempt}"))
-        slow = mstrace(*common, "--out", str(tmp_path / f"b{attempt}"), "--debug-bookkeeping-sleep-ms", "2")
-        assert base.returncode == 0 and slow.returncode == 0, base.stderr + slow.stderr
-        a, b = rows(report_json(tmp_path / f"a{attempt}")), rows(report_json(tmp_path / f"b{attempt}"))
-        delta = b["bookkeeping"]["mean_ms"] - a["bookkeeping"]["mean_ms"]
-        # The other rows must not absorb the injected 2 ms. Identical tiny runs differ by up to
-        # ~1 ms per cycle in device_compute on this shared machine, so the bound is half the
-        # injection: a misattributed delay would move a row by the whole 2 ms.
-        moved = {n: b[n]["mean_ms"] - a[n]["mean_ms"] for n in others if abs(b[n]["mean_ms"] - a[n]["mean_ms"]) > 1.0}
-        if delta == pytest.approx(2.0, rel=0.10) and not moved:
-            break
-    assert delta == pytest.approx(2.0, rel=0.10), (delta, a, b)
-    assert not moved, (moved, a, b)
 
 
 def test_overlap_with_split_streams_records_kv_fences(tmp_path):
@@ -98,7 +73,7 @@ def test_overlap_with_split_streams_records_kv_fences(tmp_path):
     assert p.returncode == 0, p.stderr
     got = rows(report_json(out))
     assert got["kv_fence"]["count"] > 0
-    assert abs(sum(b["share"] or 0 for b in report_json(out)["boundaries"]) - 1) <= 0.02
+    assert got["kv_fence"]["host_share"] > 0  # nested in bookkeeping, charged to the fence
 
 
 def test_no_probes_keeps_requests(tmp_path):

@@ -41,6 +41,15 @@ def _range(text: str, name: str) -> tuple[int, int]:
     return a, b
 
 
+def _delays(specs: list[str]) -> tuple[tuple[str, float], ...]:
+    from scheduler.debug_delay import parse
+
+    try:
+        return parse(specs)
+    except ValueError as e:
+        fail(str(e))
+
+
 @app.command()
 def run(
     model: Annotated[str, typer.Option(help="Preset name (tiny, default, ...) or a local HF Llama-family folder.")] = "default",
@@ -73,7 +82,8 @@ def run(
     no_probes: Annotated[bool, typer.Option("--no-probes", help="No probes/memory tables (requests stay).")] = False,
     wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
     snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
-    debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,
+    debug_delay_ms: Annotated[list[str] | None, typer.Option(hidden=True, help="Test-only: PLACE=MS, a known delay (repeatable).")] = None,
+    debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,  # = --debug-delay-ms bookkeeping=MS
     inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve, stall-rank (repeatable).")] = None,
     no_gc: Annotated[bool, typer.Option("--no-gc", help="Turn off the GC scan, so a leak stays visible.")] = False,
     gc_after_s: Annotated[float, typer.Option(help="GC reclaims blocks of dead or stuck holders after this long.")] = 10.0,
@@ -98,7 +108,9 @@ def run(
         max_running=max_running, prefix_sharing=not no_prefix_sharing, device=device,
         device_threads=device_threads, cpu_device=cpu_device, save_workload=save_workload, quiet=quiet, probes=not no_probes,
         wait_timeout=wait_timeout, snapshot_every=snapshot_every,
-        debug_bookkeeping_sleep_ms=debug_bookkeeping_sleep_ms, otlp_endpoint=otlp_endpoint,
+        debug_delay_ms=_delays([*(debug_delay_ms or ()), *([f"bookkeeping={debug_bookkeeping_sleep_ms}"]
+                                                          if debug_bookkeeping_sleep_ms else [])]),
+        otlp_endpoint=otlp_endpoint,
         timeslice_chunk=timeslice_chunk, overlap_schedule=overlap_schedule, split_streams=split_streams,
         prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
         prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -16,6 +17,7 @@ from rich.table import Table
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
+from viewer.analysis.advice import backend, worth_attacking
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import straggler_view
 from viewer.analysis.cost import CostTable, cost_table
@@ -23,7 +25,8 @@ from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
-PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
+# stream: which rows are the scheduling thread's (the host view); rank: only read when the run had several
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
 STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
@@ -66,7 +69,9 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
         "mode": meta.get("config", {}).get("mode"),
         "workload_digest": meta.get("workload", {}).get("digest"),
         "probes": meta.get("config", {}).get("probes", True),
+        "backend": backend(meta, probes).to_dict(),
         **_cost_dict(cost),
+        "worth_attacking": worth_attacking(cost, meta.get("config", {}).get("mode"), meta.get("config", {})),
         "throughput": {
             "requests": serving.requests,
             "completed": serving.completed,
@@ -122,9 +127,11 @@ def _cost_dict(c: CostTable) -> dict[str, Any]:
         "wall_s": c.wall_s,
         "device_busy": c.device_busy,
         "share_sum": c.share_sum,
+        "host_share_sum": c.host_share_sum,
+        "negative": c.negative,
         "boundaries": [
             {"boundary": b.boundary, "mean_ms": b.mean_ms, "count": b.count, "share": b.share,
-             "hidden": b.hidden, "removable": b.removable}
+             "host_share": b.host_share, "hidden": b.hidden, "removable": b.removable}
             for b in c.boundaries
         ],
     }
@@ -144,24 +151,34 @@ def _ms(x: float | int | None) -> str:
 
 
 def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
-    t = Table(title=title, header_style="bold", title_justify="left")
+    """Both views side by side, in ms per cycle and shares; each view's column sums to the cycle.
+    Simple box and short headers: the table fits 80 columns."""
+    t = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("boundary", no_wrap=True)
-    t.add_column("ms/cycle", justify="right")
-    t.add_column("count", justify="right")
-    t.add_column("exposed", justify="right")
-    t.add_column("hidden", justify="right")
-    t.add_column("removable?", no_wrap=True)
+    for head in ("device\nms/cyc", "device\nshare", "host\nms/cyc", "host\nshare", "count", "hidden"):
+        t.add_column(head, justify="right", no_wrap=True)
+    cyc = c["cycle_ms"]
     for b in c["boundaries"]:
-        t.add_row(b["boundary"], _ms(b["mean_ms"]), str(b["count"]), _pct(b["share"]), _pct(b["hidden"]),
-                  b["removable"])
+        share, host = b["share"], b["host_share"]
+        t.add_row(b["boundary"], _ms(None if share is None else share * cyc), _pct(share),
+                  _ms(None if host is None else host * cyc), _pct(host), str(b["count"]) if b["count"] else "",
+                  _pct(b["hidden"]) if b["hidden"] is not None else "")
     t.add_section()
-    t.add_row("cycle", _ms(c["cycle_ms"]), str(c["cycles"]), _pct(c["share_sum"]), "", "")
+    t.add_row("cycle", _ms(cyc * c["share_sum"]), _pct(c["share_sum"]), _ms(cyc * c["host_share_sum"]),
+              _pct(c["host_share_sum"]), str(c["cycles"]), "")
     console.print(t)
+    barrier = next((b for b in c["boundaries"] if b["boundary"] == "scheduler_barrier"), None)
+    waits = f"; the scheduling thread waits for the device {_pct(barrier['host_share'])} of it" \
+        if barrier and barrier["host_share"] is not None else ""
     console.print(
+        f"cycle {_ms(cyc)} ms: the device computes {_pct(c['device_busy'])} of it{waits}.\n"
         f"wall {c['wall_s']:.2f} s = {c['cycle_total_s']:.2f} s in {c['cycles']} cycles "
-        f"+ {c['idle_s']:.2f} s idle (no work); device busy {_pct(c['device_busy'])} of cycle time",
+        f"+ {c['idle_s']:.2f} s idle (no work)",
         highlight=False,
     )
+    if c.get("negative"):
+        console.print(f"[bold red]negative rows: {escape(', '.join(c['negative']))}: probes overlap there, "
+                      "so these shares double-count[/]", highlight=False)
 
 
 def render_report(console: Console, rep: dict[str, Any]) -> None:
@@ -170,7 +187,12 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
     if not rep["probes"]:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
     else:
-        render_cost(console, rep, "sync-cost table (device view; exposed shares sum to the cycle)")
+        render_cost(console, rep, "sync-cost table: each cycle in the device's and the host's view")
+        for line in rep["worth_attacking"]:
+            console.print(f"worth attacking: {escape(line)}", highlight=False)
+        be = rep["backend"]
+        for note in be["notes"]:
+            console.print(f"[dim]{be['name']} backend (emulated): {escape(note)}[/]", highlight=False)
     for r, c in rep.get("per_rank", {}).items():
         render_cost(console, c, f"rank {r} (against rank 0's cycles)")
     if rep.get("per_rank"):

@@ -40,7 +40,7 @@ class RunArgs:
     probes: bool = True
     wait_timeout: float = 5.0
     snapshot_every: int = 50
-    debug_bookkeeping_sleep_ms: float = 0.0
+    debug_delay_ms: tuple[tuple[str, float], ...] = ()  # the truth harness (scheduler/debug_delay.py)
     timeslice_chunk: int = 256
     overlap_schedule: bool | None = None
     split_streams: bool | None = None
@@ -99,7 +99,7 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
             max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
             device_threads=args.device_threads, seed=args.seed, probes=args.probes,
             wait_timeout_s=args.wait_timeout, snapshot_every=args.snapshot_every,
-            debug_bookkeeping_sleep_ms=args.debug_bookkeeping_sleep_ms, timeslice_chunk=args.timeslice_chunk,
+            debug_delay_ms=args.debug_delay_ms, timeslice_chunk=args.timeslice_chunk,
             overlap_schedule=overlap_schedule, split_streams=split_streams,
             prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
             prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,

@@ -82,16 +82,18 @@ class Coverage:
         self.len = me - ms
         self.cum = np.concatenate([[0], np.cumsum(self.len)])
 
-    def covered(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def covered(self, a: np.ndarray, b: np.ndarray, lo: int | None = None, hi: int | None = None) -> np.ndarray:
         """Busy time in [a, b): busy time before b minus busy time before a. Meant for cache-sized
         blocks (`blocks`): on a long trace the arrays of a whole boundary spill
-        every cache, and each pass then costs a trip to memory."""
+        every cache, and each pass then costs a trip to memory. `lo`, `hi`: min(a) and max(b),
+        when the caller has them."""
         s, ln, cum = self.s, self.len, self.cum
         if len(s) == 0:
             return np.zeros(len(a), dtype=np.int64)
         if not len(a):
             return np.zeros(0, dtype=np.int64)
-        lo, hi = int(a.min()), int(b.max())
+        if lo is None or hi is None:
+            lo, hi = int(a.min()), int(b.max())
         i = search(s, a, lo, hi) - 1
         j = search(s, b, lo, hi) - 1
         ic, jc = np.maximum(i, 0), np.maximum(j, 0)

@@ -1,0 +1,67 @@
+"""The truth harness's known delays (`--debug-delay-ms PLACE=MS`, test-only, hidden).
+
+A delay of a known length at one place in the round lets a test check that the
+cost table charges it to the right row of each view and to no other
+(tests/test_truth.py). Off by default: the engine reads one attribute per place.
+"""
+
+from __future__ import annotations
+
+from probes.clock import now_ns
+
+DEVICE_COMPUTE = "device_compute"  # inside the forward, on the device
+BOOKKEEPING = "bookkeeping"
+BATCH_PREPARE = "batch_prepare"
+RESPONSE_SEND = "response_send"
+BETWEEN_ROUNDS = "between_rounds"  # host time after a round's last probe, before the next round
+PLACES = (DEVICE_COMPUTE, BOOKKEEPING, BATCH_PREPARE, RESPONSE_SEND, BETWEEN_ROUNDS)
+
+
+
+def parse(specs: list[str] | tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """["bookkeeping=2", ...] -> (("bookkeeping", 2.0), ...); ValueError with one line."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        place, sep, ms = spec.partition("=")
+        if not sep or place not in PLACES:
+            raise ValueError(f"--debug-delay-ms takes PLACE=MS with PLACE one of {', '.join(PLACES)}, got {spec!r}")
+        try:
+            value = float(ms)
+        except ValueError:
+            raise ValueError(f"--debug-delay-ms {place}: {ms!r} is not a number of ms") from None
+        if value < 0:
+            raise ValueError(f"--debug-delay-ms {place}: must be >= 0 ms")
+        out[place] = out.get(place, 0.0) + value
+    return tuple(out.items())
+
+
+def delay_ns(delays: tuple[tuple[str, float], ...], place: str) -> int:
+    return int(dict(delays).get(place, 0.0) * 1e6)
+
+
+def hold(ns: int) -> int:
+    """Busy-hold the calling thread for at least `ns`, as real work would; returns how long it
+    held. Spun, not slept: a sleep ends late by however long the woken thread waits for a core.
+    A spin can still end late (descheduled at its deadline, on a loaded machine), so the
+    harness compares rows against what was held, not against what was asked for."""
+    start = now_ns()
+    until = start + ns
+    t = start
+    while t < until:
+        t = now_ns()
+    return t - start
+
+
+class Held:
+    """What each host place actually held, for meta.json (`debug_delays`)."""
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self.ns: dict[str, int] = {}
+
+    def hold(self, place: str, ns: int) -> None:
+        self.count[place] = self.count.get(place, 0) + 1
+        self.ns[place] = self.ns.get(place, 0) + hold(ns)
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {p: {"count": self.count[p], "held_ns": self.ns[p]} for p in self.count}

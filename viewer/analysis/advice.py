@@ -1,0 +1,118 @@
+"""What the cost table says in words: the boundaries worth attacking, and what the
+device backend's emulation adds to which row."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from probes import boundaries as B
+from viewer.analysis.cost import UNATTRIBUTED, CostTable
+from viewer.analysis.cycle_views import _Rows
+
+# A row is worth attacking when the device waits on it at least this share of each cycle.
+WORTH = 0.02
+# The device is the bottleneck past this: host work is not what limits the run.
+DEVICE_BOUND = 0.9
+
+_HOST_WORK = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND)
+
+
+def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
+    overlapped = mode == "overlap"
+    if name in _HOST_WORK:
+        return ("already overlapped: this host work outlasts the device's round; make it cheaper"
+                if overlapped else "`--mode overlap` runs it under the device's work")
+    if name == B.SCHEDULER_BARRIER:
+        return ("the device sits idle while the host waits for its result: launch latency or the "
+                "device-process hop" + ("" if overlapped else "; `--mode overlap` keeps the next round queued"))
+    if name == B.KV_FENCE:
+        return "frees wait for another stream's work: `--no-split-streams`, or free the blocks a round later"
+    if name == B.PREFILL_STAGGER:
+        return "a deliberate delay: lower `--prefill-stagger-us`"
+    if name == B.ALL_REDUCE:
+        return ("`--comm-overlap on` hides it behind the other half of the batch"
+                if not config.get("comm_overlap", True) else "communication not hidden: larger batches hide more")
+    if name == B.PP_BUBBLE:
+        return "`--pp-microbatches 2` fills the pipeline"
+    if name == B.DEFRAG:
+        return "`--kv-layout paged` never defragments"
+    if name == B.BATCH_BROADCAST:
+        return "the batch description's broadcast: fewer, larger rounds"
+    if name == UNATTRIBUTED:
+        return "time between probes (Python overhead, the loop itself): add a probe where it goes"
+    return B.REMOVABLE.get(name, "")
+
+
+def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any]) -> list[str]:
+    """One or two sentences: the largest device-idle rows, each with the option that addresses it."""
+    if not c.cycles:
+        return []
+    lines = []
+    if c.device_busy >= DEVICE_BOUND:
+        lines.append(f"the device computes {100 * c.device_busy:.1f}% of each cycle: the host is not the "
+                     "bottleneck (a faster model step or a larger batch is)")
+    rows = [b for b in c.boundaries if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
+    for b in rows[:2]:
+        lines.append(f"{b.boundary}: the device waits on it {100 * b.share:.1f}% of each cycle; "
+                     f"{_remedy(b.boundary, mode, config)}")
+    if not lines:
+        lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
+    return lines
+
+
+@dataclass(slots=True)
+class Backend:
+    name: str  # cuda, cpu-process, cpu-thread
+    emulated: bool
+    hop_out_us: float | None  # device-process pipe: launch -> device starts (median)
+    hop_back_us: float | None  # device done -> host has the result (median)
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def backend(meta: dict[str, Any], probes: pa.Table | None) -> Backend:
+    """The device backend the run used and, on the CPU, what its emulation adds to which row."""
+    cfg = meta.get("config", {})
+    dev = meta.get("host", {}).get("device") or cfg.get("device", "cpu")
+    if dev == "cuda":
+        return Backend("cuda", False, None, None, [])
+    kind = cfg.get("cpu_device", "thread")
+    if kind == "process":
+        out, back = _hops(probes) if cfg.get("mode") != "overlap" and probes is not None else (None, None)
+        hop = (f" (median {out:.0f} us out, {back:.0f} us back)" if out is not None and back is not None else "")
+        return Backend("cpu-process", True, out, back, [
+            "device_compute includes building the forward batch and Python dispatch in the device process "
+            "(host launch cost on a GPU)",
+            f"the pipe hop to the device process{hop} is device idle charged to scheduler_barrier",
+        ])
+    return Backend("cpu-thread", True, None, None, [
+        "device streams are threads sharing the scheduler's GIL: host work can look hidden under "
+        "device_compute while it actually holds the device thread back",
+    ])
+
+
+def _hops(probes: pa.Table) -> tuple[float | None, float | None]:
+    """Serial rounds: the batch_prepare that launched a forward ends -> the forward starts on the
+    device (0 when the device started first: the payload leaves mid-prepare), and the forward
+    ends -> the barrier that waited for it ends."""
+    rows = _Rows(probes)
+    prep_ts, prep_d = rows.get(B.BATCH_PREPARE, host_only=True)
+    dev_ts, dev_d = rows.get(B.DEVICE_COMPUTE)
+    bar_ts, bar_d = rows.get(B.SCHEDULER_BARRIER, host_only=True)
+    if not (len(prep_ts) and len(dev_ts) and len(bar_ts)):
+        return None, None
+    i = np.searchsorted(prep_ts, dev_ts, side="right") - 1
+    out = np.maximum(dev_ts - (prep_ts + prep_d)[np.maximum(i, 0)], 0)[i >= 0]
+    dev_end, bar_end = dev_ts + dev_d, bar_ts + bar_d
+    order = np.argsort(dev_end, kind="stable")
+    j = np.searchsorted(dev_end[order], bar_end, side="right") - 1
+    back = (bar_end - dev_end[order][np.maximum(j, 0)])[j >= 0]
+    if not len(out) or not len(back):
+        return None, None
+    return float(np.median(out)) / 1e3, float(np.median(back)) / 1e3

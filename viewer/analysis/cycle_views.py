@@ -1,0 +1,265 @@
+"""Each cycle's time, attributed twice: what the device did and what the scheduling thread did.
+
+A cycle is one scheduling round, from its start to the next round's start, minus
+the time the engine sat idle with no work (docs/report.md, "Two views").
+
+Device view: every instant of the cycle is
+  * device_compute: some stream computes (two streams at once count once), minus
+    a rank's communication waits, which run on its device thread;
+  * idle for a device-side reason: a communication wait (all_reduce, pp_bubble,
+    batch_broadcast) or a deliberate prefill_stagger on the stream;
+  * idle while the scheduling thread is inside a host probe: charged to the
+    innermost such probe (kv_fence inside bookkeeping goes to kv_fence);
+  * otherwise `unattributed`: no probe covers it.
+Host view: every instant of the scheduling thread's cycle is inside one host probe
+(the innermost again: the barrier, bookkeeping, batch_prepare, response_send,
+kv_fence, defrag) or `unattributed`.
+
+Each row of each view is a measured interval, so each view sums to the cycle only
+if the probes neither overlap nor miss time: `unattributed` is what they miss,
+and a negative row is an overlap that the report flags instead of hiding.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from probes import boundaries as B
+from viewer.analysis.intervals import Coverage, CycleSums, blocks, subtract
+
+UNATTRIBUTED = "unattributed"
+# The scheduling thread's probes. OUTER ones follow each other; INNER ones run inside
+# an outer one (a fence's query inside bookkeeping) and are charged first. (Rank 0's
+# batch_broadcast is a comm-stream row: in the host view it stays in batch_prepare.)
+HOST_OUTER = (B.SCHEDULER_BARRIER, B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.DEFRAG)
+HOST_INNER = (B.KV_FENCE,)
+HOST_VIEW = (*HOST_OUTER, *HOST_INNER)
+# Device-side reasons for the device to sit idle: they take precedence over whatever the
+# host is doing meanwhile (rank 0's scheduler waits in the barrier during an all_reduce).
+COMM_WAITS = (B.ALL_REDUCE, B.PP_BUBBLE, B.BATCH_BROADCAST)
+DEVICE_REASONS = (*COMM_WAITS, B.PREFILL_STAGGER)
+# Off the scheduling thread (tokenizer pool, sender, a stream's wait): raw time only.
+CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
+HOST_STREAM = "host"
+
+
+def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_encode()
+    codes = arr.indices.to_numpy(zero_copy_only=False)
+    names = arr.dictionary.to_pylist()
+    return (codes.astype(np.uint8) if len(names) < 256 else codes), names
+
+
+class _Rows:
+    """One rank's probe rows, split by boundary on demand (a mask and a gather of
+    increasing indices per boundary: cheaper than one argsort and a random gather
+    of every row, and it runs on both threads)."""
+
+    def __init__(self, probes: pa.Table) -> None:
+        self.codes, self.names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.uint8), [])
+        self.ts, self.dur = probes["ts_ns"].to_numpy(), probes["dur_ns"].to_numpy()
+        self.host: np.ndarray | None = None  # rows on the scheduling thread; None: all of them
+        if "stream" in probes.column_names and probes.num_rows:
+            sc, sn = _codes(probes["stream"])
+            if any(s != HOST_STREAM for s in sn):
+                self.host = sc == (sn.index(HOST_STREAM) if HOST_STREAM in sn else -1)
+
+    def get(self, name: str, host_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        if name not in self.names:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        m = self.codes == self.names.index(name)
+        if host_only and self.host is not None:
+            m &= self.host
+        idx = np.flatnonzero(m)
+        ts, dur = self.ts[idx], self.dur[idx]
+        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):  # one thread's rows are in order
+            o = np.argsort(ts, kind="stable")
+            ts, dur = ts[o], dur[o]
+        return ts, dur
+
+
+def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
+              collectives: pa.Table | None = None) -> dict[str, np.ndarray]:
+    """Both views, per cycle (what `cost_table` sums and `diff` resamples).
+
+    `rank` selects one rank's rows (None: all); `collectives` (any ranks) gives
+    all_reduce its HTA raw/hidden times. Every array has one entry per cycle, in time
+    order (float64 ns unless noted):
+      start_ns, end_ns   cycle bounds (int64)
+      cycle_ns           cycle length minus idle (no-work) time
+      idle_ns            no-work time inside the cycle
+      device_ns          device-busy time
+      raw_ns:<b>         raw time of boundary b's rows, by the cycle a row starts in (rows
+                         before the first / after the last cycle count to that cycle)
+      hidden_ns:<b>      the part of raw_ns:<b> under device compute
+      count:<b>          probe rows of b
+      exposed_ns:<b>     device view: device-idle time charged to b (device_compute: busy
+                         time; unattributed: what no row claims)
+      host_ns:<b>        host view: the scheduling thread's own time in b, nested rows
+                         taken out (unattributed: what no host row covers)
+    Boundaries appear only when they have rows, except scheduler_barrier, device_compute
+    and unattributed. Empty dict when there are no steps.
+    """
+    S, D = steps["ts_ns"].to_numpy(), steps["dur_ns"].to_numpy()
+    n = len(S)
+    if n == 0:
+        return {}
+    if not bool(np.all(S[1:] >= S[:-1])):  # one rank's rounds are written in order
+        order = np.argsort(S, kind="stable")
+        S, D = S[order], D[order]
+    E = np.empty(n, dtype=np.int64)
+    E[:-1] = S[1:]
+    E[-1] = S[-1] + D[-1]
+    first, end = int(S[0]), int(E[-1])
+    bins = CycleSums(S)
+
+    probes, idle_rows = _for_rank(probes, rank)
+    rows = _Rows(probes)
+    dev_ts, dev_dur = rows.get(B.DEVICE_COMPUTE)
+    reasons = {b: rows.get(b) for b in DEVICE_REASONS}
+    ws = np.concatenate([reasons[b][0] for b in COMM_WAITS])
+    we = ws + np.concatenate([reasons[b][1] for b in COMM_WAITS])
+    busy = Coverage(*subtract(dev_ts, dev_ts + dev_dur, ws, we))
+    rs = np.concatenate([r[0] for r in reasons.values()])
+    # what keeps the device from being idle on the host's account: its own work or a device-side reason
+    blocked = busy if not len(rs) else Coverage(
+        np.concatenate([busy.s, rs]), np.concatenate([busy.e, rs + np.concatenate([r[1] for r in reasons.values()])]))
+
+    idle_ts, idle_dur = rows.get(B.IDLE) if idle_rows is None else idle_rows
+    idle_per = bins.zeros()
+    keep = (idle_ts >= first) & (idle_ts < end)
+    bins.add(idle_per, bins.cycle_of(idle_ts[keep]), idle_dur[keep])
+    cycle_len = (E - S).astype(np.float64) - idle_per
+    dev_per = np.concatenate([busy.covered(S[b], E[b]) for b in blocks(n)]).astype(np.float64)
+    out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
+                                  "device_ns": dev_per}
+
+    def attribute(job: tuple[str, str]) -> dict[str, np.ndarray]:
+        name, kind = job
+        a_all, d_all = reasons[name] if kind == "reason" else rows.get(name, host_only=kind == "host")
+        if not len(a_all) and name != B.SCHEDULER_BARRIER:
+            return {}
+        raw, hid, cnt = bins.zeros(), bins.zeros(), bins.zeros()
+        exposed = bins.zeros() if kind != "concurrent" else None
+        outside = bins.zeros()  # raw time of rows outside the cycles (clipped into the edge cycles)
+        for blk in blocks(len(a_all)):
+            a, d = a_all[blk], d_all[blk]
+            b = a + d
+            lo, hi = int(a.min()), int(b.max())
+            h = busy.covered(a, b, lo, hi)
+            ci = bins.cycle_of(a)
+            # integer-valued float sums are exact: these add up to the trace totals
+            bins.add(raw, ci, d)
+            bins.add(hid, ci, h)
+            bins.add(cnt, ci)
+            if exposed is None:
+                continue
+            idle = d - (h if blocked is busy or kind == "reason" else blocked.covered(a, b, lo, hi))
+            if lo >= first and int(a.max()) < end:
+                bins.add(exposed, ci, idle)
+            else:  # each view must partition the cycles: rows outside them do not count
+                inside = (a >= first) & (a < end)
+                bins.add(exposed, ci[inside], idle[inside])
+                bins.add(outside, ci[~inside], d[~inside])
+        res = {f"raw_ns:{name}": raw, f"hidden_ns:{name}": hid, f"count:{name}": cnt}
+        if exposed is not None:
+            res[f"exposed_ns:{name}"] = exposed
+        if kind == "host":
+            res[f"host_ns:{name}"] = raw - outside
+        return res
+
+    jobs = [(b, "host") for b in HOST_VIEW] + [(b, "reason") for b in DEVICE_REASONS] + \
+        [(b, "concurrent") for b in CONCURRENT]
+    # Boundaries are independent and numpy's searches and ufuncs release the GIL:
+    # two threads use both cores on a long trace.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for res in pool.map(attribute, jobs):
+            out.update(res)
+    _take_out_nested(out, rows, blocked, bins, first, end)
+    if collectives is not None and collectives.num_rows:
+        _collective_times(out, collectives, rank, busy, bins)
+    out[f"raw_ns:{B.DEVICE_COMPUTE}"] = dev_per
+    out[f"exposed_ns:{B.DEVICE_COMPUTE}"] = dev_per
+    dev_count = bins.zeros()
+    for blk in blocks(len(dev_ts)):
+        bins.add(dev_count, bins.cycle_of(dev_ts[blk]))
+    out[f"count:{B.DEVICE_COMPUTE}"] = dev_count
+    for view in ("exposed_ns", "host_ns"):
+        claimed = sum((v for k, v in out.items() if k.startswith(f"{view}:")), np.zeros(n))
+        out[f"{view}:{UNATTRIBUTED}"] = cycle_len - claimed
+    return out
+
+
+def _for_rank(probes: pa.Table, rank: int | None) -> tuple[pa.Table, tuple[np.ndarray, np.ndarray] | None]:
+    """`rank`'s rows, and (rank != 0) rank 0's idle rows: cycles are rank 0's, and so is
+    the no-work time taken out of them."""
+    if rank is None or not probes.num_rows or "rank" not in probes.column_names:
+        return probes, None
+    lo_hi = pc.min_max(probes["rank"]).as_py()
+    if (lo_hi["min"], lo_hi["max"]) == (rank, rank):  # the filter copies every column: skip it when it is a no-op
+        return probes, None
+    idle = None
+    if rank != 0:
+        r0 = _Rows(probes.filter(pc.equal(probes["rank"], 0)))
+        idle = r0.get(B.IDLE)
+    return probes.filter(pc.equal(probes["rank"], rank)), idle
+
+
+def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage, bins: CycleSums,
+                     first: int, end: int) -> None:
+    """Charge nested time to the innermost probe: an inner row's time inside an outer
+    row comes off the outer row, in both views. Inner rows are few (a fence query per
+    finished request), so each is looked up in every outer boundary's rows."""
+    inner = [rows.get(b, host_only=True) for b in HOST_INNER if f"host_ns:{b}" in out]
+    if not inner:
+        return
+    a_in = np.concatenate([x[0] for x in inner])
+    b_in = a_in + np.concatenate([x[1] for x in inner])
+    for outer in HOST_OUTER:
+        if f"host_ns:{outer}" not in out:
+            continue
+        s, d = rows.get(outer, host_only=True)
+        if not len(s):
+            continue
+        k = np.searchsorted(s, a_in, side="right") - 1
+        kc = np.maximum(k, 0)
+        lo, hi = a_in, np.minimum(b_in, s[kc] + d[kc])
+        m = (k >= 0) & (hi > lo) & (lo >= first) & (lo < end)
+        if not m.any():
+            continue
+        lo, hi = lo[m], hi[m]
+        ci = bins.cycle_of(lo)
+        both = np.zeros(len(out["cycle_ns"]))
+        bins.add(both, ci, hi - lo)
+        out[f"host_ns:{outer}"] -= both
+        idle = np.zeros(len(out["cycle_ns"]))
+        bins.add(idle, ci, (hi - lo) - blocked.covered(lo, hi))
+        out[f"exposed_ns:{outer}"] -= idle  # only the device-idle part moves in the device view
+
+
+def _collective_times(out: dict[str, np.ndarray], colls: pa.Table, rank: int | None, cov: Coverage,
+                      bins: CycleSums) -> None:
+    """all_reduce's raw, hidden and count from the collectives table (HTA's comm/compute overlap):
+    raw = issue -> completion of each completed collective, hidden = the part of it during which
+    the rank's device computed. The exposed share stays the host waits' (the probe rows)."""
+    if rank is not None:
+        colls = colls.filter(pc.equal(colls["rank"], rank))
+    issue, end = colls["issue_ns"].to_numpy(), colls["end_ns"].to_numpy()
+    done = end >= issue  # in flight at the end (end -1): no duration
+    issue, end = issue[done], end[done]
+    if not len(issue):
+        return
+    b = B.ALL_REDUCE
+    raw, hid, cnt = bins.zeros(), bins.zeros(), bins.zeros()
+    for blk in blocks(len(issue)):
+        ci = bins.cycle_of(issue[blk])
+        bins.add(raw, ci, end[blk] - issue[blk])
+        bins.add(hid, ci, cov.covered(issue[blk], end[blk]))
+        bins.add(cnt, ci)
+    out[f"raw_ns:{b}"], out[f"hidden_ns:{b}"], out[f"count:{b}"] = raw, hid, cnt
