@@ -19,12 +19,11 @@ from tracing.reader import read_table
 @pytest.mark.parametrize("device", ["thread", "process"])
 def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     out = tmp_path / "dl"
-    t0 = time.monotonic()
+    # the subprocess timeout is the hang guard; how soon the stall was caught is read from the
+    # trace, not from a wall clock that counts a loaded machine's start-up
     p = mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2",
-                "--cpu-device", device, "--out", str(out), "-q", timeout=60)
-    elapsed = time.monotonic() - t0
+                "--cpu-device", device, "--out", str(out), "-q", timeout=120)
     assert p.returncode == 3, p.stderr
-    assert elapsed < 2 + 5 + 4  # timeout + 5 s, plus the interpreter's start-up (~3 s here)
     assert "engine stalled" in p.stderr
     s = mstrace("stalls", str(out), "--json")
     assert s.returncode == 0, s.stderr
@@ -36,6 +35,7 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     # the injected cycle, both parties: main waits for blocks the prefill stream holds, and back
     assert "main-stream -> blocks held by req" in cycle and "prefill-stream -> event main#" in cycle
     rec = next(r for r in records if r["cycle"])
+    assert 2e9 <= rec["waited_ns"] < (2 + 5) * 1e9  # noticed past the 2 s timeout, well within 5 s (the watchdog checks every DEFAULT_INTERVAL_S)
     streams = {st["stream"]: st for st in rec["streams"]}
     assert {"main", "prefill"} <= set(streams)
     assert streams["main"]["in_progress"]["label"].startswith("injected: wait for free blocks")
