@@ -198,7 +198,7 @@ RUN = ["run", "--model", "tiny", "--requests", "16", "-q"]
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("diff")
-    for name, extra in (("a", []), ("b", ["--debug-bookkeeping-sleep-ms", "2"]), ("c", ["--seed", "1"]),
+    for name, extra in (("a", []), ("b", ["--debug-delay-ms", "bookkeeping=2"]), ("c", ["--seed", "1"]),
                         ("np", ["--no-probes"])):
         p = mstrace(*RUN, "--out", str(root / name), *extra)
         assert p.returncode == 0, p.stderr

@@ -83,7 +83,6 @@ def run(
     wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
     snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
     debug_delay_ms: Annotated[list[str] | None, typer.Option(hidden=True, help="Test-only: PLACE=MS, a known delay (repeatable).")] = None,
-    debug_bookkeeping_sleep_ms: Annotated[float, typer.Option(hidden=True)] = 0.0,  # = --debug-delay-ms bookkeeping=MS
     inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve, stall-rank (repeatable).")] = None,
     no_gc: Annotated[bool, typer.Option("--no-gc", help="Turn off the GC scan, so a leak stays visible.")] = False,
     gc_after_s: Annotated[float, typer.Option(help="GC reclaims blocks of dead or stuck holders after this long.")] = 10.0,
@@ -108,8 +107,7 @@ def run(
         max_running=max_running, prefix_sharing=not no_prefix_sharing, device=device,
         device_threads=device_threads, cpu_device=cpu_device, save_workload=save_workload, quiet=quiet, probes=not no_probes,
         wait_timeout=wait_timeout, snapshot_every=snapshot_every,
-        debug_delay_ms=_delays([*(debug_delay_ms or ()), *([f"bookkeeping={debug_bookkeeping_sleep_ms}"]
-                                                          if debug_bookkeeping_sleep_ms else [])]),
+        debug_delay_ms=_delays(debug_delay_ms or []),
         otlp_endpoint=otlp_endpoint,
         timeslice_chunk=timeslice_chunk, overlap_schedule=overlap_schedule, split_streams=split_streams,
         prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
