@@ -7,7 +7,9 @@ background thread drains the lists at least once per `flush_interval_s`, in
 commits them all with one manifest write (tracing/manifest.py): a reader sees
 whole flushes or nothing of them. After each commit it merges small parts
 (tracing/compaction.py), and `close()` compacts what is left, so the writer never
-holds more than one flush's rows or one compaction batch, however long the run.
+holds more than one flush's rows or one compaction batch, however long the run, besides
+the Arrow tables of its own unsealed parts (up to CACHE_BYTES), which its merges read
+instead of the files.
 
 Several processes (the ranks of a tensor/pipeline-parallel run) may write into
 one trace directory: rank r > 0 names its parts `part-r<r>-NNNNNN.parquet` and
@@ -102,19 +104,76 @@ class WriterStats:
                 "table_cpu_ns": dict(self.table_cpu_ns), "rows": dict(self.rows), "flushes": self.flushes}
 
 
+CACHE_BYTES = 32 << 20  # the run's writer keeps up to this much of its unsealed parts in memory
+
+
+class PartCache:
+    """The Arrow tables of the parts a writer wrote and has not sealed, so that merging
+    them does not read back what it has just written: on the tiny preset, reading the
+    probes and memory parts back for their merges was 30% of the writer's CPU time
+    (BENCHMARKS.md, "Probe overhead by CPU time"). Bounded by bytes, oldest out first;
+    a part that is not here is read from its file, as `mstrace compact` always does."""
+
+    __slots__ = ("max_bytes", "_tables", "_bytes")
+
+    def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._tables: dict[tuple[str, str], pa.Table] = {}  # (table, part file) -> rows; insertion order = age
+        self._bytes = 0
+
+    def put(self, name: str, file: str, table: pa.Table) -> None:
+        if table.nbytes > self.max_bytes:
+            return
+        self._tables[(name, file)] = table
+        self._bytes += table.nbytes
+        while self._bytes > self.max_bytes:
+            self._bytes -= self._tables.pop(next(iter(self._tables))).nbytes
+
+    def take(self, name: str, file: str) -> pa.Table | None:
+        t = self._tables.pop((name, file), None)
+        if t is not None:
+            self._bytes -= t.nbytes
+        return t
+
+    def clear(self) -> None:
+        self._tables.clear()
+        self._bytes = 0
+
+
 class PartStore:
     """One rank's committed parts: writing parts, committing them, merging them.
 
-    Shared by the run's writer and `mstrace compact`; the caller serialises calls."""
+    Shared by the run's writer (with a PartCache) and `mstrace compact` (without);
+    the caller serialises calls."""
 
-    def __init__(self, root: Path, manifest: Manifest, schemas: dict[str, pa.Schema], targets: Targets) -> None:
+    def __init__(self, root: Path, manifest: Manifest, schemas: dict[str, pa.Schema], targets: Targets,
+                 cache: PartCache | None = None) -> None:
         self.root, self.manifest, self.schemas, self.targets = root, manifest, schemas, targets
+        self.cache = cache
 
     def write_part(self, name: str, table: pa.Table, level: int = 0) -> PartEntry:
         """Write one part (not yet committed: no manifest names it)."""
         file = self.manifest.new_name()
         write_parquet_atomic(table, self.root / name / file, self.targets.max_rows)
+        if self.cache is not None and level != SEALED:  # a sealed part is never merged again
+            self.cache.put(name, file, table)
         return PartEntry(file, table.num_rows, table.nbytes, level, max(1, -(-table.num_rows // self.targets.max_rows)))
+
+    def forget(self, name: str, files: list[str]) -> None:
+        """Parts that will never be merged (sealed, or written by a flush that failed)."""
+        if self.cache is not None:
+            for f in files:
+                self.cache.take(name, f)
+
+    def _read(self, name: str, files: list[str]) -> pa.Table:
+        if self.cache is None:
+            return read_parts(self.root / name, files, self.schemas[name])
+        schema = self.schemas[name]
+        # A part not in the cache is read on this thread (no Arrow thread pool), so that
+        # all of the writer's work shows on its own CPU clock (run.writer).
+        tables = [t if (t := self.cache.take(name, f)) is not None
+                  else pq.read_table(self.root / name / f, schema=schema, use_threads=False) for f in files]
+        return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
     def commit(self, added: dict[str, list[PartEntry]]) -> None:
         for name, entries in added.items():
@@ -139,6 +198,7 @@ class PartStore:
                     merges += 1
                 else:  # seal in place: a manifest-only change
                     entries[step].level = SEALED
+                    self.forget(name, [entries[step].file])
                     self.commit({})
             if cpu is not None:
                 cpu[name] = cpu.get(name, 0) + _cpu() - c0
@@ -147,7 +207,7 @@ class PartStore:
     def _merge(self, name: str, m: Merge) -> None:
         entries = self.manifest.tables[name]
         old = entries[m.start:m.stop]
-        table = read_parts(self.root / name, [e.file for e in old], self.schemas[name])
+        table = self._read(name, [e.file for e in old])
         if table.num_rows != sum(e.rows for e in old):
             raise ManifestError(f"{name}/ parts {old[0].file}..{old[-1].file} hold {table.num_rows} rows, "
                                 f"the manifest committed {sum(e.rows for e in old)}")
@@ -182,7 +242,7 @@ class TraceWriter:
         for name in self.schemas:
             (self.root / name).mkdir(exist_ok=True)
         self._lock = WriterLock.acquire(self.root, rank)
-        self._store = PartStore(self.root, Manifest(rank), self.schemas, targets or Targets())
+        self._store = PartStore(self.root, Manifest(rank), self.schemas, targets or Targets(), PartCache())
         # An empty commit at once: a trace of this format always has its manifest, so
         # parts written before the first commit are never mistaken for a legacy trace's.
         self._store.commit({})
@@ -253,6 +313,8 @@ class TraceWriter:
                 # Nothing of this flush is committed (its written parts are ignored):
                 # keep its rows for the next one rather than lose them.
                 self._retry = {name: rows for name, rows in drained if rows}
+                for name, entries in added.items():
+                    self._store.forget(name, [e.file for e in entries])
                 raise
             self._flushes += bool(added)
             for name, rows in drained:
@@ -275,6 +337,8 @@ class TraceWriter:
             self.flush()
             with self._flush_lock:
                 self._store.compact(final=True, cpu=self._table_cpu)
+                if self._store.cache is not None:
+                    self._store.cache.clear()
             self._close_cpu_ns = _cpu() - c0
             if meta is not None:
                 run = meta.get("run")
@@ -313,8 +377,10 @@ class TraceWriter:
 
     def _table(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
         schema = self.schemas[name]
-        cols = list(zip(*rows, strict=True))
-        arrays = [pa.array(col, type=f.type) for col, f in zip(cols, schema, strict=True)]
+        # One pass over the rows as a struct array, then its fields: 30% less CPU than
+        # transposing with zip(*rows) and converting column by column (probes, memory),
+        # and a row of the wrong length is refused all the same.
+        arrays = pa.array(rows, type=pa.struct(list(schema))).flatten()
         if self.clock_offset_ns:
             shift = set(TIMESTAMPS.get(name, ()))
             off = pa.scalar(self.clock_offset_ns, pa.int64())
