@@ -300,9 +300,9 @@ class Engine:
         self._release_fenced()
         batch = self.policy.schedule(step)  # steps 1-3
         t1 = now_ns()
-        launches = self._launch(batch, step) if batch else []  # step 4
-        if self._delay_prepare and batch:
+        if self._delay_prepare and batch:  # before the launch: the device has nothing to run meanwhile
             self.debug_held.hold(dd.BATCH_PREPARE, self._delay_prepare)
+        launches = self._launch(batch, step) if batch else []  # step 4
         t2 = now_ns()
         if self.cfg.overlap_on:
             done, self._inflight = self._inflight, (batch, launches) if batch else None

@@ -160,3 +160,22 @@ def test_itl_from_token_runs_equals_per_token_gaps(tmp_path, flags):
     assert got.count == want.count > 0
     for k in ("mean", "p50", "p90", "p99"):
         assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-5)
+
+
+def test_deleted_bookkeeping_rows_move_to_unattributed_on_a_real_trace(tiny_trace):
+    """Every bookkeeping row of a real run removed: its time shows as unattributed in both
+    views, and the barrier (once the remainder that absorbed it) does not move."""
+    import pyarrow.compute as pc
+
+    from viewer.analysis.cost import cost_table
+
+    probes = read_table(tiny_trace, "probes")
+    steps = read_table(tiny_trace, "steps")
+    full = {b.boundary: b for b in cost_table(probes, steps).boundaries}
+    gone = {b.boundary: b for b in cost_table(probes.filter(pc.not_equal(probes["boundary"], "bookkeeping")),
+                                              steps).boundaries}
+    assert "bookkeeping" not in gone and full["bookkeeping"].host_share > 0
+    for view in ("share", "host_share"):
+        f, g = ({k: getattr(v, view) for k, v in t.items()} for t in (full, gone))
+        assert g["scheduler_barrier"] == pytest.approx(f["scheduler_barrier"], abs=1e-12)
+        assert g["unattributed"] == pytest.approx(f["unattributed"] + f["bookkeeping"], abs=1e-9)
