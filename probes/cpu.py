@@ -11,7 +11,9 @@ Three readings, each for a reason:
     /proc/<pid>/stat: a child's CPU reaches getrusage(RUSAGE_CHILDREN) only once it
     is reaped, i.e. after the run, together with its model load;
   * each live thread of this process (its pthread CPU clock), so a report can say
-    which thread spent the time (the scheduling thread, the writer, the sender ...).
+    which thread spent the time (the scheduling thread, the writer, the sender ...),
+    and its context switches (/proc): a thread that hands the GIL back and forth
+    pays for it in CPU time that no per-row cost shows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CpuSample:
     process_ns: int  # this process, all threads
     children_ns: dict[int, int] = field(default_factory=dict)  # pid -> user + system CPU
     threads_ns: dict[str, int] = field(default_factory=dict)  # thread name -> its CPU clock
+    threads_switches: dict[str, int] = field(default_factory=dict)  # thread name -> context switches so far
 
 
 def child_cpu_ns(pid: int) -> int | None:
@@ -45,9 +48,23 @@ def child_cpu_ns(pid: int) -> int | None:
     return (int(rest[11]) + int(rest[12])) * _TICK_NS  # fields 14 (utime) and 15 (stime)
 
 
-def thread_cpu_ns() -> dict[str, int]:
-    """CPU clock of every live Python thread of this process, by thread name."""
-    out: dict[str, int] = {}
+def _switches(native_id: int | None) -> int | None:
+    """Voluntary + involuntary context switches of one thread of this process."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/status", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    return sum(int(ln.split()[1]) for ln in lines
+               if ln.split(b":")[0] in (b"voluntary_ctxt_switches", b"nonvoluntary_ctxt_switches"))
+
+
+def thread_cpu_ns() -> tuple[dict[str, int], dict[str, int]]:
+    """CPU clock and context switches of every live Python thread of this process, by name."""
+    cpu: dict[str, int] = {}
+    switches: dict[str, int] = {}
     for t in threading.enumerate():
         if t.ident is None:
             continue
@@ -56,17 +73,19 @@ def thread_cpu_ns() -> dict[str, int]:
         except (OSError, AttributeError, OverflowError):  # exited meanwhile, or no pthread clocks here
             continue
         name, k = t.name, 1
-        while name in out:  # two threads may share a name
+        while name in cpu:  # two threads may share a name
             k += 1
             name = f"{t.name}#{k}"
-        out[name] = ns
-    return out
+        cpu[name] = ns
+        if (n := _switches(t.native_id)) is not None:
+            switches[name] = n
+    return cpu, switches
 
 
 def sample_cpu() -> CpuSample:
     children = {p.pid: ns for p in multiprocessing.active_children()
                 if p.pid is not None and (ns := child_cpu_ns(p.pid)) is not None}
-    return CpuSample(time.process_time_ns(), children, thread_cpu_ns())
+    return CpuSample(time.process_time_ns(), children, *thread_cpu_ns())
 
 
 def cpu_record(start: CpuSample, end: CpuSample) -> dict[str, Any]:
@@ -77,6 +96,8 @@ def cpu_record(start: CpuSample, end: CpuSample) -> dict[str, Any]:
     per-thread figures are lower bounds and `process_ns` is exact."""
     children = sum(ns - start.children_ns.get(pid, 0) for pid, ns in end.children_ns.items())
     threads = {name: ns - start.threads_ns.get(name, 0) for name, ns in end.threads_ns.items()}
+    switches = {name: n - start.threads_switches.get(name, 0) for name, n in end.threads_switches.items()}
     process = end.process_ns - start.process_ns
     return {"process_ns": process, "children_ns": children, "total_ns": process + children,
-            "children": len(end.children_ns), "threads_ns": dict(sorted(threads.items()))}
+            "children": len(end.children_ns), "threads_ns": dict(sorted(threads.items())),
+            "threads_switches": dict(sorted(switches.items()))}

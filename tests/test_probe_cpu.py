@@ -96,3 +96,4 @@ def test_a_run_records_its_cpu_time_and_the_writers_rows_match_the_trace(tmp_pat
     if meta["host"]["device"] == "cpu" and meta["config"]["cpu_device"] == "process":
         assert cpu["children"] == 1 and cpu["children_ns"] > 0  # the CPU device process
     assert {"MainThread", "trace-writer", "sender"} <= set(cpu["threads_ns"])
+    assert set(cpu["threads_switches"]) <= set(cpu["threads_ns"]) and min(cpu["threads_switches"].values()) >= 0
