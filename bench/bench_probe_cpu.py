@@ -52,13 +52,16 @@ def median_interval(xs: list[float], level: float = 0.90) -> tuple[float, float,
 
 
 def one_run(out: Path, a: argparse.Namespace, probes: bool) -> dict[str, Any]:
-    mstrace_run(out, "--model", a.model, "--requests", str(a.requests), "--mode", a.mode, "--seed", "0",
-                *([] if probes else ["--no-probes"]))
+    if not (a.reuse and (out / "meta.json").exists()):
+        mstrace_run(out, "--model", a.model, "--requests", str(a.requests), "--mode", a.mode, "--seed", "0",
+                    *([] if probes else ["--no-probes"]))
     meta = json.loads((out / "meta.json").read_text())
     rows = trace_rows(out)
     run = meta["run"]
     return {"meta": meta, "rows": rows, "cpu_ns": run["cpu"]["total_ns"], "tokens": rows.output_tokens,
-            "wall_ns": run["end_ns"] - run["start_ns"], "threads_ns": run["cpu"]["threads_ns"]}
+            "wall_ns": run["end_ns"] - run["start_ns"], "threads_ns": run["cpu"]["threads_ns"],
+            "switches": run["cpu"].get("threads_switches", {}), "process_ns": run["cpu"]["process_ns"],
+            "children_ns": run["cpu"]["children_ns"], "writer_ns": run["writer"]["cpu_ns"]}
 
 
 def main() -> None:
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--mode", default="serial")
     ap.add_argument("--n", type=int, default=200_000, help="micro-benchmark iterations per kind")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--reuse", action="store_true", help="analyse the traces a previous run left, run none")
     a = ap.parse_args()
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # the runs inherit it: no spinning OpenMP workers
     print(f"load before: {load()}", flush=True)
@@ -90,19 +94,40 @@ def main() -> None:
     atts = [attribute(r["meta"], r["rows"], cost_ns, scope) for r in on]
     print(f"load after: {load()}", flush=True)
 
-    ratios = [x["cpu_ns"] / x["tokens"] / (y["cpu_ns"] / y["tokens"]) for x, y in zip(on, off, strict=True)]
+    pairs = list(zip(on, off, strict=True))
+    ratios = [x["cpu_ns"] / x["tokens"] / (y["cpu_ns"] / y["tokens"]) for x, y in pairs]
     lo, hi, cover = median_interval(ratios)
+    # The CPU device process does the same work with probes on or off: the ratio of its
+    # CPU time is the pair's noise alone (a placebo), and dividing by it takes out the part
+    # of the noise that slows every process alike (a busy neighbour on the host).
+    placebo = [x["children_ns"] / y["children_ns"] for x, y in pairs if y["children_ns"]]
+    normed = [(x["process_ns"] / x["children_ns"]) / (y["process_ns"] / y["children_ns"])
+              for x, y in pairs if x["children_ns"] and y["children_ns"]]
+    writer_diff = [(x["writer_ns"] - y["writer_ns"]) / 1e9 for x, y in pairs]
     threads = sorted({t for r in on + off for t in r["threads_ns"]})
     thread_med = {t: (statistics.median(r["threads_ns"].get(t, 0) for r in on) / 1e9,
-                      statistics.median(r["threads_ns"].get(t, 0) for r in off) / 1e9) for t in threads}
-    print_report(atts, costs, scope, ratios, (lo, hi, cover), thread_med)
+                      statistics.median(r["threads_ns"].get(t, 0) for r in off) / 1e9,
+                      statistics.median(r["switches"].get(t, 0) for r in on),
+                      statistics.median(r["switches"].get(t, 0) for r in off)) for t in threads}
+    extra = []
+    for label, xs in (("placebo, device process CPU on/off", placebo),
+                      ("main process CPU / device process CPU, on/off", normed)):
+        if xs:
+            a_, b_, c_ = median_interval(xs)
+            extra.append(f"{label}: median {statistics.median(xs):.3f}, {100 * c_:.0f}% interval "
+                         f"[{a_:.3f}, {b_:.3f}]; " + ", ".join(f"{x:.3f}" for x in xs))
+    extra.append(f"writer CPU on - off per pair, s: median {statistics.median(writer_diff):.3f}; "
+                 + ", ".join(f"{x:.3f}" for x in writer_diff))
+    print_report(atts, costs, scope, ratios, (lo, hi, cover), thread_med, extra)
     res = {
         "costs": {k: asdict(c) for k, c in costs.items()},
         "attribution": [{**_att_dict(x)} for x in atts],
         "pairs": {"ratio_cpu_per_token": ratios, "median": statistics.median(ratios), "interval": [lo, hi],
                   "interval_cover": cover,
                   "cpu_on_s": [r["cpu_ns"] / 1e9 for r in on], "cpu_off_s": [r["cpu_ns"] / 1e9 for r in off],
-                  "wall_on_s": [r["wall_ns"] / 1e9 for r in on], "wall_off_s": [r["wall_ns"] / 1e9 for r in off]},
+                  "wall_on_s": [r["wall_ns"] / 1e9 for r in on], "wall_off_s": [r["wall_ns"] / 1e9 for r in off],
+                  "placebo_device_ratio": placebo, "process_over_device_ratio": normed,
+                  "writer_on_minus_off_s": writer_diff},
         "threads_median_s": thread_med,
     }
     (OUT / f"probe_cpu_{a.model}.json").write_text(json.dumps(res, indent=2))
@@ -117,7 +142,8 @@ def _med(xs: list[float]) -> str:
 
 
 def print_report(atts: list[Attribution], costs: dict[str, Any], scope: dict[str, str], ratios: list[float],
-                 interval: tuple[float, float, float], thread_med: dict[str, tuple[float, float]]) -> None:
+                 interval: tuple[float, float, float], thread_med: dict[str, tuple[float, float, float, float]],
+                 extra: list[str]) -> None:
     a0 = atts[0]
     print("\nrows by kind (run 0) and cost per row (median of repeats, min - max), rows x cost:")
     print(f"{'kind':16} {'scope':6} {'rows':>8} {'ns/row':>8} {'(min - max)':>16} {'ms':>8}")
@@ -148,9 +174,11 @@ def print_report(atts: list[Attribution], costs: dict[str, Any], scope: dict[str
     print(f"\ncross-check, {len(ratios)} pairs (on/off CPU per output token): median {statistics.median(ratios):.3f}, "
           f"{100 * cover:.0f}% interval for the median [{lo:.3f}, {hi:.3f}], pairs {min(ratios):.3f} - {max(ratios):.3f}")
     print("  per pair: " + ", ".join(f"{r:.3f}" for r in ratios))
-    print("\nthread CPU s, median on / off:")
-    for t, (x, y) in thread_med.items():
-        print(f"  {t:18} {x:7.3f} {y:7.3f}")
+    for line in extra:
+        print(f"  {line}")
+    print("\nthread CPU s and context switches, median on / off:")
+    for t, (x, y, sx, sy) in thread_med.items():
+        print(f"  {t:18} {x:7.3f} {y:7.3f}   {sx:8.0f} {sy:8.0f}")
 
 
 if __name__ == "__main__":
