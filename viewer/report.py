@@ -25,8 +25,12 @@ from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
-# stream: which rows are the scheduling thread's (the host view); rank: only read when the run had several
-PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
+# Boundaries with rows on the scheduling thread and on a device stream (defrag: the host's
+# pause and the device's copy): only then is `stream` read, to tell the host view's rows
+# apart. A column chunk per row group costs ~10 us to decode: on a long uncompacted trace a
+# column read for nothing is 0.1-0.2 s.
+BOTH_SIDES = ("defrag",)
 STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
@@ -48,7 +52,11 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) 
     ranks = trace.meta.get("ranks")
     # A long trace's probes are most of its bytes: skip the rank column when the run had one rank.
     probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
-    t = read_consistent(trace, {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns})
+    want = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
+    t = read_consistent(trace, want)
+    names = t["probes"]["boundary"].combine_chunks().dictionary.to_pylist() if t["probes"].num_rows else []
+    if any(b in names for b in BOTH_SIDES):
+        t = read_consistent(trace, {**want, "probes": [*probe_cols, "stream"]})
     return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
 
 
