@@ -52,7 +52,7 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) 
     ranks = trace.meta.get("ranks")
     # A long trace's probes are most of its bytes: skip the rank column when the run had one rank.
     probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
-    want = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
+    want: dict[str, list[str] | None] = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
     t = read_consistent(trace, want)
     names = t["probes"]["boundary"].combine_chunks().dictionary.to_pylist() if t["probes"].num_rows else []
     if any(b in names for b in BOTH_SIDES):

@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 
 from probes import boundaries as B
-from viewer.analysis.cost import UNATTRIBUTED, CostTable
-from viewer.analysis.cycle_views import _Rows
+from viewer.analysis.cost import CostTable
+from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
 WORTH = 0.02
@@ -58,10 +58,11 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any]) -> l
     if c.device_busy >= DEVICE_BOUND:
         lines.append(f"the device computes {100 * c.device_busy:.1f}% of each cycle: the host is not the "
                      "bottleneck (a faster model step or a larger batch is)")
-    rows = [b for b in c.boundaries if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
-    for b in rows[:2]:
-        lines.append(f"{b.boundary}: the device waits on it {100 * b.share:.1f}% of each cycle; "
-                     f"{_remedy(b.boundary, mode, config)}")
+    rows = [(b.boundary, b.share) for b in c.boundaries
+            if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
+    for name, share in rows[:2]:
+        lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle; "
+                     f"{_remedy(name, mode, config)}")
     if not lines:
         lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
     return lines

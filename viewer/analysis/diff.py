@@ -32,15 +32,11 @@ import pyarrow as pa
 
 from viewer.analysis import cost
 from viewer.analysis.bootstrap import blocks, bootstrap, widen
+from viewer.analysis.cycle_views import CONCURRENT, per_cycle
 from viewer.analysis.delta import FDR_Q, LEVEL, Delta, delta, fdr
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
 from viewer.analysis.serving import itl_rounds
 from viewer.analysis.serving_boot import LATENCIES, THROUGHPUT, diff_requests, pairing
-
-try:  # the two-view cost table keeps its per-cycle attribution in cycle_views
-    from viewer.analysis.cycle_views import CONCURRENT, per_cycle
-except ImportError:  # before it: cost.py itself
-    from viewer.analysis.cost import CONCURRENT, per_cycle  # type: ignore[attr-defined, no-redef, unused-ignore]
 
 RESAMPLES = 1000
 SEED = 0
@@ -70,11 +66,11 @@ def _none(reps: int) -> np.ndarray:
 
 def boundaries_of(keys: Any) -> list[str]:
     """Boundaries with any per-cycle column, in the cost table's order (device-view rows,
-    host-view rows, unattributed, then any other), whatever version of cost.py made them."""
+    host-view rows, then any other)."""
     present = {k.split(":", 1)[1] for k in keys
                if k.split(":", 1)[0] in ("raw_ns", "hidden_ns", "exposed_ns", "host_ns", "mean_ms", "share",
                                          "hidden", "host")}
-    order = [*cost.ORDER, *getattr(cost, "HOST_ORDER", ()), getattr(cost, "UNATTRIBUTED", "unattributed")]
+    order = [*cost.ORDER, *cost.HOST_ORDER]
     seen = list(dict.fromkeys(b for b in order if b in present))
     return seen + sorted(present - set(seen))
 
