@@ -4,7 +4,7 @@
 
 Builds a real tiny-model trace, replicates it (bench/gen_big_trace.py) with shifted
 times and steps into the uncompacted layout a long run leaves (one row group per
-0.5 s flush; `--rows-per-group N`: one per N rows of each table; `--flush-files`: one
+flush (the writer's interval); `--rows-per-group N`: one per N rows of each table; `--flush-files`: one
 part file per flush), then `mstrace compact`s a copy
 of it, and runs `mstrace report` on each as a user would, under /usr/bin/time -v:
 median wall time and max peak RSS.

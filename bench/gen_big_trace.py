@@ -5,7 +5,7 @@ steps shifted by its step count, so the result looks like one long run. Two
 layouts, both committed through the store's own code (tracing/writer.py PartStore):
 
   uncompacted  what a long run leaves when nothing merges its flushes: one row group
-               per table per 0.5 s flush window of the rows' own timestamps, in parts
+               per table per flush window (the writer's FLUSH_INTERVAL_S) of the rows' own timestamps, in parts
                of about 1 M rows (`--flush-files`: one part file per flush window, the
                layout the writer of older versions left)
   compacted    that trace after `mstrace compact` (parts of up to ~1 M-row row groups)
@@ -33,9 +33,9 @@ from tracing.compaction import MAX_BYTES, MAX_ROWS, Targets
 from tracing.manifest import Manifest, PartEntry
 from tracing.reader import Trace
 from tracing.schema import TABLES
-from tracing.writer import PartStore, parquet_options, write_json_atomic
+from tracing.writer import FLUSH_INTERVAL_S, PartStore, parquet_options, write_json_atomic
 
-FLUSH_S = 0.5
+FLUSH_S = FLUSH_INTERVAL_S  # the layout the writer leaves
 # the column whose time decides which flush a row left in
 FLUSH_TIME = {"probes": "ts_ns", "steps": "ts_ns", "requests": "finish_ns", "timeline": "ts_ns", "memory": "ts_ns"}
 

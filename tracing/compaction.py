@@ -1,7 +1,7 @@
 """Merging a table's many small parts into few large ones.
 
-A run flushes every 0.5 s, so an hour of serving leaves thousands of parts per
-table, and reading thousands of small files (and as many row groups) costs a
+A run flushes every second (writer.FLUSH_INTERVAL_S), so an hour of serving leaves
+thousands of parts per table, and reading thousands of small files (and as many row groups) costs a
 reader far more than the rows in them. Compaction is size-tiered, like an LSM
 tree's: `fan_in` consecutive parts of one level become one part of the next, so
 every row is rewritten about log_fan_in(target / flush) times, and a part that

@@ -222,12 +222,19 @@ class PartStore:
             (self.root / name / e.file).unlink(missing_ok=True)
 
 
+# How often the writer commits what the producers buffered. Each flush writes one part per
+# table, and a part has a fixed cost (~1.5 ms of the writer's CPU in a busy run, most of the
+# probes' CPU cost: BENCHMARKS.md "Probe overhead by CPU time"); a killed run loses at most
+# this much of its trace.
+FLUSH_INTERVAL_S = 1.0
+
+
 class TraceWriter:
     def __init__(
         self,
         root: str | Path,
         tables: dict[str, pa.Schema] | None = None,
-        flush_interval_s: float = 0.5,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
         *,
         rank: int = 0,
         clock_offset_ns: int = 0,
