@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 MODES = ("serial", "timeslice", "overlap")
@@ -74,6 +75,11 @@ class EngineConfig:
     pp_microbatches: int = 2
 
     def validate(self) -> None:
+        for f in fields(self):  # a NaN passes every `< 0` check below: refuse it first
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                flag = {"wait_timeout_s": "wait-timeout"}.get(f.name, f.name.replace("_", "-"))
+                raise ConfigError(f"--{flag} must be a finite number, got {v}")
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.timeslice_chunk < 1:

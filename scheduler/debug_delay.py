@@ -29,8 +29,8 @@ def parse(specs: list[str] | tuple[str, ...]) -> tuple[tuple[str, float], ...]:
             value = float(ms)
         except ValueError:
             raise ValueError(f"--debug-delay-ms {place}: {ms!r} is not a number of ms") from None
-        if value < 0:
-            raise ValueError(f"--debug-delay-ms {place}: must be >= 0 ms")
+        if not value >= 0 or value == float("inf"):  # NaN fails the first test
+            raise ValueError(f"--debug-delay-ms {place}: must be a finite number of ms >= 0")
         out[place] = out.get(place, 0.0) + value
     return tuple(out.items())
 

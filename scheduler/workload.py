@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,9 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], defaul
         raise WorkloadError(f"{where}: field '{name}' must be {_kind_name(kind)}, got {json.dumps(v)}")
     if not isinstance(v, kind):
         raise WorkloadError(f"{where}: field '{name}' must be {_kind_name(kind)}, got {json.dumps(v)[:40]}")
+    # Python's json reads NaN and Infinity; no field of a request means anything with them
+    if isinstance(v, float) and not math.isfinite(v):
+        raise WorkloadError(f"{where}: field '{name}' must be a finite number, got {json.dumps(v)}")
     return v
 
 
@@ -155,6 +159,8 @@ def synthetic_workload(spec: SyntheticSpec, vocab_size: int, special_ids: set[in
             raise WorkloadError(f"--{name}-len range must satisfy 1 <= min <= max, got {lo}-{hi}")
     if not 0 <= spec.shared_prefix_frac <= 1:
         raise WorkloadError("--shared-prefix must be in [0, 1]")
+    if not (math.isfinite(spec.rate) and spec.rate >= 0):
+        raise WorkloadError(f"--rate must be a finite number of requests/s >= 0 (0: all at t=0), got {spec.rate}")
     rng = random.Random(spec.seed)
     vocab = [t for t in range(vocab_size) if t not in special_ids]
     prefix = [rng.choice(vocab) for _ in range(spec.shared_prefix_len)]

@@ -44,10 +44,28 @@ def test_bad_workload_line(tmp_path):
     ("--kv-bytes", "12 parsecs", "size"),
     ("--kv-bytes", "10", "smaller than one KV block"),
     ("--prompt-len", "9-3", "prompt-len"),
+    # a NaN passes every `< 0` check; a negative rate used to mean "all at t=0" silently
+    ("--rate", "-1", "--rate must be a finite number"),
+    ("--rate", "nan", "--rate must be a finite number"),
+    ("--wait-timeout", "nan", "--wait-timeout must be a finite number"),
+    ("--prefill-stagger-us", "inf", "--prefill-stagger-us must be a finite number"),
+    ("--debug-delay-ms", "bookkeeping=nan", "finite number of ms"),
 ])
 def test_bad_flags(tmp_path, flag, value, needle):
     line = one_line_error(mstrace("run", "--model", "tiny", flag, value, "--out", str(tmp_path / "o")))
     assert needle in line
+    if "finite" in needle:  # refused before anything was made (the KV-size ones still leave a folder: issue 12)
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("arrival_s", "Infinity"), ("top_p", "NaN")])
+def test_non_finite_workload_numbers_are_refused(tmp_path, field, value):
+    """Python's json reads NaN and Infinity: a NaN temperature used to run with every token 0."""
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(f'{{"prompt": "hi", "max_new_tokens": 4, "{field}": {value}}}\n')
+    line = one_line_error(mstrace("run", "--model", "tiny", "--workload", str(wl), "--out", str(tmp_path / "o")))
+    assert "w.jsonl:1" in line and field in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_prompt_longer_than_kv_capacity_is_rejected_and_run_continues(tmp_path):
