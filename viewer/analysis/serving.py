@@ -85,6 +85,37 @@ class Serving:
         return asdict(self)
 
 
+@dataclass(slots=True)
+class RequestTimes:
+    """The requests columns the serving metrics read and the latencies they derive: one
+    definition for the report and for diff's resampling (serving_boot), so both agree."""
+
+    arrival: np.ndarray
+    first: np.ndarray
+    finish: np.ndarray
+    out_len: np.ndarray
+    in_len: np.ndarray
+    served: np.ndarray  # got a first token
+    multi: np.ndarray  # served with more than one output token (has a TPOT)
+
+    @classmethod
+    def of(cls, requests: pa.Table) -> RequestTimes:
+        first, out_len = requests["first_token_ns"].to_numpy(), requests["output_len"].to_numpy()
+        served = first > 0
+        return cls(requests["arrival_ns"].to_numpy(), first, requests["finish_ns"].to_numpy(), out_len,
+                   requests["prompt_len"].to_numpy(), served, served & (out_len > 1))
+
+    def ttft_ms(self) -> np.ndarray:
+        return np.asarray((self.first[self.served] - self.arrival[self.served]) / 1e6)
+
+    def tpot_ms(self) -> np.ndarray:
+        m = self.multi
+        return np.asarray((self.finish[m] - self.first[m]) / 1e6 / (self.out_len[m] - 1))
+
+    def e2e_ms(self) -> np.ndarray:
+        return np.asarray((self.finish[self.served] - self.arrival[self.served]) / 1e6)
+
+
 def serving_metrics(requests: pa.Table, itl: Dist | None = None) -> Serving:
     """`itl`: precomputed (see `itl_from_runs`), so a long trace never materialises
     its tens of millions of gaps; otherwise pooled from the dur_itl_ns lists."""
@@ -92,17 +123,10 @@ def serving_metrics(requests: pa.Table, itl: Dist | None = None) -> Serving:
     reasons: dict[str, int] = {}
     for row in pc.value_counts(requests["finish_reason"]).to_pylist() if n else []:
         reasons[row["values"]] = row["counts"]
-    arrival = requests["arrival_ns"].to_numpy()
-    first = requests["first_token_ns"].to_numpy()
-    finish = requests["finish_ns"].to_numpy()
-    out_len = requests["output_len"].to_numpy()
-    in_len = requests["prompt_len"].to_numpy()
-    served = first > 0
-    duration = (finish.max() - arrival.min()) / 1e9 if n else 0.0  # empty after an early kill
-    ttft = (first[served] - arrival[served]) / 1e6
-    e2e = (finish[served] - arrival[served]) / 1e6
-    multi = served & (out_len > 1)
-    tpot = (finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1)
+    rt = RequestTimes.of(requests)
+    served, out_len, in_len = rt.served, rt.out_len, rt.in_len
+    duration = (rt.finish.max() - rt.arrival.min()) / 1e9 if n else 0.0  # empty after an early kill
+    ttft, tpot, e2e = rt.ttft_ms(), rt.tpot_ms(), rt.e2e_ms()
     if itl is None:
         itl = Dist.of(inter_token_ms(requests["dur_itl_ns"].chunks))
     out_tok = int(out_len[served].sum())

@@ -19,6 +19,7 @@ import pyarrow as pa
 from viewer.analysis.bootstrap import blocks, bootstrap, widen
 from viewer.analysis.delta import delta, fdr
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
+from viewer.analysis.serving import RequestTimes
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 THROUGHPUT = ("output_tok_per_s", "input_tok_per_s", "request_per_s")
@@ -34,23 +35,17 @@ class RequestStats:
 
     def __init__(self, requests: pa.Table) -> None:
         self.n = requests.num_rows
-        arrival = requests["arrival_ns"].to_numpy()
-        first = requests["first_token_ns"].to_numpy()
-        finish = requests["finish_ns"].to_numpy()
-        out_len = requests["output_len"].to_numpy()
-        in_len = requests["prompt_len"].to_numpy()
-        served = first > 0
-        self.arrival, self.finish = arrival.astype(np.float64), finish.astype(np.float64)
-        self.tokens = np.column_stack([np.where(served, out_len, 0), np.where(served, in_len, 0),
+        rt = RequestTimes.of(requests)
+        served, arrival = rt.served, rt.arrival
+        self.arrival, self.finish = arrival.astype(np.float64), rt.finish.astype(np.float64)
+        self.tokens = np.column_stack([np.where(served, rt.out_len, 0), np.where(served, rt.in_len, 0),
                                        served]).astype(np.float64)
         rows = np.arange(self.n)
-        multi = served & (out_len > 1)
-        self.e2e = np.where(served, (finish - arrival) / 1e6, np.nan)
-        self.series = {  # the same expressions as serving_metrics, so row 0 reproduces the report
-            "ttft_ms": PooledDist((first[served] - arrival[served]) / 1e6, rows[served], self.n),
-            "tpot_ms": PooledDist((finish[multi] - first[multi]) / 1e6 / (out_len[multi] - 1), rows[multi],
-                                  self.n),
-            "e2e_ms": PooledDist((finish[served] - arrival[served]) / 1e6, rows[served], self.n),
+        self.e2e = np.where(served, (rt.finish - arrival) / 1e6, np.nan)
+        self.series = {  # serving_metrics' own definitions, so row 0 reproduces the report
+            "ttft_ms": PooledDist(rt.ttft_ms(), rows[served], self.n),
+            "tpot_ms": PooledDist(rt.tpot_ms(), rows[rt.multi], self.n),
+            "e2e_ms": PooledDist(rt.e2e_ms(), rows[served], self.n),
         }
         # one matrix product per block for everything: on a busy machine each BLAS call
         # costs milliseconds of thread hand-off whatever its size
