@@ -143,7 +143,7 @@ class _CountSink:
 def engine_config(model: str, threads: int, default_threads: int) -> EngineConfig:
     # At the engine's own default thread count leave device_threads at 0 (= cores - 1),
     # so this measures the configuration users actually get.
-    return EngineConfig(model=model, device_threads=0 if threads == default_threads else threads)
+    return EngineConfig(cpu_device="thread", model=model, device_threads=0 if threads == default_threads else threads)
 
 
 def run_engine_once(model: str, threads: int, default_threads: int, items: list[WorkloadItem],

@@ -7,79 +7,137 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from scheduler.options import (
+    DEVICE,
+    FAULTS,
+    MEMORY,
+    OUTPUT,
+    PARALLEL,
+    SCHEDULING,
+    WORKLOAD,
+    ConfigError,
+    flag_of,
+    option,
+)
+
 MODES = ("serial", "timeslice", "overlap")
+DEFAULT_KV_TOKENS = 65536
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message is one line for the user."""
+def _size(v: Any) -> int | None:
+    """--kv-bytes: a size with units ("256MiB") or, in a TOML file, a plain integer."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | str):
+        raise ConfigError(f"--kv-bytes must be a size such as 256MiB, got {v!r}")
+    return v if isinstance(v, int) else parse_size(v)
+
+
+def _on_off(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if v not in ("on", "off"):
+        raise ConfigError(f"--comm-overlap must be on or off, got {v!r}")
+    return v == "on"
+
+
+def _delays(v: Any) -> tuple[tuple[str, float], ...]:
+    from scheduler.debug_delay import parse
+
+    if not isinstance(v, list | tuple | type(None)) or not all(isinstance(x, str) for x in v or ()):
+        raise ConfigError(f"--debug-delay-ms takes PLACE=MS strings, got {v!r}")
+    try:
+        return parse(list(v or ()))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "default"  # preset name or a local HF folder
-    mode: str = "serial"
-    block_size: int = 16
-    kv_blocks: int | None = None  # pool size in blocks ...
-    kv_bytes: int | None = None  # ... or in bytes; default: DEFAULT_KV_TOKENS tokens
-    prefill_chunk: int = 512
-    timeslice_chunk: int = 256  # time-slice mode: one prefill chunk of this size per cycle
+    model: str = option("default", "Preset name (tiny, small, default) or a local HF Llama-family folder.", DEVICE)
+    mode: str = option("serial", "serial, timeslice, overlap, or all (mstrace run: the three, one after another).",
+                       SCHEDULING)
+    block_size: int = option(16, "Tokens per KV block.", MEMORY)
+    kv_blocks: int | None = option(None, f"KV pool size in blocks (default: {DEFAULT_KV_TOKENS} tokens' worth, or "
+                                   "--kv-bytes).", MEMORY)
+    kv_bytes: int | None = option(None, "KV pool size in bytes (e.g. 256MiB).", MEMORY, cli_type=str | None,
+                                  parse=_size)
+    prefill_chunk: int = option(512, "Max prefill tokens per round (chunked prefill).", SCHEDULING)
+    timeslice_chunk: int = option(256, "timeslice mode: one prefill chunk of this many tokens per cycle.", SCHEDULING)
     # Overlap sub-features, switchable separately; None = on exactly in overlap mode.
-    overlap_schedule: bool | None = None  # (a) schedule/prepare round N+1 while the device runs N
-    split_streams: bool | None = None  # (b) decode on `main`, prefill on `prefill`, joined by events
-    prefill_stagger_us: float = 0.0  # (c) prefill work starts this long after decode work
-    decode_max_wait_ms: float = 500.0  # a decode that waited this long gets a decode-only round
-    prefill_max_wait_ms: float = 2000.0  # a prefill that waited this long for blocks evicts decodes
-    max_running: int = 256
-    # Blocks kept back at admission so running decodes can still grow.
-    watermark_frac: float = 0.01
-    enable_prefix_sharing: bool = True
+    overlap_schedule: bool | None = option(
+        None, "(a) prepare round N+1 while the device runs N (default: on in overlap mode).", SCHEDULING)
+    split_streams: bool | None = option(
+        None, "(b) decode on main, prefill on its own stream, joined by events (default: on in overlap mode).",
+        SCHEDULING)
+    prefill_stagger_us: float = option(0.0, "(c) start prefill work this many us after decode work.", SCHEDULING)
+    decode_max_wait_ms: float = option(500.0, "A decode that waited this long gets a decode-only round.", SCHEDULING)
+    prefill_max_wait_ms: float = option(2000.0, "A prefill that waited this long for blocks evicts decodes.",
+                                        SCHEDULING)
+    max_running: int = option(256, "Max requests in the running queue.", SCHEDULING)
+    watermark_frac: float = option(0.01, "Share of the KV pool kept back at admission so running decodes can grow.",
+                                   MEMORY)
+    enable_prefix_sharing: bool = option(True, "Share KV blocks of common prompt prefixes.", MEMORY,
+                                         flag="prefix-sharing")
     # paged: a request's blocks are scattered (block table). contiguous: one run of
     # consecutive blocks reserved for its whole life (fragments; see defrag).
-    kv_layout: str = "paged"
-    defrag_free_frac: float = 0.3  # defragment when free > this share of the pool but no run fits
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # Intra-op threads for the "device" on CPU. 0 = cores - 1, so the host
-    # thread (scheduling, tokenizer, sender, trace writer) keeps a core: with
-    # every core given to OpenMP, any other runnable thread makes its barrier
+    kv_layout: str = option("paged", "paged (scattered blocks) or contiguous (one run per request; fragments, "
+                            "defragments).", MEMORY)
+    defrag_free_frac: float = option(0.3, "contiguous: defragment when this share of the pool is free but no run "
+                                     "fits.", MEMORY)
+    device: str = option("auto", "auto, cpu or cuda.", DEVICE)
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16.", DEVICE)
+    # 0 = cores - 1, so the host thread (scheduling, tokenizer, sender, trace writer) keeps
+    # a core: with every core given to OpenMP, any other runnable thread makes its barrier
     # spin and a step can get ~100x slower (measured on 2 cores, BENCHMARKS.md).
-    device_threads: int = 0
-    # thread: the CPU device's streams are threads of this process (they share its GIL with
-    # the scheduler). process: the device is a process of its own (scheduler/device_process.py),
-    # so host work overlaps device work as it does on a GPU.
-    cpu_device: str = "thread"
-    tokenizer_threads: int = 1
-    seed: int = 0
-    probes: bool = True  # False: no probes/memory tables (requests, timeline, steps stay)
-    wait_timeout_s: float = 5.0  # every timed wait in the engine (the seed's 5 s)
-    snapshot_every: int = 50  # full block-table snapshot every N rounds; 0 = never
-    # Test-only (the truth harness, scheduler/debug_delay.py): (place, ms) delays that a
-    # test checks the cost table charges to the right row.
-    debug_delay_ms: tuple[tuple[str, float], ...] = ()
-    inject: tuple[str, ...] = ()  # fault injection, see scheduler/faults.py
-    gc: bool = True  # the periodic GC scan that reclaims leaked / stuck blocks
-    gc_after_s: float = 10.0
-    on_stall: str = "abort"  # abort | continue, when a wait passes wait_timeout_s
+    device_threads: int = option(0, "CPU intra-op threads for the model (0 = cores - 1).", DEVICE)
+    # thread: the CPU device's streams share this process's GIL with the scheduler. process:
+    # the device is a process of its own (scheduler/device_process.py), so host work overlaps
+    # device work as it does on a GPU.
+    cpu_device: str = option("auto", "CPU only: process (the device has its own interpreter, as a GPU runs apart "
+                             "from the host), thread (stream threads share the scheduler's GIL), or auto "
+                             "(process, unless a feature needs thread).", DEVICE)
+    tokenizer_threads: int = option(1, "Tokenizer pool threads.", SCHEDULING)
+    seed: int = option(0, "Seed for the synthetic workload and unseeded sampling.", WORKLOAD)
+    probes: bool = option(True, "Probe and memory tables (--no-probes: requests, timeline and steps only).", OUTPUT)
+    wait_timeout_s: float = option(5.0, "Timeout in seconds of every wait in the engine.", FAULTS,
+                                   flag="wait-timeout")
+    snapshot_every: int = option(50, "Full block-table snapshot every N rounds (0 = never).", OUTPUT)
+    # The truth harness (scheduler/debug_delay.py): (place, ms) delays that a test checks
+    # the cost table charges to the right row.
+    debug_delay_ms: tuple[tuple[str, float], ...] = option(
+        (), "Test-only: PLACE=MS, a known delay (repeatable).", FAULTS, hidden=True, cli_type=list[str] | None,
+        cli_default=None, parse=_delays)
+    inject: tuple[str, ...] = option((), "Fault injection: deadlock, leak, slow-sender, starve, stall-rank "
+                                     "(repeatable).", FAULTS)
+    gc: bool = option(True, "The periodic GC scan that reclaims blocks of dead or stuck holders (--no-gc: a leak "
+                      "stays visible).", MEMORY)
+    gc_after_s: float = option(10.0, "GC reclaims blocks of dead or stuck holders after this long.", MEMORY)
+    on_stall: str = option("abort", "abort (flush the trace, exit 3) or continue, when a wait passes "
+                           "--wait-timeout.", FAULTS)
     # Test-only: verify on the device stream that no KV slot is read before its write,
     # and (negative control) drop the cross-stream event waits that guarantee it.
-    debug_kv_check: bool = False
-    debug_skip_stream_waits: bool = False
+    debug_kv_check: bool = option(False, "Test-only: check on the device that no KV slot is read before its "
+                                  "write.", FAULTS, hidden=True)
+    debug_skip_stream_waits: bool = option(False, "Test-only: drop the cross-stream event waits.", FAULTS,
+                                           hidden=True)
     # Tensor x pipeline parallel (scheduler/parallel/): this process is rank 0 and spawns the
-    # other tp * pp - 1 ranks. comm_overlap: hide each all-reduce behind the other half of the
-    # batch (scheduler/parallel/tp.py).
-    tp: int = 1
-    pp: int = 1
-    comm_overlap: bool = True
+    # other tp * pp - 1 ranks.
+    tp: int = option(1, "Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.", PARALLEL)
+    pp: int = option(1, "Pipeline-parallel stages; --tp x --pp ranks in all.", PARALLEL)
+    comm_overlap: bool = option(True, "on: hide each TP all-reduce behind the other half of the batch "
+                                "(scheduler/parallel/tp.py); off: synchronous.", PARALLEL, cli_type=str,
+                                cli_default="on", parse=_on_off)
     # pp > 1: cut each round's batch at a sequence boundary into this many parts (1 or 2), so
     # the next stage computes the first while this stage computes the second.
-    pp_microbatches: int = 2
+    pp_microbatches: int = option(2, "--pp > 1: pipeline each round's batch in 1 or 2 parts (2: the next stage "
+                                  "computes the first half while this one computes the second).", PARALLEL)
 
     def validate(self) -> None:
         for f in fields(self):  # a NaN passes every `< 0` check below: refuse it first
             v = getattr(self, f.name)
             if isinstance(v, float) and not math.isfinite(v):
-                flag = {"wait_timeout_s": "wait-timeout"}.get(f.name, f.name.replace("_", "-"))
-                raise ConfigError(f"--{flag} must be a finite number, got {v}")
+                raise ConfigError(f"{flag_of(EngineConfig, f.name)} must be a finite number, got {v}")
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.timeslice_chunk < 1:
@@ -97,6 +155,12 @@ class EngineConfig:
             raise ConfigError("give the KV pool size in blocks or in bytes, not both")
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be >= 1 (got {self.prefill_chunk})")
+        if not 0 <= self.watermark_frac < 1:
+            raise ConfigError(f"--watermark-frac must be in [0, 1) (got {self.watermark_frac})")
+        if not 0 <= self.defrag_free_frac <= 1:
+            raise ConfigError(f"--defrag-free-frac must be in [0, 1] (got {self.defrag_free_frac})")
+        if self.device_threads < 0:
+            raise ConfigError(f"--device-threads must be >= 0 (got {self.device_threads})")
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1 (got {self.max_running})")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -127,9 +191,9 @@ class EngineConfig:
             raise ConfigError(str(e)) from None
         if "deadlock" in self.inject and not self.split_on:
             raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
-        if self.cpu_device not in ("thread", "process"):
+        if self.cpu_device not in ("auto", "thread", "process"):
             raise ConfigError(f"--cpu-device must be auto, thread or process (got {self.cpu_device!r})")
-        if self.cpu_device == "process":
+        if self.cpu_device == "process":  # (auto picks thread for these)
             # These hand the device Python callables or host objects, which cannot cross a process.
             clash = self._needs_in_process_device()
             if clash:
@@ -167,9 +231,11 @@ class EngineConfig:
     def split_on(self) -> bool:
         return self.mode == "overlap" if self.split_streams is None else self.split_streams
 
-    def pick_cpu_device(self) -> str:
-        """What `--cpu-device auto` means for this run: a device process, unless a feature
-        needs the device in this process (see validate)."""
+    def resolved_cpu_device(self) -> str:
+        """thread or process; `auto`: a device process, unless a feature needs the device
+        in this process (see validate)."""
+        if self.cpu_device != "auto":
+            return self.cpu_device
         return "thread" if self._needs_in_process_device() else "process"
 
     def _needs_in_process_device(self) -> list[str]:
@@ -183,8 +249,6 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
-DEFAULT_KV_TOKENS = 65536
 
 
 def parse_size(text: str) -> int:

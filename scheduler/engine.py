@@ -123,7 +123,7 @@ class Engine:
         self.parallel = parallel
         # --cpu-device process: the model and KV pool live in the device process.
         self.device_proc: DeviceProcess | None = None
-        remote = self.device.type == "cpu" and config.cpu_device == "process"
+        remote = self.device.type == "cpu" and config.resolved_cpu_device() == "process"
         self.model: CausalLM | None = None
         if parallel is None and remote:
             self.model_config = ModelConfig.from_file(self.model_dir / "config.json")

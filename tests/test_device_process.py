@@ -41,7 +41,7 @@ def mixed_workload() -> list[WorkloadItem]:
 
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
 def test_same_tokens_as_the_in_process_device(mode):
-    cfg = EngineConfig(model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False)
     items = mixed_workload()
     local = run_engine(cfg, items)
     remote = run_engine(replace(cfg, cpu_device="process"), items)
@@ -55,7 +55,7 @@ def test_same_tokens_as_the_in_process_device(mode):
 
 def test_sampled_tokens_do_not_depend_on_preemption_mode_or_device():
     items = mixed_workload()
-    roomy = run_engine(EngineConfig(model="tiny", mode="serial", block_size=4, kv_blocks=2000, gc=False), items)
+    roomy = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode="serial", block_size=4, kv_blocks=2000, gc=False), items)
     assert sum(r.num_preemptions for r in roomy.rm.finished) == 0
     for mode, device in (("overlap", "thread"), ("overlap", "process"), ("timeslice", "process")):
         cfg = EngineConfig(model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False,
@@ -66,7 +66,7 @@ def test_sampled_tokens_do_not_depend_on_preemption_mode_or_device():
 
 
 def test_defragmentation_copies_run_on_the_device_process():
-    cfg = EngineConfig(model="tiny", kv_layout="contiguous", block_size=16, kv_blocks=64)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", kv_layout="contiguous", block_size=16, kv_blocks=64)
     local = run_engine(cfg, fragmenting_workload())
     remote = run_engine(replace(cfg, cpu_device="process"), fragmenting_workload())
     assert any(r.request_id == "big" for r in remote.rm.finished)
@@ -138,7 +138,7 @@ def test_features_that_need_an_in_process_device_are_refused():
         cfg = EngineConfig(model="tiny", cpu_device="process", **kw)
         with pytest.raises(ConfigError, match="--cpu-device thread"):
             cfg.validate()
-        assert replace(cfg, cpu_device="thread").pick_cpu_device() == "thread"
-    assert EngineConfig(model="tiny", inject=("deadlock",)).pick_cpu_device() == "process"
+        assert replace(cfg, cpu_device="auto").resolved_cpu_device() == "thread"
+    assert EngineConfig(model="tiny", inject=("deadlock",)).resolved_cpu_device() == "process"
     p = mstrace("run", "--model", "tiny", "--cpu-device", "gpu", "--out", "/tmp/never", "-q")
     assert p.returncode != 0 and "thread or process" in p.stderr and "Traceback" not in p.stderr

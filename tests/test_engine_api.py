@@ -23,7 +23,7 @@ def drive(eng: Engine, limit: int = 500) -> None:
 def test_eos_finishes_a_request(tmp_path):
     ckpt = build_llama(tmp_path / "ckpt")
     prompt = [11, 42, 7, 99, 5]
-    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=64))
+    eng = Engine(EngineConfig(cpu_device="thread", model=str(ckpt), block_size=4, kv_blocks=64))
     try:
         eng.submit(prompt, SamplingParams(12, ignore_eos=True), "ref")
         drive(eng)
@@ -37,7 +37,7 @@ def test_eos_finishes_a_request(tmp_path):
     cfg = json.loads((eos_dir / "config.json").read_text())
     cfg["eos_token_id"] = [eos]
     (eos_dir / "config.json").write_text(json.dumps(cfg))
-    eng = Engine(EngineConfig(model=str(eos_dir), block_size=4, kv_blocks=64))
+    eng = Engine(EngineConfig(cpu_device="thread", model=str(eos_dir), block_size=4, kv_blocks=64))
     try:
         eng.submit(prompt, SamplingParams(12), "a")
         eng.submit(prompt, SamplingParams(12, ignore_eos=True), "b")
@@ -51,7 +51,7 @@ def test_eos_finishes_a_request(tmp_path):
 
 
 def test_abort_releases_blocks_and_is_recorded():
-    eng = Engine(EngineConfig(model="tiny", kv_blocks=64))
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=64))
     try:
         eng.submit(list(range(5, 60)), SamplingParams(200, ignore_eos=True), "long")
         for _ in range(5):
@@ -69,7 +69,7 @@ def test_abort_releases_blocks_and_is_recorded():
 def test_seeded_sampling_is_reproducible():
     outs = []
     for _ in range(2):
-        eng = Engine(EngineConfig(model="tiny"))
+        eng = Engine(EngineConfig(cpu_device="thread", model="tiny"))
         try:
             eng.submit([5, 6, 7, 8], SamplingParams(16, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True), "s")
             drive(eng)

@@ -32,8 +32,8 @@ def fragmenting_workload() -> list[WorkloadItem]:
 
 def test_contiguous_layout_defragments_and_keeps_tokens_exact():
     items = fragmenting_workload()
-    paged = run_engine(EngineConfig(model="tiny", block_size=16, kv_blocks=64, watermark_frac=0), items)
-    contig = run_engine(EngineConfig(model="tiny", block_size=16, kv_blocks=64, watermark_frac=0,
+    paged = run_engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=64, watermark_frac=0), items)
+    contig = run_engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=64, watermark_frac=0,
                                      kv_layout="contiguous", debug_kv_check=True), items)
     want = {r.request_id: r.output_ids for r in paged.rm.finished}
     got = {r.request_id: r.output_ids for r in contig.rm.finished}
@@ -66,7 +66,7 @@ def test_defrag_pause_is_in_the_trace(tmp_path):
 
 
 def test_leak_injection_without_gc_leaves_exactly_one_request_holding(tmp_path):
-    cfg = EngineConfig(model="tiny", inject=("leak",), gc=False)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", inject=("leak",), gc=False)
     items = synthetic_workload(SyntheticSpec(12, (10, 60), (4, 20), 0.0, seed=1), 500, {0, 1, 2})
     eng = run_engine(cfg, items)
     leaked = [r for r in eng.rm.finished if r.block_table]
@@ -76,7 +76,7 @@ def test_leak_injection_without_gc_leaves_exactly_one_request_holding(tmp_path):
 
 
 def test_leak_injection_with_gc_reclaims_and_pool_ends_full():
-    cfg = EngineConfig(model="tiny", inject=("leak",), gc_after_s=0.0)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", inject=("leak",), gc_after_s=0.0)
     items = synthetic_workload(SyntheticSpec(12, (10, 60), (4, 20), 0.0, seed=1), 500, {0, 1, 2})
     eng = run_engine(cfg, items)
     assert eng.mm.num_free == eng.mm.num_blocks and not eng.mm.tables
@@ -89,7 +89,7 @@ def test_clean_randomized_runs_never_leak(seed):
 
     rng = random.Random(seed)
     mode = rng.choice(["serial", "timeslice", "overlap"])
-    cfg = EngineConfig(model="tiny", mode=mode, block_size=rng.choice([4, 8, 16]),
+    cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, block_size=rng.choice([4, 8, 16]),
                        kv_blocks=rng.choice([24, 40, 80, 400]), prefill_chunk=rng.choice([16, 64, 512]),
                        timeslice_chunk=rng.choice([8, 32]), split_streams=rng.random() < 0.5,
                        prefill_max_wait_ms=rng.choice([0.0, 5.0, 50.0, 2000.0]), gc=False, probes=False)

@@ -18,7 +18,7 @@ def workload(n=24, seed=0):
 @pytest.mark.parametrize("mode,split", [("serial", False), ("timeslice", False), ("overlap", False),
                                         ("overlap", True)])
 def test_no_kv_read_before_its_write(mode, split):
-    cfg = EngineConfig(model="tiny", mode=mode, split_streams=split, prefill_chunk=48, timeslice_chunk=32,
+    cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, split_streams=split, prefill_chunk=48, timeslice_chunk=32,
                        block_size=4, kv_blocks=2000, debug_kv_check=True)
     eng = run_engine(cfg, workload())
     assert eng.executor.kv_violations == []
@@ -28,7 +28,7 @@ def test_no_kv_read_before_its_write(mode, split):
 def test_the_ordering_check_can_fail():
     """Negative control: without the cross-stream waits, and with prefill work
     delayed, decodes read KV the prefill stream has not written yet."""
-    cfg = EngineConfig(model="tiny", mode="overlap", split_streams=True, block_size=4, kv_blocks=2000,
+    cfg = EngineConfig(cpu_device="thread", model="tiny", mode="overlap", split_streams=True, block_size=4, kv_blocks=2000,
                        prefill_stagger_us=20_000, debug_kv_check=True, debug_skip_stream_waits=True)
     eng = run_engine(cfg, workload(8))
     assert eng.executor.kv_violations
@@ -37,7 +37,7 @@ def test_the_ordering_check_can_fail():
 def test_modes_give_identical_greedy_tokens():
     outs = {}
     for mode, split in (("serial", False), ("timeslice", False), ("overlap", True), ("overlap", False)):
-        eng = run_engine(EngineConfig(model="tiny", mode=mode, split_streams=split, block_size=8,
+        eng = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode=mode, split_streams=split, block_size=8,
                                       kv_blocks=1000), workload(16, seed=3))
         outs[(mode, split)] = {r.request_id: r.output_ids for r in eng.rm.finished}
     first = next(iter(outs.values()))
@@ -49,7 +49,7 @@ def drive_starvation(prefill_max_wait_ms: float, rounds: int) -> Engine:
     """Four long decodes that together fill the pool; a long prompt arrives when
     only a few blocks are left. Decodes alone always fit, so any preemption
     is the starvation remedy, not decode growth."""
-    cfg = EngineConfig(model="tiny", block_size=16, kv_blocks=104, prefill_max_wait_ms=prefill_max_wait_ms,
+    cfg = EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=104, prefill_max_wait_ms=prefill_max_wait_ms,
                        watermark_frac=0)
     eng = Engine(cfg)
     for i in range(4):

@@ -95,7 +95,7 @@ def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):
 
 
 def test_watchdog_costs_under_one_percent():
-    eng = Engine(EngineConfig(model="tiny"))
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny"))
     try:
         t0 = time.monotonic_ns()
         run_workload(eng, synthetic_workload(SyntheticSpec(64, (16, 128), (64, 128)), 500, {0, 1, 2}))

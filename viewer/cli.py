@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
+
+if TYPE_CHECKING:
+    from scheduler.config import EngineConfig
+    from scheduler.run_options import RunOptions
+
+
+class _Commands(TyperGroup):
+    """`run`'s flags are generated from the engine's config fields (viewer/run_flags.py):
+    built only when `run` is asked for, so the analyses import nothing of the engine."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return ["run", *super().list_commands(ctx)]
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        if name == "run":
+            from viewer.run_flags import click_command
+
+            return click_command(_run, fail)
+        return super().get_command(ctx, name)
+
 
 app = typer.Typer(
     name="mstrace",
+    cls=_Commands,
     help="Capture and analyse LLM-inference scheduler traces.",
     no_args_is_help=True,
     add_completion=False,
@@ -30,92 +51,10 @@ def fail(msg: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _range(text: str, name: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition("-")
-        a, b = int(lo), int(hi or lo)
-    except ValueError:
-        fail(f"--{name} must look like 16-512 or 64, got {text!r}")
-    if a < 1 or b < a:
-        fail(f"--{name} must satisfy 1 <= min <= max, got {text!r}")
-    return a, b
+def _run(cfg: EngineConfig, opts: RunOptions) -> None:
+    from viewer.run_command import execute_run
 
-
-def _delays(specs: list[str]) -> tuple[tuple[str, float], ...]:
-    from scheduler.debug_delay import parse
-
-    try:
-        return parse(specs)
-    except ValueError as e:
-        fail(str(e))
-
-
-@app.command()
-def run(
-    model: Annotated[str, typer.Option(help="Preset name (tiny, default, ...) or a local HF Llama-family folder.")] = "default",
-    workload: Annotated[Path | None, typer.Option(help="JSONL workload file; otherwise a synthetic one.")] = None,
-    requests: Annotated[int, typer.Option(help="Synthetic: number of requests.")] = 64,
-    prompt_len: Annotated[str, typer.Option(help="Synthetic: prompt length range, MIN-MAX tokens.")] = "32-256",
-    output_len: Annotated[str, typer.Option(help="Synthetic: output length range, MIN-MAX tokens.")] = "32-128",
-    shared_prefix: Annotated[float, typer.Option(help="Synthetic: fraction of requests sharing one system prompt.")] = 0.25,
-    rate: Annotated[float, typer.Option(help="Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed for the synthetic workload and unseeded sampling.")] = 0,
-    out: Annotated[Path | None, typer.Option(help="Trace directory (default: a new folder under traces/).")] = None,
-    mode: Annotated[str, typer.Option(help="serial, timeslice, overlap, or all (the three, one after another).")] = "serial",
-    prefill_chunk: Annotated[int, typer.Option(help="Max prefill tokens per round (chunked prefill).")] = 512,
-    timeslice_chunk: Annotated[int, typer.Option(help="timeslice mode: prefill tokens per cycle.")] = 256,
-    overlap_schedule: Annotated[bool | None, typer.Option("--overlap-schedule/--no-overlap-schedule", help="(a) prepare round N+1 while the device runs N [default: on in overlap mode].")] = None,
-    split_streams: Annotated[bool | None, typer.Option("--split-streams/--no-split-streams", help="(b) decode on main, prefill on its own stream [default: on in overlap mode].")] = None,
-    prefill_stagger_us: Annotated[float, typer.Option(help="(c) delay prefill work after decode work, in us.")] = 0.0,
-    decode_max_wait_ms: Annotated[float, typer.Option(help="A decode waiting this long gets a decode-only round.")] = 500.0,
-    prefill_max_wait_ms: Annotated[float, typer.Option(help="A prefill waiting this long for blocks evicts decodes.")] = 2000.0,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
-    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks.")] = None,
-    kv_bytes: Annotated[str | None, typer.Option(help="KV pool size in bytes (e.g. 256MiB).")] = None,
-    max_running: Annotated[int, typer.Option(help="Max requests in the running queue.")] = 256,
-    no_prefix_sharing: Annotated[bool, typer.Option("--no-prefix-sharing", help="Disable shared prefix blocks.")] = False,
-    kv_layout: Annotated[str, typer.Option(help="paged (scattered blocks) or contiguous (one run per request; fragments, defragments).")] = "paged",
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    device_threads: Annotated[int, typer.Option(help="CPU intra-op threads for the model (0 = cores - 1).")] = 0,
-    cpu_device: Annotated[str, typer.Option(help="CPU only: process (the device has its own interpreter, as a GPU runs apart from the host), thread (stream threads share the scheduler's GIL), or auto (process, unless --tp/--pp need thread).")] = "auto",
-    save_workload: Annotated[Path | None, typer.Option(help="Also write the workload that ran as JSONL.")] = None,
-    no_probes: Annotated[bool, typer.Option("--no-probes", help="No probes/memory tables (requests stay).")] = False,
-    wait_timeout: Annotated[float, typer.Option(help="Timeout in seconds of every wait in the engine.")] = 5.0,
-    snapshot_every: Annotated[int, typer.Option(help="Full block-table snapshot every N rounds (0 = never).")] = 50,
-    debug_delay_ms: Annotated[list[str] | None, typer.Option(hidden=True, help="Test-only: PLACE=MS, a known delay (repeatable).")] = None,
-    inject: Annotated[list[str] | None, typer.Option(help="Fault injection: deadlock, leak, slow-sender, starve, stall-rank (repeatable).")] = None,
-    no_gc: Annotated[bool, typer.Option("--no-gc", help="Turn off the GC scan, so a leak stays visible.")] = False,
-    gc_after_s: Annotated[float, typer.Option(help="GC reclaims blocks of dead or stuck holders after this long.")] = 10.0,
-    on_stall: Annotated[str, typer.Option(help="abort (flush the trace, exit 3) or continue, when a wait passes --wait-timeout.")] = "abort",
-    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.")] = 1,
-    pp: Annotated[int, typer.Option(help="Pipeline-parallel stages; --tp x --pp ranks in all.")] = 1,
-    comm_overlap: Annotated[str, typer.Option(help="on: hide each TP all-reduce behind the other half of the batch; off: synchronous.")] = "on",
-    pp_microbatches: Annotated[int, typer.Option(help="--pp > 1: pipeline each round's batch in 1 or 2 parts (2: the next stage computes the first half while this one computes the second).")] = 2,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
-    otlp_endpoint: Annotated[str | None, typer.Option(help="Also send request spans to this OTLP/HTTP collector (e.g. http://localhost:4318); needs mstrace\\[otlp].")] = None,
-) -> None:
-    """Run a workload through the reference engine and write a trace."""
-    from viewer.run_command import RunArgs, execute_run
-
-    if comm_overlap not in ("on", "off"):
-        fail(f"--comm-overlap must be on or off, got {comm_overlap!r}")
-    args = RunArgs(
-        model=model, workload=workload, requests=requests, prompt_len=_range(prompt_len, "prompt-len"),
-        output_len=_range(output_len, "output-len"), shared_prefix=shared_prefix, rate=rate, seed=seed,
-        out=out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S"), mode=mode,
-        prefill_chunk=prefill_chunk, block_size=block_size, kv_blocks=kv_blocks, kv_bytes=kv_bytes,
-        max_running=max_running, prefix_sharing=not no_prefix_sharing, device=device,
-        device_threads=device_threads, cpu_device=cpu_device, save_workload=save_workload, quiet=quiet, probes=not no_probes,
-        wait_timeout=wait_timeout, snapshot_every=snapshot_every,
-        debug_delay_ms=_delays(debug_delay_ms or []),
-        otlp_endpoint=otlp_endpoint,
-        timeslice_chunk=timeslice_chunk, overlap_schedule=overlap_schedule, split_streams=split_streams,
-        prefill_stagger_us=prefill_stagger_us, decode_max_wait_ms=decode_max_wait_ms,
-        prefill_max_wait_ms=prefill_max_wait_ms, inject=tuple(inject or ()), gc=not no_gc,
-        gc_after_s=gc_after_s, on_stall=on_stall, kv_layout=kv_layout,
-        tp=tp, pp=pp, comm_overlap=comm_overlap == "on", pp_microbatches=pp_microbatches,
-    )
-    execute_run(args, console, fail)
+    execute_run(cfg, opts, console, fail)
 
 
 @app.command()

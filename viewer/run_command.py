@@ -4,59 +4,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from scheduler.config import EngineConfig
+from scheduler.run_options import RunOptions
 from viewer.report import build_report, render_report
-
-
-@dataclass(slots=True)
-class RunArgs:
-    model: str
-    workload: Path | None
-    requests: int
-    prompt_len: tuple[int, int]
-    output_len: tuple[int, int]
-    shared_prefix: float
-    rate: float
-    seed: int
-    out: Path
-    mode: str
-    prefill_chunk: int
-    block_size: int
-    kv_blocks: int | None
-    kv_bytes: str | None
-    max_running: int
-    prefix_sharing: bool
-    device: str
-    device_threads: int
-    save_workload: Path | None
-    quiet: bool
-    otlp_endpoint: str | None = None
-    probes: bool = True
-    wait_timeout: float = 5.0
-    snapshot_every: int = 50
-    debug_delay_ms: tuple[tuple[str, float], ...] = ()  # the truth harness (scheduler/debug_delay.py)
-    timeslice_chunk: int = 256
-    overlap_schedule: bool | None = None
-    split_streams: bool | None = None
-    prefill_stagger_us: float = 0.0
-    decode_max_wait_ms: float = 500.0
-    prefill_max_wait_ms: float = 2000.0
-    inject: tuple[str, ...] = ()
-    gc: bool = True
-    gc_after_s: float = 10.0
-    on_stall: str = "abort"
-    kv_layout: str = "paged"
-    tp: int = 1
-    pp: int = 1
-    comm_overlap: bool = True
-    cpu_device: str = "auto"
-    pp_microbatches: int = 2
 
 
 class _ProgressSink:
@@ -70,8 +28,8 @@ class _ProgressSink:
         self._p.advance(self._t)  # type: ignore[arg-type]
 
 
-def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]) -> None:
-    from scheduler.config import ConfigError, EngineConfig, parse_size
+def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Callable[[str], NoReturn]) -> None:
+    from scheduler.config import ConfigError
     from scheduler.model.config import ModelLoadError
     from scheduler.model.presets import resolve_model
     from scheduler.workload import (
@@ -82,45 +40,32 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
         synthetic_workload,
     )
 
-    overlap_schedule, split_streams = args.overlap_schedule, args.split_streams
-    if args.tp * args.pp > 1:
+    all_modes = cfg.mode == "all"
+    out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    if cfg.world_size > 1:
         # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
         # token of overlap scheduling lives in rank 0's future ring only.
-        if overlap_schedule or split_streams:
+        if cfg.overlap_schedule or cfg.split_streams:
             fail("--overlap-schedule and --split-streams cannot be used with --tp/--pp > 1")
-        if args.mode in ("overlap", "all") and not args.quiet:
+        if cfg.mode in ("overlap", "all") and not opts.quiet:
             console.print("note: with --tp/--pp > 1 overlap mode runs without overlap scheduling "
                           "and split streams", highlight=False)
-        overlap_schedule = split_streams = False
+        cfg = replace(cfg, overlap_schedule=False, split_streams=False)
     try:
-        cfg = EngineConfig(
-            model=args.model, mode="serial" if args.mode == "all" else args.mode, block_size=args.block_size, kv_blocks=args.kv_blocks,
-            kv_bytes=parse_size(args.kv_bytes) if args.kv_bytes else None, prefill_chunk=args.prefill_chunk,
-            max_running=args.max_running, enable_prefix_sharing=args.prefix_sharing, device=args.device,
-            device_threads=args.device_threads, seed=args.seed, probes=args.probes,
-            wait_timeout_s=args.wait_timeout, snapshot_every=args.snapshot_every,
-            debug_delay_ms=args.debug_delay_ms, timeslice_chunk=args.timeslice_chunk,
-            overlap_schedule=overlap_schedule, split_streams=split_streams,
-            prefill_stagger_us=args.prefill_stagger_us, decode_max_wait_ms=args.decode_max_wait_ms,
-            prefill_max_wait_ms=args.prefill_max_wait_ms, inject=args.inject, gc=args.gc,
-            gc_after_s=args.gc_after_s, on_stall=args.on_stall, kv_layout=args.kv_layout,
-            tp=args.tp, pp=args.pp, comm_overlap=args.comm_overlap, cpu_device=args.cpu_device,
-            pp_microbatches=args.pp_microbatches,
-        )
-        if args.cpu_device == "auto":
-            cfg.cpu_device = cfg.pick_cpu_device()
+        cfg = replace(cfg, mode="serial") if all_modes else cfg
         cfg.validate()
-        model_dir = resolve_model(args.model)
+        cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())  # meta.json records what ran
+        model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
-    if args.out.exists() and any(args.out.iterdir()):
-        fail(f"output folder {args.out} is not empty; choose another --out")
-    if args.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
+    if out.exists() and any(out.iterdir()):
+        fail(f"output folder {out} is not empty; choose another --out")
+    if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
         from rich.markup import escape
 
         from tracing.otel import OtlpUnavailableError, otlp_exporter
         try:
-            otlp_exporter(args.otlp_endpoint)
+            otlp_exporter(opts.otlp_endpoint)
         except OtlpUnavailableError as e:
             fail(escape(str(e)))  # escaped: "mstrace[otlp]" is not rich markup
 
@@ -128,47 +73,45 @@ def execute_run(args: RunArgs, console: Console, fail: Callable[[str], NoReturn]
 
     try:
         mc = ModelConfig.from_file(model_dir / "config.json")
-        if args.workload is not None:
-            items = load_workload(args.workload, mc.vocab_size)
-            source = str(args.workload)
+        if opts.workload is not None:
+            items = load_workload(opts.workload, mc.vocab_size)
+            source = str(opts.workload)
         else:
-            spec = SyntheticSpec(args.requests, args.prompt_len, args.output_len, args.shared_prefix,
-                                 rate=args.rate, seed=args.seed)
+            spec = SyntheticSpec(opts.requests, opts.prompt_len, opts.output_len, opts.shared_prefix,
+                                 rate=opts.rate, seed=cfg.seed)
             specials = set(mc.eos_token_id) | ({mc.bos_token_id} if mc.bos_token_id is not None else set())
             items = synthetic_workload(spec, mc.vocab_size, specials)
             source = f"synthetic:{spec}"
     except (WorkloadError, ModelLoadError) as e:
         fail(str(e))
-    if args.save_workload is not None:
-        save_workload(items, args.save_workload)
+    if opts.save_workload is not None:
+        save_workload(items, opts.save_workload)
 
     from scheduler.engine import EngineStalled
 
-    if args.mode != "all":
+    if not all_modes:
         try:
-            _run_one(args, cfg, items, source, args.out, console, fail)
+            _run_one(opts, cfg, items, source, out, console, fail)
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
-            fail(f"{e}; trace flushed to {args.out}, see `mstrace stalls {args.out}`", 3)
-        render_report(console, build_report(args.out))
-        console.print(f"trace written to [bold]{args.out}[/]")
+            fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
+        render_report(console, build_report(out))
+        console.print(f"trace written to [bold]{out}[/]")
         return
     # The seed's control group: the same workload through all three modes.
-    from dataclasses import replace
-
     outs = {}
     for mode in ("serial", "timeslice", "overlap"):
-        outs[mode] = args.out / mode
-        _run_one(args, replace(cfg, mode=mode), items, source, outs[mode], console, fail)
+        outs[mode] = out / mode
+        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail)
     render_modes(console, {m: build_report(o) for m, o in outs.items()})
-    console.print(f"traces written to [bold]{args.out}[/]/{{serial,timeslice,overlap}}; "
+    console.print(f"traces written to [bold]{out}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
 
 NO_DETAIL = "the run ended without saying why"
 
 
-def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, console: Console,
+def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
              fail: Callable[[str], NoReturn]) -> None:
     from probes.clock import wall_anchor
     from scheduler.config import ConfigError
@@ -182,9 +125,9 @@ def _run_one(args: RunArgs, cfg: Any, items: list[Any], source: str, out: Path, 
     writer = TraceWriter(out)
     anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
     writer.write_meta(start_meta(cfg, items, source, anchor))
-    span_sink = SpanSink(writer, anchor, args.otlp_endpoint)
+    span_sink = SpanSink(writer, anchor, opts.otlp_endpoint)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, disable=args.quiet, transient=False)
+                        TimeElapsedColumn(), console=console, disable=opts.quiet, transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
     coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
     engine = None

@@ -1,0 +1,55 @@
+"""What `mstrace run` needs beyond the engine's configuration: the workload, where
+the trace goes, how the run reports. Declared like EngineConfig (scheduler/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler.options import OUTPUT, WORKLOAD, ConfigError, option
+
+
+def _length_range(flag: str) -> Any:
+    def parse(v: Any) -> tuple[int, int]:
+        """"16-512", "64", or (in a TOML file) [16, 512] -> (min, max)."""
+        try:
+            if isinstance(v, list | tuple) and len(v) == 2 and all(type(x) is int for x in v):
+                a, b = v
+            elif isinstance(v, str):
+                lo, _, hi = v.partition("-")
+                a, b = int(lo), int(hi or lo)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{flag} must look like 16-512 or 64, got {v!r}") from None
+        if a < 1 or b < a:
+            raise ConfigError(f"{flag} must satisfy 1 <= min <= max, got {v!r}")
+        return a, b
+
+    return parse
+
+
+def _path(v: Any) -> Path | None:
+    if v is None or isinstance(v, Path):
+        return v
+    if not isinstance(v, str):
+        raise ConfigError(f"a path must be a string, got {v!r}")
+    return Path(v)
+
+
+@dataclass(slots=True)
+class RunOptions:
+    workload: Path | None = option(None, "JSONL workload file; otherwise a synthetic one.", WORKLOAD, parse=_path)
+    requests: int = option(64, "Synthetic: number of requests.", WORKLOAD)
+    prompt_len: tuple[int, int] = option((32, 256), "Synthetic: prompt length range, MIN-MAX tokens.", WORKLOAD,
+                                         cli_type=str, cli_default="32-256", parse=_length_range("--prompt-len"))
+    output_len: tuple[int, int] = option((32, 128), "Synthetic: output length range, MIN-MAX tokens.", WORKLOAD,
+                                         cli_type=str, cli_default="32-128", parse=_length_range("--output-len"))
+    shared_prefix: float = option(0.25, "Synthetic: fraction of requests sharing one system prompt.", WORKLOAD)
+    rate: float = option(0.0, "Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.", WORKLOAD)
+    save_workload: Path | None = option(None, "Also write the workload that ran as JSONL.", WORKLOAD, parse=_path)
+    out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT, parse=_path)
+    quiet: bool = option(False, "No progress bar.", OUTPUT, flag="quiet", short="-q")
+    otlp_endpoint: str | None = option(None, "Also send request spans to this OTLP/HTTP collector (e.g. "
+                                       "http://localhost:4318); needs mstrace\\[otlp].", OUTPUT)

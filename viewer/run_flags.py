@@ -1,0 +1,88 @@
+"""`mstrace run`'s flags, generated from the option fields of EngineConfig and
+RunOptions (scheduler/options.py), plus `--config FILE.toml`.
+
+A value comes from, in order: the command line, the TOML file, the field's default.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from scheduler.config import EngineConfig
+from scheduler.options import PANELS, ConfigError, OptionField, option_fields, read_toml
+from scheduler.run_options import RunOptions
+
+CLASSES = (EngineConfig, RunOptions)
+CONFIG_HELP = ("TOML file of options: flat keys named like the config fields (prefill_chunk = 512, "
+               "kv_bytes = \"256MiB\", inject = [\"leak\"]); flags given on the command line override it.")
+
+
+def all_fields() -> list[OptionField]:
+    """Every option field, in help-panel order (typer lists panels as they first appear)."""
+    return sorted((f for c in CLASSES for f in option_fields(c)), key=lambda f: PANELS.index(f.opt.panel))
+
+
+def _decls(f: OptionField) -> list[str]:
+    names = f.flag
+    if f.cli_type in (bool, bool | None):
+        names = f"{f.flag}/--no-{f.flag[2:]}"
+    return [names, *([f.opt.short] if f.opt.short else [])]
+
+
+def _parameter(f: OptionField) -> inspect.Parameter:
+    info = typer.Option(*_decls(f), help=f.opt.help, rich_help_panel=f.opt.panel, hidden=f.opt.hidden)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.cli_default,
+                             annotation=Annotated[f.cli_type, info])
+
+
+def build(values: dict[str, Any], given: set[str], config: Path | None) -> tuple[EngineConfig, RunOptions]:
+    """The two records from the parsed flags (`given`: those set on the command line) and
+    the TOML file. ConfigError (one line) on a bad value."""
+    toml = read_toml(str(config), CLASSES) if config is not None else {}
+    records = []
+    for cls in CLASSES:
+        kw = {}
+        for f in option_fields(cls):
+            v = values[f.name] if f.name in given or f.name not in toml else toml[f.name]
+            kw[f.name] = f.to_value(v)
+        records.append(cls(**kw))
+    cfg, opts = records
+    assert isinstance(cfg, EngineConfig) and isinstance(opts, RunOptions)
+    return cfg, opts
+
+
+def run_command(body: Callable[[EngineConfig, RunOptions], None],
+                fail: Callable[[str], NoReturn]) -> Callable[..., None]:
+    """A typer command whose parameters are every option field, calling `body` with the records."""
+    fields = all_fields()
+
+    def run(ctx: typer.Context, config: Path | None = None, **values: Any) -> None:
+        given = {f.name for f in fields if (src := ctx.get_parameter_source(f.name)) is not None
+                 and src.name not in ("DEFAULT", "DEFAULT_MAP")}
+        try:
+            cfg, opts = build(values, given, config)
+        except ConfigError as e:
+            fail(str(e))
+        body(cfg, opts)
+
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+              inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation=Annotated[Path | None, typer.Option("--config", help=CONFIG_HELP)])]
+    params += [_parameter(f) for f in fields]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    run.__doc__ = "Run a workload through the reference engine and write a trace."
+    return run
+
+
+def click_command(body: Callable[[EngineConfig, RunOptions], None],
+                  fail: Callable[[str], NoReturn]) -> Any:
+    """`run` as a click command of its own, built only when it is asked for (viewer/cli.py)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(name="run")(run_command(body, fail))
+    return typer.main.get_command(app)
