@@ -341,6 +341,10 @@ class _Device:
         self.spec = spec
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
         self.model, mc = load_model(spec.model_dir, "cpu", dtype)
+        if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward
+            from scheduler.debug_delay import HeldForward
+
+            self.model = HeldForward(self.model, spec.debug_delay_ns)
         self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)
@@ -451,10 +455,6 @@ class _Device:
         if has_placeholders:
             resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
-        if self.spec.debug_delay_ns:
-            from scheduler.debug_delay import hold
-
-            hold(self.spec.debug_delay_ns)
         tokens: list[int] = []
         if slots:
             tokens = sample(logits, temperatures, top_ps, row_generators(seeds, "cpu"))

@@ -13,7 +13,6 @@ Steps 1-3 live in policy.py, step 4 in executor.py, step 5 here.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import sys
 import threading
@@ -44,7 +43,7 @@ from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
 from scheduler.debug_delay import delay_ns
 from scheduler.device_process import DeviceProcess, DeviceSpec
 from scheduler.executor import FUTURE_SLOTS, Executor, Launch
-from scheduler.faults import SLOW_SENDER_S
+from scheduler.faults import hooks_for
 from scheduler.memory_manager import MemoryManager
 from scheduler.model.config import ModelConfig
 from scheduler.model.kv_cache import PagedKVCache
@@ -52,6 +51,7 @@ from scheduler.model.loader import load_model
 from scheduler.model.presets import resolve_model
 from scheduler.model.transformer import CausalLM
 from scheduler.policy import Policy
+from scheduler.process_settings import ProcessSettings
 from scheduler.reclaim import Reclaimer
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.request_manager import RequestManager
@@ -105,19 +105,16 @@ class Engine:
     ) -> None:
         config.validate()
         self.cfg = config
-        # the truth harness's known delays (0: off; one attribute read per place)
-        d = config.debug_delay_ms
-        self._delay_bookkeeping = delay_ns(d, dd.BOOKKEEPING)
-        self._delay_prepare = delay_ns(d, dd.BATCH_PREPARE)
-        self._delay_send = delay_ns(d, dd.RESPONSE_SEND)
-        self._delay_between = delay_ns(d, dd.BETWEEN_ROUNDS)
-        self.debug_held = dd.Held()
+        # faults and the truth harness's delays; the default does nothing
+        self.hooks = hooks_for(config)
+        device_delay = delay_ns(config.debug_delay_ms, dd.DEVICE_COMPUTE)
         self.model_dir: Path = resolve_model(config.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         )
+        self.settings = ProcessSettings()  # restored by close()
         if self.device.type == "cpu":
-            torch.set_num_threads(config.resolved_device_threads())
+            self.settings.set_threads(config.resolved_device_threads())
         dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
@@ -151,7 +148,7 @@ class Engine:
             self.device_proc = DeviceProcess(DeviceSpec(
                 str(self.model_dir), str(dtype).removeprefix("torch."), num_blocks, config.block_size,
                 config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS,
-                delay_ns(d, dd.DEVICE_COMPUTE)), self.probes,
+                device_delay), self.probes,
                 self.registry)
         elif parallel is None:
             mc = self.model_config
@@ -180,15 +177,12 @@ class Engine:
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
         self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
-                                 parallel=parallel, debug_delay_ns=delay_ns(d, dd.DEVICE_COMPUTE))
+                                 parallel=parallel, debug_delay_ns=device_delay)
         if config.debug_kv_check:
             self.executor.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
-        self.sender = Sender(self.tokenizer, list(sinks), self.probes,
-                             SLOW_SENDER_S if "slow-sender" in config.inject else 0.0)
+        self.sender = Sender(self.tokenizer, list(sinks), self.probes, self.hooks.before_deliver)
         self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
-        self._leak_injected = False
-        self._deadlock_injected = False
         self.stalls: list[StallReport] = []
         self._stall_buf = trace.buffer("stalls") if trace is not None else None
         self.watchdog = Watchdog(self.registry, config.wait_timeout_s, on_stall=self._on_stall,
@@ -197,17 +191,13 @@ class Engine:
                                  extra_stacks=self.device_proc.stacks if self.device_proc is not None else None)
         self.watchdog.start()
         self._steps_buf = trace.buffer("steps") if trace else None
-        # Everything allocated so far (weights, KV pool, tables) is long-lived:
-        # freezing it keeps the cyclic GC from rescanning it while probe
-        # tuples churn through generation 0 (the same move SGLang makes).
-        gc.freeze()
+        self.settings.freeze_gc()  # everything allocated so far is long-lived
         self.step_no = 0
         self._ids = itertools.count()
         self._submit_lock = threading.Lock()
         self._submitted = 0
         self._received = 0
-        if "starve" in config.inject:
-            self._inject_starve()
+        self.hooks.at_start(self)
 
     # ---- set-up --------------------------------------------------------
     def _pool_blocks(self, per_block: int) -> int:
@@ -250,15 +240,6 @@ class Engine:
                          params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
         return rid
 
-    def _inject_starve(self) -> None:
-        """Four long decodes, submitted first, that together pin ~90% of the pool."""
-        pool_tokens = self.mm.num_blocks * self.mm.block_size
-        prompt, new = max(1, int(0.2 * pool_tokens)), max(1, int(0.02 * pool_tokens))
-        vocab = self.model_config.vocab_size
-        for i in range(4):
-            ids = [(7919 * (i * prompt + j)) % (vocab - 10) + 5 for j in range(prompt)]
-            self.submit(ids, SamplingParams(new, ignore_eos=True), f"starve-pin-{i}")
-
     @property
     def submitted(self) -> int:
         """Requests submitted so far (what an interrupted run's end record reports)."""
@@ -300,8 +281,6 @@ class Engine:
         self._release_fenced()
         batch = self.policy.schedule(step)  # steps 1-3
         t1 = now_ns()
-        if self._delay_prepare and batch:  # before the launch: the device has nothing to run meanwhile
-            self.debug_held.hold(dd.BATCH_PREPARE, self._delay_prepare)
         launches = self._launch(batch, step) if batch else []  # step 4
         t2 = now_ns()
         if self.cfg.overlap_on:
@@ -332,8 +311,7 @@ class Engine:
             self._gc(t3)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
             self._snapshot_blocks(step)
-        if self._delay_bookkeeping:
-            self.debug_held.hold(dd.BOOKKEEPING, self._delay_bookkeeping)
+        self.hooks.end_of_bookkeeping()
         t4 = now_ns()
         n_sampled = sum(len(t) for t in tokens)
         r = self.probes.rank
@@ -357,13 +335,11 @@ class Engine:
                 self.sender.queue.qsize(), t3 if done is not None else 0,
             ))
         self.sender.queue.put(out)
-        if self._delay_send:
-            self.debug_held.hold(dd.RESPONSE_SEND, self._delay_send)
+        self.hooks.after_send()
         t5 = now_ns()
         if pb is not None:
             pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
-        if self._delay_between:
-            self.debug_held.hold(dd.BETWEEN_ROUNDS, self._delay_between)
+        self.hooks.between_rounds()
         stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
                           len(batch.decodes), n_sampled, len(out.finished))
         return stats
@@ -382,7 +358,10 @@ class Engine:
             s.close()
         if self.device_proc is not None:
             self.device_proc.close()
-        self.sender.close()
+        try:
+            self.sender.close()
+        finally:
+            self.settings.restore()
 
     # ---- stalls ----------------------------------------------------------
     def _on_stall(self, report: StallReport) -> None:
@@ -407,29 +386,6 @@ class Engine:
         return {"num_blocks": mm.num_blocks, "free": mm.num_free, "fenced": self._fenced_blocks,
                 "holders": {rid: len(t) for rid, t in list(mm.tables.items())[:64]},
                 "largest_free_run": mm.largest_free_run() if self.cfg.kv_layout == "contiguous" else None}
-
-    def _inject_deadlock(self, batch: ScheduleBatch, step: int) -> None:
-        """The seed's deadlock: main waits for blocks the prefill stream would free,
-        while the prefill stream waits for an event recorded on main after that."""
-        self._deadlock_injected = True
-        victim = batch.prefills[0].req
-        if self.device_proc is not None:
-            # The same cycle from device-side events: main waits for an event the prefill
-            # stream records only after its own wait for main.
-            main_p, prefill_p = self.device_proc.streams[MAIN], self.device_proc.streams[PREFILL]
-            freed = prefill_p.reserve()
-            main_p.wait_event(freed, what=f"blocks held by req {victim.request_id}",
-                              label=f"injected: wait for free blocks#{step}")
-            prefill_p.wait_event(main_p.record())
-            prefill_p.record(freed)
-            return
-        freed = threading.Event()  # the prefill stream would set it; it never gets to
-        main = self.streams[MAIN]
-        main.submit(lambda: timed_wait(
-            freed.wait, registry=self.registry, waiter="main-stream",
-            what=f"blocks held by req {victim.request_id}", signaller="prefill-stream", boundary=KV_FENCE,
-            timeout_s=self.cfg.hard_wait_timeout_s, step=step), f"injected: wait for free blocks#{step}", step)
-        self.streams[PREFILL].wait_event(main.record())
 
     # ---- step internals ------------------------------------------------
     def _drain_arrivals(self) -> None:
@@ -461,9 +417,7 @@ class Engine:
             groups = [(MAIN, batch.decodes, 0.0), (PREFILL, batch.prefills, self.cfg.prefill_stagger_us)]
         else:
             groups = [(MAIN, batch.chunks, 0.0)]
-        if ("deadlock" in self.cfg.inject and not self._deadlock_injected and batch.decodes and batch.prefills
-                and self.cfg.split_on):
-            self._inject_deadlock(batch, step)
+        self.hooks.before_launch(self, batch, step)
         launches = []
         for stream, chunks, stagger in groups:
             if not chunks:
@@ -471,9 +425,9 @@ class Engine:
             # KV and future tokens written on another stream must be visible first.
             wait_for = {id(c.req.last_event): c.req.last_event for c in chunks
                         if c.req.last_event is not None and c.req.last_event.stream != stream
-                        and not c.req.last_event.query() and not self.cfg.debug_skip_stream_waits}
-            la = self.executor.launch(self.executor.prepare(chunks), stream, step, list(wait_for.values()),
-                                      stagger)
+                        and not c.req.last_event.query()}
+            la = self.executor.launch(self.executor.prepare(chunks), stream, step,
+                                      self.hooks.cross_stream_waits(list(wait_for.values())), stagger)
             for c in chunks:
                 c.req.num_computed += c.num_tokens
                 c.req.last_event = la.end
@@ -519,13 +473,7 @@ class Engine:
                     req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
-        if "leak" in self.cfg.inject and not self._leak_injected:
-            # Injected fault: the request dies on an exception path that skips
-            # the free. Its blocks stay held by a request that no longer runs.
-            self._leak_injected = True
-            self.rm.mark(req, "fault_injected", len(req.block_table))
-            req.drop_placeholders()
-            self.rm.finish(req, FinishReason.ABORTED, "injected fault: died without freeing its blocks")
+        if self.hooks.finish(self, req):
             return
         self._release(req, kind)
         req.drop_placeholders()  # a token of the next round may be in flight: it is discarded

@@ -18,7 +18,8 @@ import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +27,7 @@ from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.batch import ScheduledChunk
-from scheduler.debug_delay import hold
+from scheduler.debug_delay import HeldForward, hold
 from scheduler.device_process import RemoteOp
 from scheduler.model.forward_batch import (
     ForwardBatch,
@@ -101,8 +102,9 @@ class Executor:
         parallel: Coordinator | None = None,
         debug_delay_ns: int = 0,
     ) -> None:
-        self.model = model
-        self.debug_delay_ns = debug_delay_ns  # the truth harness: held inside every forward
+        # the truth harness: a known hold inside every forward
+        self.model: Any = HeldForward(model, debug_delay_ns, partial(_device_hold, device=device)) \
+            if debug_delay_ns and model is not None else model
         self.parallel = parallel
         # The device is another process (scheduler/device_process.py): work goes there as
         # RemoteOp data; the model, KV pool and future ring live there.
@@ -223,8 +225,6 @@ class Executor:
         else:
             assert self.model is not None
             logits = self.model(fb, kv)
-            if self.debug_delay_ns:
-                _device_hold(self.debug_delay_ns, self.device)
             if not prepared.sampled:
                 return []
             tokens = sample(logits, prepared.temperatures, prepared.top_ps,

@@ -1,8 +1,22 @@
-"""Fault injection (--inject NAME): each fault reproduces a failure from the
-seed's troubleshooting chapter on purpose, so the tooling can be shown to
-catch it. Off by default."""
+"""Fault injection (--inject NAME) and the truth harness's delays (--debug-delay-ms),
+as one hooks object the engine is given at construction.
+
+Each fault reproduces a failure from the seed's troubleshooting chapter on purpose,
+so the tooling can be shown to catch it. `RoundHooks`, the default, does nothing: the
+engine calls it at fixed points of the round (a method call each) and never tests a
+fault or debug flag itself. `hooks_for(cfg)` returns it unless something is switched on.
+"""
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from probes.boundaries import KV_FENCE
+from probes.waits import timed_wait
+from scheduler import debug_delay as dd
+from scheduler.request import FinishReason, SamplingParams
 
 FAULTS: dict[str, str] = {
     "deadlock": "overlap mode with split streams: the main stream waits for blocks the prefill stream "
@@ -23,3 +37,146 @@ def parse_faults(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
         if n not in FAULTS:
             raise ValueError(f"unknown fault {n!r}; choose from {', '.join(FAULTS)}")
     return tuple(names)
+
+
+# The engine is passed as `Any`: importing its class here would make a cycle.
+class RoundHooks:
+    """No faults, no delays: every hook is a no-op."""
+
+    __slots__ = ()
+
+    def at_start(self, engine: Any) -> None:
+        """After construction, before the first round."""
+
+    def before_launch(self, engine: Any, batch: Any, step: int) -> None:
+        """Inside batch_prepare, after scheduling, before the batch's launches."""
+
+    def cross_stream_waits(self, waits: list[Any]) -> list[Any]:
+        """The events a launch waits for on other streams."""
+        return waits
+
+    def finish(self, engine: Any, req: Any) -> bool:
+        """A request is about to finish; True: the hook finished it instead."""
+        return False
+
+    def end_of_bookkeeping(self) -> None:
+        """The last thing inside the round's closing bookkeeping."""
+
+    def after_send(self) -> None:
+        """Inside response_send, after the tokens are handed to the sender."""
+
+    def between_rounds(self) -> None:
+        """After the round's last probe, before the next round."""
+
+    def before_deliver(self) -> None:
+        """On the sender thread, before it delivers a round's output."""
+
+    def meta(self) -> dict[str, Any]:
+        """What meta.json records about the hooks."""
+        return {}
+
+
+NO_HOOKS = RoundHooks()
+
+
+class InjectedHooks(RoundHooks):
+    """The configured faults and known delays. Only runs that asked for them pay for the
+    checks here."""
+
+    __slots__ = ("faults", "delays", "held", "split", "wait_timeout_s", "skip_stream_waits",
+                 "_leaked", "_deadlocked")
+
+    def __init__(self, cfg: Any) -> None:
+        self.faults = frozenset(cfg.inject)
+        self.delays = {p: dd.delay_ns(cfg.debug_delay_ms, p) for p in dd.PLACES}
+        self.held = dd.Held()
+        self.split = cfg.split_on
+        self.wait_timeout_s = cfg.hard_wait_timeout_s
+        self.skip_stream_waits = cfg.debug_skip_stream_waits
+        self._leaked = self._deadlocked = False
+
+    def _hold(self, place: str) -> None:
+        if self.delays[place]:
+            self.held.hold(place, self.delays[place])
+
+    def at_start(self, engine: Any) -> None:
+        if "starve" in self.faults:
+            _starve(engine)
+
+    def before_launch(self, engine: Any, batch: Any, step: int) -> None:
+        self._hold(dd.BATCH_PREPARE)  # before the launch: the device has nothing to run meanwhile
+        if ("deadlock" in self.faults and not self._deadlocked and batch.decodes and batch.prefills
+                and self.split):
+            self._deadlocked = True
+            _deadlock(engine, batch, step, self.wait_timeout_s)
+
+    def cross_stream_waits(self, waits: list[Any]) -> list[Any]:
+        # the negative control of the KV ordering check: without these waits it must fire
+        return [] if self.skip_stream_waits else waits
+
+    def finish(self, engine: Any, req: Any) -> bool:
+        if "leak" not in self.faults or self._leaked:
+            return False
+        # The request dies on an exception path that skips the free: its blocks stay
+        # held by a request that no longer runs.
+        self._leaked = True
+        engine.rm.mark(req, "fault_injected", len(req.block_table))
+        req.drop_placeholders()
+        engine.rm.finish(req, FinishReason.ABORTED, "injected fault: died without freeing its blocks")
+        return True
+
+    def end_of_bookkeeping(self) -> None:
+        self._hold(dd.BOOKKEEPING)
+
+    def after_send(self) -> None:
+        self._hold(dd.RESPONSE_SEND)
+
+    def between_rounds(self) -> None:
+        self._hold(dd.BETWEEN_ROUNDS)
+
+    def before_deliver(self) -> None:
+        if "slow-sender" in self.faults:
+            time.sleep(SLOW_SENDER_S)
+
+    def meta(self) -> dict[str, Any]:
+        return {"debug_delays": self.held.to_dict()} if any(self.delays.values()) else {}
+
+
+def hooks_for(cfg: Any) -> RoundHooks:
+    on = cfg.inject or any(ms for _, ms in cfg.debug_delay_ms) or cfg.debug_skip_stream_waits
+    return InjectedHooks(cfg) if on else NO_HOOKS
+
+
+def _starve(engine: Any) -> None:
+    """Four long decodes, submitted first, that together pin ~90% of the pool."""
+    pool_tokens = engine.mm.num_blocks * engine.mm.block_size
+    prompt, new = max(1, int(0.2 * pool_tokens)), max(1, int(0.02 * pool_tokens))
+    vocab = engine.model_config.vocab_size
+    for i in range(4):
+        ids = [(7919 * (i * prompt + j)) % (vocab - 10) + 5 for j in range(prompt)]
+        engine.submit(ids, SamplingParams(new, ignore_eos=True), f"starve-pin-{i}")
+
+
+def _deadlock(engine: Any, batch: Any, step: int, timeout_s: float) -> None:
+    """The seed's deadlock: main waits for blocks the prefill stream would free,
+    while the prefill stream waits for an event recorded on main after that."""
+    from scheduler.streams import MAIN, PREFILL
+
+    victim = batch.prefills[0].req
+    if engine.device_proc is not None:
+        # The same cycle from device-side events: main waits for an event the prefill
+        # stream records only after its own wait for main.
+        main_p, prefill_p = engine.device_proc.streams[MAIN], engine.device_proc.streams[PREFILL]
+        freed = prefill_p.reserve()
+        main_p.wait_event(freed, what=f"blocks held by req {victim.request_id}",
+                          label=f"injected: wait for free blocks#{step}")
+        prefill_p.wait_event(main_p.record())
+        prefill_p.record(freed)
+        return
+    blocks_freed = threading.Event()  # the prefill stream would set it; it never gets to
+    main = engine.streams[MAIN]
+    main.submit(lambda: timed_wait(
+        blocks_freed.wait, registry=engine.registry, waiter="main-stream",
+        what=f"blocks held by req {victim.request_id}", signaller="prefill-stream", boundary=KV_FENCE,
+        timeout_s=timeout_s, step=step), f"injected: wait for free blocks#{step}", step)
+    engine.streams[PREFILL].wait_event(main.record())

@@ -148,7 +148,7 @@ def run_meta(
             "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
         },
         **par,
-        **({"debug_delays": engine.debug_held.to_dict()} if engine.cfg.debug_delay_ms else {}),
+        **engine.hooks.meta(),
     }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,12 +69,12 @@ class OutputSink(Protocol):
 class Sender:
     def __init__(
         self, tokenizer: Tokenizer | None, sinks: list[OutputSink], probes: Probes | None = None,
-        inject_delay_s: float = 0.0,
+        before_deliver: Callable[[], None] = lambda: None,
     ) -> None:
         self.queue: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
         self._buf = probes.buffer() if probes is not None else None
         self._rank = probes.rank if probes is not None else 0
-        self._delay = inject_delay_s  # the slow-sender fault
+        self._before_deliver = before_deliver  # a fault's hook (the slow sender)
         self._tok = tokenizer
         self._sinks = sinks
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -96,8 +96,7 @@ class Sender:
                 return
             t0 = now_ns()
             try:
-                if self._delay:
-                    time.sleep(self._delay)
+                self._before_deliver()
                 self._deliver(item)
             except BaseException as e:  # noqa: BLE001 - reported on close(); keep draining
                 self.error = self.error or e

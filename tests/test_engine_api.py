@@ -77,3 +77,25 @@ def test_seeded_sampling_is_reproducible():
         finally:
             eng.close()
     assert outs[0] == outs[1] and len(outs[0]) == 16
+
+
+def test_close_restores_the_process_wide_settings():
+    """An Engine sets torch's thread count and freezes the GC for the whole process;
+    closing it gives both back (a test or notebook that builds engines keeps its own)."""
+    import gc
+
+    import torch
+
+    from scheduler.faults import NO_HOOKS
+
+    threads = torch.get_num_threads()
+    frozen = gc.get_freeze_count()
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", device_threads=threads + 1))
+    try:
+        assert torch.get_num_threads() == threads + 1
+        assert gc.get_freeze_count() > frozen
+        assert eng.hooks is NO_HOOKS  # no fault, no delay: the round's hooks do nothing
+    finally:
+        eng.close()
+    assert torch.get_num_threads() == threads
+    assert gc.get_freeze_count() == frozen or frozen > 0
