@@ -156,16 +156,5 @@ def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegist
                boundary=PP_BUBBLE, timeout_s=timeout_s, rank=rank, step=step)
 
 
-def main() -> int:
-    if int(os.environ.get("RANK", "0")) == 0:
-        # torchrun's rank 0 is the scheduler: the mstrace command line it was given.
-        from viewer.cli import main as cli_main
-
-        sys.argv = ["mstrace", *sys.argv[1:]]
-        cli_main()
-        return 0
-    return worker_main(sys.argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # spawned by rank 0 (launch.py); under torchrun: viewer/torchrun.py
+    sys.exit(worker_main(sys.argv[1:]))
