@@ -49,10 +49,10 @@ import torch  # noqa: E402
 
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine, StepStats  # noqa: E402
+from scheduler.harness.runner import run_workload  # noqa: E402
+from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload  # noqa: E402
+from scheduler.hops.sender import FinishedRecord  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
-from scheduler.runner import run_workload  # noqa: E402
-from scheduler.sender import FinishedRecord  # noqa: E402
-from scheduler.workload import SyntheticSpec, WorkloadItem, synthetic_workload  # noqa: E402
 
 TARGET_RATIO = 2.0
 

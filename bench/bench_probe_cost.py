@@ -4,7 +4,7 @@
 
 Each kind is measured at its real emission site where the site can be called on
 its own (timed_wait, ProcStream.complete, MemoryManager._emit with the engine's own
-memory sink, Engine._snapshot_blocks, RequestManager.mark with the engine's
+memory sink, append_snapshot (scheduler/core/block_snapshot.py), RequestManager.mark with the engine's
 timeline sink, TraceRequestsSink.on_finish, SpanSink.on_finish), and as a copy of
 the site's code where it is inline in Engine.step (the round's probe rows, the
 steps row, the token-runs stamp). Every site runs twice, with its buffer and with
@@ -78,7 +78,7 @@ def _step_rows(buf: Buf) -> Run:
 
 def _steps_row(buf: Buf) -> Run:
     """engine.step's steps-table row, field for field."""
-    from scheduler.memory_manager import MemoryManager
+    from scheduler.core.memory_manager import MemoryManager
 
     mm = MemoryManager(4096, 16, None, False)
     batch = SimpleNamespace(prefills=[1, 2], decodes=list(range(200)), num_prefill_tokens=512)
@@ -142,7 +142,7 @@ def _wait_rows(buf: Buf) -> Run:
 
 def _device_rows(buf: Buf) -> Run:
     """ProcStream.complete (the device-reader thread): device_compute / stream_wait rows."""
-    from scheduler.device_process import ProcStream, _Pending
+    from scheduler.device.device_process import ProcStream, _Pending
 
     dev = SimpleNamespace(probes=Probes((lambda _t: buf) if buf is not None else None), registry=WaitRegistry())
     st = ProcStream("main", dev)  # type: ignore[arg-type] - only probes and registry are used
@@ -180,8 +180,8 @@ def _attr_rows(buf: Buf) -> Run:
 
 def _memory_events(buf: Buf) -> Run:
     """MemoryManager._emit through the engine's own memory sink (alloc, ref, unref, free, reclaim)."""
+    from scheduler.core.memory_manager import MemoryManager
     from scheduler.engine import Engine
-    from scheduler.memory_manager import MemoryManager
 
     sink = Engine._memory_sink(SimpleNamespace(_mem_buf=buf, step_no=7))  # type: ignore[arg-type]
     emit = MemoryManager(64, 16, sink, False)._emit
@@ -194,26 +194,27 @@ def _memory_events(buf: Buf) -> Run:
 
 
 def _snapshot_rows(buf: Buf) -> Run:
-    """Engine._snapshot_blocks: 256 running requests of 8 blocks, 2,049 rows a snapshot."""
-    from scheduler.engine import Engine
-    from scheduler.memory_manager import MemoryManager
+    """append_snapshot: 256 running requests of 8 blocks, 2,049 rows a snapshot."""
+    from scheduler.core.block_snapshot import append_snapshot
+    from scheduler.core.memory_manager import MemoryManager
 
     running = [SimpleNamespace(request_id=f"req-{i}", block_table=list(range(i * 8, i * 8 + 8))) for i in range(256)]
-    fake = SimpleNamespace(_mem_buf=buf, mm=MemoryManager(4096, 16, None, False), rm=SimpleNamespace(running=running))
+    mm = MemoryManager(4096, 16, None, False)
     per = 1 + 256 * 8
 
     def run(k: int) -> int:
         m = max(1, k // per)
         for _ in range(m):
-            Engine._snapshot_blocks(fake, 50)  # type: ignore[arg-type]
+            if buf is not None:  # the engine snapshots only when there is a memory table
+                append_snapshot(buf, 50, mm, running)  # type: ignore[arg-type]
         return m * per if buf is not None else 0
     return run
 
 
 def _timeline_rows(buf: Buf) -> Run:
     """RequestManager.mark through the engine's own timeline sink."""
+    from scheduler.core.request_manager import RequestManager
     from scheduler.engine import Engine
-    from scheduler.request_manager import RequestManager
 
     trace = SimpleNamespace(buffer=lambda _t: buf) if buf is not None else None
     rm = RequestManager(Engine._timeline_sink(SimpleNamespace(trace=trace)))  # type: ignore[arg-type]
@@ -227,7 +228,7 @@ def _timeline_rows(buf: Buf) -> Run:
 
 
 def _finished(prompt_len: int, output_len: int) -> Any:
-    from scheduler.sender import FinishedRecord
+    from scheduler.hops.sender import FinishedRecord
 
     t = now_ns()
     return FinishedRecord(
@@ -240,7 +241,7 @@ def _finished(prompt_len: int, output_len: int) -> Any:
 def _requests_rows(prompt_len: int, output_len: int) -> Site:
     def site(buf: Buf) -> Run:
         """TraceRequestsSink.on_finish (the sender thread): one row per request, ITL gaps included."""
-        from scheduler.runner import TraceRequestsSink
+        from scheduler.harness.runner import TraceRequestsSink
 
         rec = _finished(prompt_len, output_len)
         sink = TraceRequestsSink(SimpleNamespace(buffer=lambda _t: buf)) if buf is not None else None  # type: ignore[arg-type]
@@ -288,7 +289,7 @@ def kinds(prompt_len: int = 144, output_len: int = 80) -> dict[str, Kind]:
              _attr_rows),
         Kind("memory.event", "scheduling", "probes", "alloc, ref, unref, free, reclaim (memory sink)",
              _memory_events),
-        Kind("memory.snapshot", "scheduling", "probes", "block-table snapshot rows (Engine._snapshot_blocks)",
+        Kind("memory.snapshot", "scheduling", "probes", "block-table snapshot rows (append_snapshot)",
              _snapshot_rows),
         Kind("timeline", "scheduling", "trace", "request stage events (RequestManager.mark)", _timeline_rows),
         Kind("steps", "scheduling", "trace", "one row per round", _steps_row),
@@ -335,9 +336,9 @@ def measure(n: int = 200_000, repeats: int = 7, prompt_len: int = 144, output_le
             only: list[str] | None = None) -> dict[str, Cost]:
     """Per-row cost of each kind (bench/bench_probe_cpu.py calls this with a real run's sizes)."""
     # Imported before the freeze: in a run, torch's and the engine's objects are long-lived too.
-    import scheduler.device_process  # noqa: F401
+    import scheduler.device.device_process  # noqa: F401
     import scheduler.engine  # noqa: F401
-    import scheduler.runner  # noqa: F401
+    import scheduler.harness.runner  # noqa: F401
     import tracing.otel  # noqa: F401
 
     gc.collect()

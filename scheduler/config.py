@@ -42,7 +42,7 @@ def _on_off(v: Any) -> bool:
 
 
 def _delays(v: Any) -> tuple[tuple[str, float], ...]:
-    from scheduler.debug_delay import parse
+    from scheduler.harness.debug_delay import parse
 
     if not isinstance(v, list | tuple | type(None)) or not all(isinstance(x, str) for x in v or ()):
         raise ConfigError(f"--debug-delay-ms takes PLACE=MS strings, got {v!r}")
@@ -92,7 +92,7 @@ class EngineConfig:
     # spin and a step can get ~100x slower (measured on 2 cores, BENCHMARKS.md).
     device_threads: int = option(0, "CPU intra-op threads for the model (0 = cores - 1).", DEVICE)
     # thread: the CPU device's streams share this process's GIL with the scheduler. process:
-    # the device is a process of its own (scheduler/device_process.py), so host work overlaps
+    # the device is a process of its own (scheduler/device/device_process.py), so host work overlaps
     # device work as it does on a GPU.
     cpu_device: str = option("auto", "CPU only: process (the device has its own interpreter, as a GPU runs apart "
                              "from the host), thread (stream threads share the scheduler's GIL), or auto "
@@ -103,7 +103,7 @@ class EngineConfig:
     wait_timeout_s: float = option(5.0, "Timeout in seconds of every wait in the engine.", FAULTS,
                                    flag="wait-timeout")
     snapshot_every: int = option(50, "Full block-table snapshot every N rounds (0 = never).", OUTPUT)
-    # The truth harness (scheduler/debug_delay.py): (place, ms) delays that a test checks
+    # The truth harness (scheduler/harness/debug_delay.py): (place, ms) delays that a test checks
     # the cost table charges to the right row.
     debug_delay_ms: tuple[tuple[str, float], ...] = option(
         (), "Test-only: PLACE=MS, a known delay (repeatable).", FAULTS, hidden=True, cli_type=list[str] | None,
@@ -177,8 +177,8 @@ class EngineConfig:
             raise ConfigError(f"--on-stall must be abort or continue (got {self.on_stall!r})")
         if self.gc_after_s < 0:
             raise ConfigError(f"--gc-after-s must be >= 0 (got {self.gc_after_s})")
-        from scheduler.debug_delay import PLACES
-        from scheduler.faults import parse_faults
+        from scheduler.harness.debug_delay import PLACES
+        from scheduler.harness.faults import parse_faults
 
         bad = [p for p, ms in self.debug_delay_ms if p not in PLACES or ms < 0]
         if bad:

@@ -14,72 +14,54 @@ Steps 1-3 live in policy.py, step 4 in executor.py, step 5 here.
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from probes.boundaries import (
     BATCH_PREPARE,
     BOOKKEEPING,
     DEFRAG,
     IDLE,
-    KV_FENCE,
     RESPONSE_SEND,
-    SCHEDULER_BARRIER,
 )
 from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, WaitTimeout, timed_wait
-from probes.watchdog import StallReport, Watchdog
-from scheduler import debug_delay as dd
-from scheduler.batch import ScheduleBatch
+from probes.watchdog import Watchdog
 from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
-from scheduler.debug_delay import delay_ns
-from scheduler.device_process import DeviceProcess, DeviceSpec
-from scheduler.executor import FUTURE_SLOTS, Executor, Launch
-from scheduler.faults import hooks_for
-from scheduler.memory_manager import MemoryManager
-from scheduler.model.config import ModelConfig
-from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.loader import load_model
+from scheduler.core.batch import ScheduleBatch
+from scheduler.core.block_snapshot import append_snapshot
+from scheduler.core.collect import collect, launched
+from scheduler.core.defrag import plan_moves
+from scheduler.core.kv_fence import KvFence
+from scheduler.core.memory_manager import MemoryManager
+from scheduler.core.policy import Policy
+from scheduler.core.reclaim import Reclaimer
+from scheduler.core.request import FinishReason, Request, SamplingParams
+from scheduler.core.request_manager import RequestManager
+from scheduler.device.backend import Backend
+from scheduler.device.executor import Executor
+from scheduler.device.prepared import Launch
+from scheduler.device.work import MAIN, PREFILL
+from scheduler.harness import debug_delay as dd
+from scheduler.harness.debug_delay import delay_ns
+from scheduler.harness.faults import hooks_for
+from scheduler.harness.process_settings import ProcessSettings
+from scheduler.hops.sender import FinishedRecord, OutputSink, Sender, StepOutput
+from scheduler.hops.tokenizer import Tokenizer, TokenizerError
+from scheduler.hops.tokenizer_pool import TokenizerPool
+from scheduler.model.dtypes import dtype_of
 from scheduler.model.presets import resolve_model
-from scheduler.model.transformer import CausalLM
-from scheduler.policy import Policy
-from scheduler.process_settings import ProcessSettings
-from scheduler.reclaim import Reclaimer
-from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
-from scheduler.request_manager import RequestManager
-from scheduler.sender import FinishedRecord, OutputSink, Sender, StepOutput
-from scheduler.streams import MAIN, PREFILL, Event, Stream, make_streams
-from scheduler.tokenizer import Tokenizer, TokenizerError
-from scheduler.tokenizer_pool import TokenizerPool
+from scheduler.stall_guard import StallGuard
 from tracing.writer import TraceWriter
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
 
 
-class EngineStalled(RuntimeError):
-    """A wait passed its timeout with --on-stall abort; the watchdog's reports say why."""
-
-    def __init__(self, reports: list[StallReport], cause: BaseException) -> None:
-        # The most telling report: a wait cycle, else the wait underneath the scheduler's barrier
-        # (e.g. a collective some rank never joined), else the first.
-        rep = (next((r for r in reports if r.cycle), None)
-               or next((r for r in reports if r.wait.boundary != SCHEDULER_BARRIER), None)
-               or (reports[0] if reports else None))
-        what = (rep.cycle_name or rep.wait.what) if rep is not None else str(cause)
-        super().__init__(f"engine stalled: {what}")
-        self.reports = reports
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -109,73 +91,35 @@ class Engine:
         self.hooks = hooks_for(config)
         device_delay = delay_ns(config.debug_delay_ms, dd.DEVICE_COMPUTE)
         self.model_dir: Path = resolve_model(config.model)
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
-        )
         self.settings = ProcessSettings()  # restored by close()
-        if self.device.type == "cpu":
-            self.settings.set_threads(config.resolved_device_threads())
-        dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
-        # --cpu-device process: the model and KV pool live in the device process.
-        self.device_proc: DeviceProcess | None = None
-        remote = self.device.type == "cpu" and config.resolved_cpu_device() == "process"
-        self.model: CausalLM | None = None
-        if parallel is None and remote:
-            self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
-            per_block = PagedKVCache.bytes_per_block(self.model_config, config.block_size, dtype)
-        elif parallel is None:
-            self.model, self.model_config = load_model(self.model_dir, self.device, dtype)
-            per_block = PagedKVCache.bytes_per_block(self.model_config, config.block_size, dtype)
-        else:
-            self.model_config = ModelConfig.from_file(self.model_dir / "config.json")
-            per_block = parallel.kv_bytes_per_block(self.model_config, config.block_size, dtype)
+        self.backend = Backend.choose(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel)
+        self.device = self.backend.device
+        if self.device.type == "cpu":
+            self.settings.set_threads(config.resolved_device_threads())
+        self.model_config = self.backend.model_config
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)
         except TokenizerError:
             self.tokenizer = None  # ids-only workloads still run
         self.eos_ids = frozenset(self.model_config.eos_token_id or ())
 
-        num_blocks = self._pool_blocks(per_block)
+        num_blocks = self._pool_blocks(self.backend.kv_bytes_per_block(config.block_size))
         self.trace = trace
         self.probes = Probes(trace.buffer if trace is not None and config.probes else None, rank=0)
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
         self._mem_buf = self.probes.buffer("memory")
         self.registry = WaitRegistry()
-        self.kv: PagedKVCache | None = None
-        if parallel is None and remote:
-            self.device_proc = DeviceProcess(DeviceSpec(
-                str(self.model_dir), str(dtype).removeprefix("torch."), num_blocks, config.block_size,
-                config.resolved_device_threads(), config.hard_wait_timeout_s, FUTURE_SLOTS,
-                device_delay), self.probes,
-                self.registry)
-        elif parallel is None:
-            mc = self.model_config
-            self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, config.block_size,
-                                   mc.num_key_value_heads, mc.head_dim, dtype, self.device)
-        else:
-            # Every rank gets the same block count (the block tables are rank 0's); the engine's
-            # registry, so the watchdog sees rank 0's collective waits.
-            sharded = parallel.start_ranks(self.model_dir, num_blocks, dtype, self.probes, self.registry)
-            self.model = sharded.model
-            self.kv = sharded.make_kv_cache(num_blocks, config.block_size)
-        self.streams: dict[str, Stream] = (
-            dict(self.device_proc.streams) if self.device_proc is not None
-            else make_streams(self.device, self.probes, self.registry, config.hard_wait_timeout_s))
+        self.backend.open(num_blocks, config.block_size, self.probes, self.registry)
+        self.streams, self.device_proc = self.backend.streams, self.backend.device_proc
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing and config.kv_layout == "paged")
         self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
-        self._fenced: list[tuple[list[Event], str, list[int], str]] = []
-        self._fenced_blocks = 0
-        # Finished requests whose blocks wait behind the fence: their records go to the
-        # sender once the blocks are free, so a committed requests row never precedes
-        # its frees in the trace (tracing/schema.py DRAIN_ORDER).
-        self._fenced_finish: dict[str, FinishedRecord] = {}
-        self._unfenced: list[str] = []
-        self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self._fenced_blocks)
-        self.executor = Executor(self.model, self.kv, config.block_size, self.device, config.seed,
+        self.fence = KvFence(self.mm, config.split_on, self._pb, 0)
+        self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self.fence.blocks)
+        self.executor = Executor(self.backend.model, self.backend.kv, config.block_size, self.device, config.seed,
                                  self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
                                  parallel=parallel, debug_delay_ns=device_delay)
         if config.debug_kv_check:
@@ -183,9 +127,8 @@ class Engine:
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks), self.probes, self.hooks.before_deliver)
         self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
-        self.stalls: list[StallReport] = []
-        self._stall_buf = trace.buffer("stalls") if trace is not None else None
-        self.watchdog = Watchdog(self.registry, config.wait_timeout_s, on_stall=self._on_stall,
+        self.stalls = StallGuard(trace.buffer("stalls") if trace is not None else None)
+        self.watchdog = Watchdog(self.registry, config.wait_timeout_s, on_stall=self.stalls.on_stall,
                                  streams=lambda: [st.state() for st in self.streams.values()],
                                  kv_summary=self._kv_summary, step=lambda: self.step_no,
                                  extra_stacks=self.device_proc.stacks if self.device_proc is not None else None)
@@ -247,7 +190,7 @@ class Engine:
 
     def has_work(self) -> bool:
         return (len(self.rm) > 0 or self._received < self._submitted or self._inflight is not None
-                or bool(self._fenced))
+                or bool(self.fence))
 
     def wait_for_arrivals(self, timeout_s: float) -> None:
         """Idle engine: block until a tokenized request is ready or the timeout passes."""
@@ -278,7 +221,7 @@ class Engine:
         self.step_no += 1
         step = self.rm.step = self.step_no
         self._drain_arrivals()
-        self._release_fenced()
+        self.fence.free_completed(step)
         batch = self.policy.schedule(step)  # steps 1-3
         t1 = now_ns()
         launches = self._launch(batch, step) if batch else []  # step 4
@@ -294,7 +237,7 @@ class Engine:
             try:
                 tokens = [self.executor.wait(la) for la in done[1]]  # the scheduler barrier
             except (WaitTimeout, RuntimeError) as e:
-                raise self._stalled(e) from e
+                raise self.stalls.stalled(e) from e
             device_ns = sum(la.device_ns() for la in done[1])
         t3 = now_ns()
         if done is not None:
@@ -309,8 +252,8 @@ class Engine:
             pause = self._defrag(step)
         if self.reclaimer is not None and self.reclaimer.due(t3):
             self._gc(t3)
-        if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0:
-            self._snapshot_blocks(step)
+        if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0 and self._mem_buf is not None:
+            append_snapshot(self._mem_buf, step, self.mm, self.rm.running)
         self.hooks.end_of_bookkeeping()
         t4 = now_ns()
         n_sampled = sum(len(t) for t in tokens)
@@ -354,36 +297,15 @@ class Engine:
     def close(self) -> None:
         self.watchdog.stop()
         self.pool.shutdown()
-        for s in self.streams.values():
-            s.close()
-        if self.device_proc is not None:
-            self.device_proc.close()
+        self.backend.close()
         try:
             self.sender.close()
         finally:
             self.settings.restore()
 
-    # ---- stalls ----------------------------------------------------------
-    def _on_stall(self, report: StallReport) -> None:
-        """Watchdog thread: keep the evidence in the trace and say it at once."""
-        self.stalls.append(report)
-        if self._stall_buf is not None:
-            self._stall_buf.append(report.to_row())
-        print(report.render_text(), file=sys.stderr, flush=True)
-
-    def _stalled(self, cause: BaseException) -> BaseException:
-        # The watchdog reports at wait_timeout; the wait itself gives up a little
-        # later, so by now the report exists (give its thread a moment if not).
-        deadline = now_ns() + 500_000_000
-        while not self.stalls and now_ns() < deadline and isinstance(cause, WaitTimeout):
-            time.sleep(0.01)
-        if self.stalls or isinstance(cause, WaitTimeout):
-            return EngineStalled(list(self.stalls), cause)
-        return cause
-
     def _kv_summary(self) -> dict[str, Any]:
         mm = self.mm
-        return {"num_blocks": mm.num_blocks, "free": mm.num_free, "fenced": self._fenced_blocks,
+        return {"num_blocks": mm.num_blocks, "free": mm.num_free, "fenced": self.fence.blocks,
                 "holders": {rid: len(t) for rid, t in list(mm.tables.items())[:64]},
                 "largest_free_run": mm.largest_free_run() if self.cfg.kv_layout == "contiguous" else None}
 
@@ -428,49 +350,20 @@ class Engine:
                         and not c.req.last_event.query()}
             la = self.executor.launch(self.executor.prepare(chunks), stream, step,
                                       self.hooks.cross_stream_waits(list(wait_for.values())), stagger)
+            launched(chunks, la.prepared.sampled, la.slots)
             for c in chunks:
-                c.req.num_computed += c.num_tokens
                 c.req.last_event = la.end
-            for c, slot in zip(la.prepared.sampled, la.slots, strict=True):
-                c.req.output_ids.append(-(slot + 1))  # placeholder until the token lands
             launches.append(la)
         return launches
 
     def _collect(
         self, batch: ScheduleBatch, launches: list[Launch], tokens: list[list[int]], out: StepOutput, now: int
     ) -> None:
-        """Step 5: replace placeholders with tokens, finish requests, publish full blocks."""
-        mm, rm = self.mm, self.rm
-        for la, toks in zip(launches, tokens, strict=True):
-            for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True):
-                req = c.req
-                if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
-                    continue  # finished or preempted while this round was in flight
-                req.output_ids[req.output_ids.index(-(slot + 1), req.num_real_outputs)] = tok
-                req.token_ns.append(now)
-                runs = req.token_runs
-                if runs and runs[-2] + runs[-1] == self.step_no:
-                    runs[-1] += 1
-                else:
-                    runs += (self.step_no, 1)
-                out.tokens.append((req.request_id, tok))
-                if not req.first_token_ns:
-                    req.first_token_ns = rm.mark(req, "first_token")
-                sp = req.sample.sampling_params
-                if tok in self.eos_ids and not sp.ignore_eos:
-                    self._finish(req, FinishReason.EOS)
-                elif req.num_real_outputs >= sp.max_new_tokens:
-                    self._finish(req, FinishReason.LENGTH)
-        for c in batch.chunks:
-            req = c.req
-            if req.status is not RequestStatus.RUNNING or c.generation != req.num_preemptions:
-                continue
-            # Only tokens known on the host can be hashed; in overlap mode the
-            # next round may already have computed one more (a placeholder).
-            known = min(req.num_computed, req.sample.valid_len + req.num_real_outputs)
-            if known // mm.block_size > req.num_hashed_blocks:
-                req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
-                    req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)
+        """Step 5 (scheduler/core/collect.py)."""
+        results = ((c, slot, tok) for la, toks in zip(launches, tokens, strict=True)
+                   for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True))
+        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish,
+                out.tokens)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
         if self.hooks.finish(self, req):
@@ -487,17 +380,7 @@ class Engine:
         """
         t0 = now_ns()
         self._wait_streams_idle(step)
-        holders = sorted((r for r in self.rm.running if r.block_table), key=lambda r: r.block_table[0])
-        moves: list[tuple[int, int]] = []
-        moved = {}
-        at = 0
-        for req in holders:
-            m = self.mm.move(req.request_id, req.block_table, at)
-            at += len(req.block_table)
-            if m:
-                moves += m
-                moved[req.request_id] = len(m)
-                self.rm.mark(req, "defrag_moved", len(m))
+        moves = plan_moves(self.rm.running, self.mm, self.rm.mark)
         if moves:
             src, dst = [a for a, _ in moves], [b for _, b in moves]
             self.streams[MAIN].submit(self.executor.copy_work(src, dst), f"defrag#{step}", step, DEFRAG)
@@ -531,65 +414,8 @@ class Engine:
             self._gc(now_ns(), force=True)
 
     def _release(self, req: Request, kind: str = "free") -> None:
-        """Give a request's blocks back, behind the KV fence.
-
-        Work on one stream runs in order, so a block freed now and reused by a
-        later launch on the same stream is safe without waiting. Across streams
-        it is not: the blocks go back only when every in-flight launch that
-        might read them has completed (the `kv_fence`).
-        """
-        if not req.block_table:
-            return
-        fence = [la.end for la in self._inflight[1]] if self._inflight is not None else []
-        if req.last_event is not None:
-            fence.append(req.last_event)
-        if self.cfg.split_on and any(not ev.query() for ev in fence):
-            self.mm.detach(req.request_id, req.block_table)
-            self._fenced.append((fence, req.request_id, req.block_table, kind))
-            self._fenced_blocks += len(req.block_table)
-        else:
-            self.mm.free(req.request_id, req.block_table, kind)
-        req.block_table = []
-
-    def _release_fenced(self) -> None:
-        if not self._fenced:
-            return
-        keep = []
-        for fence, rid, table, kind in self._fenced:
-            t0 = now_ns()
-            if all(ev.query() for ev in fence):
-                self.mm.free(rid, table, kind)
-                self._fenced_blocks -= len(table)
-                self._unfenced.append(rid)
-                if self._pb is not None:
-                    self._pb.append((t0, now_ns() - t0, KV_FENCE, "host", self.probes.rank, self.step_no))
-            else:
-                keep.append((fence, rid, table, kind))
-        self._fenced = keep
-
-    def _snapshot_blocks(self, step: int) -> None:
-        """A full block-table snapshot into the memory table: one row per (block, holder)."""
-        buf = self._mem_buf
-        if buf is None:
-            return
-        ts = now_ns()
-        blocks = self.mm.blocks
-        # A marker row, so an empty pool still shows up as a snapshot; ref_count carries the free count.
-        buf.append((ts, step, "snapshot_begin", -1, "", self.mm.num_free))
-        for req in self.rm.running:
-            rid = req.request_id
-            for bid in req.block_table:
-                buf.append((ts, step, "snapshot", bid, rid, blocks[bid].ref_count))
+        """Give a request's blocks back, behind the KV fence (scheduler/core/kv_fence.py)."""
+        self.fence.release(req, [la.end for la in self._inflight[1]] if self._inflight is not None else [], kind)
 
     def _emit_finished(self, out: StepOutput) -> None:
-        fenced = {rid for _, rid, _, _ in self._fenced}
-        for req in self.rm.drain_finished():
-            rec = FinishedRecord.of(req)
-            if req.request_id in fenced:
-                self._fenced_finish[req.request_id] = rec
-            else:
-                out.finished.append(rec)
-        for rid in self._unfenced:
-            if rid not in fenced and rid in self._fenced_finish:
-                out.finished.append(self._fenced_finish.pop(rid))
-        self._unfenced.clear()
+        out.finished += self.fence.hand_over(self.rm.drain_finished(), FinishedRecord.of)

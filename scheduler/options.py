@@ -1,7 +1,7 @@
 """Run options declared once: a dataclass field carries its default, help text,
 help panel and how its command-line or TOML value becomes the field's value.
 
-`EngineConfig` (scheduler/config.py) and `RunOptions` (scheduler/run_options.py)
+`EngineConfig` (scheduler/config.py) and `RunOptions` (scheduler/harness/run_options.py)
 declare their fields with `option(...)`; `mstrace run`'s flags (viewer/run_flags.py),
 `--config FILE.toml`, the validation messages and meta.json's config record are
 all derived from those fields, so a default cannot differ between them.

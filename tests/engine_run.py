@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.runner import run_workload
-from scheduler.workload import WorkloadItem
+from scheduler.harness.runner import run_workload
+from scheduler.harness.workload import WorkloadItem
 
 
 def run_engine(cfg: EngineConfig, items: list[WorkloadItem], max_steps: int | None = None) -> Engine:

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 
 from scheduler.config import ConfigError, EngineConfig
+from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
-from scheduler.request import SamplingParams
-from scheduler.workload import SyntheticSpec, WorkloadItem, synthetic_workload
+from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
 from tests.cli import mstrace
 from tests.engine_run import run_engine
 from tests.test_faults import fragmenting_workload
@@ -113,8 +113,7 @@ def test_a_dead_device_fails_the_run_at_once():
 
 
 def test_stream_answers_stay_paired_after_a_failed_send_and_a_failed_op():
-    from scheduler.device_process import RemoteOp
-    from scheduler.streams import MAIN
+    from scheduler.device.work import MAIN, RemoteOp
 
     eng = Engine(EngineConfig(model="tiny", cpu_device="process"))
     try:

@@ -6,8 +6,8 @@ import json
 import shutil
 
 from scheduler.config import EngineConfig
+from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
-from scheduler.request import FinishReason, SamplingParams
 from tests.checkpoints import build_llama
 
 
@@ -86,7 +86,7 @@ def test_close_restores_the_process_wide_settings():
 
     import torch
 
-    from scheduler.faults import NO_HOOKS
+    from scheduler.harness.faults import NO_HOOKS
 
     threads = torch.get_num_threads()
     frozen = gc.get_freeze_count()

@@ -8,8 +8,8 @@ import collections
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.request import SamplingParams
-from scheduler.workload import SyntheticSpec, WorkloadItem, synthetic_workload
+from scheduler.core.request import SamplingParams
+from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
 from tests.cli import mstrace
 from tests.engine_run import run_engine
 from tracing.reader import read_table

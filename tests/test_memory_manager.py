@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler.memory_manager import BlockState, MemoryManager, OutOfBlocks
+from scheduler.core.memory_manager import BlockState, MemoryManager, OutOfBlocks
 
 
 def test_blocks_needed_is_ceil():
@@ -39,7 +39,7 @@ def test_shared_prefix_is_referenced_and_freed_by_last_holder():
 
 
 def test_hash_hit_confirmed_by_tokens(monkeypatch):
-    import scheduler.memory_manager as m
+    import scheduler.core.memory_manager as m
 
     monkeypatch.setattr(m, "chain_hash", lambda prev, toks: 7)  # every block collides
     mm = MemoryManager(8, 2)

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from scheduler.sender import FinishedRecord
+from scheduler.hops.sender import FinishedRecord
 from tests.cli import mstrace
 from tracing.otel import (
     REQUEST_SPAN,

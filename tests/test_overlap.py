@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from scheduler.config import EngineConfig
+from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
-from scheduler.request import SamplingParams
-from scheduler.workload import SyntheticSpec, synthetic_workload
+from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.engine_run import run_engine
 
 

@@ -10,7 +10,7 @@ import pytest
 import typer
 
 from scheduler.config import EngineConfig
-from scheduler.run_options import RunOptions
+from scheduler.harness.run_options import RunOptions
 from tests.cli import mstrace
 from tests.test_cli_errors import one_line_error
 from viewer.cli import app

@@ -3,11 +3,13 @@ without a model: the round's steps 1-3 are pure bookkeeping."""
 
 from __future__ import annotations
 
+from probes.clock import now_ns
 from scheduler.config import EngineConfig
-from scheduler.memory_manager import MemoryManager
-from scheduler.policy import Policy
-from scheduler.request import FinishReason, ReqSample, RequestStatus, SamplingParams
-from scheduler.request_manager import RequestManager
+from scheduler.core.collect import collect, launched
+from scheduler.core.memory_manager import MemoryManager
+from scheduler.core.policy import Policy
+from scheduler.core.request import FinishReason, ReqSample, RequestStatus, SamplingParams
+from scheduler.core.request_manager import RequestManager
 
 
 def make(num_blocks=16, block_size=4, chunk=8, **kw):
@@ -24,17 +26,21 @@ def add(rm, rid, n, max_new=4, ts=1):
 
 
 def run_round(rm, mm, policy, step, token=7):
-    """What the engine's collect step does, with a fixed sampled token."""
+    """A round without a device: the engine's own launch and collect steps
+    (scheduler/core/collect.py), every sampled row drawing `token`."""
     b = policy.schedule(step)
-    for c in b.chunks:
-        c.req.num_computed += c.num_tokens
-    for c in b.chunks:
-        if c.sample:
-            c.req.output_ids.append(token)
-            if len(c.req.output_ids) >= c.req.sample.sampling_params.max_new_tokens:
-                mm.free(c.req.request_id, c.req.block_table)
-                c.req.block_table = []
-                rm.finish(c.req, FinishReason.LENGTH)
+    sampled = [c for c in b.chunks if c.sample]
+    slots = list(range(len(sampled)))
+    launched(b.chunks, sampled, slots)
+
+    def finish(req, reason):
+        mm.free(req.request_id, req.block_table)
+        req.block_table = []
+        req.drop_placeholders()
+        rm.finish(req, reason)
+
+    collect([(c, s, token) for c, s in zip(sampled, slots, strict=True)], b.chunks, step, now_ns(), mm, rm,
+            frozenset(), finish, [])
     return b
 
 
@@ -47,7 +53,8 @@ def test_transitions_are_timestamped_in_order():
     run_round(rm, mm, policy, 2)
     assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.LENGTH
     stages = [e[2] for e in events if e[1] == "a"]
-    assert stages == ["arrived", "tokenized", "queued", "got_blocks", "finished"]
+    # (the real collect step marks the first token, which the old copy of it did not)
+    assert stages == ["arrived", "tokenized", "queued", "got_blocks", "first_token", "finished"]
     ts = [e[0] for e in events if e[1] == "a"]
     assert ts == sorted(ts)
     assert rm.drain_finished() == [r] and rm.drain_finished() == []

@@ -10,8 +10,8 @@ import pytest
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.runner import run_workload
-from scheduler.workload import SyntheticSpec, synthetic_workload
+from scheduler.harness.runner import run_workload
+from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.cli import mstrace
 from tracing.reader import read_table
 

@@ -1,5 +1,5 @@
 """The truth harness: a known delay at one place of the round (`--debug-delay-ms`,
-scheduler/debug_delay.py) must show up in the right row of each view of the cost
+scheduler/harness/debug_delay.py) must show up in the right row of each view of the cost
 table, and in no other.
 
 For each place, a pair of runs of one deterministic workload (all requests at t=0,
@@ -27,7 +27,7 @@ import time
 import pytest
 
 from probes import boundaries as B
-from scheduler import debug_delay as dd
+from scheduler.harness import debug_delay as dd
 from tests.cli import cli, mstrace
 
 DELAY_MS = 10.0

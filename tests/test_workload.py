@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from scheduler.workload import (
+from scheduler.harness.workload import (
     SyntheticSpec,
     WorkloadError,
     load_workload,

@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
-    from scheduler.run_options import RunOptions
+    from scheduler.harness.run_options import RunOptions
 
 
 class _Commands(TyperGroup):

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from scheduler.config import EngineConfig
-from scheduler.run_options import RunOptions
+from scheduler.harness.run_options import RunOptions
 from viewer.report import build_report, render_report
 
 
@@ -30,15 +30,15 @@ class _ProgressSink:
 
 def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Callable[[str], NoReturn]) -> None:
     from scheduler.config import ConfigError
-    from scheduler.model.config import ModelLoadError
-    from scheduler.model.presets import resolve_model
-    from scheduler.workload import (
+    from scheduler.harness.workload import (
         SyntheticSpec,
         WorkloadError,
         load_workload,
         save_workload,
         synthetic_workload,
     )
+    from scheduler.model.config import ModelLoadError
+    from scheduler.model.presets import resolve_model
 
     all_modes = cfg.mode == "all"
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
@@ -87,7 +87,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     if opts.save_workload is not None:
         save_workload(items, opts.save_workload)
 
-    from scheduler.engine import EngineStalled
+    from scheduler.stall_guard import EngineStalled
 
     if not all_modes:
         try:
@@ -115,9 +115,16 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
              fail: Callable[[str], NoReturn]) -> None:
     from probes.clock import wall_anchor
     from scheduler.config import ConfigError
-    from scheduler.engine import Engine, EngineStalled
+    from scheduler.engine import Engine
+    from scheduler.stall_guard import EngineStalled
+    from scheduler.harness.runner import (
+        RunResult,
+        TraceRequestsSink,
+        run_meta,
+        run_workload,
+        start_meta,
+    )
     from scheduler.model.config import ModelLoadError
-    from scheduler.runner import RunResult, TraceRequestsSink, run_meta, run_workload, start_meta
     from tracing.otel import SpanSink
     from tracing.run_status import end_record
     from tracing.writer import TraceWriter

@@ -14,8 +14,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from scheduler.config import EngineConfig
+from scheduler.harness.run_options import RunOptions
 from scheduler.options import PANELS, ConfigError, OptionField, option_fields, read_toml
-from scheduler.run_options import RunOptions
 
 CLASSES = (EngineConfig, RunOptions)
 CONFIG_HELP = ("TOML file of options: flat keys named like the config fields (prefill_chunk = 512, "

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from scheduler.model.dtypes import dtype_of
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -26,15 +28,6 @@ _BY_MODEL_TYPE: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
 
 class ModelLoadError(ValueError):
     """A checkpoint cannot be loaded by the engine (missing files, unsupported model, bad weights)."""
@@ -171,7 +164,7 @@ class ModelConfig:
         eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         bos = raw.get("bos_token_id")
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        dtype = _DTYPES.get(str(dtype_name).removeprefix("torch."))
+        dtype = dtype_of(str(dtype_name))
         if dtype is None:
             raise ModelLoadError(f"{arch}: unsupported dtype {dtype_name!r}")
 

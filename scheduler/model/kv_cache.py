@@ -70,10 +70,7 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers (K and V), for sizing the pool from a budget."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return (
-            2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-        )
+        return block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
 
     @property
     def nbytes(self) -> int:
@@ -103,3 +100,9 @@ class PagedKVCache:
         d = self.slots(dst).to(self.device)
         moved = self._pool.index_select(2, s)
         self._pool.index_copy_(2, d, moved)
+
+
+def block_bytes(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block: K and V of `layers` layers x `kv_heads` heads (a TP rank holds
+    its share of the heads, a PP stage its layers)."""
+    return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -82,3 +82,16 @@ def _check(gen: torch.Generator | None, device: torch.device) -> torch.Generator
     if gen is not None and gen.device.type != device.type:
         raise ValueError(f"generator on {gen.device} cannot sample logits on {device}")
     return gen
+
+
+def sample_rows(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
+                seeds: Sequence[int | None]) -> list[int]:
+    """`sample`, each row drawing with a generator made from its draw seed (None: greedy).
+    What every backend runs after its forward."""
+    return sample(logits, temperatures, top_ps, row_generators(seeds, logits.device))
+
+
+def publish(future: torch.Tensor, slots: Sequence[int], tokens: Sequence[int]) -> None:
+    """Write sampled tokens into the device's future-token ring at their slots, where the
+    next round's placeholders (overlap scheduling) read them on the device."""
+    future[torch.tensor(slots, device=future.device)] = torch.tensor(tokens, device=future.device)

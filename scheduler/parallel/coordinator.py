@@ -2,7 +2,7 @@
 
 Rank 0 owns everything of the engine (policy, memory manager, sender, trace writer) and also
 holds a model shard: TP rank 0 of pipeline stage 0.  Per round, on its main stream's thread
-(:meth:`Coordinator.forward`, called by :meth:`scheduler.executor.Executor.run_model`):
+(:meth:`Coordinator.forward`, called by :meth:`scheduler.device.executor.Executor.run_model`):
 
 1. broadcast the batch description to every rank (``batch_wire``; ``batch_broadcast``);
 2. run its own shard (``ShardedModel.step``: all-reduces with its TP peers, hidden states to the
@@ -34,8 +34,9 @@ from probes.recorder import Probes, Row
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.config import EngineConfig
 from scheduler.model.config import ModelConfig
-from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import row_generators, sample
+from scheduler.model.dtypes import name_of
+from scheduler.model.kv_cache import PagedKVCache, block_bytes
+from scheduler.model.sampling import sample_rows
 
 from .batch_wire import RUN, STOP, BatchChannel, WireBatch
 from .comm import COMM_STREAM, p2p_ready
@@ -59,9 +60,8 @@ from .tp import tp_config
 if TYPE_CHECKING:
     import subprocess
 
-    from scheduler.executor import PreparedBatch
+    from scheduler.device.prepared import PreparedBatch
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class Coordinator:
@@ -121,8 +121,7 @@ class Coordinator:
         --kv-bytes budgets.  Other stages may hold a different number of layers."""
         local = tp_config(full, self.cfg.tp)
         layers = len(stage_layers(full.num_hidden_layers, self.cfg.pp, 0))
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * block_size * local.num_key_value_heads * local.head_dim * elem
+        return block_bytes(layers, local.num_key_value_heads, local.head_dim, block_size, dtype)
 
     def start_ranks(
         self, model_dir: Path, num_blocks: int, dtype: torch.dtype, probes: Probes,
@@ -132,11 +131,11 @@ class Coordinator:
         meanwhile).  ``registry`` is the engine's, so the stall watchdog sees rank 0's
         collective waits."""
         cfg = self.cfg
-        from scheduler.faults import STALL_RANK_STEP
+        from scheduler.harness.faults import STALL_RANK_STEP
 
         send_spec(RunSpec(
             model_dir=str(model_dir), trace_dir=str(self.trace_dir), tp=cfg.tp, pp=cfg.pp,
-            dtype=_DTYPE_NAMES[dtype], device_threads=cfg.resolved_device_threads(),
+            dtype=name_of(dtype), device_threads=cfg.resolved_device_threads(),
             block_size=cfg.block_size, num_blocks=num_blocks, comm_overlap=cfg.comm_overlap,
             comm_timeout_s=cfg.hard_wait_timeout_s, watchdog_s=cfg.wait_timeout_s,
             probes=cfg.probes, stall_step=STALL_RANK_STEP if "stall-rank" in cfg.inject else -1,
@@ -166,8 +165,7 @@ class Coordinator:
         if not prepared.sampled:
             return []
         if logits is not None:
-            return sample(logits, prepared.temperatures, prepared.top_ps,
-                          row_generators(prepared.seeds, logits.device))
+            return sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds)
         return self._recv_tokens(len(prepared.sampled), step)
 
     def _recv_tokens(self, n: int, step: int) -> list[int]:

@@ -16,7 +16,7 @@ from probes.recorder import Row
 from probes.waits import WaitRegistry
 from scheduler.model.config import ModelConfig
 from scheduler.model.forward_batch import ForwardBatch
-from scheduler.model.kv_cache import PagedKVCache
+from scheduler.model.kv_cache import PagedKVCache, block_bytes
 from scheduler.model.loader import load_model
 from scheduler.model.transformer import CausalLM
 
@@ -84,9 +84,8 @@ class ShardedModel:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """KV bytes one block costs on this rank (its stage's layers, its KV heads)."""
-        elem = torch.empty((), dtype=self.model.dtype).element_size()
-        layers = len(self.model.layers)
-        return 2 * layers * block_size * self.cfg.num_key_value_heads * self.cfg.head_dim * elem
+        return block_bytes(len(self.model.layers), self.cfg.num_key_value_heads, self.cfg.head_dim, block_size,
+                           self.model.dtype)
 
     def step(self, batch: ForwardBatch, kv: PagedKVCache, step: int = -1) -> torch.Tensor | None:
         """One forward step on this rank; logits on the logits rank, None elsewhere."""

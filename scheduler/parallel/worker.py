@@ -32,8 +32,9 @@ from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
 from probes.watchdog import StallReport, Watchdog
+from scheduler.model.dtypes import DTYPES
 from scheduler.model.forward_batch import build_forward_batch
-from scheduler.model.sampling import row_generators, sample
+from scheduler.model.sampling import sample_rows
 from tracing.writer import TraceWriter
 
 from .batch_wire import STOP, BatchChannel, WireBatch
@@ -50,8 +51,6 @@ from .launch import (
     recv_spec,
 )
 from .runner import ShardedModel
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
@@ -91,7 +90,7 @@ def worker_main(argv: list[str]) -> int:
     clean = False
     try:
         sm = ShardedModel.load(
-            spec.model_dir, state, dtype=_DTYPES[spec.dtype], overlap=spec.comm_overlap,
+            spec.model_dir, state, dtype=DTYPES[spec.dtype], overlap=spec.comm_overlap,
             probe_buf=buf, registry=registry, timeout_s=spec.comm_timeout_s, microbatches=spec.pp_microbatches,
         )
         kv = sm.make_kv_cache(spec.num_blocks, spec.block_size)
@@ -143,7 +142,7 @@ def _stall_rank(spec: RunSpec, rank: int, world: int) -> Callable[[int], None] |
 
 def _sample(logits: torch.Tensor, wb: WireBatch) -> list[int]:
     seeds = [s if t > 0 else None for t, s in zip(wb.temperatures, wb.seeds, strict=True)]
-    return sample(logits, wb.temperatures, wb.top_ps, row_generators(seeds, logits.device))
+    return sample_rows(logits, wb.temperatures, wb.top_ps, seeds)
 
 
 def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegistry, rank: int,

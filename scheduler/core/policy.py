@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from probes.clock import now_ns
-from scheduler.batch import ScheduleBatch, ScheduledChunk
 from scheduler.config import EngineConfig
-from scheduler.memory_manager import MemoryManager, PrefixMatch
-from scheduler.request import FinishReason, Request
-from scheduler.request_manager import RequestManager
+from scheduler.core.batch import ScheduleBatch, ScheduledChunk
+from scheduler.core.memory_manager import MemoryManager, PrefixMatch
+from scheduler.core.request import FinishReason, Request
+from scheduler.core.request_manager import RequestManager
 
 
 class Policy:

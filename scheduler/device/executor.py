@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -26,64 +25,24 @@ import torch
 from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
-from scheduler.batch import ScheduledChunk
-from scheduler.debug_delay import HeldForward, hold
-from scheduler.device_process import RemoteOp
+from scheduler.core.batch import ScheduledChunk
+from scheduler.core.request import Request
+from scheduler.device.prepared import KvReadCheck, Launch, PreparedBatch
+from scheduler.device.work import Event, RemoteOp, Stream, Work
+from scheduler.harness.debug_delay import HeldForward, hold
 from scheduler.model.forward_batch import (
-    ForwardBatch,
     SeqChunk,
     build_forward_batch,
     resolve_placeholders,
 )
 from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import row_generators, sample, token_seed
+from scheduler.model.sampling import publish, sample_rows, token_seed
 from scheduler.model.transformer import CausalLM
-from scheduler.request import Request
-from scheduler.streams import Event, Stream, Work
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
 
 FUTURE_SLOTS = 1 << 16  # > 2 rounds in flight x max batch; a slot is reused only after both finished
-
-
-@dataclass(slots=True)
-class KvReadCheck:
-    """Test-only: what a batch's attention will read, to verify on the device stream."""
-
-    slots: torch.Tensor  # context slots read (positions before each chunk's start)
-    positions: torch.Tensor
-    tokens: torch.Tensor  # host's token at each position; < 0 = placeholder (position checked only)
-
-
-@dataclass(slots=True)
-class PreparedBatch:
-    forward: ForwardBatch | None  # None on a device process, which builds it from `seqs`
-    chunks: list[ScheduledChunk]
-    sampled: list[ScheduledChunk]  # chunks that produce a token, in logits-row order
-    temperatures: list[float]
-    top_ps: list[float]
-    seeds: list[int | None]  # each sampled row's draw seed (token_seed); None = greedy
-    has_placeholders: bool
-    kv_check: KvReadCheck | None = None
-    seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
-
-
-@dataclass(slots=True)
-class Launch:
-    """One prepared batch enqueued on one stream."""
-
-    prepared: PreparedBatch
-    stream: str
-    step: int
-    slots: list[int]  # future slot of each sampled chunk
-    start: Event
-    end: Event
-    result: list[list[int]] = field(default_factory=list)
-
-    def device_ns(self) -> int:
-        s, e = self.start.ts_ns, self.end.ts_ns
-        return 0 if s is None or e is None else e - s
 
 
 class Executor:
@@ -106,7 +65,7 @@ class Executor:
         self.model: Any = HeldForward(model, debug_delay_ns, partial(_device_hold, device=device)) \
             if debug_delay_ns and model is not None else model
         self.parallel = parallel
-        # The device is another process (scheduler/device_process.py): work goes there as
+        # The device is another process (scheduler/device/device_process.py): work goes there as
         # RemoteOp data; the model, KV pool and future ring live there.
         self.remote = model is None
         self.kv = kv
@@ -220,16 +179,13 @@ class Executor:
         if self.parallel is not None:
             # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
             tokens = self.parallel.forward(prepared, kv, step)
-            if not tokens:
-                return []
         else:
             assert self.model is not None
             logits = self.model(fb, kv)
-            if not prepared.sampled:
-                return []
-            tokens = sample(logits, prepared.temperatures, prepared.top_ps,
-                            row_generators(prepared.seeds, self.device))
-        future[torch.tensor(slots, device=self.device)] = torch.tensor(tokens, device=self.device)
+            tokens = sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds) \
+                if prepared.sampled else []
+        if tokens:
+            publish(future, slots, tokens)
         return tokens
 
     def copy_work(self, src: list[int], dst: list[int]) -> Work:

@@ -1,6 +1,6 @@
 """A CPU "device" in its own process (``--cpu-device process``).
 
-Why: with the thread backend (scheduler/streams.py) the device's work runs on
+Why: with the thread backend (scheduler/device/streams.py) the device's work runs on
 stream threads of the engine's own process, so the forward's Python dispatch
 and the host's scheduling take turns on one GIL. On a small model, whose
 forward is mostly dispatch, overlap scheduling then hides nothing, which is an
@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import queue
 import threading
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from multiprocessing.connection import Connection
 from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
@@ -41,36 +37,12 @@ from probes.clock import now_ns
 from probes.recorder import Probes, Row
 from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from probes.watchdog import ThreadStack
-from scheduler.streams import STREAM_NAMES, CpuEvent, Event, OpRecord, Work
+from scheduler.device import wire
+from scheduler.device.device_server import DeviceSpec, device_main
+from scheduler.device.streams import CpuEvent
+from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
-
-
-@dataclass(slots=True)
-class DeviceSpec:
-    model_dir: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    threads: int
-    wait_timeout_s: float
-    future_slots: int
-    debug_delay_ns: int = 0  # the truth harness: held inside every forward (scheduler/debug_delay.py)
-
-
-@dataclass(slots=True)
-class RemoteOp:
-    """Device work named by kind and plain data (a closure cannot cross a process).
-
-    kinds: ``forward`` (seqs, temperatures, top_ps, draw seeds, future slots,
-    has_placeholders), ``copy`` (src, dst
-    blocks), ``sleep`` (microseconds). ``on_result`` runs on the host's reader
-    thread with what the op returned.
-    """
-
-    kind: str
-    payload: tuple[Any, ...]
-    on_result: Callable[[Any], None] | None = None
 
 
 class ProcEvent(CpuEvent):
@@ -118,9 +90,10 @@ class DeviceProcess:
             self._stop_failed()
             raise RuntimeError(f"the device process did not start within {START_TIMEOUT_S:.0f} s")
         msg = self._recv()
-        if msg[0] != "ready":
+        if not isinstance(msg, wire.Ready):
             self._stop_failed()
-            raise RuntimeError(f"the device process failed to start: {msg[1]}")
+            why = msg.why if isinstance(msg, wire.StartFailed | wire.Dead) else repr(msg)
+            raise RuntimeError(f"the device process failed to start: {why}")
         for n in STREAM_NAMES:
             self.streams[n] = ProcStream(n, self)
         self._reader = threading.Thread(target=self._read, name="device-reader", daemon=True)
@@ -131,15 +104,14 @@ class DeviceProcess:
         self._proc.join(5)
         self._conn.close()
 
-    def _recv(self) -> tuple[Any, ...]:
+    def _recv(self) -> Any:
         try:
-            msg: tuple[Any, ...] = self._conn.recv()
-            return msg
+            return self._conn.recv()
         except (EOFError, OSError):
             self._proc.join(1)  # so the exit code is known
-            return ("dead", f"the device process exited (code {self._proc.exitcode})")
+            return wire.Dead(f"the device process exited (code {self._proc.exitcode})")
 
-    def send(self, msg: tuple[Any, ...]) -> None:
+    def send(self, msg: wire.StreamItem | wire.AskStacks | wire.Stop) -> None:
         with self._send_lock:
             try:
                 self._conn.send(msg)
@@ -159,17 +131,17 @@ class DeviceProcess:
     def _read(self) -> None:
         while True:
             msg = self._recv()
-            if msg[0] == "done":
-                _, name, t0, t1, result, err = msg
-                self.streams[name].complete(t0, t1, result, err)
-            elif msg[0] == "stacks":
-                reply = self._stack_replies.get(msg[1])
+            if isinstance(msg, wire.Done):
+                self.streams[msg.stream].complete(msg.start_ns, msg.end_ns, msg.result, msg.err)
+            elif isinstance(msg, wire.Stacks):
+                reply = self._stack_replies.get(msg.key)
                 if reply is not None:
-                    reply[1].extend(ThreadStack(tid, f"device process: {name}", frames) for tid, name, frames in msg[2])
+                    reply[1].extend(ThreadStack(tid, f"device process: {name}", frames)
+                                    for tid, name, frames in msg.stacks)
                     reply[0].set()
-            elif msg[0] in ("dead", "stopped"):
-                if msg[0] == "dead":
-                    self._fail(msg[1])
+            elif isinstance(msg, wire.Dead | wire.Stopped):
+                if isinstance(msg, wire.Dead):
+                    self._fail(msg.why)
                 return
 
     def stacks(self, timeout_s: float = 1.0) -> list[ThreadStack]:
@@ -179,14 +151,14 @@ class DeviceProcess:
         reply: tuple[threading.Event, list[ThreadStack]] = (threading.Event(), [])
         self._stack_replies[key] = reply
         try:
-            self.send(("stacks", key))
+            self.send(wire.AskStacks(key))
             reply[0].wait(timeout_s)
             return list(reply[1])
         finally:
             del self._stack_replies[key]
 
     def close(self) -> None:
-        self.send(("stop",))
+        self.send(wire.Stop())
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -219,7 +191,7 @@ class ProcStream:
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
         if not isinstance(fn, RemoteOp):
             raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
-        self._enqueue(_Pending("op", label, step, boundary, fn.on_result), ("op", self.name, fn.kind, fn.payload))
+        self._enqueue(_Pending("op", label, step, boundary, fn.on_result), wire.Op(self.name, fn.kind, fn.payload))
 
     def reserve(self) -> ProcEvent:
         """An event of this stream that a later record(ev) completes (others may wait on it first)."""
@@ -228,16 +200,16 @@ class ProcStream:
 
     def record(self, ev: ProcEvent | None = None) -> ProcEvent:
         ev = ev or self.reserve()
-        self._enqueue(_Pending("record", ev.label, -1, "", event=ev), ("record", self.name, ev.id))
+        self._enqueue(_Pending("record", ev.label, -1, "", event=ev), wire.Record(self.name, ev.id))
         return ev
 
     def wait_event(self, ev: Event, what: str = "", label: str = "") -> None:
         if not isinstance(ev, ProcEvent):
             raise TypeError("a device-process stream can only wait for its own device's events")
         self._enqueue(_Pending("wait", label or f"wait {ev.label}", -1, STREAM_WAIT, event=ev,
-                               what=what or f"event {ev.label}"), ("wait", self.name, ev.id, ev.label))
+                               what=what or f"event {ev.label}"), wire.Wait(self.name, ev.id, ev.label))
 
-    def _enqueue(self, p: _Pending, msg: tuple[Any, ...]) -> None:
+    def _enqueue(self, p: _Pending, msg: wire.StreamItem) -> None:
         # Queued before it is sent, so an answer always finds its item.
         with self._lock:
             self._pending.append(p)
@@ -309,163 +281,3 @@ class ProcStream:
 
     def close(self) -> None:
         pass  # the DeviceProcess owns the pipe and stops every stream at once
-
-
-# ------------------------------------------------------------ device side
-def device_main(conn: Connection, spec: DeviceSpec) -> None:
-    """Entry point of the device process."""
-    import signal
-
-    # Ctrl-C reaches the whole process group; the host handles it and stops this process
-    # (a "stop" message, or the pipe's end when the host is gone).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        dev = _Device(conn, spec)
-    except BaseException as e:  # noqa: BLE001 - reported to the host, which exits with it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready",))
-    dev.serve()
-
-
-class _Device:
-    def __init__(self, conn: Connection, spec: DeviceSpec) -> None:
-        import torch
-
-        from scheduler.model.kv_cache import PagedKVCache
-        from scheduler.model.loader import load_model
-
-        torch.set_num_threads(max(1, spec.threads))
-        self.torch = torch
-        self.conn = conn
-        self.spec = spec
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
-        self.model, mc = load_model(spec.model_dir, "cpu", dtype)
-        if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward
-            from scheduler.debug_delay import HeldForward
-
-            self.model = HeldForward(self.model, spec.debug_delay_ns)
-        self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
-                               mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
-        self.future = torch.zeros(spec.future_slots, dtype=torch.long)
-        self._out = threading.Lock()
-        self._cond = threading.Condition()
-        # recorded[i] == 1 once event i was recorded: a byte per event, however long the run
-        self._recorded = bytearray(1024)
-        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
-        self._threads = []
-        for n in STREAM_NAMES:
-            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            self._queues[n] = q
-            t = threading.Thread(target=self._stream_loop, args=(n, q), name=f"device-{n}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def serve(self) -> None:
-        while True:
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                msg = ("stop",)  # the host died: nothing left to serve
-            if msg[0] == "stop":
-                for q in self._queues.values():
-                    q.put(None)
-                for t in self._threads:
-                    t.join(self.spec.wait_timeout_s + 1)
-                try:
-                    self.conn.send(("stopped",))
-                except OSError:
-                    pass
-                return
-            if msg[0] == "stacks":
-                self._send(("stacks", msg[1], _stacks()))
-                continue
-            self._queues[msg[1]].put(msg)
-
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        with self._out:
-            self.conn.send(msg)
-
-    def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
-        failed: str | None = None
-        while True:
-            msg = q.get()
-            if msg is None:
-                return
-            t0 = now_ns()
-            result: Any = None
-            err: str | None = None
-            try:
-                if msg[0] == "record":
-                    with self._cond:
-                        ev = msg[2]
-                        if ev >= len(self._recorded):
-                            self._recorded.extend(bytes(max(ev + 1 - len(self._recorded), len(self._recorded))))
-                        self._recorded[ev] = 1
-                        self._cond.notify_all()
-                elif msg[0] == "wait":
-                    ev_id, label = msg[2], msg[3]
-                    with self._cond:
-                        if not self._cond.wait_for(partial(self._is_recorded, ev_id), self.spec.wait_timeout_s):
-                            raise TimeoutError(f"{name}-stream: event {label} not recorded "
-                                               f"after {self.spec.wait_timeout_s:.1f} s")
-                elif failed is None:  # after a failure, later work is skipped but events still complete
-                    result = self._run(msg[2], msg[3])
-                else:
-                    err = f"skipped after: {failed}"
-            except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
-                failed = failed or f"{type(e).__name__}: {e}"
-                err = failed + ("\n" + traceback.format_exc(limit=4) if msg[0] == "op" else "")
-            self._send(("done", name, t0, now_ns(), result, err))
-
-    def _is_recorded(self, ev: int) -> bool:
-        return ev < len(self._recorded) and self._recorded[ev] == 1
-
-    def _run(self, kind: str, payload: tuple[Any, ...]) -> Any:
-        if kind == "forward":
-            return self._forward(*payload)
-        if kind == "copy":
-            self.kv.copy_blocks(*payload)
-            return None
-        if kind == "sleep":
-            import time
-
-            time.sleep(payload[0] / 1e6)
-            return None
-        raise ValueError(f"unknown device op {kind!r}")
-
-    def _forward(
-        self,
-        seqs: list[tuple[list[int], int, list[int], bool]],
-        temperatures: list[float],
-        top_ps: list[float],
-        seeds: list[int | None],
-        slots: list[int],
-        has_placeholders: bool,
-    ) -> list[int]:
-        from scheduler.model.forward_batch import (
-            SeqChunk,
-            build_forward_batch,
-            resolve_placeholders,
-        )
-        from scheduler.model.sampling import row_generators, sample
-
-        torch = self.torch
-        fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
-        if has_placeholders:
-            resolve_placeholders(fb, self.future)
-        logits = self.model(fb, self.kv)
-        tokens: list[int] = []
-        if slots:
-            tokens = sample(logits, temperatures, top_ps, row_generators(seeds, "cpu"))
-            self.future[torch.tensor(slots)] = torch.tensor(tokens)
-        return tokens
-
-
-def _stacks() -> list[tuple[int, str, list[str]]]:
-    import sys
-
-    names = {t.ident: t.name for t in threading.enumerate()}
-    me = threading.get_ident()  # the dispatcher: its stack is just this function
-    return sorted(((tid, names.get(tid, f"thread-{tid}"), traceback.format_stack(frame))
-                   for tid, frame in sys._current_frames().items() if tid != me), key=lambda x: x[1])

@@ -16,8 +16,8 @@ from probes.clock import now_ns, wall_anchor
 from probes.cpu import cpu_record, sample_cpu
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.sender import FinishedRecord
-from scheduler.workload import WorkloadItem, workload_digest
+from scheduler.harness.workload import WorkloadItem, workload_digest
+from scheduler.hops.sender import FinishedRecord
 from tracing.writer import TraceWriter
 
 

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Callable
 
 from probes.clock import now_ns
-from scheduler.request import FinishReason, ReqSample, Request, RequestStatus
+from scheduler.core.request import FinishReason, ReqSample, Request, RequestStatus
 
 # (ts_ns, request_id, stage, step, value): the trace's timeline table.
 TimelineSink = Callable[[int, str, str, int, int], None]

@@ -2,7 +2,7 @@
 
 A delay of a known length at one place in the round lets a test check that the
 cost table charges it to the right row of each view and to no other
-(tests/test_truth.py). Off by default: see scheduler/faults.py, which holds them.
+(tests/test_truth.py). Off by default: see scheduler/harness/faults.py, which holds them.
 """
 
 from __future__ import annotations

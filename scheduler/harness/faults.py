@@ -15,8 +15,8 @@ from typing import Any
 
 from probes.boundaries import KV_FENCE
 from probes.waits import timed_wait
-from scheduler import debug_delay as dd
-from scheduler.request import FinishReason, SamplingParams
+from scheduler.core.request import FinishReason, SamplingParams
+from scheduler.harness import debug_delay as dd
 
 FAULTS: dict[str, str] = {
     "deadlock": "overlap mode with split streams: the main stream waits for blocks the prefill stream "
@@ -160,7 +160,7 @@ def _starve(engine: Any) -> None:
 def _deadlock(engine: Any, batch: Any, step: int, timeout_s: float) -> None:
     """The seed's deadlock: main waits for blocks the prefill stream would free,
     while the prefill stream waits for an event recorded on main after that."""
-    from scheduler.streams import MAIN, PREFILL
+    from scheduler.device.work import MAIN, PREFILL
 
     victim = batch.prefills[0].req
     if engine.device_proc is not None:

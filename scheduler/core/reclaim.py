@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.memory_manager import MemoryManager
-from scheduler.request import Request
-from scheduler.request_manager import RequestManager
+from scheduler.core.memory_manager import MemoryManager
+from scheduler.core.request import Request
+from scheduler.core.request_manager import RequestManager
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from typing import Protocol
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
 from probes.recorder import Probes
-from scheduler.request import Request
-from scheduler.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.core.request import Request
+from scheduler.hops.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(slots=True)

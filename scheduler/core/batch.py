@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.request import Request
+from scheduler.core.request import Request
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from probes.boundaries import TOKENIZE
 from probes.clock import now_ns
 from probes.recorder import Probes
-from scheduler.request import ReqSample, SamplingParams
-from scheduler.tokenizer import Tokenizer
+from scheduler.core.request import ReqSample, SamplingParams
+from scheduler.hops.tokenizer import Tokenizer
 
 
 class TokenizerPool:

@@ -1,6 +1,6 @@
 """Streams and events: the device's work queues, on CUDA or emulated on CPU.
 
-The interface (ARCHITECTURE.md): Stream.submit(fn), Stream.record() -> Event,
+The interface (scheduler/device/work.py): Stream.submit(fn), Stream.record() -> Event,
 Stream.wait_event(ev); Event.query(), Event.wait(timeout) and Event.ts_ns.
 
 cpu backend: one worker thread per stream runs its submitted work in order.
@@ -21,56 +21,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes, Row
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
-
-if TYPE_CHECKING:
-    from scheduler.device_process import RemoteOp
-
-MAIN, PREFILL, COMM = "main", "prefill", "comm"
-# What a stream runs: a callable here, or plain data for a device process.
-Work: TypeAlias = "Callable[[], Any] | RemoteOp"
-STREAM_NAMES = (MAIN, PREFILL, COMM)
-
-
-class Event(Protocol):
-    label: str
-    stream: str
-
-    def query(self) -> bool: ...
-
-    def wait(self, timeout_s: float) -> bool: ...
-
-    @property
-    def ts_ns(self) -> int | None: ...
-
-
-class Stream(Protocol):
-    name: str
-    error: BaseException | None
-
-    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
-
-    def record(self) -> Event: ...
-
-    def wait_event(self, ev: Event) -> None: ...
-
-    def state(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(slots=True)
-class OpRecord:
-    label: str
-    step: int
-    start_ns: int
-    end_ns: int
+from scheduler.device.work import STREAM_NAMES, Event, OpRecord, Stream, Work
 
 
 # ---------------------------------------------------------------- cpu backend

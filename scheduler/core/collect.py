@@ -1,0 +1,71 @@
+"""The host's side of step 4 and step 5 of a round, as plain functions of the requests
+and the memory manager (no device, no torch): what a launch records on its requests,
+and what collecting its sampled tokens does to them.
+
+A sampled row's token is known on the host only after the barrier; until then the
+request carries a placeholder, -(slot + 1), naming the future-token slot the device
+writes it to (overlap mode schedules the next round with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from scheduler.core.batch import ScheduledChunk
+from scheduler.core.memory_manager import MemoryManager
+from scheduler.core.request import FinishReason, Request, RequestStatus
+from scheduler.core.request_manager import RequestManager
+
+
+def launched(chunks: Sequence[ScheduledChunk], sampled: Sequence[ScheduledChunk], slots: Sequence[int]) -> None:
+    """Step 4 on the host: the chunks' tokens count as computed, and each sampled chunk
+    gets its placeholder."""
+    for c in chunks:
+        c.req.num_computed += c.num_tokens
+    for c, slot in zip(sampled, slots, strict=True):
+        c.req.output_ids.append(-(slot + 1))
+
+
+def collect(
+    results: Iterable[tuple[ScheduledChunk, int, int]],
+    chunks: Sequence[ScheduledChunk],
+    step: int,
+    now: int,
+    mm: MemoryManager,
+    rm: RequestManager,
+    eos_ids: frozenset[int],
+    finish: Callable[[Request, FinishReason], None],
+    out_tokens: list[tuple[str, int]],
+) -> None:
+    """Step 5: each (chunk, slot, token) replaces its placeholder; a request that sampled
+    EOS or reached max_new_tokens is finished through `finish`; full blocks of the
+    round's chunks are published for prefix sharing. New tokens go to `out_tokens`."""
+    for c, slot, tok in results:
+        req = c.req
+        if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
+            continue  # finished or preempted while this round was in flight
+        req.output_ids[req.output_ids.index(-(slot + 1), req.num_real_outputs)] = tok
+        req.token_ns.append(now)
+        runs = req.token_runs
+        if runs and runs[-2] + runs[-1] == step:
+            runs[-1] += 1
+        else:
+            runs += (step, 1)
+        out_tokens.append((req.request_id, tok))
+        if not req.first_token_ns:
+            req.first_token_ns = rm.mark(req, "first_token")
+        sp = req.sample.sampling_params
+        if tok in eos_ids and not sp.ignore_eos:
+            finish(req, FinishReason.EOS)
+        elif req.num_real_outputs >= sp.max_new_tokens:
+            finish(req, FinishReason.LENGTH)
+    for c in chunks:
+        req = c.req
+        if req.status is not RequestStatus.RUNNING or c.generation != req.num_preemptions:
+            continue
+        # Only tokens known on the host can be hashed; in overlap mode the
+        # next round may already have computed one more (a placeholder).
+        known = min(req.num_computed, req.sample.valid_len + req.num_real_outputs)
+        if known // mm.block_size > req.num_hashed_blocks:
+            req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
+                req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)

@@ -1,0 +1,187 @@
+"""The device process's own side (scheduler/device/device_process.py is the host's):
+it loads the model and KV pool, runs one thread per stream, each doing its queue's
+items in order, and answers every item with one completion message."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+from probes.clock import now_ns
+from scheduler.device import wire
+from scheduler.device.work import STREAM_NAMES
+
+
+@dataclass(slots=True)
+class DeviceSpec:
+    model_dir: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    threads: int
+    wait_timeout_s: float
+    future_slots: int
+    debug_delay_ns: int = 0  # the truth harness: held inside every forward (scheduler/harness/debug_delay.py)
+
+
+def device_main(conn: Connection, spec: DeviceSpec) -> None:
+    """Entry point of the device process."""
+    import signal
+
+    # Ctrl-C reaches the whole process group; the host handles it and stops this process
+    # (a "stop" message, or the pipe's end when the host is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        dev = _Device(conn, spec)
+    except BaseException as e:  # noqa: BLE001 - reported to the host, which exits with it
+        conn.send(wire.StartFailed(f"{type(e).__name__}: {e}"))
+        return
+    conn.send(wire.Ready())
+    dev.serve()
+
+
+class _Device:
+    def __init__(self, conn: Connection, spec: DeviceSpec) -> None:
+        import torch
+
+        from scheduler.model.kv_cache import PagedKVCache
+        from scheduler.model.loader import load_model
+
+        torch.set_num_threads(max(1, spec.threads))
+        self.torch = torch
+        self.conn = conn
+        self.spec = spec
+        from scheduler.model.dtypes import DTYPES
+
+        dtype = DTYPES[spec.dtype]
+        self.model, mc = load_model(spec.model_dir, "cpu", dtype)
+        if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward
+            from scheduler.harness.debug_delay import HeldForward
+
+            self.model = HeldForward(self.model, spec.debug_delay_ns)
+        self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
+                               mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
+        self.future = torch.zeros(spec.future_slots, dtype=torch.long)
+        self._out = threading.Lock()
+        self._cond = threading.Condition()
+        # recorded[i] == 1 once event i was recorded: a byte per event, however long the run
+        self._recorded = bytearray(1024)
+        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
+        self._threads = []
+        for n in STREAM_NAMES:
+            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            self._queues[n] = q
+            t = threading.Thread(target=self._stream_loop, args=(n, q), name=f"device-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = wire.Stop()  # the host died: nothing left to serve
+            if isinstance(msg, wire.Stop):
+                for q in self._queues.values():
+                    q.put(None)
+                for t in self._threads:
+                    t.join(self.spec.wait_timeout_s + 1)
+                try:
+                    self.conn.send(wire.Stopped())
+                except OSError:
+                    pass
+                return
+            if isinstance(msg, wire.AskStacks):
+                self._send(wire.Stacks(msg.key, _stacks()))
+                continue
+            self._queues[msg.stream].put(msg)
+
+    def _send(self, msg: wire.Done | wire.Stacks) -> None:
+        with self._out:
+            self.conn.send(msg)
+
+    def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
+        failed: str | None = None
+        while True:
+            msg = q.get()
+            if msg is None:
+                return
+            t0 = now_ns()
+            result: Any = None
+            err: str | None = None
+            try:
+                if isinstance(msg, wire.Record):
+                    with self._cond:
+                        ev = msg.event
+                        if ev >= len(self._recorded):
+                            self._recorded.extend(bytes(max(ev + 1 - len(self._recorded), len(self._recorded))))
+                        self._recorded[ev] = 1
+                        self._cond.notify_all()
+                elif isinstance(msg, wire.Wait):
+                    with self._cond:
+                        if not self._cond.wait_for(partial(self._is_recorded, msg.event), self.spec.wait_timeout_s):
+                            raise TimeoutError(f"{name}-stream: event {msg.label} not recorded "
+                                               f"after {self.spec.wait_timeout_s:.1f} s")
+                elif failed is None:  # after a failure, later work is skipped but events still complete
+                    result = self._run(msg.kind, msg.payload)
+                else:
+                    err = f"skipped after: {failed}"
+            except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
+                failed = failed or f"{type(e).__name__}: {e}"
+                err = failed + ("\n" + traceback.format_exc(limit=4) if isinstance(msg, wire.Op) else "")
+            self._send(wire.Done(name, t0, now_ns(), result, err))
+
+    def _is_recorded(self, ev: int) -> bool:
+        return ev < len(self._recorded) and self._recorded[ev] == 1
+
+    def _run(self, kind: str, payload: tuple[Any, ...]) -> Any:
+        if kind == "forward":
+            return self._forward(*payload)
+        if kind == "copy":
+            self.kv.copy_blocks(*payload)
+            return None
+        if kind == "sleep":
+            import time
+
+            time.sleep(payload[0] / 1e6)
+            return None
+        raise ValueError(f"unknown device op {kind!r}")
+
+    def _forward(
+        self,
+        seqs: list[tuple[list[int], int, list[int], bool]],
+        temperatures: list[float],
+        top_ps: list[float],
+        seeds: list[int | None],
+        slots: list[int],
+        has_placeholders: bool,
+    ) -> list[int]:
+        from scheduler.model.forward_batch import (
+            SeqChunk,
+            build_forward_batch,
+            resolve_placeholders,
+        )
+        from scheduler.model.sampling import publish, sample_rows
+
+        fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
+        if has_placeholders:
+            resolve_placeholders(fb, self.future)
+        logits = self.model(fb, self.kv)
+        tokens = sample_rows(logits, temperatures, top_ps, seeds) if slots else []
+        if tokens:
+            publish(self.future, slots, tokens)
+        return tokens
+
+
+def _stacks() -> list[tuple[int, str, list[str]]]:
+    import sys
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()  # the dispatcher: its stack is just this function
+    return sorted(((tid, names.get(tid, f"thread-{tid}"), traceback.format_stack(frame))
+                   for tid, frame in sys._current_frames().items() if tid != me), key=lambda x: x[1])

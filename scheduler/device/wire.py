@@ -1,0 +1,69 @@
+"""The messages between the host and its CPU device process, one type each (they
+cross a multiprocessing pipe: NamedTuples of plain data, pickled by the pipe only;
+nothing of them reaches a trace file)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+# host -> device: a stream's items, answered in order by one Done each
+class Op(NamedTuple):
+    stream: str
+    kind: str  # forward | copy | sleep (scheduler/device/work.py RemoteOp)
+    payload: tuple[Any, ...]
+
+
+class Record(NamedTuple):
+    stream: str
+    event: int
+
+
+class Wait(NamedTuple):
+    stream: str
+    event: int
+    label: str
+
+
+StreamItem = Op | Record | Wait
+
+
+# host -> device: to the dispatcher, which answers even while every stream is blocked
+class AskStacks(NamedTuple):
+    key: int
+
+
+class Stop(NamedTuple):
+    pass
+
+
+# device -> host
+class Ready(NamedTuple):
+    pass
+
+
+class StartFailed(NamedTuple):
+    why: str
+
+
+class Done(NamedTuple):
+    stream: str
+    start_ns: int
+    end_ns: int
+    result: Any
+    err: str | None
+
+
+class Stacks(NamedTuple):
+    key: int
+    stacks: list[tuple[int, str, list[str]]]  # (thread id, name, formatted frames)
+
+
+class Stopped(NamedTuple):
+    pass
+
+
+class Dead(NamedTuple):
+    """Not sent: what the host's reader makes of a pipe that broke."""
+
+    why: str

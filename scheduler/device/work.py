@@ -1,0 +1,70 @@
+"""The device protocol: what a stream runs, and the stream and event interfaces every
+backend implements (threads here: scheduler/device/streams.py; CUDA streams there;
+a device process: scheduler/device/device_process.py).
+
+Stream.submit(work), Stream.record() -> Event, Stream.wait_event(ev);
+Event.query(), Event.wait(timeout) and Event.ts_ns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+from probes.boundaries import DEVICE_COMPUTE
+
+MAIN, PREFILL, COMM = "main", "prefill", "comm"
+# What a stream runs: a callable here, or plain data for a device process.
+Work: TypeAlias = "Callable[[], Any] | RemoteOp"
+STREAM_NAMES = (MAIN, PREFILL, COMM)
+
+
+class Event(Protocol):
+    label: str
+    stream: str
+
+    def query(self) -> bool: ...
+
+    def wait(self, timeout_s: float) -> bool: ...
+
+    @property
+    def ts_ns(self) -> int | None: ...
+
+
+class Stream(Protocol):
+    name: str
+    error: BaseException | None
+
+    def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
+
+    def record(self) -> Event: ...
+
+    def wait_event(self, ev: Event) -> None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class OpRecord:
+    label: str
+    step: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(slots=True)
+class RemoteOp:
+    """Device work named by kind and plain data (a closure cannot cross a process).
+
+    kinds: ``forward`` (seqs, temperatures, top_ps, draw seeds, future slots,
+    has_placeholders), ``copy`` (src, dst
+    blocks), ``sleep`` (microseconds). ``on_result`` runs on the host's reader
+    thread with what the op returned.
+    """
+
+    kind: str
+    payload: tuple[Any, ...]
+    on_result: Callable[[Any], None] | None = None

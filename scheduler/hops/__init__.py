@@ -1,0 +1,1 @@
+"""The entry and exit hops, each on threads of its own: tokenizer pool, sender."""

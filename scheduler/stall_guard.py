@@ -1,0 +1,52 @@
+"""The engine's side of the stall watchdog (probes/watchdog.py): it keeps every report
+(in the trace's stalls table and on stderr, at once) and turns a wait that gave up
+into EngineStalled, which names the most telling report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from probes.boundaries import SCHEDULER_BARRIER
+from probes.clock import now_ns
+from probes.waits import WaitTimeout
+from probes.watchdog import StallReport
+
+
+class EngineStalled(RuntimeError):
+    """A wait passed its timeout with --on-stall abort; the watchdog's reports say why."""
+
+    def __init__(self, reports: list[StallReport], cause: BaseException) -> None:
+        # The most telling report: a wait cycle, else the wait underneath the scheduler's barrier
+        # (e.g. a collective some rank never joined), else the first.
+        rep = (next((r for r in reports if r.cycle), None)
+               or next((r for r in reports if r.wait.boundary != SCHEDULER_BARRIER), None)
+               or (reports[0] if reports else None))
+        what = (rep.cycle_name or rep.wait.what) if rep is not None else str(cause)
+        super().__init__(f"engine stalled: {what}")
+        self.reports = reports
+
+
+class StallGuard:
+    def __init__(self, stall_buf: list[Any] | None) -> None:
+        self.reports: list[StallReport] = []
+        self._buf = stall_buf
+
+    def on_stall(self, report: StallReport) -> None:
+        """Watchdog thread: keep the evidence in the trace and say it at once."""
+        self.reports.append(report)
+        if self._buf is not None:
+            self._buf.append(report.to_row())
+        print(report.render_text(), file=sys.stderr, flush=True)
+
+    def stalled(self, cause: BaseException) -> BaseException:
+        """What the round raises for a wait that failed with `cause`."""
+        # The watchdog reports at wait_timeout; the wait itself gives up a little
+        # later, so by now the report exists (give its thread a moment if not).
+        deadline = now_ns() + 500_000_000
+        while not self.reports and now_ns() < deadline and isinstance(cause, WaitTimeout):
+            time.sleep(0.01)
+        if self.reports or isinstance(cause, WaitTimeout):
+            return EngineStalled(list(self.reports), cause)
+        return cause

@@ -1,0 +1,121 @@
+"""The source layout's rules, checked from the files themselves: no import cycle
+(lazy and TYPE_CHECKING imports included), no oversized module, and the engine
+never reaching into the viewer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.cli import REPO
+
+PACKAGES = ("scheduler", "probes", "tracing", "viewer")
+MAX_LINES = 450
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for p in sorted((REPO / pkg).rglob("*.py")):
+            parts = list(p.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """Every module of ours that `name` imports, wherever the import statement sits."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = name.split(".") if is_pkg else name.split(".")[:-1]
+                up = here[:len(here) - node.level + 1] if node.level > 1 else here
+                base = ".".join([*up, *([base] if base else [])])
+            # `from a import b`: b is a module of a, or a name defined in a
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # `import a.b.c` of a package path: the deepest module we have
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(p, m, mods) for m, p in mods.items()}
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_engine_never_imports_the_viewer():
+    bad = {m: sorted(d for d in deps if d.startswith("viewer"))
+           for m, deps in _graph().items() if m.startswith("scheduler")}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_no_module_is_oversized():
+    big = {str(p.relative_to(REPO)): n for p in _modules().values()
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert big == {}
+
+
+def test_the_core_is_torch_free():
+    """scheduler/core/ is the round's bookkeeping: it must import without torch."""
+    import subprocess
+    import sys
+
+    mods = sorted(m for m in _modules() if m.startswith("scheduler.core."))
+    code = f"import sys\nfor m in {mods!r}: __import__(m)\nprint('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "False"
