@@ -66,7 +66,7 @@ class SpanAttributes:
 
 
 class FinishedRequest(Protocol):
-    """What spans need from a finished request. scheduler.sender.FinishedRecord
+    """What spans need from a finished request. scheduler.hops.sender.FinishedRecord
     satisfies it; a protocol keeps tracing/ free of scheduler imports."""
 
     @property
