@@ -38,7 +38,7 @@ def _on_off(v: Any) -> bool:
         return v
     if v not in ("on", "off"):
         raise ConfigError(f"--comm-overlap must be on or off, got {v!r}")
-    return v == "on"
+    return str(v) == "on"
 
 
 def _delays(v: Any) -> tuple[tuple[str, float], ...]:

@@ -31,7 +31,7 @@ from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, WaitTimeout, timed_wait
 from probes.watchdog import Watchdog
-from scheduler.config import DEFAULT_KV_TOKENS, ConfigError, EngineConfig
+from scheduler.config import DEFAULT_KV_TOKENS, EngineConfig
 from scheduler.core.batch import ScheduleBatch
 from scheduler.core.block_snapshot import append_snapshot
 from scheduler.core.collect import collect, launched
@@ -55,6 +55,7 @@ from scheduler.hops.tokenizer import Tokenizer, TokenizerError
 from scheduler.hops.tokenizer_pool import TokenizerPool
 from scheduler.model.dtypes import dtype_of
 from scheduler.model.presets import resolve_model
+from scheduler.options import ConfigError
 from scheduler.stall_guard import StallGuard
 from tracing.writer import TraceWriter
 

@@ -29,7 +29,6 @@ class _ProgressSink:
 
 
 def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Callable[[str], NoReturn]) -> None:
-    from scheduler.config import ConfigError
     from scheduler.harness.workload import (
         SyntheticSpec,
         WorkloadError,
@@ -39,6 +38,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     )
     from scheduler.model.config import ModelLoadError
     from scheduler.model.presets import resolve_model
+    from scheduler.options import ConfigError
 
     all_modes = cfg.mode == "all"
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
@@ -114,9 +114,7 @@ NO_DETAIL = "the run ended without saying why"
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
              fail: Callable[[str], NoReturn]) -> None:
     from probes.clock import wall_anchor
-    from scheduler.config import ConfigError
     from scheduler.engine import Engine
-    from scheduler.stall_guard import EngineStalled
     from scheduler.harness.runner import (
         RunResult,
         TraceRequestsSink,
@@ -125,6 +123,8 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
         start_meta,
     )
     from scheduler.model.config import ModelLoadError
+    from scheduler.options import ConfigError
+    from scheduler.stall_guard import EngineStalled
     from tracing.otel import SpanSink
     from tracing.run_status import end_record
     from tracing.writer import TraceWriter
