@@ -172,10 +172,11 @@ class _Device:
         if has_placeholders:
             resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
-        tokens = sample_rows(logits, temperatures, top_ps, seeds) if slots else []
-        if tokens:
-            publish(self.future, slots, tokens)
-        return tokens
+        if not slots:
+            return []
+        tokens = sample_rows(logits, temperatures, top_ps, seeds)
+        publish(self.future, slots, tokens)
+        return tokens.tolist()  # for the pipe
 
 
 def _stacks() -> list[tuple[int, str, list[str]]]:

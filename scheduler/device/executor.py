@@ -166,10 +166,13 @@ class Executor:
         err = self.streams[launch.stream].error
         if err is not None:
             raise RuntimeError(f"forward failed on the {launch.stream} stream: {err!r}") from err
-        return launch.result[0]
+        toks = launch.result[0]
+        return toks.tolist() if isinstance(toks, torch.Tensor) else toks
 
-    def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> list[int]:
-        """Device work: resolve placeholders, forward, sample, publish tokens to the future ring."""
+    def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> torch.Tensor | list[int]:
+        """Device work: resolve placeholders, forward, sample, publish tokens to the future ring.
+        The tokens stay on the device; on a GPU they are copied to pinned host memory without
+        waiting, ahead of the launch's end event, which the barrier waits for."""
         fb, kv, future = prepared.forward, self.kv, self.future
         assert fb is not None and kv is not None and future is not None, "local device only"
         if prepared.has_placeholders:
@@ -179,14 +182,20 @@ class Executor:
         if self.parallel is not None:
             # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
             tokens = self.parallel.forward(prepared, kv, step)
-        else:
-            assert self.model is not None
-            logits = self.model(fb, kv)
-            tokens = sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds) \
-                if prepared.sampled else []
-        if tokens:
-            publish(future, slots, tokens)
-        return tokens
+            if tokens:
+                publish(future, slots, tokens)
+            return tokens
+        assert self.model is not None
+        logits = self.model(fb, kv)
+        if not prepared.sampled:
+            return []
+        toks = sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds)
+        publish(future, slots, toks)
+        if toks.device.type != "cuda":
+            return toks
+        host = torch.empty(len(slots), dtype=torch.long, pin_memory=True)
+        host.copy_(toks, non_blocking=True)
+        return host
 
     def copy_work(self, src: list[int], dst: list[int]) -> Work:
         """The device work of a defragmentation copy, for a stream to run."""

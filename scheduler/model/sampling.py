@@ -13,7 +13,18 @@ def sample(
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator | None],
 ) -> list[int]:
-    """Pick one token per row of ``logits [n, V]``.
+    """`sample_on_device`, brought to the host (a sync on a GPU)."""
+    return [int(t) for t in sample_on_device(logits, temperatures, top_ps, generators).tolist()]
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Pick one token per row of ``logits [n, V]``, as an int64 tensor on the logits' device
+    (nothing here waits for the device).
 
     ``temperature == 0`` rows take the argmax (all such rows in one batched op).  Other rows sample
     from ``softmax(logits / T)`` restricted to the smallest top-probability set whose mass reaches
@@ -26,16 +37,12 @@ def sample(
             f"sample: {n} rows but {len(temperatures)} temperatures, {len(top_ps)} top_ps, "
             f"{len(generators)} generators"
         )
-    out = [0] * n
-    if n == 0:
-        return out
     greedy = [i for i, t in enumerate(temperatures) if t <= 0.0]
-    if greedy:
-        rows = logits if len(greedy) == n else logits[greedy]
-        for i, tok in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
-            out[i] = tok
     if len(greedy) == n:
-        return out
+        return logits.argmax(dim=-1) if n else torch.zeros(0, dtype=torch.long, device=logits.device)
+    out = torch.zeros(n, dtype=torch.long, device=logits.device)
+    if greedy:
+        out[greedy] = logits[greedy].argmax(dim=-1)
     idx = [i for i, t in enumerate(temperatures) if t > 0.0]
     temps = torch.tensor([temperatures[i] for i in idx], dtype=torch.float32, device=logits.device)
     probs = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
@@ -54,7 +61,7 @@ def sample(
     # batched across rows.
     for j, i in enumerate(idx):
         pick = torch.multinomial(probs[j], 1, generator=_check(generators[i], logits.device))
-        out[i] = int(order[j, pick])
+        out[i:i + 1] = order[j].gather(0, pick)
     return out
 
 
@@ -85,13 +92,13 @@ def _check(gen: torch.Generator | None, device: torch.device) -> torch.Generator
 
 
 def sample_rows(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
-                seeds: Sequence[int | None]) -> list[int]:
-    """`sample`, each row drawing with a generator made from its draw seed (None: greedy).
-    What every backend runs after its forward."""
-    return sample(logits, temperatures, top_ps, row_generators(seeds, logits.device))
+                seeds: Sequence[int | None]) -> torch.Tensor:
+    """`sample_on_device`, each row drawing with a generator made from its draw seed (None:
+    greedy). What every backend runs after its forward."""
+    return sample_on_device(logits, temperatures, top_ps, row_generators(seeds, logits.device))
 
 
-def publish(future: torch.Tensor, slots: Sequence[int], tokens: Sequence[int]) -> None:
+def publish(future: torch.Tensor, slots: Sequence[int], tokens: torch.Tensor | Sequence[int]) -> None:
     """Write sampled tokens into the device's future-token ring at their slots, where the
     next round's placeholders (overlap scheduling) read them on the device."""
-    future[torch.tensor(slots, device=future.device)] = torch.tensor(tokens, device=future.device)
+    future[torch.tensor(slots, device=future.device)] = torch.as_tensor(tokens, device=future.device)

@@ -165,7 +165,7 @@ class Coordinator:
         if not prepared.sampled:
             return []
         if logits is not None:
-            return sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds)
+            return sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds).tolist()
         return self._recv_tokens(len(prepared.sampled), step)
 
     def _recv_tokens(self, n: int, step: int) -> list[int]:

@@ -142,7 +142,7 @@ def _stall_rank(spec: RunSpec, rank: int, world: int) -> Callable[[int], None] |
 
 def _sample(logits: torch.Tensor, wb: WireBatch) -> list[int]:
     seeds = [s if t > 0 else None for t, s in zip(wb.temperatures, wb.seeds, strict=True)]
-    return sample_rows(logits, wb.temperatures, wb.top_ps, seeds)
+    return sample_rows(logits, wb.temperatures, wb.top_ps, seeds).tolist()
 
 
 def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegistry, rank: int,

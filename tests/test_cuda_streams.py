@@ -1,0 +1,129 @@
+"""The CUDA backend's logic against a stand-in with CUDA's semantics (tests/fake_cuda.py):
+a launch never waits for its kernels, device rows stream into the probe buffer as launches
+complete, the clock keeps sub-microsecond precision over hours, and waits neither poll
+nor outlive their timeout."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from probes.recorder import Probes
+from scheduler.device.cuda_streams import CudaStream, make_cuda_streams
+from tests.fake_cuda import FakeCuda
+
+MS = 1_000_000
+
+
+def _stream(cuda: FakeCuda, rows: list) -> CudaStream:
+    return CudaStream("main", Probes(lambda table: rows), None, cuda=cuda)
+
+
+HOUR = 3600 * 1000 * MS
+
+
+def test_a_launch_returns_before_its_kernels_finish():
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    syncs = cuda.syncs
+    s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)  # an hour of device time
+    end = s.record()
+    assert cuda.syncs == syncs  # neither the launch nor the events waited for the device
+    assert not end.query() and end.ts_ns is None and not rows
+    cuda.skew += 2 * HOUR
+    assert end.wait(5.0) and end.ts_ns is not None
+    s.close()
+
+
+def test_device_rows_stream_in_while_the_run_goes_on():
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    for step in range(1, 201):
+        s.submit(lambda: cuda.kernel(10_000), f"forward#{step}", step)  # 10 us each ...
+        cuda.skew += 20_000  # ... and the host's round takes 20
+    # every launch but the last few is already a probe row, before close(): none waits for the end
+    assert len(rows) == 199 and len(s._pending) == 1
+    assert [r[5] for r in rows] == list(range(1, len(rows) + 1))
+    for _t0, dur, boundary, stream, _rank, _step in rows:
+        assert boundary == "device_compute" and stream == "main" and dur >= 10_000
+    s.close()
+    assert len(rows) == 200 and not s._pending
+
+
+def test_the_clock_stays_precise_over_hours():
+    """A launch every 36 ms for an hour of device time, then a reading: within a few
+    microseconds of the truth. Each hop's float32 reading of ~36 ms rounds by at most 2 ns,
+    and the rounding is unbiased: over 10^5 hops the sum wanders ~0.4 us (5 us is > 10
+    sigma). One anchor for the whole run would read an hour in float32 ms, whose steps are
+    0.25 ms."""
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    anchor_t, anchor_ns = s.clock._ev.t, s.clock._ns
+    step = 36 * MS
+    for k in range(100_000):  # 3,600 s
+        cuda.skew += step
+        s.submit(lambda: cuda.kernel(1_000_003), f"forward#{k}", k)
+    cuda.skew += step
+    s.drain()
+    ev = s.record()
+    cuda.skew += step
+    truth = anchor_ns + (ev.ev.t - anchor_t)
+    assert abs(ev.ts_ns - truth) < 5_000
+    assert len(rows) == 100_000
+    assert np.spacing(np.float32((ev.ev.t - anchor_t) / 1e6)) * 1e6 >= 200_000  # one anchor's step, in ns
+    s.close()
+
+
+def test_waits_sleep_until_done_and_keep_their_timeout():
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)
+    ev = s.record()
+    q0 = cuda.queries
+    t = time.monotonic()
+    assert not ev.wait(0.03)  # the timeout holds while the kernel runs on (a hung device)
+    assert time.monotonic() - t >= 0.03
+    assert not ev.wait(0.03)
+    cuda.skew += 2 * HOUR
+    assert ev.wait(5.0)
+    assert cuda.queries - q0 <= 4  # one query per wait call: the sync thread slept, nobody polled
+    assert cuda.syncs == 2  # the clock's anchor, then one sync request for all three waits
+    s.close()
+
+
+def test_streams_of_a_device_share_one_clock_and_order_by_events():
+    cuda, rows = FakeCuda(), []
+    streams = make_cuda_streams(None, Probes(lambda table: rows), ("main", "prefill"), cuda=cuda)
+    main, prefill = streams["main"], streams["prefill"]
+    assert main.clock is prefill.clock
+    main.submit(lambda: cuda.kernel(50 * MS), "decode#1", 1)
+    done = main.record()
+    prefill.wait_event(done)
+    prefill.submit(lambda: cuda.kernel(1 * MS), "prefill#1", 1)
+    after = prefill.record()
+    assert after.wait(5.0) and done.query()
+    assert after.ts_ns >= done.ts_ns + 1 * MS - 1_000
+    for s in streams.values():
+        s.close()
+    by = {r[3]: r for r in rows}
+    assert by["prefill"][0] >= by["main"][0] + by["main"][1] - 1_000  # prefill ran after decode
+
+
+def test_a_launch_starts_after_the_copies_its_batch_was_prepared_with():
+    """prepare() copies the batch's index tensors on the caller's stream (pinned, non-blocking):
+    the launch's stream must start after them, on the device, without the host waiting."""
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    anchor_ns = s.clock._ns
+    host_stream = cuda.current_stream()
+    with cuda.stream(host_stream):
+        cuda.kernel(HOUR)  # a slow H2D copy on the caller's stream
+    s.submit(lambda: cuda.kernel(1 * MS), "forward#1", 1)
+    end = s.record()
+    cuda.skew += HOUR // 2
+    assert not end.query()  # the forward waits for the copy ...
+    cuda.skew += HOUR
+    assert end.wait(5.0)  # ... and runs after it
+    s.close()
+    assert rows[0][0] - anchor_ns >= HOUR - 1_000  # its device row starts when the copy ended
