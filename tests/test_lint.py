@@ -24,3 +24,9 @@ def test_ruff():
 def test_mypy():
     p = _run("mypy", *TYPED)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_shell_scripts_parse():
+    for script in (*REPO.glob("*.sh"), *REPO.glob("bench/*.sh"), *REPO.glob(".ci/*")):
+        p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, f"{script.name}: {p.stderr}"
