@@ -120,11 +120,10 @@ class Engine:
         self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
         self.fence = KvFence(self.mm, config.split_on, self._pb, 0)
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self.fence.blocks)
-        self.executor = Executor(self.backend.model, self.backend.kv, config.block_size, self.device, config.seed,
-                                 self.streams, self.registry, config.hard_wait_timeout_s, self._pb,
-                                 parallel=parallel, debug_delay_ns=device_delay)
-        if config.debug_kv_check:
-            self.executor.enable_kv_check()
+        self.executor = Executor(self.backend.ops, config.block_size, config.seed, self.streams, self.registry,
+                                 config.hard_wait_timeout_s, self._pb)
+        if config.debug_kv_check:  # (validate keeps it to a local device)
+            self.backend.ops.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks), self.probes, self.hooks.before_deliver)
         self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
@@ -384,7 +383,7 @@ class Engine:
         moves = plan_moves(self.rm.running, self.mm, self.rm.mark)
         if moves:
             src, dst = [a for a, _ in moves], [b for _, b in moves]
-            self.streams[MAIN].submit(self.executor.copy_work(src, dst), f"defrag#{step}", step, DEFRAG)
+            self.streams[MAIN].submit(self.backend.ops.copy_work(src, dst), f"defrag#{step}", step, DEFRAG)
             self._wait_streams_idle(step)
         self.policy.fragmented_need = 0
         t1 = now_ns()

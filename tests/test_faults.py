@@ -38,7 +38,7 @@ def test_contiguous_layout_defragments_and_keeps_tokens_exact():
     want = {r.request_id: r.output_ids for r in paged.rm.finished}
     got = {r.request_id: r.output_ids for r in contig.rm.finished}
     assert got == want and len(got) == 9
-    assert contig.executor.kv_violations == []
+    assert contig.executor.device.kv_violations == []
     assert contig.mm.num_free == 64
 
 

@@ -21,7 +21,7 @@ def test_no_kv_read_before_its_write(mode, split):
     cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, split_streams=split, prefill_chunk=48, timeslice_chunk=32,
                        block_size=4, kv_blocks=2000, debug_kv_check=True)
     eng = run_engine(cfg, workload())
-    assert eng.executor.kv_violations == []
+    assert eng.executor.device.kv_violations == []
     assert len(eng.rm.finished) == 24 and eng.mm.num_free == eng.mm.num_blocks
 
 
@@ -31,7 +31,7 @@ def test_the_ordering_check_can_fail():
     cfg = EngineConfig(cpu_device="thread", model="tiny", mode="overlap", split_streams=True, block_size=4, kv_blocks=2000,
                        prefill_stagger_us=20_000, debug_kv_check=True, debug_skip_stream_waits=True)
     eng = run_engine(cfg, workload(8))
-    assert eng.executor.kv_violations
+    assert eng.executor.device.kv_violations
 
 
 def test_modes_give_identical_greedy_tokens():

@@ -16,11 +16,11 @@ import torch
 
 from probes.recorder import Probes
 from probes.waits import WaitRegistry
-from scheduler.device.device_process import DeviceProcess
+from scheduler.device.device_process import DeviceProcess, RemoteDevice
 from scheduler.device.device_server import DeviceSpec
-from scheduler.device.executor import FUTURE_SLOTS
+from scheduler.device.local_device import LocalDevice
 from scheduler.device.streams import make_streams
-from scheduler.device.work import Stream
+from scheduler.device.work import FUTURE_SLOTS, Stream
 from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache
@@ -42,6 +42,7 @@ class Backend:
         self.model: Any = None
         self.kv: PagedKVCache | None = None
         self.device_proc: DeviceProcess | None = None
+        self.ops: LocalDevice | RemoteDevice  # what the executor launches on, after open()
         self.streams: dict[str, Stream] = {}
         if kind in ("cpu-thread", "cuda"):
             self.model, self.model_config = load_model(model_dir, device, dtype)
@@ -76,6 +77,7 @@ class Backend:
                 str(self.model_dir), name_of(self.dtype), num_blocks, block_size, self._threads,
                 self._timeout_s, FUTURE_SLOTS, self._delay_ns), probes, registry)
             self.streams = dict(self.device_proc.streams)
+            self.ops = RemoteDevice()
             return
         if self.parallel is not None:
             # Every rank gets the same block count (the block tables are rank 0's); the engine's
@@ -86,6 +88,7 @@ class Backend:
         else:
             self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
                                    mc.head_dim, self.dtype, self.device)
+        self.ops = LocalDevice(self.model, self.kv, self.device, block_size, self.parallel, self._delay_ns)
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)
 
     def close(self) -> None:

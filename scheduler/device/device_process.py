@@ -39,10 +39,35 @@ from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from probes.watchdog import ThreadStack
 from scheduler.device import wire
 from scheduler.device.device_server import DeviceSpec, device_main
+from scheduler.device.prepared import PreparedBatch
 from scheduler.device.streams import CpuEvent
 from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
+
+
+class RemoteDevice:
+    """The model, KV pool and future ring of a device process, as the executor sees them:
+    work for its streams is plain data (RemoteOp); the process builds the forward batch
+    itself from the wire (scheduler/device/device_server.py)."""
+
+    builds_batch_on_host = False
+    kv_check_on = False  # the KV ordering check needs the tags in this process (config refuses it)
+    device = None
+
+    def forward_work(self, prepared: PreparedBatch, slots: list[int], step: int, out: list[Any]) -> Work:
+        return RemoteOp("forward", (
+            [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs],
+            prepared.temperatures, prepared.top_ps, prepared.seeds, slots, prepared.has_placeholders), out.append)
+
+    def sleep_work(self, us: float) -> Work:
+        return RemoteOp("sleep", (us,))
+
+    def copy_work(self, src: list[int], dst: list[int]) -> Work:
+        return RemoteOp("copy", (src, dst))
+
+    def kv_reads(self, chunks: Any) -> Any:
+        raise NotImplementedError("the KV ordering check runs on a local device only")
 
 
 class ProcEvent(CpuEvent):

@@ -18,6 +18,7 @@ MAIN, PREFILL, COMM = "main", "prefill", "comm"
 # What a stream runs: a callable here, or plain data for a device process.
 Work: TypeAlias = "Callable[[], Any] | RemoteOp"
 STREAM_NAMES = (MAIN, PREFILL, COMM)
+FUTURE_SLOTS = 1 << 16  # the future-token ring: > 2 rounds in flight x max batch; a slot is reused only after both finished
 
 
 class Event(Protocol):
@@ -45,6 +46,24 @@ class Stream(Protocol):
     def state(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+class DeviceOps(Protocol):
+    """What the executor launches on: the model, KV pool and future ring in this process
+    (scheduler/device/local_device.py), or in a device process (device_process.py's
+    RemoteDevice). Each returns the work for a stream to run."""
+
+    builds_batch_on_host: bool  # prepare() builds the forward batch's tensors (else: the device does)
+    kv_check_on: bool  # the test-only KV ordering check
+    device: Any  # the torch device of a local device (None for a device process)
+
+    def forward_work(self, prepared: Any, slots: list[int], step: int, out: list[Any]) -> Work: ...
+
+    def sleep_work(self, us: float) -> Work: ...
+
+    def copy_work(self, src: list[int], dst: list[int]) -> Work: ...
+
+    def kv_reads(self, chunks: Any) -> Any: ...
 
 
 @dataclass(slots=True)

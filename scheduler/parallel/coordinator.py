@@ -2,7 +2,7 @@
 
 Rank 0 owns everything of the engine (policy, memory manager, sender, trace writer) and also
 holds a model shard: TP rank 0 of pipeline stage 0.  Per round, on its main stream's thread
-(:meth:`Coordinator.forward`, called by :meth:`scheduler.device.executor.Executor.run_model`):
+(:meth:`Coordinator.forward`, called by :meth:`scheduler.device.local_device.LocalDevice.run_model`):
 
 1. broadcast the batch description to every rank (``batch_wire``; ``batch_broadcast``);
 2. run its own shard (``ShardedModel.step``: all-reduces with its TP peers, hidden states to the
