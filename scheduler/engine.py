@@ -8,7 +8,8 @@ A round is the seed's five steps:
   4 submit   assemble the batch and run one forward on the executor
   5 collect  append sampled tokens, finish requests, free their blocks,
              hand new tokens to the sender thread
-Steps 1-3 live in policy.py, step 4 in executor.py, step 5 here.
+Steps 1-3 live in core/policy.py, step 4 in device/executor.py (launching on the backend
+chosen in device/backend.py), step 5 in core/collect.py; the order of it all is here.
 """
 
 from __future__ import annotations

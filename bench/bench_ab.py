@@ -1,0 +1,75 @@
+"""Throughput of two revisions of mstrace on one workload, in alternated pairs.
+
+    python bench/bench_ab.py --a REV_A [--b REV_B] [--pairs 7] [-- run flags ...]
+
+Each revision is checked out into a git worktree under bench/out/ab/; each pair runs
+`mstrace run` (default: --model tiny --requests 64) once from A and once from B, the
+order alternating pair by pair, and reads output tok/s from each trace's report and the
+scheduling thread's own CPU time per round from its meta.json. Prints every pair and the
+median of the B/A ratios (a ratio within a pair cancels the machine's
+slow drift; the median drops the pairs a neighbour disturbed). B defaults to the working
+tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "out" / "ab"
+
+
+def checkout(rev: str) -> Path:
+    dest = OUT / f"src-{rev}"
+    if not dest.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(dest), rev], cwd=REPO, check=True,
+                       capture_output=True)
+    return dest
+
+
+def run(src: Path, out: Path, flags: list[str]) -> tuple[float, float]:
+    """(output tok/s, the scheduling thread's CPU ms per round) of one run."""
+    shutil.rmtree(out, ignore_errors=True)
+    p = subprocess.run([sys.executable, "-m", "viewer.cli", "run", "-q", "--out", str(out), *flags], cwd=src,
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{src.name}: mstrace run failed: {p.stderr.strip()[-400:]}")
+    rep = subprocess.run([sys.executable, "-m", "viewer.cli", "report", str(out), "--json"], cwd=REPO,
+                         capture_output=True, text=True, check=True)
+    meta = json.loads((out / "meta.json").read_text())["run"]
+    cpu_ms = meta["cpu"]["threads_ns"]["MainThread"] / 1e6 / max(1, meta["steps"])
+    return float(json.loads(rep.stdout)["throughput"]["output_tok_per_s"]), cpu_ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--a", required=True, help="baseline revision")
+    ap.add_argument("--b", default=None, help="revision to compare (default: the working tree)")
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("flags", nargs="*", default=["--model", "tiny", "--requests", "64"])
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    srcs = {"A": checkout(a.a), "B": checkout(a.b) if a.b else REPO}
+    run(srcs["A"], OUT / "warm", a.flags)  # builds the preset model once, warms the page cache
+    ratios, cpu_ratios = [], []
+    for i in range(a.pairs):
+        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        res = {k: run(srcs[k], OUT / f"run-{k}", a.flags) for k in order}
+        ratios.append(res["B"][0] / res["A"][0])
+        cpu_ratios.append(res["B"][1] / res["A"][1])
+        print(f"pair {i + 1} ({order[0]} first): A {res['A'][0]:.1f}  B {res['B'][0]:.1f} tok/s  B/A {ratios[-1]:.3f}"
+              f"  | scheduling-thread CPU per round: A {res['A'][1]:.2f}  B {res['B'][1]:.2f} ms  B/A {cpu_ratios[-1]:.3f}",
+              flush=True)
+    print(f"median B/A over {a.pairs} pairs: throughput {statistics.median(ratios):.3f}, scheduling-thread CPU per "
+          f"round {statistics.median(cpu_ratios):.3f} (A = {a.a}, B = {a.b or 'working tree'}; "
+          f"flags: {' '.join(a.flags)})")
+
+
+if __name__ == "__main__":
+    main()
