@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -54,8 +55,7 @@ def test_bad_workload_line(tmp_path):
 def test_bad_flags(tmp_path, flag, value, needle):
     line = one_line_error(mstrace("run", "--model", "tiny", flag, value, "--out", str(tmp_path / "o")))
     assert needle in line
-    if "finite" in needle:  # refused before anything was made (the KV-size ones still leave a folder: issue 12)
-        assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists()  # no run started: nothing left behind
 
 
 @pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("arrival_s", "Infinity"), ("top_p", "NaN")])
@@ -82,3 +82,60 @@ def test_prompt_longer_than_kv_capacity_is_rejected_and_run_continues(tmp_path):
     assert got == {"big": "rejected", "ok": "length"}
     detail = req["finish_detail"][req["request_id"].index("big")]
     assert "100 tokens" in detail and "KV pool has 4" in detail
+
+
+# ---------------------------------------------------------------- issue 12, point 4
+def test_a_folder_without_weights_is_one_line_and_leaves_nothing(tmp_path):
+    from scheduler.model.presets import ensure_preset
+
+    d = tmp_path / "noweights"
+    d.mkdir()
+    shutil.copy(ensure_preset("tiny") / "config.json", d / "config.json")
+    out = tmp_path / "o"
+    line = one_line_error(mstrace("run", "--model", str(d), "--out", str(out), "-q"))
+    assert "no *.safetensors weights" in line
+    assert not out.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a torch without CUDA")
+def test_device_cuda_without_cuda_is_one_line(tmp_path):
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", "tiny", "--device", "cuda", "--out", str(out), "-q")
+    assert p.returncode == 2
+    assert "--device cuda" in one_line_error(p)
+    assert not out.exists()
+
+
+def test_out_pointing_at_a_file_is_one_line(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    line = one_line_error(mstrace("run", "--model", "tiny", "--out", str(f), "-q"))
+    assert "is a file" in line and f.read_text() == "x"
+
+
+@pytest.mark.parametrize("flags,needle", [(["--kv-bytes", "1KiB"], "smaller than one KV block"),
+                                          (["--tp", "3"], "not divisible by tp_size 3")])
+def test_a_run_that_cannot_start_leaves_no_skeleton(tmp_path, flags, needle):
+    """The engine fails while starting: one line, and the same --out works next time."""
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", "tiny", "--requests", "2", *flags, "--out", str(out), "-q", timeout=180)
+    assert needle in one_line_error(p)
+    assert not out.exists()
+    p = mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+
+
+def test_force_replaces_a_trace_and_only_a_trace(tmp_path):
+    out = tmp_path / "o"
+    assert mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(out), "-q").returncode == 0
+    line = one_line_error(mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(out), "-q"))
+    assert "not empty" in line and "--force" in line
+    before = (out / "meta.json").read_text()
+    p = mstrace("run", "--model", "tiny", "--requests", "3", "--out", str(out), "-q", "--force")
+    assert p.returncode == 0, p.stderr
+    assert (out / "meta.json").read_text() != before
+    other = tmp_path / "notatrace"
+    other.mkdir()
+    (other / "thesis.tex").write_text("keep me")
+    line = one_line_error(mstrace("run", "--model", "tiny", "--out", str(other), "-q", "--force"))
+    assert "holds other files" in line and (other / "thesis.tex").read_text() == "keep me"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -58,8 +59,15 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()):
-        fail(f"output folder {out} is not empty; choose another --out")
+        if not opts.force:
+            hint = "; --force replaces it" if is_trace_folder(out) else ""
+            fail(f"output folder {out} is not empty; choose another --out{hint}")
+        if not is_trace_folder(out):
+            fail(f"--force replaces a trace, and {out} holds other files: choose another --out")
+        shutil.rmtree(out)
     if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
         from rich.markup import escape
 
@@ -70,9 +78,12 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
             fail(escape(str(e)))  # escaped: "mstrace[otlp]" is not rich markup
 
     from scheduler.model.config import ModelConfig
+    from scheduler.model.loader import safetensors_files
 
     try:
         mc = ModelConfig.from_file(model_dir / "config.json")
+        safetensors_files(model_dir)  # a folder without weights fails here, before anything is made
+        _check_device(cfg.device)
         if opts.workload is not None:
             items = load_workload(opts.workload, mc.vocab_size)
             source = str(opts.workload)
@@ -82,16 +93,17 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
             specials = set(mc.eos_token_id) | ({mc.bos_token_id} if mc.bos_token_id is not None else set())
             items = synthetic_workload(spec, mc.vocab_size, specials)
             source = f"synthetic:{spec}"
-    except (WorkloadError, ModelLoadError) as e:
+    except (WorkloadError, ModelLoadError, ConfigError) as e:
         fail(str(e))
     if opts.save_workload is not None:
         save_workload(items, opts.save_workload)
 
     from scheduler.stall_guard import EngineStalled
 
+    made = None if out.exists() else out  # what to remove if no run ever starts
     if not all_modes:
         try:
-            _run_one(opts, cfg, items, source, out, console, fail)
+            _run_one(opts, cfg, items, source, out, console, fail, made)
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
@@ -102,7 +114,8 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     outs = {}
     for mode in ("serial", "timeslice", "overlap"):
         outs[mode] = out / mode
-        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail)
+        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made)
+        made = None  # a later mode's failure leaves the earlier modes' traces
     render_modes(console, {m: build_report(o) for m, o in outs.items()})
     console.print(f"traces written to [bold]{out}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
@@ -111,8 +124,36 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
 NO_DETAIL = "the run ended without saying why"
 
 
+def is_trace_folder(path: Path) -> bool:
+    """A trace, or a `--mode all` run's folder of traces: what --force may replace."""
+    def trace(p: Path) -> bool:
+        return (p / "meta.json").is_file() or (p / "manifest.json").is_file()
+
+    return trace(path) or (any(path.iterdir()) and all(p.is_dir() and trace(p) for p in path.iterdir()))
+
+
+def _remove(made: Path | None, out: Path) -> None:
+    """Undo a run that never started: the folder it made, or what it put in an empty --out."""
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+        return
+    for p in out.iterdir() if out.is_dir() else ():
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from scheduler.options import ConfigError
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; "
+                          "use --device cpu or auto")
+
+
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
-             fail: Callable[[str], NoReturn]) -> None:
+             fail: Callable[[str], NoReturn], made: Path | None = None) -> None:
+    """`made`: the folder this run created, removed again if the engine never starts."""
     from probes.clock import wall_anchor
     from scheduler.engine import Engine
     from scheduler.harness.runner import (
@@ -151,6 +192,9 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
         except (ModelLoadError, ConfigError, ValueError) as e:
             detail = str(e)
             fail(detail)
+        except Exception as e:  # noqa: BLE001 - e.g. a device process or rank that failed to start
+            detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+            fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, items, source, anchor))
         with progress:
             try:
@@ -181,6 +225,8 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
             writer.close(meta)
         except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so
             fail(f"could not write the trace to {out}: {e}")
+        if engine is None and state == "error":  # no run started: nothing of it stays behind
+            _remove(made, out)
         if state == "interrupted":  # typer exits 130 without a word; say where the evidence is
             print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
 

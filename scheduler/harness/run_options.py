@@ -50,6 +50,8 @@ class RunOptions:
     rate: float = option(0.0, "Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.", WORKLOAD)
     save_workload: Path | None = option(None, "Also write the workload that ran as JSONL.", WORKLOAD, parse=_path)
     out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT, parse=_path)
+    force: bool = option(False, "Replace the trace already in --out (a trace folder, or a --mode all run's).",
+                         OUTPUT)
     quiet: bool = option(False, "No progress bar.", OUTPUT, flag="quiet", short="-q")
     otlp_endpoint: str | None = option(None, "Also send request spans to this OTLP/HTTP collector (e.g. "
                                        "http://localhost:4318); needs mstrace\\[otlp].", OUTPUT)
