@@ -139,3 +139,28 @@ def test_force_replaces_a_trace_and_only_a_trace(tmp_path):
     (other / "thesis.tex").write_text("keep me")
     line = one_line_error(mstrace("run", "--model", "tiny", "--out", str(other), "-q", "--force"))
     assert "holds other files" in line and (other / "thesis.tex").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- issue 12, point 2
+@pytest.mark.parametrize("kind", ["pool", "max_new_tokens"])
+def test_a_run_whose_every_request_is_rejected_says_why_and_fails(tmp_path, kind):
+    out = tmp_path / "o"
+    if kind == "pool":
+        p = mstrace("run", "--model", "tiny", "--requests", "4", "--kv-blocks", "1", "--out", str(out), "-q")
+    else:
+        wl = tmp_path / "w.jsonl"
+        wl.write_text(json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 10**9}) + "\n")
+        p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--out", str(out), "-q")
+    assert p.returncode == 2
+    line = one_line_error(p)
+    assert "every request was rejected" in line and "the KV pool has" in line
+    assert (out / "meta.json").exists()  # the run happened: its trace stays
+
+
+def test_rejections_are_counted_on_stderr_when_others_ran(tmp_path):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 205)), "max_new_tokens": 2}) + "\n"
+                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
+    p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(tmp_path / "o"), "-q")
+    assert p.returncode == 0, p.stderr
+    assert '1 of 2 requests rejected: 1 like "prompt of 200 tokens needs 13 blocks' in p.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -109,6 +110,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
         render_report(console, build_report(out))
         console.print(f"trace written to [bold]{out}[/]")
+        _say_rejections(out, fail)
         return
     # The seed's control group: the same workload through all three modes.
     outs = {}
@@ -122,6 +124,33 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
 
 
 NO_DETAIL = "the run ended without saying why"
+
+
+def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:
+    """Requests the engine refused, each distinct reason with its count, on stderr; a run
+    that served none of them is bad input (exit 2)."""
+    from collections import Counter
+
+    from tracing.reader import read_table
+
+    req = read_table(out, "requests", ["finish_reason", "finish_detail"]).to_pydict()
+    # one reason, whatever its numbers: "prompt of 98 tokens needs 7 blocks" ~ "... of 246 ... 16 ..."
+    why: Counter[str] = Counter()
+    first: dict[str, str] = {}
+    for r, d in zip(req["finish_reason"], req["finish_detail"], strict=True):
+        if r == "rejected":
+            key = re.sub(r"\d+", "#", d or "no reason recorded")
+            why[key] += 1
+            first.setdefault(key, d or "no reason recorded")
+    n, total = sum(why.values()), len(req["finish_reason"])
+    if not n:
+        return
+    shown = "; ".join(f"{c} like \"{first[k]}\"" for k, c in why.most_common(3))
+    more = f"; {len(why) - 3} other reasons (mstrace report {out} --json)" if len(why) > 3 else ""
+    line = f"{n} of {total} requests rejected: {shown}{more}"
+    if n == total:
+        fail(f"every request was rejected, none ran: {shown}{more}", 2)
+    print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
 def is_trace_folder(path: Path) -> bool:
