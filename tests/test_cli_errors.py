@@ -164,3 +164,24 @@ def test_rejections_are_counted_on_stderr_when_others_ran(tmp_path):
     p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(tmp_path / "o"), "-q")
     assert p.returncode == 0, p.stderr
     assert '1 of 2 requests rejected: 1 like "prompt of 200 tokens needs 13 blocks' in p.stderr
+
+
+# ---------------------------------------------------------------- issue 12, point 8
+def test_leaks_cannot_judge_a_trace_without_probes(tmp_path):
+    out = tmp_path / "np"
+    assert mstrace("run", "--model", "tiny", "--requests", "2", "--no-probes", "--out", str(out), "-q").returncode == 0
+    line = one_line_error(mstrace("leaks", str(out)))
+    assert "--no-probes" in line and "cannot be known" in line
+
+
+def test_report_on_a_folder_of_traces_names_them(tmp_path):
+    out = tmp_path / "modes"
+    p = mstrace("run", "--model", "tiny", "--requests", "2", "--mode", "all", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    line = one_line_error(mstrace("report", str(out)))
+    assert all(str(out / m) in line for m in ("serial", "timeslice", "overlap"))
+
+
+def test_version():
+    p = mstrace("--version")
+    assert p.returncode == 0 and p.stdout.startswith("mstrace ")

@@ -26,7 +26,7 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     assert p.returncode == 3, p.stderr
     assert "engine stalled" in p.stderr
     s = mstrace("stalls", str(out), "--json")
-    assert s.returncode == 0, s.stderr
+    assert s.returncode == 1, s.stderr  # findings: a stall (README, exit codes)
     stalls = json.loads(s.stdout)
     records = stalls["stalls"] if isinstance(stalls, dict) else stalls
     cycles = {r["cycle"] for r in records if r["cycle"]}
@@ -65,7 +65,9 @@ def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):
     out = tmp_path / "lk"
     p = mstrace("run", "--model", "tiny", "--requests", "12", "--inject", "leak", "--no-gc", "--out", str(out), "-q")
     assert p.returncode == 0, p.stderr
-    rep = json.loads(mstrace("leaks", str(out), "--json").stdout)
+    lk = mstrace("leaks", str(out), "--json")
+    assert lk.returncode == 1, lk.stderr  # findings: leaks (README, exit codes)
+    rep = json.loads(lk.stdout)
     req = read_table(out, "requests").to_pydict()
     victim = [rid for rid, d in zip(req["request_id"], req["finish_detail"], strict=True) if "injected" in d]
     assert len(victim) == 1
@@ -85,7 +87,9 @@ def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):
     p = mstrace("run", "--model", "tiny", "--requests", "12", "--inject", "leak", "--gc-after-s", "0.2",
                 "--out", str(out2), "-q")
     assert p.returncode == 0, p.stderr
-    rep2 = json.loads(mstrace("leaks", str(out2), "--json").stdout)
+    lk2 = mstrace("leaks", str(out2), "--json")
+    assert lk2.returncode == 0, lk2.stderr
+    rep2 = json.loads(lk2.stdout)
     assert rep2["leaks"] == []
     victim2 = [rid for rid, d in zip(*read_table(out2, "requests", ["request_id", "finish_detail"]).to_pydict()
                                      .values(), strict=True) if "injected" in d]

@@ -40,6 +40,10 @@ def read_meta(root: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads(p.read_text())
     except FileNotFoundError:
+        inside = sorted(d.name for d in r.iterdir() if (d / "meta.json").is_file())
+        if inside:  # e.g. the folder of a `--mode all` run
+            raise TraceError(f"{r} is not a trace but holds {len(inside)}: "
+                             f"{', '.join(str(r / n) for n in inside)}") from None
         raise TraceError(f"not a trace directory (no meta.json): {r}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
         raise TraceError(f"corrupt meta.json in {r}: {_first_line(e)}") from None

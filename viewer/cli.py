@@ -41,12 +41,27 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"mstrace {version('mstrace')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Capture and analyse LLM-inference scheduler traces."""
 
 
-def fail(msg: str, code: int = 2) -> NoReturn:
+# Exit codes, documented in README's "Exit codes" (stable: CI gates on them).
+OK, FINDINGS, BAD_INPUT, STALLED, INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
     err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -106,6 +121,8 @@ def stalls(
     else:
         status_line(console, tr.status.to_dict(), str(trace))
         render_stalls(console, str(trace), tr.meta, recs)
+    if recs:
+        raise typer.Exit(FINDINGS)
 
 
 @app.command()
@@ -124,6 +141,8 @@ def leaks(
 
     try:
         tr = Trace.open(trace)
+        if not tr.meta.get("config", {}).get("probes", True):
+            fail(f"{trace} was recorded with --no-probes: it has no memory table, so its leaks cannot be known")
         t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]},
                             dictionary={"memory": ("request_id",)})
         rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
@@ -135,6 +154,8 @@ def leaks(
     else:
         status_line(console, tr.status.to_dict(), str(trace))
         render_leaks(console, str(trace), tr.meta, rep)
+    if rep.leaked_blocks or rep.num_anomalies:
+        raise typer.Exit(FINDINGS)
 
 
 @app.command()

@@ -125,8 +125,6 @@ def _held_table(title: str, rows: list[HeldBlocks]) -> Table:
 
 def render_leaks(console: Console, trace: str, meta: dict[str, Any], rep: LeakReport) -> None:
     console.print(f"[bold]{trace}[/]  {rep.events} block events replayed", highlight=False)
-    if not meta.get("config", {}).get("probes", True):
-        console.print("[yellow]this trace was recorded with --no-probes: no memory table to replay[/]")
     if not rep.run_ended:
         console.print("[yellow]the run did not finish cleanly: blocks of requests not in `requests` "
                       "are counted as still running, not leaked[/]")
