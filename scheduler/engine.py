@@ -179,9 +179,14 @@ class Engine:
         """Hand a request to the tokenizer pool. Thread-safe; returns its id."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         with self._submit_lock:
-            self._submitted += 1
-        self.pool.submit(rid, prompt if isinstance(prompt, str) else list(prompt),
-                         params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
+            self._submitted += 1  # before the pool can hand it back, so has_work() never misses it
+        try:
+            self.pool.submit(rid, prompt if isinstance(prompt, str) else list(prompt),
+                             params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
+        except BaseException:
+            with self._submit_lock:  # refused: it will never arrive, so nothing waits for it
+                self._submitted -= 1
+            raise
         return rid
 
     @property

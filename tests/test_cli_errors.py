@@ -185,3 +185,18 @@ def test_report_on_a_folder_of_traces_names_them(tmp_path):
 def test_version():
     p = mstrace("--version")
     assert p.returncode == 0 and p.stdout.startswith("mstrace ")
+
+
+# ---------------------------------------------------------------- issue 12, point 1
+def test_prompts_for_a_model_without_tokenizer_are_refused_up_front(tmp_path):
+    from tests.checkpoints import build_llama
+
+    ckpt = build_llama(tmp_path / "ckpt")
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"input_ids": [5, 6], "max_new_tokens": 2}\n{"prompt": "hello", "max_new_tokens": 2}\n')
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
+    assert p.returncode == 2
+    line = one_line_error(p)
+    assert "w.jsonl:2" in line and "tokenizer" in line
+    assert not out.exists()

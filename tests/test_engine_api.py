@@ -99,3 +99,23 @@ def test_close_restores_the_process_wide_settings():
         eng.close()
     assert torch.get_num_threads() == threads
     assert gc.get_freeze_count() == frozen or frozen > 0
+
+
+def test_a_failing_arrivals_thread_stops_the_run(tmp_path):
+    """A prompt for a model folder without a tokenizer: the arrivals thread fails. The run
+    used to wait forever for the request it had counted; now it stops and says why."""
+    import pytest
+
+    from scheduler.core.request import SamplingParams as SP
+    from scheduler.harness.runner import RunFailed, run_workload
+    from scheduler.harness.workload import WorkloadItem
+
+    ckpt = build_llama(tmp_path / "ckpt")  # config and weights, no tokenizer
+    eng = Engine(EngineConfig(cpu_device="thread", model=str(ckpt), block_size=4, kv_blocks=64))
+    items = [WorkloadItem("ids", None, (5, 6, 7), SP(2)), WorkloadItem("text", "hello", None, SP(2))]
+    try:
+        with pytest.raises(RunFailed, match="arrivals thread failed: .*no tokenizer"):
+            run_workload(eng, items)
+    finally:
+        eng.close()
+    assert eng.submitted == 1  # the refused request is not counted as submitted

@@ -58,7 +58,7 @@ def _root(
 
 
 # Exit codes, documented in README's "Exit codes" (stable: CI gates on them).
-OK, FINDINGS, BAD_INPUT, STALLED, INTERRUPTED = 0, 1, 2, 3, 130
+OK, FINDINGS, BAD_INPUT, STALLED, FAILED, INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 
 def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:

@@ -88,6 +88,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         if opts.workload is not None:
             items = load_workload(opts.workload, mc.vocab_size)
             source = str(opts.workload)
+            _check_prompts_have_a_tokenizer(items, model_dir, opts.workload)
         else:
             spec = SyntheticSpec(opts.requests, opts.prompt_len, opts.output_len, opts.shared_prefix,
                                  rate=opts.rate, seed=cfg.seed)
@@ -108,6 +109,9 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
+        except Exception as e:  # noqa: BLE001 - a thread of the run failed: one line, and the trace
+            why = (str(e).splitlines() or [""])[0] or type(e).__name__
+            fail(f"the run failed: {why}; trace flushed to {out}", 4)
         render_report(console, build_report(out))
         console.print(f"trace written to [bold]{out}[/]")
         _say_rejections(out, fail)
@@ -168,6 +172,20 @@ def _remove(made: Path | None, out: Path) -> None:
         return
     for p in out.iterdir() if out.is_dir() else ():
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload: Path) -> None:
+    from scheduler.hops.tokenizer import Tokenizer, TokenizerError
+    from scheduler.options import ConfigError
+
+    first = next((i for i, it in enumerate(items) if it.prompt is not None), None)
+    if first is None:
+        return
+    try:
+        Tokenizer(model_dir)
+    except TokenizerError:
+        raise ConfigError(f"{workload}:{first + 1}: a prompt needs a tokenizer, and {model_dir} has none; "
+                          "give input_ids instead") from None
 
 
 def _check_device(device: str) -> None:

@@ -52,6 +52,14 @@ class RunResult:
     cpu: dict[str, Any] | None = None
 
 
+class RunFailed(RuntimeError):
+    """A thread of the run failed; the message is one line."""
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0] or type(e).__name__
+
+
 def run_workload(
     engine: Engine,
     items: list[WorkloadItem],
@@ -66,20 +74,24 @@ def run_workload(
     res = result if result is not None else RunResult(start, 0, 0, len(items))
     res.start_ns, res.requests = start, len(items)
     stop = threading.Event()
+    failed: list[BaseException] = []
 
     def feed() -> None:
-        for it in sorted(items, key=lambda i: i.arrival_s):
-            delay_ns = start + int(it.arrival_s * 1e9) - now_ns()
-            if delay_ns > 0 and stop.wait(delay_ns / 1e9):
-                return
-            engine.submit(it.prompt if it.prompt is not None else list(it.input_ids or ()),
-                          it.params, it.request_id)
+        try:
+            for it in sorted(items, key=lambda i: i.arrival_s):
+                delay_ns = start + int(it.arrival_s * 1e9) - now_ns()
+                if delay_ns > 0 and stop.wait(delay_ns / 1e9):
+                    return
+                engine.submit(it.prompt if it.prompt is not None else list(it.input_ids or ()),
+                              it.params, it.request_id)
+        except BaseException as e:  # noqa: BLE001 - the run stops with it (below)
+            failed.append(e)
 
     feeder = threading.Thread(target=feed, name="arrivals", daemon=True)
     feeder.start()
     steps = 0
     try:
-        while feeder.is_alive() or engine.has_work():
+        while (feeder.is_alive() or engine.has_work()) and not failed:
             if engine.step() is None:
                 engine.wait_for_arrivals(idle_poll_s)
             else:
@@ -91,6 +103,8 @@ def run_workload(
         stop.set()
         feeder.join()
         res.end_ns = now_ns()
+    if failed:
+        raise RunFailed(f"the arrivals thread failed: {_first_line(failed[0])}") from failed[0]
     engine.finish_run()
     res.end_ns = now_ns()
     res.cpu = cpu_record(cpu0, sample_cpu())
