@@ -332,6 +332,11 @@ class Engine:
             bad = next(t for t in sample.input_ids if not 0 <= t < self.model_config.vocab_size)
             self.rm.finish(req, FinishReason.REJECTED,
                            f"token id {bad} is outside the vocabulary of {self.model_config.vocab_size}")
+        elif sample.valid_len + sample.sampling_params.max_new_tokens > self.model_config.max_position_embeddings:
+            self.rm.finish(req, FinishReason.REJECTED,
+                           f"prompt of {sample.valid_len} tokens + {sample.sampling_params.max_new_tokens} new "
+                           f"tokens exceeds the model's context of {self.model_config.max_position_embeddings} "
+                           "(max_position_embeddings)")
 
     def _launch(self, batch: ScheduleBatch, step: int) -> list[Launch]:
         """Step 4: prepare and enqueue the batch, one launch per stream; does not wait."""

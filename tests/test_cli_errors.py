@@ -200,3 +200,51 @@ def test_prompts_for_a_model_without_tokenizer_are_refused_up_front(tmp_path):
     line = one_line_error(p)
     assert "w.jsonl:2" in line and "tokenizer" in line
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- issue 12, point 5
+def test_overlap_with_tp_is_refused_not_relabelled(tmp_path):
+    out = tmp_path / "o"
+    line = one_line_error(mstrace("run", "--model", "tiny", "--tp", "2", "--mode", "overlap", "--out", str(out), "-q"))
+    assert "--mode overlap" in line and "--mode serial or timeslice" in line
+    assert not out.exists()
+
+
+def test_the_dtype_that_ran_is_recorded_and_said(tmp_path):
+    import json as _json
+
+    from tests.checkpoints import build_llama
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(build_llama(tmp_path / "f32")).to(torch.bfloat16).save_pretrained(ckpt)
+    cfg = _json.loads((ckpt / "config.json").read_text())
+    assert (cfg.get("torch_dtype") or cfg.get("dtype")) == "bfloat16"
+    wl = tmp_path / "w.jsonl"
+    wl.write_text('{"input_ids": [5, 6, 7], "max_new_tokens": 2}\n')
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "the checkpoint is bfloat16; it runs in float32" in p.stderr
+    meta = _json.loads((out / "meta.json").read_text())["model"]
+    assert meta["dtype"] == "float32" and meta["checkpoint_dtype"] == "bfloat16"
+    assert "dtype=float32" in mstrace("report", str(out)).stdout
+
+
+def test_a_request_longer_than_the_models_context_is_rejected(tmp_path):
+    from tests.checkpoints import build_llama
+
+    ckpt = build_llama(tmp_path / "short", max_position_embeddings=64)
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "long", "input_ids": list(range(5, 65)), "max_new_tokens": 8}) + "\n"
+                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
+    out = tmp_path / "o"
+    p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "exceeds the model's context of 64" in p.stderr
+    from tracing.reader import read_table
+
+    req = read_table(out, "requests", ["request_id", "finish_reason"]).to_pydict()
+    assert dict(zip(req["request_id"], req["finish_reason"], strict=True)) == {"long": "rejected", "ok": "length"}

@@ -75,6 +75,7 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
         "status": inp.trace.status.to_dict(),
         "model": meta.get("model", {}).get("name"),
         "mode": meta.get("config", {}).get("mode"),
+        "dtype": meta.get("model", {}).get("dtype"),  # what ran (older traces: unknown)
         "workload_digest": meta.get("workload", {}).get("digest"),
         "probes": meta.get("config", {}).get("probes", True),
         "backend": backend(meta, probes).to_dict(),
@@ -191,7 +192,8 @@ def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
 
 def render_report(console: Console, rep: dict[str, Any]) -> None:
     status_line(console, rep["status"], rep["trace"])
-    console.print(f"[bold]{rep['trace']}[/]  model={rep['model']}  mode={rep['mode']}", highlight=False)
+    dtype = f"  dtype={rep['dtype']}" if rep.get("dtype") else ""
+    console.print(f"[bold]{rep['trace']}[/]  model={rep['model']}  mode={rep['mode']}{dtype}", highlight=False)
     if not rep["probes"]:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
     else:

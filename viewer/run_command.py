@@ -46,12 +46,13 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
     if cfg.world_size > 1:
         # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
-        # token of overlap scheduling lives in rank 0's future ring only.
+        # token of overlap scheduling lives in rank 0's future ring only. A run labelled
+        # overlap that ran serially would make a diff compare serial with serial.
         if cfg.overlap_schedule or cfg.split_streams:
             fail("--overlap-schedule and --split-streams cannot be used with --tp/--pp > 1")
-        if cfg.mode in ("overlap", "all") and not opts.quiet:
-            console.print("note: with --tp/--pp > 1 overlap mode runs without overlap scheduling "
-                          "and split streams", highlight=False)
+        if cfg.mode in ("overlap", "all"):
+            fail(f"--mode {cfg.mode} needs overlap scheduling and split streams, which --tp/--pp > 1 cannot "
+                 "run (rounds are serial across ranks): use --mode serial or timeslice")
         cfg = replace(cfg, overlap_schedule=False, split_streams=False)
     try:
         cfg = replace(cfg, mode="serial") if all_modes else cfg
@@ -188,6 +189,16 @@ def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload:
                           "give input_ids instead") from None
 
 
+def _say_dtype(engine: Any) -> None:
+    """A checkpoint that runs in another dtype than its own says so (meta.json records both)."""
+    from scheduler.model.dtypes import name_of
+
+    ran, own = engine.backend.dtype, engine.model_config.torch_dtype
+    if ran != own:
+        print(f"note: the checkpoint is {name_of(own)}; it runs in {name_of(ran)} on {engine.device.type} "
+              f"(--dtype {name_of(own)} keeps it)", file=sys.stderr, flush=True)
+
+
 def _check_device(device: str) -> None:
     import torch
 
@@ -243,6 +254,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
             detail = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, items, source, anchor))
+        _say_dtype(engine)
         with progress:
             try:
                 run_workload(engine, items, result=result)

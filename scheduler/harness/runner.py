@@ -18,6 +18,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.harness.workload import WorkloadItem, workload_digest
 from scheduler.hops.sender import FinishedRecord
+from scheduler.model.dtypes import name_of
 from tracing.writer import TraceWriter
 
 
@@ -146,6 +147,9 @@ def run_meta(
             "vocab_size": mc.vocab_size,
             "kv_blocks": engine.mm.num_blocks,
             "block_size": engine.mm.block_size,
+            "dtype": name_of(engine.backend.dtype),  # what ran, which may differ from the checkpoint's
+            "checkpoint_dtype": name_of(mc.torch_dtype),
+            "max_position_embeddings": mc.max_position_embeddings,
         },
         "versions": {
             "mstrace": _version(),
