@@ -164,8 +164,13 @@ class StallReport:
             _json([_wait_dict(x, self.ts_ns) for x in self.waits]),
         )
 
-    def render_text(self) -> str:
-        """A plain-text dump for logs: the wait, the cycle, streams, KV, waits, stacks."""
+    def render_summary(self) -> str:
+        """What stderr gets at once: the wait, the cycle, the active waits (the streams, the
+        KV pool and every thread's stack are in the trace's stalls table)."""
+        return "\n".join(self._head() + [f"  ({len(self.stacks)} thread stacks, stream states and the KV pool "
+                                          "are in the trace: mstrace stalls TRACE)"])
+
+    def _head(self) -> list[str]:
         w = self.wait
         lines = [
             f"STALL rank {self.rank} step {self.step}: {w.waiter} has waited "
@@ -177,6 +182,11 @@ class StallReport:
             lines.append(f"  {x.waiter} -> {x.what} -> {x.signaller}  "
                          f"({(self.ts_ns - x.since_ns) / 1e9:.2f} s, "
                          f"{'thread ' + str(x.thread_id) if x.thread_id != DEVICE_THREAD else 'device process'})")
+        return lines
+
+    def render_text(self) -> str:
+        """A plain-text dump for logs: the wait, the cycle, waits, streams, KV, stacks."""
+        lines = self._head()
         extra = self.graph[len(self.waits):]
         if extra:
             lines.append("resource edges:")

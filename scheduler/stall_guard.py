@@ -1,6 +1,6 @@
 """The engine's side of the stall watchdog (probes/watchdog.py): it keeps every report
-(in the trace's stalls table and on stderr, at once) and turns a wait that gave up
-into EngineStalled, which names the most telling report."""
+(whole in the trace's stalls table; a summary on stderr, at once) and turns a wait that
+gave up into EngineStalled, which names the most telling report."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class StallGuard:
         self.reports.append(report)
         if self._buf is not None:
             self._buf.append(report.to_row())
-        print(report.render_text(), file=sys.stderr, flush=True)
+        print(report.render_summary(), file=sys.stderr, flush=True)
 
     def stalled(self, cause: BaseException) -> BaseException:
         """What the round raises for a wait that failed with `cause`."""

@@ -248,3 +248,11 @@ def test_a_request_longer_than_the_models_context_is_rejected(tmp_path):
 
     req = read_table(out, "requests", ["request_id", "finish_reason"]).to_pydict()
     assert dict(zip(req["request_id"], req["finish_reason"], strict=True)) == {"long": "rejected", "ok": "length"}
+
+
+# ---------------------------------------------------------------- issue 12, point 7
+def test_progress_never_goes_into_a_pipe(tmp_path):
+    p = mstrace("run", "--model", "tiny", "--requests", "4", "--out", str(tmp_path / "o"))  # no -q
+    assert p.returncode == 0, p.stderr
+    for stream in (p.stdout, p.stderr):
+        assert "serial run" not in stream  # the progress bar's label

@@ -232,8 +232,11 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
     anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
     writer.write_meta(start_meta(cfg, items, source, anchor))
     span_sink = SpanSink(writer, anchor, opts.otlp_endpoint)
+    # progress is for a person at a terminal: on stderr, and never into a pipe or a file
+    err = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, disable=opts.quiet, transient=False)
+                        TimeElapsedColumn(), console=err, disable=opts.quiet or not err.is_terminal,
+                        transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
     coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
     engine = None
