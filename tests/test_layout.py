@@ -119,3 +119,21 @@ def test_the_core_is_torch_free():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "False"
+
+
+def test_every_trace_column_is_documented():
+    """docs/trace-schema.md names every column of every table (tracing/schema.py)."""
+    import re
+
+    from tracing.schema import TABLES
+
+    doc = (REPO / "docs" / "trace-schema.md").read_text()
+    sections = dict(re.findall(r"^## (\w+) — .*?\n(.*?)(?=^## |\Z)", doc, flags=re.M | re.S))
+    missing = {}
+    for table, schema in TABLES.items():
+        text = sections.get(table, "")
+        words = set(re.findall(r"[a-z_0-9]+", text))
+        gone = [c for c in schema.names if c not in words]
+        if gone:
+            missing[table] = gone
+    assert missing == {}
