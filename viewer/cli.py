@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+import typer.rich_utils
 from rich.console import Console
 from typer.core import TyperGroup
 
@@ -28,6 +29,10 @@ class _Commands(TyperGroup):
             return click_command(_run, fail)
         return super().get_command(ctx, name)
 
+
+# The help tables' cells get a space on the right only: at 80 columns the default (one on
+# each side) cut long flag names such as --no-overlap-schedule into "--no-overlap-sch…".
+typer.rich_utils.STYLE_OPTIONS_TABLE_PADDING = (0, 1, 0, 0)
 
 app = typer.Typer(
     name="mstrace",

@@ -1,0 +1,54 @@
+"""At 80 columns, piped: `run --help`, `report` and `diff` cut no option name or value
+and keep every significance mark."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli import REPO, mstrace
+
+
+def at(columns: int, *args: str) -> str:
+    env = {**os.environ, "COLUMNS": str(columns)}
+    p = subprocess.run([sys.executable, "-m", "viewer.cli", *args], cwd=REPO, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_run_help_fits_80_columns_whole():
+    from viewer.run_flags import all_fields
+
+    out = at(80, "run", "--help")
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    for f in all_fields():
+        if f.opt.hidden:
+            continue
+        assert f.flag in out, f.flag
+        if f.cli_type in (bool, bool | None):
+            assert f"--no-{f.flag[2:]}" in out, f.flag
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("w") / "modes"
+    p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", "all", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def test_report_fits_80_columns(modes):
+    out = at(80, "report", str(modes / "overlap"))
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_diff_fits_80_columns_and_keeps_its_marks(modes):
+    args = ("diff", str(modes / "serial"), str(modes / "overlap"))
+    narrow, wide = at(80, *args), at(200, *args)
+    assert "…" not in narrow and max(len(line) for line in narrow.splitlines()) <= 80
+    assert narrow.count(" * ") + narrow.count(" *\n") == wide.count(" * ") + wide.count(" *\n")
