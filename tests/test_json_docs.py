@@ -1,4 +1,4 @@
-"""docs/json.md names exactly the keys `report`, `stalls` and `leaks` print with --json."""
+"""docs/json.md names exactly the keys `report`, `diff`, `stalls` and `leaks` print with --json."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ DOC = REPO / "docs" / "json.md"
 
 
 def documented() -> dict[str, dict[str, bool]]:
-    """{command: {key path: optional}}; `status` and `trace` belong to every command."""
+    """{command: {key path: optional}}; `status` and `trace` belong to every command on one
+    trace (diff has each side's inside `a` and `b`)."""
     text = DOC.read_text()
     out: dict[str, dict[str, bool]] = {}
     for name, body in re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S):
@@ -23,7 +24,7 @@ def documented() -> dict[str, dict[str, bool]]:
         cmd = name.split()[0].strip("`")
         out[cmd] = keys
     common = out.pop("Common:")
-    return {cmd: {**common, **keys} for cmd, keys in out.items()}
+    return {cmd: keys if cmd == "diff" else {**common, **keys} for cmd, keys in out.items()}
 
 
 def produced(obj: Any, maps: list[str], path: str = "") -> set[str]:
@@ -56,11 +57,13 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"leak": leak, "deadlock": dl}
 
 
-@pytest.mark.parametrize("cmd,trace", [("report", "leak"), ("leaks", "leak"), ("stalls", "deadlock")])
+@pytest.mark.parametrize("cmd,trace", [("report", "leak"), ("leaks", "leak"), ("stalls", "deadlock"),
+                                       ("diff", "leak")])
 def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
     docs = documented()[cmd]
     maps = [k for k in docs if "<" in k]
-    p = mstrace(cmd, str(traces[trace]), "--json")
+    args = [str(traces["deadlock"])] if cmd == "diff" else []  # diff: the leak run against the stalled one
+    p = mstrace(cmd, str(traces[trace]), *args, "--json")
     assert p.returncode in (0, 1), p.stderr  # 1: leaks and stalls found what they look for
     got = produced(json.loads(p.stdout), maps)
 
