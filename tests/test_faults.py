@@ -126,3 +126,16 @@ def test_starve_injection_completes_through_preemption(tmp_path):
     assert len(req["request_id"]) == 10 and set(req["finish_reason"]) == {"length"}
     tl = read_table(out, "timeline").to_pydict()
     assert "preempted" in tl["stage"]  # the cause is in the trace
+
+
+def test_starve_preempts_on_the_default_pool_and_says_what_it_added(tmp_path):
+    """No --kv-blocks, no --prefill-max-wait-ms: the injection sizes its pins to the pool
+    and the model's context itself (issue 12, point 6)."""
+    out = tmp_path / "st"
+    p = mstrace("run", "--model", "tiny", "--requests", "16", "--inject", "starve", "--out", str(out), "-q",
+                timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert "--inject starve: added" in p.stderr and "starve-pin-0.." in p.stderr
+    req = read_table(out, "requests", ["request_id", "finish_reason", "num_preemptions"]).to_pydict()
+    assert set(req["finish_reason"]) == {"length"}  # nothing rejected: every pin fits the model's context
+    assert sum(req["num_preemptions"]) > 0

@@ -9,6 +9,7 @@ fault or debug flag itself. `hooks_for(cfg)` returns it unless something is swit
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -23,7 +24,8 @@ FAULTS: dict[str, str] = {
                 "would free while the prefill stream waits for an event from the main stream",
     "leak": "the first request to finish dies on an exception path that skips freeing its blocks",
     "slow-sender": "the output path takes 50 ms per round to deliver tokens (a slow client)",
-    "starve": "four long decodes are submitted first and pin ~90% of the KV pool",
+    "starve": "long decodes (four or more, each within the model's context) are submitted first; their "
+              "prompts take ~90% of the KV pool and they grow past it",
     "stall-rank": "with --tp/--pp > 1, the last rank stops joining collectives at step 3 (it hangs "
                   "before its next all-reduce, or before its forward without TP) until the run is ended",
 }
@@ -147,14 +149,27 @@ def hooks_for(cfg: Any) -> RoundHooks:
     return InjectedHooks(cfg) if on else NO_HOOKS
 
 
+STARVE_POOL_SHARE = 0.9  # of the KV pool the pins' prompts take
+
+
 def _starve(engine: Any) -> None:
-    """Four long decodes, submitted first, that together pin ~90% of the pool."""
+    """Long decodes, submitted first, whose prompts take ~90% of the pool and which then
+    grow past it, whatever the pool's size: at least four, each within the model's context
+    (a longer one would be rejected). The workload behind them waits for blocks until a
+    prefill evicts decodes. Says what it added."""
     pool_tokens = engine.mm.num_blocks * engine.mm.block_size
-    prompt, new = max(1, int(0.2 * pool_tokens)), max(1, int(0.02 * pool_tokens))
+    context = engine.model_config.max_position_embeddings
+    share = int(STARVE_POOL_SHARE * pool_tokens)
+    pins = max(4, -(-share // int(0.8 * context)))
+    prompt = max(1, share // pins)
+    new = max(1, min(context - prompt, prompt // 4))
     vocab = engine.model_config.vocab_size
-    for i in range(4):
+    for i in range(pins):
         ids = [(7919 * (i * prompt + j)) % (vocab - 10) + 5 for j in range(prompt)]
         engine.submit(ids, SamplingParams(new, ignore_eos=True), f"starve-pin-{i}")
+    print(f"--inject starve: added {pins} requests starve-pin-0..{pins - 1} of {prompt} prompt + {new} new "
+          f"tokens: their prompts take {STARVE_POOL_SHARE:.0%} of the {engine.mm.num_blocks}-block KV pool",
+          file=sys.stderr, flush=True)
 
 
 def _deadlock(engine: Any, batch: Any, step: int, timeout_s: float) -> None:
