@@ -4,6 +4,7 @@ fragmentation and defragmentation, slow sender, starvation."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 
@@ -115,6 +116,12 @@ def test_slow_sender_does_not_slow_the_engine(tmp_path):
     steps = read_table(out, "steps").to_pydict()
     assert max(steps["out_queue_depth"]) > 5  # the backlog is visible
     assert sorted(steps["dur_ns"])[len(steps["dur_ns"]) // 2] < 20e6  # rounds stay short
+    # the report shows what the client saw: every request's end reached it 50 ms or more
+    # after the engine finished it (issue 12, point 6)
+    lat = json.loads(mstrace("report", str(out), "--json").stdout)["latency"]
+    assert lat["delivery_lag_ms"]["p50"] >= 50 and lat["delivery_lag_ms"]["count"] == 12
+    assert lat["delivered_e2e_ms"]["p99"] > lat["e2e_ms"]["p99"] + 50
+    assert "E2E delivered ms" in mstrace("report", str(out)).stdout
 
 
 def test_starve_injection_completes_through_preemption(tmp_path):

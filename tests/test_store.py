@@ -169,7 +169,7 @@ def _trace_with_requests(root: Path, runs: list[int], steps: list[int], status: 
     for s in steps:
         sb.append((s, "serial", 1000 * s, 10, 5, 5, 0, 0, 1, 1, 1, 3, 0, 1, 0, 1000 * s + 9))
     w.buffer("requests").append(("r0", [1], [2, 3], "", 1, 2, 0, "length", "", 1, 1, 1, 1, 1, 1, 9, 0, 1,
-                                 [5], runs))
+                                 [5], runs, 10))
     w.buffer("probes").extend(probe_row(s) for s in range(max(steps) + 3))
     w.close()
     if status is not None:
@@ -245,3 +245,19 @@ def test_an_error_status_says_so(tmp_path: Path) -> None:
     _trace_with_requests(tmp_path, [1, 2], [1, 2], "error")
     st = Trace.open(tmp_path).status
     assert st.state == "error" and (st.headline() or "").startswith("FAILED: the run ended in an error")
+
+
+def test_a_part_written_before_a_column_was_added_reads_it_as_its_default(tmp_path: Path) -> None:
+    """requests.delivered_ns came after schema version 1: an older part has no such column."""
+    import pyarrow.parquet as pq
+
+    from tracing.manifest import read_manifests as manifests
+
+    root = tmp_path / "t"
+    _trace_with_requests(root, [1, 2], [1, 2], "complete")
+    (part,) = [root / "requests" / e.file for m in manifests(root) for e in m.tables["requests"]]
+    old = pq.read_table(part)
+    pq.write_table(old.drop_columns(["delivered_ns"]), part)
+    got = read_table(root, "requests", ["request_id", "delivered_ns"]).to_pydict()
+    assert got == {"request_id": ["r0"], "delivered_ns": [0]}
+    assert read_table(root, "requests")["delivered_ns"].to_pylist() == [0]

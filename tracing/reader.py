@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from tracing.manifest import STORE, ManifestError, legacy_parts, part_rank, read_manifests
 from tracing.run_status import RunStatus, run_status
-from tracing.schema import SCHEMA_VERSION, TABLES
+from tracing.schema import ADDED, SCHEMA_VERSION, TABLES
 
 # A live writer may compact away a part between our manifest read and the part's;
 # the new manifest then names its replacement.
@@ -171,6 +171,7 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     threads (decoding releases the GIL), then their string dictionaries unified and
     chunks combined, so analyses never loop over thousands of chunks."""
     names = columns if columns is not None else schema.names
+    added = next((cols for t, cols in ADDED.items() if TABLES[t] is schema), {})
     dictionary = tuple(c for c in dictionary if c in names)
     as_dict = pa.dictionary(pa.int32(), pa.string())
     want = pa.schema([schema.field(c).with_type(as_dict) if c in dictionary else schema.field(c) for c in names])
@@ -184,13 +185,20 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
             name = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
             raise _PartSchemaError(f"{p.path.name} has no column {name!r}") from None
         got = pf.schema_arrow
+        older: list[str] = []  # columns added after this part was written
         for f in want:
             i = got.get_field_index(f.name)
+            if i < 0 and f.name in added:
+                older.append(f.name)
+                continue
             if i < 0:
                 raise _PartSchemaError(f"{p.path.name} has no column {f.name!r}")
             if got.field(i).type != f.type and not (f.name in dictionary and got.field(i).type == pa.string()):
                 raise _PartSchemaError(f"{p.path.name} column {f.name!r} is {got.field(i).type}, not {f.type}")
-        return pf.read(columns=names, use_threads=False)
+        t = pf.read(columns=[n for n in names if n not in older], use_threads=False)
+        for name in older:
+            t = t.append_column(want.field(name), pa.array([added[name]] * t.num_rows, want.field(name).type))
+        return t.select(names)
 
     if len(parts) == 1:
         tables = [one(parts[0])]

@@ -40,6 +40,9 @@ REQUESTS = pa.schema([
     # [first_step, count, first_step, count, ...]: with steps.collect_ns they give
     # every ITL gap exactly, from a few numbers per request
     ("token_runs", pa.list_(pa.int64())),
+    # when the sender delivered the request's end to the client (its sinks): with a slow
+    # client, later than finish_ns by the time its output queued behind others' (0: unknown)
+    ("delivered_ns", pa.int64()),
 ])
 
 TIMELINE = pa.schema([
@@ -139,6 +142,10 @@ COLLECTIVES = pa.schema([
     ("dur_wait_ns", pa.int64()),  # the host blocked in wait() (exposed); -1: never waited out
 ])
 
+# Columns added since SCHEMA_VERSION 1, by table: a part written before one of them existed
+# reads it as this value, so older traces stay readable.
+ADDED: dict[str, dict[str, int]] = {"requests": {"delivered_ns": 0}}
+
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,
     "requests": REQUESTS,
@@ -156,7 +163,7 @@ TABLES: dict[str, pa.Schema] = {
 TIMESTAMPS: dict[str, tuple[str, ...]] = {
     "probes": ("ts_ns",),
     "requests": ("arrival_ns", "tokenized_ns", "queued_ns", "admitted_ns", "first_scheduled_ns",
-                 "first_token_ns", "finish_ns"),
+                 "first_token_ns", "finish_ns", "delivered_ns"),
     "timeline": ("ts_ns",),
     "steps": ("ts_ns", "collect_ns"),
     "memory": ("ts_ns",),

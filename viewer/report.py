@@ -33,7 +33,10 @@ PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when 
 BOTH_SIDES = ("defrag",)
 STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
-                   "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs"]
+                   "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs", "delivered_ns"]
+# What the client saw, from the sender's side: a slow client's requests end long after the
+# engine finished them (arrival -> delivery, and finish -> delivery).
+DELIVERY = (("delivered_e2e_ms", "E2E delivered ms"), ("delivery_lag_ms", "delivery lag ms"))
 
 
 @dataclass(slots=True)
@@ -97,6 +100,7 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
         "latency": {k: _dist(getattr(serving, k)) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")},
         "kv": kv.to_dict(),
     }
+    rep["latency"].update(_delivery(requests))
     ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows and "rank" in probes.column_names else []
     if len(ranks) > 1:
         # every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
@@ -144,6 +148,18 @@ def _cost_dict(c: CostTable) -> dict[str, Any]:
             for b in c.boundaries
         ],
     }
+
+
+def _delivery(requests: pa.Table) -> dict[str, dict[str, float | int | None]]:
+    """Delivery latencies of the served requests whose delivery was recorded (none in a trace
+    from before requests.delivered_ns existed)."""
+    delivered, first = requests["delivered_ns"].to_numpy(), requests["first_token_ns"].to_numpy()
+    m = (delivered > 0) & (first > 0)
+    if not m.any():
+        return {}
+    arrival, finish = requests["arrival_ns"].to_numpy()[m], requests["finish_ns"].to_numpy()[m]
+    return {"delivered_e2e_ms": _dist(Dist.of((delivered[m] - arrival) / 1e6)),
+            "delivery_lag_ms": _dist(Dist.of((delivered[m] - finish) / 1e6))}
 
 
 def _dist(d: Dist) -> dict[str, float | int | None]:
@@ -213,9 +229,11 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
     t.add_column("metric")
     for col in ("mean", "p50", "p90", "p99"):
         t.add_column(col, justify="right")
-    for name, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
-        d = rep["latency"][name]
-        t.add_row(label, *(_ms(d[k]) for k in ("mean", "p50", "p90", "p99")))
+    rows = (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms"), *DELIVERY)
+    for name, label in rows:
+        d = rep["latency"].get(name)
+        if d is not None:
+            t.add_row(label, *(_ms(d[k]) for k in ("mean", "p50", "p90", "p99")))
     console.print(t)
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(tp["finish_reasons"].items()))
     submitted = f", {tp['submitted']} submitted" if rep["status"]["state"] == "interrupted" else ""

@@ -39,6 +39,7 @@ class TraceRequestsSink:
             r.num_preemptions, r.num_prefill_chunks,
             [b - a for a, b in zip(r.token_ns, r.token_ns[1:], strict=False)],  # ITL gaps, off the hot path
             r.token_runs,
+            now_ns(),  # delivered: this sink runs as the sender hands the request's end to the client
         ))
 
 
