@@ -213,10 +213,10 @@ def test_overlap_with_tp_is_refused_not_relabelled(tmp_path):
 def test_the_dtype_that_ran_is_recorded_and_said(tmp_path):
     import json as _json
 
-    from tests.checkpoints import build_llama
-
     import torch
     from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import build_llama
 
     ckpt = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(build_llama(tmp_path / "f32")).to(torch.bfloat16).save_pretrained(ckpt)
