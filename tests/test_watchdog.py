@@ -227,7 +227,7 @@ def test_stall_rows_round_trip_through_a_trace_and_the_cli(tmp_path):
     assert [r.waiter for r in recs] == ["scheduler", "prefill-stream"]  # newest first (same ts: later row)
     assert recs[1].cycle.startswith("prefill-stream -> event main#42 -> main-stream") and recs[0].cycle == ""
     p = mstrace("stalls", str(tmp_path / "t"))
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr  # findings: a stall (README, exit codes)
     out = p.stdout.replace("\n", " ")
     assert "2 stall(s)" in p.stdout and "blocks held by req r7" in out and "prefill r6" in out
     assert "free=0" in p.stdout and "[waiting]" not in p.stdout  # thread ids 1, 2 are not real threads

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -110,6 +111,8 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
+        except typer.Exit:  # fail() inside the run: already said (click's Exit is a RuntimeError)
+            raise
         except Exception as e:  # noqa: BLE001 - a thread of the run failed: one line, and the trace
             why = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the run failed: {why}; trace flushed to {out}", 4)
