@@ -195,8 +195,10 @@ class Engine:
         return self._submitted
 
     def has_work(self) -> bool:
+        # a request rejected as it arrived (in wait_for_arrivals) is finished but not yet
+        # handed to the sender: one more round takes it, or the last one would be lost
         return (len(self.rm) > 0 or self._received < self._submitted or self._inflight is not None
-                or bool(self.fence))
+                or bool(self.fence) or self.rm.has_undrained())
 
     def wait_for_arrivals(self, timeout_s: float) -> None:
         """Idle engine: block until a tokenized request is ready or the timeout passes."""

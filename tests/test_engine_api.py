@@ -119,3 +119,30 @@ def test_a_failing_arrivals_thread_stops_the_run(tmp_path):
     finally:
         eng.close()
     assert eng.submitted == 1  # the refused request is not counted as submitted
+
+
+def test_a_request_rejected_as_it_arrives_still_reaches_the_output():
+    """Rejected inside wait_for_arrivals, as the last work of a run: has_work() must still
+    say so, or the run ends before its record reaches the sender (and the trace)."""
+    got = []
+
+    class Sink:
+        def on_text(self, rid, text):
+            pass
+
+        def on_finish(self, rec, text):
+            got.append((rec.request_id, rec.finish_reason))
+
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=64), sinks=[Sink()])
+    try:
+        eng.submit([5, 6, 7], SamplingParams(10**9), "huge")  # longer than the model's context
+        for _ in range(200):
+            if eng.rm.has_undrained():
+                break
+            eng.wait_for_arrivals(0.05)  # arrives here and is rejected at once
+        assert eng.rm.has_undrained() and len(eng.rm) == 0
+        assert eng.has_work()
+        drive(eng)
+    finally:
+        eng.close()
+    assert got == [("huge", "rejected")]

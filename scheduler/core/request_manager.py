@@ -85,6 +85,10 @@ class RequestManager:
         self.finished.append(req)
         self._newly_finished.append(req)
 
+    def has_undrained(self) -> bool:
+        """Requests finished that the output path has not taken yet."""
+        return bool(self._newly_finished)
+
     def drain_finished(self) -> list[Request]:
         """Requests finished since the last call, for the output path."""
         out, self._newly_finished = self._newly_finished, []
