@@ -16,7 +16,10 @@ def make(num_blocks=16, block_size=4, chunk=8, **kw):
     events = []
     rm = RequestManager(lambda *e: events.append(e))
     mm = MemoryManager(num_blocks, block_size)
-    cfg = EngineConfig(block_size=block_size, prefill_chunk=chunk, watermark_frac=0, **kw)
+    # The two wait limits read the clock (token times, queue times): a loaded machine that
+    # stalls between rounds for 0.5 s or 2 s would change what these policy tests schedule.
+    cfg = EngineConfig(block_size=block_size, prefill_chunk=chunk, watermark_frac=0,
+                       **{"decode_max_wait_ms": 1e9, "prefill_max_wait_ms": 1e9, **kw})
     return rm, mm, Policy(cfg, rm, mm), events
 
 
