@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
 
 class Backend:
-    """`kind`: cpu-thread, cpu-process, cuda, or parallel. After `open`: `streams`; `model`
-    and `kv` where they live in this process (None on a device process)."""
+    """`kind`: cpu-thread, cpu-process, cuda, or parallel. After `open`: `streams`, and `ops`,
+    what the executor launches on (the model and KV pool live there)."""
 
     def __init__(self, kind: str, model_dir: Path, device: torch.device, dtype: torch.dtype,
                  timeout_s: float, device_threads: int, device_delay_ns: int,
@@ -39,8 +39,7 @@ class Backend:
         self.kind, self.model_dir, self.device, self.dtype = kind, model_dir, device, dtype
         self._timeout_s, self._threads, self._delay_ns = timeout_s, device_threads, device_delay_ns
         self.parallel = parallel
-        self.model: Any = None
-        self.kv: PagedKVCache | None = None
+        self.model: Any = None  # loaded here for a local device (before the pool's size is known)
         self.device_proc: DeviceProcess | None = None
         self.ops: LocalDevice | RemoteDevice  # what the executor launches on, after open()
         self.streams: dict[str, Stream] = {}
@@ -84,11 +83,11 @@ class Backend:
             # registry, so the watchdog sees rank 0's collective waits.
             sharded = self.parallel.start_ranks(self.model_dir, num_blocks, self.dtype, probes, registry)
             self.model = sharded.model
-            self.kv = sharded.make_kv_cache(num_blocks, block_size)
+            kv = sharded.make_kv_cache(num_blocks, block_size)
         else:
-            self.kv = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
+            kv = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads,
                                    mc.head_dim, self.dtype, self.device)
-        self.ops = LocalDevice(self.model, self.kv, self.device, block_size, self.parallel, self._delay_ns)
+        self.ops = LocalDevice(self.model, kv, self.device, block_size, self.parallel, self._delay_ns)
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)
 
     def close(self) -> None:
