@@ -123,3 +123,30 @@ def test_host_work_under_device_compute_is_hidden():
     assert got["bookkeeping"].hidden == 2 / 3 and got["bookkeeping"].share == 0.1
     assert got["bookkeeping"].host_share == pytest.approx(0.3)
     assert got["unattributed"].share == pytest.approx(0.1)  # 8..9 ms: device idle, no probe
+
+
+_BOUNDARIES = ("device_compute", "scheduler_barrier", "bookkeeping", "batch_prepare", "response_send",
+               "kv_fence", "all_reduce", "prefill_stagger", "tokenize", "idle")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(-30, 400), st.integers(0, 40), st.sampled_from(_BOUNDARIES),
+                          st.sampled_from(("host", "main", "prefill"))), min_size=0, max_size=60))
+def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(gaps, probe_rows):
+    """The cost table sums the cycles without keeping them (per_cycle's totals mode): the same
+    numbers as summing per-cycle arrays, on any rows, in or out of the cycles, overlapping or not."""
+    from viewer.analysis.cycle_views import per_cycle
+
+    starts = np.cumsum([0, *gaps[:-1]]).tolist()
+    steps = table(STEPS, [(i, "serial", s, gaps[i], 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)
+                          for i, s in enumerate(starts)])
+    probes = table(PROBES, [(a, d, b, st_, 0, 0) for a, d, b, st_ in probe_rows]) if probe_rows else PROBES.empty_table()
+    full = per_cycle(probes, steps)
+    tot = per_cycle(probes, steps, totals=True)
+    assert set(full) == set(tot)
+    for k, v in full.items():
+        if k in ("start_ns", "end_ns"):
+            assert np.array_equal(tot[k], v)
+        else:
+            assert tot[k].tolist() == [pytest.approx(float(v.sum()), abs=1e-6)], k

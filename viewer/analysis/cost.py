@@ -4,7 +4,7 @@
 device-side waits, idle charged to the host probe that kept it idle) and the
 scheduling thread's (the barrier, bookkeeping, ...), each with an explicit
 `unattributed` row for the time no probe covers (docs/report.md, "Two views").
-Here those per-cycle arrays are summed into the table `report` prints.
+Here their sums over the cycles become the table `report` prints.
 
 Tensor/pipeline parallel runs (scheduler/parallel/): cycles are always rank 0's
 (the scheduler's steps and idle time); any rank's rows are attributed against
@@ -83,10 +83,10 @@ _NO_HIDDEN = (B.SCHEDULER_BARRIER, B.DEVICE_COMPUTE, UNATTRIBUTED)
 def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
                collectives: pa.Table | None = None) -> CostTable:
     """Pure function from the probes and steps tables to the cost table (sums of `per_cycle`)."""
-    pcy = per_cycle(probes, steps, rank, collectives)
+    pcy = per_cycle(probes, steps, rank, collectives, totals=True)
     if not pcy:
         return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
-    n = len(pcy["cycle_ns"])
+    n = len(pcy["start_ns"])
     total = float(pcy["cycle_ns"].sum())
 
     def frac(key: str, of: float) -> float | None:

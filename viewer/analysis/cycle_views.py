@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probes import boundaries as B
-from viewer.analysis.intervals import Coverage, CycleSums, blocks, subtract
+from viewer.analysis.intervals import Coverage, CycleSums, CycleTotals, blocks, subtract
 
 UNATTRIBUTED = "unattributed"
 # The scheduling thread's probes. OUTER ones follow each other; INNER ones run inside
@@ -85,8 +85,9 @@ class _Rows:
 
 
 def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
-              collectives: pa.Table | None = None) -> dict[str, np.ndarray]:
-    """Both views, per cycle (what `cost_table` sums and `diff` resamples).
+              collectives: pa.Table | None = None, totals: bool = False) -> dict[str, np.ndarray]:
+    """Both views, per cycle (what `diff` resamples; `totals`: summed over the cycles, what
+    `cost_table` shows, each array then one entry long but start_ns and end_ns).
 
     `rank` selects one rank's rows (None: all); `collectives` (any ranks) gives
     all_reduce its HTA raw/hidden times. Every array has one entry per cycle, in time
@@ -117,7 +118,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     E[:-1] = S[1:]
     E[-1] = S[-1] + D[-1]
     first, end = int(S[0]), int(E[-1])
-    bins = CycleSums(S)
+    bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S)
 
     probes, idle_rows = _for_rank(probes, rank)
     rows = _Rows(probes)
@@ -135,8 +136,12 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     idle_per = bins.zeros()
     keep = (idle_ts >= first) & (idle_ts < end)
     bins.add(idle_per, bins.cycle_of(idle_ts[keep]), idle_dur[keep])
-    cycle_len = (E - S).astype(np.float64) - idle_per
-    dev_per = np.concatenate([busy.covered(S[b], E[b]) for b in blocks(n)]).astype(np.float64)
+    if totals:
+        cycle_len = float(end - first) - idle_per
+        dev_per = busy.covered(np.array([first]), np.array([end])).astype(np.float64)
+    else:
+        cycle_len = (E - S).astype(np.float64) - idle_per
+        dev_per = np.concatenate([busy.covered(S[b], E[b]) for b in blocks(n)]).astype(np.float64)
     out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
                                   "device_ns": dev_per}
 
@@ -191,7 +196,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
         bins.add(dev_count, bins.cycle_of(dev_ts[blk]))
     out[f"count:{B.DEVICE_COMPUTE}"] = dev_count
     for view in ("exposed_ns", "host_ns"):
-        claimed = sum((v for k, v in out.items() if k.startswith(f"{view}:")), np.zeros(n))
+        claimed = sum((v for k, v in out.items() if k.startswith(f"{view}:")), bins.zeros())
         out[f"{view}:{UNATTRIBUTED}"] = cycle_len - claimed
     return out
 
@@ -211,7 +216,7 @@ def _for_rank(probes: pa.Table, rank: int | None) -> tuple[pa.Table, tuple[np.nd
     return probes.filter(pc.equal(probes["rank"], rank)), idle
 
 
-def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage, bins: CycleSums,
+def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage, bins: CycleSums | CycleTotals,
                      first: int, end: int) -> None:
     """Charge nested time to the innermost probe: an inner row's time inside an outer
     row comes off the outer row, in both views. Inner rows are few (a fence query per
@@ -235,16 +240,16 @@ def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage,
             continue
         lo, hi = lo[m], hi[m]
         ci = bins.cycle_of(lo)
-        both = np.zeros(len(out["cycle_ns"]))
+        both = bins.zeros()
         bins.add(both, ci, hi - lo)
         out[f"host_ns:{outer}"] -= both
-        idle = np.zeros(len(out["cycle_ns"]))
+        idle = bins.zeros()
         bins.add(idle, ci, (hi - lo) - blocked.covered(lo, hi))
         out[f"exposed_ns:{outer}"] -= idle  # only the device-idle part moves in the device view
 
 
 def _collective_times(out: dict[str, np.ndarray], colls: pa.Table, rank: int | None, cov: Coverage,
-                      bins: CycleSums) -> None:
+                      bins: CycleSums | CycleTotals) -> None:
     """all_reduce's raw, hidden and count from the collectives table (HTA's comm/compute overlap):
     raw = issue -> completion of each completed collective, hidden = the part of it during which
     the rank's device computed. The exposed share stays the host waits' (the probe rows)."""
