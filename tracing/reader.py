@@ -24,6 +24,10 @@ from tracing.schema import ADDED, SCHEMA_VERSION, TABLES
 # A live writer may compact away a part between our manifest read and the part's;
 # the new manifest then names its replacement.
 _REOPEN_TRIES = 5
+# Tables are read in chunks at least this long: half a compacted part (so those stay
+# uncopied), and long enough that a loop over chunks costs nothing beside the numpy
+# passes inside it.
+CHUNK_ROWS = 1 << 19
 
 
 class TraceError(Exception):
@@ -163,13 +167,15 @@ class _PartSchemaError(Exception):
 
 def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
                 dictionary: tuple[str, ...] = ()) -> pa.Table:
-    """The parts' rows in order, as one chunk per column.
+    """The parts' rows in order, in chunks of at least CHUNK_ROWS rows (but the last).
 
     Each part is read with ParquetFile, not the dataset scanner: on a trace of
     thousands of small row groups the scanner's per-row-group overhead was 3x the
     decoding (probes of 15 k flushes: 4.0 s against 1.2 s). Parts are read on two
-    threads (decoding releases the GIL), then their string dictionaries unified and
-    chunks combined, so analyses never loop over thousands of chunks."""
+    threads (decoding releases the GIL) and each part's row groups combined there;
+    then string dictionaries are unified and small parts combined, so analyses never
+    loop over thousands of chunks. A compacted part is already one chunk of more than
+    CHUNK_ROWS and is not copied again (10 M probe rows: 200 MB of copy saved)."""
     names = columns if columns is not None else schema.names
     added = next((cols for t, cols in ADDED.items() if TABLES[t] is schema), {})
     dictionary = tuple(c for c in dictionary if c in names)
@@ -198,7 +204,8 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
         t = pf.read(columns=[n for n in names if n not in older], use_threads=False)
         for name in older:
             t = t.append_column(want.field(name), pa.array([added[name]] * t.num_rows, want.field(name).type))
-        return t.select(names)
+        t = t.select(names)
+        return t.unify_dictionaries().combine_chunks() if any(c.num_chunks > 1 for c in t.columns) else t
 
     if len(parts) == 1:
         tables = [one(parts[0])]
@@ -207,11 +214,27 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
             tables = list(pool.map(one, parts))
     t = pa.concat_tables(tables).select(names)
     t = t.unify_dictionaries() if t.num_rows else t
-    t = t.combine_chunks()
+    t = _coalesce(t, [x.num_rows for x in tables])
     # Parquet checks neither UTF-8 nor dictionary indices: garbage in a data page would
     # surface later, in an analysis, as a traceback. (10 M probe rows: a few ms.)
     t.validate(full=True)
     return t
+
+
+def _coalesce(t: pa.Table, sizes: list[int]) -> pa.Table:
+    """t, whose rows come in pieces of these sizes (one chunk each), with runs of small
+    pieces combined into chunks of at least CHUNK_ROWS rows; large pieces stay as they are."""
+    if len(sizes) <= 1:
+        return t
+    groups: list[pa.Table] = []
+    at, start = 0, 0
+    for k, size in enumerate(sizes):
+        at += size
+        if at - start >= CHUNK_ROWS or k == len(sizes) - 1:
+            g = t.slice(start, at - start)
+            groups.append(g.combine_chunks() if any(c.num_chunks > 1 for c in g.columns) else g)
+            start = at
+    return pa.concat_tables(groups)
 
 
 def _committed(root: Path, legacy: bool) -> dict[str, list[Part]]:

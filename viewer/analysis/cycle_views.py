@@ -47,37 +47,54 @@ CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 HOST_STREAM = "host"
 
 
-def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if not pa.types.is_dictionary(arr.type):
-        arr = arr.dictionary_encode()
-    codes = arr.indices.to_numpy(zero_copy_only=False)
-    names = arr.dictionary.to_pylist()
-    return (codes.astype(np.uint8) if len(names) < 256 else codes), names
+def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
+    """Each chunk's dictionary codes (uint8 when they fit) over one list of names."""
+    if isinstance(col, pa.Array):
+        col = pa.chunked_array([col])
+    if not pa.types.is_dictionary(col.type):
+        col = pa.chunked_array([col.combine_chunks().dictionary_encode()])
+    elif col.num_chunks > 1:  # one dictionary for every chunk
+        col = pa.table({"c": col}).unify_dictionaries()["c"]
+    chunks = [c for c in col.chunks if len(c)]
+    names = chunks[0].dictionary.to_pylist() if chunks else []
+    codes = [c.indices.to_numpy(zero_copy_only=False) for c in chunks]
+    return ([c.astype(np.uint8) for c in codes] if len(names) < 256 else codes), names
+
+
+def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
+    return [c.to_numpy() for c in col.chunks if len(c)]
 
 
 class _Rows:
     """One rank's probe rows, split by boundary on demand (a mask and a gather of
-    increasing indices per boundary: cheaper than one argsort and a random gather
-    of every row, and it runs on both threads)."""
+    increasing indices per boundary and chunk: cheaper than one argsort and a random
+    gather of every row, and it runs on both threads). Chunk by chunk, so the reader's
+    chunks are never copied into one array."""
 
     def __init__(self, probes: pa.Table) -> None:
-        self.codes, self.names = _codes(probes["boundary"]) if probes.num_rows else (np.zeros(0, np.uint8), [])
-        self.ts, self.dur = probes["ts_ns"].to_numpy(), probes["dur_ns"].to_numpy()
-        self.host: np.ndarray | None = None  # rows on the scheduling thread; None: all of them
+        self.codes, self.names = _codes(probes["boundary"]) if probes.num_rows else ([], [])
+        self.ts, self.dur = _numpy_chunks(probes["ts_ns"]), _numpy_chunks(probes["dur_ns"])
+        self.host: list[np.ndarray] | None = None  # rows on the scheduling thread; None: all of them
         if "stream" in probes.column_names and probes.num_rows:
             sc, sn = _codes(probes["stream"])
             if any(s != HOST_STREAM for s in sn):
-                self.host = sc == (sn.index(HOST_STREAM) if HOST_STREAM in sn else -1)
+                h = sn.index(HOST_STREAM) if HOST_STREAM in sn else -1
+                self.host = [c == h for c in sc]
 
     def get(self, name: str, host_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         if name not in self.names:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        m = self.codes == self.names.index(name)
-        if host_only and self.host is not None:
-            m &= self.host
-        idx = np.flatnonzero(m)
-        ts, dur = self.ts[idx], self.dur[idx]
+        code = self.names.index(name)
+        ts_parts, dur_parts = [], []
+        for k, codes in enumerate(self.codes):
+            m = codes == code
+            if host_only and self.host is not None:
+                m &= self.host[k]
+            idx = np.flatnonzero(m)
+            ts_parts.append(self.ts[k][idx])
+            dur_parts.append(self.dur[k][idx])
+        ts, dur = (np.concatenate(ts_parts), np.concatenate(dur_parts)) if len(ts_parts) != 1 else \
+            (ts_parts[0], dur_parts[0])
         if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):  # one thread's rows are in order
             o = np.argsort(ts, kind="stable")
             ts, dur = ts[o], dur[o]
