@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tracing.schema import PROBES, STEPS
+from viewer.analysis import native
 from viewer.analysis.cost import cost_table
 from viewer.analysis.intervals import Coverage as _Coverage
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.fixture(params=["native", "numpy"])
+def searches(request, monkeypatch):
+    """Both implementations of the sorted searches: the C one and numpy's fallback."""
+    if request.param == "native" and not native.AVAILABLE:
+        pytest.skip("the C searches were not built")
+    monkeypatch.setattr(native, "AVAILABLE", request.param == "native")
+    return request.param
+
+
+def test_the_c_searches_are_built_where_there_is_a_compiler():
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the numpy fallback is what runs")
+    assert native.AVAILABLE, "setup.sh's install should have built viewer/analysis/_search.c"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-100, 100), max_size=40), st.lists(st.integers(-120, 120), max_size=40))
+def test_the_c_searches_equal_numpys(s, q):
+    if not native.AVAILABLE:
+        pytest.skip("the C searches were not built")
+    s_ = np.sort(np.array(s, dtype=np.int64))
+    q_ = np.array(q, dtype=np.int64)  # any order: the search gallops both ways
+    assert native.search_right(s_, q_).tolist() == np.searchsorted(s_, q_, side="right").tolist()
+    ln = np.diff(s_, append=s_[-1] + 3 if len(s_) else 0) // 2  # disjoint: each shorter than its gap
+    cum = np.concatenate([[0], np.cumsum(ln)]).astype(np.int64)
+    want = [sum(max(min(x, a + d) - a, 0) for a, d in zip(s_.tolist(), ln.tolist(), strict=True)) for x in q]
+    assert native.busy_before(s_, ln, cum, q_).tolist() == want
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 50)), min_size=0, max_size=30),
        st.lists(st.tuples(st.integers(-50, 1100), st.integers(0, 300)), min_size=1, max_size=30))
-def test_coverage_matches_brute_force(dev, queries):
+def test_coverage_matches_brute_force(searches, dev, queries):
     s = np.array([a for a, _ in dev], dtype=np.int64)
     e = np.array([a + d for a, d in dev], dtype=np.int64)
     cov = _Coverage(s, e)
@@ -129,11 +161,11 @@ _BOUNDARIES = ("device_compute", "scheduler_barrier", "bookkeeping", "batch_prep
                "kv_fence", "all_reduce", "prefill_stagger", "tokenize", "idle")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=12),
        st.lists(st.tuples(st.integers(-30, 400), st.integers(0, 40), st.sampled_from(_BOUNDARIES),
                           st.sampled_from(("host", "main", "prefill"))), min_size=0, max_size=60))
-def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(gaps, probe_rows):
+def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(searches, gaps, probe_rows):
     """The cost table sums the cycles without keeping them (per_cycle's totals mode): the same
     numbers as summing per-cycle arrays, on any rows, in or out of the cycles, overlapping or not."""
     from viewer.analysis.cycle_views import per_cycle

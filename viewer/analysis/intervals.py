@@ -14,12 +14,17 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from viewer.analysis import native
+
 BLOCK = 1 << 15
 
 
 def search(s: np.ndarray, q: np.ndarray, lo_q: int, hi_q: int) -> np.ndarray:
     """np.searchsorted(s, q, "right") for a block whose values lie in [lo_q, hi_q]:
-    searching only the slice of s they can land in keeps the search in cache."""
+    in C where it was built (viewer/analysis/native.py); else searching only the
+    slice of s they can land in keeps numpy's search in cache."""
+    if native.AVAILABLE:
+        return native.search_right(s, q)
     lo = max(int(np.searchsorted(s, lo_q, side="right")) - 1, 0)
     hi = int(np.searchsorted(s, hi_q, side="right"))
     return np.searchsorted(s[lo:hi], q, side="right") + lo
@@ -115,6 +120,8 @@ class Coverage:
             return np.zeros(len(a), dtype=np.int64)
         if not len(a):
             return np.zeros(0, dtype=np.int64)
+        if native.AVAILABLE:
+            return native.busy_before(s, ln, cum, b) - native.busy_before(s, ln, cum, a)
         if lo is None or hi is None:
             lo, hi = int(a.min()), int(b.max())
         i = search(s, a, lo, hi) - 1
