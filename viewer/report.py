@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,9 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) 
     probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
     want: dict[str, list[str] | None] = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
     t = read_consistent(trace, want)
-    names = t["probes"]["boundary"].combine_chunks().dictionary.to_pylist() if t["probes"].num_rows else []
-    if any(b in names for b in BOTH_SIDES):
-        t = read_consistent(trace, {**want, "probes": [*probe_cols, "stream"]})
+    names = {n for c in t["probes"]["boundary"].chunks for n in c.dictionary.to_pylist()}
+    if names & set(BOTH_SIDES):
+        t["probes"] = read_consistent(trace, {"probes": [*probe_cols, "stream"]})["probes"]
     return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
 
 
@@ -67,12 +68,15 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
     """Everything `report` shows, as plain data (what --json prints)."""
     inp = root if isinstance(root, ReportInputs) else load_inputs(root)
     meta, probes, steps, requests, colls = inp.trace.meta, inp.probes, inp.steps, inp.requests, inp.collectives
-    cost = cost_table(probes, steps, collectives=colls)
-    # ITL from token runs and round collect times: exact, and a long trace's tens
-    # of millions of per-token gaps never have to be read
-    itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
-    serving = serving_metrics(requests, itl)
-    kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
+    # The cost table runs beside the request metrics: both are numpy passes that release the GIL.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        cost_job = pool.submit(cost_table, probes, steps, collectives=colls)
+        # ITL from token runs and round collect times: exact, and a long trace's tens
+        # of millions of per-token gaps never have to be read
+        itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
+        serving = serving_metrics(requests, itl)
+        kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
+        cost = cost_job.result()
     rep: dict[str, Any] = {
         "trace": str(inp.trace.root),
         "status": inp.trace.status.to_dict(),
