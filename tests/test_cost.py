@@ -17,25 +17,25 @@ from viewer.analysis.intervals import Coverage as _Coverage
 
 
 @pytest.fixture(params=["native", "numpy"])
-def searches(request, monkeypatch):
-    """Both implementations of the sorted searches: the C one and numpy's fallback."""
+def kernels(request, monkeypatch):
+    """Both implementations of the inner loops: the C ones and numpy's fallback."""
     if request.param == "native" and not native.AVAILABLE:
-        pytest.skip("the C searches were not built")
+        pytest.skip("the C loops were not built")
     monkeypatch.setattr(native, "AVAILABLE", request.param == "native")
     return request.param
 
 
-def test_the_c_searches_are_built_where_there_is_a_compiler():
+def test_the_c_loops_are_built_where_there_is_a_compiler():
     if shutil.which("cc") is None:
         pytest.skip("no C compiler: the numpy fallback is what runs")
-    assert native.AVAILABLE, "setup.sh's install should have built viewer/analysis/_search.c"
+    assert native.AVAILABLE, "setup.sh's install should have built viewer/analysis/_kernels.c"
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(-100, 100), max_size=40), st.lists(st.integers(-120, 120), max_size=40))
 def test_the_c_searches_equal_numpys(s, q):
     if not native.AVAILABLE:
-        pytest.skip("the C searches were not built")
+        pytest.skip("the C loops were not built")
     s_ = np.sort(np.array(s, dtype=np.int64))
     q_ = np.array(q, dtype=np.int64)  # any order: the search gallops both ways
     assert native.search_right(s_, q_).tolist() == np.searchsorted(s_, q_, side="right").tolist()
@@ -45,10 +45,38 @@ def test_the_c_searches_equal_numpys(s, q):
     assert native.busy_before(s_, ln, cum, q_).tolist() == want
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=20), min_size=1, max_size=4),
+       st.booleans())
+def test_the_c_split_is_a_stable_sort_by_key(chunks, with_host):
+    if not native.AVAILABLE:
+        pytest.skip("the C loops were not built")
+    codes = [np.array([c for c, _ in ch], dtype=np.int32) for ch in chunks]
+    host = [np.array([h for _, h in ch], dtype=bool) for ch in chunks] if with_host else None
+    ts = [np.arange(len(ch), dtype=np.int64) + 100 * k for k, ch in enumerate(chunks)]
+    dur = [t * 7 for t in ts]
+    off, ts_out, dur_out = native.split_by_key(codes, host, 4, ts, dur)
+    key = np.concatenate(codes).astype(np.int64)
+    if host is not None:
+        key = key * 2 + ~np.concatenate(host)
+    order = np.argsort(key, kind="stable")
+    assert ts_out.tolist() == np.concatenate(ts)[order].tolist()
+    assert dur_out.tolist() == np.concatenate(dur)[order].tolist()
+    assert off.tolist() == [0, *np.cumsum(np.bincount(key, minlength=len(off) - 1)).tolist()]
+
+
+def test_the_c_split_refuses_a_code_outside_the_dictionary():
+    if not native.AVAILABLE:
+        pytest.skip("the C loops were not built")
+    one = [np.array([0, 5], dtype=np.int32)]
+    with pytest.raises(ValueError, match="boundary code 5"):
+        native.split_by_key(one, None, 2, [np.zeros(2, np.int64)], [np.zeros(2, np.int64)])
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 50)), min_size=0, max_size=30),
        st.lists(st.tuples(st.integers(-50, 1100), st.integers(0, 300)), min_size=1, max_size=30))
-def test_coverage_matches_brute_force(searches, dev, queries):
+def test_coverage_matches_brute_force(kernels, dev, queries):
     s = np.array([a for a, _ in dev], dtype=np.int64)
     e = np.array([a + d for a, d in dev], dtype=np.int64)
     cov = _Coverage(s, e)
@@ -165,7 +193,7 @@ _BOUNDARIES = ("device_compute", "scheduler_barrier", "bookkeeping", "batch_prep
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=12),
        st.lists(st.tuples(st.integers(-30, 400), st.integers(0, 40), st.sampled_from(_BOUNDARIES),
                           st.sampled_from(("host", "main", "prefill"))), min_size=0, max_size=60))
-def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(searches, gaps, probe_rows):
+def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(kernels, gaps, probe_rows):
     """The cost table sums the cycles without keeping them (per_cycle's totals mode): the same
     numbers as summing per-cycle arrays, on any rows, in or out of the cycles, overlapping or not."""
     from viewer.analysis.cycle_views import per_cycle

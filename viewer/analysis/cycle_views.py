@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from probes import boundaries as B
+from viewer.analysis import native
 from viewer.analysis.intervals import Coverage, CycleSums, CycleTotals, blocks, subtract
 
 UNATTRIBUTED = "unattributed"
@@ -48,7 +49,7 @@ HOST_STREAM = "host"
 
 
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
-    """Each chunk's dictionary codes (uint8 when they fit) over one list of names."""
+    """Each chunk's dictionary codes (int32, zero-copy) over one list of names."""
     if isinstance(col, pa.Array):
         col = pa.chunked_array([col])
     if not pa.types.is_dictionary(col.type):
@@ -57,8 +58,7 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]
         col = pa.table({"c": col}).unify_dictionaries()["c"]
     chunks = [c for c in col.chunks if len(c)]
     names = chunks[0].dictionary.to_pylist() if chunks else []
-    codes = [c.indices.to_numpy(zero_copy_only=False) for c in chunks]
-    return ([c.astype(np.uint8) for c in codes] if len(names) < 256 else codes), names
+    return [c.indices.to_numpy(zero_copy_only=False) for c in chunks], names
 
 
 def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
@@ -66,25 +66,45 @@ def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
 
 
 class _Rows:
-    """One rank's probe rows, split by boundary on demand (a mask and a gather of
-    increasing indices per boundary and chunk: cheaper than one argsort and a random
-    gather of every row, and it runs on both threads). Chunk by chunk, so the reader's
-    chunks are never copied into one array."""
+    """One rank's probe rows, split by boundary (and host or not): in C, one counting
+    sort of all rows; in numpy (no C build), a mask and a gather of increasing
+    indices per boundary and chunk on demand. Chunk by chunk either way, so the
+    reader's chunks are never copied into one array."""
 
     def __init__(self, probes: pa.Table) -> None:
-        self.codes, self.names = _codes(probes["boundary"]) if probes.num_rows else ([], [])
-        self.ts, self.dur = _numpy_chunks(probes["ts_ns"]), _numpy_chunks(probes["dur_ns"])
-        self.host: list[np.ndarray] | None = None  # rows on the scheduling thread; None: all of them
+        codes, self.names = _codes(probes["boundary"]) if probes.num_rows else ([], [])
+        ts, dur = _numpy_chunks(probes["ts_ns"]), _numpy_chunks(probes["dur_ns"])
+        host: list[np.ndarray] | None = None  # rows on the scheduling thread; None: all of them
         if "stream" in probes.column_names and probes.num_rows:
             sc, sn = _codes(probes["stream"])
             if any(s != HOST_STREAM for s in sn):
                 h = sn.index(HOST_STREAM) if HOST_STREAM in sn else -1
-                self.host = [c == h for c in sc]
+                host = [c == h for c in sc]
+        self.host = host
+        self.split: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        if native.AVAILABLE and codes:
+            self.split = native.split_by_key(codes, host, len(self.names), ts, dur)
+        else:
+            self.codes = [c.astype(np.uint8) for c in codes] if len(self.names) < 256 else codes
+            self.ts, self.dur = ts, dur
 
     def get(self, name: str, host_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         if name not in self.names:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         code = self.names.index(name)
+        if self.split is not None:
+            off, ts_all, dur_all = self.split
+            lo, hi = (code, code + 1) if self.host is None else (2 * code, 2 * code + (1 if host_only else 2))
+            ts, dur = ts_all[off[lo]:off[hi]], dur_all[off[lo]:off[hi]]
+        else:
+            ts, dur = self._gather(code, host_only)
+        # one thread's rows are in order (host and other rows of one boundary are not)
+        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
+            o = np.argsort(ts, kind="stable")
+            ts, dur = ts[o], dur[o]
+        return ts, dur
+
+    def _gather(self, code: int, host_only: bool) -> tuple[np.ndarray, np.ndarray]:
         ts_parts, dur_parts = [], []
         for k, codes in enumerate(self.codes):
             m = codes == code
@@ -93,12 +113,9 @@ class _Rows:
             idx = np.flatnonzero(m)
             ts_parts.append(self.ts[k][idx])
             dur_parts.append(self.dur[k][idx])
-        ts, dur = (np.concatenate(ts_parts), np.concatenate(dur_parts)) if len(ts_parts) != 1 else \
-            (ts_parts[0], dur_parts[0])
-        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):  # one thread's rows are in order
-            o = np.argsort(ts, kind="stable")
-            ts, dur = ts[o], dur[o]
-        return ts, dur
+        if len(ts_parts) == 1:
+            return ts_parts[0], dur_parts[0]
+        return np.concatenate(ts_parts), np.concatenate(dur_parts)
 
 
 def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,

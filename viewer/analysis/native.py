@@ -1,11 +1,12 @@
-"""The C searches of `_search.c`, loaded with ctypes, or None where they were not built.
+"""The C loops of `_kernels.c`, loaded with ctypes, where the install built them.
 
-They gallop from the previous answer, so a block of nearly sorted queries costs a
-few comparisons per query instead of a bisection (10 M probe rows: the cost
-table's searches took 60% of its CPU time in numpy). ctypes releases the GIL for
-the call, so the analysis threads still run side by side. `intervals` falls back
-to numpy's searchsorted, which gives the same answers, when the extension is absent
-(an install without a C compiler).
+The searches gallop from the previous answer, so a block of nearly sorted queries
+costs a few comparisons per query instead of a bisection (10 M probe rows: the cost
+table's searches took 60% of its CPU time in numpy); the split sorts probe rows by
+boundary in one counting pass. ctypes releases the GIL for the call, so the
+analysis threads still run side by side. Where the extension is absent (an install
+without a C compiler) `AVAILABLE` is False and the callers use numpy, which gives
+the same answers.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ _N = ctypes.c_int64
 def _load() -> ctypes.CDLL | None:
     here = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_search{suffix}"
+        p = here / f"_kernels{suffix}"
         if p.is_file():
             lib = ctypes.CDLL(str(p))
             lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
             lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
-            lib.search_right.restype = lib.busy_before.restype = None
+            lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
+            lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
+            lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
+            lib.count_keys.restype = ctypes.c_int64
             return lib
     return None
 
@@ -62,3 +66,29 @@ def busy_before(s: np.ndarray, length: np.ndarray, cum: np.ndarray, q: np.ndarra
     out = np.empty(len(q), dtype=np.int64)
     _LIB.busy_before(_ptr(s), _ptr(length), _ptr(cum), len(s), _ptr(q), len(q), _ptr(out))
     return out
+
+
+def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
+                 ts: list[np.ndarray], dur: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (in chunks) sorted by key, stably: a row's key is its code in [0, ncodes), or
+    with `host` masks code * 2 for a host row and code * 2 + 1 for another. Returns
+    (offsets, ts, dur): key k's rows are [offsets[k], offsets[k + 1])."""
+    assert _LIB is not None
+    codes = [np.ascontiguousarray(c, dtype=np.int32) for c in codes]
+    hosts = [np.ascontiguousarray(h, dtype=np.uint8) for h in host] if host is not None else None
+    nkeys = ncodes * (2 if hosts is not None else 1)
+    counts = np.zeros(nkeys, dtype=np.int64)
+    for k, c in enumerate(codes):
+        hp = hosts[k].ctypes.data if hosts is not None else None
+        bad = _LIB.count_keys(c.ctypes.data, hp, len(c), ncodes, _ptr(counts))
+        if bad >= 0:
+            raise ValueError(f"probe row {bad} of a chunk has boundary code {int(c[bad])}, not in [0, {ncodes})")
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pos = offsets[:-1].copy()
+    n = int(offsets[-1])
+    ts_out, dur_out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for k, c in enumerate(codes):
+        hp = hosts[k].ctypes.data if hosts is not None else None
+        _LIB.scatter_rows(c.ctypes.data, hp, len(c), ncodes, _ptr(_i64(ts[k])), _ptr(_i64(dur[k])), _ptr(pos),
+                          _ptr(ts_out), _ptr(dur_out))
+    return offsets, ts_out, dur_out
