@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from probes.recorder import Probes
 from probes.waits import WaitRegistry, WaitTimeout, timed_wait
 from probes.watchdog import Watchdog
 from scheduler.config import DEFAULT_KV_TOKENS, EngineConfig
+from scheduler.core.aborts import AbortInbox
 from scheduler.core.batch import ScheduleBatch
 from scheduler.core.block_snapshot import append_snapshot
 from scheduler.core.collect import collect, launched
@@ -141,6 +142,7 @@ class Engine:
         self._submit_lock = threading.Lock()
         self._submitted = 0
         self._received = 0
+        self.aborts = AbortInbox()
         self.hooks.at_start(self)
 
     # ---- set-up --------------------------------------------------------
@@ -229,6 +231,9 @@ class Engine:
         self.step_no += 1
         step = self.rm.step = self.step_no
         self._drain_arrivals()
+        for req, why in self.aborts.take(itertools.chain(self.rm.running, self.rm.waiting),
+                                         self._received < self._submitted):
+            self._finish(req, FinishReason.ABORTED, why)
         self.fence.free_completed(step)
         batch = self.policy.schedule(step)  # steps 1-3
         t1 = now_ns()
@@ -295,6 +300,10 @@ class Engine:
                           len(batch.decodes), n_sampled, len(out.finished))
         return stats
 
+    def request_abort(self, request_id: str, detail: str) -> None:
+        """Thread-safe: abort this request at the next round (scheduler/core/aborts.py)."""
+        self.aborts.post(request_id, detail)
+
     def abort(self, request_id: str) -> bool:
         for req in list(self.rm.running) + list(self.rm.waiting):
             if req.request_id == request_id:
@@ -325,8 +334,13 @@ class Engine:
 
     def _enqueue(self, sample: Any) -> None:
         self._received += 1
+        if sample.sampling_params.fill_context:
+            room = min(self.model_config.max_position_embeddings, self.mm.num_blocks * self.mm.block_size)
+            sample.sampling_params = replace(sample.sampling_params, max_new_tokens=max(room - sample.valid_len, 1))
         req = self.rm.enqueue(sample)
-        if sample.error:
+        if (why := self.aborts.arrived(sample.request_id)) is not None:
+            self.rm.finish(req, FinishReason.ABORTED, why)
+        elif sample.error:
             self.rm.finish(req, FinishReason.REJECTED, sample.error)
         elif sample.valid_len == 0:
             self.rm.finish(req, FinishReason.REJECTED, "empty prompt")

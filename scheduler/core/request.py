@@ -14,6 +14,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    # max_new_tokens becomes what the context and the KV pool leave after the prompt,
+    # once the prompt's length is known (a chat request without max_tokens)
+    fill_context: bool = False
 
 
 @dataclass(slots=True)
