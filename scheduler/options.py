@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-# `mstrace run --help` groups its flags into these panels, in this order.
-WORKLOAD, SCHEDULING, MEMORY, DEVICE, PARALLEL, FAULTS, OUTPUT = (
-    "Workload", "Scheduling", "Memory", "Model and device", "Parallel", "Faults and debugging", "Output")
-PANELS = (WORKLOAD, SCHEDULING, MEMORY, DEVICE, PARALLEL, FAULTS, OUTPUT)
+# `mstrace run --help` and `serve --help` group their flags into these panels, in this order.
+WORKLOAD, SERVER, SCHEDULING, MEMORY, DEVICE, PARALLEL, FAULTS, OUTPUT = (
+    "Workload", "Server", "Scheduling", "Memory", "Model and device", "Parallel", "Faults and debugging", "Output")
+PANELS = (WORKLOAD, SERVER, SCHEDULING, MEMORY, DEVICE, PARALLEL, FAULTS, OUTPUT)
 
 
 _SAME = "<the field's default>"  # Opt.cli_default when the flag's default is the field's

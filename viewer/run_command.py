@@ -62,15 +62,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out} is a file, not a folder")
-    if out.exists() and any(out.iterdir()):
-        if not opts.force:
-            hint = "; --force replaces it" if is_trace_folder(out) else ""
-            fail(f"output folder {out} is not empty; choose another --out{hint}")
-        if not is_trace_folder(out):
-            fail(f"--force replaces a trace, and {out} holds other files: choose another --out")
-        shutil.rmtree(out)
+    claim_out(out, opts.force, fail)
     if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
         from rich.markup import escape
 
@@ -159,6 +151,19 @@ def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:
     if n == total:
         fail(f"every request was rejected, none ran: {shown}{more}", 2)
     print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def claim_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
+    """--out must be new, empty, or (with --force) a trace to replace."""
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            hint = "; --force replaces it" if is_trace_folder(out) else ""
+            fail(f"output folder {out} is not empty; choose another --out{hint}")
+        if not is_trace_folder(out):
+            fail(f"--force replaces a trace, and {out} holds other files: choose another --out")
+        shutil.rmtree(out)
 
 
 def is_trace_folder(path: Path) -> bool:

@@ -1,5 +1,5 @@
-"""`mstrace run`'s flags, generated from the option fields of EngineConfig and
-RunOptions (scheduler/options.py), plus `--config FILE.toml`.
+"""`mstrace run`'s and `serve`'s flags, generated from the option fields of EngineConfig
+and RunOptions or ServeOptions (scheduler/options.py), plus `--config FILE.toml`.
 
 A value comes from, in order: the command line, the TOML file, the field's default.
 """
@@ -22,9 +22,9 @@ CONFIG_HELP = ("TOML file of options: flat keys named like the config fields (pr
                "kv_bytes = \"256MiB\", inject = [\"leak\"]); flags given on the command line override it.")
 
 
-def all_fields() -> list[OptionField]:
+def all_fields(classes: tuple[type, ...] = CLASSES) -> list[OptionField]:
     """Every option field, in help-panel order (typer lists panels as they first appear)."""
-    return sorted((f for c in CLASSES for f in option_fields(c)), key=lambda f: PANELS.index(f.opt.panel))
+    return sorted((f for c in classes for f in option_fields(c)), key=lambda f: PANELS.index(f.opt.panel))
 
 
 def _decls(f: OptionField) -> list[str]:
@@ -40,35 +40,35 @@ def _parameter(f: OptionField) -> inspect.Parameter:
                              annotation=Annotated[f.cli_type, info])
 
 
-def build(values: dict[str, Any], given: set[str], config: Path | None) -> tuple[EngineConfig, RunOptions]:
-    """The two records from the parsed flags (`given`: those set on the command line) and
-    the TOML file. ConfigError (one line) on a bad value."""
-    toml = read_toml(str(config), CLASSES) if config is not None else {}
+def build(values: dict[str, Any], given: set[str], config: Path | None,
+          classes: tuple[type, ...] = CLASSES) -> list[Any]:
+    """One record per class from the parsed flags (`given`: those set on the command line)
+    and the TOML file. ConfigError (one line) on a bad value."""
+    toml = read_toml(str(config), classes) if config is not None else {}
     records = []
-    for cls in CLASSES:
+    for cls in classes:
         kw = {}
         for f in option_fields(cls):
             v = values[f.name] if f.name in given or f.name not in toml else toml[f.name]
             kw[f.name] = f.to_value(v)
         records.append(cls(**kw))
-    cfg, opts = records
-    assert isinstance(cfg, EngineConfig) and isinstance(opts, RunOptions)
-    return cfg, opts
+    return records
 
 
-def run_command(body: Callable[[EngineConfig, RunOptions], None],
-                fail: Callable[[str], NoReturn]) -> Callable[..., None]:
-    """A typer command whose parameters are every option field, calling `body` with the records."""
-    fields = all_fields()
+def run_command(body: Callable[..., None], fail: Callable[[str], NoReturn], classes: tuple[type, ...] = CLASSES,
+                doc: str = "Run a workload through the reference engine and write a trace.") -> Callable[..., None]:
+    """A typer command whose parameters are every option field of `classes`, calling `body`
+    with one record per class."""
+    fields = all_fields(classes)
 
     def run(ctx: typer.Context, config: Path | None = None, **values: Any) -> None:
         given = {f.name for f in fields if (src := ctx.get_parameter_source(f.name)) is not None
                  and src.name not in ("DEFAULT", "DEFAULT_MAP")}
         try:
-            cfg, opts = build(values, given, config)
+            records = build(values, given, config, classes)
         except ConfigError as e:
             fail(str(e))
-        body(cfg, opts)
+        body(*records)
 
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
               inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -76,13 +76,14 @@ def run_command(body: Callable[[EngineConfig, RunOptions], None],
     params += [_parameter(f) for f in fields]
     run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in params}
-    run.__doc__ = "Run a workload through the reference engine and write a trace."
+    run.__doc__ = doc
     return run
 
 
-def click_command(body: Callable[[EngineConfig, RunOptions], None],
-                  fail: Callable[[str], NoReturn]) -> Any:
-    """`run` as a click command of its own, built only when it is asked for (viewer/cli.py)."""
+def click_command(body: Callable[..., None], fail: Callable[[str], NoReturn], name: str = "run",
+                  classes: tuple[type, ...] = CLASSES, doc: str | None = None) -> Any:
+    """A generated command as a click command of its own, built only when it is asked for
+    (viewer/cli.py)."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command(name="run")(run_command(body, fail))
+    app.command(name=name)(run_command(body, fail, classes, *([doc] if doc else [])))
     return typer.main.get_command(app)

@@ -30,7 +30,7 @@ def _length_range(flag: str) -> Any:
     return parse
 
 
-def _path(v: Any) -> Path | None:
+def parse_path(v: Any) -> Path | None:
     if v is None or isinstance(v, Path):
         return v
     if not isinstance(v, str):
@@ -40,7 +40,7 @@ def _path(v: Any) -> Path | None:
 
 @dataclass(slots=True)
 class RunOptions:
-    workload: Path | None = option(None, "JSONL workload file; otherwise a synthetic one.", WORKLOAD, parse=_path)
+    workload: Path | None = option(None, "JSONL workload file; otherwise a synthetic one.", WORKLOAD, parse=parse_path)
     requests: int = option(64, "Synthetic: number of requests.", WORKLOAD)
     prompt_len: tuple[int, int] = option((32, 256), "Synthetic: prompt length range, MIN-MAX tokens.", WORKLOAD,
                                          cli_type=str, cli_default="32-256", parse=_length_range("--prompt-len"))
@@ -48,8 +48,8 @@ class RunOptions:
                                          cli_type=str, cli_default="32-128", parse=_length_range("--output-len"))
     shared_prefix: float = option(0.25, "Synthetic: fraction of requests sharing one system prompt.", WORKLOAD)
     rate: float = option(0.0, "Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.", WORKLOAD)
-    save_workload: Path | None = option(None, "Also write the workload that ran as JSONL.", WORKLOAD, parse=_path)
-    out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT, parse=_path)
+    save_workload: Path | None = option(None, "Also write the workload that ran as JSONL.", WORKLOAD, parse=parse_path)
+    out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT, parse=parse_path)
     force: bool = option(False, "Replace the trace already in --out (a trace folder, or a --mode all run's).",
                          OUTPUT)
     quiet: bool = option(False, "No progress bar.", OUTPUT, flag="quiet", short="-q")
