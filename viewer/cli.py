@@ -13,20 +13,29 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
     from scheduler.harness.run_options import RunOptions
+    from scheduler.serving.options import ServeOptions
 
 
 class _Commands(TyperGroup):
-    """`run`'s flags are generated from the engine's config fields (viewer/run_flags.py):
-    built only when `run` is asked for, so the analyses import nothing of the engine."""
+    """`run`'s and `serve`'s flags are generated from the engine's config fields
+    (viewer/run_flags.py): built only when asked for, so the analyses import nothing of
+    the engine."""
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return ["run", *super().list_commands(ctx)]
+        return ["run", "serve", *super().list_commands(ctx)]
 
     def get_command(self, ctx: Any, name: str) -> Any:
         if name == "run":
             from viewer.run_flags import click_command
 
             return click_command(_run, fail)
+        if name == "serve":
+            from scheduler.config import EngineConfig
+            from scheduler.serving.options import ServeOptions
+            from viewer.run_flags import click_command
+
+            return click_command(_serve, fail, "serve", (EngineConfig, ServeOptions),
+                                 "Serve the engine over an OpenAI-compatible HTTP API and trace it.")
         return super().get_command(ctx, name)
 
 
@@ -75,6 +84,12 @@ def _run(cfg: EngineConfig, opts: RunOptions) -> None:
     from viewer.run_command import execute_run
 
     execute_run(cfg, opts, console, fail)
+
+
+def _serve(cfg: EngineConfig, opts: ServeOptions) -> None:
+    from viewer.serve_command import execute_serve
+
+    execute_serve(cfg, opts, console, fail)
 
 
 @app.command()

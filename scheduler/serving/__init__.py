@@ -1,0 +1,1 @@
+"""`mstrace serve`: the engine behind an OpenAI-compatible HTTP API (docs/serve.md)."""

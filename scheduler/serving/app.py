@@ -1,0 +1,162 @@
+"""The HTTP routes (FastAPI): OpenAI's completions, chat completions and models,
+/health, and OpenAI's error object for every refusal.
+
+Nothing here runs a round or blocks the event loop: a request is submitted to the
+engine's tokenizer pool and answered from its queue (scheduler/serving/responses.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.serving.chat import ChatTemplate
+from scheduler.serving.engine_loop import EngineLoop
+from scheduler.serving.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    created,
+    error_body,
+)
+from scheduler.serving.responses import Call, ClientGone, Responder
+
+
+@dataclass(slots=True)
+class ServerState:
+    loop: EngineLoop
+    responder: Responder
+    chat: ChatTemplate
+    model: str  # the name clients use
+    max_model_len: int
+    api_key: str | None
+    started: int  # unix seconds, for /v1/models
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+class BodyLimit:
+    """413 for a body over `limit` bytes. A POST body is read whole (at most `limit`
+    bytes are held) before the route sees it, then replayed; after it, `receive` is the
+    server's again, so a route can still tell when its client goes away."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        too_big = _error(413, f"request body over {self.limit} bytes", code="body_too_large")
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await too_big(scope, receive, send)
+            return
+        chunks, seen = [], 0
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                return
+            chunks.append(m.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.limit:
+                await too_big(scope, receive, send)
+                return
+            if not m.get("more_body"):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
+    app = FastAPI(title="mstrace serve", version="1", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
+        param = ".".join(loc) or None
+        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.code)
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
+            raise BadRequest("missing or wrong API key (Authorization: Bearer KEY)", status=401,
+                             kind="authentication_error", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != state.model:
+            raise BadRequest(f"the model `{name}` does not exist; this server serves `{state.model}`",
+                             param="model", code="model_not_found", status=404)
+
+    def health_gate() -> None:
+        h = state.loop.health()
+        if not h.ok:
+            raise BadRequest(f"the engine is {h.state}: {h.detail}", status=503, kind="server_error",
+                             code="engine_unavailable")
+
+    async def reply(call: Call, request: Request) -> Any:
+        try:
+            out = await state.responder.answer(call, request.is_disconnected)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)  # nobody reads it; the request is aborted
+        if isinstance(out, dict):
+            return JSONResponse(out)
+        return StreamingResponse(out, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # the key is checked before the body is: a caller without it learns nothing of the API
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        health_gate()
+        call = Call(False, body.one_prompt(), body.params(body.max_tokens), body.stop_strings(), body.stream,
+                    body.include_usage(), state.model)
+        return await reply(call, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        health_gate()
+        call = Call(True, state.chat.render(body.messages), body.params(body.wanted_tokens()),
+                    body.stop_strings(), body.stream, body.include_usage(), state.model)
+        return await reply(call, request)
+
+    @v1.get("/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": state.model, "object": "model", "created": state.started,
+                                            "owned_by": "mstrace", "max_model_len": state.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Any:
+        h = state.loop.health()
+        return JSONResponse({"status": h.state, "detail": h.detail, "time": created()},
+                            status_code=200 if h.ok else 503)
+
+    app.include_router(v1)
+    return app

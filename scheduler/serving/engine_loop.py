@@ -1,0 +1,87 @@
+"""A server's scheduling thread: rounds for as long as the server runs.
+
+Requests arrive through `engine.submit` from the event loop; the rounds run here,
+never on the event loop, and their output leaves through the sender thread
+(scheduler/serving/streams.py). `health` is what GET /health reports.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from probes.boundaries import IDLE
+from probes.clock import now_ns
+from scheduler.engine import Engine
+from scheduler.stall_guard import EngineStalled
+
+
+@dataclass(slots=True, frozen=True)
+class Health:
+    ok: bool
+    state: str  # running, stalled (a wait past its timeout), failed, stopped
+    detail: str
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, idle_poll_s: float = 0.02) -> None:
+        self.engine = engine
+        self.idle_poll_s = idle_poll_s
+        self.rounds = 0
+        self.start_ns = 0
+        self.end_ns = 0
+        self.error: BaseException | None = None
+        self._state = "running"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    def start(self) -> None:
+        self.start_ns = now_ns()
+        self._thread.start()
+
+    def _loop(self) -> None:
+        e = self.engine
+        try:
+            while not self._stop.is_set() or e.has_work():
+                if e.step() is None:
+                    e.wait_for_arrivals(self.idle_poll_s)
+                else:
+                    self.rounds += 1
+            e.finish_run()
+            self._state = "stopped"
+        except EngineStalled as x:
+            self.error, self._state = x, "stalled"
+        except BaseException as x:  # noqa: BLE001 - /health and the trace's end record say it
+            self.error, self._state = x, "failed"
+        finally:
+            self.end_ns = now_ns()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, deadline_s: float, live: Iterable[str]) -> None:
+        """Stop taking rounds once the work in flight is done; after `deadline_s`, abort
+        what is left (`live`: the ids of requests still being answered) and wait for that."""
+        self._stop.set()
+        self._thread.join(deadline_s)
+        if self._thread.is_alive():
+            for rid in list(live):
+                self.engine.request_abort(rid, "server shutting down")
+            self._thread.join(max(5.0, self.engine.cfg.hard_wait_timeout_s))
+
+    def health(self) -> Health:
+        if self._state == "stalled" or self._state == "failed":
+            why = (str(self.error).splitlines() or [""])[0] if self.error else ""
+            return Health(False, self._state, why)
+        if not self._thread.is_alive():
+            return Health(False, "stopped", "the scheduling thread is not running")
+        limit = int(self.engine.cfg.wait_timeout_s * 1e9)
+        now = now_ns()
+        late = [w for w in self.engine.registry.snapshot() if w.boundary != IDLE and now - w.since_ns > limit]
+        if late:
+            w = late[0]
+            return Health(False, "stalled", f"{w.waiter} has waited {(now - w.since_ns) / 1e9:.1f} s on "
+                                            f"{w.what} ({w.signaller})")
+        return Health(True, "running", "")

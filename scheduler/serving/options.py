@@ -1,0 +1,27 @@
+"""What `mstrace serve` needs beyond the engine's configuration. Declared like
+EngineConfig (scheduler/options.py), so flags, TOML keys and meta.json agree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.harness.run_options import parse_path
+from scheduler.options import OUTPUT, SERVER, option
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    host: str = option("127.0.0.1", "Address to bind. Another than loopback without --api-key prints a "
+                       "warning: anyone who can reach it can use the model.", SERVER)
+    port: int = option(8000, "TCP port; 0 takes a free one (the line 'serving on URL' says which).", SERVER)
+    api_key: str | None = option(None, "Require 'Authorization: Bearer KEY' on every /v1 route.", SERVER)
+    served_model_name: str | None = option(None, "The model's name in the API (default: --model).", SERVER)
+    max_body_bytes: int = option(1 << 20, "Largest request body accepted; a larger one gets 413.", SERVER)
+    shutdown_timeout_s: float = option(30.0, "On SIGTERM or Ctrl-C: how long requests in flight may run "
+                                       "before they are aborted; then the trace is committed.", SERVER)
+    out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT,
+                              parse=parse_path)
+    force: bool = option(False, "Replace the trace already in --out.", OUTPUT)

@@ -1,0 +1,100 @@
+"""From the sender thread to each HTTP response: one asyncio queue per request.
+
+The scheduling thread hands a round's tokens to the sender (`response_send`); the
+sender detokenizes and calls this sink, which matches stop strings and posts the
+text to the request's queue on the event loop with `call_soon_threadsafe`. So
+neither the scheduling thread nor the sender ever touches a socket: a client that
+reads slowly only lets its own queue grow, and the socket write is probed as
+`response_deliver` where the response is written (scheduler/serving/app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.hops.sender import FinishedRecord
+from scheduler.serving.stop import StopMatcher
+
+
+@dataclass(slots=True, frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class End:
+    finish_reason: str  # OpenAI's: "stop" or "length"; "error" and "abort" are the server's
+    detail: str
+    prompt_tokens: int
+    completion_tokens: int
+    tail: str  # the last text (held back for a stop string, or flushed by the detokenizer)
+
+
+Event = Text | End
+
+
+class _Open:
+    __slots__ = ("loop", "queue", "stop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.stop = StopMatcher(stops)
+
+
+class ResponseStreams:
+    """The sender's sink for served requests (requests it does not know are ignored)."""
+
+    def __init__(self, abort: Callable[[str, str], None]) -> None:
+        self._open: dict[str, _Open] = {}
+        self._abort = abort  # engine.request_abort: thread-safe
+
+    def open(self, request_id: str, stops: list[str]) -> asyncio.Queue[Event]:
+        """Event loop: register a request before it is submitted."""
+        o = _Open(asyncio.get_running_loop(), stops)
+        self._open[request_id] = o
+        return o.queue
+
+    def close(self, request_id: str) -> None:
+        """Event loop: the response is over (sent, or its client went away)."""
+        self._open.pop(request_id, None)
+
+    def open_ids(self) -> list[str]:
+        return list(self._open)
+
+    # ---- the sender thread ------------------------------------------------
+    def on_text(self, request_id: str, text: str) -> None:
+        o = self._open.get(request_id)
+        if o is None or o.stop.done:
+            return
+        out = o.stop.push(text)
+        if out:
+            self._post(o, Text(out))
+        if o.stop.done:  # the engine may run a round more: its tokens are dropped here
+            self._abort(request_id, "stop string matched")
+
+    def on_finish(self, record: FinishedRecord, text: str) -> None:
+        o = self._open.get(record.request_id)
+        if o is None:
+            return
+        if o.stop.done:
+            reason = "stop"
+        elif record.finish_reason == "eos":
+            reason = "stop"
+        elif record.finish_reason == "length":
+            reason = "length"
+        elif record.finish_reason == "rejected":
+            reason = "error"
+        else:
+            reason = "abort"
+        self._post(o, End(reason, record.finish_detail, len(record.input_ids), len(record.output_ids),
+                          o.stop.flush()))
+
+    @staticmethod
+    def _post(o: _Open, ev: Event) -> None:
+        try:
+            o.loop.call_soon_threadsafe(o.queue.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass

@@ -1,0 +1,151 @@
+"""`mstrace serve` end to end: the official openai client, disconnects, bad input, shutdown."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.cli import mstrace
+from tests.serve_proc import Served, sse_events
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s = Served(tmp_path_factory.mktemp("serve") / "trace")
+    yield s
+    rc, _, err = s.stop()
+    assert rc == 0, err
+
+
+@pytest.fixture(scope="module")
+def client(server: Served):
+    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0)
+
+
+def test_completions_streamed_and_not_agree_and_count_their_tokens(client) -> None:
+    whole = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_streamed_and_not_agree(client) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stop_string_ends_the_output_before_it(client) -> None:
+    free = client.completions.create(model="tiny", prompt="x = 1", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(free) > 6
+    stop = free[3:6]  # a piece of what greedy decoding says anyway
+    cut = client.completions.create(model="tiny", prompt="x = 1", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == free[: free.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="x = 1", max_tokens=24, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == free[: free.find(stop)]
+
+
+def test_seeded_sampling_repeats(client) -> None:
+    def once() -> str:
+        return client.completions.create(model="tiny", prompt="import os", max_tokens=16, temperature=1.0,
+                                         seed=1234, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert once() == once()
+
+
+def test_greedy_output_equals_mstrace_run_on_the_same_prompt(client, tmp_path: Path) -> None:
+    prompt = "class Stack:\n    def push(self, x):"
+    w = tmp_path / "w.jsonl"
+    w.write_text(json.dumps({"id": "one", "prompt": prompt, "max_new_tokens": 20, "ignore_eos": True}) + "\n")
+    p = mstrace("run", "--model", "tiny", "--workload", str(w), "--out", str(tmp_path / "t"), "-q")
+    assert p.returncode == 0, p.stderr
+    want = pq.read_table(tmp_path / "t" / "requests").column("output_text").to_pylist()[0]
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert got == want
+
+
+def test_models_and_health(client, server: Served) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    code, h = server.get("/health")
+    assert code == 200 and h["status"] == "running"
+
+
+@pytest.mark.parametrize("body, status, says", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"\xff\xfe{}", 400, "not valid JSON"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 10**6}, 400, "context"),
+    ({"model": "tiny", "prompt": "word " * 5000, "max_tokens": 1}, 400, "context"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x" * (2 << 20)}, 413, "over"),
+])
+def test_bad_requests_get_an_openai_error_and_the_server_stays_up(server: Served, body, status, says) -> None:
+    code, reply = server.post("/v1/completions", body)
+    assert code == status, reply
+    err = reply["error"]
+    assert set(err) == {"message", "type", "param", "code"} and says in err["message"]
+    assert server.get("/health")[0] == 200
+
+
+def test_disconnected_clients_are_aborted_and_leak_nothing(tmp_path: Path) -> None:
+    s = Served(tmp_path / "trace")
+    body = {"model": "tiny", "prompt": "for i in range(10):", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        conn, resp = s.stream(body)
+        if i % 5 < 2:  # 20 of 50 leave after a few chunks
+            for _ in range(3):
+                resp.readline()
+            conn.close()
+            results[i] = "left"
+            return
+        results[i] = sse_events(resp)
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    rc, _, err = s.stop()
+    assert rc == 0, err
+    done = [ev for ev in results.values() if ev != "left"]
+    assert len(done) == 30 and all(ev[-1] == "[DONE]" and ev[-2]["usage"]["completion_tokens"] == 48 for ev in done)
+    leaks = mstrace("leaks", str(s.out))
+    assert leaks.returncode == 0 and "no leaks" in leaks.stdout, leaks.stdout + leaks.stderr
+    req = pq.read_table(s.out / "requests", columns=["finish_reason", "finish_detail"]).to_pylist()
+    aborted = [r for r in req if r["finish_reason"] == "aborted"]
+    assert len(aborted) == 20 and {r["finish_detail"] for r in aborted} == {"client disconnected"}
+    stages = set(pq.read_table(s.out / "timeline", columns=["stage"]).column("stage").to_pylist())
+    assert "aborted" in stages
+    meta = json.loads((s.out / "meta.json").read_text())
+    assert meta["run"]["status"] == "complete" and meta["run"]["submitted"] == 50

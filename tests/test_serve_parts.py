@@ -1,0 +1,76 @@
+"""The serving pieces without a server: stop strings, cross-thread aborts, request bodies."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from scheduler.core.aborts import AbortInbox
+from scheduler.core.request import ReqSample, SamplingParams
+from scheduler.core.request_manager import RequestManager
+from scheduler.serving.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from scheduler.serving.stop import StopMatcher
+
+
+def _expected(full: str, stops: list[str]) -> str:
+    hits = [(i + len(s), i) for s in stops if s and (i := full.find(s)) >= 0]
+    return full[: min(hits)[1]] if hits else full
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text("abc", max_size=4), max_size=8), st.lists(st.text("abc", min_size=1, max_size=3), max_size=3))
+def test_stop_strings_cut_the_text_wherever_the_pieces_split_it(pieces, stops):
+    m = StopMatcher(stops)
+    sent = "".join(m.push(p) for p in pieces) + m.flush()
+    assert sent == _expected("".join(pieces), stops)
+
+
+def test_a_stop_string_split_across_tokens_never_reaches_the_client():
+    m = StopMatcher(["</end>"])
+    assert m.push("hello </") == "hello "
+    assert m.push("en") == ""
+    assert m.push("d> more") == "" and m.done
+    assert m.flush() == ""
+
+
+def _sample(rid: str) -> ReqSample:
+    return ReqSample(rid, [1, 2, 3], 3, SamplingParams(), 0)
+
+
+def test_an_abort_finds_a_live_request_or_waits_for_one_still_in_the_tokenizer_pool():
+    rm = RequestManager()
+    inbox = AbortInbox()
+    live = rm.enqueue(_sample("a"))
+    inbox.post("a", "client disconnected")
+    inbox.post("b", "client disconnected")  # not arrived yet
+    assert inbox.take(rm.waiting, in_pool=True) == [(live, "client disconnected")]
+    assert inbox.arrived("b") == "client disconnected"
+    assert inbox.arrived("b") is None
+
+
+def test_an_abort_for_a_request_that_already_finished_is_dropped():
+    inbox = AbortInbox()
+    inbox.post("gone", "client disconnected")
+    assert inbox.take([], in_pool=False) == []
+    assert inbox.arrived("gone") is None
+
+
+def test_bodies_are_strictly_typed():
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": "5"})
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": []})
+    ok = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "temperature": 0, "unknown": 1})
+    assert ok.one_prompt() == [1, 2] and ok.params(ok.max_tokens).temperature == 0.0
+    with pytest.raises(BadRequest, match="batches"):
+        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).one_prompt()
+
+
+def test_a_chat_request_without_max_tokens_fills_what_the_context_leaves():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert body.params(body.wanted_tokens()).fill_context
+    assert not body.params(7).fill_context

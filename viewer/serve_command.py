@@ -1,0 +1,133 @@
+"""`mstrace serve`: the engine behind an OpenAI-compatible HTTP API, traced like `run`.
+
+Threads: uvicorn's event loop on the main thread (routes, SSE writes), the
+scheduling thread (scheduler/serving/engine_loop.py), the tokenizer pool and the
+sender, as in `run`. SIGTERM or Ctrl-C: stop accepting, let requests in flight
+finish for --shutdown-timeout-s, abort the rest, then commit the trace and exit 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from rich.console import Console
+
+from scheduler.config import EngineConfig
+from scheduler.serving.options import LOOPBACK, ServeOptions
+
+
+def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
+    from scheduler.model.presets import resolve_model
+    from scheduler.options import ConfigError
+    from viewer.run_command import _check_device, claim_out
+
+    if cfg.world_size > 1:
+        fail("serve runs one rank: --tp/--pp > 1 are for `mstrace run`")
+    if cfg.mode == "all":
+        fail("--mode all runs a workload three times; serve one mode: serial, timeslice or overlap")
+    try:
+        cfg.validate()
+        cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())
+        resolve_model(cfg.model)
+        _check_device(cfg.device)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        fail(str(e))
+    if not 0 <= opts.port <= 65535:
+        fail(f"--port must be in 0..65535, got {opts.port}")
+    if opts.max_body_bytes < 1024:
+        fail(f"--max-body-bytes must be at least 1024, got {opts.max_body_bytes}")
+    out = opts.out or Path("traces") / datetime.now().strftime("serve-%Y%m%d-%H%M%S")
+    claim_out(out, opts.force, fail)
+    try:
+        sock = socket.create_server((opts.host, opts.port))
+    except OSError as e:
+        fail(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
+    if opts.host not in LOOPBACK and not opts.api_key:
+        print(f"warning: serving on {opts.host} without --api-key: anyone who can reach this address "
+              "can use the model", file=sys.stderr, flush=True)
+    _serve(cfg, opts, out, sock, console, fail)
+
+
+def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket, console: Console,
+           fail: Callable[..., NoReturn]) -> None:
+    import uvicorn
+
+    from probes.clock import wall_anchor
+    from scheduler.engine import Engine
+    from scheduler.harness.runner import TraceRequestsSink, run_meta, start_meta
+    from scheduler.model.config import ModelLoadError
+    from scheduler.options import ConfigError
+    from scheduler.serving.app import ServerState, make_app
+    from scheduler.serving.chat import ChatTemplate
+    from scheduler.serving.engine_loop import EngineLoop
+    from scheduler.serving.protocol import created
+    from scheduler.serving.responses import Responder
+    from scheduler.serving.streams import ResponseStreams
+    from tracing.run_status import end_record
+    from tracing.writer import TraceWriter
+    from viewer.run_command import NO_DETAIL, _say_dtype
+
+    writer = TraceWriter(out)
+    anchor = wall_anchor()
+    source = f"serve:{opts.host}:{sock.getsockname()[1]}"
+    writer.write_meta(start_meta(cfg, [], source, anchor))
+    engine: Any = None
+    streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why))
+    loop: EngineLoop | None = None
+    state, detail = "error", NO_DETAIL
+    try:
+        try:
+            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), streams], trace=writer)
+        except (ModelLoadError, ConfigError, ValueError) as e:
+            detail = str(e)
+            fail(detail)
+        except Exception as e:  # noqa: BLE001 - e.g. a device process that failed to start
+            detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+            fail(f"the engine could not start: {detail}")
+        writer.write_meta(run_meta(engine, [], source, anchor))
+        _say_dtype(engine)
+        loop = EngineLoop(engine)
+        http_buf = writer.buffer("probes") if cfg.probes else None
+        responder = Responder(streams, lambda p, sp, rid: engine.submit(p, sp, rid), engine.request_abort,
+                              http_buf, lambda: engine.step_no)
+        name = opts.served_model_name or cfg.model
+        st = ServerState(loop, responder, ChatTemplate(engine.model_dir), name,
+                         engine.model_config.max_position_embeddings, opts.api_key, created())
+        app = make_app(st, opts.max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                               timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
+        loop.start()
+        host, port = sock.getsockname()[:2]
+        console.print(f"serving {name} on http://{host}:{port} (trace: {out}); Ctrl-C stops", highlight=False)
+        # uvicorn stops on SIGTERM/SIGINT, then raises the signal again for the handler it
+        # found: SIGTERM's must not kill the process before the trace is committed.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        loop.stop(opts.shutdown_timeout_s, streams.open_ids())
+        h = loop.health()
+        state, detail = {"stopped": ("complete", ""), "stalled": ("stalled", h.detail)}.get(h.state, ("error", h.detail))
+    finally:
+        if engine is not None:
+            engine.close()
+        meta = run_meta(engine, [], source, anchor) if engine is not None else start_meta(cfg, [], source, anchor)
+        meta["workload"]["requests"] = engine.submitted if engine is not None else 0
+        meta["run"] = end_record(state, detail, engine.submitted if engine is not None else 0,
+                                 loop.start_ns or None if loop else None, loop.end_ns or None if loop else None,
+                                 loop.rounds if loop else 0, None)
+        writer.close(meta)
+        sock.close()
+    console.print(f"trace written to [bold]{out}[/]")
+    if state == "stalled":
+        fail(f"the engine stalled: {detail}; see `mstrace stalls {out}`", 3)
+    if state != "complete":
+        fail(f"the engine failed: {detail}; trace flushed to {out}", 4)
