@@ -149,3 +149,42 @@ def test_disconnected_clients_are_aborted_and_leak_nothing(tmp_path: Path) -> No
     assert "aborted" in stages
     meta = json.loads((s.out / "meta.json").read_text())
     assert meta["run"]["status"] == "complete" and meta["run"]["submitted"] == 50
+
+
+def test_metrics_use_vllms_names_and_buckets_under_the_mstrace_prefix(client, server: Served) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from scheduler.serving.metrics import TTFT_BUCKETS
+
+    def scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        c = server.conn()
+        c.request("GET", "/metrics")
+        body = c.getresponse().read().decode()
+        c.close()
+        out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        return out
+
+    before = scrape()
+    client.completions.create(model="tiny", prompt="print(", max_tokens=9, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = scrape()
+
+    def one(m: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str) -> float:
+        want = {"model_name": "tiny", "engine": "0", **labels}
+        return sum(v for k, v in m.get(name, {}).items() if all(dict(k).get(a) == b for a, b in want.items()))
+
+    assert one(after, "mstrace:request_success_total", finished_reason="length") == \
+        one(before, "mstrace:request_success_total", finished_reason="length") + 1
+    assert one(after, "mstrace:generation_tokens_total") >= one(before, "mstrace:generation_tokens_total") + 9
+    assert one(after, "mstrace:request_generation_tokens_sum") == one(before, "mstrace:request_generation_tokens_sum") + 9
+    assert one(after, "mstrace:inter_token_latency_seconds_count") == \
+        one(before, "mstrace:inter_token_latency_seconds_count") + 8
+    edges = sorted(float(dict(k)["le"]) for k in after["mstrace:time_to_first_token_seconds_bucket"])
+    assert edges == [*TTFT_BUCKETS, float("inf")]
+    assert one(after, "mstrace:cycle_seconds_count") > one(before, "mstrace:cycle_seconds_count")
+    for gauge in ("mstrace:num_requests_running", "mstrace:num_requests_waiting", "mstrace:kv_cache_usage_perc"):
+        assert gauge in after
+    assert one(after, "mstrace:kv_cache_usage_perc") == 0.0  # nothing running: every block back

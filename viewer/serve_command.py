@@ -62,11 +62,13 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
     from probes.clock import wall_anchor
     from scheduler.engine import Engine
     from scheduler.harness.runner import TraceRequestsSink, run_meta, start_meta
-    from scheduler.model.config import ModelLoadError
+    from scheduler.model.config import ModelConfig, ModelLoadError
+    from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
     from scheduler.serving.app import ServerState, make_app
     from scheduler.serving.chat import ChatTemplate
     from scheduler.serving.engine_loop import EngineLoop
+    from scheduler.serving.metrics import ServerMetrics
     from scheduler.serving.protocol import created
     from scheduler.serving.responses import Responder
     from scheduler.serving.streams import ResponseStreams
@@ -80,11 +82,15 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
     writer.write_meta(start_meta(cfg, [], source, anchor))
     engine: Any = None
     streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why))
+    name = opts.served_model_name or cfg.model
+    metrics = ServerMetrics(name, ModelConfig.from_file(resolve_model(cfg.model) / "config.json")
+                            .max_position_embeddings)
     loop: EngineLoop | None = None
     state, detail = "error", NO_DETAIL
     try:
         try:
-            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), streams], trace=writer)
+            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), streams, metrics], trace=writer)
+            metrics.engine = engine
         except (ModelLoadError, ConfigError, ValueError) as e:
             detail = str(e)
             fail(detail)
@@ -93,12 +99,11 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, [], source, anchor))
         _say_dtype(engine)
-        loop = EngineLoop(engine)
+        loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled))
         http_buf = writer.buffer("probes") if cfg.probes else None
         responder = Responder(streams, lambda p, sp, rid: engine.submit(p, sp, rid), engine.request_abort,
                               http_buf, lambda: engine.step_no)
-        name = opts.served_model_name or cfg.model
-        st = ServerState(loop, responder, ChatTemplate(engine.model_dir), name,
+        st = ServerState(loop, metrics, responder, ChatTemplate(engine.model_dir), name,
                          engine.model_config.max_position_embeddings, opts.api_key, created())
         app = make_app(st, opts.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

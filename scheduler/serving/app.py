@@ -13,11 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.serving.chat import ChatTemplate
 from scheduler.serving.engine_loop import EngineLoop
+from scheduler.serving.metrics import ServerMetrics
 from scheduler.serving.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -31,6 +32,7 @@ from scheduler.serving.responses import Call, ClientGone, Responder
 @dataclass(slots=True)
 class ServerState:
     loop: EngineLoop
+    metrics: ServerMetrics
     responder: Responder
     chat: ChatTemplate
     model: str  # the name clients use
@@ -157,6 +159,10 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         h = state.loop.health()
         return JSONResponse({"status": h.state, "detail": h.detail, "time": created()},
                             status_code=200 if h.ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(v1)
     return app

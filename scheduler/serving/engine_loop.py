@@ -8,12 +8,12 @@ never on the event loop, and their output leaves through the sender thread
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from probes.boundaries import IDLE
 from probes.clock import now_ns
-from scheduler.engine import Engine
+from scheduler.engine import Engine, StepStats
 from scheduler.stall_guard import EngineStalled
 
 
@@ -25,8 +25,10 @@ class Health:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, idle_poll_s: float = 0.02) -> None:
+    def __init__(self, engine: Engine, on_round: Callable[[StepStats], None] | None = None,
+                 idle_poll_s: float = 0.02) -> None:
         self.engine = engine
+        self._on_round = on_round
         self.idle_poll_s = idle_poll_s
         self.rounds = 0
         self.start_ns = 0
@@ -44,10 +46,13 @@ class EngineLoop:
         e = self.engine
         try:
             while not self._stop.is_set() or e.has_work():
-                if e.step() is None:
+                stats = e.step()
+                if stats is None:
                     e.wait_for_arrivals(self.idle_poll_s)
-                else:
-                    self.rounds += 1
+                    continue
+                self.rounds += 1
+                if self._on_round is not None:
+                    self._on_round(stats)
             e.finish_run()
             self._state = "stopped"
         except EngineStalled as x:
