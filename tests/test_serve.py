@@ -190,3 +190,25 @@ def test_metrics_use_vllms_names_and_buckets_under_the_mstrace_prefix(client, se
     for gauge in ("mstrace:num_requests_running", "mstrace:num_requests_waiting", "mstrace:kv_cache_usage_perc"):
         assert gauge in after
     assert one(after, "mstrace:kv_cache_usage_perc") == 0.0  # nothing running: every block back
+
+
+def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server: Served, tmp_path: Path) -> None:
+    saved = tmp_path / "result.json"
+    p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "12",
+                "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "4",
+                "--request-rate", "50", "--trace", str(server.out), "--save-result", str(saved), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "Successful requests:                    12" in p.stdout and "Mean TTFT (ms):" in p.stdout
+    res = json.loads(saved.read_text())
+    assert res["failed_requests"] == 0 and res["total_output_tokens"] == 12 * 8
+    side = res["server_side"]
+    assert side["matched"] == side["of"] == 12
+    # the client's clock starts before the server's and stops after it: the hop cannot be negative
+    assert side["hop_ttft_min_ms"] >= 0 and side["hop_e2el_ms"]["median"] >= 0
+
+
+def test_bench_serve_counts_a_refused_request_as_failed(server: Served) -> None:
+    p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "2",
+                "--random-input-len", "8", "--random-output-len", "100000", timeout=120)
+    assert p.returncode == 4 and "Failed requests:                        2" in p.stdout
+    assert "exceeds the model's context" in p.stdout

@@ -10,6 +10,8 @@ import typer.rich_utils
 from rich.console import Console
 from typer.core import TyperGroup
 
+from viewer.bench_serve.command import bench_serve
+
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
     from scheduler.harness.run_options import RunOptions
@@ -214,6 +216,9 @@ def diff(
         print(json.dumps(d, indent=2))
     else:
         render_diff(console, d)
+
+
+app.command("bench-serve")(bench_serve)
 
 
 def main() -> None:

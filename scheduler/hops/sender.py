@@ -61,6 +61,7 @@ class StepOutput:
 
 
 class OutputSink(Protocol):
+    # Called for every token with the text it completes: "" while a character spans tokens.
     def on_text(self, request_id: str, text: str) -> None: ...
 
     def on_finish(self, record: FinishedRecord, text: str) -> None: ...
@@ -106,9 +107,8 @@ class Sender:
     def _deliver(self, out: StepOutput) -> None:
         for rid, tok in out.tokens:
             text = self._push(rid, tok)
-            if text:
-                for s in self._sinks:
-                    s.on_text(rid, text)
+            for s in self._sinks:  # every token, even one whose text is not complete yet
+                s.on_text(rid, text)
         for rec in out.finished:
             d = self._detok.pop(rec.request_id, None)
             parts = self._text.pop(rec.request_id, [])

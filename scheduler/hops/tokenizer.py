@@ -40,6 +40,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size()) if self._fast else len(self._tok)
+
 
 class IncrementalDetokenizer:
     """Emits text as tokens arrive without re-decoding the whole output each time.

@@ -113,10 +113,16 @@ class Responder:
         try:
             if call.chat:
                 yield chunk("", None, role=True)
+            last = None  # the final token's chunk carries the finish reason, as vLLM's does
             while isinstance(ev, Text):
+                nxt = q.get_nowait() if not q.empty() else None
+                if isinstance(nxt, End):
+                    last = chunk(ev.text + nxt.tail, nxt.finish_reason)
+                    ev = nxt
+                    break
                 yield chunk(ev.text, None)
-                ev = await self._next(q, disconnected, rid)
-            yield chunk(ev.tail or (None if call.chat else ""), ev.finish_reason)
+                ev = nxt if nxt is not None else await self._next(q, disconnected, rid)
+            yield last if last is not None else chunk(ev.tail or (None if call.chat else ""), ev.finish_reason)
             if call.include_usage:
                 yield _data({"id": rid, "object": obj, "created": t, "model": call.model, "choices": [],
                              "usage": usage(ev.prompt_tokens, ev.completion_tokens)})

@@ -1,0 +1,131 @@
+"""A benchmark's figures, measured at the client, in `vllm bench serve`'s result block;
+and, given the server's mstrace trace, the same requests as the server saw them.
+
+Definitions (vLLM's): TTFT = request sent -> first chunk with a choice (its text may
+be empty); TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between those
+chunks; E2E = sent -> [DONE]. Output tokens come from the final usage chunk when the server sends one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from viewer.bench_serve.datasets import Prompt
+from viewer.bench_serve.http_client import Reply
+
+MS = 1e-6
+
+
+def _dist(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    a = np.asarray(xs, dtype=np.float64)
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) -> dict[str, Any]:
+    ok = [(p, r) for p, r in zip(prompts, replies, strict=True) if r.ok]
+    ttft, tpot, itl, e2e, out_tokens, in_tokens = [], [], [], [], 0, 0
+    for p, r in ok:
+        n = r.usage["completion_tokens"] if r.usage else len(r.chunk_ns)
+        out_tokens += n
+        in_tokens += r.usage["prompt_tokens"] if r.usage else p.input_len
+        lat = (r.done_ns - r.sent_ns) * MS
+        e2e.append(lat)
+        if r.chunk_ns:
+            first = (r.chunk_ns[0] - r.sent_ns) * MS
+            ttft.append(first)
+            if n > 1:
+                tpot.append((lat - first) / (n - 1))
+            itl.extend(float(b - a) * MS for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False))
+    errors: dict[str, int] = {}
+    for r in replies:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "successful_requests": len(ok), "failed_requests": len(replies) - len(ok), "errors": errors,
+        "duration_s": duration_s, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration_s if duration_s else 0.0,
+        "output_throughput": out_tokens / duration_s if duration_s else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s else 0.0,
+        "ttft_ms": _dist(ttft), "tpot_ms": _dist(tpot), "itl_ms": _dist(itl), "e2el_ms": _dist(e2e),
+    }
+
+
+def render(res: dict[str, Any], title: str = "Serving Benchmark Result") -> str:
+    w = 50
+    lines = [f"{' ' + title + ' ':=^{w}}"]
+
+    def row(label: str, v: Any, fmt: str = "") -> None:
+        lines.append(f"{label:<40}{format(v, fmt):<10}")
+
+    row("Successful requests:", res["successful_requests"])
+    row("Failed requests:", res["failed_requests"])
+    row("Benchmark duration (s):", res["duration_s"], ".2f")
+    row("Total input tokens:", res["total_input_tokens"])
+    row("Total generated tokens:", res["total_output_tokens"])
+    row("Request throughput (req/s):", res["request_throughput"], ".2f")
+    row("Output token throughput (tok/s):", res["output_throughput"], ".2f")
+    row("Total Token throughput (tok/s):", res["total_token_throughput"], ".2f")
+    for key, head, short in (("ttft_ms", "Time to First Token", "TTFT"),
+                             ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+                             ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL")):
+        lines.append(f"{head:-^{w}}")
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            row(f"{name} {short} (ms):", res[key][stat], ".2f")
+    lines.append("=" * w)
+    for err, n in res.get("errors", {}).items():
+        lines.append(f"failed x{n}: {err}")
+    return "\n".join(lines)
+
+
+def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[str, Any]:
+    """The server's TTFT and E2E for the same requests (joined on the response id), and
+    the client's minus the server's: the network and HTTP hop, which must be >= 0.
+
+    The server's clock starts when its route submits the request, the client's when it
+    sends; both end at the first token (server: collected; client: its chunk read)."""
+    import time
+
+    from tracing.reader import Trace, TraceError
+
+    want = {r.request_id: r for r in replies if r.ok and r.request_id and r.chunk_ns}
+    cols = ["request_id", "arrival_ns", "first_token_ns", "finish_ns"]
+    deadline = time.monotonic() + wait_s
+    rows: dict[str, dict[str, int]] = {}
+    while True:  # the server commits finished requests every flush: wait for the last ones
+        try:
+            t = Trace.open(trace).table("requests", cols).to_pylist()
+        except TraceError:
+            t = []
+        rows = {r["request_id"]: r for r in t if r["request_id"] in want}
+        if len(rows) == len(want) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    s_ttft, s_e2e, hop_ttft, hop_e2e = [], [], [], []
+    for rid, row in rows.items():
+        c = want[rid]
+        st = (row["first_token_ns"] - row["arrival_ns"]) * MS
+        se = (row["finish_ns"] - row["arrival_ns"]) * MS
+        s_ttft.append(st)
+        s_e2e.append(se)
+        hop_ttft.append((c.chunk_ns[0] - c.sent_ns) * MS - st)
+        hop_e2e.append((c.done_ns - c.sent_ns) * MS - se)
+    return {"matched": len(rows), "of": len(want), "server_ttft_ms": _dist(s_ttft), "server_e2el_ms": _dist(s_e2e),
+            "hop_ttft_ms": _dist(hop_ttft), "hop_e2el_ms": _dist(hop_e2e),
+            "hop_ttft_min_ms": min(hop_ttft) if hop_ttft else float("nan")}
+
+
+def render_server_side(s: dict[str, Any]) -> str:
+    w = 50
+    lines = [f"{' Server side (mstrace trace) ':=^{w}}", f"{'Requests matched in the trace:':<40}{s['matched']}/{s['of']}"]
+    for key, label in (("server_ttft_ms", "server TTFT"), ("hop_ttft_ms", "client - server TTFT"),
+                       ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
+        for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(f"{f'{name} {label} (ms):':<40}{s[key][stat]:<10.3f}")
+    lines.append(f"{'Min client - server TTFT (ms):':<40}{s['hop_ttft_min_ms']:<10.3f}")
+    lines.append("=" * w)
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Send the prompts on vLLM's arrival schedule and collect the replies.
+
+Arrivals: --request-rate inf sends everything at t=0; otherwise gaps are drawn from
+a gamma distribution of shape `burstiness` and mean 1/rate (burstiness 1 is a
+Poisson process; below 1 burstier, above 1 steadier), as `vllm bench serve` does.
+--max-concurrency caps the requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+
+from viewer.bench_serve.datasets import Prompt
+from viewer.bench_serve.http_client import Endpoint, Reply
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+def body_for(p: Prompt, model: str, chat: bool, ignore_eos: bool) -> dict[str, object]:
+    b: dict[str, object] = {"model": model, "max_tokens": p.output_len, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        b["ignore_eos"] = True
+    if chat:
+        text = p.text if isinstance(p.text, str) else " ".join(map(str, p.text))
+        b["messages"] = [{"role": "user", "content": text}]
+    else:
+        b["prompt"] = p.text
+    return b
+
+
+async def _run(ep: Endpoint, prompts: list[Prompt], offsets: list[float], model: str, chat: bool,
+               ignore_eos: bool, max_concurrency: int | None,
+               on_done: Callable[[Reply], None]) -> tuple[list[Reply], float]:
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+
+    async def one(p: Prompt, at: float) -> Reply:
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if gate is None:
+            r = await ep.stream(body_for(p, model, chat, ignore_eos), chat)
+        else:
+            async with gate:
+                r = await ep.stream(body_for(p, model, chat, ignore_eos), chat)
+        on_done(r)
+        return r
+
+    replies = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, offsets, strict=True)))
+    return list(replies), time.perf_counter() - start
+
+
+def run(ep: Endpoint, prompts: list[Prompt], offsets: list[float], model: str, chat: bool, ignore_eos: bool,
+        max_concurrency: int | None, on_done: Callable[[Reply], None]) -> tuple[list[Reply], float]:
+    return asyncio.run(_run(ep, prompts, offsets, model, chat, ignore_eos, max_concurrency, on_done))
