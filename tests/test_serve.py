@@ -212,3 +212,40 @@ def test_bench_serve_counts_a_refused_request_as_failed(server: Served) -> None:
                 "--random-input-len", "8", "--random-output-len", "100000", timeout=120)
     assert p.returncode == 4 and "Failed requests:                        2" in p.stdout
     assert "exceeds the model's context" in p.stdout
+
+
+def test_a_slow_client_blocks_only_its_own_writes(tmp_path: Path) -> None:
+    """A client that stops reading fills its socket; the server's write to it then waits (a long
+    response_deliver row on stream http) while the rounds and every other client go on."""
+    import socket
+    import time
+
+    s = Served(tmp_path / "trace", "--send-buffer-bytes", "16384")
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    slow.connect(("127.0.0.1", s.port))
+    req = json.dumps({"model": "tiny", "prompt": "while True:", "max_tokens": 1500, "temperature": 0,
+                      "ignore_eos": True, "stream": True}).encode()
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(req), req))
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    finished: list[int] = []
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:  # normal clients, one after another, while the slow one barely reads
+        conn, resp = s.stream(body)
+        ev = sse_events(resp)
+        conn.close()
+        finished.append(ev[-2]["usage"]["completion_tokens"])
+        slow.recv(1)
+    slow.close()
+    rc, _, err = s.stop()
+    assert rc == 0, err
+    assert finished and set(finished) == {64}
+    probes = pq.read_table(s.out / "probes", columns=["ts_ns", "dur_ns", "boundary", "stream"]).to_pylist()
+    writes = [p for p in probes if p["boundary"] == "response_deliver" and p["stream"] == "http"]
+    blocked = max(writes, key=lambda p: p["dur_ns"])
+    assert blocked["dur_ns"] > 1e9, "the slow client's socket never filled"
+    steps = pq.read_table(s.out / "steps", columns=["ts_ns"]).column("ts_ns").to_pylist()
+    during = [t for t in steps if blocked["ts_ns"] < t < blocked["ts_ns"] + blocked["dur_ns"]]
+    assert len(during) > 50, len(during)  # rounds went on while that write waited

@@ -45,8 +45,12 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         fail(f"--max-body-bytes must be at least 1024, got {opts.max_body_bytes}")
     out = opts.out or Path("traces") / datetime.now().strftime("serve-%Y%m%d-%H%M%S")
     claim_out(out, opts.force, fail)
+    if opts.send_buffer_bytes < 0:
+        fail(f"--send-buffer-bytes must be >= 0, got {opts.send_buffer_bytes}")
     try:
         sock = socket.create_server((opts.host, opts.port))
+        if opts.send_buffer_bytes:  # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, opts.send_buffer_bytes)
     except OSError as e:
         fail(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
     if opts.host not in LOOPBACK and not opts.api_key:

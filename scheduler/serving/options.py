@@ -20,6 +20,9 @@ class ServeOptions:
     api_key: str | None = option(None, "Require 'Authorization: Bearer KEY' on every /v1 route.", SERVER)
     served_model_name: str | None = option(None, "The model's name in the API (default: --model).", SERVER)
     max_body_bytes: int = option(1 << 20, "Largest request body accepted; a larger one gets 413.", SERVER)
+    send_buffer_bytes: int = option(256 << 10, "Kernel send buffer of each connection (SO_SNDBUF): what a slow "
+                                    "client's socket may hold before writes to it wait. 0: the kernel's "
+                                    "autotuning (up to MBs).", SERVER)
     shutdown_timeout_s: float = option(30.0, "On SIGTERM or Ctrl-C: how long requests in flight may run "
                                        "before they are aborted; then the trace is committed.", SERVER)
     out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT,
