@@ -103,3 +103,12 @@ def test_sample_stays_in_nucleus(vocab: int, seed: int, temp: float, top_p: floa
     keep = {int(order[i]) for i in range(vocab) if i == 0 or top_p >= 1.0 or before[i] < top_p}
     assert tok in keep
     assert not math.isnan(probs.sum().item())
+
+
+@pytest.mark.parametrize("temp, top_p", [(5e-324, 1.0), (1e-30, 0.5), (0.7, 5e-324), (1e-6, 1e-300)])
+def test_extreme_parameters_sample_the_top_token_instead_of_failing(temp: float, top_p: float) -> None:
+    """Found by the serve fuzz: a temperature that overflows logits / T to inf made NaN
+    probabilities, and a top_p that rounds to 0 in float32 dropped every token."""
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits, [temp], [top_p], [g]) == [1]

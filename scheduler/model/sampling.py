@@ -26,7 +26,7 @@ def sample_on_device(
     """Pick one token per row of ``logits [n, V]``, as an int64 tensor on the logits' device
     (nothing here waits for the device).
 
-    ``temperature == 0`` rows take the argmax (all such rows in one batched op).  Other rows sample
+    ``temperature < GREEDY_BELOW`` rows take the argmax (all such rows in one batched op).  Other rows sample
     from ``softmax(logits / T)`` restricted to the smallest top-probability set whose mass reaches
     ``top_p`` (the top token is always kept), drawing with that row's generator so a request with
     a fixed seed reproduces its tokens regardless of what it is batched with.
@@ -37,13 +37,13 @@ def sample_on_device(
             f"sample: {n} rows but {len(temperatures)} temperatures, {len(top_ps)} top_ps, "
             f"{len(generators)} generators"
         )
-    greedy = [i for i, t in enumerate(temperatures) if t <= 0.0]
+    greedy = [i for i, t in enumerate(temperatures) if t < GREEDY_BELOW]
     if len(greedy) == n:
         return logits.argmax(dim=-1) if n else torch.zeros(0, dtype=torch.long, device=logits.device)
     out = torch.zeros(n, dtype=torch.long, device=logits.device)
     if greedy:
         out[greedy] = logits[greedy].argmax(dim=-1)
-    idx = [i for i, t in enumerate(temperatures) if t > 0.0]
+    idx = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]
     temps = torch.tensor([temperatures[i] for i in idx], dtype=torch.float32, device=logits.device)
     probs = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
     # Always sort (even for top_p == 1) so a seeded row draws from the same vector whatever
@@ -56,7 +56,9 @@ def sample_on_device(
     )
     # Drop a token when the mass strictly before it already reaches top_p; the top token has
     # zero mass before it, so it always survives.
-    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= thr[:, None], 0.0)
+    drop = probs.cumsum(dim=-1) - probs >= thr[:, None]
+    drop[:, 0] = False  # (a top_p that rounds to 0 in float32 must not drop it too)
+    probs = probs.masked_fill(drop, 0.0)
     # multinomial takes one generator per call, so the draw is per row; everything above is
     # batched across rows.
     for j, i in enumerate(idx):
@@ -66,6 +68,9 @@ def sample_on_device(
 
 
 _MASK64 = (1 << 64) - 1
+# Below this a temperature is greedy (vLLM's sampling epsilon): logits / T would overflow
+# float32 to inf, and softmax of inf is NaN.
+GREEDY_BELOW = 1e-5
 
 
 def token_seed(request_seed: int, position: int) -> int:
