@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.serving.chat import ChatTemplate
@@ -96,6 +97,12 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
             return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}")
         param = ".".join(loc) or None
         return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals: a body it cannot decode, an unknown route, a wrong method
+        msg = "the body is not valid JSON (or not UTF-8)" if exc.status_code == 400 else str(exc.detail)
+        return _error(exc.status_code, msg, "invalid_request_error" if exc.status_code < 500 else "server_error")
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
