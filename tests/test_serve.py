@@ -249,3 +249,30 @@ def test_a_slow_client_blocks_only_its_own_writes(tmp_path: Path) -> None:
     steps = pq.read_table(s.out / "steps", columns=["ts_ns"]).column("ts_ns").to_pylist()
     during = [t for t in steps if blocked["ts_ns"] < t < blocked["ts_ns"] + blocked["dur_ns"]]
     assert len(during) > 50, len(during)  # rounds went on while that write waited
+
+
+def test_an_api_key_guards_every_v1_route_but_not_health(tmp_path: Path) -> None:
+    s = Served(tmp_path / "trace", "--api-key", "s3cret")
+    try:
+        code, reply = s.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert code == 401 and reply["error"]["type"] == "authentication_error"
+        code, reply = s.post("/v1/completions", b"{broken", {"Authorization": "Bearer s3cret"})
+        assert code == 400  # the key is checked first, then the body
+        code, reply = s.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2},
+                             {"Authorization": "Bearer s3cret"})
+        assert code == 200 and reply["usage"]["completion_tokens"] >= 1
+        assert s.get("/health")[0] == 200
+        guarded = openai.OpenAI(base_url=s.base, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            guarded.models.list()
+    finally:
+        rc, _, err = s.stop()
+    assert rc == 0, err
+
+
+def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
+    for flags, says in ((["--port", "70000"], "--port"), (["--mode", "all"], "serve one mode"),
+                        (["--max-body-bytes", "10"], "--max-body-bytes")):
+        p = mstrace("serve", "--model", "tiny", "--out", str(tmp_path / "t"), *flags, timeout=120)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "t").exists()
