@@ -1,0 +1,117 @@
+"""The same `mstrace bench-serve` load against `mstrace serve` and `transformers serve`
+(continuous batching on), one after the other, on the same local model folder and the
+same intra-op thread budget.
+
+    python bench/bench_serve_peer.py [--model default] [--num-prompts 64] [--max-concurrency 16]
+        [--input-len 128] [--output-len 64] [--threads N]
+
+Both servers get the same greedy requests (random token prompts, seeded), so with the same
+weights they generate the same tokens. transformers serve refuses `ignore_eos`, so neither
+run sends it. Prints both result blocks and the ratios; needs `pip install
+"transformers[serving]" accelerate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+from common import OUT, REPO, load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[str], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            with urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"{url} never answered")
+
+
+def bench(base: str, model: str, tokenizer: Path, a: argparse.Namespace, save: Path,
+          trace: Path | None = None) -> dict[str, object]:
+    cmd = [sys.executable, "-m", "viewer.cli", "bench-serve", "--base-url", base, "--model", model,
+           "--tokenizer", str(tokenizer), "--num-prompts", str(a.num_prompts), "--max-concurrency",
+           str(a.max_concurrency), "--request-rate", "inf", "--random-input-len", str(a.input_len),
+           "--random-output-len", str(a.output_len), "--seed", "0", "--save-result", str(save),
+           *(["--trace", str(trace)] if trace else [])]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    print(p.stdout, flush=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench-serve failed: {p.stderr.strip()}")
+    return json.loads(save.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    a = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    from scheduler.model.presets import resolve_model
+
+    folder = resolve_model(a.model)
+    out = OUT / "serve_peer"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    print(f"model folder {folder}; {a.threads} intra-op threads each; load before: {load()}", flush=True)
+
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, "-m", "viewer.cli", "serve", "--model", str(folder), "--port", str(port),
+                            "--out", str(out / "mstrace_trace"), "--device-threads", str(a.threads)],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", srv)
+        ours = bench(f"http://127.0.0.1:{port}", str(folder), folder, a, out / "mstrace.json",
+                     out / "mstrace_trace")
+    finally:
+        srv.terminate()
+        srv.communicate(timeout=120)
+
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)}
+    peer = subprocess.Popen([str(Path(sys.executable).parent / "transformers"), "serve", str(folder),
+                             "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port",
+                             str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", peer)
+        theirs = bench(f"http://127.0.0.1:{port}", str(folder), folder, a, out / "transformers.json")
+    finally:
+        peer.terminate()
+        peer.communicate(timeout=120)
+
+    def ratio(key: str, stat: str | None = None) -> float:
+        x = ours[key] if stat is None else ours[key][stat]  # type: ignore[index]
+        y = theirs[key] if stat is None else theirs[key][stat]  # type: ignore[index]
+        return float(x) / float(y) if float(y) else float("nan")  # type: ignore[arg-type]
+
+    print(f"output tok/s mstrace / transformers: {ratio('output_throughput'):.2f}x; "
+          f"TTFT p99 {ours['ttft_ms']['p99']:.1f} vs {theirs['ttft_ms']['p99']:.1f} ms; "  # type: ignore[index]
+          f"load after: {load()}")
+
+
+if __name__ == "__main__":
+    main()
