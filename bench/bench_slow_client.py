@@ -1,0 +1,102 @@
+"""Does a client that reads 1 byte per second slow anyone else down?
+
+    python bench/bench_slow_client.py [--pairs 3] [--clients 8] [--requests 48]
+
+Each pair runs the same load twice on one fresh `mstrace serve --model tiny`, in
+alternating order: A, the normal clients alone; B, the same with one more client that
+asks for a long stream and reads it one byte per second. The figure is each run's ITL
+p50 over the normal clients (measured at the client, bench-serve's definition), B/A
+per pair, and the median of the pairs. B's trace must show the slow client's
+`response_deliver` rows on stream `http`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import load  # noqa: E402
+
+from tests.serve_proc import Served  # noqa: E402
+from viewer.bench_serve.http_client import Endpoint  # noqa: E402
+
+
+def normal_load(port: int, clients: int, requests: int) -> float:
+    ep = Endpoint(f"http://127.0.0.1:{port}", "/v1/completions")
+    gate = asyncio.Semaphore(clients)
+
+    async def one(i: int) -> list[int]:
+        async with gate:
+            r = await ep.stream({"model": "tiny", "prompt": f"def task_{i}(x):", "max_tokens": 64,
+                                 "temperature": 0, "ignore_eos": True, "stream": True}, chat=False)
+        assert r.ok, r.error
+        return [b - a for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False)]
+
+    async def run() -> list[list[int]]:
+        return await asyncio.gather(*(one(i) for i in range(requests)))
+
+    gaps = [g for gs in asyncio.run(run()) for g in gs]
+    return statistics.median(gaps) / 1e6
+
+
+def slow_reader(port: int, stop: threading.Event) -> None:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    body = json.dumps({"model": "tiny", "prompt": "while True:", "max_tokens": 1500, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    while not stop.wait(1.0):
+        s.recv(1)
+    s.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=48)
+    a = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="slow-"))
+    print(f"load before: {load()}", flush=True)
+    ratios = []
+    for k in range(a.pairs):
+        out = {}
+        for label in (("A", "B") if k % 2 == 0 else ("B", "A")):
+            srv = Served(root / f"{k}{label}", "--send-buffer-bytes", "16384")
+            stop = threading.Event()
+            slow = threading.Thread(target=slow_reader, args=(srv.port, stop), daemon=True)
+            if label == "B":
+                slow.start()
+                time.sleep(2.0)  # its socket fills first
+            out[label] = normal_load(srv.port, a.clients, a.requests)
+            stop.set()
+            if label == "B":
+                slow.join()
+            rc, _, err = srv.stop()
+            assert rc == 0, err
+            if label == "B":
+                import pyarrow.parquet as pq
+
+                rows = [p for p in pq.read_table(srv.out / "probes", columns=["dur_ns", "boundary", "stream"])
+                        .to_pylist() if p["boundary"] == "response_deliver" and p["stream"] == "http"]
+                longest = max(p["dur_ns"] for p in rows) / 1e9
+                print(f"pair {k} B: {len(rows)} response_deliver rows on http, longest {longest:.1f} s", flush=True)
+        ratios.append(out["B"] / out["A"])
+        print(f"pair {k}: ITL p50 A {out['A']:.3f} ms, B {out['B']:.3f} ms, B/A {ratios[-1]:.3f}", flush=True)
+    print(f"median B/A {statistics.median(ratios):.3f} over {a.pairs} pairs; load after: {load()}")
+
+
+if __name__ == "__main__":
+    main()
