@@ -78,7 +78,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     try:
         mc = ModelConfig.from_file(model_dir / "config.json")
         safetensors_files(model_dir)  # a folder without weights fails here, before anything is made
-        _check_device(cfg.device)
+        check_device(cfg.device)
         if opts.workload is not None:
             items = load_workload(opts.workload, mc.vocab_size)
             source = str(opts.workload)
@@ -197,7 +197,7 @@ def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload:
                           "give input_ids instead") from None
 
 
-def _say_dtype(engine: Any) -> None:
+def say_dtype(engine: Any) -> None:
     """A checkpoint that runs in another dtype than its own says so (meta.json records both)."""
     from scheduler.model.dtypes import name_of
 
@@ -207,7 +207,7 @@ def _say_dtype(engine: Any) -> None:
               f"(--dtype {name_of(own)} keeps it)", file=sys.stderr, flush=True)
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     import torch
 
     from scheduler.options import ConfigError
@@ -265,7 +265,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
             detail = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, items, source, anchor))
-        _say_dtype(engine)
+        say_dtype(engine)
         with progress:
             try:
                 run_workload(engine, items, result=result)

@@ -26,7 +26,7 @@ from scheduler.serving.options import LOOPBACK, ServeOptions
 def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
     from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
-    from viewer.run_command import _check_device, claim_out
+    from viewer.run_command import check_device, claim_out
 
     if cfg.world_size > 1:
         fail("serve runs one rank: --tp/--pp > 1 are for `mstrace run`")
@@ -36,7 +36,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         cfg.validate()
         cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())
         resolve_model(cfg.model)
-        _check_device(cfg.device)
+        check_device(cfg.device)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
     if not 0 <= opts.port <= 65535:
@@ -78,7 +78,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
     from scheduler.serving.streams import ResponseStreams
     from tracing.run_status import end_record
     from tracing.writer import TraceWriter
-    from viewer.run_command import NO_DETAIL, _say_dtype
+    from viewer.run_command import NO_DETAIL, say_dtype
 
     writer = TraceWriter(out)
     anchor = wall_anchor()
@@ -102,7 +102,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
             detail = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, [], source, anchor))
-        _say_dtype(engine)
+        say_dtype(engine)
         loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled))
         http_buf = writer.buffer("probes") if cfg.probes else None
         responder = Responder(streams, lambda p, sp, rid: engine.submit(p, sp, rid), engine.request_abort,
