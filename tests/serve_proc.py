@@ -19,10 +19,15 @@ from tests.cli import REPO
 class Served:
     def __init__(self, out: Path, *flags: str, start_timeout: float = 120) -> None:
         self.out = out
+        # stderr to a file: a pipe nobody reads while the server runs fills up, and the
+        # server's next log line then blocks its event loop
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self._err_path = out.parent / f"{out.name}.serve-stderr.txt"
+        self._err = self._err_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "viewer.cli", "serve", "--model", "tiny", "--port", "0", "--out", str(out),
              *flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, stdout=subprocess.PIPE, stderr=self._err, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None
@@ -34,7 +39,8 @@ class Served:
                 break
         if not m:
             self.proc.kill()
-            raise AssertionError(f"serve did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+            self.proc.wait()
+            raise AssertionError(f"serve did not start: {line!r} {self._err_path.read_text()}")
         self.port = int(m.group(1))
         self.base = f"http://127.0.0.1:{self.port}/v1"
 
@@ -67,8 +73,9 @@ class Served:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> tuple[int, str, str]:
         self.proc.send_signal(sig)
-        out, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, out, err
+        out, _ = self.proc.communicate(timeout=timeout)
+        self._err.close()
+        return self.proc.returncode, out, self._err_path.read_text()
 
 
 def sse_events(resp: HTTPResponse) -> list[dict[str, Any] | str]:

@@ -8,6 +8,7 @@ finish for --shutdown-timeout-s, abort the rest, then commit the trace and exit 
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 import sys
@@ -115,6 +116,9 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
         loop.start()
         host, port = sock.getsockname()[:2]
         console.print(f"serving {name} on http://{host}:{port} (trace: {out}); Ctrl-C stops", highlight=False)
+        # asyncio warns on every write to a socket whose client just left, until the
+        # disconnect reaches the route: with many clients leaving, a flood on stderr
+        logging.getLogger("asyncio").setLevel(logging.ERROR)
         # uvicorn stops on SIGTERM/SIGINT, then raises the signal again for the handler it
         # found: SIGTERM's must not kill the process before the trace is committed.
         signal.signal(signal.SIGTERM, lambda *_: None)
