@@ -2,9 +2,11 @@
 
     python bench/bench_slow_client.py [--pairs 3] [--clients 8] [--requests 48]
 
-Each pair runs the same load twice on one fresh `mstrace serve --model tiny`, in
-alternating order: A, the normal clients alone; B, the same with one more client that
-asks for a long stream and reads it one byte per second. The figure is each run's ITL
+Each pair runs the same load twice, each on a fresh `mstrace serve --model tiny`, in
+alternating order. Both runs have the normal clients and one more client asking for the
+same long stream (1500 tokens): in A it reads the stream as fast as it comes, in B one
+byte per second. So the engine does the same work in both, and B/A is what a slow
+reader costs the others (not what one more request in the batch costs). The figure is each run's ITL
 p50 over the normal clients (measured at the client, bench-serve's definition), B/A
 per pair, and the median of the pairs. B's trace must show the slow client's
 `response_deliver` rows on stream `http`.
@@ -49,7 +51,7 @@ def normal_load(port: int, clients: int, requests: int) -> float:
     return statistics.median(gaps) / 1e6
 
 
-def slow_reader(port: int, stop: threading.Event) -> None:
+def extra_reader(port: int, stop: threading.Event, slow: bool) -> None:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
@@ -57,8 +59,12 @@ def slow_reader(port: int, stop: threading.Event) -> None:
                        "ignore_eos": True, "stream": True}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    while not stop.wait(1.0):
-        s.recv(1)
+    if slow:
+        while not stop.wait(1.0):
+            s.recv(1)
+    else:
+        while s.recv(65536) and not stop.is_set():
+            pass
     s.close()
 
 
@@ -76,14 +82,12 @@ def main() -> None:
         for label in (("A", "B") if k % 2 == 0 else ("B", "A")):
             srv = Served(root / f"{k}{label}", "--send-buffer-bytes", "16384")
             stop = threading.Event()
-            slow = threading.Thread(target=slow_reader, args=(srv.port, stop), daemon=True)
-            if label == "B":
-                slow.start()
-                time.sleep(2.0)  # its socket fills first
+            extra = threading.Thread(target=extra_reader, args=(srv.port, stop, label == "B"), daemon=True)
+            extra.start()
+            time.sleep(2.0)  # B: its socket fills first
             out[label] = normal_load(srv.port, a.clients, a.requests)
             stop.set()
-            if label == "B":
-                slow.join()
+            extra.join()
             rc, _, err = srv.stop()
             assert rc == 0, err
             if label == "B":
