@@ -97,6 +97,7 @@ async def _plain(reader: asyncio.StreamReader):  # type: ignore[no-untyped-def]
 async def _events(body, r: Reply, chat: bool) -> None:  # type: ignore[no-untyped-def]
     buf = b""
     parts: list[str] = []
+    finished = False
     async for piece in body:
         now = time.perf_counter_ns()
         buf += piece
@@ -119,7 +120,10 @@ async def _events(body, r: Reply, chat: bool) -> None:  # type: ignore[no-untype
                 for ch in choices:
                     text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                     parts.append(text or "")
-    r.error = "the stream ended without [DONE]"
+                    finished = finished or bool(ch.get("finish_reason"))
+    r.text = "".join(parts)
+    if not finished:  # some servers (transformers serve) end after the finish_reason, without [DONE]
+        r.error = "the stream ended before a finish_reason or [DONE]"
 
 
 def _message(raw: bytes) -> str:
