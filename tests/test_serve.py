@@ -271,8 +271,13 @@ def test_an_api_key_guards_every_v1_route_but_not_health(tmp_path: Path) -> None
 
 
 def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
     for flags, says in ((["--port", "70000"], "--port"), (["--mode", "all"], "serve one mode"),
-                        (["--max-body-bytes", "10"], "--max-body-bytes")):
+                        (["--max-body-bytes", "10"], "--max-body-bytes"),
+                        (["--model", str(bad)], "unsupported architecture"),
+                        (["--model", str(tmp_path / "nowhere")], "not found")):
         p = mstrace("serve", "--model", "tiny", "--out", str(tmp_path / "t"), *flags, timeout=120)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "t").exists()

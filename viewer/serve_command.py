@@ -9,6 +9,7 @@ finish for --shutdown-timeout-s, abort the rest, then commit the trace and exit 
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import socket
 import sys
@@ -25,6 +26,8 @@ from scheduler.serving.options import LOOPBACK, ServeOptions
 
 
 def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
+    from scheduler.model.config import ModelConfig, ModelLoadError
+    from scheduler.model.loader import safetensors_files
     from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
     from viewer.run_command import check_device, claim_out
@@ -36,9 +39,11 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     try:
         cfg.validate()
         cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())
-        resolve_model(cfg.model)
+        model_dir = resolve_model(cfg.model)
+        context = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
+        safetensors_files(model_dir)  # a folder without weights fails here, before anything is made
         check_device(cfg.device)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, ModelLoadError) as e:
         fail(str(e))
     if not 0 <= opts.port <= 65535:
         fail(f"--port must be in 0..65535, got {opts.port}")
@@ -46,6 +51,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         fail(f"--max-body-bytes must be at least 1024, got {opts.max_body_bytes}")
     out = opts.out or Path("traces") / datetime.now().strftime("serve-%Y%m%d-%H%M%S")
     claim_out(out, opts.force, fail)
+    made = not out.exists()  # removed again if the engine never starts
     if opts.send_buffer_bytes < 0:
         fail(f"--send-buffer-bytes must be >= 0, got {opts.send_buffer_bytes}")
     try:
@@ -57,18 +63,17 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     if opts.host not in LOOPBACK and not opts.api_key:
         print(f"warning: serving on {opts.host} without --api-key: anyone who can reach this address "
               "can use the model", file=sys.stderr, flush=True)
-    _serve(cfg, opts, out, sock, console, fail)
+    _serve(cfg, opts, context, out, made, sock, console, fail)
 
 
-def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket, console: Console,
-           fail: Callable[..., NoReturn]) -> None:
+def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made: bool, sock: socket.socket,
+           console: Console, fail: Callable[..., NoReturn]) -> None:
     import uvicorn
 
     from probes.clock import wall_anchor
     from scheduler.engine import Engine
     from scheduler.harness.runner import TraceRequestsSink, run_meta, start_meta
-    from scheduler.model.config import ModelConfig, ModelLoadError
-    from scheduler.model.presets import resolve_model
+    from scheduler.model.config import ModelLoadError
     from scheduler.options import ConfigError
     from scheduler.serving.app import ServerState, make_app
     from scheduler.serving.chat import ChatTemplate
@@ -88,8 +93,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
     engine: Any = None
     streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why))
     name = opts.served_model_name or cfg.model
-    metrics = ServerMetrics(name, ModelConfig.from_file(resolve_model(cfg.model) / "config.json")
-                            .max_position_embeddings)
+    metrics = ServerMetrics(name, context)
     loop: EngineLoop | None = None
     state, detail = "error", NO_DETAIL
     try:
@@ -139,6 +143,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, out: Path, sock: socket.socket
                                  loop.rounds if loop else 0, None)
         writer.close(meta)
         sock.close()
+        if engine is None and made:  # no server ever ran: nothing of it stays behind
+            shutil.rmtree(out, ignore_errors=True)
     console.print(f"trace written to [bold]{out}[/]")
     if state == "stalled":
         fail(f"the engine stalled: {detail}; see `mstrace stalls {out}`", 3)
