@@ -190,6 +190,16 @@ def test_metrics_use_vllms_names_and_buckets_under_the_mstrace_prefix(client, se
     for gauge in ("mstrace:num_requests_running", "mstrace:num_requests_waiting", "mstrace:kv_cache_usage_perc"):
         assert gauge in after
     assert one(after, "mstrace:kv_cache_usage_perc") == 0.0  # nothing running: every block back
+    # the live cost table follows the trace's commits (every 0.5 s), a few rounds behind
+    import time
+
+    deadline = time.monotonic() + 10
+    while one(live := scrape(), "mstrace:boundary_seconds_total", boundary="device_compute", view="device") <= 0:
+        assert time.monotonic() < deadline, "no live cost counters"
+        time.sleep(0.25)
+    cycles = one(live, "mstrace:cost_cycle_seconds_total")
+    device = sum(v for k, v in live["mstrace:boundary_seconds_total"].items() if dict(k)["view"] == "device")
+    assert cycles > 0 and device == pytest.approx(cycles, rel=1e-6)  # a view partitions the cycles
 
 
 def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server: Served, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,6 +269,7 @@ class TraceWriter:
         self._retry: dict[str, list[tuple[Any, ...]]] = {}  # rows of a flush whose write failed
         self.last_error: BaseException | None = None  # the background thread's, kept for diagnosis
         self._closed = False
+        self._taps: dict[str, list[Callable[[pa.Table], None]]] = {}
         self._thread = threading.Thread(target=self._loop, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -280,6 +282,11 @@ class TraceWriter:
         with self._register_lock:
             self._buffers[table].append(buf)
         return buf
+
+    def tap(self, table: str, fn: Callable[[pa.Table], None]) -> None:
+        """Call `fn` with each committed batch of `table`, on the writer's thread (a live
+        view of the rows, off the producers' threads; `serve`'s live cost table)."""
+        self._taps.setdefault(table, []).append(fn)
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_json_atomic(self.root / "meta.json", {"schema_version": SCHEMA_VERSION, "store": STORE, **meta})
@@ -308,11 +315,12 @@ class TraceWriter:
                 drained.append((name, self._retry.pop(name, []) + self._drain(name)))
                 cpu[name] += _cpu() - c0
             try:
-                added = {}
+                added, tables = {}, {}
                 for name, rows in drained:
                     if rows:
                         c0 = _cpu()
-                        added[name] = [self._store.write_part(name, self._table(name, rows))]
+                        tables[name] = self._table(name, rows)
+                        added[name] = [self._store.write_part(name, tables[name])]
                         cpu[name] += _cpu() - c0
                 if added:
                     self._store.commit(added)
@@ -324,6 +332,9 @@ class TraceWriter:
                     self._store.forget(name, [e.file for e in entries])
                 raise
             self._flushes += bool(added)
+            for name, t in tables.items():
+                for fn in self._taps.get(name, ()):
+                    fn(t)
             for name, rows in drained:
                 self._rows_written[name] += len(rows)
                 if rows:  # freeing the rows' tuples is this table's cost too

@@ -10,8 +10,6 @@ import typer.rich_utils
 from rich.console import Console
 from typer.core import TyperGroup
 
-from viewer.bench_serve.command import bench_serve
-
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
     from scheduler.harness.run_options import RunOptions
@@ -24,7 +22,7 @@ class _Commands(TyperGroup):
     the engine."""
 
     def list_commands(self, ctx: Any) -> list[str]:
-        return ["run", "serve", *super().list_commands(ctx)]
+        return ["run", "serve", "bench-serve", *super().list_commands(ctx)]
 
     def get_command(self, ctx: Any, name: str) -> Any:
         if name == "run":
@@ -38,6 +36,10 @@ class _Commands(TyperGroup):
 
             return click_command(_serve, fail, "serve", (EngineConfig, ServeOptions),
                                  "Serve the engine over an OpenAI-compatible HTTP API and trace it.")
+        if name == "bench-serve":
+            from viewer.bench_serve.command import click_command as bench_command
+
+            return bench_command(fail)
         return super().get_command(ctx, name)
 
 
@@ -216,9 +218,6 @@ def diff(
         print(json.dumps(d, indent=2))
     else:
         render_diff(console, d)
-
-
-app.command("bench-serve")(bench_serve)
 
 
 def main() -> None:

@@ -84,6 +84,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     from scheduler.serving.streams import ResponseStreams
     from tracing.run_status import end_record
     from tracing.writer import TraceWriter
+    from viewer.live_cost import LiveCost
+    from viewer.live_cost import collector as live_collector
     from viewer.run_command import NO_DETAIL, say_dtype
 
     writer = TraceWriter(out)
@@ -94,6 +96,10 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why))
     name = opts.served_model_name or cfg.model
     metrics = ServerMetrics(name, context)
+    live = LiveCost()  # the cost table as the trace is committed: mstrace:boundary_seconds_total
+    writer.tap("probes", live.on_probes)
+    writer.tap("steps", live.on_steps)
+    metrics.registry.register(live_collector(live, (name, "0")))
     loop: EngineLoop | None = None
     state, detail = "error", NO_DETAIL
     try:

@@ -15,32 +15,42 @@ import typer
 Fail = Callable[..., NoReturn]
 
 
-def bench_serve(
-    base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
-    endpoint: Annotated[Literal["completions", "chat"], typer.Option(help="/v1/completions or /v1/chat/completions.")] = "completions",
-    model: Annotated[str | None, typer.Option(help="Model name to ask for (default: the server's first, from /v1/models).")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Local model folder or mstrace preset whose tokenizer makes and counts the prompts (default: --model).")] = None,
-    dataset_name: Annotated[Literal["random", "sharegpt", "workload"], typer.Option(help="random, a ShareGPT JSON file, or an mstrace workload JSONL file.")] = "random",
-    dataset_path: Annotated[Path | None, typer.Option(help="The file, for sharegpt and workload.")] = None,
-    num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 1000,
-    request_rate: Annotated[float, typer.Option(help="Requests per second; inf sends them all at once.")] = math.inf,
-    burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival gaps (1 = Poisson).")] = 1.0,
-    max_concurrency: Annotated[int | None, typer.Option(help="At most this many requests in flight.")] = None,
-    random_input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 1024,
-    random_output_len: Annotated[int, typer.Option(help="random: max_tokens.")] = 128,
-    random_range_ratio: Annotated[float, typer.Option(help="random: lengths vary by +- this fraction.")] = 0.0,
-    random_prefix_len: Annotated[int, typer.Option(help="random: tokens of a prefix every prompt shares.")] = 0,
-    sharegpt_output_len: Annotated[int | None, typer.Option(help="sharegpt: max_tokens for every request (default: the reply's length).")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Ask for max_tokens whatever the model says (vLLM's extension).")] = False,
-    seed: Annotated[int, typer.Option(help="Seed for the prompts and the arrivals.")] = 0,
-    api_key: Annotated[str | None, typer.Option(help="Bearer key, if the server wants one.")] = None,
-    save_result: Annotated[Path | None, typer.Option(help="Also write the figures as JSON.")] = None,
-    trace: Annotated[Path | None, typer.Option(help="The server's mstrace trace: print its side of the same requests.")] = None,
-) -> None:
-    """Benchmark a serving endpoint like `vllm bench serve`: TTFT, TPOT, ITL, E2E at the client."""
-    from viewer.cli import fail
+def click_command(fail: Fail) -> Any:
+    """`bench-serve` as a click command, built when it is asked for (viewer/cli.py)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(name="bench-serve")(_command(fail))
+    return typer.main.get_command(app)
 
-    _run(locals(), fail)
+
+def _command(fail: Fail) -> Callable[..., None]:
+    def bench_serve(
+        base_url: Annotated[str, typer.Option(help="The server, e.g. http://127.0.0.1:8000.")] = "http://127.0.0.1:8000",
+        endpoint: Annotated[Literal["completions", "chat"], typer.Option(help="/v1/completions or /v1/chat/completions.")] = "completions",
+        model: Annotated[str | None, typer.Option(help="Model name to ask for (default: the server's first, from /v1/models).")] = None,
+        tokenizer: Annotated[str | None, typer.Option(help="Local model folder or mstrace preset whose tokenizer makes and counts the prompts (default: --model).")] = None,
+        dataset_name: Annotated[Literal["random", "sharegpt", "workload"], typer.Option(help="random, a ShareGPT JSON file, or an mstrace workload JSONL file.")] = "random",
+        dataset_path: Annotated[Path | None, typer.Option(help="The file, for sharegpt and workload.")] = None,
+        num_prompts: Annotated[int, typer.Option(help="Requests to send.")] = 1000,
+        request_rate: Annotated[float, typer.Option(help="Requests per second; inf sends them all at once.")] = math.inf,
+        burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival gaps (1 = Poisson).")] = 1.0,
+        max_concurrency: Annotated[int | None, typer.Option(help="At most this many requests in flight.")] = None,
+        random_input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 1024,
+        random_output_len: Annotated[int, typer.Option(help="random: max_tokens.")] = 128,
+        random_range_ratio: Annotated[float, typer.Option(help="random: lengths vary by +- this fraction.")] = 0.0,
+        random_prefix_len: Annotated[int, typer.Option(help="random: tokens of a prefix every prompt shares.")] = 0,
+        sharegpt_output_len: Annotated[int | None, typer.Option(help="sharegpt: max_tokens for every request (default: the reply's length).")] = None,
+        ignore_eos: Annotated[bool, typer.Option(help="Ask for max_tokens whatever the model says (vLLM's extension).")] = False,
+        seed: Annotated[int, typer.Option(help="Seed for the prompts and the arrivals.")] = 0,
+        api_key: Annotated[str | None, typer.Option(help="Bearer key, if the server wants one.")] = None,
+        save_result: Annotated[Path | None, typer.Option(help="Also write the figures as JSON.")] = None,
+        trace: Annotated[Path | None, typer.Option(help="The server's mstrace trace: print its side of the same requests.")] = None,
+    ) -> None:
+        """Benchmark a serving endpoint like `vllm bench serve`: TTFT, TPOT, ITL, E2E at the client."""
+        args = dict(locals())
+        args.pop("fail", None)  # (locals() holds the closure's names too)
+        _run(args, fail)
+
+    return bench_serve
 
 
 def _run(a: dict[str, Any], fail: Fail) -> None:
