@@ -24,6 +24,11 @@ def outputs(eng: Engine) -> dict[str, list[int]]:
     return {r.request_id: list(r.output_ids) for r in eng.rm.finished}
 
 
+# The wait limits out of reach: a loaded machine's pause between rounds (a decode that
+# "waited" 0.5 s) must not change the schedule, so whether the tight pool preempts.
+NO_WAIT_LIMITS = {"decode_max_wait_ms": 1e9, "prefill_max_wait_ms": 1e9}
+
+
 def mixed_workload() -> list[WorkloadItem]:
     """Shared prefixes, chunked prefills, a pool small enough to preempt, and seeded
     and unseeded sampling next to greedy rows."""
@@ -41,7 +46,8 @@ def mixed_workload() -> list[WorkloadItem]:
 
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
 def test_same_tokens_as_the_in_process_device(mode):
-    cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32,
+                       gc=False, **NO_WAIT_LIMITS)
     items = mixed_workload()
     local = run_engine(cfg, items)
     remote = run_engine(replace(cfg, cpu_device="process"), items)
@@ -59,7 +65,7 @@ def test_sampled_tokens_do_not_depend_on_preemption_mode_or_device():
     assert sum(r.num_preemptions for r in roomy.rm.finished) == 0
     for mode, device in (("overlap", "thread"), ("overlap", "process"), ("timeslice", "process")):
         cfg = EngineConfig(model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False,
-                           cpu_device=device, timeslice_chunk=8)
+                           cpu_device=device, timeslice_chunk=8, **NO_WAIT_LIMITS)
         tight = run_engine(cfg, items)
         assert sum(r.num_preemptions for r in tight.rm.finished) > 0, (mode, device)
         assert outputs(tight) == outputs(roomy), (mode, device)
