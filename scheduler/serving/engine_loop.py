@@ -62,10 +62,6 @@ class EngineLoop:
         finally:
             self.end_ns = now_ns()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def stop(self, deadline_s: float, live: Iterable[str]) -> None:
         """Stop taking rounds once the work in flight is done; after `deadline_s`, abort
         what is left (`live`: the ids of requests still being answered) and wait for that."""
