@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler.hops.sender import FinishedRecord
+from scheduler.serving.protocol import FINISH_REASON
 
 P = "mstrace:"
 LABELS = ["model_name", "engine"]
@@ -31,8 +32,6 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0]
 # A scheduling round is milliseconds, not seconds: finer edges than vLLM's (it has no such metric).
 CYCLE_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
-# vLLM's finished_reason values; our finish reasons map onto them (rejected -> error)
-FINISHED = {"eos": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -80,7 +79,7 @@ class ServerMetrics:
         self.cycle = hist("cycle_seconds", "Scheduling round length (mstrace; not in vLLM).", CYCLE_BUCKETS)
         success = Counter(P + "request_success", "Finished requests by reason.", [*LABELS, "finished_reason"],
                           registry=r)
-        self.success = {v: success.labels(*self._labels, v) for v in dict.fromkeys(FINISHED.values())}
+        self.success = {v: success.labels(*self._labels, v) for v in dict.fromkeys(FINISH_REASON.values())}
         self.preemptions = Counter(P + "num_preemptions", "Preemptions (counted as their requests finish).",
                                    LABELS, registry=r).labels(*self._labels)
         self.pc_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -101,7 +100,7 @@ class ServerMetrics:
             self._fold()
 
     def on_finish(self, r: FinishedRecord, text: str) -> None:
-        self.success[FINISHED.get(r.finish_reason, "error")].inc()
+        self.success[FINISH_REASON.get(r.finish_reason, "error")].inc()
         self.preemptions.inc(r.num_preemptions)
         self.prompt_hist.observe(len(r.input_ids))
         self.gen_hist.observe(len(r.output_ids))

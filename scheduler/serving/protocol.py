@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler.core.request import SamplingParams
 
+# The engine's finish reasons as OpenAI's finish_reason (and vLLM's finished_reason label):
+# a request the engine refused is "error", one aborted (disconnect, shutdown) "abort".
+FINISH_REASON = {"eos": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")

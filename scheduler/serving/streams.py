@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.hops.sender import FinishedRecord
+from scheduler.serving.protocol import FINISH_REASON
 from scheduler.serving.stop import StopMatcher
 
 
@@ -79,16 +80,7 @@ class ResponseStreams:
         o = self._open.get(record.request_id)
         if o is None:
             return
-        if o.stop.done:
-            reason = "stop"
-        elif record.finish_reason == "eos":
-            reason = "stop"
-        elif record.finish_reason == "length":
-            reason = "length"
-        elif record.finish_reason == "rejected":
-            reason = "error"
-        else:
-            reason = "abort"
+        reason = "stop" if o.stop.done else FINISH_REASON.get(record.finish_reason, "abort")
         self._post(o, End(reason, record.finish_detail, len(record.input_ids), len(record.output_ids),
                           o.stop.flush()))
 
