@@ -28,6 +28,8 @@ class AbortInbox:
         """Scheduling thread: the live requests to abort now, with why. An id not live
         yet waits for its arrival while requests are still in the tokenizer pool
         (`in_pool`); otherwise it finished already and is dropped."""
+        if not self._pending and self._posted.empty():  # every round: no exception raised for nothing
+            return []
         while True:
             try:
                 rid, detail = self._posted.get_nowait()
