@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from viewer.analysis.serving import Dist
 from viewer.bench_serve.datasets import Prompt
 from viewer.bench_serve.http_client import Reply
 
@@ -20,10 +21,9 @@ MS = 1e-6
 
 
 def _dist(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
-    a = np.asarray(xs, dtype=np.float64)
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+    """vLLM's mean / median / p99 (the report's exact linear-interpolated percentiles)."""
+    d = Dist.of(np.asarray(xs, dtype=np.float64))
+    return {"mean": d.mean, "median": d.p50, "p99": d.p99}
 
 
 def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) -> dict[str, Any]:

@@ -36,9 +36,8 @@ def body_for(p: Prompt, model: str, chat: bool, ignore_eos: bool) -> dict[str, o
                             "stream_options": {"include_usage": True}}
     if ignore_eos:
         b["ignore_eos"] = True
-    if chat:
-        text = p.text if isinstance(p.text, str) else " ".join(map(str, p.text))
-        b["messages"] = [{"role": "user", "content": text}]
+    if chat:  # (the command refuses token-id prompts for chat)
+        b["messages"] = [{"role": "user", "content": p.text}]
     else:
         b["prompt"] = p.text
     return b
