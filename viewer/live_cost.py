@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracing.schema import PROBES
 from viewer.analysis.cycle_views import per_cycle
 
 HOLD = 4
@@ -75,10 +76,7 @@ class LiveCost:
             self._pending = sum(t.num_rows for t in self._steps + self._probes)
 
     def _add_sums(self, probes: pa.Table | None, steps: pa.Table, drop_last: bool) -> None:
-        if probes is None:
-            probes = pa.table({"ts_ns": pa.array([], pa.int64()), "dur_ns": pa.array([], pa.int64()),
-                               "boundary": pa.array([], pa.string()), "stream": pa.array([], pa.string())})
-        pcy = per_cycle(probes, steps)
+        pcy = per_cycle(PROBES.empty_table() if probes is None else probes, steps)
         if not pcy:
             return
         keep = slice(0, len(pcy["cycle_ns"]) - (1 if drop_last else 0))
