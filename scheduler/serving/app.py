@@ -108,7 +108,8 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
         return _error(exc.status, exc.message, exc.kind, exc.param, exc.code)
 
-    def authorize(request: Request) -> None:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop per request
+    async def authorize(request: Request) -> None:
         if state.api_key is None:
             return
         got = request.headers.get("authorization", "")

@@ -61,7 +61,8 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return p
-        if p and all(isinstance(x, int) for x in p):
+        # the strict union has made a list all ints, all strings or all lists: its first says which
+        if p and isinstance(p[0], int):
             return list(p)  # type: ignore[arg-type]
         if len(p) == 1:
             return p[0]  # type: ignore[return-value]
