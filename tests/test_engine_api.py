@@ -146,3 +146,30 @@ def test_a_request_rejected_as_it_arrives_still_reaches_the_output():
     finally:
         eng.close()
     assert got == [("huge", "rejected")]
+
+
+def test_sinks_get_one_text_per_token_and_the_whole_text_at_the_end():
+    """Sampled text on a byte-level tokenizer splits characters across tokens and can end
+    inside one: each token still gets exactly one on_text (a streamed chunk each), and
+    their texts join to the finished text, the detokenizer's held-back bytes included."""
+    texts: dict[str, list[str]] = {}
+    whole: dict[str, tuple[int, str]] = {}
+
+    class Sink:
+        def on_text(self, rid, text):
+            texts.setdefault(rid, []).append(text)
+
+        def on_finish(self, rec, text):
+            whole[rec.request_id] = (len(rec.output_ids), text)
+
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=256), sinks=[Sink()])
+    try:
+        for i in range(16):
+            eng.submit([5 + i, 6, 7, 8], SamplingParams(40, temperature=1.5, seed=i, ignore_eos=True), f"r{i}")
+        drive(eng)
+    finally:
+        eng.close()
+    assert len(whole) == 16
+    for rid, (n, text) in whole.items():
+        assert len(texts[rid]) == n, rid
+        assert "".join(texts[rid]) == text, rid

@@ -41,6 +41,9 @@ def test_completions_streamed_and_not_agree_and_count_their_tokens(client) -> No
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # a chunk per token, even one whose text is not a whole character yet: the client's TTFT
+    # and ITL are per token, as the server's are
+    assert len([c for c in chunks if c.choices]) == 12
 
 
 def test_chat_streamed_and_not_agree(client) -> None:

@@ -61,7 +61,9 @@ class StepOutput:
 
 
 class OutputSink(Protocol):
-    # Called for every token with the text it completes: "" while a character spans tokens.
+    # Called once for every token with the text it completes: "" while a character spans
+    # tokens; a request's last token also carries what the detokenizer held back. (A request
+    # that ends without a token in its last round gets that held-back text in one more call.)
     def on_text(self, request_id: str, text: str) -> None: ...
 
     def on_finish(self, record: FinishedRecord, text: str) -> None: ...
@@ -105,18 +107,25 @@ class Sender:
                 self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 
     def _deliver(self, out: StepOutput) -> None:
-        for rid, tok in out.tokens:
-            text = self._push(rid, tok)
+        texts = [(rid, self._push(rid, tok)) for rid, tok in out.tokens]
+        last = {rid: i for i, (rid, _) in enumerate(texts)}
+        tails: list[tuple[str, str]] = []  # text held back, of requests with no token this round
+        for rec in out.finished:
+            d = self._detok.get(rec.request_id)
+            tail = d.flush() if d is not None else ""
+            if tail:
+                self._text[rec.request_id].append(tail)
+                i = last.get(rec.request_id)
+                if i is None:
+                    tails.append((rec.request_id, tail))
+                else:  # the last token carries it: still one on_text per token
+                    texts[i] = (rec.request_id, texts[i][1] + tail)
+        for rid, text in texts + tails:
             for s in self._sinks:  # every token, even one whose text is not complete yet
                 s.on_text(rid, text)
         for rec in out.finished:
-            d = self._detok.pop(rec.request_id, None)
+            self._detok.pop(rec.request_id, None)
             parts = self._text.pop(rec.request_id, [])
-            tail = d.flush() if d is not None else ""
-            if tail:
-                parts.append(tail)
-                for s in self._sinks:
-                    s.on_text(rec.request_id, tail)
             for s in self._sinks:
                 s.on_finish(rec, "".join(parts))
 

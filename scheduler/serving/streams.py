@@ -71,7 +71,9 @@ class ResponseStreams:
         if o is None or o.stop.done:
             return
         out = o.stop.push(text)
-        if out:
+        if out or not o.stop.done:
+            # one event per token, its text possibly "" (an incomplete character, or text held
+            # for a stop string): the client's first chunk is then the server's first token
             self._post(o, Text(out))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
             self._abort(request_id, "stop string matched")
