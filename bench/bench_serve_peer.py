@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--dtype", default="auto", help="both servers' dtype (auto: the folder's, float32 here)")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from scheduler.model.presets import resolve_model
@@ -76,11 +77,12 @@ def main() -> None:
     out = OUT / "serve_peer"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    print(f"model folder {folder}; {a.threads} intra-op threads each; load before: {load()}", flush=True)
+    print(f"model folder {folder}; dtype {a.dtype}; {a.threads} intra-op threads each; load before: {load()}",
+          flush=True)
 
     port = free_port()
     srv = subprocess.Popen([sys.executable, "-m", "viewer.cli", "serve", "--model", str(folder), "--port", str(port),
-                            "--out", str(out / "mstrace_trace"), "--device-threads", str(a.threads)],
+                            "--out", str(out / "mstrace_trace"), "--device-threads", str(a.threads), "--dtype", a.dtype],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", srv)
@@ -93,7 +95,7 @@ def main() -> None:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)}
     peer = subprocess.Popen([str(Path(sys.executable).parent / "transformers"), "serve", str(folder),
-                             "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port",
+                             "--continuous-batching", "--device", "cpu", "--dtype", a.dtype, "--host", "127.0.0.1", "--port",
                              str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
