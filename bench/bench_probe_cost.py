@@ -84,6 +84,7 @@ def _steps_row(buf: Buf) -> Run:
     batch = SimpleNamespace(prefills=[1, 2], decodes=list(range(200)), num_prefill_tokens=512)
     rm = SimpleNamespace(waiting=list(range(30)), running=list(range(200)))
     cfg = SimpleNamespace(mode="serial")
+    fence_blocks = 0
     q: queue.SimpleQueue[int] = queue.SimpleQueue()
     sb = buf
 
@@ -96,7 +97,7 @@ def _steps_row(buf: Buf) -> Run:
                     step, cfg.mode, t0, t4 - t0, max(0, (t4 - t0) - device_ns), device_ns,
                     len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                     mm.num_used, mm.num_free, len(rm.waiting), len(rm.running),
-                    q.qsize(), t3,
+                    q.qsize(), t3, fence_blocks,
                 ))
         return k if sb is not None else 0
     return run

@@ -288,7 +288,7 @@ class Engine:
                 step, self.cfg.mode, t0, t4 - t0, max(0, (t4 - t0) - device_ns), device_ns,
                 len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
                 self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
-                self.sender.queue.qsize(), t3 if done is not None else 0,
+                self.sender.queue.qsize(), t3 if done is not None else 0, self.fence.blocks,
             ))
         self.sender.queue.put(out)
         self.hooks.after_send()

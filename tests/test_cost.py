@@ -101,7 +101,7 @@ MS = 1_000_000
 def _serial(cycles: int = 2, with_bookkeeping: bool = True) -> tuple[pa.Table, pa.Table]:
     """10 ms cycles: 1 ms bookkeeping, 1 ms prepare, device busy 6 ms, barrier wait 6.5 ms,
     0.5 ms send, then 1 ms that no probe covers (9 ms .. 10 ms)."""
-    steps = table(STEPS, [(i, "serial", i * 10 * MS, 9 * MS, 3 * MS, 6 * MS, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)
+    steps = table(STEPS, [(i, "serial", i * 10 * MS, 9 * MS, 3 * MS, 6 * MS, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)
                           for i in range(cycles)])
     rows = []
     for i in range(cycles):
@@ -147,7 +147,7 @@ def test_deleted_rows_show_as_unattributed_not_barrier():
 
 def test_nested_fence_is_charged_once_to_the_innermost():
     """A kv_fence query inside bookkeeping: its time leaves bookkeeping in both views."""
-    steps = table(STEPS, [(0, "overlap", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)])
+    steps = table(STEPS, [(0, "overlap", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)])
     rows = [(0, 4 * MS, "bookkeeping", "host", 0, 0), (MS, MS, "kv_fence", "host", 0, 0),
             (4 * MS, 6 * MS, "scheduler_barrier", "host", 0, 0)]
     dev, host = views(cost_table(table(PROBES, rows), steps))
@@ -158,7 +158,7 @@ def test_nested_fence_is_charged_once_to_the_innermost():
 
 def test_prefill_stagger_is_its_own_row():
     """A deliberate delay on the device stream: the device's idle time under it is the stagger's."""
-    steps = table(STEPS, [(0, "serial", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)])
+    steps = table(STEPS, [(0, "serial", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)])
     rows = [(0, MS, "batch_prepare", "host", 0, 0), (MS, 9 * MS, "scheduler_barrier", "host", 0, 0),
             (MS, 2 * MS, "prefill_stagger", "prefill", 0, 0), (3 * MS, 7 * MS, "device_compute", "prefill", 0, 0)]
     dev, host = views(cost_table(table(PROBES, rows), steps))
@@ -168,14 +168,14 @@ def test_prefill_stagger_is_its_own_row():
 
 
 def test_overlapping_host_probes_are_flagged_negative():
-    steps = table(STEPS, [(0, "serial", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)])
+    steps = table(STEPS, [(0, "serial", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)])
     rows = [(0, 6 * MS, "bookkeeping", "host", 0, 0), (2 * MS, 6 * MS, "batch_prepare", "host", 0, 0)]
     c = cost_table(table(PROBES, rows), steps)
     assert "unattributed (device view)" in c.negative and "unattributed (host view)" in c.negative
 
 
 def test_host_work_under_device_compute_is_hidden():
-    steps = table(STEPS, [(0, "overlap", 0, 10 * MS, 0, 8 * MS, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)])
+    steps = table(STEPS, [(0, "overlap", 0, 10 * MS, 0, 8 * MS, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)])
     rows = [(0, 8 * MS, "device_compute", "main", 0, 0), (MS, 2 * MS, "bookkeeping", "host", 0, 0),
             (9 * MS, MS, "bookkeeping", "host", 0, 0)]
     c = cost_table(table(PROBES, rows), steps)
@@ -199,7 +199,7 @@ def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(kernels, gaps, pr
     from viewer.analysis.cycle_views import per_cycle
 
     starts = np.cumsum([0, *gaps[:-1]]).tolist()
-    steps = table(STEPS, [(i, "serial", s, gaps[i], 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0)
+    steps = table(STEPS, [(i, "serial", s, gaps[i], 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)
                           for i, s in enumerate(starts)])
     probes = table(PROBES, [(a, d, b, st_, 0, 0) for a, d, b, st_ in probe_rows]) if probe_rows else PROBES.empty_table()
     full = per_cycle(probes, steps)

@@ -70,6 +70,7 @@ STEPS = pa.schema([
     ("num_running", pa.int32()),
     ("out_queue_depth", pa.int32()),  # StepOutputs the sender has not delivered when this round hands off its own
     ("collect_ns", pa.int64()),  # when this round's sampled tokens were collected (0: none)
+    ("blocks_fenced", pa.int32()),  # of blocks_used: freed, but held until the launches reading them finish
 ])
 
 MEMORY = pa.schema([
@@ -144,7 +145,7 @@ COLLECTIVES = pa.schema([
 
 # Columns added since SCHEMA_VERSION 1, by table: a part written before one of them existed
 # reads it as this value, so older traces stay readable.
-ADDED: dict[str, dict[str, int]] = {"requests": {"delivered_ns": 0}}
+ADDED: dict[str, dict[str, int]] = {"requests": {"delivered_ns": 0}, "steps": {"blocks_fenced": 0}}
 
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,
