@@ -165,6 +165,19 @@ class _PartSchemaError(Exception):
     pass
 
 
+def read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+    """The rows of some committed parts, in order: a live tail's newest flushes
+    (viewer/live/tail.py). FileNotFoundError: a live compaction removed one meanwhile."""
+    try:
+        return _read_parts(parts, schema, columns)
+    except _PartSchemaError as e:
+        raise TraceError(f"corrupt part: {e}") from None
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise TraceError(f"corrupt part: {_first_line(e)}") from None
+
+
 def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
                 dictionary: tuple[str, ...] = ()) -> pa.Table:
     """The parts' rows in order, in chunks of at least CHUNK_ROWS rows (but the last).

@@ -1,0 +1,354 @@
+"""What a live view shows, kept up to date from a trace's new rows (viewer/live/tail.py).
+
+`LiveState.update(poll)` folds one poll in; `snapshot()` returns a `TopView`, plain
+data that the TUI renders and tests check. Everything here is windowed: the last
+`lane_s` seconds of probe rows, the last `rounds` rounds for the cost table, the
+requests that finished in the last `latency_s` seconds. So the work per refresh
+follows the new rows, not the run's length. The cost table is the report's own
+`cost_table`, run on the window's rounds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from probes import boundaries as B
+from tracing.run_status import RunStatus
+from viewer.analysis.advice import backend
+from viewer.analysis.cost import CostTable, cost_table
+from viewer.live.tail import Poll
+
+STREAM_ORDER = ("main", "prefill", "comm", "host", "sender", "tokenizer", "http")
+# Rows not yet whole: a round's response_send row can reach the trace a flush after the round.
+HOLD = 2
+# A finished request still holding blocks this long after its end is a suspected leak
+# (the KV fence frees a finished request's blocks a round or two late).
+LEAK_GRACE_NS = 1_000_000_000
+_FINISHED_KEEP = 100_000  # finished ids remembered for the leak check
+
+
+@dataclass(slots=True)
+class Lane:
+    rank: int
+    stream: str
+    start: np.ndarray  # ns, sorted
+    end: np.ndarray
+    boundary: list[str]  # per row
+    step: np.ndarray
+    current: str  # the newest row's boundary ("" when the lane has none in the window)
+    busy: bool  # the newest row reaches the window's end: the op in progress
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rank} {self.stream}"
+
+    def cells(self, t0: int, t1: int, width: int) -> list[str]:
+        """The boundary that holds each of `width` columns over [t0, t1] ("" for none),
+        by four samples per column; a row nested in another wins where it runs."""
+        if width <= 0 or not len(self.start) or t1 <= t0:
+            return [""] * max(0, width)
+        k = 4
+        s = t0 + (np.arange(width * k) + 0.5) * ((t1 - t0) / (width * k))
+        i = np.searchsorted(self.start, s, side="right") - 1
+        hit = (i >= 0) & (self.end[np.maximum(i, 0)] > s)
+        out: list[str] = []
+        for c in range(width):
+            got = [self.boundary[i[j]] for j in range(c * k, c * k + k) if hit[j]]
+            # a tie goes to the earlier sample: a set's order changes with the hash seed
+            out.append(max(got, key=lambda b: (got.count(b), -got.index(b))) if got else "")
+        return out
+
+
+@dataclass(slots=True)
+class Latency:
+    name: str
+    p50_ms: float | None
+    p99_ms: float | None
+    series: list[float]  # newest last, for a sparkline
+
+
+@dataclass(slots=True)
+class KvView:
+    capacity: int
+    used: int
+    free: int
+    fenced: int
+    largest_free_run: int | None  # None: the block table is not known (no snapshot yet)
+    prefix_hit_rate: float | None
+    holders: list[tuple[str, int]]  # (request id, blocks), most first
+    exact: bool  # holders rebuilt from a snapshot (else: from the events since attaching)
+
+
+@dataclass(slots=True)
+class TopView:
+    model: str
+    mode: str
+    backend: str
+    status: RunStatus
+    uptime_s: float
+    req_per_s: float
+    decode_tok_per_s: float
+    running: int
+    waiting: int
+    finished: int
+    last_step: int
+    t0_ns: int  # the lanes' window
+    t1_ns: int
+    lanes: list[Lane] = field(default_factory=list)
+    cost: CostTable | None = None
+    cost_rounds: int = 0
+    worst: str | None = None  # the costliest boundary other than the device's compute
+    latency: list[Latency] = field(default_factory=list)
+    kv: KvView | None = None
+    stalls: list[dict[str, Any]] = field(default_factory=list)
+    leaks: list[tuple[str, int]] = field(default_factory=list)  # (request id, blocks still held)
+
+
+class LiveState:
+    def __init__(self, lane_s: float = 2.0, rounds: int = 64, latency_s: float = 30.0, rate_s: float = 10.0) -> None:
+        self.lane_s, self.rounds, self.latency_s, self.rate_s = lane_s, rounds, latency_s, rate_s
+        self.meta: dict[str, Any] = {}
+        self.status: RunStatus | None = None
+        self.committed: dict[str, int] = {}
+        self._probes: pa.Table | None = None
+        self._steps: pa.Table | None = None
+        self._requests: pa.Table | None = None
+        self._holders: dict[str, set[int]] = {}
+        self._exact = False
+        self._finished: OrderedDict[str, int] = OrderedDict()  # request id -> finish_ns
+        self.stalls: list[dict[str, Any]] = []
+        self.rows_seen = 0
+
+    # ---- folding polls in ---------------------------------------------------
+    def update(self, poll: Poll) -> None:
+        self.meta, self.status, self.committed = poll.meta, poll.status, poll.committed
+        self.rows_seen += poll.new_rows
+        r = poll.rows
+        if "steps" in r and r["steps"].num_rows:
+            self._steps = _keep_last(_cat(self._steps, r["steps"]), max(4 * self.rounds, 4096))
+        now = self.now_ns()
+        if "probes" in r and r["probes"].num_rows:
+            self._probes = _cat(self._probes, r["probes"])
+        if self._probes is not None:
+            keep_from = now - int(self.lane_s * 1e9)
+            if self._steps is not None and self._steps.num_rows:
+                first = self._steps["ts_ns"][max(0, self._steps.num_rows - self.rounds - HOLD - 1)].as_py()
+                keep_from = min(keep_from, first)
+            self._probes = self._probes.filter(pc.greater_equal(pc.add(self._probes["ts_ns"],
+                                                                         self._probes["dur_ns"]), keep_from))
+        if "requests" in r and r["requests"].num_rows:
+            self._requests = _cat(self._requests, r["requests"])
+            for rid, fin in zip(r["requests"]["request_id"].to_pylist(), r["requests"]["finish_ns"].to_pylist(),
+                                strict=True):
+                self._finished[rid] = fin
+            while len(self._finished) > _FINISHED_KEEP:
+                self._finished.popitem(last=False)
+        if self._requests is not None:
+            horizon = now - int(max(self.latency_s, self.rate_s) * 1e9)
+            self._requests = self._requests.filter(pc.greater_equal(self._requests["finish_ns"], horizon))
+        if "memory" in r and r["memory"].num_rows:
+            self._replay(r["memory"])
+        if "stalls" in r and r["stalls"].num_rows:
+            self.stalls.extend(r["stalls"].to_pylist())
+
+    def _replay(self, mem: pa.Table) -> None:
+        kinds = mem["kind"].to_pylist()
+        bids = mem["block_id"].to_pylist()
+        rids = mem["request_id"].to_pylist()
+        h = self._holders
+        for kind, bid, rid in zip(kinds, bids, rids, strict=True):
+            if kind == "alloc" or kind == "ref" or kind == "snapshot":
+                h.setdefault(rid, set()).add(bid)
+            elif kind == "snapshot_begin":
+                h.clear()
+                self._exact = True
+            else:  # free, unref, reclaim: the holder let go of it
+                held = h.get(rid)
+                if held is not None:
+                    held.discard(bid)
+                    if not held:
+                        del h[rid]
+
+    def now_ns(self) -> int:
+        """The newest time the trace has reached (the trace's clock, so a trace copied from
+        another machine plays back as it was written)."""
+        t = 0
+        if self._steps is not None and self._steps.num_rows:
+            t = int(pc.max(pc.add(self._steps["ts_ns"], self._steps["dur_ns"])).as_py())
+        if self._probes is not None and self._probes.num_rows:
+            t = max(t, int(pc.max(pc.add(self._probes["ts_ns"], self._probes["dur_ns"])).as_py()))
+        return t
+
+    # ---- what to show ---------------------------------------------------------
+    def snapshot(self) -> TopView:
+        meta = self.meta
+        cfg = meta.get("config", {})
+        now = self.now_ns()
+        t0 = now - int(self.lane_s * 1e9)
+        steps = self._steps
+        last = steps.slice(steps.num_rows - 1).to_pylist()[0] if steps is not None and steps.num_rows else {}
+        start = int((meta.get("clock") or {}).get("anchor_monotonic_ns") or 0)
+        v = TopView(
+            model=str((meta.get("model") or {}).get("name") or cfg.get("model", "?")),
+            mode=str(cfg.get("mode", "?")),
+            backend=backend(meta, None).name if meta else "?",
+            status=self.status or RunStatus("truncated"),
+            uptime_s=max(0.0, (now - start) / 1e9) if start and now else 0.0,
+            req_per_s=self._rate_requests(now),
+            decode_tok_per_s=self._rate_tokens(now),
+            running=int(last.get("num_running", 0)),
+            waiting=int(last.get("num_waiting", 0)),
+            finished=self.committed.get("requests", 0),
+            last_step=int(last.get("step", -1)),
+            t0_ns=t0,
+            t1_ns=now,
+        )
+        v.lanes = self._lanes(t0)
+        v.cost, v.cost_rounds = self._cost()
+        if v.cost is not None:
+            others = [b for b in v.cost.boundaries if b.share is not None and b.boundary != B.DEVICE_COMPUTE]
+            v.worst = max(others, key=lambda b: b.share or 0.0).boundary if others else None
+        v.latency = self._latency()
+        v.kv = self._kv(last)
+        v.stalls = list(self.stalls)
+        v.leaks = self._leaks(now)
+        return v
+
+    def _lanes(self, t0: int) -> list[Lane]:
+        p = self._probes
+        if p is None or not p.num_rows:
+            return []
+        p = p.filter(pc.greater(pc.add(p["ts_ns"], p["dur_ns"]), t0))
+        p = p.filter(pc.not_equal(p["boundary"].cast(pa.string()), B.IDLE)) if p.num_rows else p
+        if not p.num_rows:
+            return []
+        ts = p["ts_ns"].to_numpy()
+        dur = p["dur_ns"].to_numpy()
+        bnd = p["boundary"].cast(pa.string()).to_pylist()
+        stream = np.array(p["stream"].cast(pa.string()).to_pylist(), dtype=object)
+        rank = p["rank"].to_numpy()
+        step = p["step"].to_numpy()
+        keys = sorted({(int(r), str(s)) for r, s in zip(rank, stream, strict=True)},
+                      key=lambda k: (k[0], STREAM_ORDER.index(k[1]) if k[1] in STREAM_ORDER else 99, k[1]))
+        lanes = []
+        t1 = self.now_ns()
+        for r, s in keys:
+            idx = np.flatnonzero((stream == s) & (rank == r))
+            idx = idx[np.argsort(ts[idx], kind="stable")]
+            st, en = ts[idx], ts[idx] + dur[idx]
+            newest = int(idx[np.argmax(en)])
+            lanes.append(Lane(r, s, st, en, [bnd[i] for i in idx], step[idx], bnd[newest],
+                              bool(ts[newest] + dur[newest] >= t1)))
+        return lanes
+
+    def _window_steps(self) -> pa.Table | None:
+        s = self._steps
+        if s is None or s.num_rows <= HOLD:
+            return None
+        n = s.num_rows - HOLD
+        return s.slice(max(0, n - self.rounds), min(self.rounds, n))
+
+    def _cost(self) -> tuple[CostTable | None, int]:
+        s = self._window_steps()
+        p = self._probes
+        if s is None or p is None:
+            return None, 0
+        lo = int(s["ts_ns"][0].as_py())
+        nxt = self._steps.slice(self._steps.num_rows - HOLD, 1)  # type: ignore[union-attr]
+        hi = int(nxt["ts_ns"][0].as_py())
+        win = p.filter(pc.and_(pc.greater_equal(p["ts_ns"], lo), pc.less(p["ts_ns"], hi)))
+        return cost_table(win, s), s.num_rows
+
+    def _latency(self) -> list[Latency]:
+        q = self._requests
+        if q is None or not q.num_rows:
+            return [Latency(n, None, None, []) for n in ("TTFT", "ITL", "E2E")]
+        q = q.filter(pc.greater_equal(q["finish_ns"], self.now_ns() - int(self.latency_s * 1e9)))
+        q = q.take(pc.sort_indices(q["finish_ns"]))
+        arr = q["arrival_ns"].to_numpy()
+        ft = q["first_token_ns"].to_numpy()
+        fin = q["finish_ns"].to_numpy()
+        ttft = ((ft - arr)[ft > 0]) / 1e6
+        e2e = (fin - arr) / 1e6
+        itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) / 1e6 if q.num_rows else np.empty(0)
+        return [_lat("TTFT", ttft), _lat("ITL", itl), _lat("E2E", e2e)]
+
+    def _rate_requests(self, now: int) -> float:
+        q = self._requests
+        if q is None or not q.num_rows or not now:
+            return 0.0
+        lo = now - int(self.rate_s * 1e9)
+        n = pc.sum(pc.greater_equal(q["finish_ns"], lo)).as_py() or 0
+        return float(n) / self._span(now)
+
+    def _rate_tokens(self, now: int) -> float:
+        s = self._steps
+        if s is None or not s.num_rows or not now:
+            return 0.0
+        lo = now - int(self.rate_s * 1e9)
+        got = s.filter(pc.greater_equal(s["ts_ns"], lo))
+        return float(pc.sum(got["num_decode_tokens"]).as_py() or 0) / self._span(now)
+
+    def _span(self, now: int) -> float:
+        """The rate window, shorter while the run is younger than it."""
+        first = int(self._steps["ts_ns"][0].as_py()) if self._steps is not None and self._steps.num_rows else now
+        return max(1e-3, min(self.rate_s, (now - first) / 1e9))
+
+    def _kv(self, last: dict[str, Any]) -> KvView | None:
+        if not last:
+            return None
+        cap = int((self.meta.get("model") or {}).get("kv_blocks") or 0) or int(last["blocks_used"] + last["blocks_free"])
+        run: int | None = None
+        if self._exact:
+            busy = np.zeros(cap, dtype=bool)
+            for held in self._holders.values():
+                ids = np.fromiter((b for b in held if 0 <= b < cap), dtype=np.int64)
+                busy[ids] = True
+            free = np.flatnonzero(~busy)
+            if len(free):
+                breaks = np.flatnonzero(np.diff(free) != 1)
+                lengths = np.diff(np.concatenate(([0], breaks + 1, [len(free)])))
+                run = int(lengths.max())
+            else:
+                run = 0
+        q = self._requests
+        hit = None
+        if q is not None and q.num_rows:
+            prompt = pc.sum(q["prompt_len"]).as_py() or 0
+            hit = (pc.sum(q["cached_prefix_len"]).as_py() or 0) / prompt if prompt else None
+        holders = sorted(((rid, len(b)) for rid, b in self._holders.items()), key=lambda x: -x[1])[:8]
+        return KvView(cap, int(last["blocks_used"]), int(last["blocks_free"]), int(last.get("blocks_fenced") or 0),
+                      run, hit, holders, self._exact)
+
+    def _leaks(self, now: int) -> list[tuple[str, int]]:
+        ended = self.status is not None and not (self.status.state == "truncated" and self.status.live)
+        out = []
+        for rid, held in self._holders.items():
+            fin = self._finished.get(rid)
+            if fin is not None and (ended or now - fin > LEAK_GRACE_NS):
+                out.append((rid, len(held)))
+        return sorted(out, key=lambda x: -x[1])
+
+
+def _lat(name: str, x: np.ndarray) -> Latency:
+    if not len(x):
+        return Latency(name, None, None, [])
+    return Latency(name, float(np.percentile(x, 50)), float(np.percentile(x, 99)), [float(v) for v in x[-60:]])
+
+
+def _cat(a: pa.Table | None, b: pa.Table) -> pa.Table:
+    if a is None or not a.num_rows:
+        return b
+    t = pa.concat_tables([a, b], promote_options="permissive").unify_dictionaries()
+    # a chunk per poll would pile up (the window's filter keeps them, emptied)
+    return t.combine_chunks() if t.column(0).num_chunks > 16 else t
+
+
+def _keep_last(t: pa.Table, n: int) -> pa.Table:
+    return t.slice(t.num_rows - n) if t.num_rows > n else t
