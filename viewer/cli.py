@@ -183,6 +183,36 @@ def leaks(
 
 
 @app.command()
+def top(
+    trace: Annotated[Path, typer.Argument(help="Trace directory of a running `mstrace run` or `mstrace serve`.")],
+    window: Annotated[float, typer.Option("--window", help="Seconds of stream lanes shown (+/- zoom).")] = 2.0,
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds in the rolling sync-cost table.")] = 64,
+) -> None:
+    """A live view of a run or server from its committed flushes: stream lanes, rolling cost table, latency, KV."""
+    if window <= 0 or rounds <= 0:
+        fail("--window and --rounds must be positive")
+    from viewer.tui.top_app import TopApp
+
+    TopApp(trace, lane_s=window, rounds=rounds).run()
+
+
+@app.command()
+def view(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
+) -> None:
+    """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks."""
+    from tracing.reader import TraceError
+
+    try:
+        from viewer.tui.view_app import ViewApp
+
+        app_ = ViewApp(trace)
+    except TraceError as e:
+        fail(str(e))
+    app_.run()
+
+
+@app.command()
 def compact(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
 ) -> None:

@@ -45,6 +45,13 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
 
     all_modes = cfg.mode == "all"
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    if opts.live:
+        if all_modes:
+            fail("--live follows one trace: choose --mode serial, timeslice or overlap")
+        from viewer.live_run import run_live
+
+        run_live(out, opts.force, fail)
+        return
     if cfg.world_size > 1:
         # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
         # token of overlap scheduling lives in rank 0's future ring only. A run labelled

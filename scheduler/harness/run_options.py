@@ -53,5 +53,7 @@ class RunOptions:
     force: bool = option(False, "Replace the trace already in --out (a trace folder, or a --mode all run's).",
                          OUTPUT)
     quiet: bool = option(False, "No progress bar.", OUTPUT, flag="quiet", short="-q")
+    live: bool = option(False, "Watch the run in `mstrace top` instead of a progress bar (the run goes on in its "
+                        "own process; q leaves the view and stops the run).", OUTPUT)
     otlp_endpoint: str | None = option(None, "Also send request spans to this OTLP/HTTP collector (e.g. "
                                        "http://localhost:4318); needs mstrace\\[otlp].", OUTPUT)

@@ -1,0 +1,237 @@
+"""`mstrace top` and `mstrace view`: the live tail, the windows, and both apps driven
+through their keys (Textual's Pilot) on a real trace."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from probes import boundaries as B
+from tests.cli import mstrace
+from tests.test_store import SMALL, probe_row
+from tests.tui_trace import MS, T0, synthetic_trace
+from tracing.reader import Trace, read_table
+from tracing.writer import TraceWriter
+from viewer.analysis.cost import cost_table
+from viewer.live.state import HOLD, LiveState
+from viewer.live.tail import TraceTail
+from viewer.tui import render
+from viewer.tui.round_screen import RequestScreen, RoundScreen
+from viewer.tui.top_app import TopApp
+from viewer.tui.view_app import ViewApp
+
+
+@pytest.fixture(scope="module")
+def run_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tui") / "run"
+    p = mstrace("run", "--model", "tiny", "--requests", "16", "--snapshot-every", "8", "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+# ---- the tail -------------------------------------------------------------------------
+def test_the_tail_reads_each_committed_row_once_while_compaction_merges_parts(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path, flush_interval_s=3600, targets=SMALL)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    tail = TraceTail(tmp_path, {"probes": ["step"]})
+    got: list[int] = []
+    buf = w.buffer("probes")
+    for f in range(40):
+        buf.extend(probe_row(f * 5 + i) for i in range(5))
+        w.flush()
+        w._store.compact(final=False)  # merges parts the tail has read, and parts it has not
+        if f % 3 == 0:
+            p = tail.poll()
+            assert p is not None
+            got += p.rows["probes"]["step"].to_pylist()
+    w.close()
+    got += tail.poll().rows["probes"]["step"].to_pylist()  # type: ignore[union-attr]
+    assert got == list(range(200))
+    assert tail.poll().new_rows == 0  # type: ignore[union-attr]
+
+
+def test_the_tail_waits_for_a_trace_and_attaches_near_its_end(tmp_path: Path) -> None:
+    assert TraceTail(tmp_path / "not-yet").poll() is None
+    synthetic_trace(tmp_path / "t", rounds=60)
+    p = TraceTail(tmp_path / "t", {"probes": ["step"]}, backlog={"probes": 50}).poll()
+    assert p is not None and p.committed["probes"] == 360
+    assert p.rows["probes"]["step"].to_pylist() == read_table(tmp_path / "t", "probes", ["step"])["step"].to_pylist()[-50:]
+
+
+# ---- the windows ----------------------------------------------------------------------
+def _state(root: Path, **kw: float) -> LiveState:
+    st = LiveState(**kw)  # type: ignore[arg-type]
+    p = TraceTail(root).poll()
+    assert p is not None
+    st.update(p)
+    return st
+
+
+def test_the_rolling_cost_table_is_the_reports_on_the_last_rounds(tmp_path: Path) -> None:
+    root = synthetic_trace(tmp_path / "t", rounds=60)
+    v = _state(root, rounds=20).snapshot()
+    steps = read_table(root, "steps")
+    last = steps.slice(60 - HOLD - 20, 20)
+    lo, hi = last["ts_ns"][0].as_py(), steps["ts_ns"][60 - HOLD].as_py()
+    probes = read_table(root, "probes")
+    probes = probes.filter(pc.and_(pc.greater_equal(probes["ts_ns"], lo), pc.less(probes["ts_ns"], hi)))
+    want = cost_table(probes, last)
+    assert v.cost_rounds == 20 and v.cost is not None
+    assert v.cost.cycle_ms == pytest.approx(want.cycle_ms)
+    assert [(b.boundary, b.share, b.host_share) for b in v.cost.boundaries] == \
+        [(b.boundary, b.share, b.host_share) for b in want.boundaries]
+    others = [b for b in want.boundaries if b.share is not None and b.boundary != B.DEVICE_COMPUTE]
+    assert v.worst == max(others, key=lambda b: b.share or 0.0).boundary  # the costliest but the compute
+
+
+def test_the_lanes_hold_only_the_window_and_latency_only_recent_requests(tmp_path: Path) -> None:
+    root = synthetic_trace(tmp_path / "t", rounds=60)
+    v = _state(root, lane_s=0.1, latency_s=0.25).snapshot()
+    assert v.t1_ns - v.t0_ns == 100 * MS
+    assert {ln.name for ln in v.lanes} == {"r0 main", "r0 host", "r0 sender"}
+    assert [ln.name for ln in v.lanes][:2] == ["r0 main", "r0 host"]
+    for ln in v.lanes:
+        assert (ln.end > v.t0_ns).all()
+    main = next(ln for ln in v.lanes if ln.stream == "main")
+    cells = main.cells(v.t0_ns, v.t1_ns, 100)  # 1 ms a column
+    busy = sum(min(e, v.t1_ns) - max(s, v.t0_ns) for s, e in zip(main.start, main.end, strict=True)) / MS
+    # a column goes to what holds most of its samples: off by at most one at each row's two ends
+    assert abs(cells.count(B.DEVICE_COMPUTE) - busy) <= 2 * len(main.start)
+    assert cells.count("") + cells.count(B.DEVICE_COMPUTE) == 100
+    req = read_table(root, "requests")
+    recent = req.filter(pc.greater_equal(req["finish_ns"], v.t1_ns - 250 * MS))
+    assert 0 < recent.num_rows < req.num_rows
+    e2e = (recent["finish_ns"].to_numpy() - recent["arrival_ns"].to_numpy()) / 1e6
+    lat = {x.name: x for x in v.latency}
+    assert lat["E2E"].p50_ms == pytest.approx(float(np.percentile(e2e, 50)))
+    assert len(lat["ITL"].series) == min(60, 29 * recent.num_rows)
+
+
+def test_the_kv_panel_and_a_leak_and_a_stall_as_they_happen(tmp_path: Path) -> None:
+    v = _state(synthetic_trace(tmp_path / "ok", rounds=60)).snapshot()
+    assert v.kv is not None and v.kv.exact and v.kv.capacity == 256
+    assert (v.kv.used, v.kv.free, v.kv.fenced) == (40 + 59 % 7, 216 - 59 % 7, 59 % 4)
+    assert v.leaks == [] and v.stalls == []
+    assert render.banner(v) is not None and "complete" in render.banner(v).plain  # type: ignore[union-attr]
+    v = _state(synthetic_trace(tmp_path / "bad", rounds=60, leak=True, stall=True)).snapshot()
+    assert v.leaks == [("req-3", 2)]
+    line = render.banner(v)
+    assert line is not None and "STALL at round 59" in line.plain and "wait cycle: scheduler -> " in line.plain
+
+
+def test_a_live_trace_says_it_is_live_and_a_missing_one_waits(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path / "live", flush_interval_s=3600)
+    w.write_meta({"model": {"name": "tiny", "kv_blocks": 4}, "config": {"mode": "serial"}})
+    w.buffer("steps").append((0, "serial", T0, 9 * MS, 0, 0, 0, 0, 1, 1, 1, 3, 0, 1, 0, T0 + 8 * MS, 0))
+    w.flush()
+    try:
+        v = _state(tmp_path / "live").snapshot()
+        assert v.status.live and render.banner(v) is None
+        assert "live" in render.header(v).plain
+    finally:
+        w.close()
+
+
+# ---- the apps, through their keys -------------------------------------------------------
+def test_top_on_a_real_run_through_its_keys(run_trace: Path) -> None:
+    async def go() -> None:
+        app = TopApp(run_trace)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            assert app.view is not None and app.view.finished == 16
+            assert "lanes" in app.query_one("#lanes").render().plain  # type: ignore[attr-defined]
+            await pilot.press("p")
+            assert app.paused
+            ticks = len(app.tick_ms)
+            await pilot.pause(0.6)
+            assert len(app.tick_ms) == ticks  # paused: no refresh
+            await pilot.press("p", "minus")
+            assert app.state.lane_s == 5.0
+            await pilot.press("plus", "plus")
+            assert app.state.lane_s == 1.0
+            await pilot.press("tab", "m")
+            assert app.screen.maximized is not None
+            await pilot.press("m")
+            assert app.screen.maximized is None
+            for _ in range(8):  # 0.4 s before the run's end: it was decoding
+                await pilot.press("left")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, RoundScreen) and app.screen.detail.probes
+            await pilot.press("escape")
+            assert not isinstance(app.screen, RoundScreen)
+            await pilot.press("q")
+        assert app.return_code == 0
+
+    asyncio.run(go())
+
+
+def test_view_on_a_real_run_sorts_filters_and_walks_rounds_and_requests(run_trace: Path) -> None:
+    async def go() -> None:
+        app = ViewApp(run_trace)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            rounds = app.query_one("#rounds-table")
+            n = rounds.row_count  # type: ignore[attr-defined]
+            assert n == Trace.open(run_trace).table("steps", ["step"]).num_rows
+            ms = [r[1] for r in app.listings["rounds"].rows()]
+            assert ms == sorted(ms, reverse=True)  # slowest first
+            await pilot.press("s")  # the cursor's column (step): descending
+            steps = [r[0] for r in app.listings["rounds"].rows()]
+            assert steps == sorted(steps, reverse=True)
+            await pilot.press("slash", *"prefill>0", "enter")
+            await pilot.pause()
+            assert 0 < rounds.row_count < n  # type: ignore[attr-defined]
+            assert all(r[2] > 0 for r in app.listings["rounds"].rows())
+            await pilot.press("enter")  # the first prefill round
+            await pilot.pause()
+            assert isinstance(app.screen, RoundScreen) and app.screen.detail.requests
+            await pilot.press("enter")  # its first request
+            await pilot.pause()
+            assert isinstance(app.screen, RequestScreen)
+            d = app.screen.detail
+            assert d.rounds and d.stages and d.blocks
+            await pilot.press("enter")  # and one of its rounds again
+            await pilot.pause()
+            assert isinstance(app.screen, RoundScreen) and app.screen.detail.step == d.rounds[0]
+            await pilot.press("escape", "escape", "escape")
+            await pilot.pause()
+            assert app.focused is rounds
+            await pilot.press("2")
+            assert app.query_one("#tabs").active == "requests"  # type: ignore[attr-defined]
+            await pilot.press("slash", *"nonsense", "enter")
+            assert "filter: COLUMN OP NUMBER" in app.listings["requests"].error
+            for key, tab in (("3", "stalls"), ("4", "leaks"), ("1", "rounds")):
+                await pilot.press(key)
+                assert app.query_one("#tabs").active == tab  # type: ignore[attr-defined]
+            await pilot.press("q")
+
+    asyncio.run(go())
+
+
+def test_view_refuses_a_missing_trace_in_one_line(tmp_path: Path) -> None:
+    p = mstrace("view", str(tmp_path / "nope"))
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "trace not found" in p.stderr
+
+
+def test_the_probes_window_stays_bounded_on_a_long_tail(tmp_path: Path) -> None:
+    """A refresh works on the window, however long the run: after many polls the state
+    holds the lane window and the cost table's rounds, not the run."""
+    w = TraceWriter(tmp_path, flush_interval_s=3600)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    tail, st = TraceTail(tmp_path), LiveState(lane_s=0.05, rounds=8)
+    for f in range(30):
+        for i in range(f * 20, f * 20 + 20):
+            s = T0 + i * 10 * MS
+            w.buffer("steps").append((i, "serial", s, 9 * MS, 0, 0, 0, 0, 1, 1, 1, 3, 0, 1, 0, s + 8 * MS, 0))
+            w.buffer("probes").append((s, 6 * MS, B.DEVICE_COMPUTE, "main", 0, i))
+        w.flush()
+        st.update(tail.poll())  # type: ignore[arg-type]
+    w.close()
+    assert st._probes is not None and st._probes.num_rows <= 8 + HOLD + 1 + 6
+    assert isinstance(st._probes, pa.Table)

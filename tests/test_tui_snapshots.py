@@ -1,0 +1,36 @@
+"""The TUI's layout pinned as SVG snapshots (pytest-textual-snapshot) at 80x24 and 160x48,
+on a trace with fixed numbers (tests/tui_trace.py). After a deliberate layout change:
+`pytest tests/test_tui_snapshots.py --snapshot-update`, and look at the new SVGs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tui_trace import synthetic_trace
+from viewer.tui.top_app import TopApp
+from viewer.tui.view_app import ViewApp
+
+SIZES = [(80, 24), (160, 48)]
+
+
+@pytest.fixture
+def trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    synthetic_trace(tmp_path / "trace", rounds=60, leak=True)
+    monkeypatch.chdir(tmp_path)  # the view's header shows the path as given: the same in every run
+    return "trace"
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_top_layout(snap_compare, trace: str, size: tuple[int, int]) -> None:
+    assert snap_compare(TopApp(trace), terminal_size=size)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_view_layout(snap_compare, trace: str, size: tuple[int, int]) -> None:
+    assert snap_compare(ViewApp(trace), terminal_size=size)
+
+
+def test_view_round_detail_layout(snap_compare, trace: str) -> None:
+    assert snap_compare(ViewApp(trace), terminal_size=(160, 48), press=["enter"])

@@ -1,0 +1,65 @@
+"""`mstrace run --live`: the run in a child process, `mstrace top` on its trace here.
+
+The engine must not share an interpreter with the TUI: a redraw holding the GIL
+would show up in the very rounds it draws. So the same command line, without
+`--live`, runs as a child with its output in a log; this process only tails the
+trace. When the view closes, a run still going is stopped as Ctrl-C stops it (its
+trace ends `interrupted`), then its report is printed and its exit code returned.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+STOP_WAIT_S = 60.0
+
+
+def child_argv(argv: list[str], out: Path) -> list[str]:
+    """`mstrace run ...` as typed, minus --live and --force (the folder is claimed here),
+    plus --out (a default one chosen here) and --quiet."""
+    i = argv.index("run") if "run" in argv else -1
+    rest = [a for a in argv[i + 1:] if a not in ("--live", "--force")]
+    has_out = any(a == "--out" or a.startswith("--out=") for a in rest)
+    return ["run", *rest, *([] if has_out else ["--out", str(out)]), "--quiet"]
+
+
+def run_live(out: Path, force: bool, fail: Callable[..., NoReturn]) -> None:
+    from viewer.run_command import claim_out
+    from viewer.tui.top_app import TopApp
+
+    claim_out(out, force, fail)
+    log = tempfile.NamedTemporaryFile(prefix="mstrace-run-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "viewer.cli", *child_argv(sys.argv, out)], stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def state() -> str | None:
+        rc = proc.poll()
+        if rc is None:
+            return None
+        return f"the run's process exited with code {rc}; q leaves and prints its report"
+
+    try:
+        TopApp(out, process_state=state).run()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+    text = Path(log.name).read_text(errors="replace")
+    Path(log.name).unlink(missing_ok=True)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    if proc.returncode:
+        raise typer.Exit(proc.returncode)

@@ -1,0 +1,195 @@
+"""`TopView` (viewer/live/state.py) as rich text: the pieces `mstrace top` shows.
+
+Pure functions of the view and a width, so a test can check what a panel says
+without a terminal, and the app only places them.
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from probes import boundaries as B
+from viewer.analysis.cycle_views import UNATTRIBUTED
+from viewer.live.state import Lane, TopView
+
+# One colour per boundary, the same in every panel; the letter stands in where colour is lost.
+COLOURS: dict[str, tuple[str, str]] = {
+    B.DEVICE_COMPUTE: ("green", "C"),
+    B.SCHEDULER_BARRIER: ("red", "W"),
+    B.ALL_REDUCE: ("magenta", "A"),
+    B.BOOKKEEPING: ("yellow", "K"),
+    B.RESPONSE_SEND: ("cyan", "S"),
+    B.RESPONSE_DELIVER: ("bright_cyan", "D"),
+    B.BATCH_BROADCAST: ("bright_magenta", "B"),
+    B.KV_FENCE: ("bright_red", "F"),
+    B.TOKENIZE: ("blue", "T"),
+    B.BATCH_PREPARE: ("bright_yellow", "P"),
+    B.STREAM_WAIT: ("orange3", "w"),
+    B.PREFILL_STAGGER: ("grey50", "g"),
+    B.DEFRAG: ("bright_white", "d"),
+    B.PP_BUBBLE: ("purple", "b"),
+    UNATTRIBUTED: ("white", "?"),
+}
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def colour(boundary: str) -> str:
+    return COLOURS.get(boundary, ("white", "?"))[0]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+
+
+def header(v: TopView, paused: bool = False) -> Text:
+    st = v.status
+    state = "running" if st.state == "truncated" and st.live else st.state
+    t = Text()
+    t.append(f"{v.model}", style="bold")
+    t.append(f"  mode {v.mode}  {v.backend}  up {v.uptime_s:,.0f}s  round {v.last_step}\n")
+    t.append(f"{v.req_per_s:.1f} req/s  {v.decode_tok_per_s:,.0f} decode tok/s  ")
+    t.append(f"running {v.running}  waiting {v.waiting}  finished {v.finished}  ")
+    t.append(state.upper() if state != "running" else "live", style="bold green" if state == "running" else "bold red"
+             if state in ("stalled", "error") else "bold yellow")
+    if paused:
+        t.append("  PAUSED", style="reverse")
+    return t
+
+
+def banner_waiting(why: str) -> Text:
+    return Text(why, style="bold yellow")
+
+
+def banner(v: TopView, note: str | None = None) -> Text | None:
+    """The stall, leak or end-of-run line (`note`: what the run's process did), or None
+    when all is well."""
+    if v.stalls:
+        s = v.stalls[-1]
+        cyc = f"; wait cycle: {s['cycle']}" if s.get("cycle") else ""
+        return Text(f"STALL at round {s['step']}: {s['waiter']} waited {s['waited_ns'] / 1e9:.1f} s on {s['what']} "
+                    f"({s['signaller']}){cyc}", style="bold white on red")
+    if v.leaks:
+        rid, n = v.leaks[0]
+        more = f" (+{len(v.leaks) - 1} more)" if len(v.leaks) > 1 else ""
+        return Text(f"SUSPECTED LEAK: {rid} finished but still holds {n} blocks{more}", style="bold black on yellow")
+    if note is not None:
+        return Text(note, style="bold yellow")
+    if v.status.state != "truncated" or not v.status.live:
+        head = v.status.headline() or "the run is complete"
+        return Text(f"{head}; the view shows its last state (q quits)", style="bold yellow")
+    return None
+
+
+def lanes(v: TopView, width: int, cursor: float | None = None) -> Text:
+    """One strip per stream and rank over the window; `cursor` (0..1) marks a time."""
+    name_w = max([len(ln.name) for ln in v.lanes] + [6]) + 1
+    cur_w = 18
+    strip = max(8, width - name_w - cur_w - 2)
+    t = Text()
+    span = (v.t1_ns - v.t0_ns) / 1e9
+    t.append(f"{'lanes':<{name_w}}", style="bold")
+    t.append(f"last {span:.2f} s".ljust(strip), style="dim")
+    t.append(" now\n", style="dim")
+    if not v.lanes:
+        t.append("(no probe rows in the window)", style="dim")
+        return t
+    col = None if cursor is None else min(strip - 1, max(0, int(cursor * strip)))
+    for ln in v.lanes:
+        t.append(f"{ln.name:<{name_w}}")
+        for i, b in enumerate(ln.cells(v.t0_ns, v.t1_ns, strip)):
+            style = f"on {colour(b)}" if b else ""
+            if i == col:
+                style = (style + " reverse") if style else "reverse"
+            t.append(COLOURS.get(b, ("", "?"))[1] if b else " ", style=style + (" black" if b else ""))
+        now = (ln.current if ln.busy else "-")[:cur_w - 1]
+        t.append(f" {now:<{cur_w - 1}}", style=colour(ln.current) if ln.busy else "dim")
+        t.append("\n")
+    used = sorted({b for ln in v.lanes for b in ln.boundary})
+    for b in used:
+        t.append(f" {COLOURS.get(b, ('', '?'))[1]} ", style=f"black on {colour(b)}")
+        t.append(f"{b} ")
+    return t
+
+
+def lane_round(v: TopView, cursor: float) -> int | None:
+    """The round whose rows are under the cursor (the main lane's, else any)."""
+    at = v.t0_ns + cursor * (v.t1_ns - v.t0_ns)
+    best: tuple[int, Lane] | None = None
+    for ln in v.lanes:
+        inside = (ln.start <= at) & (ln.end > at)
+        if inside.any():
+            rank = 0 if ln.stream == "main" else 1
+            if best is None or rank < best[0]:
+                best = (rank, ln)
+    if best is None:
+        return None
+    ln = best[1]
+    i = int((ln.start <= at).nonzero()[0][-1])
+    return int(ln.step[i])
+
+
+def cost(v: TopView) -> Table:
+    tb = Table(title=f"sync cost, last {v.cost_rounds} rounds", title_justify="left", expand=True,
+               box=None, pad_edge=False, header_style="bold")
+    for name, j in (("boundary", "left"), ("ms/cyc", "right"), ("device", "right"), ("host", "right"),
+                    ("hidden", "right")):
+        tb.add_column(name, justify=j)  # type: ignore[arg-type]
+    c = v.cost
+    if c is None or not c.cycles:
+        tb.add_row("(no whole round yet)", "", "", "", "")
+        return tb
+    for b in c.boundaries:
+        if b.share is None and b.host_share is None and not b.count:
+            continue
+        style = "bold reverse" if b.boundary == v.worst else colour(b.boundary)
+        tb.add_row(Text(b.boundary, style=style), f"{b.mean_ms:.2f}", _pct(b.share), _pct(b.host_share),
+                   _pct(b.hidden))
+    tb.add_row(Text("cycle", style="bold"), f"{c.cycle_ms:.2f}", "100%", "100%", "")
+    return tb
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def sparkline(series: list[float], width: int) -> str:
+    xs = series[-width:]
+    if not xs:
+        return ""
+    lo, hi = min(xs), max(xs)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((x - lo) / span * (len(SPARK) - 1) + 0.5))] for x in xs)
+
+
+def latency(v: TopView, width: int) -> Text:
+    t = Text("latency, ms\n", style="bold")
+    spark_w = max(0, width - 26)
+    for lat in v.latency:
+        t.append(f"{lat.name:<5} p50 {_ms(lat.p50_ms):>6} p99 {_ms(lat.p99_ms):>6} ")
+        t.append(sparkline(lat.series, spark_w), style="cyan")
+        t.append("\n")
+    return t
+
+
+def kv(v: TopView, width: int) -> Text:
+    t = Text("KV pool\n", style="bold")
+    k = v.kv
+    if k is None or not k.capacity:
+        t.append("(no round yet)", style="dim")
+        return t
+    bar_w = max(10, width - 2)
+    live = max(0, k.used - k.fenced)
+    n_live = round(bar_w * live / k.capacity)
+    n_fence = round(bar_w * k.fenced / k.capacity)
+    t.append("█" * n_live, style="green")
+    t.append("█" * n_fence, style="red")
+    t.append("░" * max(0, bar_w - n_live - n_fence), style="grey35")
+    t.append(f"\nused {k.used} (fenced {k.fenced})  free {k.free}  of {k.capacity}\n")
+    frag = "-" if k.largest_free_run is None or not k.free else f"{1 - k.largest_free_run / k.free:.0%}"
+    hit = "-" if k.prefix_hit_rate is None else f"{k.prefix_hit_rate:.0%}"
+    t.append(f"fragmentation {frag}  prefix hits {hit}\n")
+    if k.holders:
+        t.append("top holders" + ("" if k.exact else " (since attach)") + ": ", style="dim")
+        t.append(", ".join(f"{rid[-10:]} {n}" for rid, n in k.holders[:4]))
+    return t

@@ -1,0 +1,168 @@
+"""The detail screens: one round, one request. Shared by `top` (from its live window)
+and `view` (from the whole trace); from a round you reach its requests and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.compute as pc
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from viewer.tui.render import COLOURS, colour
+
+
+@dataclass(slots=True)
+class RoundDetail:
+    step: int
+    row: dict[str, Any]  # the steps row ({} when the window no longer has it)
+    probes: list[dict[str, Any]]  # ts_ns, dur_ns, boundary, stream, rank
+    requests: list[str] = field(default_factory=list)
+    blocks: list[dict[str, Any]] = field(default_factory=list)  # the memory rows of this round
+    note: str = ""
+
+
+@dataclass(slots=True)
+class RequestDetail:
+    request_id: str
+    row: dict[str, Any]
+    stages: list[tuple[str, int, int]]  # (stage, ts_ns, step)
+    rounds: list[int]
+    blocks: list[dict[str, Any]]
+
+
+def live_round(state: Any, step: int) -> RoundDetail:
+    """A round from `top`'s window: its row and probe rows (requests and blocks: `view`)."""
+    rows: list[dict[str, Any]] = []
+    row: dict[str, Any] = {}
+    p = state._probes
+    if p is not None and p.num_rows:
+        rows = p.filter(pc.equal(p["step"], step)).to_pylist()
+    s = state._steps
+    if s is not None and s.num_rows:
+        got = s.filter(pc.equal(s["step"], step)).to_pylist()
+        row = got[0] if got else {}
+    return RoundDetail(step, row, rows, note="live window: `mstrace view TRACE` shows its requests and blocks")
+
+
+def round_text(d: RoundDetail, width: int) -> Text:
+    t = Text(f"round {d.step}\n", style="bold")
+    r = d.row
+    if r:
+        t.append(f"{r['dur_ns'] / 1e6:.2f} ms (host {r['dur_host_ns'] / 1e6:.2f}, device {r['dur_device_ns'] / 1e6:.2f}); "
+                 f"prefill {r['num_prefill_reqs']} reqs / {r['num_prefill_tokens']} tokens, decode "
+                 f"{r['num_decode_reqs']}; blocks used {r['blocks_used']} free {r['blocks_free']}; "
+                 f"waiting {r['num_waiting']} running {r['num_running']}\n")
+    if d.note:
+        t.append(d.note + "\n", style="dim")
+    if not d.probes:
+        t.append("(no probe rows)\n", style="dim")
+        return t
+    t0 = min(x["ts_ns"] for x in d.probes)
+    t1 = max(x["ts_ns"] + x["dur_ns"] for x in d.probes)
+    span = max(1, t1 - t0)
+    bar_w = max(10, width - 52)
+    t.append(f"{'stream':<14}{'boundary':<20}{'at ms':>7}{'ms':>7}  timeline\n", style="bold")
+    for x in sorted(d.probes, key=lambda x: (x["rank"], x["stream"], x["ts_ns"])):
+        a = int((x["ts_ns"] - t0) / span * bar_w)
+        w = max(1, int(x["dur_ns"] / span * bar_w))
+        t.append(f"r{x['rank']} {x['stream']:<11}{x['boundary']:<20}{(x['ts_ns'] - t0) / 1e6:>7.2f}"
+                 f"{x['dur_ns'] / 1e6:>7.2f}  ")
+        t.append(" " * a)
+        t.append(COLOURS.get(x["boundary"], ("", "?"))[1] * min(w, bar_w - a), style=f"black on {colour(x['boundary'])}")
+        t.append("\n")
+    return t
+
+
+def blocks_table(blocks: list[dict[str, Any]]) -> Table:
+    tb = Table(box=None, header_style="bold", title="blocks", title_justify="left")
+    for c in ("kind", "block", "request", "refs"):
+        tb.add_column(c)
+    for b in blocks[:200]:
+        tb.add_row(str(b["kind"]), str(b["block_id"]), str(b["request_id"] or ""), str(b["ref_count"]))
+    if len(blocks) > 200:
+        tb.add_row("...", f"{len(blocks) - 200} more", "", "")
+    return tb
+
+
+class RoundScreen(Screen[None]):
+    BINDINGS = [Binding("escape,q", "dismiss", "back")]
+
+    def __init__(self, detail: RoundDetail, open_request: Callable[[str], RequestDetail | None] | None = None,
+                 open_round: Callable[[int], RoundDetail | None] | None = None) -> None:
+        super().__init__()
+        self.detail = detail
+        self._open_request = open_request
+        self._open_round = open_round
+
+    def compose(self) -> ComposeResult:
+        yield Static(round_text(self.detail, self.app.size.width), id="round")
+        if self.detail.requests:
+            t: DataTable[str] = DataTable(id="round-requests", cursor_type="row")
+            t.add_column("requests in this round")
+            for rid in self.detail.requests:
+                t.add_row(rid, key=rid)
+            yield t
+        if self.detail.blocks:
+            yield Static(blocks_table(self.detail.blocks), id="round-blocks")
+        yield Footer()
+
+    def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
+        ev.stop()
+        got = self._open_request(str(ev.row_key.value)) if self._open_request is not None else None
+        if got is not None:
+            self.app.push_screen(RequestScreen(got, self._open_round, self._open_request))
+
+
+def request_text(d: RequestDetail) -> Text:
+    r = d.row
+    t = Text(f"request {d.request_id}\n", style="bold")
+    if r:
+        ttft = (r["first_token_ns"] - r["arrival_ns"]) / 1e6 if r["first_token_ns"] > 0 else None
+        e2e = (r["finish_ns"] - r["arrival_ns"]) / 1e6
+        itl = max(r["dur_itl_ns"] or [0]) / 1e6
+        t.append(f"prompt {r['prompt_len']} tokens (cached {r['cached_prefix_len']}), output {r['output_len']}, "
+                 f"{r['finish_reason']}; TTFT {'-' if ttft is None else f'{ttft:.1f}'} ms, max ITL {itl:.1f} ms, "
+                 f"E2E {e2e:.1f} ms, preempted {r['num_preemptions']}x\n")
+    t.append(f"{'stage':<22}{'at ms':>10}{'lasted ms':>11}{'round':>8}\n", style="bold")
+    base = d.stages[0][1] if d.stages else 0
+    for i, (stage, ts, step) in enumerate(d.stages):
+        nxt = d.stages[i + 1][1] if i + 1 < len(d.stages) else None
+        lasted = "" if nxt is None else f"{(nxt - ts) / 1e6:.2f}"
+        t.append(f"{stage:<22}{(ts - base) / 1e6:>10.2f}{lasted:>11}{step if step >= 0 else '':>8}\n")
+    return t
+
+
+class RequestScreen(Screen[None]):
+    BINDINGS = [Binding("escape,q", "dismiss", "back")]
+
+    def __init__(self, detail: RequestDetail, open_round: Callable[[int], RoundDetail | None] | None = None,
+                 open_request: Callable[[str], RequestDetail | None] | None = None) -> None:
+        super().__init__()
+        self.detail = detail
+        self._open_round = open_round
+        self._open_request = open_request
+
+    def compose(self) -> ComposeResult:
+        yield Static(request_text(self.detail), id="request")
+        t: DataTable[str] = DataTable(id="request-rounds", cursor_type="row")
+        t.add_column(f"its {len(self.detail.rounds)} rounds")
+        for s in self.detail.rounds:
+            t.add_row(str(s), key=str(s))
+        yield t
+        if self.detail.blocks:
+            yield Static(blocks_table(self.detail.blocks), id="request-blocks")
+        yield Footer()
+
+    def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
+        ev.stop()
+        got = self._open_round(int(str(ev.row_key.value))) if self._open_round is not None else None
+        if got is not None:
+            self.app.push_screen(RoundScreen(got, self._open_request, self._open_round))

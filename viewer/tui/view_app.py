@@ -1,0 +1,194 @@
+"""`mstrace view TRACE`: a browser for a finished or truncated trace.
+
+Tabs: rounds (sortable by duration or any boundary's cost, with a filter), requests
+(sortable by TTFT, max ITL, E2E), stalls, leaks. Enter opens a round or a request;
+from a round you reach its requests, from a request its rounds, and escape goes back.
+A table shows at most `SHOWN` rows of the sorted, filtered list, so a run of a
+million rounds stays quick to browse.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, TabPane
+
+from viewer.tui.round_screen import RequestScreen, RoundScreen
+from viewer.tui.view_data import REQUEST_COLS, TraceBrowser
+
+SHOWN = 2000
+_FILTER = re.compile(r"^\s*(.+?)\s*(>=|<=|>|<|=)\s*(-?[\d.]+)\s*$")
+
+
+class Listing:
+    """Rows of one tab: the sort column and order, the filter, and what is shown."""
+
+    def __init__(self, columns: list[str], rows: list[tuple[Any, ...]], sort: int, reverse: bool = True) -> None:
+        self.columns, self.all, self.sort, self.reverse = columns, rows, sort, reverse
+        self.filter = ""
+        self.error = ""
+
+    def column(self, name: str) -> int | None:
+        name = name.strip().lower()
+        exact = [i for i, c in enumerate(self.columns) if c.lower() == name]
+        pref = [i for i, c in enumerate(self.columns) if c.lower().startswith(name)]
+        return (exact or pref or [None])[0]
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        rows = self.all
+        self.error = ""
+        if self.filter.strip():
+            m = _FILTER.match(self.filter)
+            col = self.column(m.group(1)) if m else None
+            if m is None or col is None:
+                self.error = f"filter: COLUMN OP NUMBER, e.g. `ms>50` or `kv_fence ms>0.1` (columns: {', '.join(self.columns)})"
+            else:
+                op, x = m.group(2), float(m.group(3))
+                test = {">": lambda v: v > x, "<": lambda v: v < x, ">=": lambda v: v >= x, "<=": lambda v: v <= x,
+                        "=": lambda v: v == x}[op]
+                rows = [r for r in rows if isinstance(r[col], int | float) and test(r[col])]
+        k = self.sort
+
+        def key(r: tuple[Any, ...]) -> tuple[int, Any]:
+            v = r[k]
+            return (0, v) if v is not None else (-1, 0) if self.reverse else (1, 0)
+
+        return sorted(rows, key=key, reverse=self.reverse)
+
+
+class ViewApp(App[None]):
+    TITLE = "mstrace view"
+    CSS = """
+    #status { height: auto; background: $boost; }
+    DataTable { height: 1fr; }
+    #rounds-filter { dock: top; }
+    .note { height: auto; color: $text-muted; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("s", "sort", "sort by column"),
+        Binding("slash", "filter", "filter", key_display="/"),
+        Binding("1", "tab('rounds')", "rounds"),
+        Binding("2", "tab('requests')", "requests"),
+        Binding("3", "tab('stalls')", "stalls"),
+        Binding("4", "tab('leaks')", "leaks"),
+    ]
+
+    def __init__(self, trace: str | Path) -> None:
+        super().__init__()
+        self.browser = TraceBrowser(trace)
+        r = self.browser.rounds()
+        self.listings = {
+            "rounds": Listing(r.columns, r.rows, sort=1),  # slowest rounds first
+            "requests": Listing(list(REQUEST_COLS), self.browser.request_rows(), sort=5),  # slowest E2E first
+        }
+
+    def compose(self) -> ComposeResult:
+        st = self.browser.trace.status
+        head = st.headline() or "complete"
+        yield Static(f"{self.browser.root}  {self.browser.meta.get('model', {}).get('name', '?')}  "
+                     f"{len(self.listings['rounds'].all):,} rounds  {len(self.listings['requests'].all):,} requests  "
+                     f"[{head}]", id="status")
+        with TabbedContent(initial="rounds", id="tabs"):
+            with TabPane("rounds", id="rounds"):
+                yield Input(placeholder="filter, e.g. ms>50 (enter applies, empty clears)", id="rounds-filter")
+                yield Static("", id="rounds-note", classes="note")
+                yield DataTable(id="rounds-table", cursor_type="row", zebra_stripes=True)
+            with TabPane("requests", id="requests"):
+                yield Input(placeholder="filter, e.g. TTFT>100", id="requests-filter")
+                yield Static("", id="requests-note", classes="note")
+                yield DataTable(id="requests-table", cursor_type="row", zebra_stripes=True)
+            with TabPane("stalls", id="stalls"):
+                yield VerticalScroll(Static(self.browser.stalls_text(max(60, self.size.width - 4)), id="stalls-text"),
+                                     id="stalls-scroll")
+            with TabPane("leaks", id="leaks"):
+                yield VerticalScroll(Static(self.browser.leaks_text(max(60, self.size.width - 4)), id="leaks-text"),
+                                     id="leaks-scroll")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for name in self.listings:
+            self.fill(name)
+        self.query_one("#rounds-table", DataTable).focus()
+
+    def fill(self, name: str) -> None:
+        li = self.listings[name]
+        t = self.query_one(f"#{name}-table", DataTable)
+        t.clear(columns=True)
+        for i, c in enumerate(li.columns):
+            t.add_column(c + (" ▼" if li.reverse else " ▲") * (i == li.sort), key=str(i))
+        rows = li.rows()
+        for r in rows[:SHOWN]:
+            t.add_row(*("-" if v is None else v for v in r), key=str(r[0]))
+        shown = f"showing {min(SHOWN, len(rows)):,} of {len(rows):,}" + (" (sort or filter for the rest)"
+                                                                       if len(rows) > SHOWN else "")
+        self.query_one(f"#{name}-note", Static).update(li.error or f"{shown}; s sorts by the cursor's column, "
+                                                                    f"enter opens")
+
+    def _current(self) -> str | None:
+        tab = self.query_one("#tabs", TabbedContent).active
+        return tab if tab in self.listings else None
+
+    # ---- keys and events ------------------------------------------------------------
+    def action_tab(self, name: str) -> None:
+        self.query_one("#tabs", TabbedContent).active = name
+        # focus into the new tab: focus left behind in the hidden one would switch it back
+        target = f"#{name}-table" if name in self.listings else f"#{name}-scroll"
+        self.query_one(target).focus()
+
+    def action_sort(self) -> None:
+        name = self._current()
+        if name is None:
+            return
+        t = self.query_one(f"#{name}-table", DataTable)
+        self._sort_by(name, t.cursor_column)
+
+    def _sort_by(self, name: str, col: int) -> None:
+        li = self.listings[name]
+        li.reverse = not li.reverse if li.sort == col else True
+        li.sort = col
+        self.fill(name)
+
+    def on_data_table_header_selected(self, ev: DataTable.HeaderSelected) -> None:
+        name = (ev.data_table.id or "").removesuffix("-table")
+        if name in self.listings:
+            self._sort_by(name, ev.column_index)
+
+    def action_filter(self) -> None:
+        name = self._current()
+        if name is not None:
+            self.query_one(f"#{name}-filter", Input).focus()
+
+    def on_input_submitted(self, ev: Input.Submitted) -> None:
+        name = (ev.input.id or "").removesuffix("-filter")
+        if name in self.listings:
+            self.listings[name].filter = ev.value
+            self.fill(name)
+            self.query_one(f"#{name}-table", DataTable).focus()
+
+    def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
+        key = str(ev.row_key.value)
+        if ev.data_table.id == "rounds-table":
+            self.open_round(int(key))
+        elif ev.data_table.id == "requests-table":
+            self.open_request(key)
+
+    def open_round(self, step: int) -> None:
+        d = self.browser.round_detail(step)
+        if d is not None:
+            self.push_screen(RoundScreen(d, self.browser.request_detail, self.browser.round_detail), self._back)
+
+    def open_request(self, rid: str) -> None:
+        d = self.browser.request_detail(rid)
+        if d is not None:
+            self.push_screen(RequestScreen(d, self.browser.round_detail, self.browser.request_detail), self._back)
+
+    def _back(self, _: object = None) -> None:
+        name = self._current()
+        if name is not None:  # back on the list, not in its filter box
+            self.query_one(f"#{name}-table", DataTable).focus()

@@ -1,0 +1,153 @@
+"""What `mstrace view` browses: a finished (or truncated) trace read once, as rounds,
+requests, and the detail of one round or one request.
+
+The per-round costs are the report's `per_cycle` (both views) for every round, so a
+round sorted to the top by a boundary's cost is the one the cost table blames.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console
+from rich.text import Text
+
+from probes import boundaries as B
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from viewer.analysis.cycle_views import per_cycle
+from viewer.tui.round_screen import RequestDetail, RoundDetail
+
+ROUND_COLS = ("step", "ms", "prefill", "prefill tok", "decode", "blocks", "waiting")
+REQUEST_COLS = ("request", "prompt", "output", "TTFT ms", "max ITL ms", "E2E ms", "preempt", "finish")
+
+
+@dataclass(slots=True)
+class Rounds:
+    columns: list[str]  # ROUND_COLS, then one "<boundary> ms" per boundary (device view)
+    rows: list[tuple[Any, ...]]
+
+
+class TraceBrowser:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.trace = Trace.open(self.root)
+        want: dict[str, list[str] | None] = {"steps": None, "probes": None, "timeline": None, "requests": [
+            "request_id", "prompt_len", "output_len", "cached_prefix_len", "finish_reason", "arrival_ns",
+            "first_token_ns", "finish_ns", "num_preemptions", "dur_itl_ns", "token_runs"]}
+        if self.trace.has_table("memory"):  # not in a --no-probes trace
+            want["memory"] = None
+        t = read_consistent(self.trace, want)
+        self.steps = t["steps"].take(pc.sort_indices(t["steps"]["ts_ns"]))
+        self.probes = t["probes"]
+        self.timeline = t["timeline"]
+        self.memory = t.get("memory")
+        self.requests = t["requests"]
+        self.meta = self.trace.meta
+        self._step_set = set(self.steps["step"].to_pylist())
+
+    # ---- lists --------------------------------------------------------------------
+    def rounds(self) -> Rounds:
+        s = self.steps
+        pcy = per_cycle(self.probes, s)
+        names = sorted(k.split(":", 1)[1] for k in pcy if k.startswith("exposed_ns:"))
+        names = [n for n in names if n != B.DEVICE_COMPUTE]
+        cols = [*ROUND_COLS, *(f"{n} ms" for n in names)]
+        d = {c: s[c].to_numpy() for c in ("step", "dur_ns", "num_prefill_reqs", "num_prefill_tokens",
+                                           "num_decode_reqs", "blocks_used", "num_waiting")}
+        per = [pcy[f"exposed_ns:{n}"] / 1e6 for n in names] if pcy else []
+        rows = []
+        for i in range(s.num_rows):
+            rows.append((int(d["step"][i]), round(float(d["dur_ns"][i]) / 1e6, 3), int(d["num_prefill_reqs"][i]),
+                         int(d["num_prefill_tokens"][i]), int(d["num_decode_reqs"][i]), int(d["blocks_used"][i]),
+                         int(d["num_waiting"][i]), *(round(float(x[i]), 3) for x in per)))
+        return Rounds(cols, rows)
+
+    def request_rows(self) -> list[tuple[Any, ...]]:
+        q = self.requests
+        arr = q["arrival_ns"].to_numpy()
+        ft = q["first_token_ns"].to_numpy()
+        fin = q["finish_ns"].to_numpy()
+        itl = [max(x) / 1e6 if x else 0.0 for x in q["dur_itl_ns"].to_pylist()]
+        out = []
+        for i, rid in enumerate(q["request_id"].to_pylist()):
+            ttft = round((ft[i] - arr[i]) / 1e6, 3) if ft[i] > 0 else None
+            out.append((rid, int(q["prompt_len"][i].as_py()), int(q["output_len"][i].as_py()), ttft,
+                        round(itl[i], 3), round((fin[i] - arr[i]) / 1e6, 3), int(q["num_preemptions"][i].as_py()),
+                        str(q["finish_reason"][i].as_py())))
+        return out
+
+    # ---- details --------------------------------------------------------------------
+    def round_detail(self, step: int) -> RoundDetail | None:
+        got = self.steps.filter(pc.equal(self.steps["step"], step))
+        if not got.num_rows:
+            return None
+        probes = self.probes.filter(pc.equal(self.probes["step"], step))
+        probes = probes.filter(pc.not_equal(probes["boundary"].cast(pa.string()), B.IDLE))
+        blocks = (self.memory.filter(pc.equal(self.memory["step"], step)).to_pylist()
+                  if self.memory is not None else [])
+        return RoundDetail(step, got.to_pylist()[0], probes.to_pylist(), self._requests_in(step),
+                           [b for b in blocks if not str(b["kind"]).startswith("snapshot")])
+
+    def _requests_in(self, step: int) -> list[str]:
+        """Requests that computed in this round: it produced their token (token_runs) or ran
+        a prefill chunk of theirs (the timeline's rows for the round)."""
+        rids = set()
+        for rid, runs in zip(self.requests["request_id"].to_pylist(), self.requests["token_runs"].to_pylist(),
+                             strict=True):
+            r = np.asarray(runs or [], dtype=np.int64).reshape(-1, 2)
+            if len(r) and bool(((r[:, 0] <= step) & (step < r[:, 0] + r[:, 1])).any()):
+                rids.add(rid)
+        tl = self.timeline.filter(pc.equal(self.timeline["step"], step))
+        rids.update(x for x in tl["request_id"].to_pylist() if x)
+        return sorted(rids)
+
+    def request_detail(self, rid: str) -> RequestDetail | None:
+        q = self.requests.filter(pc.equal(self.requests["request_id"], rid))
+        tl = self.timeline.filter(pc.equal(self.timeline["request_id"], rid))
+        if not q.num_rows and not tl.num_rows:
+            return None
+        tl = tl.take(pc.sort_indices(tl["ts_ns"]))
+        stages = [(str(s), int(t), int(st)) for s, t, st in zip(tl["stage"].cast(pa.string()).to_pylist(),
+                                                                  tl["ts_ns"].to_pylist(), tl["step"].to_pylist(),
+                                                                  strict=True)]
+        row = q.to_pylist()[0] if q.num_rows else {}
+        rounds = set(st for _, _, st in stages if st >= 0)
+        runs = np.asarray(row.get("token_runs") or [], dtype=np.int64).reshape(-1, 2)
+        for first, n in runs:
+            rounds.update(range(int(first), int(first + n)))
+        blocks = (self.memory.filter(pc.equal(self.memory["request_id"], rid)).to_pylist()
+                  if self.memory is not None else [])
+        rounds &= self._step_set  # a stage stamped outside a round (arrival, queued) names no round
+        return RequestDetail(rid, row, stages, sorted(rounds),
+                             [b for b in blocks if not str(b["kind"]).startswith("snapshot")])
+
+    # ---- the stalls and leaks views, as the CLI renders them -------------------------
+    def stalls_text(self, width: int) -> Text:
+        from viewer.analysis.stalls import stall_records
+        from viewer.stalls_view import render_stalls
+
+        recs = stall_records(self.trace.table("stalls")) if self.trace.has_table("stalls") else []
+        return _rendered(width, lambda c: render_stalls(c, str(self.root), self.meta, recs))
+
+    def leaks_text(self, width: int) -> Text:
+        from viewer.analysis.leaks import leak_report
+        from viewer.stalls_view import render_leaks
+
+        if self.memory is None:
+            return Text("this trace has no memory table (recorded with --no-probes)")
+        rep = leak_report(self.memory, self.requests.select(["request_id", "finish_reason"]),
+                          int(self.meta.get("model", {}).get("kv_blocks") or 0), run_ended=self.trace.status.complete)
+        return _rendered(width, lambda c: render_leaks(c, str(self.root), self.meta, rep))
+
+
+def _rendered(width: int, draw: Any) -> Text:
+    buf = io.StringIO()
+    draw(Console(file=buf, width=width, force_terminal=True, color_system="truecolor", highlight=False))
+    return Text.from_ansi(buf.getvalue())
