@@ -6,10 +6,10 @@ so a slow machine only makes the test slower."""
 from __future__ import annotations
 
 import shlex
-import threading
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable

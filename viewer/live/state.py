@@ -124,9 +124,13 @@ class LiveState:
         self._finished: OrderedDict[str, int] = OrderedDict()  # request id -> finish_ns
         self.stalls: list[dict[str, Any]] = []
         self.rows_seen = 0
+        self._version = 0  # bumped by every poll that brought rows: a snapshot of the same is reused
+        self._snap: tuple[tuple[Any, ...], TopView] | None = None
 
     # ---- folding polls in ---------------------------------------------------
     def update(self, poll: Poll) -> None:
+        if poll.new_rows or poll.status != self.status:
+            self._version += 1
         self.meta, self.status, self.committed = poll.meta, poll.status, poll.committed
         self.rows_seen += poll.new_rows
         r = poll.rows
@@ -187,6 +191,14 @@ class LiveState:
 
     # ---- what to show ---------------------------------------------------------
     def snapshot(self) -> TopView:
+        key = (self._version, self.lane_s, self.rounds, self.latency_s, self.rate_s)
+        if self._snap is not None and self._snap[0] == key:
+            return self._snap[1]
+        v = self._build()
+        self._snap = (key, v)
+        return v
+
+    def _build(self) -> TopView:
         meta = self.meta
         cfg = meta.get("config", {})
         now = self.now_ns()
@@ -270,14 +282,17 @@ class LiveState:
         if q is None or not q.num_rows:
             return [Latency(n, None, None, []) for n in ("TTFT", "ITL", "E2E")]
         q = q.filter(pc.greater_equal(q["finish_ns"], self.now_ns() - int(self.latency_s * 1e9)))
-        q = q.take(pc.sort_indices(q["finish_ns"]))
-        arr = q["arrival_ns"].to_numpy()
-        ft = q["first_token_ns"].to_numpy()
         fin = q["finish_ns"].to_numpy()
+        order = np.argsort(fin, kind="stable")  # the sparklines run oldest to newest
+        arr = q["arrival_ns"].to_numpy()[order]
+        ft = q["first_token_ns"].to_numpy()[order]
         ttft = ((ft - arr)[ft > 0]) / 1e6
-        e2e = (fin - arr) / 1e6
-        itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) / 1e6 if q.num_rows else np.empty(0)
-        return [_lat("TTFT", ttft), _lat("ITL", itl), _lat("E2E", e2e)]
+        e2e = (fin[order] - arr) / 1e6
+        itl_col = q["dur_itl_ns"]
+        itl = pc.list_flatten(itl_col).to_numpy(zero_copy_only=False) / 1e6 if q.num_rows else np.empty(0)
+        newest = [itl_col[int(i)].values.to_numpy(zero_copy_only=False) / 1e6 for i in order[-60:]]
+        recent = np.concatenate(newest)[-60:] if newest else np.empty(0)
+        return [_lat("TTFT", ttft), _lat("ITL", itl, recent), _lat("E2E", e2e)]
 
     def _rate_requests(self, now: int) -> float:
         q = self._requests
@@ -336,10 +351,11 @@ class LiveState:
         return sorted(out, key=lambda x: -x[1])
 
 
-def _lat(name: str, x: np.ndarray) -> Latency:
+def _lat(name: str, x: np.ndarray, series: np.ndarray | None = None) -> Latency:
     if not len(x):
         return Latency(name, None, None, [])
-    return Latency(name, float(np.percentile(x, 50)), float(np.percentile(x, 99)), [float(v) for v in x[-60:]])
+    p50, p99 = np.percentile(x, [50, 99])
+    return Latency(name, float(p50), float(p99), [float(v) for v in (x if series is None else series)[-60:]])
 
 
 def _cat(a: pa.Table | None, b: pa.Table) -> pa.Table:

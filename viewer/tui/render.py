@@ -6,7 +6,6 @@ without a terminal, and the app only places them.
 
 from __future__ import annotations
 
-from rich.table import Table
 from rich.text import Text
 
 from probes import boundaries as B
@@ -97,11 +96,18 @@ def lanes(v: TopView, width: int, cursor: float | None = None) -> Text:
     col = None if cursor is None else min(strip - 1, max(0, int(cursor * strip)))
     for ln in v.lanes:
         t.append(f"{ln.name:<{name_w}}")
-        for i, b in enumerate(ln.cells(v.t0_ns, v.t1_ns, strip)):
-            style = f"on {colour(b)}" if b else ""
+        cells = ln.cells(v.t0_ns, v.t1_ns, strip)
+        i = 0
+        while i < len(cells):  # one span per run of a boundary: a redraw's cost is its spans
+            b = cells[i]
+            j = i + 1
+            while j < len(cells) and cells[j] == b and j != col and i != col:
+                j += 1
+            style = f"black on {colour(b)}" if b else ""
             if i == col:
-                style = (style + " reverse") if style else "reverse"
-            t.append(COLOURS.get(b, ("", "?"))[1] if b else " ", style=style + (" black" if b else ""))
+                style = f"{style} reverse".strip()
+            t.append((COLOURS.get(b, ("", "?"))[1] if b else " ") * (j - i), style=style)
+            i = j
         now = (ln.current if ln.busy else "-")[:cur_w - 1]
         t.append(f" {now:<{cur_w - 1}}", style=colour(ln.current) if ln.busy else "dim")
         t.append("\n")
@@ -129,24 +135,29 @@ def lane_round(v: TopView, cursor: float) -> int | None:
     return int(ln.step[i])
 
 
-def cost(v: TopView) -> Table:
-    tb = Table(title=f"sync cost, last {v.cost_rounds} rounds", title_justify="left", expand=True,
-               box=None, pad_edge=False, header_style="bold")
-    for name, j in (("boundary", "left"), ("ms/cyc", "right"), ("device", "right"), ("host", "right"),
-                    ("hidden", "right")):
-        tb.add_column(name, justify=j)  # type: ignore[arg-type]
+def cost(v: TopView, width: int = 80) -> Text:
+    """The rolling cost table as fixed-width text: a rich Table measured its columns on
+    every redraw, a third of a refresh's time. Narrow, the `hidden` column goes first."""
+    t = Text()
+    t.append(f"sync cost, last {v.cost_rounds} rounds\n", style="italic")
     c = v.cost
     if c is None or not c.cycles:
-        tb.add_row("(no whole round yet)", "", "", "", "")
-        return tb
+        t.append("(no whole round yet)", style="dim")
+        return t
+    hidden = width >= 12 + 35
+    name_w = max(10, min(22, width - (35 if hidden else 26)))
+    t.append(f"{'boundary':<{name_w}}{'ms/cyc':>8}{'device':>9}{'host':>9}" + (f"{'hidden':>9}" if hidden else "")
+             + "\n", style="bold")
     for b in c.boundaries:
         if b.share is None and b.host_share is None and not b.count:
             continue
-        style = "bold reverse" if b.boundary == v.worst else colour(b.boundary)
-        tb.add_row(Text(b.boundary, style=style), f"{b.mean_ms:.2f}", _pct(b.share), _pct(b.host_share),
-                   _pct(b.hidden))
-    tb.add_row(Text("cycle", style="bold"), f"{c.cycle_ms:.2f}", "100%", "100%", "")
-    return tb
+        name = b.boundary if len(b.boundary) <= name_w - 1 else b.boundary[: name_w - 2] + "…"
+        t.append(f"{name:<{name_w}}", style="bold reverse" if b.boundary == v.worst else colour(b.boundary))
+        t.append(f"{b.mean_ms:>8.2f}{_pct(b.share):>9}{_pct(b.host_share):>9}"
+                 + (f"{_pct(b.hidden):>9}" if hidden else "") + "\n")
+    t.append(f"{'cycle':<{name_w}}", style="bold")
+    t.append(f"{c.cycle_ms:>8.2f}{'100%':>9}{'100%':>9}")
+    return t
 
 
 def _pct(x: float | None) -> str:

@@ -3,8 +3,8 @@
 The app never talks to the engine: it tails the trace directory (viewer/live/tail.py),
 so it works the same on a folder shared from another machine, and the engine pays
 only for the flushes it writes anyway. Each tick reads the new parts, folds them into
-the windows of `LiveState` and redraws; a tick's own time is kept in `tick_ms`, which
-the benchmark reads.
+the windows of `LiveState` and redraws. Each tick's time until the screen shows it, and
+the CPU time it took, are kept in `tick_ms` and `tick_cpu_ms` (the benchmark reads them).
 """
 
 from __future__ import annotations
@@ -40,6 +40,21 @@ class Panel(Widget, can_focus=True):
 
     def render(self) -> RenderableType:
         return self._draw(max(20, self.content_size.width))
+
+
+class Line(Widget):
+    """A fixed-height line of text: repainted without laying the screen out again."""
+
+    def __init__(self, id: str) -> None:  # noqa: A002
+        super().__init__(id=id)
+        self._content: RenderableType = ""
+
+    def show(self, content: RenderableType) -> None:
+        self._content = content
+        self.refresh()
+
+    def render(self) -> RenderableType:
+        return self._content
 
 
 class TopApp(App[None]):
@@ -80,17 +95,23 @@ class TopApp(App[None]):
         self.view: TopView | None = None
         self.paused = False
         self.cursor: float | None = None  # 0..1 across the lanes' window
+        # per refresh: wall time until the screen showed it, and this thread's CPU time meanwhile
+        # (everything the event loop did, waiting excluded)
         self.tick_ms: list[float] = []
+        self.tick_cpu_ms: list[float] = []
         self.error: str | None = None
         self._process_state = process_state  # `run --live`: how its run process is doing
+        self._drawn: tuple[object, ...] | None = None
+        self._said: str | None = "-"  # the banner's text (None: no banner)
+        self._shape: tuple[int, int] | None = None
         self._clock = clock
 
     def compose(self) -> ComposeResult:
-        yield Static(id="head")
+        yield Line(id="head")
         yield Static(id="banner")
         yield Panel(lambda w: render.lanes(self.view, w, self.cursor) if self.view else "", id="lanes")
         with Horizontal(id="lower"):
-            yield Panel(lambda w: render.cost(self.view) if self.view else "", id="cost")
+            yield Panel(lambda w: render.cost(self.view, w) if self.view else "", id="cost")
             with Vertical(id="side"):
                 yield Panel(lambda w: render.latency(self.view, w) if self.view else "", id="latency")
                 yield Panel(lambda w: render.kv(self.view, w) if self.view else "", id="kv")
@@ -104,7 +125,7 @@ class TopApp(App[None]):
     def tick(self) -> None:
         if self.paused:
             return
-        t0 = self._clock()
+        t0, c0 = self._clock(), time.thread_time()
         try:
             poll = self.tail.poll()
         except TraceError as e:
@@ -115,30 +136,44 @@ class TopApp(App[None]):
             self.state.update(poll)
             self.view = self.state.snapshot()
         self.redraw()
-        self.tick_ms.append((self._clock() - t0) * 1e3)
+
+        def done() -> None:  # at the screen's next refresh: the redraw's rendering counts too
+            self.tick_ms.append((self._clock() - t0) * 1e3)
+            self.tick_cpu_ms.append((time.thread_time() - c0) * 1e3)
+
+        self.call_after_refresh(done)
 
     def redraw(self) -> None:
         v = self.view
-        banner = self.query_one("#banner", Static)
         if v is None:
-            why = self.error or f"waiting for {self.trace} (no trace there yet)"
-            self.query_one("#head", Static).update(f"mstrace top {self.trace}")
-            banner.update(render.banner_waiting(why))
-            banner.add_class("shown")
+            head: RenderableType = f"mstrace top {self.trace}"
+            b = render.banner_waiting(self.error or f"waiting for {self.trace} (no trace there yet)")
+        else:
+            head = render.header(v, self.paused)
+            b = render.banner(v, self._process_state() if self._process_state is not None else None)
+        said = b.plain if b is not None else None
+        drawn = (id(v), self.cursor, self.paused, said)
+        if drawn == self._drawn:
+            return  # nothing new: a redraw would repaint the same
+        self._drawn = drawn
+        self.query_one("#head", Line).show(head)
+        banner = self.query_one("#banner", Static)
+        if said != self._said:  # a Static's update lays the screen out again: only on a change
+            self._said = said
+            banner.set_class(b is not None, "shown")
+            banner.update(b or "")
+        if v is None:
             return
-        self.query_one("#head", Static).update(render.header(v, self.paused))
-        proc = self._process_state() if self._process_state is not None else None
-        b = render.banner(v, proc)
-        banner.set_class(b is not None, "shown")
-        banner.update(b or "")
+        shape = (len(v.lanes), len({x for ln in v.lanes for x in ln.boundary}))
         for panel in self.query(Panel):
-            panel.refresh(layout=panel.id == "lanes")  # the lanes' height follows their count
+            # a new layout only when the lanes' height changes: a reflow costs more than the paint
+            panel.refresh(layout=panel.id == "lanes" and shape != self._shape)
+        self._shape = shape
 
     # ---- keys --------------------------------------------------------------------
     def action_pause(self) -> None:
         self.paused = not self.paused
-        if self.view is not None:
-            self.query_one("#head", Static).update(render.header(self.view, self.paused))
+        self.redraw()
 
     def action_zoom(self, way: int) -> None:
         now = self.state.lane_s

@@ -1,0 +1,187 @@
+"""What `mstrace top` costs: its own refresh on a long trace, and the run it watches.
+
+    flock /tmp/mstrace-bench.lock .venv/bin/python bench/bench_top.py --pairs 4
+
+1. **Refresh.** A writer process commits the history of a long run through the
+   store's own TraceWriter: a real `mstrace run --model tiny` trace replicated to at
+   least `--history-rows` probe rows (shifted in time and rounds, as
+   bench/gen_big_trace.py does), then one more copy every 0.5 s, as a live run's
+   flushes arrive. `TopApp`, headless at 160x48, attaches and refreshes 4 times a
+   second meanwhile; its ticks (poll, fold, snapshot, redraw) are timed by the app.
+2. **Cost to the run.** `mstrace run --model tiny --requests N` with and without a
+   headless `mstrace top` attached to its trace, in alternated pairs: the run's CPU
+   time per output token (meta.json run.cpu: its process and children), B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "bench" / "out" / "top"
+TABLES = ("steps", "probes", "requests", "memory", "timeline")
+
+
+def _tiny_run(out: Path, requests: int, extra: list[str] | None = None) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests", str(requests),
+                    "--out", str(out), "-q", *(extra or [])], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+
+
+def writer(src: Path, out: Path, history_rows: int, live_s: float, ready: Path) -> None:
+    """The writer process: a long history committed quickly, then a copy per 0.5 s."""
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
+    from gen_big_trace import shifted
+
+    from tracing.reader import Trace
+    from tracing.writer import TraceWriter
+
+    tr = Trace.open(src)
+    tables = {t: tr.table(t) for t in TABLES}
+    steps = tables["steps"]
+    span = int(max(a + b for a, b in zip(steps["ts_ns"].to_pylist(), steps["dur_ns"].to_pylist(), strict=True))
+               - steps["ts_ns"][0].as_py()) + 1
+    nstep = int(max(steps["step"].to_pylist())) + 1
+    w = TraceWriter(out, flush_interval_s=3600)
+    w.write_meta({k: v for k, v in tr.meta.items() if k != "run"})  # no end record: a run in progress
+    bufs = {name: w.buffer(name) for name in tables}
+    per_copy = tables["probes"].num_rows
+    copies = -(-history_rows // per_copy)
+    t_live = time.monotonic_ns()  # the live copies' clock: now, so top's windows see them arrive
+    base = t_live - copies * span
+
+    def put(k: int) -> None:
+        for name, t in tables.items():
+            rows = shifted(t, base + k * span - steps["ts_ns"][0].as_py(), k * nstep, f"-{k}").to_pylist()
+            bufs[name].extend(tuple(r.values()) for r in rows)
+
+    for k in range(copies):
+        put(k)
+        if k % 8 == 7:
+            w.flush()
+            w._store.compact(final=False)
+    w.flush()
+    ready.write_text(str(copies * per_copy))
+    k = copies
+    end = time.monotonic() + live_s
+    while time.monotonic() < end:
+        put(k)
+        k += 1
+        w.flush()
+        w._store.compact(final=False)
+        time.sleep(0.5)
+    w.close()
+
+
+def refresh(src: Path, history_rows: int, live_s: float) -> dict:
+    from viewer.tui.top_app import TopApp
+
+    out, ready = OUT / "live", OUT / "ready"
+    shutil.rmtree(out, ignore_errors=True)
+    ready.unlink(missing_ok=True)
+    wp = subprocess.Popen([sys.executable, __file__, "--writer", str(src), str(out), str(history_rows), str(live_s),
+                           str(ready)], cwd=REPO)
+    while not ready.exists():
+        if wp.poll() is not None:
+            raise SystemExit("the writer process failed")
+        time.sleep(0.2)
+    history = int(ready.read_text())
+
+    async def watch() -> TopApp:
+        app = TopApp(out)
+        async with app.run_test(size=(160, 48)) as pilot:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < live_s - 1:
+                await pilot.pause(0.5)
+        return app
+
+    app = asyncio.run(watch())
+    wp.wait()
+    def dist(xs: list[float]) -> dict[str, float]:
+        s = sorted(xs[1:])  # the first is the attach
+        return {"attach": xs[0], "p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
+                "max": s[-1]}
+
+    return {"history_probe_rows": history, "ticks": len(app.tick_ms), "ticks_per_s": len(app.tick_ms) / (live_s - 1),
+            "wall_to_screen_ms": dist(app.tick_ms), "cpu_ms": dist(app.tick_cpu_ms), "rows_read": app.state.rows_seen,
+            "probe_rows_held": app.state._probes.num_rows if app.state._probes is not None else 0}
+
+
+def _top_process(trace: Path) -> subprocess.Popen:
+    code = ("import sys; from viewer.tui.top_app import TopApp; TopApp(sys.argv[1]).run(headless=True)")
+    return subprocess.Popen([sys.executable, "-c", code, str(trace)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def one_run(out: Path, requests: int, watched: bool) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    top = _top_process(out) if watched else None
+    try:
+        _tiny_run(out, requests)
+    finally:
+        if top is not None:
+            top.terminate()
+            top.wait()
+    from tracing.reader import read_table
+
+    meta = json.loads((out / "meta.json").read_text())
+
+    tokens = int(sum(read_table(out, "requests", ["output_len"])["output_len"].to_pylist()))
+    cpu = meta["run"]["cpu"]
+    return {"cpu_ns": cpu["total_ns"], "tokens": tokens, "per_token_us": cpu["total_ns"] / tokens / 1e3}
+
+
+def cost(requests: int, pairs: int) -> dict:
+    ratios, a_runs, b_runs = [], [], []
+    for i in range(pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {w: one_run(OUT / f"cost-{'b' if w else 'a'}-{i}", requests, w) for w in order}
+        a_runs.append(got[False])
+        b_runs.append(got[True])
+        ratios.append(got[True]["per_token_us"] / got[False]["per_token_us"])
+        print(f"pair {i}: without top {got[False]['per_token_us']:.1f} us/token, with top "
+              f"{got[True]['per_token_us']:.1f} us/token, B/A {ratios[-1]:.3f}", flush=True)
+    return {"pairs": ratios, "median_b_over_a": statistics.median(ratios),
+            "a_us_per_token": [r["per_token_us"] for r in a_runs], "b_us_per_token": [r["per_token_us"] for r in b_runs]}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--writer":
+        src, out, rows, live, ready = sys.argv[2:7]
+        writer(Path(src), Path(out), int(rows), float(live), Path(ready))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--history-rows", type=int, default=1_000_000)
+    ap.add_argument("--live-s", type=float, default=20.0)
+    ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--part", choices=("both", "refresh", "cost"), default="both")
+    a = ap.parse_args()
+    sys.path.insert(0, str(REPO))
+    OUT.mkdir(parents=True, exist_ok=True)
+    res: dict = {"load_before": os.getloadavg()}
+    if a.part in ("both", "refresh"):
+        src = OUT / "src"
+        _tiny_run(src, 64, ["--snapshot-every", "16"])
+        res["refresh"] = refresh(src, a.history_rows, a.live_s)
+        print(json.dumps(res["refresh"], indent=2), flush=True)
+    if a.part in ("both", "cost"):
+        res["cost"] = cost(a.requests, a.pairs)
+        print(f"run CPU per output token with top attached / without: median {res['cost']['median_b_over_a']:.3f} "
+              f"(pairs {', '.join(f'{x:.3f}' for x in res['cost']['pairs'])})")
+    res["load_after"] = os.getloadavg()
+    (OUT / "result.json").write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
