@@ -109,8 +109,9 @@ def refresh(src: Path, history_rows: int, live_s: float) -> dict:
     wp.wait()
     def dist(xs: list[float]) -> dict[str, float]:
         s = sorted(xs[1:])  # the first is the attach
-        return {"attach": xs[0], "p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
-                "max": s[-1]}
+        return {"attach": xs[0], "p50": statistics.median(s), "p90": s[int(0.9 * len(s))],
+                "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "max": s[-1], "over_50ms": sum(x > 50 for x in s),
+                "of": len(s)}
 
     return {"history_probe_rows": history, "ticks": len(app.tick_ms), "ticks_per_s": len(app.tick_ms) / (live_s - 1),
             "wall_to_screen_ms": dist(app.tick_ms), "cpu_ms": dist(app.tick_cpu_ms), "rows_read": app.state.rows_seen,

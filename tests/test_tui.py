@@ -235,3 +235,33 @@ def test_the_probes_window_stays_bounded_on_a_long_tail(tmp_path: Path) -> None:
     w.close()
     assert st._probes is not None and st._probes.num_rows <= 8 + HOLD + 1 + 6
     assert isinstance(st._probes, pa.Table)
+
+
+def test_the_vectorized_block_replay_equals_a_plain_one(run_trace: Path) -> None:
+    """Holders and busy blocks after folding a real run's memory events in pieces (prefix
+    sharing's ref/unref, snapshots, frees) equal an event-by-event replay of the same rows."""
+    from viewer.live.tail import Poll
+
+    tr = Trace.open(run_trace)
+    mem = tr.table("memory", ["ts_ns", "step", "kind", "block_id", "request_id", "ref_count"])
+    kinds = mem["kind"].cast(pa.string()).to_pylist()
+    assert {"ref", "unref", "snapshot_begin", "snapshot"} <= set(kinds)  # the cases this is about
+    for k in (mem.num_rows // 3, mem.num_rows // 2, 2 * mem.num_rows // 3):
+        st = LiveState()
+        for a in range(0, k, 997):  # polls of uneven size
+            st.update(Poll(tr.meta, tr.status, {"memory": mem.slice(a, min(997, k - a))}))
+        held: dict[str, set[int]] = {}
+        ref: dict[int, int] = {}
+        for kind, b, rid, rc in zip(kinds[:k], mem["block_id"].to_pylist()[:k], mem["request_id"].to_pylist()[:k],
+                                    mem["ref_count"].to_pylist()[:k], strict=True):
+            if kind == "snapshot_begin":
+                held, ref = {}, {}
+                continue
+            ref[b] = rc
+            if kind in ("alloc", "ref", "snapshot"):
+                held.setdefault(rid, set()).add(b)
+            else:
+                held.get(rid, set()).discard(b)
+        want = {r: len(s) for r, s in held.items() if s}
+        assert st._held == want
+        assert sorted(np.flatnonzero(st._busy).tolist()) == sorted(b for b, c in ref.items() if c > 0)

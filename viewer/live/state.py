@@ -111,7 +111,7 @@ class TopView:
 
 
 class LiveState:
-    def __init__(self, lane_s: float = 2.0, rounds: int = 64, latency_s: float = 30.0, rate_s: float = 10.0) -> None:
+    def __init__(self, lane_s: float = 2.0, rounds: int = 64, latency_s: float = 10.0, rate_s: float = 10.0) -> None:
         self.lane_s, self.rounds, self.latency_s, self.rate_s = lane_s, rounds, latency_s, rate_s
         self.meta: dict[str, Any] = {}
         self.status: RunStatus | None = None
@@ -119,7 +119,8 @@ class LiveState:
         self._probes: pa.Table | None = None
         self._steps: pa.Table | None = None
         self._requests: pa.Table | None = None
-        self._holders: dict[str, set[int]] = {}
+        self._held: dict[str, int] = {}  # request id -> blocks it holds a reference to
+        self._busy = np.zeros(0, dtype=bool)  # per block: some request holds it
         self._exact = False
         self._finished: OrderedDict[str, int] = OrderedDict()  # request id -> finish_ns
         self.stalls: list[dict[str, Any]] = []
@@ -162,22 +163,40 @@ class LiveState:
             self.stalls.extend(r["stalls"].to_pylist())
 
     def _replay(self, mem: pa.Table) -> None:
-        kinds = mem["kind"].to_pylist()
-        bids = mem["block_id"].to_pylist()
-        rids = mem["request_id"].to_pylist()
-        h = self._holders
-        for kind, bid, rid in zip(kinds, bids, rids, strict=True):
-            if kind == "alloc" or kind == "ref" or kind == "snapshot":
-                h.setdefault(rid, set()).add(bid)
-            elif kind == "snapshot_begin":
-                h.clear()
-                self._exact = True
-            else:  # free, unref, reclaim: the holder let go of it
-                held = h.get(rid)
-                if held is not None:
-                    held.discard(bid)
-                    if not held:
-                        del h[rid]
+        """Fold memory events in, vectorized (a busy run writes thousands a second): each
+        event's ref_count is its block's count after it, so a block is busy when its last
+        event left it above zero; a request's blocks change by one per event it caused."""
+        kind = mem["kind"].cast(pa.string())
+        begin = np.flatnonzero(pc.equal(kind, "snapshot_begin").to_numpy(zero_copy_only=False))
+        if len(begin):  # a full block table follows: start from it
+            cut = int(begin[-1]) + 1
+            mem, kind = mem.slice(cut), kind.slice(cut)
+            self._held.clear()
+            self._busy[:] = False
+            self._exact = True
+        if not mem.num_rows:
+            return
+        plus = pc.is_in(kind, pa.array(["alloc", "ref", "snapshot"])).to_numpy(zero_copy_only=False)
+        minus = pc.is_in(kind, pa.array(["free", "unref", "reclaim"])).to_numpy(zero_copy_only=False)
+        sign = plus.astype(np.int64) - minus.astype(np.int64)
+        rid = pc.dictionary_encode(mem["request_id"].cast(pa.string())).combine_chunks()
+        delta = np.bincount(rid.indices.to_numpy(zero_copy_only=False), weights=sign, minlength=len(rid.dictionary))
+        for name, d in zip(rid.dictionary.to_pylist(), delta.astype(np.int64).tolist(), strict=True):
+            if d and name:
+                n = self._held.get(name, 0) + d
+                if n > 0:
+                    self._held[name] = n
+                else:
+                    self._held.pop(name, None)
+        bid = mem["block_id"].to_numpy()
+        ref = mem["ref_count"].to_numpy()
+        ok = bid >= 0
+        bid, ref = bid[ok], ref[ok]
+        if len(bid):
+            if int(bid.max()) >= len(self._busy):
+                self._busy = np.concatenate([self._busy, np.zeros(int(bid.max()) + 1 - len(self._busy), dtype=bool)])
+            blocks, last = np.unique(bid[::-1], return_index=True)
+            self._busy[blocks] = ref[::-1][last] > 0
 
     def now_ns(self) -> int:
         """The newest time the trace has reached (the trace's clock, so a trace copied from
@@ -246,8 +265,8 @@ class LiveState:
         stream = np.array(p["stream"].cast(pa.string()).to_pylist(), dtype=object)
         rank = p["rank"].to_numpy()
         step = p["step"].to_numpy()
-        keys = sorted({(int(r), str(s)) for r, s in zip(rank, stream, strict=True)},
-                      key=lambda k: (k[0], STREAM_ORDER.index(k[1]) if k[1] in STREAM_ORDER else 99, k[1]))
+        pairs = {(int(r), str(s)) for s in np.unique(stream) for r in np.unique(rank[stream == s])}
+        keys = sorted(pairs, key=lambda k: (k[0], STREAM_ORDER.index(k[1]) if k[1] in STREAM_ORDER else 99, k[1]))
         lanes = []
         t1 = self.now_ns()
         for r, s in keys:
@@ -322,9 +341,8 @@ class LiveState:
         run: int | None = None
         if self._exact:
             busy = np.zeros(cap, dtype=bool)
-            for held in self._holders.values():
-                ids = np.fromiter((b for b in held if 0 <= b < cap), dtype=np.int64)
-                busy[ids] = True
+            n = min(cap, len(self._busy))
+            busy[:n] = self._busy[:n]
             free = np.flatnonzero(~busy)
             if len(free):
                 breaks = np.flatnonzero(np.diff(free) != 1)
@@ -337,17 +355,17 @@ class LiveState:
         if q is not None and q.num_rows:
             prompt = pc.sum(q["prompt_len"]).as_py() or 0
             hit = (pc.sum(q["cached_prefix_len"]).as_py() or 0) / prompt if prompt else None
-        holders = sorted(((rid, len(b)) for rid, b in self._holders.items()), key=lambda x: -x[1])[:8]
+        holders = sorted(self._held.items(), key=lambda x: -x[1])[:8]
         return KvView(cap, int(last["blocks_used"]), int(last["blocks_free"]), int(last.get("blocks_fenced") or 0),
                       run, hit, holders, self._exact)
 
     def _leaks(self, now: int) -> list[tuple[str, int]]:
         ended = self.status is not None and not (self.status.state == "truncated" and self.status.live)
         out = []
-        for rid, held in self._holders.items():
+        for rid, held in self._held.items():
             fin = self._finished.get(rid)
             if fin is not None and (ended or now - fin > LEAK_GRACE_NS):
-                out.append((rid, len(held)))
+                out.append((rid, held))
         return sorted(out, key=lambda x: -x[1])
 
 
