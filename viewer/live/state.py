@@ -198,6 +198,13 @@ class LiveState:
             blocks, last = np.unique(bid[::-1], return_index=True)
             self._busy[blocks] = ref[::-1][last] > 0
 
+    def round_rows(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """A round still in the window: its steps row ({} once gone) and its probe rows."""
+        p, s = self._probes, self._steps
+        rows = p.filter(pc.equal(p["step"], step)).to_pylist() if p is not None and p.num_rows else []
+        got = s.filter(pc.equal(s["step"], step)).to_pylist() if s is not None and s.num_rows else []
+        return (got[0] if got else {}), rows
+
     def now_ns(self) -> int:
         """The newest time the trace has reached (the trace's clock, so a trace copied from
         another machine plays back as it was written)."""

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow.compute as pc
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -40,15 +39,7 @@ class RequestDetail:
 
 def live_round(state: Any, step: int) -> RoundDetail:
     """A round from `top`'s window: its row and probe rows (requests and blocks: `view`)."""
-    rows: list[dict[str, Any]] = []
-    row: dict[str, Any] = {}
-    p = state._probes
-    if p is not None and p.num_rows:
-        rows = p.filter(pc.equal(p["step"], step)).to_pylist()
-    s = state._steps
-    if s is not None and s.num_rows:
-        got = s.filter(pc.equal(s["step"], step)).to_pylist()
-        row = got[0] if got else {}
+    row, rows = state.round_rows(step)
     return RoundDetail(step, row, rows, note="live window: `mstrace view TRACE` shows its requests and blocks")
 
 
@@ -92,24 +83,36 @@ def blocks_table(blocks: list[dict[str, Any]]) -> Table:
     return tb
 
 
-class RoundScreen(Screen[None]):
+class _Detail(Screen[None]):
+    """A round's or a request's page; enter on its list opens the other kind, escape goes back."""
+
     BINDINGS = [Binding("escape,q", "dismiss", "back")]
 
-    def __init__(self, detail: RoundDetail, open_request: Callable[[str], RequestDetail | None] | None = None,
-                 open_round: Callable[[int], RoundDetail | None] | None = None) -> None:
+    def __init__(self, open_round: Callable[[int], RoundDetail | None] | None,
+                 open_request: Callable[[str], RequestDetail | None] | None) -> None:
         super().__init__()
-        self.detail = detail
-        self._open_request = open_request
         self._open_round = open_round
+        self._open_request = open_request
+
+    @staticmethod
+    def _list(id: str, title: str, keys: list[str]) -> DataTable[str]:  # noqa: A002
+        t: DataTable[str] = DataTable(id=id, cursor_type="row")
+        t.add_column(title)
+        for k in keys:
+            t.add_row(k, key=k)
+        return t
+
+
+class RoundScreen(_Detail):
+    def __init__(self, detail: RoundDetail, open_round: Callable[[int], RoundDetail | None] | None = None,
+                 open_request: Callable[[str], RequestDetail | None] | None = None) -> None:
+        super().__init__(open_round, open_request)
+        self.detail = detail
 
     def compose(self) -> ComposeResult:
         yield Static(round_text(self.detail, self.app.size.width), id="round")
         if self.detail.requests:
-            t: DataTable[str] = DataTable(id="round-requests", cursor_type="row")
-            t.add_column("requests in this round")
-            for rid in self.detail.requests:
-                t.add_row(rid, key=rid)
-            yield t
+            yield self._list("round-requests", "requests in this round", self.detail.requests)
         if self.detail.blocks:
             yield Static(blocks_table(self.detail.blocks), id="round-blocks")
         yield Footer()
@@ -140,23 +143,15 @@ def request_text(d: RequestDetail) -> Text:
     return t
 
 
-class RequestScreen(Screen[None]):
-    BINDINGS = [Binding("escape,q", "dismiss", "back")]
-
+class RequestScreen(_Detail):
     def __init__(self, detail: RequestDetail, open_round: Callable[[int], RoundDetail | None] | None = None,
                  open_request: Callable[[str], RequestDetail | None] | None = None) -> None:
-        super().__init__()
+        super().__init__(open_round, open_request)
         self.detail = detail
-        self._open_round = open_round
-        self._open_request = open_request
 
     def compose(self) -> ComposeResult:
         yield Static(request_text(self.detail), id="request")
-        t: DataTable[str] = DataTable(id="request-rounds", cursor_type="row")
-        t.add_column(f"its {len(self.detail.rounds)} rounds")
-        for s in self.detail.rounds:
-            t.add_row(str(s), key=str(s))
-        yield t
+        yield self._list("request-rounds", f"its {len(self.detail.rounds)} rounds", [str(x) for x in self.detail.rounds])
         if self.detail.blocks:
             yield Static(blocks_table(self.detail.blocks), id="request-blocks")
         yield Footer()
@@ -165,4 +160,4 @@ class RequestScreen(Screen[None]):
         ev.stop()
         got = self._open_round(int(str(ev.row_key.value))) if self._open_round is not None else None
         if got is not None:
-            self.app.push_screen(RoundScreen(got, self._open_request, self._open_round))
+            self.app.push_screen(RoundScreen(got, self._open_round, self._open_request))

@@ -181,7 +181,7 @@ class ViewApp(App[None]):
     def open_round(self, step: int) -> None:
         d = self.browser.round_detail(step)
         if d is not None:
-            self.push_screen(RoundScreen(d, self.browser.request_detail, self.browser.round_detail), self._back)
+            self.push_screen(RoundScreen(d, self.browser.round_detail, self.browser.request_detail), self._back)
 
     def open_request(self, rid: str) -> None:
         d = self.browser.request_detail(rid)
