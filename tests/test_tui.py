@@ -214,9 +214,14 @@ def test_view_on_a_real_run_sorts_filters_and_walks_rounds_and_requests(run_trac
     asyncio.run(go())
 
 
-def test_view_refuses_a_missing_trace_in_one_line(tmp_path: Path) -> None:
+def test_view_refuses_a_missing_trace_and_the_tuis_a_pipe_in_one_line(tmp_path: Path, run_trace: Path) -> None:
     p = mstrace("view", str(tmp_path / "nope"))
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "trace not found" in p.stderr
+    for args in (("view", str(run_trace)), ("top", str(run_trace)),
+                 ("run", "--model", "tiny", "--live", "--out", str(tmp_path / "live"))):
+        p = mstrace(*args)  # stdout is a pipe here
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "stdout is not one" in p.stderr, args
+    assert not (tmp_path / "live").exists()
 
 
 def test_the_probes_window_stays_bounded_on_a_long_tail(tmp_path: Path) -> None:

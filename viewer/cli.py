@@ -189,8 +189,12 @@ def top(
     rounds: Annotated[int, typer.Option("--rounds", help="Rounds in the rolling sync-cost table.")] = 64,
 ) -> None:
     """A live view of a run or server from its committed flushes: stream lanes, rolling cost table, latency, KV."""
+    import sys
+
     if window <= 0 or rounds <= 0:
         fail("--window and --rounds must be positive")
+    if not sys.stdout.isatty():
+        fail("top draws in a terminal, and stdout is not one (for a finished trace: mstrace report)")
     from viewer.tui.top_app import TopApp
 
     TopApp(trace, lane_s=window, rounds=rounds).run()
@@ -201,6 +205,8 @@ def view(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
 ) -> None:
     """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks."""
+    import sys
+
     from tracing.reader import TraceError
 
     try:
@@ -209,6 +215,8 @@ def view(
         app_ = ViewApp(trace)
     except TraceError as e:
         fail(str(e))
+    if not sys.stdout.isatty():
+        fail("view draws in a terminal, and stdout is not one (the same tables as text: mstrace report)")
     app_.run()
 
 

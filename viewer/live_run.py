@@ -35,6 +35,8 @@ def run_live(out: Path, force: bool, fail: Callable[..., NoReturn]) -> None:
     from viewer.run_command import claim_out
     from viewer.tui.top_app import TopApp
 
+    if not sys.stdout.isatty():
+        fail("--live draws in a terminal, and stdout is not one: drop --live")
     claim_out(out, force, fail)
     log = tempfile.NamedTemporaryFile(prefix="mstrace-run-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "viewer.cli", *child_argv(sys.argv, out)], stdout=log,

@@ -86,8 +86,7 @@ class TopApp(App[None]):
     ]
 
     def __init__(self, trace: str | Path, lane_s: float = 2.0, rounds: int = 64,
-                 process_state: Callable[[], str | None] | None = None, clock: Callable[[], float] = time.perf_counter
-                 ) -> None:
+                 process_state: Callable[[], str | None] | None = None) -> None:
         super().__init__()
         self.trace = Path(trace)
         self.tail = TraceTail(self.trace)
@@ -104,7 +103,6 @@ class TopApp(App[None]):
         self._drawn: tuple[object, ...] | None = None
         self._said: str | None = "-"  # the banner's text (None: no banner)
         self._shape: tuple[int, int] | None = None
-        self._clock = clock
 
     def compose(self) -> ComposeResult:
         yield Line(id="head")
@@ -125,7 +123,7 @@ class TopApp(App[None]):
     def tick(self) -> None:
         if self.paused:
             return
-        t0, c0 = self._clock(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             poll = self.tail.poll()
         except TraceError as e:
@@ -138,7 +136,7 @@ class TopApp(App[None]):
         self.redraw()
 
         def done() -> None:  # at the screen's next refresh: the redraw's rendering counts too
-            self.tick_ms.append((self._clock() - t0) * 1e3)
+            self.tick_ms.append((time.perf_counter() - t0) * 1e3)
             self.tick_cpu_ms.append((time.thread_time() - c0) * 1e3)
 
         self.call_after_refresh(done)
@@ -150,7 +148,8 @@ class TopApp(App[None]):
             b = render.banner_waiting(self.error or f"waiting for {self.trace} (no trace there yet)")
         else:
             head = render.header(v, self.paused)
-            b = render.banner(v, self._process_state() if self._process_state is not None else None)
+            note = self.error or (self._process_state() if self._process_state is not None else None)
+            b = render.banner(v, note)
         said = b.plain if b is not None else None
         drawn = (id(v), self.cursor, self.paused, said)
         if drawn == self._drawn:
