@@ -5,8 +5,9 @@
 1. **Refresh.** A writer process commits the history of a long run through the
    store's own TraceWriter: a real `mstrace run --model tiny` trace replicated to at
    least `--history-rows` probe rows (shifted in time and rounds, as
-   bench/gen_big_trace.py does), then one more copy every 0.5 s, as a live run's
-   flushes arrive. `TopApp`, headless at 160x48, attaches and refreshes 4 times a
+   bench/gen_big_trace.py does), then one more copy every `--copy-every-s` (0.5 s: about
+   3.5x a real tiny run's rate of rows; 1.5 s: about its rate), as a live run's flushes
+   arrive. `TopApp`, headless at 160x48, attaches and refreshes 4 times a
    second meanwhile; its ticks (poll, fold, snapshot, redraw) are timed by the app.
 2. **Cost to the run.** `mstrace run --model tiny --requests N` with and without a
    headless `mstrace top` attached to its trace, in alternated pairs: the run's CPU
@@ -37,8 +38,8 @@ def _tiny_run(out: Path, requests: int, extra: list[str] | None = None) -> None:
                     "--out", str(out), "-q", *(extra or [])], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
 
 
-def writer(src: Path, out: Path, history_rows: int, live_s: float, ready: Path) -> None:
-    """The writer process: a long history committed quickly, then a copy per 0.5 s."""
+def writer(src: Path, out: Path, history_rows: int, live_s: float, ready: Path, every_s: float) -> None:
+    """The writer process: a long history committed quickly, then a copy per `every_s`."""
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
     from gen_big_trace import shifted
@@ -79,18 +80,18 @@ def writer(src: Path, out: Path, history_rows: int, live_s: float, ready: Path) 
         k += 1
         w.flush()
         w._store.compact(final=False)
-        time.sleep(0.5)
+        time.sleep(every_s)
     w.close()
 
 
-def refresh(src: Path, history_rows: int, live_s: float) -> dict:
+def refresh(src: Path, history_rows: int, live_s: float, every_s: float) -> dict:
     from viewer.tui.top_app import TopApp
 
     out, ready = OUT / "live", OUT / "ready"
     shutil.rmtree(out, ignore_errors=True)
     ready.unlink(missing_ok=True)
     wp = subprocess.Popen([sys.executable, __file__, "--writer", str(src), str(out), str(history_rows), str(live_s),
-                           str(ready)], cwd=REPO)
+                           str(ready), str(every_s)], cwd=REPO)
     while not ready.exists():
         if wp.poll() is not None:
             raise SystemExit("the writer process failed")
@@ -113,7 +114,7 @@ def refresh(src: Path, history_rows: int, live_s: float) -> dict:
                 "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "max": s[-1], "over_50ms": sum(x > 50 for x in s),
                 "of": len(s)}
 
-    return {"history_probe_rows": history, "ticks": len(app.tick_ms), "ticks_per_s": len(app.tick_ms) / (live_s - 1),
+    return {"history_probe_rows": history, "copy_every_s": every_s, "ticks": len(app.tick_ms), "ticks_per_s": len(app.tick_ms) / (live_s - 1),
             "wall_to_screen_ms": dist(app.tick_ms), "cpu_ms": dist(app.tick_cpu_ms), "rows_read": app.state.rows_seen,
             "probe_rows_held": app.state._probes.num_rows if app.state._probes is not None else 0}
 
@@ -158,12 +159,13 @@ def cost(requests: int, pairs: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--writer":
-        src, out, rows, live, ready = sys.argv[2:7]
-        writer(Path(src), Path(out), int(rows), float(live), Path(ready))
+        src, out, rows, live, ready, every = sys.argv[2:8]
+        writer(Path(src), Path(out), int(rows), float(live), Path(ready), float(every))
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--history-rows", type=int, default=1_000_000)
     ap.add_argument("--live-s", type=float, default=20.0)
+    ap.add_argument("--copy-every-s", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--part", choices=("both", "refresh", "cost"), default="both")
@@ -174,7 +176,7 @@ def main() -> None:
     if a.part in ("both", "refresh"):
         src = OUT / "src"
         _tiny_run(src, 64, ["--snapshot-every", "16"])
-        res["refresh"] = refresh(src, a.history_rows, a.live_s)
+        res["refresh"] = refresh(src, a.history_rows, a.live_s, a.copy_every_s)
         print(json.dumps(res["refresh"], indent=2), flush=True)
     if a.part in ("both", "cost"):
         res["cost"] = cost(a.requests, a.pairs)

@@ -59,14 +59,12 @@ class TraceBrowser:
         names = sorted(k.split(":", 1)[1] for k in pcy if k.startswith("exposed_ns:"))
         names = [n for n in names if n != B.DEVICE_COMPUTE]
         cols = [*ROUND_COLS, *(f"{n} ms" for n in names)]
-        d = {c: s[c].to_numpy() for c in ("step", "dur_ns", "num_prefill_reqs", "num_prefill_tokens",
-                                           "num_decode_reqs", "blocks_used", "num_waiting")}
-        per = [pcy[f"exposed_ns:{n}"] / 1e6 for n in names] if pcy else []
-        rows = []
-        for i in range(s.num_rows):
-            rows.append((int(d["step"][i]), round(float(d["dur_ns"][i]) / 1e6, 3), int(d["num_prefill_reqs"][i]),
-                         int(d["num_prefill_tokens"][i]), int(d["num_decode_reqs"][i]), int(d["blocks_used"][i]),
-                         int(d["num_waiting"][i]), *(round(float(x[i]), 3) for x in per)))
+        ints = [s[c].to_pylist() for c in ("step", "num_prefill_reqs", "num_prefill_tokens", "num_decode_reqs",
+                                            "blocks_used", "num_waiting")]
+        ms = np.round(s["dur_ns"].to_numpy() / 1e6, 3).tolist()
+        per = [np.round(pcy[f"exposed_ns:{n}"] / 1e6, 3).tolist() for n in names] if pcy else []
+        rows = [(st, d, *rest, *costs) for st, d, *rest, costs in
+                zip(ints[0], ms, *ints[1:], zip(*per, strict=True) if per else [()] * s.num_rows, strict=True)]
         return Rounds(cols, rows)
 
     def request_rows(self) -> list[tuple[Any, ...]]:
@@ -74,14 +72,13 @@ class TraceBrowser:
         arr = q["arrival_ns"].to_numpy()
         ft = q["first_token_ns"].to_numpy()
         fin = q["finish_ns"].to_numpy()
-        itl = [max(x) / 1e6 if x else 0.0 for x in q["dur_itl_ns"].to_pylist()]
-        out = []
-        for i, rid in enumerate(q["request_id"].to_pylist()):
-            ttft = round((ft[i] - arr[i]) / 1e6, 3) if ft[i] > 0 else None
-            out.append((rid, int(q["prompt_len"][i].as_py()), int(q["output_len"][i].as_py()), ttft,
-                        round(itl[i], 3), round((fin[i] - arr[i]) / 1e6, 3), int(q["num_preemptions"][i].as_py()),
-                        str(q["finish_reason"][i].as_py())))
-        return out
+        ttft = np.where(ft > 0, np.round((ft - arr) / 1e6, 3), np.nan).tolist()
+        e2e = np.round((fin - arr) / 1e6, 3).tolist()
+        itl = [round(max(x) / 1e6, 3) if x else 0.0 for x in q["dur_itl_ns"].to_pylist()]
+        cols = [q[c].to_pylist() for c in ("request_id", "prompt_len", "output_len", "num_preemptions",
+                                             "finish_reason")]
+        return [(rid, p, o, None if t != t else t, m, e, n, str(f))  # NaN: no first token
+                for rid, p, o, n, f, t, m, e in zip(*cols, ttft, itl, e2e, strict=True)]
 
     # ---- details --------------------------------------------------------------------
     def round_detail(self, step: int) -> RoundDetail | None:
