@@ -13,9 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
@@ -31,13 +29,10 @@ def child_argv(argv: list[str], out: Path) -> list[str]:
     return ["run", *rest, *([] if has_out else ["--out", str(out)]), "--quiet"]
 
 
-def run_live(out: Path, force: bool, fail: Callable[..., NoReturn]) -> None:
-    from viewer.run_command import claim_out
+def run_live(out: Path) -> None:
+    """`out` is claimed (new or emptied) already, and stdout is a terminal."""
     from viewer.tui.top_app import TopApp
 
-    if not sys.stdout.isatty():
-        fail("--live draws in a terminal, and stdout is not one: drop --live")
-    claim_out(out, force, fail)
     log = tempfile.NamedTemporaryFile(prefix="mstrace-run-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "viewer.cli", *child_argv(sys.argv, out)], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

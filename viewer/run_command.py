@@ -48,9 +48,12 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
     if opts.live:
         if all_modes:
             fail("--live follows one trace: choose --mode serial, timeslice or overlap")
+        if not sys.stdout.isatty():  # before --force removes anything
+            fail("--live draws in a terminal, and stdout is not one: drop --live")
         from viewer.live_run import run_live
 
-        run_live(out, opts.force, fail)
+        claim_out(out, opts.force, fail)
+        run_live(out)
         return
     if cfg.world_size > 1:
         # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
