@@ -174,17 +174,20 @@ def sparkline(series: list[float], width: int) -> str:
 
 
 def latency(v: TopView, width: int) -> Text:
-    t = Text("latency, ms\n", style="bold")
-    spark_w = max(0, width - 26)
+    t = Text()
+    t.append("latency, ms\n", style="bold")
+    spark_w = width - 29  # one line a metric: the sparkline fills what the numbers leave
     for lat in v.latency:
         t.append(f"{lat.name:<5} p50 {_ms(lat.p50_ms):>6} p99 {_ms(lat.p99_ms):>6} ")
-        t.append(sparkline(lat.series, spark_w), style="cyan")
+        if spark_w >= 4:
+            t.append(sparkline(lat.series, spark_w), style="cyan")
         t.append("\n")
     return t
 
 
 def kv(v: TopView, width: int) -> Text:
-    t = Text("KV pool\n", style="bold")
+    t = Text()
+    t.append("KV pool\n", style="bold")
     k = v.kv
     if k is None or not k.capacity:
         t.append("(no round yet)", style="dim")

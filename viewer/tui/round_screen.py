@@ -44,7 +44,8 @@ def live_round(state: Any, step: int) -> RoundDetail:
 
 
 def round_text(d: RoundDetail, width: int) -> Text:
-    t = Text(f"round {d.step}\n", style="bold")
+    t = Text()
+    t.append(f"round {d.step}\n", style="bold")
     r = d.row
     if r:
         t.append(f"{r['dur_ns'] / 1e6:.2f} ms (host {r['dur_host_ns'] / 1e6:.2f}, device {r['dur_device_ns'] / 1e6:.2f}); "
@@ -126,7 +127,8 @@ class RoundScreen(_Detail):
 
 def request_text(d: RequestDetail) -> Text:
     r = d.row
-    t = Text(f"request {d.request_id}\n", style="bold")
+    t = Text()
+    t.append(f"request {d.request_id}\n", style="bold")
     if r:
         ttft = (r["first_token_ns"] - r["arrival_ns"]) / 1e6 if r["first_token_ns"] > 0 else None
         e2e = (r["finish_ns"] - r["arrival_ns"]) / 1e6
