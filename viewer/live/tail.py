@@ -57,7 +57,6 @@ class TraceTail:
         self._backlog = BACKLOG if backlog is None else backlog
         self._seen: dict[tuple[str, int], int] = {}
         self._attached = False
-        self.polls = 0
 
     def poll(self) -> Poll | None:
         """The rows committed since the last poll; None while the trace does not exist yet.
@@ -76,7 +75,6 @@ class TraceTail:
             else:
                 out.rows[name] = self._new_rows(name, cols, parts)
         self._attached = True
-        self.polls += 1
         return out
 
     def _new_rows(self, name: str, cols: list[str], parts: list[Part]) -> pa.Table:
