@@ -85,7 +85,9 @@ def test_cpu_record_counts_this_process_its_threads_and_live_children() -> None:
 
 def test_a_run_records_its_cpu_time_and_the_writers_rows_match_the_trace(tmp_path: Path) -> None:
     out = tmp_path / "t"
-    p = mstrace("run", "--model", "tiny", "--requests", "4", "--prompt-len", "8-32", "--output-len", "2-6",
+    # Enough decoding for the device process to pass many of /proc's 10 ms CPU ticks: with
+    # 4 requests of 2-6 tokens its CPU inside the run's window was at times under one tick (0).
+    p = mstrace("run", "--model", "tiny", "--requests", "16", "--prompt-len", "8-32", "--output-len", "24-32",
                 "--out", str(out), "-q")
     assert p.returncode == 0, p.stderr
     meta = read_meta(out)
