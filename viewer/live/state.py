@@ -125,6 +125,7 @@ class LiveState:
         self._finished: OrderedDict[str, int] = OrderedDict()  # request id -> finish_ns
         self.stalls: list[dict[str, Any]] = []
         self.rows_seen = 0
+        self._now = 0  # the newest end of any row: rows only add, so a running max is exact
         self._version = 0  # bumped by every poll that brought rows: a snapshot of the same is reused
         self._snap: tuple[tuple[Any, ...], TopView] | None = None
 
@@ -135,9 +136,13 @@ class LiveState:
         self.meta, self.status, self.committed = poll.meta, poll.status, poll.committed
         self.rows_seen += poll.new_rows
         r = poll.rows
+        for name in ("steps", "probes"):
+            if name in r and r[name].num_rows:
+                end = pc.max(pc.add(r[name]["ts_ns"], r[name]["dur_ns"])).as_py()
+                self._now = max(self._now, int(end or 0))
         if "steps" in r and r["steps"].num_rows:
             self._steps = _keep_last(_cat(self._steps, r["steps"]), max(4 * self.rounds, 4096))
-        now = self.now_ns()
+        now = self._now
         if "probes" in r and r["probes"].num_rows:
             self._probes = _cat(self._probes, r["probes"])
         if self._probes is not None:
@@ -208,12 +213,7 @@ class LiveState:
     def now_ns(self) -> int:
         """The newest time the trace has reached (the trace's clock, so a trace copied from
         another machine plays back as it was written)."""
-        t = 0
-        if self._steps is not None and self._steps.num_rows:
-            t = int(pc.max(pc.add(self._steps["ts_ns"], self._steps["dur_ns"])).as_py())
-        if self._probes is not None and self._probes.num_rows:
-            t = max(t, int(pc.max(pc.add(self._probes["ts_ns"], self._probes["dur_ns"])).as_py()))
-        return t
+        return self._now
 
     # ---- what to show ---------------------------------------------------------
     def snapshot(self) -> TopView:
@@ -263,25 +263,30 @@ class LiveState:
         if p is None or not p.num_rows:
             return []
         p = p.filter(pc.greater(pc.add(p["ts_ns"], p["dur_ns"]), t0))
-        p = p.filter(pc.not_equal(p["boundary"].cast(pa.string()), B.IDLE)) if p.num_rows else p
         if not p.num_rows:
             return []
-        ts = p["ts_ns"].to_numpy()
-        dur = p["dur_ns"].to_numpy()
-        bnd = p["boundary"].cast(pa.string()).to_pylist()
-        stream = np.array(p["stream"].cast(pa.string()).to_pylist(), dtype=object)
-        rank = p["rank"].to_numpy()
-        step = p["step"].to_numpy()
-        pairs = {(int(r), str(s)) for s in np.unique(stream) for r in np.unique(rank[stream == s])}
-        keys = sorted(pairs, key=lambda k: (k[0], STREAM_ORDER.index(k[1]) if k[1] in STREAM_ORDER else 99, k[1]))
+        # grouped on the dictionaries' codes: a string per row cost more than the rest
+        bnd_code, bnd_names = _codes(p["boundary"])
+        st_code, st_names = _codes(p["stream"])
+        keep = bnd_code != (bnd_names.index(B.IDLE) if B.IDLE in bnd_names else -1)
+        ts, dur = p["ts_ns"].to_numpy()[keep], p["dur_ns"].to_numpy()[keep]
+        rank, step = p["rank"].to_numpy()[keep], p["step"].to_numpy()[keep]
+        bnd_code, st_code = bnd_code[keep], st_code[keep]
+        if not len(ts):
+            return []
+        names = np.array(bnd_names, dtype=object)
+        key = rank.astype(np.int64) * (len(st_names) + 1) + st_code
+        groups = [(int(rank[i]), st_names[st_code[i]], k) for k, i in zip(*np.unique(key, return_index=True),
+                                                                             strict=True)]
+        groups.sort(key=lambda g: (g[0], STREAM_ORDER.index(g[1]) if g[1] in STREAM_ORDER else 99, g[1]))
         lanes = []
-        t1 = self.now_ns()
-        for r, s in keys:
-            idx = np.flatnonzero((stream == s) & (rank == r))
+        t1 = self._now
+        for r, s, k in groups:
+            idx = np.flatnonzero(key == k)
             idx = idx[np.argsort(ts[idx], kind="stable")]
             st, en = ts[idx], ts[idx] + dur[idx]
             newest = int(idx[np.argmax(en)])
-            lanes.append(Lane(r, s, st, en, [bnd[i] for i in idx], step[idx], bnd[newest],
+            lanes.append(Lane(r, s, st, en, names[bnd_code[idx]].tolist(), step[idx], bnd_names[bnd_code[newest]],
                               bool(ts[newest] + dur[newest] >= t1)))
         return lanes
 
@@ -307,17 +312,18 @@ class LiveState:
         q = self._requests
         if q is None or not q.num_rows:
             return [Latency(n, None, None, []) for n in ("TTFT", "ITL", "E2E")]
-        q = q.filter(pc.greater_equal(q["finish_ns"], self.now_ns() - int(self.latency_s * 1e9)))
         fin = q["finish_ns"].to_numpy()
+        inside = fin >= self._now - int(self.latency_s * 1e9)
+        if not inside.all():  # update() already keeps only the longer of this and the rate window
+            q, fin = q.filter(pa.array(inside)), fin[inside]
         order = np.argsort(fin, kind="stable")  # the sparklines run oldest to newest
         arr = q["arrival_ns"].to_numpy()[order]
         ft = q["first_token_ns"].to_numpy()[order]
         ttft = ((ft - arr)[ft > 0]) / 1e6
         e2e = (fin[order] - arr) / 1e6
-        itl_col = q["dur_itl_ns"]
-        itl = pc.list_flatten(itl_col).to_numpy(zero_copy_only=False) / 1e6 if q.num_rows else np.empty(0)
-        newest = [itl_col[int(i)].values.to_numpy(zero_copy_only=False) / 1e6 for i in order[-60:]]
-        recent = np.concatenate(newest)[-60:] if newest else np.empty(0)
+        itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) / 1e6
+        newest = q["dur_itl_ns"].take(pa.array(order[-60:]))
+        recent = pc.list_flatten(newest).to_numpy(zero_copy_only=False)[-60:] / 1e6
         return [_lat("TTFT", ttft), _lat("ITL", itl, recent), _lat("E2E", e2e)]
 
     def _rate_requests(self, now: int) -> float:
@@ -381,6 +387,14 @@ def _lat(name: str, x: np.ndarray, series: np.ndarray | None = None) -> Latency:
         return Latency(name, None, None, [])
     p50, p99 = np.percentile(x, [50, 99])
     return Latency(name, float(p50), float(p99), [float(v) for v in (x if series is None else series)[-60:]])
+
+
+def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+    """A dictionary column's codes and names (its chunks share one dictionary: `_cat`)."""
+    a = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if not pa.types.is_dictionary(a.type):
+        a = pc.dictionary_encode(a)
+    return a.indices.to_numpy(zero_copy_only=False), a.dictionary.to_pylist()
 
 
 def _cat(a: pa.Table | None, b: pa.Table) -> pa.Table:
