@@ -8,7 +8,9 @@
    bench/gen_big_trace.py does), then one more copy every `--copy-every-s` (0.5 s: about
    3.5x a real tiny run's rate of rows; 1.5 s: about its rate), as a live run's flushes
    arrive. `TopApp`, headless at 160x48, attaches and refreshes 4 times a
-   second meanwhile; its ticks (poll, fold, snapshot, redraw) are timed by the app.
+   second meanwhile. The app times each refresh: its feed thread's read, fold and
+   snapshot (`fold`), the event loop's paint until the screen shows it (`tick`, wall and
+   CPU), and the data's age from the read's start to the screen (`age`).
 2. **Cost to the run.** `mstrace run --model tiny --requests N` with and without a
    headless `mstrace top` attached to its trace, in alternated pairs: the run's CPU
    time per output token (meta.json run.cpu: its process and children), B/A.
@@ -114,8 +116,10 @@ def refresh(src: Path, history_rows: int, live_s: float, every_s: float) -> dict
                 "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "max": s[-1], "over_50ms": sum(x > 50 for x in s),
                 "of": len(s)}
 
-    return {"history_probe_rows": history, "copy_every_s": every_s, "ticks": len(app.tick_ms), "ticks_per_s": len(app.tick_ms) / (live_s - 1),
-            "wall_to_screen_ms": dist(app.tick_ms), "cpu_ms": dist(app.tick_cpu_ms), "rows_read": app.state.rows_seen,
+    return {"history_probe_rows": history, "copy_every_s": every_s, "ticks": len(app.tick_ms),
+            "ticks_per_s": len(app.tick_ms) / (live_s - 1), "paint_wall_ms": dist(app.tick_ms),
+            "paint_cpu_ms": dist(app.tick_cpu_ms), "fold_ms": dist(app.fold_ms), "age_ms": dist(app.age_ms),
+            "rows_read": app.state.rows_seen,
             "probe_rows_held": app.state._probes.num_rows if app.state._probes is not None else 0}
 
 

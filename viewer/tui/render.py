@@ -111,11 +111,31 @@ def lanes(v: TopView, width: int, cursor: float | None = None) -> Text:
         now = (ln.current if ln.busy else "-")[:cur_w - 1]
         t.append(f" {now:<{cur_w - 1}}", style=colour(ln.current) if ln.busy else "dim")
         t.append("\n")
-    used = sorted({b for ln in v.lanes for b in ln.boundary})
-    for b in used:
+    at = 0
+    for b in lane_legend(v):  # wrapped here, so its height is known before a paint (lanes_rows)
+        if at and at + len(b) + 4 > width:
+            t.append("\n")
+            at = 0
         t.append(f" {COLOURS.get(b, ('', '?'))[1]} ", style=f"black on {colour(b)}")
         t.append(f"{b} ")
+        at += len(b) + 4
     return t
+
+
+def lane_legend(v: TopView) -> list[str]:
+    return sorted({b for ln in v.lanes for b in ln.boundary})
+
+
+def lanes_rows(v: TopView, width: int) -> int:
+    """How many lines `lanes(v, width)` draws."""
+    if not v.lanes:
+        return 2
+    rows, at = 2, 0
+    for b in lane_legend(v):
+        if at and at + len(b) + 4 > width:
+            rows, at = rows + 1, 0
+        at += len(b) + 4
+    return rows + len(v.lanes)
 
 
 def lane_round(v: TopView, cursor: float) -> int | None:
