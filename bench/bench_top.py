@@ -1,6 +1,6 @@
 """What `mstrace top` costs: its own refresh on a long trace, and the run it watches.
 
-    flock /tmp/mstrace-bench.lock .venv/bin/python bench/bench_top.py --pairs 4
+    flock /tmp/mstrace-bench.lock .venv/bin/python bench/bench_top.py --pairs 8
 
 1. **Refresh.** A writer process commits the history of a long run through the
    store's own TraceWriter: a real `mstrace run --model tiny` trace replicated to at
@@ -129,13 +129,23 @@ def _top_process(trace: Path) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
+def _cpu_s(pid: int) -> float:
+    """A live process's user + system CPU time (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_run(out: Path, requests: int, watched: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     top = _top_process(out) if watched else None
+    top_cpu = None
     try:
+        t0 = time.monotonic()
         _tiny_run(out, requests)
+        wall = time.monotonic() - t0
     finally:
         if top is not None:
+            top_cpu = _cpu_s(top.pid) if top.poll() is None else None
             top.terminate()
             top.wait()
     from tracing.reader import read_table
@@ -144,21 +154,109 @@ def one_run(out: Path, requests: int, watched: bool) -> dict:
 
     tokens = int(sum(read_table(out, "requests", ["output_len"])["output_len"].to_pylist()))
     cpu = meta["run"]["cpu"]
-    return {"cpu_ns": cpu["total_ns"], "tokens": tokens, "per_token_us": cpu["total_ns"] / tokens / 1e3}
+    return {"cpu_ns": cpu["total_ns"], "tokens": tokens, "per_token_us": cpu["total_ns"] / tokens / 1e3,
+            "main_thread_per_token_us": cpu["threads_ns"]["MainThread"] / tokens / 1e3, "wall_s": wall,
+            "top_cpu_s": top_cpu}
+
+
+def _median_ci(xs: list[float], n: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (fixed seed: the same pairs give the same interval)."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n)]
 
 
 def cost(requests: int, pairs: int) -> dict:
-    ratios, a_runs, b_runs = [], [], []
+    ratios, main_ratios, a_runs, b_runs = [], [], [], []
     for i in range(pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         got = {w: one_run(OUT / f"cost-{'b' if w else 'a'}-{i}", requests, w) for w in order}
         a_runs.append(got[False])
         b_runs.append(got[True])
         ratios.append(got[True]["per_token_us"] / got[False]["per_token_us"])
+        main_ratios.append(got[True]["main_thread_per_token_us"] / got[False]["main_thread_per_token_us"])
         print(f"pair {i}: without top {got[False]['per_token_us']:.1f} us/token, with top "
-              f"{got[True]['per_token_us']:.1f} us/token, B/A {ratios[-1]:.3f}", flush=True)
-    return {"pairs": ratios, "median_b_over_a": statistics.median(ratios),
-            "a_us_per_token": [r["per_token_us"] for r in a_runs], "b_us_per_token": [r["per_token_us"] for r in b_runs]}
+              f"{got[True]['per_token_us']:.1f} us/token, B/A {ratios[-1]:.3f} (scheduling thread "
+              f"{main_ratios[-1]:.3f}); top used {got[True]['top_cpu_s']} s CPU over {got[True]['wall_s']:.1f} s",
+              flush=True)
+    return {"pairs": ratios, "median_b_over_a": statistics.median(ratios), "ci95": _median_ci(ratios),
+            "main_thread_pairs": main_ratios, "main_thread_median": statistics.median(main_ratios),
+            "main_thread_ci95": _median_ci(main_ratios),
+            "top_cpu_share_of_a_core": [r["top_cpu_s"] / r["wall_s"] for r in b_runs if r["top_cpu_s"] is not None],
+            "a": a_runs, "b": b_runs}
+
+
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants (the run's device process is a child)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _tree_cpu_s(pid: int) -> float:
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            total += _cpu_s(p)
+        except OSError:  # gone meanwhile
+            pass
+    return total
+
+
+def interleaved(requests: int, window_s: float) -> dict:
+    """One long run; a headless `top` on its trace is stopped (SIGSTOP) and resumed every
+    `window_s`. Each window's CPU time of the run's processes (from /proc) per output
+    token (from the steps table) is compared with the mean of its two neighbours'
+    (which cancels the run's slow drift); the ratio of a window with `top` running to its
+    stopped neighbours is what `top` costs. One run, so the run-to-run spread is out."""
+    import signal
+
+    from tracing.reader import read_table
+
+    out = OUT / "interleaved"
+    shutil.rmtree(out, ignore_errors=True)
+    run = subprocess.Popen([sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests",
+                            str(requests), "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL)
+    top = _top_process(out)
+    time.sleep(3.0)  # start-up: model load and the first rounds
+    marks: list[tuple[int, float, bool]] = []  # (monotonic ns, run CPU s, top running in the window that starts)
+    on = True
+    while run.poll() is None:
+        os.kill(top.pid, signal.SIGCONT if on else signal.SIGSTOP)
+        marks.append((time.monotonic_ns(), _tree_cpu_s(run.pid), on))
+        on = not on
+        time.sleep(window_s)
+    top.send_signal(signal.SIGCONT)
+    top.terminate()
+    top.wait()
+    steps = read_table(out, "steps", ["ts_ns", "num_decode_tokens"])
+    ts = steps["ts_ns"].to_numpy()
+    tok = steps["num_decode_tokens"].to_numpy()
+    windows = []
+    for (t0, c0, w), (t1, c1, _) in zip(marks, marks[1:], strict=False):
+        n = int(tok[(ts >= t0) & (ts < t1)].sum())
+        if n:
+            windows.append((w, (c1 - c0) / n * 1e6))
+    # the last two hold the drain (a shrinking batch) and the exit (the device process's CPU
+    # leaves the count); a window is compared only with neighbours on both sides
+    windows = windows[:-2]
+    ratios = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2)
+              for i in range(1, len(windows) - 1) if windows[i][0]]
+    base = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2)
+            for i in range(1, len(windows) - 1) if not windows[i][0]]
+    return {"window_s": window_s, "windows": len(windows), "us_per_token": [round(x, 2) for _, x in windows],
+            "top_on": [w for w, _ in windows], "ratios_on": ratios, "median_on": statistics.median(ratios),
+            "ci95_on": _median_ci(ratios), "ratios_off": base, "median_off": statistics.median(base),
+            "ci95_off": _median_ci(base)}
 
 
 def main() -> None:
@@ -171,8 +269,9 @@ def main() -> None:
     ap.add_argument("--live-s", type=float, default=20.0)
     ap.add_argument("--copy-every-s", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
-    ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--part", choices=("both", "refresh", "cost"), default="both")
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--part", choices=("both", "refresh", "cost", "interleaved"), default="both")
+    ap.add_argument("--window-s", type=float, default=2.0)
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -184,8 +283,16 @@ def main() -> None:
         print(json.dumps(res["refresh"], indent=2), flush=True)
     if a.part in ("both", "cost"):
         res["cost"] = cost(a.requests, a.pairs)
-        print(f"run CPU per output token with top attached / without: median {res['cost']['median_b_over_a']:.3f} "
-              f"(pairs {', '.join(f'{x:.3f}' for x in res['cost']['pairs'])})")
+        c = res["cost"]
+        print(f"run CPU per output token with top attached / without: median {c['median_b_over_a']:.3f} "
+              f"[95% CI {c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]; scheduling thread {c['main_thread_median']:.3f} "
+              f"[{c['main_thread_ci95'][0]:.3f}, {c['main_thread_ci95'][1]:.3f}]")
+    if a.part == "interleaved":
+        res["interleaved"] = r = interleaved(a.requests, a.window_s)
+        print(f"run CPU per output token, windows with top running / their stopped neighbours: median "
+              f"{r['median_on']:.3f} [95% CI {r['ci95_on'][0]:.3f}, {r['ci95_on'][1]:.3f}] over "
+              f"{len(r['ratios_on'])} windows; stopped / neighbours (the null): {r['median_off']:.3f} "
+              f"[{r['ci95_off'][0]:.3f}, {r['ci95_off'][1]:.3f}]")
     res["load_after"] = os.getloadavg()
     (OUT / "result.json").write_text(json.dumps(res, indent=2))
 
