@@ -258,6 +258,33 @@ def diff(
         render_diff(console, d)
 
 
+@app.command()
+def sql(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
+    query: Annotated[str | None, typer.Argument(help="One SELECT statement; none: list the views and their columns.")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json (a list of one object per row).")] = "table",
+) -> None:
+    """Ask a trace anything in SQL (DuckDB, read-only): every table as a view, plus cycles, cycle_cost, request_latency."""
+    import sys
+
+    from tracing.reader import TraceError
+    from viewer.export.sql import SqlError, TraceDb, render
+
+    if fmt not in ("table", "csv", "json"):
+        fail(f"--format must be table, csv or json, not {fmt!r}")
+    try:
+        db = TraceDb(trace)
+        if query is None:
+            for view, cols in db.describe():
+                console.print(f"[bold]{view}[/]: " + ", ".join(f"{c} {t}" for c, t in cols), highlight=False,
+                              soft_wrap=True)
+            return
+        res = db.query(query)
+    except (TraceError, SqlError) as e:
+        fail(str(e))
+    render(res, fmt, sys.stdout)
+
+
 def main() -> None:
     app()  # typer turns Ctrl-C into exit code 130
 
