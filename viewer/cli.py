@@ -259,6 +259,38 @@ def diff(
 
 
 @app.command()
+def export(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
+    perfetto: Annotated[Path | None, typer.Option("--perfetto", help="Write a Perfetto trace (TrackEvent protobuf) "
+                                                  "here, for ui.perfetto.dev.")] = None,
+    otlp: Annotated[str | None, typer.Option("--otlp", help="Replay the request spans to this OTLP/HTTP collector "
+                                             "(e.g. http://127.0.0.1:4318).")] = None,
+) -> None:
+    """Take a trace where users already look: Perfetto's timeline, or an OTLP collector (Jaeger, Tempo)."""
+    from tracing.reader import TraceError
+
+    if perfetto is None and otlp is None:
+        fail("say where to: --perfetto OUT.pftrace and/or --otlp URL")
+    try:
+        if perfetto is not None:
+            from viewer.export.perfetto import export_perfetto
+
+            st = export_perfetto(trace, perfetto)
+            console.print(f"{perfetto}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
+                          f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",
+                          highlight=False)
+        if otlp is not None:
+            from viewer.export.otlp import replay_spans
+
+            n = replay_spans(trace, otlp)
+            console.print(f"{otlp}: {n.spans} spans of {n.requests} requests sent", highlight=False)
+    except TraceError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write or send: {e}")
+
+
+@app.command()
 def sql(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
     query: Annotated[str | None, typer.Argument(help="One SELECT statement; none: list the views and their columns.")] = None,

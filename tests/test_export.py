@@ -1,0 +1,201 @@
+"""`mstrace export`: a Perfetto trace parsed back with the package's own protobuf classes,
+and request spans replayed to an OTLP/HTTP receiver on loopback."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.cli import mstrace
+from tracing.reader import read_table
+from viewer.export import wire
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "tp2"
+    p = mstrace("run", "--model", "tiny", "--tp", "2", "--requests", "12", "--shared-prefix", "0.5",
+                "--out", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    """The file as trace processor reads it: packets sorted by time (file order for ties),
+    each slice end closing its track's innermost open slice."""
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+
+    tr = Trace.FromString(path.read_bytes())
+    names: dict[int, str] = {}
+    tracks: dict[int, Any] = {}
+    for p in tr.packet:
+        if p.HasField("interned_data"):
+            names.update({e.iid: e.name for e in p.interned_data.event_names})
+        if p.HasField("track_descriptor"):
+            tracks[p.track_descriptor.uuid] = p.track_descriptor
+    events = sorted(((p.timestamp, i, p.track_event) for i, p in enumerate(tr.packet) if p.HasField("track_event")),
+                    key=lambda x: (x[0], x[1]))
+    open_: dict[int, list[tuple[str, int, Any]]] = defaultdict(list)
+    slices: list[tuple[int, str, int, int, Any]] = []  # (track, name, start, end, begin event)
+    instants, counters, bad = [], Counter(), 0
+    for t, _, e in events:
+        if e.type == TrackEvent.TYPE_SLICE_BEGIN:
+            open_[e.track_uuid].append((names[e.name_iid], t, e))
+        elif e.type == TrackEvent.TYPE_SLICE_END:
+            if not open_[e.track_uuid]:
+                bad += 1
+                continue
+            n, t0, b = open_[e.track_uuid].pop()
+            slices.append((e.track_uuid, n, t0, t, b))
+        elif e.type == TrackEvent.TYPE_INSTANT:
+            instants.append((e.track_uuid, names[e.name_iid], t, e))
+        elif e.type == TrackEvent.TYPE_COUNTER:
+            counters[e.track_uuid] += 1
+    bad += sum(len(v) for v in open_.values())
+    return {"tracks": tracks, "slices": slices, "instants": instants, "counters": counters, "unpaired": bad}
+
+
+def _thread_key(tracks: dict[int, Any], uuid: int) -> tuple[int, str] | None:
+    d = tracks[uuid]
+    return (d.thread.pid - 1, d.thread.thread_name.split(" #")[0]) if d.HasField("thread") else None
+
+
+def test_a_tp2_export_has_every_probe_row_as_a_slice_with_valid_nesting(tp2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.pftrace"
+    p = mstrace("export", str(tp2), "--perfetto", str(out))
+    assert p.returncode == 0, p.stderr
+    got = _parse(out)
+    tracks = got["tracks"]
+    assert got["unpaired"] == 0
+    processes = {d.process.process_name for d in tracks.values() if d.HasField("process")}
+    assert {"rank 0", "rank 1", "requests"} <= processes
+    threads = {_thread_key(tracks, u) for u in tracks} - {None}
+    assert {(0, "main"), (1, "main"), (0, "host"), (0, "comm")} <= threads  # type: ignore[operator]
+    # Every probe row comes back as exactly the slice it was: same track, name, start and end.
+    # (A slice that closed before its child would pair with the wrong end and break this.)
+    probes = read_table(tp2, "probes")
+    want = Counter(zip(probes["rank"].to_pylist(), probes["stream"].cast("string").to_pylist(),
+                       probes["boundary"].cast("string").to_pylist(), probes["ts_ns"].to_pylist(),
+                       (np.asarray(probes["ts_ns"]) + np.maximum(np.asarray(probes["dur_ns"]), 0)).tolist(),
+                       strict=True))
+    have = Counter((*k, n, t0, t1) for u, n, t0, t1, _ in got["slices"] if (k := _thread_key(tracks, u)) is not None)
+    assert have == want
+    per_boundary = Counter(n for u, n, *_ in got["slices"] if _thread_key(tracks, u) is not None)
+    assert per_boundary == Counter(probes["boundary"].cast("string").to_pylist())
+    # each probe slice carries its round
+    one = next(b for u, _, _, _, b in got["slices"] if _thread_key(tracks, u) is not None)
+    assert [a.int_value for a in one.debug_annotations if a.name_iid == 1]
+
+
+def test_requests_rounds_flows_and_counters(tp2: Path, tmp_path: Path) -> None:
+    from viewer.export.perfetto import COUNTERS, ROUNDS, export_perfetto
+
+    out = tmp_path / "t.pftrace"
+    st = export_perfetto(tp2, out)
+    got = _parse(out)
+    steps = read_table(tp2, "steps")
+    requests = read_table(tp2, "requests")
+    rounds = [(n, b) for u, n, _, _, b in got["slices"] if u == ROUNDS]
+    assert len(rounds) == steps.num_rows == st.rounds
+    by_request: dict[str, Counter[str]] = defaultdict(Counter)
+    outgoing: dict[str, set[int]] = {}
+    for u, n, _, _, b in got["slices"]:
+        d = got["tracks"][u]
+        if d.parent_uuid and got["tracks"][d.parent_uuid].process.process_name == "requests":
+            by_request[d.name][n] += 1
+            if n == "request":
+                outgoing[d.name] = set(b.flow_ids)
+    assert set(by_request) == set(requests["request_id"].to_pylist())
+    for c in by_request.values():
+        assert c["request"] == 1 and c["queued"] == 1 and c["prefill"] == 1 and c["prefill chunk"] >= 1
+    # flows: each request's ids end in exactly the rounds that produced its tokens
+    ends: dict[int, int] = {}
+    for _, b in rounds:
+        rnd = next(a.int_value for a in b.debug_annotations if a.name_iid == 1)
+        for f in b.terminating_flow_ids:
+            ends[f] = rnd
+    for rid, runs in zip(requests["request_id"].to_pylist(), requests["token_runs"].to_pylist(), strict=True):
+        made = {s for first, n in zip(runs[0::2], runs[1::2], strict=True) for s in range(first, first + n)}
+        assert {ends[f] for f in outgoing[rid]} == made
+    assert sum(len(v) for v in outgoing.values()) == st.flows > 0
+    finished = [n for _, n, _, _ in got["instants"] if n == "finished"]
+    assert len(finished) == requests.num_rows
+    assert len(got["counters"]) == len(COUNTERS) and set(got["counters"].values()) == {steps.num_rows}
+
+
+def test_the_column_wise_packets_equal_the_protobuf_classes_own() -> None:
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
+
+    rng = np.random.default_rng(0)
+    ts = rng.integers(0, 1 << 62, 1000, dtype=np.uint64)
+    uuid = rng.integers(0, 1 << 40, 1000, dtype=np.uint64)
+    pieces = [b"\x40", ts, b"\x50", np.full(1000, 1, np.uint64), b"\x5a",
+              wire.lengths([b"\x48\x02", b"\x58", uuid], 1000).astype(np.uint64), b"\x48\x02", b"\x58", uuid]
+    buf, start = wire.encode(pieces, 1000)
+    size = wire.lengths(pieces, 1000)
+    for i in (0, 1, 500, 999):
+        want = TracePacket(timestamp=int(ts[i]), trusted_packet_sequence_id=1,
+                           track_event=TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=int(uuid[i])))
+        assert bytes(buf[start[i]:start[i] + size[i]]) == want.SerializeToString()
+
+
+def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    for args in (("export", str(tmp_path / "none"), "--perfetto", str(tmp_path / "x.pftrace")),
+                 ("export", str(tmp_path))):
+        p = mstrace(*args)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+# ---- OTLP ---------------------------------------------------------------------------------
+class _Receiver(BaseHTTPRequestHandler):
+    posts: list[tuple[str, str, bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Receiver.posts.append((self.path, self.headers.get("Content-Type", ""), body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_otlp_replay_sends_every_requests_span_tree(tp2: Path) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    _Receiver.posts = []
+    server = HTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p = mstrace("export", str(tp2), "--otlp", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert p.returncode == 0, p.stderr
+    assert _Receiver.posts and {(path, kind) for path, kind, _ in _Receiver.posts} == {
+        ("/v1/traces", "application/x-protobuf")}
+    spans = []
+    for _, _, body in _Receiver.posts:
+        for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+            spans += [s for ss in rs.scope_spans for s in ss.spans]
+    rows = read_table(tp2, "spans")
+    assert len(spans) == rows.num_rows
+    roots = {s.span_id.hex(): s for s in spans if s.name == "llm_request"}
+    requests = read_table(tp2, "requests")
+    assert len(roots) == requests.num_rows
+    for s in spans:
+        if s.name != "llm_request":  # every child hangs off its request's root, in one trace
+            root = roots[s.parent_span_id.hex()]
+            assert s.trace_id == root.trace_id
+    for r in roots.values():
+        attrs = {a.key for a in r.attributes}
+        assert {"gen_ai.request.id", "gen_ai.usage.prompt_tokens", "gen_ai.usage.completion_tokens",
+                "gen_ai.latency.time_to_first_token", "gen_ai.latency.e2e"} <= attrs
+        assert r.start_time_unix_nano > 1_600_000_000 * 10**9  # on the wall clock
