@@ -22,6 +22,7 @@ from probes import boundaries as B
 from tracing.run_status import RunStatus
 from viewer.analysis.advice import backend
 from viewer.analysis.cost import CostTable, cost_table
+from viewer.analysis.holders import fold_holders
 from viewer.live.tail import Poll
 
 STREAM_ORDER = ("main", "prefill", "comm", "host", "sender", "tokenizer", "http")
@@ -82,7 +83,7 @@ class KvView:
     largest_free_run: int | None  # None: the block table is not known (no snapshot yet)
     prefix_hit_rate: float | None
     holders: list[tuple[str, int]]  # (request id, blocks), most first
-    exact: bool  # holders rebuilt from a snapshot (else: from the events since attaching)
+    exact: bool  # every event since a known state: the trace's start or a snapshot (else: since attaching)
 
 
 @dataclass(slots=True)
@@ -163,36 +164,22 @@ class LiveState:
             horizon = now - int(max(self.latency_s, self.rate_s) * 1e9)
             self._requests = self._requests.filter(pc.greater_equal(self._requests["finish_ns"], horizon))
         if "memory" in r and r["memory"].num_rows:
-            self._replay(r["memory"])
+            self._replay(r["memory"], poll.skipped.get("memory", 0) > 0)
         if "stalls" in r and r["stalls"].num_rows:
             self.stalls.extend(r["stalls"].to_pylist())
 
-    def _replay(self, mem: pa.Table) -> None:
-        """Fold memory events in, vectorized (a busy run writes thousands a second): each
-        event's ref_count is its block's count after it, so a block is busy when its last
-        event left it above zero; a request's blocks change by one per event it caused."""
-        kind = mem["kind"].cast(pa.string())
-        begin = np.flatnonzero(pc.equal(kind, "snapshot_begin").to_numpy(zero_copy_only=False))
-        if len(begin):  # a full block table follows: start from it
-            cut = int(begin[-1]) + 1
-            mem, kind = mem.slice(cut), kind.slice(cut)
-            self._held.clear()
+    def _replay(self, mem: pa.Table, skipped: bool) -> None:
+        """Fold memory events in: the holders' counts (viewer/analysis/holders.py), and
+        which blocks are busy (each event's ref_count is its block's count after it, so
+        a block is busy when its last event left it above zero)."""
+        # a snapshot is a place to start only for a tail that attached mid-run; after that
+        # every event arrives, and a snapshot would forget blocks whose holder died
+        mem, restarted = fold_holders(mem, self._held, restart=skipped and not self._exact)
+        if restarted:  # the running requests' block tables followed
             self._busy[:] = False
-            self._exact = True
+        self._exact = self._exact or restarted or not skipped  # every event since a known state
         if not mem.num_rows:
             return
-        plus = pc.is_in(kind, pa.array(["alloc", "ref", "snapshot"])).to_numpy(zero_copy_only=False)
-        minus = pc.is_in(kind, pa.array(["free", "unref", "reclaim"])).to_numpy(zero_copy_only=False)
-        sign = plus.astype(np.int64) - minus.astype(np.int64)
-        rid = pc.dictionary_encode(mem["request_id"].cast(pa.string())).combine_chunks()
-        delta = np.bincount(rid.indices.to_numpy(zero_copy_only=False), weights=sign, minlength=len(rid.dictionary))
-        for name, d in zip(rid.dictionary.to_pylist(), delta.astype(np.int64).tolist(), strict=True):
-            if d and name:
-                n = self._held.get(name, 0) + d
-                if n > 0:
-                    self._held[name] = n
-                else:
-                    self._held.pop(name, None)
         bid = mem["block_id"].to_numpy()
         ref = mem["ref_count"].to_numpy()
         ok = bid >= 0

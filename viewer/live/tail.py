@@ -43,6 +43,7 @@ class Poll:
     status: RunStatus
     rows: dict[str, pa.Table] = field(default_factory=dict)
     committed: dict[str, int] = field(default_factory=dict)  # rows committed so far, per table (all ranks)
+    skipped: dict[str, int] = field(default_factory=dict)  # rows never read, per table: attached mid-run
 
     @property
     def new_rows(self) -> int:
@@ -56,6 +57,7 @@ class TraceTail:
         self.tables = COLUMNS if tables is None else tables
         self._backlog = BACKLOG if backlog is None else backlog
         self._seen: dict[tuple[str, int], int] = {}
+        self._skipped: dict[str, int] = {}
         self._attached = False
 
     def poll(self) -> Poll | None:
@@ -74,6 +76,7 @@ class TraceTail:
                 out.rows[name] = trace.table(name, cols) if not self._attached else _empty(name, cols)
             else:
                 out.rows[name] = self._new_rows(name, cols, parts)
+            out.skipped[name] = self._skipped.get(name, 0)
         self._attached = True
         return out
 
@@ -87,6 +90,7 @@ class TraceTail:
             key = (name, rank)
             if key not in self._seen:  # first sight: start near the end
                 self._seen[key] = max(0, total - self._backlog.get(name, 0)) if not self._attached else 0
+                self._skipped[name] = self._skipped.get(name, 0) + self._seen[key]
             seen = self._seen[key]
             if total <= seen:
                 continue
