@@ -14,7 +14,33 @@ from __future__ import annotations
 
 import numpy as np
 
-Piece = bytes | np.ndarray
+
+class Raw:
+    """Bytes of a different length per message, back to back in `data` (a string, a
+    submessage built earlier, a run of repeated fields)."""
+
+    __slots__ = ("data", "lengths", "starts")
+
+    def __init__(self, lengths: np.ndarray, data: np.ndarray) -> None:
+        self.lengths = lengths.astype(np.int64)
+        self.data = data.astype(np.uint8, copy=False)
+        self.starts = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=self.starts[1:])
+
+    def __len__(self) -> int:  # not used as a constant: see lengths()
+        raise TypeError("Raw has a length per message")
+
+
+Piece = bytes | np.ndarray | Raw
+
+
+def fixed64s(tag: bytes, counts: np.ndarray, values: np.ndarray) -> Raw:
+    """A repeated fixed64 field: `counts[i]` of `values` (grouped by message) per message."""
+    per = len(tag) + 8
+    rows = np.empty((len(values), per), dtype=np.uint8)
+    rows[:, :len(tag)] = np.frombuffer(tag, dtype=np.uint8)
+    rows[:, len(tag):] = values.astype("<u8").view(np.uint8).reshape(-1, 8)
+    return Raw(counts * per, rows.reshape(-1))
 
 
 def varint_len(v: np.ndarray) -> np.ndarray:
@@ -30,7 +56,7 @@ def lengths(pieces: list[Piece], n: int) -> np.ndarray:
     """Each message's encoded length."""
     out = np.zeros(n, dtype=np.int64)
     for p in pieces:
-        out += len(p) if isinstance(p, bytes) else varint_len(p)
+        out += len(p) if isinstance(p, bytes) else p.lengths if isinstance(p, Raw) else varint_len(p)
     return out
 
 
@@ -46,6 +72,12 @@ def encode(pieces: list[Piece], n: int) -> tuple[np.ndarray, np.ndarray]:
             for k, b in enumerate(p):
                 buf[at + k] = b
             at += len(p)
+            continue
+        if isinstance(p, Raw):
+            total = int(p.lengths.sum())
+            if total:
+                buf[np.repeat(at - p.starts, p.lengths) + np.arange(total, dtype=np.int64)] = p.data[:total]
+            at += p.lengths
             continue
         ln = varint_len(p)
         x = p.astype(np.uint64)

@@ -1,0 +1,176 @@
+"""The Perfetto export's rounds, requests and rare events (viewer/export/perfetto.py).
+
+Rounds and requests are written column-wise (perfetto_bulk.py), in batches; the flows
+between them are numbered here: one per (request, round) where the request entered
+the batch (a round that ran one of its prefill chunks) or left it (the round of its
+last token).
+"""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracing.reader import Trace, read_parts
+from tracing.schema import TABLES
+from viewer.analysis.holders import fold_holders
+from viewer.export import perfetto_bulk as bulk
+from viewer.export import wire
+from viewer.export.perfetto_bulk import ARGS, REQUEST, REQUESTS, ROUNDS
+
+BATCH = 25_000  # requests or rounds per column-wise batch
+REQUEST_COLS = ["request_id", "arrival_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
+                "prompt_len", "output_len", "cached_prefix_len", "finish_reason", "num_preemptions"]
+Flows = tuple[np.ndarray, np.ndarray]  # (round, flow id), sorted by round
+
+
+def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table, stats: Any) -> Flows:
+    """An async track per request under `requests`, with its stages; returns the flows."""
+    q = trace.table("requests", REQUEST_COLS)
+    n = q.num_rows
+    chunks = _timeline(trace, q["request_id"], ("prefill_chunk", "preempted"))
+    a = q["arrival_ns"].to_numpy().astype(np.int64)
+    s = np.maximum(a, q["first_scheduled_ns"].to_numpy())
+    e = np.maximum(s, q["finish_ns"].to_numpy())
+    ft = q["first_token_ns"].to_numpy()
+    p_end = np.where(ft > 0, np.clip(ft, s, e), e)
+    # flows: the rounds of its prefill chunks, and the round of its last token
+    runs = q["token_runs"]
+    length = pc.list_value_length(runs).fill_null(0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(runs).to_numpy(zero_copy_only=False)
+    ends = np.cumsum(length)
+    has = length >= 2
+    last = np.where(has, flat[np.maximum(ends - 2, 0)] + flat[np.maximum(ends - 1, 0)] - 1, -1) if len(flat) else \
+        np.full(n, -1)
+    ck = chunks["stage"] == "prefill_chunk"
+    req = np.concatenate([chunks["req"][ck], np.flatnonzero(has)])
+    rnd = np.concatenate([chunks["step"][ck], last[has]])
+    span = int(rnd.max()) + 2 if len(rnd) else 1
+    key = np.unique(req.astype(np.int64) * span + (rnd.astype(np.int64) + 1))  # sorted by request, then round
+    req, rnd = key // span, key % span - 1
+    fid = np.arange(1, len(req) + 1, dtype=np.int64)
+    counts = np.bincount(req, minlength=n)
+    first = np.concatenate([[0], np.cumsum(counts)])
+    uuid = REQUEST + np.arange(n, dtype=np.int64)
+    bounds = _round_bounds(steps)
+    for lo in range(0, n, BATCH):
+        hi = min(n, lo + BATCH)
+        sl = slice(lo, hi)
+        f.write(bulk.named_tracks(uuid[sl], q["request_id"].slice(lo, hi - lo), REQUESTS))
+        flows = wire.fixed64s(bulk.FLOW_OUT, counts[sl], fid[first[lo]:first[hi]])
+        args = [x for c in ("prompt_len", "output_len", "cached_prefix_len", "num_preemptions")
+                for x in bulk.int_arg(ARGS[c], q[c].to_numpy()[sl])]
+        groups = [(a[sl], e[sl], uuid[sl], names["request"], [*args, flows]),
+                  (a[sl], s[sl], uuid[sl], names["queued"], [])]
+        m = p_end[sl] > s[sl]
+        groups.append((s[sl][m], p_end[sl][m], uuid[sl][m], names["prefill"], []))
+        m = e[sl] > p_end[sl]
+        groups.append((p_end[sl][m], e[sl][m], uuid[sl][m], names["decode"], []))
+        # a chunk: its round, inside the request's prefill slice and after its previous chunk
+        c = ck & (chunks["req"] >= lo) & (chunks["req"] < hi)
+        ci, cs, cv = chunks["req"][c], chunks["step"][c], chunks["value"][c]
+        b0, b1 = bounds(cs)
+        c0, c1 = np.maximum(b0, s[ci]), np.minimum(np.maximum(b1, b0), p_end[ci])
+        order = np.lexsort((c0, ci))
+        ci, cs, cv, c0, c1 = ci[order], cs[order], cv[order], c0[order], c1[order]
+        prev = np.concatenate([[np.iinfo(np.int64).min], c1[:-1]])
+        c0 = np.where(np.concatenate([[False], ci[1:] == ci[:-1]]), np.maximum(c0, prev), c0)
+        ok = c1 > c0
+        groups.append((c0[ok], c1[ok], uuid[ci[ok]], names["prefill chunk"],
+                       [*bulk.int_arg(ARGS["round"], cs[ok]), *bulk.int_arg(ARGS["tokens"], cv[ok])]))
+        f.write(bulk.slices(groups))
+        f.write(bulk.instants(e[sl], uuid[sl], names["finished"],
+                              bulk.str_arg(ARGS["finish_reason"], q["finish_reason"].slice(lo, hi - lo))))
+        stats.packets += sum(2 * len(g[0]) for g in groups) + 2 * (hi - lo)
+    pre = ~ck
+    f.write(bulk.instants(chunks["ts"][pre], uuid[chunks["req"][pre]], names["preempted"],
+                          bulk.int_arg(ARGS["computed_tokens"], chunks["value"][pre])))
+    stats.requests, stats.flows = n, len(fid)
+    order = np.argsort(rnd, kind="stable")
+    return rnd[order], fid[order]
+
+
+def rounds(f: IO[bytes], steps: pa.Table, flows: Flows | None, names: dict[str, int], stats: Any) -> None:
+    """A slice per round on rank 0's `rounds` track, ending the flows of its requests."""
+    rnd, fid = flows if flows is not None else (np.empty(0, np.int64), np.empty(0, np.int64))
+    step = steps["step"].to_numpy()
+    ts = steps["ts_ns"].to_numpy()
+    end = ts + np.maximum(steps["dur_ns"].to_numpy(), 0)
+    order = np.argsort(step, kind="stable")
+    for lo in range(0, len(order), BATCH):
+        idx = order[lo:lo + BATCH]
+        a, z = np.searchsorted(rnd, step[idx]), np.searchsorted(rnd, step[idx] + 1)
+        ends = wire.fixed64s(bulk.FLOW_END, z - a, fid[a[0]:z[-1]]) if len(idx) else None
+        f.write(bulk.slices([(ts[idx], end[idx], np.full(len(idx), ROUNDS), names["round"],
+                              [*bulk.int_arg(ARGS["round"], step[idx]), ends])]))
+    stats.rounds = steps.num_rows
+    stats.packets += 2 * steps.num_rows
+
+
+def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats: Any) -> None:
+    """Stalls (with their wait cycle) and leaked blocks, on rank 0's `rounds` track: few,
+    so through the protobuf classes."""
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
+
+    def put(t: int, name: str, args: dict[str, Any]) -> None:
+        p = TracePacket(timestamp=t, trusted_packet_sequence_id=bulk.SEQ,
+                        sequence_flags=TracePacket.SEQ_NEEDS_INCREMENTAL_STATE)
+        e = p.track_event
+        e.type, e.track_uuid, e.name_iid = TrackEvent.TYPE_INSTANT, ROUNDS, names[name]
+        for k, v in args.items():
+            if isinstance(v, int):
+                e.debug_annotations.add(name=k, int_value=v)
+            else:
+                e.debug_annotations.add(name=k, string_value=v if isinstance(v, str) else str(v))
+        b.write_packet(p)
+        stats.packets += 1
+
+    if trace.has_table("stalls"):
+        for r in trace.table("stalls").to_pylist():
+            put(int(r["ts_ns"]), "stall", {k: r[k] for k in ("rank", "step", "waiter", "what", "signaller",
+                                                             "boundary", "waited_ns", "cycle") if k in r})
+    if trace.has_table("memory") and trace.has_table("requests"):
+        # counts only, every event from the start (viewer/analysis/holders.py); `mstrace leaks` names the blocks
+        held: dict[str, int] = {}
+        for part in trace.parts.get("memory", []):
+            fold_holders(read_parts([part], TABLES["memory"], ["kind", "request_id"]), held)
+        finished = set(trace.table("requests", ["request_id"])["request_id"].to_pylist())
+        end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py() or 0) if steps.num_rows else 0
+        for rid, n in sorted(held.items()):
+            if rid in finished:
+                put(end, "leaked blocks", {"request_id": rid, "blocks": n})
+
+
+def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The timeline rows of these stages, part by part (a long run's timeline is large),
+    with each row's request as an index into `ids`."""
+    keep: list[pa.Table] = []
+    for part in trace.parts.get("timeline", []) if trace.has_table("timeline") else []:
+        t = read_parts([part], TABLES["timeline"], ["ts_ns", "request_id", "stage", "step", "value"])
+        keep.append(t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(stages)))))
+    t = pa.concat_tables(keep) if keep else TABLES["timeline"].empty_table().select(
+        ["ts_ns", "request_id", "stage", "step", "value"])
+    req = pc.index_in(t["request_id"], value_set=ids.combine_chunks()).fill_null(-1).to_numpy().astype(np.int64)
+    ok = req >= 0
+    return {"req": req[ok], "ts": t["ts_ns"].to_numpy()[ok], "step": t["step"].to_numpy()[ok],
+            "value": t["value"].to_numpy()[ok], "stage": np.asarray(t["stage"].cast(pa.string()).to_pylist(),
+                                                                     dtype=object)[ok]}
+
+
+def _round_bounds(steps: pa.Table) -> Any:
+    """step -> (start, end) for arrays of steps (-1: not a round of the trace)."""
+    step = steps["step"].to_numpy()
+    order = np.argsort(step, kind="stable")
+    ss, ts = step[order], steps["ts_ns"].to_numpy()[order]
+    te = ts + np.maximum(steps["dur_ns"].to_numpy()[order], 0)
+
+    def at(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i = np.clip(np.searchsorted(ss, x), 0, max(0, len(ss) - 1))
+        found = (ss[i] == x) if len(ss) else np.zeros(len(x), bool)
+        return np.where(found, ts[i], 0) if len(ss) else np.zeros(len(x), np.int64), \
+            np.where(found, te[i], 0) if len(ss) else np.zeros(len(x), np.int64)
+
+    return at
