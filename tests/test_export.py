@@ -3,9 +3,7 @@ and request spans replayed to an OTLP/HTTP receiver on loopback."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter, defaultdict
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.cli import mstrace
+from tests.otlp_receiver import Receiver, receiver
 from tracing.reader import read_table
 from viewer.export import wire
 
@@ -161,36 +160,16 @@ def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
 
 
 # ---- OTLP ---------------------------------------------------------------------------------
-class _Receiver(BaseHTTPRequestHandler):
-    posts: list[tuple[str, str, bytes]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        _Receiver.posts.append((self.path, self.headers.get("Content-Type", ""), body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_otlp_replay_sends_every_requests_span_tree(tp2: Path) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    _Receiver.posts = []
-    server = HTTPServer(("127.0.0.1", 0), _Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        p = mstrace("export", str(tp2), "--otlp", f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    with receiver() as url:
+        p = mstrace("export", str(tp2), "--otlp", url)
     assert p.returncode == 0, p.stderr
-    assert _Receiver.posts and {(path, kind) for path, kind, _ in _Receiver.posts} == {
+    assert Receiver.posts and {(path, kind) for path, kind, _ in Receiver.posts} == {
         ("/v1/traces", "application/x-protobuf")}
     spans = []
-    for _, _, body in _Receiver.posts:
+    for _, _, body in Receiver.posts:
         for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
             spans += [s for ss in rs.scope_spans for s in ss.spans]
     rows = read_table(tp2, "spans")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,6 +16,7 @@ from opentelemetry.trace import SpanKind
 
 from scheduler.hops.sender import FinishedRecord
 from tests.cli import mstrace
+from tests.otlp_receiver import Receiver, receiver
 from tracing.otel import (
     REQUEST_SPAN,
     OtlpUnavailableError,
@@ -250,40 +249,20 @@ def test_cli_missing_otlp_package_fails_before_writing(tmp_path):
     assert not out.exists()
 
 
-class _Collector(BaseHTTPRequestHandler):
-    posts: list[tuple[str, bytes]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        _Collector.posts.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_otlp_export_reaches_a_collector(tmp_path):
     pytest.importorskip(OTLP_MODULE, reason="needs mstrace[otlp]")
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    _Collector.posts = []
-    server = HTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with receiver() as url:
         writer = TraceWriter(tmp_path)
         writer.write_meta({})
-        sink = SpanSink(writer, ANCHOR, f"http://127.0.0.1:{server.server_port}")
+        sink = SpanSink(writer, ANCHOR, url)
         sink.on_finish(record("otlp-1"), "")
         sink.close()  # flushes the batch processor
         writer.close()
-    finally:
-        server.shutdown()
-    assert _Collector.posts and all(path == "/v1/traces" for path, _ in _Collector.posts)
+    assert Receiver.posts and all(path == "/v1/traces" for path, _, _ in Receiver.posts)
     spans = []
-    for _, body in _Collector.posts:
+    for _, _, body in Receiver.posts:
         req = ExportTraceServiceRequest.FromString(body)
         for rs in req.resource_spans:
             svc = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
