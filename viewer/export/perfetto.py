@@ -23,7 +23,7 @@ leaks, preemptions) go through the `perfetto` package's StreamingTraceProtoBuild
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,10 @@ from viewer.export.perfetto_bulk import (
     THREAD,
 )
 from viewer.export.perfetto_rounds import instants, requests, rounds
+from viewer.live.state import STREAM_ORDER
 
 BATCH = 200_000  # probe rows encoded at once
 SEQ = bulk.SEQ  # one packet sequence: its interned names are set once, at its start
-STREAM_ORDER = ("host", "main", "prefill", "comm", "sender", "tokenizer", "http")
 
 
 @dataclass(slots=True)
@@ -58,15 +58,24 @@ class ExportStats:
     rounds: int = 0
     requests: int = 0
     flows: int = 0
-    tracks: dict[str, int] = field(default_factory=dict)  # track name -> uuid
 
 
 def export_perfetto(root: str | Path, out: str | Path) -> ExportStats:
-    from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
-
     trace = Trace.open(root)
     stats = ExportStats()
     tmp = Path(out).with_name(Path(out).name + ".tmp")
+    try:
+        _write(trace, tmp, stats)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no half-written file where the user looks
+        raise
+    tmp.replace(out)
+    return stats
+
+
+def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
+    from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
+
     with open(tmp, "wb") as f:
         b = StreamingTraceProtoBuilder(f)
         names, threads = _header(trace, b, stats)
@@ -85,8 +94,6 @@ def export_perfetto(root: str | Path, out: str | Path) -> ExportStats:
         flows = requests(trace, f, names, steps, stats) if trace.has_table("requests") else None
         rounds(f, steps, flows, names, stats)
         instants(trace, b, names, steps, stats)
-    tmp.replace(out)
-    return stats
 
 
 # ---- the header: tracks and interned names --------------------------------------------
@@ -142,7 +149,6 @@ def _track(b: Any, stats: ExportStats, uuid: int, name: str, parent: int | None 
         d.counter.SetInParent()
     b.write_packet(p)
     stats.packets += 1
-    stats.tracks[name] = uuid
 
 
 # ---- probe rows: the bulk, encoded column-wise ------------------------------------------

@@ -27,9 +27,6 @@ class Raw:
         self.starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(self.lengths[:-1], out=self.starts[1:])
 
-    def __len__(self) -> int:  # not used as a constant: see lengths()
-        raise TypeError("Raw has a length per message")
-
 
 Piece = bytes | np.ndarray | Raw
 
