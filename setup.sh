@@ -37,6 +37,16 @@ fi
 
 "${pip[@]}" install -e ".${extra}"
 
+# The HTML report's test opens the page in a headless Chromium: Debian's package, where missing.
+if [ -n "$extra" ] && ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q --no-install-recommends chromium-headless-shell >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium-headless-shell >/dev/null; }
+  else
+    echo "setup.sh: warning: no chromium-headless-shell; tests/test_html.py needs it (apt-get install chromium-headless-shell)" >&2
+  fi
+fi
+
 if [ "$has_gpu" = 0 ]; then
   .venv/bin/python - <<'PY'
 import torch, sys

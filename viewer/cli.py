@@ -100,6 +100,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions) -> None:
 def report(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+    html_out: Annotated[Path | None, typer.Option("--html", help="Also write the report, with pictures, as one "
+                                                  "self-contained HTML file.")] = None,
 ) -> None:
     """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage."""
     import json
@@ -109,8 +111,14 @@ def report(
 
     try:
         rep = build_report(trace)
+        if html_out is not None:
+            from viewer.export.html import report_html
+
+            report_html(trace, html_out, rep)
     except TraceError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
         print(json.dumps(rep, indent=2))
     else:
@@ -241,6 +249,8 @@ def diff(
     a: Annotated[Path, typer.Argument(help="Baseline trace directory (A).")],
     b: Annotated[Path, typer.Argument(help="Trace directory to compare with A (B).")],
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+    html_out: Annotated[Path | None, typer.Option("--html", help="Also write the diff, with A and B overlaid in "
+                                                  "pictures, as one self-contained HTML file.")] = None,
 ) -> None:
     """Did a change pay? B - A for per-boundary cost, device idle and serving metrics, with 95% bootstrap intervals."""
     import json
@@ -250,8 +260,14 @@ def diff(
 
     try:
         d = build_diff(a, b)
+        if html_out is not None:
+            from viewer.export.html import diff_html
+
+            diff_html(a, b, html_out, d)
     except TraceError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
         print(json.dumps(d, indent=2))
     else:

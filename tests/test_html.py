@@ -1,0 +1,74 @@
+"""`report --html` and `diff --html`: the page is drawn by a headless Chromium with the
+network shut off, and every chart draws, with no script error."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli import mstrace
+
+CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+# no network at view time: every host resolves to nothing, and no proxy is tried
+NO_NET = ["--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP * ~NOTFOUND", "--no-proxy-server",
+          "--virtual-time-budget=15000"]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("html")
+    for mode in ("serial", "overlap"):
+        p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", mode, "--out", str(root / mode), "-q")
+        assert p.returncode == 0, p.stderr
+    return root / "serial", root / "overlap"
+
+
+def _open(page: Path, png: Path) -> str:
+    assert CHROMIUM, "no chromium-headless-shell: `bash setup.sh --test` installs it (Debian's package)"
+    dom = subprocess.run([CHROMIUM, *NO_NET, "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    subprocess.run([CHROMIUM, *NO_NET, "--hide-scrollbars", "--window-size=1280,2300", f"--screenshot={png}",
+                    page.as_uri()], capture_output=True, timeout=120, cwd=png.parent)
+    return dom
+
+
+def _check(page: Path, tmp_path: Path, charts: int) -> None:
+    text = page.read_text()
+    assert not re.search(r"<(script|link|img|iframe)\b[^>]*\b(src|href)=", text)  # nothing to fetch: all inline
+    dom = _open(page, tmp_path / "shot.png")
+    body = re.search(r"<body[^>]*>", dom)
+    assert body, dom[:500]
+    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', body.group(0)))
+    assert attrs["errors"] == "", attrs["errors"]
+    assert attrs["charts"] == attrs["drawn"] == str(charts)
+    for i in range(charts):  # each chart's element holds a drawn plot with marks in it
+        div = dom.split(f'id="chart{i}"', 1)[1].split('class="chart"', 1)[0]
+        assert "main-svg" in div and re.search(r'class="(point|trace|bars|scatterlayer|barlayer)', div)
+    assert (tmp_path / "shot.png").stat().st_size > 20_000
+
+
+def test_a_report_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    p = mstrace("report", str(traces[1]), "--html", str(page))
+    assert p.returncode == 0, p.stderr
+    assert "device_compute" in page.read_text() and "sync-cost table" in p.stdout
+    _check(page, tmp_path, 4)
+
+
+def test_a_diff_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) -> None:
+    page = tmp_path / "diff.html"
+    p = mstrace("diff", str(traces[0]), str(traces[1]), "--html", str(page))
+    assert p.returncode == 0, p.stderr
+    text = page.read_text()
+    first = text.index("<tr class=")
+    assert text[first:first + 20].startswith('<tr class=sig')  # significant deltas first
+    _check(page, tmp_path, 3)
+
+
+def test_an_unwritable_page_is_one_line(traces: tuple[Path, Path], tmp_path: Path) -> None:
+    p = mstrace("report", str(traces[0]), "--html", str(tmp_path / "no" / "such" / "dir.html"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr

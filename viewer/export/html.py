@@ -1,0 +1,145 @@
+"""`mstrace report TRACE --html OUT.html` and `mstrace diff A B --html OUT.html`.
+
+One self-contained file: the text report's tables as HTML, and the pictures of
+viewer/export/html_charts.py drawn by Plotly's JS, which is inlined, so the page
+needs no network when it is opened. The page records what happened as it drew: the
+`data-drawn` attribute of <body> counts the charts drawn, `data-errors` holds any
+script error (tests/test_html.py opens it in headless Chromium and reads both).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from viewer.export import html_charts as charts
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
+table { border-collapse: collapse; margin: 8px 0; }
+td, th { padding: 3px 10px; border-bottom: 1px solid #ddd; text-align: right; }
+td:first-child, th:first-child { text-align: left; }
+tr.sig td { font-weight: 600; } .note { color: #666; } .chart { min-height: 200px; }
+"""
+ERRORS = ("window.__errors=[];window.addEventListener('error',function(e){window.__errors.push(String(e.message));"
+          "document.body&&(document.body.dataset.errors=window.__errors.join(' | '));});")
+
+
+def chart_inputs(root: str | Path) -> charts.ChartInputs:
+    t = read_consistent(Trace.open(root), {
+        "probes": ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"],
+        "steps": ["step", "ts_ns", "dur_ns", "blocks_used", "blocks_fenced", "num_waiting", "num_running"],
+        "requests": ["arrival_ns", "first_token_ns", "finish_ns", "dur_itl_ns"]})
+    return charts.ChartInputs(t["probes"], t["steps"], t["requests"])
+
+
+def report_html(root: str | Path, out: str | Path, rep: dict[str, Any] | None = None) -> None:
+    from viewer.report import build_report
+
+    rep = rep if rep is not None else build_report(root)
+    inp = chart_inputs(root)
+    figs = [charts.cost_bars([("", rep)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
+            charts.kv_and_queues([("", inp)])]
+    body = [f"<h1>mstrace report: {_e(rep['trace'])}</h1>", _facts(rep), "<h2>Sync cost</h2>", _cost_table(rep),
+            *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep)]
+    _write(out, f"mstrace report {rep['trace']}", body, figs)
+
+
+def diff_html(a: str | Path, b: str | Path, out: str | Path, d: dict[str, Any] | None = None) -> None:
+    from viewer.diff import build_diff
+
+    d = d if d is not None else build_diff(a, b)
+    ia, ib = chart_inputs(a), chart_inputs(b)
+    figs = [charts.cost_bars([("A", d["a"]), ("B", d["b"])]), charts.latency_cdfs([("A", ia), ("B", ib)]),
+            charts.kv_and_queues([("A", ia), ("B", ib)])]
+    body = [f"<h1>mstrace diff</h1><p>A: {_e(d['a']['trace'])} ({_e(d['a'].get('mode'))})<br>"
+            f"B: {_e(d['b']['trace'])} ({_e(d['b'].get('mode'))})</p>",
+            *(f"<p class=note>{_e(w)}</p>" for w in d.get("warnings", [])),
+            ]
+    _write(out, "mstrace diff", body, figs, ["<h2>B - A, significant deltas first</h2>", _delta_table(d)])
+
+
+# ---- the page ------------------------------------------------------------------------------
+def _write(out: str | Path, title: str, body: list[str], figs: list[Any], after: list[str] | None = None) -> None:
+    from plotly.offline import get_plotlyjs
+
+    divs = [f'<div class="chart" id="chart{i}"></div>' for i in range(len(figs))]
+    data = "{" + ",".join(f'"chart{i}":{f.to_json()}' for i, f in enumerate(figs)) + "}"
+    draw = ("var figs=" + data.replace("</", "<\\/") + ";var ids=Object.keys(figs);"
+            "Promise.all(ids.map(function(id){return Plotly.newPlot(id,figs[id].data,figs[id].layout,"
+            "{displaylogo:false,responsive:true});})).then(function(){document.body.dataset.drawn=ids.length;})"
+            ".catch(function(e){window.__errors.push(String(e));document.body.dataset.errors=window.__errors.join(' | ');});")
+    page = (f"<!doctype html><html><head><meta charset=utf-8><title>{_e(title)}</title><style>{STYLE}</style>"
+            f"<script>{ERRORS}</script><script>{get_plotlyjs()}</script></head>"
+            f'<body data-charts="{len(figs)}" data-drawn="0" data-errors="">'
+            + "\n".join(body) + "<h2>Pictures</h2>" + "\n".join(divs) + "\n".join(after or [])
+            + f"<script>{draw}</script></body></html>")
+    tmp = Path(out).with_name(Path(out).name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+
+
+def _e(x: Any) -> str:
+    return html.escape("" if x is None else str(x))
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | int | None, fmt: str = ".2f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def _facts(rep: dict[str, Any]) -> str:
+    t = rep["throughput"]
+    return (f"<p>model {_e(rep['model'])}, mode {_e(rep['mode'])}, {_e(rep['status']['state'])}; "
+            f"{rep['cycles']} cycles of {_num(rep['cycle_ms'])} ms; the device computes "
+            f"{_pct(rep['device_busy'])} of it. {t['completed']}/{t['requests']} requests in "
+            f"{_num(t['duration_s'])} s: {_num(t['output_tok_per_s'], '.1f')} output tok/s.</p>")
+
+
+def _cost_table(rep: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><td>{_e(b['boundary'])}</td><td>{_num(b['mean_ms'])}</td><td>{_pct(b['share'])}</td>"
+                   f"<td>{_pct(b['host_share'])}</td><td>{b['count']}</td><td>{_pct(b['hidden'])}</td></tr>"
+                   for b in rep["boundaries"])
+    return ("<table><tr><th>boundary</th><th>ms/cycle</th><th>device view</th><th>host view</th><th>count</th>"
+            f"<th>hidden</th></tr>{rows}</table>")
+
+
+def _worth(rep: dict[str, Any]) -> list[str]:
+    return [f"<p class=note>worth attacking: {_e(w if isinstance(w, str) else json.dumps(w))}</p>"
+            for w in rep.get("worth_attacking") or []]
+
+
+def _latency_table(rep: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><td>{_e(k)}</td>" + "".join(f"<td>{_num(v.get(c))}</td>" for c in ("mean", "p50", "p90", "p99"))
+                   + "</tr>" for k, v in rep["latency"].items() if isinstance(v, dict))
+    return f"<table><tr><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{rows}</table>"
+
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """The diff's deltas, nested by group (boundaries, throughput, latency), as (name, delta)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for k, v in d.items():
+        if isinstance(v, dict) and "delta" in v:
+            out.append((f"{prefix}{k}", v))
+        elif isinstance(v, dict):
+            out += _leaves(v, f"{prefix}{k} ")
+    return out
+
+
+def _delta_table(d: dict[str, Any]) -> str:
+    items = sorted(_leaves(d["delta"]), key=lambda kv: (not kv[1].get("significant"), -abs(kv[1].get("rel") or 0.0)))
+    rows = "".join(
+        f"<tr class={'sig' if v.get('significant') else 'ns'}><td>{_e(k)}</td><td>{_num(v.get('a'), '.4g')}</td>"
+        f"<td>{_num(v.get('b'), '.4g')}</td><td>{_num(v.get('delta'), '+.4g')}</td>"
+        f"<td>[{_num(v.get('ci_low'), '.3g')}, {_num(v.get('ci_high'), '.3g')}]</td>"
+        f"<td>{'yes' if v.get('significant') else 'no'}</td></tr>" for k, v in items if isinstance(v, dict))
+    return ("<table><tr><th>metric</th><th>A</th><th>B</th><th>B - A</th><th>95% CI</th><th>significant</th></tr>"
+            f"{rows}</table>")

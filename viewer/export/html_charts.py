@@ -1,0 +1,157 @@
+"""The pictures of `report --html` and `diff --html`, as Plotly figures.
+
+Plotly because its JS bundle ships inside the Python package (`plotly.offline`), so the
+page carries it inline and draws with no network; a figure is plain JSON, so the same
+data a test checks is what the browser draws. Each function takes one trace's tables
+(ChartInputs) or two, and returns a figure; long series are reduced (quantiles for a
+CDF, per-bucket maxima for a time series) so a page stays a few MB for any run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+@dataclass(slots=True)
+class ChartInputs:
+    """What the pictures read from one trace (viewer/export/html.py loads it)."""
+
+    probes: pa.Table  # ts_ns, dur_ns, boundary, stream, rank
+    steps: pa.Table  # step, ts_ns, dur_ns, blocks_used, blocks_fenced, num_waiting, num_running
+    requests: pa.Table  # arrival_ns, first_token_ns, finish_ns, dur_itl_ns
+
+POINTS = 1500  # at most this many points a series
+WINDOW = 8  # rounds on each side of the worst one in the timeline
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+           "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd")
+AB = ("#1f77b4", "#d62728")
+
+
+def colour(boundary: str) -> str:
+    """One colour per boundary on every chart of a page (the cost table's order)."""
+    from viewer.analysis.cost import ORDER
+
+    return COLOURS[ORDER.index(boundary) % len(COLOURS)] if boundary in ORDER else "#999999"
+
+
+def _go() -> Any:
+    import plotly.graph_objects as go
+
+    return go
+
+
+def _layout(title: str, **kw: Any) -> dict[str, Any]:
+    return {"title": {"text": title}, "margin": {"l": 60, "r": 20, "t": 50, "b": 40}, "height": 360,
+            "template": "plotly_white", **kw}
+
+
+def timeline(inp: ChartInputs) -> Any:
+    """Stream lanes over a window of rounds around the longest one, which is shaded."""
+    go = _go()
+    steps, probes = inp.steps, inp.probes
+    fig = go.Figure()
+    if not steps.num_rows or not probes.num_rows:
+        return fig.update_layout(**_layout("timeline: no rounds"))
+    order = np.argsort(steps["ts_ns"].to_numpy(), kind="stable")
+    ts, dur, step = (steps[c].to_numpy()[order] for c in ("ts_ns", "dur_ns", "step"))
+    worst = int(np.argmax(dur))
+    lo, hi = max(0, worst - WINDOW), min(len(ts) - 1, worst + WINDOW)
+    t0, t1 = int(ts[lo]), int(ts[hi] + dur[hi])
+    p = probes.filter(pc.and_(pc.less(probes["ts_ns"], t1), pc.greater(pc.add(probes["ts_ns"], probes["dur_ns"]), t0)))
+    rank = p["rank"].to_numpy() if "rank" in p.column_names else np.zeros(p.num_rows, np.int64)
+    stream = p["stream"].cast(pa.string()).to_pylist() if "stream" in p.column_names else ["?"] * p.num_rows
+    lane = np.array([f"r{r} {s}" for r, s in zip(rank.tolist(), stream, strict=True)], dtype=object)
+    bnd = np.array(p["boundary"].cast(pa.string()).to_pylist(), dtype=object)
+    start = (p["ts_ns"].to_numpy() - t0) / 1e6
+    length = p["dur_ns"].to_numpy() / 1e6
+    for b in sorted(set(bnd.tolist())):
+        m = bnd == b
+        fig.add_trace(go.Bar(x=length[m], base=start[m], y=lane[m], orientation="h", name=b,
+                             marker={"color": colour(b)}, hovertemplate=f"{b}<br>%{{base:.3f}} ms"
+                             "+ %{x:.3f} ms<extra></extra>"))
+    w0, w1 = (ts[worst] - t0) / 1e6, (ts[worst] + dur[worst] - t0) / 1e6
+    fig.add_vrect(x0=w0, x1=w1, fillcolor="red", opacity=0.12, line_width=0,
+                  annotation_text=f"round {int(step[worst])}: {dur[worst] / 1e6:.2f} ms (the longest)")
+    return fig.update_layout(**_layout(f"timeline: rounds {int(step[lo])}-{int(step[hi])}", barmode="overlay",
+                                       xaxis_title="ms", height=120 + 40 * len(set(lane.tolist()))))
+
+
+def cost_bars(reports: list[tuple[str, dict[str, Any]]]) -> Any:
+    """Both views of the cost table as stacked bars, one pair of bars per trace."""
+    go = _go()
+    fig = go.Figure()
+    names = [b["boundary"] for _, rep in reports for b in rep["boundaries"]]
+    order = list(dict.fromkeys(names))
+    x = [f"{label} {view}" for label, _ in reports for view in ("device view", "host view")]
+    for b in order:
+        ys = []
+        for _, rep in reports:
+            row = next((r for r in rep["boundaries"] if r["boundary"] == b), {})
+            ys += [100 * (row.get("share") or 0.0), 100 * (row.get("host_share") or 0.0)]
+        if any(ys):
+            fig.add_trace(go.Bar(x=x, y=ys, name=b, marker={"color": colour(b)},
+                                 hovertemplate=f"{b}: %{{y:.1f}}%<extra></extra>"))
+    return fig.update_layout(**_layout("where the cycle goes (share of cycle time)", barmode="stack",
+                                       yaxis_title="% of cycle"))
+
+
+def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
+    """TTFT, ITL and E2E as CDFs, one line per trace and metric."""
+    go = _go()
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT ms", "ITL ms", "E2E ms"))
+    for i, (label, inp) in enumerate(inputs):
+        q = inp.requests
+        arr, ft, fin = (q[c].to_numpy() for c in ("arrival_ns", "first_token_ns", "finish_ns"))
+        itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) if "dur_itl_ns" in q.column_names \
+            else np.empty(0)
+        for col, x in enumerate(((ft - arr)[ft > 0] / 1e6, itl / 1e6, (fin - arr) / 1e6), start=1):
+            xs, ys = _cdf(x)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label, legendgroup=label, showlegend=col == 1,
+                                     line={"color": AB[i % 2] if len(inputs) > 1 else COLOURS[0]}), row=1, col=col)
+    return fig.update_layout(**_layout("latency CDFs", yaxis_title="fraction of requests (ITL: of gaps)"))
+
+
+def kv_and_queues(inputs: list[tuple[str, ChartInputs]]) -> Any:
+    """KV blocks used and fenced, requests waiting and running, over the run."""
+    go = _go()
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV blocks", "requests"))
+    for i, (label, inp) in enumerate(inputs):
+        s = inp.steps
+        if not s.num_rows:
+            continue
+        order = np.argsort(s["ts_ns"].to_numpy(), kind="stable")
+        t = (s["ts_ns"].to_numpy()[order] - s["ts_ns"].to_numpy()[order][0]) / 1e9
+        for col, cols in ((1, ("blocks_used", "blocks_fenced")), (2, ("num_waiting", "num_running"))):
+            for k, c in enumerate(cols):
+                if c not in s.column_names:
+                    continue
+                xs, ys = _buckets(t, s[c].to_numpy()[order])
+                dash = "solid" if k == 0 else "dot"
+                colour = AB[i % 2] if len(inputs) > 1 else COLOURS[2 * (col - 1) + k]
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{label} {c}" if len(inputs) > 1 else c,
+                                         line={"color": colour, "dash": dash}), row=1, col=col)
+    return fig.update_layout(**_layout("KV occupancy and queues over the run", xaxis_title="s", xaxis2_title="s"))
+
+
+def _cdf(x: np.ndarray) -> tuple[list[float], list[float]]:
+    if not len(x):
+        return [], []
+    p = np.linspace(0, 1, min(POINTS, len(x)))
+    return np.quantile(x, p).tolist(), p.tolist()
+
+
+def _buckets(t: np.ndarray, v: np.ndarray) -> tuple[list[float], list[float]]:
+    """At most POINTS points: each bucket's maximum, so a spike is never averaged away."""
+    if len(t) <= POINTS:
+        return t.tolist(), v.astype(float).tolist()
+    edges = np.linspace(0, len(t), POINTS + 1).astype(np.int64)[:-1]
+    return t[edges].tolist(), np.maximum.reduceat(v, edges).astype(float).tolist()
