@@ -213,3 +213,16 @@ def test_leaked_blocks_are_instants_naming_the_requests_mstrace_leaks_names(tmp_
     st = LiveState()
     st.update(TraceTail(out).poll())  # type: ignore[arg-type]
     assert dict(st.snapshot().leaks) == want
+
+
+def test_a_stall_is_an_instant_with_its_wait_cycle(tmp_path: Path) -> None:
+    from tests.tui_trace import synthetic_trace
+    from viewer.export.perfetto import export_perfetto
+
+    trace = synthetic_trace(tmp_path / "t", rounds=40, stall=True)
+    export_perfetto(trace, tmp_path / "t.pftrace")
+    stalls = [e for _, name, _, e in _parse(tmp_path / "t.pftrace")["instants"] if name == "stall"]
+    assert len(stalls) == 1
+    args = {a.name: a for a in stalls[0].debug_annotations}
+    assert args["cycle"].string_value.startswith("scheduler -> prefill stream event")
+    assert args["waiter"].string_value == "scheduler" and args["waited_ns"].int_value == 2_000_000_000
