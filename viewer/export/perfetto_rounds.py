@@ -161,16 +161,18 @@ def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...]) -> di
 
 
 def _round_bounds(steps: pa.Table) -> Any:
-    """step -> (start, end) for arrays of steps (-1: not a round of the trace)."""
+    """A function from an array of steps to their rounds' (start, end); (0, 0) for a step
+    the trace has no round of."""
     step = steps["step"].to_numpy()
     order = np.argsort(step, kind="stable")
     ss, ts = step[order], steps["ts_ns"].to_numpy()[order]
     te = ts + np.maximum(steps["dur_ns"].to_numpy()[order], 0)
 
     def at(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        i = np.clip(np.searchsorted(ss, x), 0, max(0, len(ss) - 1))
-        found = (ss[i] == x) if len(ss) else np.zeros(len(x), bool)
-        return np.where(found, ts[i], 0) if len(ss) else np.zeros(len(x), np.int64), \
-            np.where(found, te[i], 0) if len(ss) else np.zeros(len(x), np.int64)
+        if not len(ss):
+            return np.zeros(len(x), np.int64), np.zeros(len(x), np.int64)
+        i = np.clip(np.searchsorted(ss, x), 0, len(ss) - 1)
+        found = ss[i] == x
+        return np.where(found, ts[i], 0), np.where(found, te[i], 0)
 
     return at
