@@ -29,6 +29,7 @@ from probes import boundaries as B
 from scheduler.config import ConfigError, EngineConfig
 from scheduler.model.forward_batch import SeqChunk
 from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
+from scheduler.parallel.launch import STOP_GRACE_S
 from tests.checkpoints import build_llama
 from tests.cli import REPO, TAG, mstrace, tagged_pids
 from tracing.reader import read_meta, read_table
@@ -189,16 +190,20 @@ def test_stall_rank_names_the_missing_rank_and_leaves_no_process(ckpt: Path, tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    elapsed = time.monotonic() - t0
+    ended_ns = time.monotonic_ns()
     assert seen, "never saw a worker process"
     _assert_no_survivors(tag)
     assert proc.returncode == 3, err
-    assert elapsed < 2 + 10, f"a stalled run took {elapsed:.1f} s to end"
     assert "engine stalled: all_reduce #" in err
 
     d = json.loads(mstrace("stalls", str(out), "--json").stdout)
     ar = [s for s in d["stalls"] if s["boundary"] == B.ALL_REDUCE]
     assert ar and ar[0]["rank"] == 0 and ar[0]["never_joined"][0]["rank"] == 1
+    # The watchdog's report is stamped on this clock (CLOCK_MONOTONIC), so the time from it to the
+    # exit is the teardown alone; start-up before it varies with the machine's load. A teardown
+    # that waited for a clean exit from the rank that never answers would take STOP_GRACE_S or more.
+    teardown_s = (ended_ns - ar[0]["ts_ns"]) / 1e9
+    assert 0 < teardown_s < STOP_GRACE_S, f"the stalled run took {teardown_s:.1f} s to end after the report"
     seq = int(ar[0]["what"].split("#")[1].split()[0])
     assert ar[0]["what"] == f"all_reduce #{seq} (rank 1 never joined)"
     assert ar[0]["never_joined"][0]["last_seq"] == seq - 1  # it joined every collective before
