@@ -14,6 +14,10 @@
 2. **Cost to the run.** `mstrace run --model tiny --requests N` with and without a
    headless `mstrace top` attached to its trace, in alternated pairs: the run's CPU
    time per output token (meta.json run.cpu: its process and children), B/A.
+3. **Cost, interleaved** (`--part interleaved`). One long saturating run; `top` runs in
+   one window of each pair and is SIGSTOPped in the other, in random order: the run's
+   CPU per output token, top running over stopped, per pair. This one sees through the
+   machine's run-to-run spread.
 """
 
 from __future__ import annotations
@@ -129,9 +133,10 @@ def _top_process(trace: Path) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-def _cpu_s(pid: int) -> float:
-    """A live process's user + system CPU time (its threads included), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """A live process's user + system CPU time (its threads included), or one thread's, from /proc."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -159,13 +164,18 @@ def one_run(out: Path, requests: int, watched: bool) -> dict:
             "top_cpu_s": top_cpu}
 
 
-def _median_ci(xs: list[float], n: int = 2000) -> tuple[float, float]:
-    """A 95% bootstrap interval of the median (fixed seed: the same pairs give the same interval)."""
+def _stat_ci(xs: list[float], stat, n: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of `stat` over `xs` (fixed seed)."""
     import random
 
     rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n)]
+    vals = sorted(stat(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return vals[int(0.025 * n)], vals[int(0.975 * n)]
+
+
+def _median_ci(xs: list[float]) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (fixed seed: the same pairs give the same interval)."""
+    return _stat_ci(xs, statistics.median)
 
 
 def cost(requests: int, pairs: int) -> dict:
@@ -212,28 +222,58 @@ def _tree_cpu_s(pid: int) -> float:
     return total
 
 
-def interleaved(requests: int, window_s: float) -> dict:
-    """One long run; a headless `top` on its trace is stopped (SIGSTOP) and resumed every
-    `window_s`. Each window's CPU time of the run's processes (from /proc) per output
-    token (from the steps table) is compared with the mean of its two neighbours'
-    (which cancels the run's slow drift); the ratio of a window with `top` running to its
-    stopped neighbours is what `top` costs. One run, so the run-to-run spread is out."""
+def steady_workload(path: Path, rate: float, duration_s: float) -> int:
+    """Identical requests (64-token prompt, 128 tokens out) arriving every 1/rate s: under the
+    engine's capacity, every window of the run holds the same mix of prefill and decode, so
+    its CPU per token moves only with the machine (the synthetic workload's mix of lengths
+    moved it 85-160 us/token between windows)."""
+    n = int(rate * duration_s)
+    with path.open("w") as f:
+        for i in range(n):
+            ids = [(7 * i + j) % 200 + 3 for j in range(64)]
+            f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "max_new_tokens": 128, "ignore_eos": True,
+                                "arrival_s": round(i / rate, 6)}) + "\n")
+    return n
+
+
+def interleaved(rate: float, duration_s: float, window_s: float) -> dict:
+    """One long run of a saturating steady workload (the batch stays full, so a round's work
+    does not depend on how fast rounds go); a headless `top` on its trace runs in one window of
+    each pair and is stopped (SIGSTOP) in the other, the order drawn at random per pair so
+    that nothing periodic in the run (flushes, compaction) lines up with it. Each window's CPU
+    time (from /proc: the run's processes, and its scheduling thread alone) per output token
+    (the steps table) gives one log ratio per pair, top running over stopped; adjacent windows
+    share the machine's slow drift. One run, so the run-to-run spread is out."""
+    import math
+    import random
     import signal
 
     from tracing.reader import read_table
 
     out = OUT / "interleaved"
     shutil.rmtree(out, ignore_errors=True)
-    run = subprocess.Popen([sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--requests",
-                            str(requests), "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL)
+    wl = OUT / "steady.jsonl"
+    steady_workload(wl, rate, duration_s)
+    run = subprocess.Popen([sys.executable, "-m", "viewer.cli", "run", "--model", "tiny", "--workload", str(wl),
+                            "--out", str(out), "-q"], cwd=REPO, stdout=subprocess.DEVNULL)
     top = _top_process(out)
-    time.sleep(3.0)  # start-up: model load and the first rounds
-    marks: list[tuple[int, float, bool]] = []  # (monotonic ns, run CPU s, top running in the window that starts)
-    on = True
+    time.sleep(8.0)  # start-up: model load, then the running set filling to its steady size
+    rng = random.Random(1)
+    marks: list[tuple[int, float, float, bool]] = []  # (monotonic ns, run CPU s, its main thread's, top on next)
+    top_cpu_s, top_before, order = 0.0, 0.0, []
     while run.poll() is None:
+        if not order:
+            order = rng.choice(([True, False], [False, True]))
+        on = order.pop(0)
         os.kill(top.pid, signal.SIGCONT if on else signal.SIGSTOP)
-        marks.append((time.monotonic_ns(), _tree_cpu_s(run.pid), on))
-        on = not on
+        try:
+            top_now = _cpu_s(top.pid)
+            if marks and marks[-1][3]:
+                top_cpu_s += top_now - top_before
+            top_before = top_now
+            marks.append((time.monotonic_ns(), _tree_cpu_s(run.pid), _cpu_s(run.pid, run.pid), on))
+        except OSError:  # the run ended between the poll and the read
+            break
         time.sleep(window_s)
     top.send_signal(signal.SIGCONT)
     top.terminate()
@@ -241,22 +281,28 @@ def interleaved(requests: int, window_s: float) -> dict:
     steps = read_table(out, "steps", ["ts_ns", "num_decode_tokens"])
     ts = steps["ts_ns"].to_numpy()
     tok = steps["num_decode_tokens"].to_numpy()
-    windows = []
-    for (t0, c0, w), (t1, c1, _) in zip(marks, marks[1:], strict=False):
-        n = int(tok[(ts >= t0) & (ts < t1)].sum())
-        if n:
-            windows.append((w, (c1 - c0) / n * 1e6))
-    # the last two hold the drain (a shrinking batch) and the exit (the device process's CPU
-    # leaves the count); a window is compared only with neighbours on both sides
-    windows = windows[:-2]
-    ratios = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2)
-              for i in range(1, len(windows) - 1) if windows[i][0]]
-    base = [windows[i][1] / ((windows[i - 1][1] + windows[i + 1][1]) / 2)
-            for i in range(1, len(windows) - 1) if not windows[i][0]]
-    return {"window_s": window_s, "windows": len(windows), "us_per_token": [round(x, 2) for _, x in windows],
-            "top_on": [w for w, _ in windows], "ratios_on": ratios, "median_on": statistics.median(ratios),
-            "ci95_on": _median_ci(ratios), "ratios_off": base, "median_off": statistics.median(base),
-            "ci95_off": _median_ci(base)}
+    windows = []  # (top on, run us/token, scheduling thread us/token, tokens per round)
+    for (t0, c0, m0, w), (t1, c1, m1, _) in zip(marks, marks[1:], strict=False):
+        sel = (ts >= t0) & (ts < t1)
+        n = int(tok[sel].sum())
+        windows.append((w, (c1 - c0) / n * 1e6, (m1 - m0) / n * 1e6, n / int(sel.sum())) if n else None)
+    # whole pairs only, and not the last one (the drain, a shrinking batch, and the exit)
+    pairs = [(windows[i], windows[i + 1]) for i in range(0, len(windows) - 3, 2)
+             if windows[i] and windows[i + 1]]
+    on_time = sum(1 for m in marks[:-1] if m[3]) * window_s
+    res: dict = {"rate": rate, "duration_s": duration_s, "window_s": window_s, "pairs": len(pairs),
+                 "top_cpu_share_of_a_core": top_cpu_s / on_time if on_time else None,
+                 "top_on": [[x[0] for x in p] for p in pairs]}
+    for k, name in ((1, "run"), (2, "thread"), (3, "batch")):
+        logs = [math.log((p[0][k] if p[0][0] else p[1][k]) / (p[1][k] if p[0][0] else p[0][k])) for p in pairs]
+        null = [math.log(p[0][k] / p[1][k]) for p in pairs]  # first window over second, whatever ran
+        res[f"{name}_windows"] = [[round(x[k], 3) for x in p] for p in pairs]
+        for label, xs in (("on_over_off", logs), ("first_over_second", null)):
+            lo, hi = _stat_ci(xs, statistics.fmean)
+            res[f"{name}_{label}"] = {"mean": math.exp(statistics.fmean(xs)), "ci95": [math.exp(lo), math.exp(hi)],
+                                      "median": math.exp(statistics.median(xs)),
+                                      "sd_log": statistics.stdev(xs)}
+    return res
 
 
 def main() -> None:
@@ -271,7 +317,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--part", choices=("both", "refresh", "cost", "interleaved"), default="both")
-    ap.add_argument("--window-s", type=float, default=2.0)
+    ap.add_argument("--window-s", type=float, default=1.0)
+    ap.add_argument("--rate", type=float, default=100.0, help="interleaved: arrivals per second (over capacity)")
+    ap.add_argument("--duration-s", type=float, default=300.0, help="interleaved: seconds of arrivals")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -288,11 +336,13 @@ def main() -> None:
               f"[95% CI {c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]; scheduling thread {c['main_thread_median']:.3f} "
               f"[{c['main_thread_ci95'][0]:.3f}, {c['main_thread_ci95'][1]:.3f}]")
     if a.part == "interleaved":
-        res["interleaved"] = r = interleaved(a.requests, a.window_s)
-        print(f"run CPU per output token, windows with top running / their stopped neighbours: median "
-              f"{r['median_on']:.3f} [95% CI {r['ci95_on'][0]:.3f}, {r['ci95_on'][1]:.3f}] over "
-              f"{len(r['ratios_on'])} windows; stopped / neighbours (the null): {r['median_off']:.3f} "
-              f"[{r['ci95_off'][0]:.3f}, {r['ci95_off'][1]:.3f}]")
+        res["interleaved"] = r = interleaved(a.rate, a.duration_s, a.window_s)
+        for name in ("run", "thread", "batch"):
+            x, z = r[name + "_on_over_off"], r[name + "_first_over_second"]
+            print(f"{name}: top running / stopped, geometric mean of {r['pairs']} pairs {x['mean']:.4f} "
+                  f"[95% CI {x['ci95'][0]:.4f}, {x['ci95'][1]:.4f}], median {x['median']:.4f}; "
+                  f"first / second window (the null) {z['mean']:.4f} [{z['ci95'][0]:.4f}, {z['ci95'][1]:.4f}]")
+        print(f"top used {r['top_cpu_share_of_a_core']:.1%} of a core while running")
     res["load_after"] = os.getloadavg()
     (OUT / "result.json").write_text(json.dumps(res, indent=2))
 
