@@ -28,7 +28,7 @@ from viewer.analysis.diff import (
     compare,
     trace_warnings,
 )
-from viewer.report import REQUEST_COLUMNS, build_report, load_inputs
+from viewer.report import REQUEST_COLUMNS, build_report, load_inputs, trace_heading
 
 
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
@@ -214,8 +214,7 @@ def render_diff(console: Console, d: dict[str, Any]) -> None:
     for w in d["warnings"]:
         console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False, soft_wrap=True)
     for side, r in (("A", a), ("B", b)):
-        console.print(f"[bold]{side}[/] {escape(r['trace'])} (mode {r['mode']}, model {r['model']})",
-                      highlight=False, soft_wrap=True)
+        trace_heading(console, r["trace"], f" (mode {r['mode']}, model {r['model']})", lead=f"{side} ")
     sections = _sections(dl)
     # the widest layout that fits: a table, a table with each interval under its row,
     # or every field stacked (all sections alike, so they read alike)

@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
@@ -135,6 +136,13 @@ def status_line(console: Console, status: dict[str, Any], trace: str) -> None:
     console.print(f"[bold yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
 
 
+def trace_heading(console: Console, trace: str, tail: str, lead: str = "") -> None:
+    """A trace's path and what follows it as one line that the terminal wraps, not rich: rich
+    would break a long path at the width (or the words after it), and a broken path no longer
+    pastes into a shell."""
+    console.print(Text.assemble((lead, "bold"), (str(trace), "bold"), tail), highlight=False, soft_wrap=True)
+
+
 def _cost_dict(c: CostTable) -> dict[str, Any]:
     return {
         "cycles": c.cycles,
@@ -213,7 +221,7 @@ def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
 def render_report(console: Console, rep: dict[str, Any]) -> None:
     status_line(console, rep["status"], rep["trace"])
     dtype = f"  dtype={rep['dtype']}" if rep.get("dtype") else ""
-    console.print(f"[bold]{rep['trace']}[/]  model={rep['model']}  mode={rep['mode']}{dtype}", highlight=False)
+    trace_heading(console, rep["trace"], f"  model={rep['model']}  mode={rep['mode']}{dtype}")
     if not rep["probes"]:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
     else:

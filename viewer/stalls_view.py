@@ -11,6 +11,7 @@ from rich.text import Text
 from probes.waits import DEVICE_THREAD
 from viewer.analysis.leaks import HeldBlocks, LeakReport
 from viewer.analysis.stalls import StallRecord, interesting_frames
+from viewer.report import trace_heading
 
 RECENT_OPS = 5
 
@@ -44,7 +45,7 @@ def _ranges(ids: list[int]) -> str:
 
 
 def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list[StallRecord]) -> None:
-    console.print(f"[bold]{trace}[/]  {len(recs)} stall(s)", highlight=False)
+    trace_heading(console, trace, f"  {len(recs)} stall(s)")
     if not recs:
         console.print("[green]no stalls: no wait outlasted the watchdog's timeout[/]")
         return
@@ -124,7 +125,7 @@ def _held_table(title: str, rows: list[HeldBlocks]) -> Table:
 
 
 def render_leaks(console: Console, trace: str, meta: dict[str, Any], rep: LeakReport) -> None:
-    console.print(f"[bold]{trace}[/]  {rep.events} block events replayed", highlight=False)
+    trace_heading(console, trace, f"  {rep.events} block events replayed")
     if not rep.run_ended:
         console.print("[yellow]the run did not finish cleanly: blocks of requests not in `requests` "
                       "are counted as still running, not leaked[/]")
