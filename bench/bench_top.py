@@ -223,10 +223,10 @@ def _tree_cpu_s(pid: int) -> float:
 
 
 def steady_workload(path: Path, rate: float, duration_s: float) -> int:
-    """Identical requests (64-token prompt, 128 tokens out) arriving every 1/rate s: under the
-    engine's capacity, every window of the run holds the same mix of prefill and decode, so
-    its CPU per token moves only with the machine (the synthetic workload's mix of lengths
-    moved it 85-160 us/token between windows)."""
+    """Identical requests (64-token prompt, 128 tokens out) arriving every 1/rate s. Above the
+    engine's capacity (about 88/s for tiny here) the running set stays full, so every window
+    holds the same work per round and its CPU per token moves only with the machine (the
+    synthetic workload's mix of lengths moved it 85-160 us/token between windows)."""
     n = int(rate * duration_s)
     with path.open("w") as f:
         for i in range(n):
