@@ -222,7 +222,7 @@ def _tree_cpu_s(pid: int) -> float:
     return total
 
 
-def steady_workload(path: Path, rate: float, duration_s: float) -> int:
+def steady_workload(path: Path, rate: float, duration_s: float) -> None:
     """Identical requests (64-token prompt, 128 tokens out) arriving every 1/rate s. Above the
     engine's capacity (about 88/s for tiny here) the running set stays full, so every window
     holds the same work per round and its CPU per token moves only with the machine (the
@@ -233,7 +233,6 @@ def steady_workload(path: Path, rate: float, duration_s: float) -> int:
             ids = [(7 * i + j) % 200 + 3 for j in range(64)]
             f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "max_new_tokens": 128, "ignore_eos": True,
                                 "arrival_s": round(i / rate, 6)}) + "\n")
-    return n
 
 
 def interleaved(rate: float, duration_s: float, window_s: float) -> dict:
