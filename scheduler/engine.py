@@ -177,14 +177,18 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_ns: int | None = None,
+        add_special_tokens: bool = True,
     ) -> str:
-        """Hand a request to the tokenizer pool. Thread-safe; returns its id."""
+        """Hand a request to the tokenizer pool. Thread-safe; returns its id. A text prompt
+        gets the special tokens the folder's tokenizer adds (Llama's BOS) unless
+        `add_special_tokens` is false (a rendered chat template already has them)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         with self._submit_lock:
             self._submitted += 1  # before the pool can hand it back, so has_work() never misses it
         try:
             self.pool.submit(rid, prompt if isinstance(prompt, str) else list(prompt),
-                             params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns)
+                             params or SamplingParams(), now_ns() if arrival_ns is None else arrival_ns,
+                             add_special_tokens)
         except BaseException:
             with self._submit_lock:  # refused: it will never arrive, so nothing waits for it
                 self._submitted -= 1
@@ -390,7 +394,7 @@ class Engine:
         results = ((c, slot, tok) for la, toks in zip(launches, tokens, strict=True)
                    for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True))
         collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish,
-                out.tokens)
+                out.tokens, out.prompts)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
         if self.hooks.finish(self, req):

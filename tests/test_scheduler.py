@@ -43,7 +43,7 @@ def run_round(rm, mm, policy, step, token=7):
         rm.finish(req, reason)
 
     collect([(c, s, token) for c, s in zip(sampled, slots, strict=True)], b.chunks, step, now_ns(), mm, rm,
-            frozenset(), finish, [])
+            frozenset(), finish, [], {})
     return b
 
 

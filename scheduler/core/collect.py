@@ -36,10 +36,12 @@ def collect(
     eos_ids: frozenset[int],
     finish: Callable[[Request, FinishReason], None],
     out_tokens: list[tuple[str, int]],
+    out_prompts: dict[str, list[int]],
 ) -> None:
     """Step 5: each (chunk, slot, token) replaces its placeholder; a request that sampled
     EOS or reached max_new_tokens is finished through `finish`; full blocks of the
-    round's chunks are published for prefix sharing. New tokens go to `out_tokens`."""
+    round's chunks are published for prefix sharing. New tokens go to `out_tokens`, and
+    the prompt of a request's first token to `out_prompts` (its text is decoded after it)."""
     for c, slot, tok in results:
         req = c.req
         if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
@@ -54,6 +56,7 @@ def collect(
         out_tokens.append((req.request_id, tok))
         if not req.first_token_ns:
             req.first_token_ns = rm.mark(req, "first_token")
+            out_prompts[req.request_id] = req.sample.input_ids
         sp = req.sample.sampling_params
         if tok in eos_ids and not sp.ignore_eos:
             finish(req, FinishReason.EOS)

@@ -85,7 +85,7 @@ def run_workload(
                 if delay_ns > 0 and stop.wait(delay_ns / 1e9):
                     return
                 engine.submit(it.prompt if it.prompt is not None else list(it.input_ids or ()),
-                              it.params, it.request_id)
+                              it.params, it.request_id, add_special_tokens=it.add_special_tokens)
         except BaseException as e:  # noqa: BLE001 - the run stops with it (below)
             failed.append(e)
 

@@ -3,7 +3,8 @@
 One JSON object per line:
   id (str, optional), prompt (str) | input_ids (list[int]), max_new_tokens (int),
   temperature (float, default 0 = greedy), top_p (default 1), seed (int, optional),
-  ignore_eos (bool, default false), arrival_s (float, default 0).
+  ignore_eos (bool, default false), arrival_s (float, default 0),
+  add_special_tokens (bool, default true; a `prompt` gets the tokenizer's BOS unless false).
 The whole file is validated before anything runs; an error names the line and field.
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 
 from scheduler.core.request import SamplingParams
 
-FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s"}
+FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s",
+          "add_special_tokens"}
 
 
 class WorkloadError(ValueError):
@@ -33,11 +35,16 @@ class WorkloadItem:
     input_ids: tuple[int, ...] | None
     params: SamplingParams
     arrival_s: float = 0.0
+    # a `prompt` is encoded with the special tokens the folder's tokenizer adds (its BOS),
+    # as transformers and vLLM's completions do; false: the text's own tokens only
+    add_special_tokens: bool = True
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.request_id}
         if self.prompt is not None:
             d["prompt"] = self.prompt
+            if not self.add_special_tokens:
+                d["add_special_tokens"] = False
         else:
             d["input_ids"] = list(self.input_ids or ())
         p = self.params
@@ -103,11 +110,14 @@ def parse_item(obj: Any, index: int, where: str, vocab_size: int | None = None) 
         raise WorkloadError(f"{where}: field 'top_p' must be in (0, 1], got {top_p}")
     seed = _field(obj, "seed", int, None, where)
     ignore_eos = _field(obj, "ignore_eos", bool, False, where)
+    add_special = _field(obj, "add_special_tokens", bool, True, where)
+    if ids is not None and "add_special_tokens" in obj:
+        raise WorkloadError(f"{where}: field 'add_special_tokens' applies to a 'prompt', not to 'input_ids'")
     arrival = float(_field(obj, "arrival_s", (int, float), 0.0, where))
     if arrival < 0:
         raise WorkloadError(f"{where}: field 'arrival_s' must be >= 0, got {arrival}")
     params = SamplingParams(max_new, temperature, top_p, seed, ignore_eos)
-    return WorkloadItem(rid, prompt, tuple(ids) if ids is not None else None, params, arrival)
+    return WorkloadItem(rid, prompt, tuple(ids) if ids is not None else None, params, arrival, add_special)
 
 
 def load_workload(path: str | Path, vocab_size: int | None = None) -> list[WorkloadItem]:

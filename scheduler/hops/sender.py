@@ -57,6 +57,8 @@ class FinishedRecord:
 class StepOutput:
     step: int
     tokens: list[tuple[str, int]] = field(default_factory=list)  # (request_id, token id)
+    # the prompt of each request whose first token is in `tokens` (shared, never mutated)
+    prompts: dict[str, list[int]] = field(default_factory=dict)
     finished: list[FinishedRecord] = field(default_factory=list)
 
 
@@ -107,7 +109,7 @@ class Sender:
                 self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 
     def _deliver(self, out: StepOutput) -> None:
-        texts = [(rid, self._push(rid, tok)) for rid, tok in out.tokens]
+        texts = [(rid, self._push(rid, tok, out.prompts)) for rid, tok in out.tokens]
         last = {rid: i for i, (rid, _) in enumerate(texts)}
         tails: list[tuple[str, str]] = []  # text held back, of requests with no token this round
         for rec in out.finished:
@@ -129,12 +131,12 @@ class Sender:
             for s in self._sinks:
                 s.on_finish(rec, "".join(parts))
 
-    def _push(self, rid: str, tok: int) -> str:
+    def _push(self, rid: str, tok: int, prompts: dict[str, list[int]]) -> str:
         if self._tok is None:
             return ""
         d = self._detok.get(rid)
         if d is None:
-            d = self._detok[rid] = IncrementalDetokenizer(self._tok)
+            d = self._detok[rid] = self._tok.detokenizer(prompts.get(rid, []))
             self._text[rid] = []
         text = d.push([tok])
         if text:

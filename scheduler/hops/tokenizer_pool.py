@@ -22,16 +22,18 @@ class TokenizerPool:
         self.ready: queue.SimpleQueue[ReqSample] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenizer")
 
-    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int) -> None:
+    def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int,
+               add_special_tokens: bool = True) -> None:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer; give input_ids instead of a prompt")
-        self._pool.submit(self._tokenize, request_id, prompt, params, arrival_ns)
+        self._pool.submit(self._tokenize, request_id, prompt, params, arrival_ns, add_special_tokens)
 
-    def _tokenize(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int) -> None:
+    def _tokenize(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int,
+                  add_special_tokens: bool) -> None:
         try:
             if isinstance(prompt, str):
                 assert self.tokenizer is not None
-                ids = self.tokenizer.encode(prompt)
+                ids = self.tokenizer.encode(prompt, add_special_tokens)
             else:
                 ids = list(prompt)
             error = ""

@@ -146,7 +146,7 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         check_model(body.model)
         health_gate()
         call = Call(False, body.one_prompt(), body.params(body.max_tokens), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model)
+                    body.include_usage(), state.model, body.add_special_tokens)
         return await reply(call, request)
 
     @v1.post("/chat/completions")
@@ -154,7 +154,7 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         check_model(body.model)
         health_gate()
         call = Call(True, state.chat.render(body.messages), body.params(body.wanted_tokens()),
-                    body.stop_strings(), body.stream, body.include_usage(), state.model)
+                    body.stop_strings(), body.stream, body.include_usage(), state.model, body.add_special_tokens)
         return await reply(call, request)
 
     @v1.get("/models")

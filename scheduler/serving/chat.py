@@ -1,5 +1,8 @@
 """Chat messages -> one prompt: the model folder's chat template when it has one,
-else a documented plain template (docs/serve.md, "Chat")."""
+else a documented plain template (docs/serve.md, "Chat").
+
+The rendered text carries the special tokens itself (a Llama template begins with
+`{{ bos_token }}`), so it is encoded without adding them again (vLLM's chat default)."""
 
 from __future__ import annotations
 
@@ -9,14 +12,16 @@ from typing import Any
 
 from scheduler.serving.protocol import BadRequest, ChatMessage
 
-# The plain template for folders without one (the embedded models): a line per message,
-# "role: text", then "assistant:" for the model to continue.
+# The plain template for folders without one (the embedded models): the special tokens the
+# tokenizer puts before a text (its BOS), a line per message, "role: text", then
+# "assistant:" for the model to continue.
 PLAIN = "plain"
 
 
 class ChatTemplate:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, special_prefix: str = "") -> None:
         self.kind = PLAIN
+        self._prefix = special_prefix
         self._tok: Any = None
         if _has_template(model_dir):
             from transformers import AutoTokenizer
@@ -26,7 +31,7 @@ class ChatTemplate:
 
     def render(self, messages: list[ChatMessage]) -> str:
         if self._tok is None:
-            return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+            return self._prefix + "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
         try:
             out = self._tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                                 tokenize=False, add_generation_prompt=True)

@@ -38,6 +38,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)  # one choice per request
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens whatever the model says
+    # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); a chat template has its own
+    add_special_tokens: bool = True
 
     def stop_strings(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -90,6 +92,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
+    add_special_tokens: bool = False
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

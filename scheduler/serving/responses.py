@@ -41,10 +41,11 @@ class Call:
     stream: bool
     include_usage: bool
     model: str
+    add_special_tokens: bool  # a text prompt's: true for completions, false for a rendered chat
 
 
 class Responder:
-    def __init__(self, streams: ResponseStreams, submit: Callable[[str | list[int], SamplingParams, str], None],
+    def __init__(self, streams: ResponseStreams, submit: Callable[[str | list[int], SamplingParams, str, bool], None],
                  abort: Callable[[str, str], None], probe_buf: list[Any] | None, step: Callable[[], int]) -> None:
         self._streams, self._submit, self._abort = streams, submit, abort
         self._buf, self._step = probe_buf, step
@@ -53,7 +54,7 @@ class Responder:
         """The reply's JSON, or the SSE body. BadRequest for a request the engine refused."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
         q = self._streams.open(rid, call.stops)
-        self._submit(call.prompt, call.params, rid)
+        self._submit(call.prompt, call.params, rid, call.add_special_tokens)
         try:
             first = await self._next(q, disconnected, rid)
         except BaseException:
