@@ -294,3 +294,60 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
         p = mstrace("serve", "--model", "tiny", "--out", str(tmp_path / "t"), *flags, timeout=120)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "t").exists()
+
+
+# Every field the API (or vLLM) defines and this server does not implement is a 400
+# naming it, never a 200 that ignores it; their neutral values are accepted.
+REFUSED_COMPLETION = [("n", 2), ("best_of", 2), ("frequency_penalty", 0.5), ("presence_penalty", -0.5),
+                      ("repetition_penalty", 1.2), ("logit_bias", {"5": 10.0}), ("stop_token_ids", [5]),
+                      ("min_tokens", 3), ("response_format", {"type": "json_object"}),
+                      ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+                      ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
+                      ("logprobs", 2), ("echo", True), ("suffix", "end")]
+REFUSED_CHAT = [("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                ("tool_choice", "auto")]
+NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0,
+           "logit_bias": {}, "stop_token_ids": [], "min_tokens": 0, "response_format": {"type": "text"}}
+
+
+def test_known_unsupported_fields_are_refused_by_name_and_neutral_values_accepted(server: Served) -> None:
+    base = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    for name, value in REFUSED_COMPLETION:
+        status, body = server.post("/v1/completions", {**base, name: value})
+        assert status == 400, (name, body)
+        assert body["error"]["param"] == name and "not supported" in body["error"]["message"], body
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name, value in REFUSED_CHAT:
+        status, body = server.post("/v1/chat/completions", {**chat, name: value})
+        assert status == 400 and body["error"]["param"] == name, (name, body)
+    image = [{"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    status, body = server.post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": image}]})
+    assert status == 400 and body["error"]["param"] == "messages.content" and "image_url" in body["error"]["message"]
+    status, body = server.post("/v1/completions", {**base, "stream_options": {"include_usage": True}})
+    assert status == 400 and body["error"]["param"] == "stream_options", body
+    status, body = server.post("/v1/completions", {**base, "stream": True,
+                                                   "stream_options": {"continuous_usage_stats": True}})
+    assert status == 400 and "continuous_usage_stats" in body["error"]["param"], body
+    status, body = server.post("/v1/completions", {**base, **NEUTRAL, "some_future_field": 1})
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
+
+
+def test_a_batch_of_prompts_gets_a_choice_each_in_order_as_the_same_prompts_alone(server: Served) -> None:
+    prompts = ["def main(", "import os", "class A:"]
+    alone = [server.post("/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0,
+                                             "ignore_eos": True})[1] for p in prompts]
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": 6,
+                                                   "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert body["usage"]["completion_tokens"] == 18
+    ids = [[1, 40, 41, 42], [1, 50, 51]]
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 3, "ignore_eos": True})
+    assert status == 200 and len(body["choices"]) == 2 and body["usage"]["prompt_tokens"] == 7, body
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompts, "stream": True})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": ["ok", "x" * 100_000],
+                                                   "max_tokens": 2})
+    assert status in (400, 413), body

@@ -116,9 +116,10 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
         say_dtype(engine)
         loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled))
         http_buf = writer.buffer("probes") if cfg.probes else None
-        responder = Responder(streams, lambda p, sp, rid: engine.submit(p, sp, rid), engine.request_abort,
-                              http_buf, lambda: engine.step_no)
-        st = ServerState(loop, metrics, responder, ChatTemplate(engine.model_dir), name,
+        responder = Responder(streams, lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
+                              engine.request_abort, http_buf, lambda: engine.step_no)
+        chat = ChatTemplate(engine.model_dir, engine.tokenizer.special_prefix() if engine.tokenizer else "")
+        st = ServerState(loop, metrics, responder, chat, name,
                          engine.model_config.max_position_embeddings, opts.api_key, created())
         app = make_app(st, opts.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

@@ -144,16 +144,18 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        body.unsupported()
         health_gate()
-        call = Call(False, body.one_prompt(), body.params(body.max_tokens), body.stop_strings(), body.stream,
+        call = Call(False, body.prompts(), body.params(body.max_tokens), body.stop_strings(), body.stream,
                     body.include_usage(), state.model, body.add_special_tokens)
         return await reply(call, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        body.unsupported()
         health_gate()
-        call = Call(True, state.chat.render(body.messages), body.params(body.wanted_tokens()),
+        call = Call(True, [state.chat.render(body.messages)], body.params(body.wanted_tokens()),
                     body.stop_strings(), body.stream, body.include_usage(), state.model, body.add_special_tokens)
         return await reply(call, request)
 

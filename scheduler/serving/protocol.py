@@ -2,7 +2,9 @@
 parameters, and OpenAI's error object.
 
 Fields are strictly typed (a string where a number belongs is a 400, not a
-coercion); unknown fields are ignored, as OpenAI-compatible servers do.
+coercion); unknown fields are ignored, as OpenAI-compatible servers do. A field the API
+(or vLLM's extensions) defines but this server does not implement is never ignored: a
+value that would change the output is a 400 naming it (`unsupported`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused (`unsupported`)
 
 
 class _Sampling(_Body):
@@ -36,14 +39,57 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    n: int = Field(default=1, ge=1)
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens whatever the model says
+    # Known fields not implemented: their neutral value is accepted, any other refused.
+    best_of: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's
+    min_tokens: int | None = None  # vLLM's
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None  # vLLM's guided decoding (and its successor, structured_outputs)
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     # vLLM's: a text prompt gets the tokenizer's special tokens (BOS); a chat template has its own
     add_special_tokens: bool = True
 
     def stop_strings(self) -> list[str]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [x for x in s if x]
+
+    def unsupported(self) -> None:
+        """BadRequest for the first field asked for that this server does not implement."""
+        checks: list[tuple[str, bool]] = [
+            ("n", self.n != 1),
+            ("best_of", self.best_of not in (None, 1)),
+            ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
+            ("presence_penalty", self.presence_penalty not in (None, 0.0)),
+            ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
+            ("logit_bias", bool(self.logit_bias)),
+            ("stop_token_ids", bool(self.stop_token_ids)),
+            ("min_tokens", self.min_tokens not in (None, 0)),
+            ("response_format", self.response_format is not None and self.response_format.get("type") != "text"),
+            *((g, getattr(self, g) is not None) for g in ("guided_json", "guided_regex", "guided_choice",
+                                                          "guided_grammar", "structured_outputs")),
+            *self._unsupported(),
+        ]
+        for name, asked in checks:
+            if asked:
+                raise BadRequest(f"{name}: not supported by this server (docs/serve.md, \"Request fields\")",
+                                 param=name, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise BadRequest("stream_options: only allowed with stream: true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise BadRequest("stream_options.continuous_usage_stats: not supported by this server",
+                             param="stream_options.continuous_usage_stats", code="unsupported_parameter")
+
+    def _unsupported(self) -> list[tuple[str, bool]]:
+        return []
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -57,24 +103,40 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, gt=0)  # OpenAI's default for completions
+    logprobs: int | None = None  # refused (`unsupported`)
+    echo: bool = False  # refused
+    suffix: str | None = None  # refused
 
-    def one_prompt(self) -> str | list[int]:
-        """The request's single prompt (a list of one prompt is that prompt)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a string, or a list of token ids, is one prompt; a list of strings or
+        of token-id lists is one prompt each (a choice each, in order, as OpenAI's API)."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
+        if not p:
+            raise BadRequest("prompt: an empty list", param="prompt")
         # the strict union has made a list all ints, all strings or all lists: its first says which
-        if p and isinstance(p[0], int):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise BadRequest("prompt must be one string or one list of token ids (batches are not served)",
-                         param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        if any(len(x) == 0 for x in p):
+            raise BadRequest("prompt: an empty prompt in the batch", param="prompt")
+        return list(p)
+
+    def _unsupported(self) -> list[tuple[str, bool]]:
+        return [("logprobs", self.logprobs is not None), ("echo", self.echo), ("suffix", bool(self.suffix))]
 
 
 class ContentPart(_Body):
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
+
+    def checked(self) -> str:
+        if self.type != "text":
+            raise BadRequest(f"messages: content parts of type {self.type!r} are not supported "
+                             "(this server takes text only)", param="messages.content", code="unsupported_parameter")
+        if self.text is None:
+            raise BadRequest("messages: a text content part without `text`", param="messages.content")
+        return self.text
 
 
 class ChatMessage(_Body):
@@ -86,13 +148,22 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.checked() for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     add_special_tokens: bool = False
+    logprobs: bool = False  # refused (`unsupported`), as is top_logprobs
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def _unsupported(self) -> list[tuple[str, bool]]:
+        return [("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs not in (None, 0)),
+                ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none"))]
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

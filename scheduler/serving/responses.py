@@ -35,7 +35,7 @@ class Call:
     """What one request asked for, in the API's terms."""
 
     chat: bool
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # a completions batch has several: a choice each
     params: SamplingParams
     stops: list[str]
     stream: bool
@@ -53,8 +53,10 @@ class Responder:
     async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """The reply's JSON, or the SSE body. BadRequest for a request the engine refused."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if len(call.prompts) > 1:
+            return await self._batch(call, rid, disconnected)
         q = self._streams.open(rid, call.stops)
-        self._submit(call.prompt, call.params, rid, call.add_special_tokens)
+        self._submit(call.prompts[0], call.params, rid, call.add_special_tokens)
         try:
             first = await self._next(q, disconnected, rid)
         except BaseException:
@@ -70,6 +72,49 @@ class Responder:
         finally:
             self._streams.close(rid)
 
+    async def _batch(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+        """A completions batch: every prompt an engine request of its own (`RID-i`), all
+        submitted at once so they share rounds; one choice per prompt, in order, and the
+        usage summed (OpenAI's). A prompt the engine refuses refuses the batch, and the
+        others are aborted."""
+        if call.stream:
+            raise BadRequest("prompt: a batch of prompts is not streamed by this server; send them "
+                             "without stream, or one per request", param="prompt", code="unsupported_parameter")
+        rids = [f"{rid}-{i}" for i in range(len(call.prompts))]
+        queues = [self._streams.open(r, call.stops) for r in rids]
+        for p, r in zip(call.prompts, rids, strict=True):
+            self._submit(p, call.params, r, call.add_special_tokens)
+        try:
+            replies = await asyncio.gather(*(self._collect(q, disconnected, r) for q, r in zip(queues, rids, strict=True)))
+        except BaseException:
+            for r in rids:
+                self._abort(r, "another prompt of its batch failed")
+            raise
+        finally:
+            for r in rids:
+                self._streams.close(r)
+        for _, end in replies:
+            if end.finish_reason == "error":
+                for r in rids:
+                    self._abort(r, "another prompt of its batch was refused")
+                raise BadRequest(end.detail or "the engine refused a prompt of the batch", param="prompt")
+        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": end.finish_reason}
+                   for i, (text, end) in enumerate(replies)]
+        return {"id": rid, "object": "text_completion", "created": created(), "model": call.model,
+                "choices": choices, "usage": usage(sum(e.prompt_tokens for _, e in replies),
+                                                   sum(e.completion_tokens for _, e in replies))}
+
+    async def _collect(self, q: asyncio.Queue[Event], disconnected: Callable[[], Awaitable[bool]],
+                       rid: str, ev: Event | None = None) -> tuple[str, End]:
+        """A request's whole text, and its end."""
+        parts: list[str] = []
+        ev = ev if ev is not None else await self._next(q, disconnected, rid)
+        while isinstance(ev, Text):
+            parts.append(ev.text)
+            ev = await self._next(q, disconnected, rid)
+        parts.append(ev.tail)
+        return "".join(parts), ev
+
     async def _next(self, q: asyncio.Queue[Event], disconnected: Callable[[], Awaitable[bool]], rid: str) -> Event:
         while True:
             try:
@@ -81,12 +126,7 @@ class Responder:
 
     async def _whole(self, call: Call, rid: str, ev: Event, q: asyncio.Queue[Event],
                      disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
-        parts: list[str] = []
-        while isinstance(ev, Text):
-            parts.append(ev.text)
-            ev = await self._next(q, disconnected, rid)
-        parts.append(ev.tail)
-        text = "".join(parts)
+        text, ev = await self._collect(q, disconnected, rid, ev)
         choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
