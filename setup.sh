@@ -47,6 +47,17 @@ if [ -n "$extra" ] && ! command -v chromium-headless-shell >/dev/null 2>&1 && ! 
   fi
 fi
 
+# tests/test_prometheus.py scrapes `mstrace serve` with a real Prometheus: Debian's package,
+# where missing (the test starts the binary itself; the package's service is not used).
+if [ -n "$extra" ] && ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "setup.sh: warning: no prometheus; tests/test_prometheus.py needs it (apt-get install prometheus)" >&2
+  fi
+fi
+
 if [ "$has_gpu" = 0 ]; then
   .venv/bin/python - <<'PY'
 import torch, sys

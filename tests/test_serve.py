@@ -193,6 +193,15 @@ def test_metrics_use_vllms_names_and_buckets_under_the_mstrace_prefix(client, se
     for gauge in ("mstrace:num_requests_running", "mstrace:num_requests_waiting", "mstrace:kv_cache_usage_perc"):
         assert gauge in after
     assert one(after, "mstrace:kv_cache_usage_perc") == 0.0  # nothing running: every block back
+    # the names vLLM's dashboard still queries: the same samples as the v1 names
+    for old, new in (("time_per_output_token_seconds_count", "inter_token_latency_seconds_count"),
+                     ("time_per_output_token_seconds_sum", "inter_token_latency_seconds_sum"),
+                     ("gpu_cache_usage_perc", "kv_cache_usage_perc"),
+                     ("gpu_prefix_cache_queries_total", "prefix_cache_queries_total"),
+                     ("gpu_prefix_cache_hits_total", "prefix_cache_hits_total"),
+                     ("request_max_num_generation_tokens_sum", "request_generation_tokens_sum"),
+                     ("request_max_num_generation_tokens_count", "request_generation_tokens_count")):
+        assert "mstrace:" + old in after and after["mstrace:" + old] == after["mstrace:" + new], old
     # the live cost table follows the trace's commits (every 0.5 s), a few rounds behind
     import time
 

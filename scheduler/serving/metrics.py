@@ -2,10 +2,12 @@
 
 Names, labels (model_name, engine) and histogram bucket edges follow vLLM v1, so a
 vLLM Grafana dashboard works after replacing `vllm:` with `mstrace:` (the mapping
-and where each value comes from: docs/serve.md, "Metrics"). Nothing here runs on
-the scheduling thread but `on_round`, a few integer adds and one list append per
-round; request histograms are observed on the sender thread as requests finish,
-and gauges are read from the engine when Prometheus scrapes.
+and where each value comes from: docs/serve.md, "Metrics"). vLLM's old names of
+renamed metrics, some of which its published dashboard still queries, are exported
+too, re-emitting the one metric under the old name: a figure is measured once.
+Nothing here runs on the scheduling thread but `on_round`, a few integer adds and
+one list append per round; request histograms are observed on the sender thread as
+requests finish, and gauges are read from the engine when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from scheduler.hops.sender import FinishedRecord
@@ -57,9 +60,15 @@ class ServerMetrics:
         self.prompt_tokens = 0  # prefill tokens computed (scheduling thread, per round)
         self.generation_tokens = 0
         r = self.registry
+        fams: dict[str, Any] = {}  # name -> the labelled parent, which an alias re-emits
 
         def hist(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(P + name, doc, LABELS, registry=r, buckets=buckets).labels(*self._labels)
+            fams[name] = Histogram(P + name, doc, LABELS, registry=r, buckets=buckets)
+            return fams[name].labels(*self._labels)
+
+        def counter(name: str, doc: str) -> Any:
+            fams[name] = Counter(P + name, doc, LABELS, registry=r)
+            return fams[name].labels(*self._labels)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token collected).",
                          TTFT_BUCKETS)
@@ -80,13 +89,22 @@ class ServerMetrics:
         success = Counter(P + "request_success", "Finished requests by reason.", [*LABELS, "finished_reason"],
                           registry=r)
         self.success = {v: success.labels(*self._labels, v) for v in dict.fromkeys(FINISH_REASON.values())}
-        self.preemptions = Counter(P + "num_preemptions", "Preemptions (counted as their requests finish).",
-                                   LABELS, registry=r).labels(*self._labels)
-        self.pc_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  LABELS, registry=r).labels(*self._labels)
-        self.pc_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", LABELS,
-                               registry=r).labels(*self._labels)
+        self.preemptions = counter("num_preemptions", "Preemptions (counted as their requests finish).")
+        self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         r.register(_Live(self))
+        # Names vLLM renamed and kept for a while as deprecated: its Grafana dashboard
+        # (examples/online_serving/prometheus_grafana/grafana.json) still queries
+        # time_per_output_token_seconds, and gpu_cache_usage_perc (a live gauge, below).
+        for old, new in (("time_per_output_token_seconds", "inter_token_latency_seconds"),
+                         ("gpu_prefix_cache_queries", "prefix_cache_queries"),
+                         ("gpu_prefix_cache_hits", "prefix_cache_hits")):
+            r.register(_Alias(fams[new], P + old, f"DEPRECATED: use {P}{new} instead (the same samples)."))
+        # Not an alias in vLLM: the longest output among a request's n sequences. Here n is
+        # always 1, so it is request_generation_tokens (as vLLM's design doc says for n = 1).
+        r.register(_Alias(fams["request_generation_tokens"], P + "request_max_num_generation_tokens",
+                          f"(vLLM: of the longest of a request's n sequences; n is always 1 here, so the same "
+                          f"samples as {P}request_generation_tokens)"))
 
     # ---- the scheduling thread -------------------------------------------
     def on_round(self, dur_ns: int, prefill_tokens: int, sampled: int) -> None:
@@ -161,8 +179,26 @@ class _Live(Collector):
 
         yield gauge("num_requests_running", "Requests in the running batch.", len(e.rm.running))
         yield gauge("num_requests_waiting", "Requests waiting to be admitted.", len(e.rm.waiting))
-        yield gauge("kv_cache_usage_perc", "KV blocks in use (1 = all).", e.mm.num_used / max(e.mm.num_blocks, 1))
+        usage = e.mm.num_used / max(e.mm.num_blocks, 1)
+        yield gauge("kv_cache_usage_perc", "KV blocks in use (1 = all).", usage)
+        yield gauge("gpu_cache_usage_perc", f"KV blocks in use (1 = all). DEPRECATED: use {P}kv_cache_usage_perc "
+                    "instead (the same value).", usage)
         yield counter("prompt_tokens", "Prefill tokens computed.", m.prompt_tokens)
         yield counter("generation_tokens", "Tokens sampled.", m.generation_tokens)
         yield counter("stalls", "Waits the watchdog reported past their timeout (mstrace; not in vLLM).",
                       len(e.stalls.reports))
+
+
+class _Alias(Collector):
+    """`source`'s samples again under another name (the old name of a renamed metric); its
+    HELP is the source's and `note`."""
+
+    def __init__(self, source: Collector, name: str, note: str) -> None:
+        self._source, self._name, self._note = source, name, note
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self._source.collect():
+            out = Metric(self._name, f"{fam.documentation} {self._note}", fam.type, fam.unit)
+            # a sample's name is its family's plus a suffix (_bucket, _sum, _count, _total, _created)
+            out.samples = [x._replace(name=self._name + x.name[len(fam.name):]) for x in fam.samples]
+            yield out
