@@ -173,15 +173,11 @@ class Engine:
     # ---- the public API ------------------------------------------------
     def submit(
         self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_ns: int | None = None,
-        add_special_tokens: bool = True,
+        prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None,
+        arrival_ns: int | None = None, add_special_tokens: bool = True,
     ) -> str:
         """Hand a request to the tokenizer pool. Thread-safe; returns its id. A text prompt
-        gets the special tokens the folder's tokenizer adds (Llama's BOS) unless
-        `add_special_tokens` is false (a rendered chat template already has them)."""
+        gets the tokenizer's special tokens (BOS) unless `add_special_tokens` is false."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         with self._submit_lock:
             self._submitted += 1  # before the pool can hand it back, so has_work() never misses it
@@ -393,8 +389,8 @@ class Engine:
         """Step 5 (scheduler/core/collect.py)."""
         results = ((c, slot, tok) for la, toks in zip(launches, tokens, strict=True)
                    for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True))
-        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish,
-                out.tokens, out.prompts)
+        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out.tokens,
+                out.prompts)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
         if self.hooks.finish(self, req):

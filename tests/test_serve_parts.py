@@ -65,9 +65,10 @@ def test_bodies_are_strictly_typed():
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": []})
     ok = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "temperature": 0, "unknown": 1})
-    assert ok.one_prompt() == [1, 2] and ok.params(ok.max_tokens).temperature == 0.0
-    with pytest.raises(BadRequest, match="batches"):
-        CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).one_prompt()
+    assert ok.prompts() == [[1, 2]] and ok.params(ok.max_tokens).temperature == 0.0
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    with pytest.raises(BadRequest, match="empty"):
+        CompletionRequest.model_validate({"model": "m", "prompt": [[1], []]}).prompts()
 
 
 def test_a_chat_request_without_max_tokens_fills_what_the_context_leaves():
