@@ -360,3 +360,22 @@ def test_a_batch_of_prompts_gets_a_choice_each_in_order_as_the_same_prompts_alon
     status, body = server.post("/v1/completions", {"model": "tiny", "prompt": ["ok", "x" * 100_000],
                                                    "max_tokens": 2})
     assert status in (400, 413), body
+
+
+def test_prompt_tokens_are_what_autotokenizer_gives_and_chat_has_one_bos(server: Served) -> None:
+    from transformers import AutoTokenizer
+
+    from scheduler.model.presets import resolve_model
+
+    hf = AutoTokenizer.from_pretrained(str(resolve_model("tiny")), local_files_only=True)
+    prompt = "def parse_args(argv):\n    héllo 🎉"
+    _, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    assert body["usage"]["prompt_tokens"] == len(hf(prompt)["input_ids"]) == len(hf(prompt, add_special_tokens=False)["input_ids"]) + 1
+    _, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                              "add_special_tokens": False})
+    assert body["usage"]["prompt_tokens"] == len(hf(prompt, add_special_tokens=False)["input_ids"])
+    # the plain chat template (no template in the folder) writes the BOS once, at its start
+    _, body = server.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
+                                                   "messages": [{"role": "user", "content": prompt}]})
+    rendered = f"<s>user: {prompt}\nassistant:"
+    assert body["usage"]["prompt_tokens"] == len(hf(rendered, add_special_tokens=False)["input_ids"])
