@@ -42,6 +42,7 @@ def _command(fail: Fail) -> Callable[..., None]:
         ignore_eos: Annotated[bool, typer.Option(help="Ask for max_tokens whatever the model says (vLLM's extension).")] = False,
         seed: Annotated[int, typer.Option(help="Seed for the prompts and the arrivals.")] = 0,
         api_key: Annotated[str | None, typer.Option(help="Bearer key, if the server wants one.")] = None,
+        request_timeout: Annotated[float, typer.Option(help="Seconds one request may take in all, queueing at the server included, before it counts as failed (inf: no limit).")] = 1800.0,
         save_result: Annotated[Path | None, typer.Option(help="Also write the figures as JSON.")] = None,
         trace: Annotated[Path | None, typer.Option(help="The server's mstrace trace: print its side of the same requests.")] = None,
     ) -> None:
@@ -55,8 +56,15 @@ def _command(fail: Fail) -> Callable[..., None]:
 
 def _run(a: dict[str, Any], fail: Fail) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    try:  # first: without its client nothing else is worth loading
+        from viewer.bench_serve.http_client import Endpoint
+    except ImportError as e:
+        if (e.name or "").split(".")[0] in ("viewer", "scheduler", "tracing", "probes"):
+            raise
+        fail(escape(f"bench-serve needs aiohttp ({e}): pip install 'mstrace[bench]'"))
     from viewer.bench_serve import results, runner
     from viewer.bench_serve.datasets import (
         DatasetError,
@@ -64,7 +72,6 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         sharegpt_prompts,
         workload_prompts,
     )
-    from viewer.bench_serve.http_client import Endpoint
 
     if a["num_prompts"] < 1:
         fail("--num-prompts must be at least 1")
@@ -72,7 +79,8 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         fail(f"--dataset-name {a['dataset_name']} needs --dataset-path FILE")
     chat = a["endpoint"] == "chat"
     try:
-        ep = Endpoint(a["base_url"], "/v1/chat/completions" if chat else "/v1/completions", a["api_key"])
+        ep = Endpoint(a["base_url"], "/v1/chat/completions" if chat else "/v1/completions", a["api_key"],
+                      a["request_timeout"])
         offsets = runner.arrival_offsets(a["num_prompts"], a["request_rate"], a["burstiness"], a["seed"])
     except ValueError as e:
         fail(str(e))
