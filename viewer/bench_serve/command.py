@@ -44,6 +44,7 @@ def _command(fail: Fail) -> Callable[..., None]:
         api_key: Annotated[str | None, typer.Option(help="Bearer key, if the server wants one.")] = None,
         request_timeout: Annotated[float, typer.Option(help="Seconds one request may take in all, queueing at the server included, before it counts as failed (inf: no limit).")] = 1800.0,
         save_result: Annotated[Path | None, typer.Option(help="Also write the figures as JSON.")] = None,
+        save_detailed: Annotated[bool, typer.Option(help="With --save-result: every request too (lengths, times, text).")] = False,
         trace: Annotated[Path | None, typer.Option(help="The server's mstrace trace: print its side of the same requests.")] = None,
     ) -> None:
         """Benchmark a serving endpoint like `vllm bench serve`: TTFT, TPOT, ITL, E2E at the client."""
@@ -75,6 +76,8 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
 
     if a["num_prompts"] < 1:
         fail("--num-prompts must be at least 1")
+    if a["save_detailed"] and a["save_result"] is None:
+        fail("--save-detailed needs --save-result FILE")
     if a["dataset_name"] != "random" and a["dataset_path"] is None:
         fail(f"--dataset-name {a['dataset_name']} needs --dataset-path FILE")
     chat = a["endpoint"] == "chat"
@@ -112,6 +115,8 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         res["server_side"] = results.server_side(a["trace"], replies)
         print(results.render_server_side(res["server_side"]))
     res["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in a.items() if k != "api_key"}
+    if a["save_detailed"]:
+        res["requests"] = results.details(prompts, replies)
     if a["save_result"] is not None:
         a["save_result"].write_text(json.dumps(res, indent=2, default=str))
     if res["successful_requests"] == 0:
