@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -124,14 +125,19 @@ class CrlfServer:
 
 
 @pytest.fixture(scope="module")
-def tiny_count() -> Callable[[str], int]:
+def tiny_tok() -> Any:
+    """The tiny preset's tokenizer as bench-serve loads it (and counts with it)."""
     from viewer.bench_serve.command import _tokenizer
 
     def no(*a: object) -> NoReturn:
         raise AssertionError(a)
 
-    tok = _tokenizer("tiny", no)
-    return lambda text: len(tok.encode(text))
+    return _tokenizer("tiny", no)
+
+
+@pytest.fixture(scope="module")
+def tiny_count(tiny_tok: Any) -> Callable[[str], int]:
+    return lambda text: len(tiny_tok.encode(text))
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -155,6 +161,7 @@ def test_bench_serve_reads_a_crlf_framed_stream_cut_anywhere(endpoint: str, tiny
         assert row["ok"] and row["error"] == ""
         assert row["text"] == "".join(f"w{i} " for i in range(6))
         assert row["chunks"] == row["output_tokens"] == 6
+        assert row["prompt_tokens"] == row["input_len"] == 24
         # stamped in arrival order: send <= first chunk <= each next chunk <= [DONE]
         assert row["ttft_ms"] >= 0 and len(row["itl_ms"]) == 5 and min(row["itl_ms"]) >= 0
         assert row["ttft_ms"] + sum(row["itl_ms"]) <= row["e2el_ms"] + 1e-6
@@ -176,3 +183,48 @@ def test_a_request_past_its_timeout_fails_and_says_so(tiny_count: Callable[[str]
 def test_a_bad_request_timeout_is_refused() -> None:
     p = mstrace("bench-serve", "--model", "tiny", "--request-timeout", "0")
     assert p.returncode == 2 and "--request-timeout must be positive" in p.stderr
+
+
+def _text(p: Any) -> str:
+    assert isinstance(p.text, str)  # the random dataset makes text, never token ids
+    return p.text
+
+
+def test_random_prompts_have_the_asked_length_as_the_tokenizer_counts_them(tiny_tok: Any) -> None:
+    from viewer.bench_serve.datasets import random_prompts
+
+    # random ids decoded to text used to re-encode to more: 64 asked gave 80-109, 3,797 in all
+    exact = random_prompts(40, 64, 16, 0.0, 0, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 0)
+    assert [len(tiny_tok.encode(p.text)) for p in exact] == [p.input_len for p in exact] == [64] * 40
+    assert {p.output_len for p in exact} == {16}
+    spread = random_prompts(300, 64, 16, 0.25, 0, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 1)
+    lens = [len(tiny_tok.encode(p.text)) for p in spread]
+    assert lens == [p.input_len for p in spread]
+    assert min(lens) >= 48 and max(lens) <= 80 and len(set(lens)) > 20
+    assert abs(sum(lens) / len(lens) - 64) < 2  # (seeded: the same draws every run)
+    assert all(12 <= p.output_len <= 20 for p in spread)
+
+
+def test_random_prompts_share_their_prefix_and_count_it(tiny_tok: Any) -> None:
+    from viewer.bench_serve.datasets import random_prompts
+
+    ps = random_prompts(30, 50, 8, 0.1, 20, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 2)
+    assert len(tiny_tok.encode(os.path.commonprefix([_text(p) for p in ps]))) == 20
+    assert all(20 + 45 <= len(tiny_tok.encode(p.text)) <= 20 + 55 for p in ps)
+
+
+def test_random_prompts_count_what_the_tokenizer_adds(tiny_tok: Any) -> None:
+    """A server that puts a BOS before each prompt counts it; so does the dataset, given
+    that server's encode."""
+    from viewer.bench_serve.datasets import random_prompts
+
+    def with_bos(text: str) -> list[int]:
+        return [1, *tiny_tok.encode(text)]
+
+    ps = random_prompts(20, 32, 8, 0.0, 0, tiny_tok.vocab_size, with_bos, tiny_tok.decode, 3)
+    assert {len(with_bos(_text(p))) for p in ps} == {p.input_len for p in ps} == {32}
+
+
+def test_a_bad_range_ratio_is_refused() -> None:
+    p = mstrace("bench-serve", "--model", "tiny", "--random-range-ratio", "1")
+    assert p.returncode == 2 and "--random-range-ratio must be in [0, 1)" in p.stderr

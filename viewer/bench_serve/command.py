@@ -34,7 +34,7 @@ def _command(fail: Fail) -> Callable[..., None]:
         request_rate: Annotated[float, typer.Option(help="Requests per second; inf sends them all at once.")] = math.inf,
         burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival gaps (1 = Poisson).")] = 1.0,
         max_concurrency: Annotated[int | None, typer.Option(help="At most this many requests in flight.")] = None,
-        random_input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 1024,
+        random_input_len: Annotated[int, typer.Option(help="random: prompt tokens, as --tokenizer counts them (what it adds, such as a BOS, included).")] = 1024,
         random_output_len: Annotated[int, typer.Option(help="random: max_tokens.")] = 128,
         random_range_ratio: Annotated[float, typer.Option(help="random: lengths vary by +- this fraction.")] = 0.0,
         random_prefix_len: Annotated[int, typer.Option(help="random: tokens of a prefix every prompt shares.")] = 0,
@@ -93,7 +93,7 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         if a["dataset_name"] == "random":
             prompts = random_prompts(a["num_prompts"], a["random_input_len"], a["random_output_len"],
                                      a["random_range_ratio"], a["random_prefix_len"], tok.vocab_size,
-                                     tok.decode, a["seed"])
+                                     tok.encode, tok.decode, a["seed"])
         elif a["dataset_name"] == "sharegpt":
             prompts = sharegpt_prompts(a["dataset_path"], a["num_prompts"], tok.encode, a["sharegpt_output_len"],
                                        a["seed"])
