@@ -7,8 +7,8 @@ same intra-op thread budget.
 
 Both servers get the same greedy requests (random token prompts, seeded), so with the same
 weights they generate the same tokens. transformers serve refuses `ignore_eos`, so neither
-run sends it. Prints both result blocks and the ratios; needs `pip install
-"transformers[serving]" accelerate`.
+run sends it. Prints both result blocks and the ratios; needs the bench extra
+(`pip install 'mstrace[bench]'`: bench-serve's aiohttp, `transformers[serving]`, accelerate).
 """
 
 from __future__ import annotations

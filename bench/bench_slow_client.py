@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import socket
 import statistics
 import sys
@@ -34,18 +35,19 @@ from viewer.bench_serve.http_client import Endpoint  # noqa: E402
 
 
 def normal_load(port: int, clients: int, requests: int) -> float:
-    ep = Endpoint(f"http://127.0.0.1:{port}", "/v1/completions")
+    ep = Endpoint(f"http://127.0.0.1:{port}", "/v1/completions", None, math.inf)
     gate = asyncio.Semaphore(clients)
 
-    async def one(i: int) -> list[int]:
-        async with gate:
-            r = await ep.stream({"model": "tiny", "prompt": f"def task_{i}(x):", "max_tokens": 64,
-                                 "temperature": 0, "ignore_eos": True, "stream": True}, chat=False)
-        assert r.ok, r.error
-        return [b - a for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False)]
-
     async def run() -> list[list[int]]:
-        return await asyncio.gather(*(one(i) for i in range(requests)))
+        async with ep.session(clients) as session:
+            async def one(i: int) -> list[int]:
+                async with gate:
+                    r = await ep.stream(session, {"model": "tiny", "prompt": f"def task_{i}(x):", "max_tokens": 64,
+                                                  "temperature": 0, "ignore_eos": True, "stream": True}, chat=False)
+                assert r.ok, r.error
+                return [b - a for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False)]
+
+            return await asyncio.gather(*(one(i) for i in range(requests)))
 
     gaps = [g for gs in asyncio.run(run()) for g in gs]
     return statistics.median(gaps) / 1e6

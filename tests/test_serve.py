@@ -229,6 +229,19 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     assert side["hop_ttft_min_ms"] >= 0 and side["hop_e2el_ms"]["median"] >= 0
 
 
+def test_bench_serve_random_prompts_are_as_long_as_the_server_counts_them(server: Served, tmp_path: Path) -> None:
+    saved = tmp_path / "result.json"
+    p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "16",
+                "--random-input-len", "64", "--random-range-ratio", "0.25", "--random-output-len", "2",
+                "--max-concurrency", "4", "--save-result", str(saved), "--save-detailed", timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(saved.read_text())["requests"]
+    assert len(rows) == 16 and all(r["ok"] for r in rows)
+    # the server's usage against the dataset's count (whatever the tokenizer adds, a BOS, on both sides)
+    assert [r["prompt_tokens"] for r in rows] == [r["input_len"] for r in rows]
+    assert all(48 <= r["input_len"] <= 80 for r in rows)
+
+
 def test_bench_serve_counts_a_refused_request_as_failed(server: Served) -> None:
     p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "2",
                 "--random-input-len", "8", "--random-output-len", "100000", timeout=120)

@@ -34,7 +34,7 @@ def _command(fail: Fail) -> Callable[..., None]:
         request_rate: Annotated[float, typer.Option(help="Requests per second; inf sends them all at once.")] = math.inf,
         burstiness: Annotated[float, typer.Option(help="Gamma shape of the arrival gaps (1 = Poisson).")] = 1.0,
         max_concurrency: Annotated[int | None, typer.Option(help="At most this many requests in flight.")] = None,
-        random_input_len: Annotated[int, typer.Option(help="random: prompt tokens.")] = 1024,
+        random_input_len: Annotated[int, typer.Option(help="random: prompt tokens, as --tokenizer counts them (what it adds, such as a BOS, included).")] = 1024,
         random_output_len: Annotated[int, typer.Option(help="random: max_tokens.")] = 128,
         random_range_ratio: Annotated[float, typer.Option(help="random: lengths vary by +- this fraction.")] = 0.0,
         random_prefix_len: Annotated[int, typer.Option(help="random: tokens of a prefix every prompt shares.")] = 0,
@@ -42,7 +42,9 @@ def _command(fail: Fail) -> Callable[..., None]:
         ignore_eos: Annotated[bool, typer.Option(help="Ask for max_tokens whatever the model says (vLLM's extension).")] = False,
         seed: Annotated[int, typer.Option(help="Seed for the prompts and the arrivals.")] = 0,
         api_key: Annotated[str | None, typer.Option(help="Bearer key, if the server wants one.")] = None,
+        request_timeout: Annotated[float, typer.Option(help="Seconds one request may take in all, queueing at the server included, before it counts as failed (inf: no limit).")] = 1800.0,
         save_result: Annotated[Path | None, typer.Option(help="Also write the figures as JSON.")] = None,
+        save_detailed: Annotated[bool, typer.Option(help="With --save-result: every request too (lengths, times, text).")] = False,
         trace: Annotated[Path | None, typer.Option(help="The server's mstrace trace: print its side of the same requests.")] = None,
     ) -> None:
         """Benchmark a serving endpoint like `vllm bench serve`: TTFT, TPOT, ITL, E2E at the client."""
@@ -55,8 +57,15 @@ def _command(fail: Fail) -> Callable[..., None]:
 
 def _run(a: dict[str, Any], fail: Fail) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    try:  # first: without its client nothing else is worth loading
+        from viewer.bench_serve.http_client import Endpoint
+    except ImportError as e:
+        if (e.name or "").split(".")[0] in ("viewer", "scheduler", "tracing", "probes"):
+            raise
+        fail(escape(f"bench-serve needs aiohttp ({e}): pip install 'mstrace[bench]'"))
     from viewer.bench_serve import results, runner
     from viewer.bench_serve.datasets import (
         DatasetError,
@@ -64,15 +73,17 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         sharegpt_prompts,
         workload_prompts,
     )
-    from viewer.bench_serve.http_client import Endpoint
 
     if a["num_prompts"] < 1:
         fail("--num-prompts must be at least 1")
+    if a["save_detailed"] and a["save_result"] is None:
+        fail("--save-detailed needs --save-result FILE")
     if a["dataset_name"] != "random" and a["dataset_path"] is None:
         fail(f"--dataset-name {a['dataset_name']} needs --dataset-path FILE")
     chat = a["endpoint"] == "chat"
     try:
-        ep = Endpoint(a["base_url"], "/v1/chat/completions" if chat else "/v1/completions", a["api_key"])
+        ep = Endpoint(a["base_url"], "/v1/chat/completions" if chat else "/v1/completions", a["api_key"],
+                      a["request_timeout"])
         offsets = runner.arrival_offsets(a["num_prompts"], a["request_rate"], a["burstiness"], a["seed"])
     except ValueError as e:
         fail(str(e))
@@ -82,7 +93,7 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         if a["dataset_name"] == "random":
             prompts = random_prompts(a["num_prompts"], a["random_input_len"], a["random_output_len"],
                                      a["random_range_ratio"], a["random_prefix_len"], tok.vocab_size,
-                                     tok.decode, a["seed"])
+                                     tok.encode, tok.decode, a["seed"])
         elif a["dataset_name"] == "sharegpt":
             prompts = sharegpt_prompts(a["dataset_path"], a["num_prompts"], tok.encode, a["sharegpt_output_len"],
                                        a["seed"])
@@ -104,6 +115,8 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         res["server_side"] = results.server_side(a["trace"], replies)
         print(results.render_server_side(res["server_side"]))
     res["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in a.items() if k != "api_key"}
+    if a["save_detailed"]:
+        res["requests"] = results.details(prompts, replies)
     if a["save_result"] is not None:
         a["save_result"].write_text(json.dumps(res, indent=2, default=str))
     if res["successful_requests"] == 0:

@@ -4,7 +4,9 @@ JSON file, or an mstrace workload JSONL file."""
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,24 +23,84 @@ class DatasetError(ValueError):
     pass
 
 
-def random_prompts(n: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int,
-                   vocab: int, decode: Any, seed: int) -> list[Prompt]:
-    """Lengths uniform in [len * (1 - ratio), len * (1 + ratio)]; every prompt starts with
-    the same `prefix_len` random tokens; token ids drawn uniformly, then decoded to text
-    (so chat works too; a server re-tokenizes, so its count can differ slightly)."""
+# Rounds of decode -> re-encode -> trim or extend before a prompt that still misses its
+# length is settled for the nearest count in range (or refused): on the tokenizers tried,
+# byte-level BPE among them, a prompt lands on its count in a few.
+FIT_ROUNDS = 64
+
+
+def random_prompts(n: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int, vocab: int,
+                   encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                   seed: int) -> list[Prompt]:
+    """Text prompts of `prefix_len` + L tokens as `encode` counts them, L uniform in
+    [input_len * (1 - ratio), input_len * (1 + ratio)]; every prompt starts with the same
+    prefix text. `encode` must count as the server does (tokens it adds, such as a BOS,
+    included). Random ids decoded to text re-encode to other ids, often more of them
+    (a piece of a UTF-8 character decodes to U+FFFD, which is three bytes' worth), so
+    each prompt is decoded, counted, and trimmed or extended until the count is its own."""
     if not 0 <= range_ratio < 1:
         raise DatasetError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
-    prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+    pool = _round_trip_ids(vocab, encode, decode)
 
-    def length(x: int) -> int:
-        return max(1, rng.randint(int(x * (1 - range_ratio)), int(x * (1 + range_ratio))))
+    def draw(k: int) -> list[int]:
+        return [pool[rng.randrange(len(pool))] for _ in range(k)]
 
+    prefix = _fit("", prefix_len, prefix_len, prefix_len, draw, encode, decode) if prefix_len else ""
+    in_lo, in_hi = _bounds(input_len, range_ratio)
+    out_lo, out_hi = _bounds(output_len, range_ratio)
     out = []
     for _ in range(n):
-        ids = prefix + [rng.randrange(vocab) for _ in range(length(input_len))]
-        out.append(Prompt(decode(ids) if decode is not None else ids, len(ids), length(output_len)))
+        want = rng.randint(in_lo, in_hi)
+        text = _fit(prefix, prefix_len + want, prefix_len + in_lo, prefix_len + in_hi, draw, encode, decode)
+        out.append(Prompt(text, len(encode(text)), rng.randint(out_lo, out_hi)))
     return out
+
+
+def _bounds(x: int, ratio: float) -> tuple[int, int]:
+    """[x * (1 - ratio), x * (1 + ratio)] in whole tokens inside it, at least 1 (the slack
+    keeps 100 * 0.9 = 90.00000000000001 from rounding up to 91)."""
+    slack = 1e-9 * max(1, x)
+    return max(1, math.ceil(x * (1 - ratio) - slack)), max(1, math.floor(x * (1 + ratio) + slack))
+
+
+def _round_trip_ids(vocab: int, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> list[int]:
+    """The ids whose own text encodes back to them alone: no special token (it decodes to
+    nothing), no piece of a character. Prompts made of them land on their count sooner."""
+    around = len(encode(""))  # what the tokenizer puts around any text (a BOS)
+    pool = []
+    for i in range(vocab):
+        try:
+            text = decode([i])
+        except Exception:  # noqa: BLE001 - an id past the tokenizer's vocabulary (a padded embedding)
+            continue
+        if text:
+            ids = encode(text)
+            if len(ids) == around + 1 and i in ids:
+                pool.append(i)
+    if not pool:
+        raise DatasetError("random: no token of this tokenizer encodes back to itself; give a dataset file")
+    return pool
+
+
+def _fit(head: str, want: int, lo: int, hi: int, draw: Callable[[int], list[int]],
+         encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]) -> str:
+    """`head` and random text after it that `encode` counts as `want` tokens in all; after
+    FIT_ROUNDS rounds without that count, the text whose count in [lo, hi] was nearest."""
+    ids = draw(max(0, want - len(encode(head))))
+    best: tuple[int, str] | None = None
+    for _ in range(FIT_ROUNDS):
+        text = head + decode(ids)
+        got = len(encode(text))
+        if got == want:
+            return text
+        if lo <= got <= hi and (best is None or abs(got - want) < abs(best[0] - want)):
+            best = (got, text)
+        # the fresh draws on extending are what keep a merge at the seam from cycling
+        ids = ids[:max(0, len(ids) - (got - want))] if got > want else ids + draw(want - got)
+    if best is None:
+        raise DatasetError(f"random: no prompt of {lo}-{hi} tokens from this tokenizer in {FIT_ROUNDS} rounds")
+    return best[1]
 
 
 def sharegpt_prompts(path: Path, n: int, encode: Any, output_len: int | None, seed: int) -> list[Prompt]:

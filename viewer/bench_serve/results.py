@@ -26,11 +26,19 @@ def _dist(xs: list[float]) -> dict[str, float]:
     return {"mean": d.mean, "median": d.p50, "p99": d.p99}
 
 
+def _output_tokens(r: Reply) -> int:
+    return r.usage["completion_tokens"] if r.usage else len(r.chunk_ns)
+
+
 def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) -> dict[str, Any]:
     ok = [(p, r) for p, r in zip(prompts, replies, strict=True) if r.ok]
-    ttft, tpot, itl, e2e, out_tokens, in_tokens = [], [], [], [], 0, 0
+    ttft: list[float] = []
+    tpot: list[float] = []
+    itl: list[float] = []
+    e2e: list[float] = []
+    out_tokens = in_tokens = 0
     for p, r in ok:
-        n = r.usage["completion_tokens"] if r.usage else len(r.chunk_ns)
+        n = _output_tokens(r)
         out_tokens += n
         in_tokens += r.usage["prompt_tokens"] if r.usage else p.input_len
         lat = (r.done_ns - r.sent_ns) * MS
@@ -53,6 +61,24 @@ def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) ->
         "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s else 0.0,
         "ttft_ms": _dist(ttft), "tpot_ms": _dist(tpot), "itl_ms": _dist(itl), "e2el_ms": _dist(e2e),
     }
+
+
+def details(prompts: list[Prompt], replies: list[Reply]) -> list[dict[str, Any]]:
+    """Every request as the client saw it (--save-detailed), in the order sent: its lengths
+    as the dataset counted them and as the server's usage did, and its times in ms from
+    its send."""
+    rows = []
+    for p, r in zip(prompts, replies, strict=True):
+        rows.append({
+            "ok": r.ok, "error": r.error, "request_id": r.request_id,
+            "input_len": p.input_len, "prompt_tokens": r.usage.get("prompt_tokens") if r.usage else None,
+            "output_len": p.output_len, "output_tokens": _output_tokens(r), "chunks": len(r.chunk_ns),
+            "ttft_ms": (r.chunk_ns[0] - r.sent_ns) * MS if r.chunk_ns else None,
+            "itl_ms": [float(b - a) * MS for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False)],
+            "e2el_ms": (r.done_ns - r.sent_ns) * MS if r.done_ns else None,
+            "text": r.text,
+        })
+    return rows
 
 
 def render(res: dict[str, Any], title: str = "Serving Benchmark Result") -> str:

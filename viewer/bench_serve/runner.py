@@ -3,7 +3,7 @@
 Arrivals: --request-rate inf sends everything at t=0; otherwise gaps are drawn from
 a gamma distribution of shape `burstiness` and mean 1/rate (burstiness 1 is a
 Poisson process; below 1 burstier, above 1 steadier), as `vllm bench serve` does.
---max-concurrency caps the requests in flight.
+--max-concurrency caps the requests in flight, and the connection pool with them.
 """
 
 from __future__ import annotations
@@ -47,22 +47,23 @@ async def _run(ep: Endpoint, prompts: list[Prompt], offsets: list[float], model:
                ignore_eos: bool, max_concurrency: int | None,
                on_done: Callable[[Reply], None]) -> tuple[list[Reply], float]:
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    start = time.perf_counter()
+    async with ep.session(max_concurrency) as session:
+        start = time.perf_counter()
 
-    async def one(p: Prompt, at: float) -> Reply:
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if gate is None:
-            r = await ep.stream(body_for(p, model, chat, ignore_eos), chat)
-        else:
-            async with gate:
-                r = await ep.stream(body_for(p, model, chat, ignore_eos), chat)
-        on_done(r)
-        return r
+        async def one(p: Prompt, at: float) -> Reply:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is None:
+                r = await ep.stream(session, body_for(p, model, chat, ignore_eos), chat)
+            else:
+                async with gate:
+                    r = await ep.stream(session, body_for(p, model, chat, ignore_eos), chat)
+            on_done(r)
+            return r
 
-    replies = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, offsets, strict=True)))
-    return list(replies), time.perf_counter() - start
+        replies = await asyncio.gather(*(one(p, at) for p, at in zip(prompts, offsets, strict=True)))
+        return list(replies), time.perf_counter() - start
 
 
 def run(ep: Endpoint, prompts: list[Prompt], offsets: list[float], model: str, chat: bool, ignore_eos: bool,

@@ -1,0 +1,230 @@
+"""`mstrace bench-serve` as a user runs it: without its extra, and against a server of
+another framing than mstrace's own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from tests.cli import REPO, mstrace
+
+
+def _without_aiohttp(*args: str) -> subprocess.CompletedProcess[str]:
+    # None in sys.modules makes `import aiohttp` raise ModuleNotFoundError, as an absent package does
+    code = ("import sys; sys.modules['aiohttp'] = None; "
+            f"sys.argv = ['mstrace', 'bench-serve', *{list(args)!r}]; "
+            "from viewer.cli import main; main()")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_without_aiohttp_bench_serve_names_the_extra_and_exits_2() -> None:
+    # the port is one nothing listens on: the error must come before any request is tried
+    p = _without_aiohttp("--base-url", "http://127.0.0.1:9", "--model", "tiny", "--num-prompts", "1")
+    assert p.returncode == 2, p.stderr
+    assert "pip install 'mstrace[bench]'" in p.stderr and "aiohttp" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    assert p.stdout == ""
+
+
+def test_without_aiohttp_bench_serve_still_has_its_help() -> None:
+    p = _without_aiohttp("--help")
+    assert p.returncode == 0 and "--base-url" in p.stdout, p.stderr
+
+
+class CrlfServer:
+    """A loopback OpenAI-style server on raw sockets that frames its SSE as sse-starlette
+    does (CRLF) and then some: `data:` without a space, comment pings, `id:` lines, one
+    JSON object over two `data:` lines, and every event written in pieces cut mid-line
+    (one piece ending in the CR whose LF starts the next). Keep-alive, chunked bodies.
+    With `stall`, it sends the head and a ping, then nothing."""
+
+    def __init__(self, count: Callable[[str], int], stall: bool = False) -> None:
+        self.count, self.stall = count, stall
+        self.connections = self.requests = 0
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(30)
+
+    def _main(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._conn, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        started.set()
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self.server.close()
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return  # the client closed its connection
+                lines = head.decode("latin-1").split("\r\n")
+                path = lines[0].split()[1]
+                fields = dict(h.split(": ", 1) for h in lines[1:] if ": " in h)
+                n = int({k.lower(): v for k, v in fields.items()}.get("content-length", "0"))
+                body = json.loads(await reader.readexactly(n)) if n else {}
+                self.requests += 1
+                await self._answer(writer, path, body)
+        finally:
+            writer.close()
+
+    async def _piece(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.002)  # so the pieces usually reach the client apart (no assert relies on it)
+
+    async def _answer(self, writer: asyncio.StreamWriter, path: str, body: dict[str, Any]) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                     b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await self._piece(writer, b": ping - 2026-12-02 12:00:00\r\n\r\n")
+        if self.stall:
+            await asyncio.sleep(3600)
+        chat = path.endswith("/chat/completions")
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        rid, n = f"cmpl-{self.requests}", int(body["max_tokens"])
+        for i in range(n):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
+            choice.update({"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "})
+            first, rest = json.dumps({"id": rid, "choices": [choice]}).split(", ", 1)
+            event = f"id: {i}\r\ndata:{first},\r\ndata:{rest}\r\n: between\r\n\r\n".encode()
+            cr = event.index(b"\r")
+            for a, b in ((0, cr + 1), (cr + 1, cr + 5), (cr + 5, len(event))):
+                await self._piece(writer, event[a:b])
+        usage = {"prompt_tokens": self.count(prompt), "completion_tokens": n,
+                 "total_tokens": self.count(prompt) + n}
+        await self._piece(writer, f"data:{json.dumps({'id': rid, 'choices': [], 'usage': usage})}\r\n\r".encode())
+        await self._piece(writer, b"\ndata:[DONE]\r\n\r\n")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+@pytest.fixture(scope="module")
+def tiny_tok() -> Any:
+    """The tiny preset's tokenizer as bench-serve loads it (and counts with it)."""
+    from viewer.bench_serve.command import _tokenizer
+
+    def no(*a: object) -> NoReturn:
+        raise AssertionError(a)
+
+    return _tokenizer("tiny", no)
+
+
+@pytest.fixture(scope="module")
+def tiny_count(tiny_tok: Any) -> Callable[[str], int]:
+    return lambda text: len(tiny_tok.encode(text))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_reads_a_crlf_framed_stream_cut_anywhere(endpoint: str, tiny_count: Callable[[str], int],
+                                                          tmp_path: Path) -> None:
+    srv = CrlfServer(tiny_count)
+    saved = tmp_path / "result.json"
+    try:
+        p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{srv.port}", "--endpoint", endpoint,
+                    "--model", "tiny", "--num-prompts", "12", "--random-input-len", "24", "--random-output-len", "6",
+                    "--max-concurrency", "3", "--save-result", str(saved), "--save-detailed", timeout=300)
+    finally:
+        srv.close()
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(saved.read_text())
+    assert res["successful_requests"] == 12 and res["failed_requests"] == 0, res["errors"]
+    assert res["total_output_tokens"] == 12 * 6
+    # one keep-alive pool: never more connections than requests in flight, each reused
+    assert srv.requests == 12 and srv.connections <= 3
+    for row in res["requests"]:
+        assert row["ok"] and row["error"] == ""
+        assert row["text"] == "".join(f"w{i} " for i in range(6))
+        assert row["chunks"] == row["output_tokens"] == 6
+        assert row["prompt_tokens"] == row["input_len"] == 24
+        # stamped in arrival order: send <= first chunk <= each next chunk <= [DONE]
+        assert row["ttft_ms"] >= 0 and len(row["itl_ms"]) == 5 and min(row["itl_ms"]) >= 0
+        assert row["ttft_ms"] + sum(row["itl_ms"]) <= row["e2el_ms"] + 1e-6
+
+
+def test_a_request_past_its_timeout_fails_and_says_so(tiny_count: Callable[[str], int]) -> None:
+    srv = CrlfServer(tiny_count, stall=True)
+    try:
+        p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{srv.port}", "--model", "tiny",
+                    "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+                    "--request-timeout", "1", timeout=120)
+    finally:
+        srv.close()
+    assert p.returncode == 4, p.stdout + p.stderr  # no request succeeded
+    assert "Failed requests:                        2" in p.stdout
+    assert "failed x2: no complete reply within --request-timeout 1 s" in p.stdout
+
+
+def test_a_bad_request_timeout_is_refused() -> None:
+    p = mstrace("bench-serve", "--model", "tiny", "--request-timeout", "0")
+    assert p.returncode == 2 and "--request-timeout must be positive" in p.stderr
+
+
+def _text(p: Any) -> str:
+    assert isinstance(p.text, str)  # the random dataset makes text, never token ids
+    return p.text
+
+
+def test_random_prompts_have_the_asked_length_as_the_tokenizer_counts_them(tiny_tok: Any) -> None:
+    from viewer.bench_serve.datasets import random_prompts
+
+    # random ids decoded to text used to re-encode to more: 64 asked gave 80-109, 3,797 in all
+    exact = random_prompts(40, 64, 16, 0.0, 0, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 0)
+    assert [len(tiny_tok.encode(p.text)) for p in exact] == [p.input_len for p in exact] == [64] * 40
+    assert {p.output_len for p in exact} == {16}
+    spread = random_prompts(300, 64, 16, 0.25, 0, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 1)
+    lens = [len(tiny_tok.encode(p.text)) for p in spread]
+    assert lens == [p.input_len for p in spread]
+    assert min(lens) >= 48 and max(lens) <= 80 and len(set(lens)) > 20
+    assert abs(sum(lens) / len(lens) - 64) < 2  # (seeded: the same draws every run)
+    assert all(12 <= p.output_len <= 20 for p in spread)
+
+
+def test_random_prompts_share_their_prefix_and_count_it(tiny_tok: Any) -> None:
+    from viewer.bench_serve.datasets import random_prompts
+
+    ps = random_prompts(30, 50, 8, 0.1, 20, tiny_tok.vocab_size, tiny_tok.encode, tiny_tok.decode, 2)
+    assert len(tiny_tok.encode(os.path.commonprefix([_text(p) for p in ps]))) == 20
+    assert all(20 + 45 <= len(tiny_tok.encode(p.text)) <= 20 + 55 for p in ps)
+
+
+def test_random_prompts_count_what_the_tokenizer_adds(tiny_tok: Any) -> None:
+    """A server that puts a BOS before each prompt counts it; so does the dataset, given
+    that server's encode."""
+    from viewer.bench_serve.datasets import random_prompts
+
+    def with_bos(text: str) -> list[int]:
+        return [1, *tiny_tok.encode(text)]
+
+    ps = random_prompts(20, 32, 8, 0.0, 0, tiny_tok.vocab_size, with_bos, tiny_tok.decode, 3)
+    assert {len(with_bos(_text(p))) for p in ps} == {p.input_len for p in ps} == {32}
+
+
+def test_a_bad_range_ratio_is_refused() -> None:
+    p = mstrace("bench-serve", "--model", "tiny", "--random-range-ratio", "1")
+    assert p.returncode == 2 and "--random-range-ratio must be in [0, 1)" in p.stderr
