@@ -65,9 +65,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
-    def special_ids(self) -> frozenset[int]:
-        return self._special
-
     def special_prefix(self) -> str:
         """The text of the special tokens put before every encoded text (Llama: "<s>";
         "" for a tokenizer that adds none), for templates that must write them out."""
