@@ -392,3 +392,12 @@ def test_prompt_tokens_are_what_autotokenizer_gives_and_chat_has_one_bos(server:
                                                    "messages": [{"role": "user", "content": prompt}]})
     rendered = f"<s>user: {prompt}\nassistant:"
     assert body["usage"]["prompt_tokens"] == len(hf(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_the_openai_client_gets_a_batch_and_a_named_refusal(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tiny", prompt=["def f(", "import re"], max_tokens=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1] and out.usage is not None and out.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                       top_logprobs=2)
+    assert e.value.body["param"] == "logprobs" and "not supported" in e.value.body["message"]  # type: ignore[index]
