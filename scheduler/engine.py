@@ -57,6 +57,7 @@ from scheduler.hops.tokenizer import Tokenizer, TokenizerError
 from scheduler.hops.tokenizer_pool import TokenizerPool
 from scheduler.model.dtypes import dtype_of
 from scheduler.model.presets import resolve_model
+from scheduler.model.sampling import SampledLists
 from scheduler.options import ConfigError
 from scheduler.stall_guard import StallGuard
 from tracing.writer import TraceWriter
@@ -244,7 +245,7 @@ class Engine:
         else:
             done = (batch, launches) if batch else None
         out = StepOutput(step)
-        tokens: list[list[int]] = []
+        tokens: list[SampledLists] = []
         device_ns = 0
         if done is not None:
             try:
@@ -269,7 +270,7 @@ class Engine:
             append_snapshot(self._mem_buf, step, self.mm, self.rm.running)
         self.hooks.end_of_bookkeeping()
         t4 = now_ns()
-        n_sampled = sum(len(t) for t in tokens)
+        n_sampled = sum(len(t.tokens) for t in tokens)
         r = self.probes.rank
         if pb is not None:
             pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
@@ -344,6 +345,8 @@ class Engine:
             self.rm.finish(req, FinishReason.REJECTED, sample.error)
         elif sample.valid_len == 0:
             self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
+        elif self.cfg.pp > 1 and sample.sampling_params.wants_logprobs:
+            self.rm.finish(req, FinishReason.REJECTED, "logprobs are computed on rank 0's logits: not with --pp > 1")
         elif max(sample.input_ids) >= self.model_config.vocab_size or min(sample.input_ids) < 0:
             bad = next(t for t in sample.input_ids if not 0 <= t < self.model_config.vocab_size)
             self.rm.finish(req, FinishReason.REJECTED,
@@ -384,13 +387,12 @@ class Engine:
         return launches
 
     def _collect(
-        self, batch: ScheduleBatch, launches: list[Launch], tokens: list[list[int]], out: StepOutput, now: int
+        self, batch: ScheduleBatch, launches: list[Launch], tokens: list[SampledLists], out: StepOutput, now: int
     ) -> None:
         """Step 5 (scheduler/core/collect.py)."""
-        results = ((c, slot, tok) for la, toks in zip(launches, tokens, strict=True)
-                   for c, tok, slot in zip(la.prepared.sampled, toks, la.slots, strict=True))
-        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out.tokens,
-                out.prompts)
+        split = [la.prepared.results(toks, la.slots) for la, toks in zip(launches, tokens, strict=True)]
+        results, scores = [r for s in split for r in s[0]], [c for s in split for c in s[1]]
+        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out, scores)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
         if self.hooks.finish(self, req):

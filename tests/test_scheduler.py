@@ -10,6 +10,7 @@ from scheduler.core.memory_manager import MemoryManager
 from scheduler.core.policy import Policy
 from scheduler.core.request import FinishReason, ReqSample, RequestStatus, SamplingParams
 from scheduler.core.request_manager import RequestManager
+from scheduler.hops.sender import StepOutput
 
 
 def make(num_blocks=16, block_size=4, chunk=8, **kw):
@@ -42,8 +43,8 @@ def run_round(rm, mm, policy, step, token=7):
         req.drop_placeholders()
         rm.finish(req, reason)
 
-    collect([(c, s, token) for c, s in zip(sampled, slots, strict=True)], b.chunks, step, now_ns(), mm, rm,
-            frozenset(), finish, [], {})
+    collect([(c, s, token, None) for c, s in zip(sampled, slots, strict=True)], b.chunks, step, now_ns(), mm, rm,
+            frozenset(), finish, StepOutput(step))
     return b
 
 

@@ -10,11 +10,21 @@ writes it to (overlap mode schedules the next round with it).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from scheduler.core.batch import ScheduledChunk
 from scheduler.core.memory_manager import MemoryManager
-from scheduler.core.request import FinishReason, Request, RequestStatus
+from scheduler.core.request import FinishReason, Request, RequestStatus, TokenLogprob
 from scheduler.core.request_manager import RequestManager
+
+
+class TokenOut(Protocol):
+    """Where a round's new tokens go (scheduler/hops/sender.py's StepOutput)."""
+
+    tokens: list[tuple[str, int]]  # (request id, token)
+    prompts: dict[str, list[int]]  # the prompt of each request whose first token is in `tokens`
+    logprobs: dict[int, TokenLogprob]  # by index into `tokens`, for the tokens that asked
+    prompt_logprobs: dict[str, list[TokenLogprob | None]]  # with the first token, where asked
 
 
 def launched(chunks: Sequence[ScheduledChunk], sampled: Sequence[ScheduledChunk], slots: Sequence[int]) -> None:
@@ -27,7 +37,7 @@ def launched(chunks: Sequence[ScheduledChunk], sampled: Sequence[ScheduledChunk]
 
 
 def collect(
-    results: Iterable[tuple[ScheduledChunk, int, int]],
+    results: Iterable[tuple[ScheduledChunk, int, int, TokenLogprob | None]],
     chunks: Sequence[ScheduledChunk],
     step: int,
     now: int,
@@ -35,14 +45,23 @@ def collect(
     rm: RequestManager,
     eos_ids: frozenset[int],
     finish: Callable[[Request, FinishReason], None],
-    out_tokens: list[tuple[str, int]],
-    out_prompts: dict[str, list[int]],
+    out: TokenOut,
+    scores: Iterable[tuple[ScheduledChunk, list[TokenLogprob]]] = (),
 ) -> None:
-    """Step 5: each (chunk, slot, token) replaces its placeholder; a request that sampled
-    EOS or reached max_new_tokens is finished through `finish`; full blocks of the
-    round's chunks are published for prefix sharing. New tokens go to `out_tokens`, and
-    the prompt of a request's first token to `out_prompts` (its text is decoded after it)."""
-    for c, slot, tok in results:
+    """Step 5: each (chunk, slot, token, logprobs) replaces its placeholder; a request that
+    sampled EOS or reached max_new_tokens is finished through `finish`; full blocks of the
+    round's chunks are published for prefix sharing. New tokens go to `out.tokens`, and the
+    prompt of a request's first token to `out.prompts` (its text is decoded after it).
+    `scores`: each chunk's prompt logprobs, kept on its request until its first token."""
+    for c, entries in scores:
+        req = c.req
+        if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
+            continue
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * req.sample.valid_len
+        # row i of the chunk scores the prompt token at c.start + 1 + i (a recompute writes the same)
+        req.prompt_logprobs[c.start + 1 : c.start + 1 + len(entries)] = entries
+    for c, slot, tok, lp in results:
         req = c.req
         if req.status is RequestStatus.FINISHED or c.generation != req.num_preemptions:
             continue  # finished or preempted while this round was in flight
@@ -53,10 +72,14 @@ def collect(
             runs[-1] += 1
         else:
             runs += (step, 1)
-        out_tokens.append((req.request_id, tok))
+        if lp is not None:
+            out.logprobs[len(out.tokens)] = lp
+        out.tokens.append((req.request_id, tok))
         if not req.first_token_ns:
             req.first_token_ns = rm.mark(req, "first_token")
-            out_prompts[req.request_id] = req.sample.input_ids
+            out.prompts[req.request_id] = req.sample.input_ids
+            if req.sample.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs[req.request_id] = req.prompt_logprobs or [None] * req.sample.valid_len
         sp = req.sample.sampling_params
         if tok in eos_ids and not sp.ignore_eos:
             finish(req, FinishReason.EOS)

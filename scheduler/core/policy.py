@@ -126,12 +126,12 @@ class Policy:
                 budget -= self._add_prefill(batch, req, budget)
                 continue
             tokens = req.token_ids()
-            prefix, need = self._blocks_to_take(tokens)
+            prefix, need = self._blocks_to_take(req, tokens)
             if need > mm.num_free - self._reserve:
                 if not self._evict_for(req, need, batch, now):
                     break  # seed step 1: stop at the first request that does not fit
                 # A victim may have held some of the matched blocks: they are free now.
-                prefix, need = self._blocks_to_take(tokens)
+                prefix, need = self._blocks_to_take(req, tokens)
                 if need > mm.num_free - self._reserve:
                     break  # evicted, but the blocks come back only after the KV fence
             req.block_table = mm.allocate(req.request_id, len(tokens), prefix)
@@ -140,10 +140,13 @@ class Policy:
             self.rm.admit(req)
             budget -= self._add_prefill(batch, req, budget)
 
-    def _blocks_to_take(self, tokens: list[int]) -> tuple[PrefixMatch, int]:
+    def _blocks_to_take(self, req: Request, tokens: list[int]) -> tuple[PrefixMatch, int]:
         """The prompt's prefix match, and the free-list blocks admitting it takes: fresh ones
-        plus matched blocks that nobody holds (they leave the free list too)."""
-        prefix = self.mm.match_prefix(tokens)
+        plus matched blocks that nobody holds (they leave the free list too). A request that
+        scores its prompt (prompt_logprobs) matches nothing: a cached position is never computed,
+        so it would have no logits."""
+        sp = req.sample.sampling_params
+        prefix = self.mm.match_prefix(tokens) if sp.prompt_logprobs is None else PrefixMatch()
         return prefix, self.mm.blocks_needed(len(tokens)) - prefix.num_blocks + prefix.num_from_free
 
     def _admit_contiguous(self, req: Request, need: int) -> bool:

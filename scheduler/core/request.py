@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
+
+MAX_LOGPROBS = 20  # top alternatives a row may ask for (OpenAI's and vLLM's default limit)
 
 
 @dataclass(slots=True, frozen=True)
@@ -17,6 +19,30 @@ class SamplingParams:
     # max_new_tokens becomes what the context and the KV pool leave after the prompt,
     # once the prompt's length is known (a chat request without max_tokens)
     fill_context: bool = False
+    # Log-probabilities (vLLM's semantics): None = none; k >= 0 = each sampled token's own
+    # logprob and the k most likely alternatives. prompt_logprobs: the same for every prompt
+    # token after the first (what `echo` scores); such a request takes no prefix-cache hit.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} (got {k})")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+
+class TokenLogprob(NamedTuple):
+    """One position's log-probabilities, raw (log_softmax of the model's logits, before
+    temperature and top-p): the token's own, and the `len(top_ids)` most likely tokens."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -80,6 +106,8 @@ class Request:
     token_ns: list[int] = field(default_factory=list)  # when each output token was collected
     token_runs: list[int] = field(default_factory=list)  # [first_step, count, ...] of the collecting rounds
     last_event: Any = None  # end event of the last launch that touched this request (cross-stream waits)
+    # prompt_logprobs: position p's entry scores prompt token p (p >= 1; [0] stays None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def request_id(self) -> str:

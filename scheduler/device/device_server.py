@@ -10,11 +10,14 @@ import traceback
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probes.clock import now_ns
 from scheduler.device import wire
 from scheduler.device.work import STREAM_NAMES
+
+if TYPE_CHECKING:
+    from scheduler.model.sampling import SampledLists
 
 
 @dataclass(slots=True)
@@ -154,29 +157,30 @@ class _Device:
 
     def _forward(
         self,
-        seqs: list[tuple[list[int], int, list[int], bool]],
+        seqs: list[tuple[list[int], int, list[int], bool, list[int]]],
         temperatures: list[float],
         top_ps: list[float],
         seeds: list[int | None],
+        logprobs: list[int],
+        score_k: int,
         slots: list[int],
         has_placeholders: bool,
-    ) -> list[int]:
+    ) -> SampledLists:
         from scheduler.model.forward_batch import (
             SeqChunk,
             build_forward_batch,
             resolve_placeholders,
         )
-        from scheduler.model.sampling import publish, sample_rows
+        from scheduler.model.sampling import publish, sample_batch
 
         fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
         if has_placeholders:
             resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
-        if not slots:
-            return []
-        tokens = sample_rows(logits, temperatures, top_ps, seeds)
-        publish(self.future, slots, tokens)
-        return tokens.tolist()  # for the pipe
+        out = sample_batch(logits, fb.num_sampled, temperatures, top_ps, seeds, logprobs, fb.score_targets, score_k)
+        if slots:
+            publish(self.future, slots, out.tokens)
+        return out.lists()  # for the pipe
 
 
 def _stacks() -> list[tuple[int, str, list[str]]]:

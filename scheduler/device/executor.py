@@ -17,8 +17,6 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence
 
-import torch
-
 from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
 from probes.recorder import Row
 from probes.waits import WaitRegistry, timed_wait
@@ -27,7 +25,7 @@ from scheduler.core.request import Request
 from scheduler.device.prepared import Launch, PreparedBatch
 from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
-from scheduler.model.sampling import token_seed
+from scheduler.model.sampling import SampledLists, token_seed
 
 
 class Executor:
@@ -59,10 +57,14 @@ class Executor:
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
         seqs: list[SeqChunk] = []
         placeholders = False
+        score_k = -1
         for c in chunks:
             toks = c.req.token_ids()[c.start : c.start + c.num_tokens]
             placeholders = placeholders or toks[-1] < 0
-            seqs.append(SeqChunk(toks, c.start, c.req.block_table, c.sample))
+            targets = score_targets(c)
+            if targets:
+                score_k = max(score_k, c.req.sample.sampling_params.prompt_logprobs or 0)
+            seqs.append(SeqChunk(toks, c.start, c.req.block_table, c.sample, targets))
         sampled = [c for c in chunks if c.sample]
         params = [c.req.sample.sampling_params for c in sampled]
         dev = self.device
@@ -74,6 +76,8 @@ class Executor:
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
             seeds=[self._draw_seed(c) for c in sampled],
+            logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
+            score_k=score_k,
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,
@@ -104,8 +108,8 @@ class Executor:
         launch.end = s.record()
         return launch
 
-    def wait(self, launch: Launch) -> list[int]:
-        """The scheduler barrier: block until the launch's tokens are on the host."""
+    def wait(self, launch: Launch) -> SampledLists:
+        """The scheduler barrier: block until the launch's tokens (and logprobs) are on the host."""
         ev = launch.end
         timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
                    signaller=f"{launch.stream}-stream", boundary=SCHEDULER_BARRIER,
@@ -113,8 +117,8 @@ class Executor:
         err = self.streams[launch.stream].error
         if err is not None:
             raise RuntimeError(f"forward failed on the {launch.stream} stream: {err!r}") from err
-        toks = launch.result[0]
-        return toks.tolist() if isinstance(toks, torch.Tensor) else toks
+        out = launch.result[0]
+        return SampledLists(*out) if isinstance(out, tuple) else out.lists()
 
     def _draw_seed(self, c: ScheduledChunk) -> int | None:
         """The seed of the draw for the token at position c.start + c.num_tokens."""
@@ -127,3 +131,14 @@ class Executor:
         # run seed and the request id, never from global RNG state.
         sp = req.sample.sampling_params
         return sp.seed if sp.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
+
+
+def score_targets(c: ScheduledChunk) -> list[int]:
+    """The prompt tokens a chunk's rows are scored against (prompt_logprobs): row i, at
+    position c.start + i, predicts the prompt token at the next position; only positions
+    whose next token is in the prompt are scored (the last prompt row predicts an output)."""
+    if c.req.sample.sampling_params.prompt_logprobs is None:
+        return []
+    prompt = c.req.sample.input_ids
+    end = min(c.start + c.num_tokens, c.req.sample.valid_len - 1)
+    return prompt[c.start + 1 : end + 1] if end > c.start else []

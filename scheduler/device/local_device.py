@@ -17,7 +17,7 @@ from scheduler.device.work import FUTURE_SLOTS, Work
 from scheduler.harness.debug_delay import HeldForward, hold
 from scheduler.model.forward_batch import resolve_placeholders
 from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import publish, sample_rows
+from scheduler.model.sampling import Sampled, publish, sample_batch
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -55,10 +55,11 @@ class LocalDevice:
         """The device work of a defragmentation copy, for a stream to run."""
         return lambda: self.copy_blocks(src, dst)
 
-    def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> torch.Tensor | list[int]:
-        """Device work: resolve placeholders, forward, sample, publish tokens to the future ring.
-        The tokens stay on the device; on a GPU they are copied to pinned host memory without
-        waiting, ahead of the launch's end event, which the barrier waits for."""
+    def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> Sampled:
+        """Device work: resolve placeholders, forward, sample (and the logprobs asked for),
+        publish tokens to the future ring. The tokens stay on the device; on a GPU they are
+        copied to pinned host memory without waiting, ahead of the launch's end event, which
+        the barrier waits for."""
         fb, kv, future = prepared.forward, self.kv, self.future
         assert fb is not None, "prepare() builds the forward batch for a local device"
         if prepared.has_placeholders:
@@ -67,21 +68,15 @@ class LocalDevice:
             self._check_kv(prepared)
         if self.parallel is not None:
             # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
-            tokens = self.parallel.forward(prepared, kv, step)
-            if tokens:
-                publish(future, slots, tokens)
-            return tokens
-        assert self.model is not None
-        logits = self.model(fb, kv)
-        if not prepared.sampled:
-            return []
-        toks = sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds)
-        publish(future, slots, toks)
-        if toks.device.type != "cuda":
-            return toks
-        host = torch.empty(len(slots), dtype=torch.long, pin_memory=True)
-        host.copy_(toks, non_blocking=True)
-        return host
+            out = self.parallel.forward(prepared, kv, step)
+        else:
+            assert self.model is not None
+            logits = self.model(fb, kv)
+            out = sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
+                               prepared.logprobs, fb.score_targets, prepared.score_k)
+        if slots:
+            publish(future, slots, out.tokens)
+        return out.to_host(non_blocking=True)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device work: move KV blocks (defragmentation); test-only tags move with them."""

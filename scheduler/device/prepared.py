@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.core.batch import ScheduledChunk
+from scheduler.core.request import TokenLogprob
 from scheduler.device.work import Event
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk
+from scheduler.model.sampling import SampledLists
 
 
 @dataclass(slots=True)
@@ -30,9 +32,37 @@ class PreparedBatch:
     temperatures: list[float]
     top_ps: list[float]
     seeds: list[int | None]  # each sampled row's draw seed (token_seed); None = greedy
+    logprobs: list[int]  # each sampled row's top-k logprobs asked for; -1 = none
+    score_k: int  # the most alternatives a scored (prompt-logprob) row asks for; -1 = no scored rows
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
     seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
+
+    def results(
+        self, out: SampledLists, slots: list[int]
+    ) -> tuple[list[tuple[ScheduledChunk, int, int, TokenLogprob | None]], list[tuple[ScheduledChunk, list[TokenLogprob]]]]:
+        """What step 5 reads from the device's answer: (chunk, slot, token, logprobs) per
+        sampled chunk, and each scored chunk's prompt logprobs, each row cut to what its
+        request asked for (the device computes the batch's largest top-k)."""
+        lp = out.logprobs
+        row = 0
+
+        def entry(k: int) -> TokenLogprob:
+            nonlocal row
+            assert lp is not None, "the device computed no logprobs for rows that asked"
+            e = TokenLogprob(lp[0][row], lp[1][row][:k], lp[2][row][:k])
+            row += 1
+            return e
+
+        sampled = [(c, slot, tok, entry(k) if k >= 0 else None)
+                   for c, slot, tok, k in zip(self.sampled, slots, out.tokens, self.logprobs, strict=True)]
+        scores = []
+        if self.score_k >= 0:
+            for c, seq in zip(self.chunks, self.seqs, strict=True):
+                if seq.score_targets:
+                    k = c.req.sample.sampling_params.prompt_logprobs or 0
+                    scores.append((c, [entry(k) for _ in seq.score_targets]))
+        return sampled, scores
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from typing import Protocol
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
 from probes.recorder import Probes
-from scheduler.core.request import Request
+from scheduler.core.request import Request, TokenLogprob
 from scheduler.hops.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -59,6 +59,8 @@ class StepOutput:
     tokens: list[tuple[str, int]] = field(default_factory=list)  # (request_id, token id)
     # the prompt of each request whose first token is in `tokens` (shared, never mutated)
     prompts: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by index into `tokens`, where asked
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)  # with the first token
     finished: list[FinishedRecord] = field(default_factory=list)
 
 
@@ -69,6 +71,14 @@ class OutputSink(Protocol):
     def on_text(self, request_id: str, text: str) -> None: ...
 
     def on_finish(self, record: FinishedRecord, text: str) -> None: ...
+
+
+class LogprobSink(OutputSink, Protocol):
+    # A sink that also takes log-probabilities, for the requests that asked: called just
+    # before the on_text of the token they belong to. `prompt`: with a request's first token,
+    # its prompt's (position p scores prompt token p; [0] is None); `token`: this token's.
+    def on_logprobs(self, request_id: str, prompt: tuple[list[int], list[TokenLogprob | None]] | None,
+                    token: tuple[int, TokenLogprob] | None) -> None: ...
 
 
 class Sender:
@@ -82,6 +92,7 @@ class Sender:
         self._before_deliver = before_deliver  # a fault's hook (the slow sender)
         self._tok = tokenizer
         self._sinks = sinks
+        self._lp_sinks: list[LogprobSink] = [s for s in sinks if hasattr(s, "on_logprobs")]  # type: ignore[misc]
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, list[str]] = {}
         self.error: BaseException | None = None
@@ -122,14 +133,27 @@ class Sender:
                     tails.append((rec.request_id, tail))
                 else:  # the last token carries it: still one on_text per token
                     texts[i] = (rec.request_id, texts[i][1] + tail)
-        for rid, text in texts + tails:
+        for i, (rid, text) in enumerate(texts):
+            if self._lp_sinks and (i in out.logprobs or rid in out.prompt_logprobs):
+                self._logprobs(out, i)
             for s in self._sinks:  # every token, even one whose text is not complete yet
+                s.on_text(rid, text)
+        for rid, text in tails:
+            for s in self._sinks:
                 s.on_text(rid, text)
         for rec in out.finished:
             self._detok.pop(rec.request_id, None)
             parts = self._text.pop(rec.request_id, [])
             for s in self._sinks:
                 s.on_finish(rec, "".join(parts))
+
+    def _logprobs(self, out: StepOutput, i: int) -> None:
+        rid, tok = out.tokens[i]
+        entries = out.prompt_logprobs.pop(rid, None)  # with the request's first token only
+        prompt = (out.prompts[rid], entries) if entries is not None else None
+        lp = out.logprobs.get(i)
+        for s in self._lp_sinks:
+            s.on_logprobs(rid, prompt, (tok, lp) if lp is not None else None)
 
     def _push(self, rid: str, tok: int, prompts: dict[str, list[int]]) -> str:
         if self._tok is None:

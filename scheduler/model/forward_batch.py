@@ -31,7 +31,7 @@ dtype, so a later overlap mode can run this for step N+1 while the device comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,9 @@ class SeqChunk:
     start_pos: int  # absolute position of token_ids[0] == tokens already in the KV cache
     block_table: list[int]  # KV block ids covering [0, start_pos + len(token_ids)), in order
     sample: bool  # logits for the last token are needed (decode, or the last prefill chunk)
+    # Prompt logprobs: the chunk's first len(score_targets) rows are scored, row i against
+    # score_targets[i] (the prompt token after it, which may lie in the next chunk).
+    score_targets: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -65,7 +68,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64, decode rows first, then prefill chunks
     positions: torch.Tensor  # [T] int64 absolute positions
     slot_mapping: torch.Tensor  # [T] int64 cache slot each row's new K/V is written to
-    logits_indices: torch.Tensor  # [num_sampled] int64 rows, in chunk order of sample=True chunks
+    # [num_sampled + num_scored] int64 rows: the sample=True chunks' last rows in chunk order,
+    # then the scored rows (SeqChunk.score_targets) in chunk order
+    logits_indices: torch.Tensor
     num_tokens: int
     num_seqs: int
     num_sampled: int
@@ -80,6 +85,8 @@ class ForwardBatch:
     prefills: list[PrefillAttn]
     max_context_len: int  # max over chunks of start_pos + len(token_ids) (host int, no sync)
     block_size: int = 16
+    num_scored: int = 0
+    score_targets: torch.Tensor | None = None  # [num_scored] int64: the token each scored row is scored against
 
 
 def _slot(block_table: list[int], pos: int, block_size: int) -> int:
@@ -117,10 +124,11 @@ def build_forward_batch(
     dec_pos: list[int] = []
     dec_slots: list[int] = []
     row_of_chunk_last: dict[int, int] = {}
+    row_of_chunk_first: dict[int, int] = {}
 
     # Decode rows: scalar Python per sequence (there is no per-token loop for one token).
     for i, c in decodes:
-        row_of_chunk_last[i] = len(ids)
+        row_of_chunk_last[i] = row_of_chunk_first[i] = len(ids)
         ids.append(c.token_ids[0])
         dec_pos.append(c.start_pos)
         dec_slots.append(_slot(c.block_table, c.start_pos, block_size))
@@ -143,8 +151,18 @@ def build_forward_batch(
         ctx_pieces.append(bt[:nblk_ctx] if c.start_pos > 0 else bt[:0])
         prefill_meta.append((row0, row0 + n, c.start_pos))
         row_of_chunk_last[i] = row0 + n - 1
+        row_of_chunk_first[i] = row0
 
     logits_rows = [row_of_chunk_last[i] for i, c in enumerate(chunks) if c.sample]
+    num_sampled = len(logits_rows)
+    targets: list[int] = []
+    for i, c in enumerate(chunks):
+        if c.score_targets:
+            if len(c.score_targets) > len(c.token_ids):
+                raise ValueError(f"chunk {i}: {len(c.score_targets)} score targets for {len(c.token_ids)} tokens")
+            r0 = row_of_chunk_first[i]
+            logits_rows.extend(range(r0, r0 + len(c.score_targets)))
+            targets.extend(c.score_targets)
 
     # Decode context: a padded [D, nblk] block-table matrix.
     decode_block_host = torch.empty((0, 0), dtype=torch.int64)
@@ -179,6 +197,7 @@ def build_forward_batch(
         torch.cat(pos_pieces),
         torch.cat(slot_pieces),
         torch.tensor(logits_rows, dtype=torch.int64),
+        torch.tensor(targets, dtype=torch.int64),
         decode_block_host.reshape(-1),
         *ctx_pieces,
     ]
@@ -190,8 +209,8 @@ def build_forward_batch(
 
     sizes = [p.numel() for p in int_parts]
     views = list(torch.split(ints, sizes))
-    input_ids, positions, slot_mapping, logits_indices, dec_flat = views[:5]
-    ctx_views = views[5:]
+    input_ids, positions, slot_mapping, logits_indices, score_targets, dec_flat = views[:6]
+    ctx_views = views[6:]
 
     boff = 0
     decode_blocks = decode_mask = None
@@ -218,7 +237,7 @@ def build_forward_batch(
         logits_indices=logits_indices,
         num_tokens=t,
         num_seqs=len(chunks),
-        num_sampled=len(logits_rows),
+        num_sampled=num_sampled,
         num_decode=num_decode,
         decode_blocks=decode_blocks,
         decode_mask=decode_mask,
@@ -226,6 +245,8 @@ def build_forward_batch(
         prefills=prefills,
         max_context_len=max_ctx,
         block_size=block_size,
+        num_scored=len(targets),
+        score_targets=score_targets if targets else None,
     )
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -107,3 +109,69 @@ def publish(future: torch.Tensor, slots: Sequence[int], tokens: torch.Tensor | S
     """Write sampled tokens into the device's future-token ring at their slots, where the
     next round's placeholders (overlap scheduling) read them on the device."""
     future[torch.tensor(slots, device=future.device)] = torch.as_tensor(tokens, device=future.device)
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What step 4 gives back for one batch: the sampled tokens and, for the rows that asked,
+    their log-probabilities. Tensors on the logits' device until `to_host`."""
+
+    tokens: torch.Tensor  # [num_sampled] int64
+    # rows: the sampled rows that asked for logprobs (in sampled order), then the scored rows
+    logprob: torch.Tensor | None = None  # [m] float32: each row's own token
+    top_ids: torch.Tensor | None = None  # [m, k] int64, most likely first
+    top_logprobs: torch.Tensor | None = None  # [m, k] float32
+
+    def to_host(self, non_blocking: bool = False) -> Sampled:
+        """The same on the host: on a GPU into pinned memory without waiting (the launch's
+        end event, which the barrier waits for, is recorded after these copies)."""
+        if self.tokens.device.type != "cuda":
+            return self
+        return Sampled(*(None if t is None else _pinned(t, non_blocking)
+                         for t in (self.tokens, self.logprob, self.top_ids, self.top_logprobs)))
+
+    def lists(self) -> SampledLists:
+        """Plain lists (host tensors only): what crosses a process and what collect reads."""
+        lp = None
+        if self.logprob is not None and self.top_ids is not None and self.top_logprobs is not None:
+            lp = (self.logprob.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist())
+        return SampledLists(self.tokens.tolist(), lp)
+
+
+class SampledLists(NamedTuple):
+    tokens: list[int]
+    # (each row's own logprob, top ids, top logprobs) per Sampled's rows; None when no row asked
+    logprobs: tuple[list[float], list[list[int]], list[list[float]]] | None = None
+
+
+def sample_batch(
+    logits: torch.Tensor, num_sampled: int, temperatures: Sequence[float], top_ps: Sequence[float],
+    seeds: Sequence[int | None], logprobs: Sequence[int], score_targets: torch.Tensor | None,
+    score_k: int,
+) -> Sampled:
+    """Step 4's sampling, the same in every backend: tokens for the first `num_sampled` rows
+    of `logits`, then, from the same logits and without leaving the device, the logprobs of
+    the sampled rows whose `logprobs[i] >= 0` and of the scored rows after them (each against
+    its `score_targets` entry). `k`: the most alternatives any row asked for (rows that asked
+    fewer are cut on the host). A batch where no row asked does no more than sample."""
+    tokens = sample_rows(logits[:num_sampled], temperatures, top_ps, seeds)
+    want = [i for i, k in enumerate(logprobs) if k >= 0]
+    if not want and score_targets is None:
+        return Sampled(tokens)
+    dev = logits.device
+    rows = torch.tensor(want, dtype=torch.long, device=dev)
+    targets = tokens.index_select(0, rows)
+    k = max((logprobs[i] for i in want), default=0)
+    if score_targets is not None:
+        rows = torch.cat([rows, torch.arange(num_sampled, logits.shape[0], device=dev)])
+        targets = torch.cat([targets, score_targets])
+        k = max(k, score_k)
+    lp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    top_logprobs, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], torch.empty(lp.shape[0], 0, dtype=torch.long, device=dev))
+    return Sampled(tokens, lp.gather(1, targets[:, None]).squeeze(1), top_ids, top_logprobs)
+
+
+def _pinned(t: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=non_blocking)
+    return host

@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[batch.num_sampled, vocab]`` in chunk order."""
+        """Run one step; returns float32 logits ``[batch.num_sampled + batch.num_scored, vocab]``
+        (the rows of ``batch.logits_indices``)."""
         return self.compute_logits(self.run_layers(self.embed(batch), batch, kv), batch)
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:
@@ -114,10 +115,10 @@ class CausalLM(nn.Module):
         return x
 
     def compute_logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final norm + LM head on the sampled rows: float32 ``[batch.num_sampled, vocab]``."""
+        """Final norm + LM head on the sampled and scored rows: float32 ``[len(logits_indices), vocab]``."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("this model part has no LM head (not the last pipeline stage)")
-        if batch.num_sampled == 0:
+        if batch.num_sampled + batch.num_scored == 0:
             return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=x.device)
         # Norm and LM head only on rows whose logits are needed: the vocab GEMM is the single
         # largest one for small models and most prefill rows are never sampled.

@@ -36,7 +36,7 @@ from scheduler.config import EngineConfig
 from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache, block_bytes
-from scheduler.model.sampling import sample_rows
+from scheduler.model.sampling import Sampled, sample_batch
 
 from .batch_wire import RUN, STOP, BatchChannel, WireBatch
 from .comm import COMM_STREAM, p2p_ready
@@ -153,22 +153,26 @@ class Coordinator:
         self.log = CollectiveLog(comm, probes.buffer("collectives"), 0, "tp0")
         return self.sm
 
-    def forward(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> list[int]:
-        """One round on rank 0 (the main stream's thread): broadcast, forward, tokens."""
+    def forward(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> Sampled:
+        """One round on rank 0 (the main stream's thread): broadcast, forward, tokens.
+        Logprobs only where rank 0 computes the logits (pp == 1; the engine refuses them
+        otherwise)."""
         sm, ch = self.sm, self.channel
         assert sm is not None and ch is not None, "start_ranks() first"
         seeds = [0 if s is None else s for s in prepared.seeds]
         ch.send(WireBatch(RUN, step, prepared.seqs, prepared.temperatures, prepared.top_ps, seeds))
         assert prepared.forward is not None, "TP/PP runs use the in-process device"
-        logits = sm.step(prepared.forward, kv, step)
+        fb = prepared.forward
+        logits = sm.step(fb, kv, step)
         self.log.drain()
-        if not prepared.sampled:
-            return []
         if logits is not None:
-            return sample_rows(logits, prepared.temperatures, prepared.top_ps, prepared.seeds).tolist()
-        return self._recv_tokens(len(prepared.sampled), step)
+            return sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
+                                prepared.logprobs, fb.score_targets, prepared.score_k)
+        if not prepared.sampled:
+            return Sampled(torch.zeros(0, dtype=torch.int64))
+        return Sampled(self._recv_tokens(len(prepared.sampled), step))
 
-    def _recv_tokens(self, n: int, step: int) -> list[int]:
+    def _recv_tokens(self, n: int, step: int) -> torch.Tensor:
         src = self.state.logits_rank
         toks = torch.empty(n, dtype=torch.int64)
         work = dist.irecv(toks, src=src, group=self.control)
@@ -179,7 +183,7 @@ class Coordinator:
             boundary=PP_BUBBLE, timeout_s=self.cfg.hard_wait_timeout_s, buf=self._buf,
             stream=COMM_STREAM, rank=0, step=step,
         )
-        return [int(t) for t in toks.tolist()]
+        return toks
 
     def meta(self) -> dict[str, Any]:
         """``meta.json``'s ``ranks`` (clock offsets) and ``parallel`` sections."""
