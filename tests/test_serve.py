@@ -325,9 +325,8 @@ REFUSED_COMPLETION = [("n", 2), ("best_of", 2), ("frequency_penalty", 0.5), ("pr
                       ("min_tokens", 3), ("response_format", {"type": "json_object"}),
                       ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
                       ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
-                      ("logprobs", 2), ("echo", True), ("suffix", "end")]
-REFUSED_CHAT = [("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                ("tool_choice", "auto")]
+                      ("suffix", "end")]
+REFUSED_CHAT = [("echo", True), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")]
 NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0,
            "logit_bias": {}, "stop_token_ids": [], "min_tokens": 0, "response_format": {"type": "text"}}
 
@@ -398,6 +397,6 @@ def test_the_openai_client_gets_a_batch_and_a_named_refusal(client: openai.OpenA
     out = client.completions.create(model="tiny", prompt=["def f(", "import re"], max_tokens=3, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1] and out.usage is not None and out.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True,
-                                       top_logprobs=2)
-    assert e.value.body["param"] == "logprobs" and "not supported" in e.value.body["message"]  # type: ignore[index]
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.body["param"] == "tools" and "not supported" in e.value.body["message"]  # type: ignore[index]

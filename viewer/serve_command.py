@@ -93,7 +93,9 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     source = f"serve:{opts.host}:{sock.getsockname()[1]}"
     writer.write_meta(start_meta(cfg, [], source, anchor))
     engine: Any = None
-    streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why))
+    # (the engine is made below: these run only once it serves)
+    streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why),
+                              lambda token: engine.tokenizer.token_text(token) if engine.tokenizer else str(token))
     name = opts.served_model_name or cfg.model
     metrics = ServerMetrics(name, context)
     live = LiveCost()  # the cost table as the trace is committed: mstrace:boundary_seconds_total
@@ -117,7 +119,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
         loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled))
         http_buf = writer.buffer("probes") if cfg.probes else None
         responder = Responder(streams, lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
-                              engine.request_abort, http_buf, lambda: engine.step_no)
+                              engine.request_abort, http_buf, lambda: engine.step_no,
+                              engine.tokenizer.decode if engine.tokenizer else None)
         chat = ChatTemplate(engine.model_dir, engine.tokenizer.special_prefix() if engine.tokenizer else "")
         st = ServerState(loop, metrics, responder, chat, name,
                          engine.model_config.max_position_embeddings, opts.api_key, created())

@@ -65,6 +65,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens written out (what logprobs name a token by,
+        as vLLM does: the decode of that token alone)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
+
     def special_prefix(self) -> str:
         """The text of the special tokens put before every encoded text (Llama: "<s>";
         "" for a tokenizer that adds none), for templates that must write them out."""

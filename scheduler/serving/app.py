@@ -146,8 +146,9 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         check_model(body.model)
         body.unsupported()
         health_gate()
-        call = Call(False, body.prompts(), body.params(body.max_tokens), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model, body.add_special_tokens)
+        call = Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream,
+                    body.include_usage(), state.model, body.add_special_tokens, echo=body.echo,
+                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0)
         return await reply(call, request)
 
     @v1.post("/chat/completions")
@@ -155,8 +156,8 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         check_model(body.model)
         body.unsupported()
         health_gate()
-        call = Call(True, [state.chat.render(body.messages)], body.params(body.wanted_tokens()),
-                    body.stop_strings(), body.stream, body.include_usage(), state.model, body.add_special_tokens)
+        call = Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
+                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs)
         return await reply(call, request)
 
     @v1.get("/models")

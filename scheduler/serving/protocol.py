@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.core.request import SamplingParams
+from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 
 # The engine's finish reasons as OpenAI's finish_reason (and vLLM's finished_reason label):
 # a request the engine refused is "error", one aborted (disconnect, shutdown) "abort".
@@ -94,18 +94,21 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def params(self, max_tokens: int | None) -> SamplingParams:
-        """None: as many as the context and the KV pool leave after the prompt (OpenAI's chat default)."""
+    def params(self, max_tokens: int | None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
+        """None: as many as the context and the KV pool leave after the prompt (OpenAI's chat
+        default). 0 (completions with echo): one is generated and not returned (vLLM's way)."""
         return SamplingParams(max_new_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, ignore_eos=self.ignore_eos, fill_context=max_tokens is None)
+                              seed=self.seed, ignore_eos=self.ignore_eos, fill_context=max_tokens is None,
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, gt=0)  # OpenAI's default for completions
-    logprobs: int | None = None  # refused (`unsupported`)
-    echo: bool = False  # refused
-    suffix: str | None = None  # refused
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 only with echo
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the reply's text (and logprobs) start with the prompt's
+    suffix: str | None = None  # refused (`unsupported`)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a string, or a list of token ids, is one prompt; a list of strings or
@@ -123,7 +126,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
     def _unsupported(self) -> list[tuple[str, bool]]:
-        return [("logprobs", self.logprobs is not None), ("echo", self.echo), ("suffix", bool(self.suffix))]
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens: 0 is allowed only with echo (to score the prompt)", param="max_tokens")
+        return [("suffix", bool(self.suffix))]
+
+    def sampling(self) -> SamplingParams:
+        return self.params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
 
 class ContentPart(_Body):
@@ -155,15 +163,21 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
     add_special_tokens: bool = False
-    logprobs: bool = False  # refused (`unsupported`), as is top_logprobs
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's (the last message before the reply): refused
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def _unsupported(self) -> list[tuple[str, bool]]:
-        return [("logprobs", self.logprobs), ("top_logprobs", self.top_logprobs not in (None, 0)),
-                ("tools", bool(self.tools)), ("tool_choice", self.tool_choice not in (None, "none"))]
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs: only allowed with logprobs: true", param="top_logprobs")
+        return [("echo", self.echo), ("tools", bool(self.tools)),
+                ("tool_choice", self.tool_choice not in (None, "none"))]
+
+    def sampling(self) -> SamplingParams:
+        return self.params(self.wanted_tokens(), (self.top_logprobs or 0) if self.logprobs else None)
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

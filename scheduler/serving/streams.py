@@ -14,7 +14,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from scheduler.core.request import TokenLogprob
 from scheduler.hops.sender import FinishedRecord
+from scheduler.serving.logprobs import Scored, scored
 from scheduler.serving.protocol import FINISH_REASON
 from scheduler.serving.stop import StopMatcher
 
@@ -22,6 +24,8 @@ from scheduler.serving.stop import StopMatcher
 @dataclass(slots=True, frozen=True)
 class Text:
     text: str
+    logprobs: tuple[Scored, ...] = ()  # the token's, where asked (and of tokens whose event was skipped)
+    prompt: tuple[Scored, ...] | None = None  # with the first token: the prompt's, where asked (echo)
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,20 +41,24 @@ Event = Text | End
 
 
 class _Open:
-    __slots__ = ("loop", "queue", "stop")
+    __slots__ = ("loop", "queue", "stop", "logprobs", "prompt")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.stop = StopMatcher(stops)
+        self.logprobs: list[Scored] = []  # waiting for their token's text
+        self.prompt: tuple[Scored, ...] | None = None
 
 
 class ResponseStreams:
     """The sender's sink for served requests (requests it does not know are ignored)."""
 
-    def __init__(self, abort: Callable[[str, str], None]) -> None:
+    def __init__(self, abort: Callable[[str, str], None], token_text: Callable[[int], str]) -> None:
         self._open: dict[str, _Open] = {}
         self._abort = abort  # engine.request_abort: thread-safe
+        self._token_text = token_text  # a token's own text, for logprobs (the tokenizer's)
+        self._texts: dict[int, str] = {}  # token_text's answers: logprobs name the same few tokens again and again
 
     def open(self, request_id: str, stops: list[str]) -> asyncio.Queue[Event]:
         """Event loop: register a request before it is submitted."""
@@ -66,6 +74,22 @@ class ResponseStreams:
         return list(self._open)
 
     # ---- the sender thread ------------------------------------------------
+    def on_logprobs(self, request_id: str, prompt: tuple[list[int], list[TokenLogprob | None]] | None,
+                    token: tuple[int, TokenLogprob] | None) -> None:
+        o = self._open.get(request_id)
+        if o is None or o.stop.done:
+            return
+        if prompt is not None:
+            o.prompt = tuple(scored(self._text_of, t, lp) for t, lp in zip(*prompt, strict=True))
+        if token is not None:
+            o.logprobs.append(scored(self._text_of, *token))
+
+    def _text_of(self, token_id: int) -> str:
+        t = self._texts.get(token_id)
+        if t is None:
+            t = self._texts[token_id] = self._token_text(token_id)
+        return t
+
     def on_text(self, request_id: str, text: str) -> None:
         o = self._open.get(request_id)
         if o is None or o.stop.done:
@@ -74,7 +98,9 @@ class ResponseStreams:
         if out or not o.stop.done:
             # one event per token, its text possibly "" (an incomplete character, or text held
             # for a stop string): the client's first chunk is then the server's first token
-            self._post(o, Text(out))
+            lps, o.logprobs = tuple(o.logprobs), []
+            prompt, o.prompt = o.prompt, None
+            self._post(o, Text(out, lps, prompt))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
             self._abort(request_id, "stop string matched")
 
