@@ -23,10 +23,14 @@ def write(tmp_path, lines):
 def test_valid_file_with_defaults(tmp_path):
     p = write(tmp_path, [{"prompt": "hi", "max_new_tokens": 3},
                          {"id": "x", "input_ids": [1, 2], "max_new_tokens": 2, "temperature": 0.7,
-                          "top_p": 0.9, "ignore_eos": True, "arrival_s": 1.5, "seed": 3}])
+                          "top_p": 0.9, "ignore_eos": True, "arrival_s": 1.5, "seed": 3, "logprobs": 2,
+                          "prompt_logprobs": 0}])
     a, b = load_workload(p)
     assert a.request_id == "req-0" and a.prompt == "hi" and a.params.temperature == 0.0 and a.params.top_p == 1.0
+    assert a.params.logprobs is None and a.params.prompt_logprobs is None
     assert b.input_ids == (1, 2) and b.params.ignore_eos and b.arrival_s == 1.5 and b.params.seed == 3
+    assert b.params.logprobs == 2 and b.params.prompt_logprobs == 0
+    assert b.to_json()["logprobs"] == 2 and "logprobs" not in a.to_json()
 
 
 @pytest.mark.parametrize("line,field", [
@@ -43,6 +47,8 @@ def test_valid_file_with_defaults(tmp_path):
     ('{"prompt": "a", "max_new_tokens": 2, "arrival_s": -1}', "arrival_s"),
     ('{"prompt": "a", "max_new_tokens": 2, "bogus": 1}', "bogus"),
     ('{"prompt": "a", "max_new_tokens": 2, "ignore_eos": 1}', "ignore_eos"),
+    ('{"prompt": "a", "max_new_tokens": 2, "logprobs": 21}', "logprobs"),
+    ('{"prompt": "a", "max_new_tokens": 2, "prompt_logprobs": true}', "prompt_logprobs"),
 ])
 def test_bad_line_names_line_and_field(tmp_path, line, field):
     p = write(tmp_path, ['{"prompt": "ok", "max_new_tokens": 1}', line])

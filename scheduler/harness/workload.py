@@ -4,7 +4,9 @@ One JSON object per line:
   id (str, optional), prompt (str) | input_ids (list[int]), max_new_tokens (int),
   temperature (float, default 0 = greedy), top_p (default 1), seed (int, optional),
   ignore_eos (bool, default false), arrival_s (float, default 0),
-  add_special_tokens (bool, default true; a `prompt` gets the tokenizer's BOS unless false).
+  add_special_tokens (bool, default true; a `prompt` gets the tokenizer's BOS unless false),
+  logprobs, prompt_logprobs (int 0-20, optional: computed as `serve` computes them, so their
+  cost is in the run's trace; `run` does not store the values).
 The whole file is validated before anything runs; an error names the line and field.
 """
 
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.core.request import SamplingParams
+from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 
 FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s",
-          "add_special_tokens"}
+          "add_special_tokens", "logprobs", "prompt_logprobs"}
 
 
 class WorkloadError(ValueError):
@@ -50,8 +52,9 @@ class WorkloadItem:
         p = self.params
         d.update(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                  ignore_eos=p.ignore_eos, arrival_s=self.arrival_s)
-        if p.seed is not None:
-            d["seed"] = p.seed
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(p, name) is not None:
+                d[name] = getattr(p, name)
         return d
 
 
@@ -116,7 +119,12 @@ def parse_item(obj: Any, index: int, where: str, vocab_size: int | None = None) 
     arrival = float(_field(obj, "arrival_s", (int, float), 0.0, where))
     if arrival < 0:
         raise WorkloadError(f"{where}: field 'arrival_s' must be >= 0, got {arrival}")
-    params = SamplingParams(max_new, temperature, top_p, seed, ignore_eos)
+    lps = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        k = lps[name] = _field(obj, name, int, None, where)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise WorkloadError(f"{where}: field '{name}' must be between 0 and {MAX_LOGPROBS}, got {k}")
+    params = SamplingParams(max_new, temperature, top_p, seed, ignore_eos, **lps)
     return WorkloadItem(rid, prompt, tuple(ids) if ids is not None else None, params, arrival, add_special)
 
 
