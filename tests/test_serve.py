@@ -320,7 +320,7 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
 
 # Every field the API (or vLLM) defines and this server does not implement is a 400
 # naming it, never a 200 that ignores it; their neutral values are accepted.
-REFUSED_COMPLETION = [("n", 2), ("best_of", 2), ("frequency_penalty", 0.5), ("presence_penalty", -0.5),
+REFUSED_COMPLETION = [("best_of", 2), ("frequency_penalty", 0.5), ("presence_penalty", -0.5),
                       ("repetition_penalty", 1.2), ("logit_bias", {"5": 10.0}), ("stop_token_ids", [5]),
                       ("min_tokens", 3), ("response_format", {"type": "json_object"}),
                       ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
@@ -367,8 +367,6 @@ def test_a_batch_of_prompts_gets_a_choice_each_in_order_as_the_same_prompts_alon
     ids = [[1, 40, 41, 42], [1, 50, 51]]
     status, body = server.post("/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 3, "ignore_eos": True})
     assert status == 200 and len(body["choices"]) == 2 and body["usage"]["prompt_tokens"] == 7, body
-    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompts, "stream": True})
-    assert status == 400 and body["error"]["param"] == "prompt", body
     status, body = server.post("/v1/completions", {"model": "tiny", "prompt": ["ok", "x" * 100_000],
                                                    "max_tokens": 2})
     assert status in (400, 413), body
@@ -400,3 +398,55 @@ def test_the_openai_client_gets_a_batch_and_a_named_refusal(client: openai.OpenA
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     assert e.value.body["param"] == "tools" and "not supported" in e.value.body["message"]  # type: ignore[index]
+
+
+def test_n_samples_share_the_prompt_blocks_and_each_repeats_alone(server: Served) -> None:
+    """n = 4 seeded samples: four choices, each what the same request alone with seed + j
+    gives; samples after the first reuse the prompt's full KV blocks (prefix sharing)."""
+    import time
+
+    from tracing.reader import read_table
+
+    prompt = "def main(argv):\n    parser = argparse.ArgumentParser(description='a tool')\n    args = parser"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    status, out = server.post("/v1/completions", {**body, "n": 4})
+    assert status == 200, out
+    texts = [c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3] and len(set(texts)) > 1
+    alone = [server.post("/v1/completions", {**body, "seed": 7 + j})[1] for j in range(4)]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    assert out["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"] > 32
+    assert out["usage"]["completion_tokens"] == 32
+    rid = out["id"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the trace commits at least every second
+        rows = {r["request_id"]: r["cached_prefix_len"]
+                for r in read_table(server.out, "requests", columns=["request_id", "cached_prefix_len"]).to_pylist()}
+        if all(f"{rid}-{j}" in rows for j in range(4)):
+            break
+        time.sleep(0.5)
+    assert all(rows[f"{rid}-{j}"] >= 32 for j in range(1, 4)), rows
+
+
+def test_a_streamed_batch_with_n_names_each_choice(server: Served) -> None:
+    prompts = ["def main(", "import os"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}
+    whole = server.post("/v1/completions", body)[1]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    c = server.conn()
+    c.request("POST", "/v1/completions", json.dumps({**body, "stream": True,
+                                                     "stream_options": {"include_usage": True}}),
+              {"Content-Type": "application/json"})
+    events = [e for e in sse_events(c.getresponse()) if isinstance(e, dict)]
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for e in events:
+        for ch in e["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            if ch["finish_reason"]:
+                finish[ch["index"]] = ch["finish_reason"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert finish == {0: "length", 1: "length", 2: "length", 3: "length"}
+    assert events[-1]["usage"] == whole["usage"]
+    status, err = server.post("/v1/completions", {**body, "n": 17})
+    assert status == 400 and err["error"]["param"] == "n", err

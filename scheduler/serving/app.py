@@ -148,7 +148,7 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         health_gate()
         call = Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream,
                     body.include_usage(), state.model, body.add_special_tokens, echo=body.echo,
-                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0)
+                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0, n=body.n)
         return await reply(call, request)
 
     @v1.post("/chat/completions")
@@ -157,7 +157,7 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         body.unsupported()
         health_gate()
         call = Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs)
+                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n)
         return await reply(call, request)
 
     @v1.get("/models")

@@ -18,6 +18,9 @@ from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 
 # The engine's finish reasons as OpenAI's finish_reason (and vLLM's finished_reason label):
 # a request the engine refused is "error", one aborted (disconnect, shutdown) "abort".
+# Samples per prompt: each is an engine request, sharing the prompt's KV blocks
+MAX_N = 16
+
 FINISH_REASON = {"eos": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
 
 
@@ -39,7 +42,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens whatever the model says
     # Known fields not implemented: their neutral value is accepted, any other refused.
     best_of: int | None = None
@@ -65,8 +68,7 @@ class _Sampling(_Body):
     def unsupported(self) -> None:
         """BadRequest for the first field asked for that this server does not implement."""
         checks: list[tuple[str, bool]] = [
-            ("n", self.n != 1),
-            ("best_of", self.best_of not in (None, 1)),
+            ("best_of", self.best_of not in (None, self.n)),
             ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
             ("presence_penalty", self.presence_penalty not in (None, 0.0)),
             ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),

@@ -13,7 +13,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from probes.boundaries import RESPONSE_DELIVER
@@ -46,6 +46,7 @@ class Call:
     echo: bool = False  # completions: the text (and logprobs) start with the prompt's
     logprobs: bool = False  # the reply carries a logprobs object
     drop_output: bool = False  # max_tokens 0 with echo: the one token generated is not returned
+    n: int = 1  # samples per prompt: a choice each
 
 
 @dataclass(slots=True)
@@ -68,8 +69,8 @@ class Responder:
     async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """The reply's JSON, or the SSE body. BadRequest for a request the engine refused."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if len(call.prompts) > 1:
-            return await self._batch(call, rid, disconnected)
+        if len(call.prompts) * call.n > 1:
+            return await self._many(call, rid, disconnected)
         q = self._streams.open(rid, call.stops)
         self._submit(call.prompts[0], call.params, rid, call.add_special_tokens)
         try:
@@ -83,41 +84,59 @@ class Responder:
         if call.stream:
             return self._timed(self._sse(call, rid, first, q, disconnected))
         try:
-            return await self._whole(call, rid, first, q, disconnected)
+            ch, end = await self._collect(q, disconnected, rid, first)
         finally:
             self._streams.close(rid)
+        return self._reply(call, rid, [(ch, end)])
 
-    async def _batch(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
-        """A completions batch: every prompt an engine request of its own (`RID-i`), all
-        submitted at once so they share rounds; one choice per prompt, in order, and the
-        usage summed (OpenAI's). A prompt the engine refuses refuses the batch, and the
+    async def _many(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
+        """A batch of prompts, `n` samples each: every choice an engine request of its own
+        (`RID-i`, i = prompt * n + sample, OpenAI's order). A prompt's first sample is
+        submitted at once; its other samples once it has its first token, when the prompt's
+        full KV blocks are published, so they share them (prefix sharing) instead of
+        computing the prompt again. A choice the engine refuses refuses the request, and the
         others are aborted."""
-        if call.stream:
-            raise BadRequest("prompt: a batch of prompts is not streamed by this server; send them "
-                             "without stream, or one per request", param="prompt", code="unsupported_parameter")
-        rids = [f"{rid}-{i}" for i in range(len(call.prompts))]
+        n = call.n
+        rids = [f"{rid}-{i}" for i in range(len(call.prompts) * n)]
         queues = [self._streams.open(r, call.stops) for r in rids]
-        for p, r in zip(call.prompts, rids, strict=True):
-            self._submit(p, call.params, r, call.add_special_tokens)
-        try:
-            replies = await asyncio.gather(*(self._collect(q, disconnected, r) for q, r in zip(queues, rids, strict=True)))
-        except BaseException:
+        started = [asyncio.Event() for _ in call.prompts]
+
+        async def first(i: int) -> Event:
+            p, j = divmod(i, n)
+            if j:
+                await started[p].wait()
+            try:
+                self._submit(call.prompts[p], _sample_params(call.params, j), rids[i], call.add_special_tokens)
+                return await self._next(queues[i], disconnected, rids[i])
+            finally:
+                if not j:
+                    started[p].set()
+
+        def give_up(why: str) -> None:
             for r in rids:
-                self._abort(r, "another prompt of its batch failed")
-            raise
-        finally:
-            for r in rids:
+                self._abort(r, why)
                 self._streams.close(r)
-        for _, end in replies:
-            if end.finish_reason == "error":
-                for r in rids:
-                    self._abort(r, "another prompt of its batch was refused")
-                raise BadRequest(end.detail or "the engine refused a prompt of the batch", param="prompt")
-        choices = [self._completion_choice(call, i, p, ch, end)
-                   for i, (p, (ch, end)) in enumerate(zip(call.prompts, replies, strict=True))]
-        return {"id": rid, "object": "text_completion", "created": created(), "model": call.model,
-                "choices": choices, "usage": usage(sum(e.prompt_tokens for _, e in replies),
-                                                   sum(self._completion_tokens(call, e) for _, e in replies))}
+
+        try:
+            firsts = list(await asyncio.gather(*(first(i) for i in range(len(rids)))))
+        except BaseException:
+            give_up("another choice of its request failed")
+            raise
+        refused = next((e for e in firsts if isinstance(e, End) and e.finish_reason == "error"), None)
+        if refused is not None:
+            give_up("another choice of its request was refused")
+            raise BadRequest(refused.detail or "the engine refused a prompt of the batch", param="prompt")
+        if call.stream:
+            return self._timed(self._sse_many(call, rid, rids, queues, firsts, disconnected))
+        try:
+            replies = await asyncio.gather(*(self._collect(q, disconnected, r, ev)
+                                             for q, r, ev in zip(queues, rids, firsts, strict=True)))
+        except BaseException:
+            give_up("another choice of its request failed")
+            raise
+        for r in rids:
+            self._streams.close(r)
+        return self._reply(call, rid, replies)
 
     async def _collect(self, q: asyncio.Queue[Event], disconnected: Callable[[], Awaitable[bool]],
                        rid: str, ev: Event | None = None) -> tuple[Choice, End]:
@@ -137,95 +156,103 @@ class Responder:
             return prompt  # echoed as sent, as vLLM does
         return self._decode(prompt) if self._decode is not None else ""
 
-    def _completion_choice(self, call: Call, index: int, prompt: str | list[int], ch: Choice, end: End) -> dict[str, Any]:
-        text = "" if call.drop_output else "".join(ch.parts)
-        lps = [] if call.drop_output else ch.logprobs
-        if call.echo:
-            text, lps = self._prompt_text(prompt) + text, [*ch.prompt, *lps]
-        return {"index": index, "text": text, "logprobs": completion_logprobs(lps) if call.logprobs else None,
-                "finish_reason": end.finish_reason}
+    def _reply(self, call: Call, rid: str, replies: list[tuple[Choice, End]]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for i, (ch, end) in enumerate(replies):
+            if call.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": "".join(ch.parts)},
+                                "logprobs": chat_logprobs(ch.logprobs) if call.logprobs else None,
+                                "finish_reason": end.finish_reason})
+                continue
+            text = "" if call.drop_output else "".join(ch.parts)
+            lps = [] if call.drop_output else ch.logprobs
+            if call.echo:
+                text, lps = self._prompt_text(call.prompts[i // call.n]) + text, [*ch.prompt, *lps]
+            choices.append({"index": i, "text": text, "finish_reason": end.finish_reason,
+                            "logprobs": completion_logprobs(lps) if call.logprobs else None})
+        return {"id": rid, "object": "chat.completion" if call.chat else "text_completion", "created": created(),
+                "model": call.model, "choices": choices, "usage": self._usage(call, [e for _, e in replies])}
 
     @staticmethod
-    def _completion_tokens(call: Call, end: End) -> int:
-        return 0 if call.drop_output else end.completion_tokens
+    def _usage(call: Call, ends: list[End]) -> dict[str, int]:
+        """Summed over the choices (OpenAI's); a prompt shared by `n` samples counts once."""
+        return usage(sum(e.prompt_tokens for e in ends[:: call.n]),
+                     0 if call.drop_output else sum(e.completion_tokens for e in ends))
 
-    async def _next(self, q: asyncio.Queue[Event], disconnected: Callable[[], Awaitable[bool]], rid: str) -> Event:
+    async def _next(self, q: asyncio.Queue[Any], disconnected: Callable[[], Awaitable[bool]], *rids: str) -> Any:
         while True:
             try:
                 return await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await disconnected():
-                    self._abort(rid, "client disconnected")
+                    for rid in rids:
+                        self._abort(rid, "client disconnected")
                     raise ClientGone from None
-
-    async def _whole(self, call: Call, rid: str, ev: Event, q: asyncio.Queue[Event],
-                     disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
-        ch, end = await self._collect(q, disconnected, rid, ev)
-        if call.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "".join(ch.parts)},
-                                      "logprobs": chat_logprobs(ch.logprobs) if call.logprobs else None,
-                                      "finish_reason": end.finish_reason}
-        else:
-            choice = self._completion_choice(call, 0, call.prompts[0], ch, end)
-        return {"id": rid, "object": "chat.completion" if call.chat else "text_completion", "created": created(),
-                "model": call.model, "choices": [choice],
-                "usage": usage(end.prompt_tokens, self._completion_tokens(call, end))}
 
     async def _sse(self, call: Call, rid: str, ev: Event, q: asyncio.Queue[Event],
                    disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if call.chat else "text_completion"
-        t = created()
-        offset = 0  # completions' text_offset: where the next token's text starts in the whole text
-        echo = call.echo
-
-        def chunk(text: str | None, finish: str | None, role: bool = False, lps: list[Scored] | None = None) -> bytes:
-            nonlocal offset
-            lp: dict[str, Any] | None = None
-            if call.logprobs:
-                lp = chat_logprobs(lps or []) if call.chat else completion_logprobs(lps or [], offset)
-                offset += sum(len(e.token) for e in lps or [])
-            if call.chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
-            return _data({"id": rid, "object": obj, "created": t, "model": call.model, "choices": [choice]})
-
-        def piece(ev: Text) -> tuple[str, list[Scored]]:
-            nonlocal echo
-            text, lps = ("", []) if call.drop_output else (ev.text, list(ev.logprobs))
-            if echo:  # the first chunk starts with the prompt
-                echo = False
-                text, lps = self._prompt_text(call.prompts[0]) + text, [*(ev.prompt or ()), *lps]
-            return text, lps
-
+        chunks = _Chunks(call, rid, self._prompt_text)
         done = False
         try:
             if call.chat:
-                yield chunk("", None, role=True)
+                yield chunks.role(0)
             last = None  # the final token's chunk carries the finish reason, as vLLM's does
             while isinstance(ev, Text):
                 nxt = q.get_nowait() if not q.empty() else None
-                text, lps = piece(ev)
                 if isinstance(nxt, End):
-                    last = chunk(text + ("" if call.drop_output else nxt.tail), nxt.finish_reason, lps=lps)
+                    last = chunks.text(0, ev, nxt)
                     ev = nxt
                     break
-                yield chunk(text, None, lps=lps)
+                yield chunks.text(0, ev)
                 ev = nxt if nxt is not None else await self._next(q, disconnected, rid)
-            tail = "" if call.drop_output else ev.tail
-            yield last if last is not None else chunk(tail or (None if call.chat else ""), ev.finish_reason)
+            yield last if last is not None else chunks.end(0, ev)
             if call.include_usage:
-                yield _data({"id": rid, "object": obj, "created": t, "model": call.model, "choices": [],
-                             "usage": usage(ev.prompt_tokens, self._completion_tokens(call, ev))})
+                yield chunks.usage(self._usage(call, [ev]))
             yield b"data: [DONE]\n\n"
             done = True
         finally:
             self._streams.close(rid)
             if not done:  # the client went away (the server cancelled this generator)
                 self._abort(rid, "client disconnected")
+
+    async def _sse_many(self, call: Call, rid: str, rids: list[str], queues: list[asyncio.Queue[Event]],
+                        firsts: list[Event], disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+        """Several choices in one stream: each chunk names its choice's `index`, in the order
+        their tokens arrive (OpenAI's and vLLM's)."""
+        chunks = _Chunks(call, rid, self._prompt_text)
+        merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        async def pump(i: int, ev: Event) -> None:
+            await merged.put((i, ev))
+            while isinstance(ev, Text):
+                ev = await queues[i].get()
+                await merged.put((i, ev))
+
+        pumps = [asyncio.create_task(pump(i, ev)) for i, ev in enumerate(firsts)]
+        ends: dict[int, End] = {}
+        done = False
+        try:
+            if call.chat:
+                for i in range(len(rids)):
+                    yield chunks.role(i)
+            while len(ends) < len(rids):
+                i, ev = await self._next(merged, disconnected, *rids)
+                if isinstance(ev, Text):
+                    yield chunks.text(i, ev)
+                else:
+                    ends[i] = ev
+                    yield chunks.end(i, ev)
+            if call.include_usage:
+                yield chunks.usage(self._usage(call, [ends[i] for i in range(len(rids))]))
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            for t in pumps:
+                t.cancel()
+            for r in rids:
+                self._streams.close(r)
+                if not done:
+                    self._abort(r, "client disconnected")
 
     async def _timed(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """`body`, each chunk's write timed: the server resumes this generator only once it
@@ -238,6 +265,63 @@ class Responder:
                     self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "http", 0, self._step()))
         finally:
             await body.aclose()  # type: ignore[attr-defined]
+
+
+class _Chunks:
+    """The SSE chunks of one response, each choice's state kept apart: whether its prompt
+    is still to be echoed, and where its next token's text starts (`text_offset`)."""
+
+    def __init__(self, call: Call, rid: str, prompt_text: Callable[[str | list[int]], str]) -> None:
+        self.call, self.rid, self._prompt_text = call, rid, prompt_text
+        self.obj = "chat.completion.chunk" if call.chat else "text_completion"
+        self.t = created()
+        self._offset: dict[int, int] = {}
+        self._echoed: set[int] = set()
+
+    def role(self, i: int) -> bytes:
+        return self._chunk(i, "", None, role=True)
+
+    def text(self, i: int, ev: Text, end: End | None = None) -> bytes:
+        """A token's chunk (`end`: it is the last, and carries the finish reason and tail)."""
+        call = self.call
+        text, lps = ("", []) if call.drop_output else (ev.text, list(ev.logprobs))
+        if call.echo and i not in self._echoed:  # the choice's first chunk starts with the prompt
+            self._echoed.add(i)
+            text, lps = self._prompt_text(call.prompts[i // call.n]) + text, [*(ev.prompt or ()), *lps]
+        if end is not None and not call.drop_output:
+            text += end.tail
+        return self._chunk(i, text, end.finish_reason if end is not None else None, lps=lps)
+
+    def end(self, i: int, ev: End) -> bytes:
+        tail = "" if self.call.drop_output else ev.tail
+        return self._chunk(i, tail or (None if self.call.chat else ""), ev.finish_reason)
+
+    def usage(self, u: dict[str, int]) -> bytes:
+        return _data({"id": self.rid, "object": self.obj, "created": self.t, "model": self.call.model,
+                      "choices": [], "usage": u})
+
+    def _chunk(self, i: int, text: str | None, finish: str | None, role: bool = False,
+               lps: list[Scored] | None = None) -> bytes:
+        call = self.call
+        lp: dict[str, Any] | None = None
+        if call.logprobs and not role:
+            offset = self._offset.get(i, 0)
+            lp = chat_logprobs(lps or []) if call.chat else completion_logprobs(lps or [], offset)
+            self._offset[i] = offset + sum(len(e.token) for e in lps or [])
+        if call.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        return _data({"id": self.rid, "object": self.obj, "created": self.t, "model": call.model, "choices": [choice]})
+
+
+def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The `j`th sample of a prompt: a seeded request's samples draw with seed + j (vLLM's), so
+    they differ and each repeats; unseeded ones differ by their request ids."""
+    return params if j == 0 or params.seed is None else replace(params, seed=params.seed + j)
 
 
 def _data(obj: dict[str, Any]) -> bytes:
