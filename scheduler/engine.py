@@ -124,7 +124,7 @@ class Engine:
         self.fence = KvFence(self.mm, config.split_on, self._pb, 0)
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self.fence.blocks)
         self.executor = Executor(self.backend.ops, config.block_size, config.seed, self.streams, self.registry,
-                                 config.hard_wait_timeout_s, self._pb)
+                                 config.hard_wait_timeout_s, self._pb, eos_ids=self.eos_ids)
         if config.debug_kv_check:  # (validate keeps it to a local device)
             self.backend.ops.enable_kv_check()
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
@@ -341,21 +341,9 @@ class Engine:
         req = self.rm.enqueue(sample)
         if (why := self.aborts.arrived(sample.request_id)) is not None:
             self.rm.finish(req, FinishReason.ABORTED, why)
-        elif sample.error:
-            self.rm.finish(req, FinishReason.REJECTED, sample.error)
-        elif sample.valid_len == 0:
-            self.rm.finish(req, FinishReason.REJECTED, "empty prompt")
-        elif self.cfg.pp > 1 and sample.sampling_params.wants_logprobs:
-            self.rm.finish(req, FinishReason.REJECTED, "logprobs are computed on rank 0's logits: not with --pp > 1")
-        elif max(sample.input_ids) >= self.model_config.vocab_size or min(sample.input_ids) < 0:
-            bad = next(t for t in sample.input_ids if not 0 <= t < self.model_config.vocab_size)
-            self.rm.finish(req, FinishReason.REJECTED,
-                           f"token id {bad} is outside the vocabulary of {self.model_config.vocab_size}")
-        elif sample.valid_len + sample.sampling_params.max_new_tokens > self.model_config.max_position_embeddings:
-            self.rm.finish(req, FinishReason.REJECTED,
-                           f"prompt of {sample.valid_len} tokens + {sample.sampling_params.max_new_tokens} new "
-                           f"tokens exceeds the model's context of {self.model_config.max_position_embeddings} "
-                           "(max_position_embeddings)")
+        elif why := sample.refusal(self.model_config.vocab_size, self.model_config.max_position_embeddings,
+                                   logits_on_rank0=self.cfg.pp == 1):
+            self.rm.finish(req, FinishReason.REJECTED, why)
 
     def _launch(self, batch: ScheduleBatch, step: int) -> list[Launch]:
         """Step 4: prepare and enqueue the batch, one launch per stream; does not wait."""

@@ -320,9 +320,7 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
 
 # Every field the API (or vLLM) defines and this server does not implement is a 400
 # naming it, never a 200 that ignores it; their neutral values are accepted.
-REFUSED_COMPLETION = [("best_of", 2), ("frequency_penalty", 0.5), ("presence_penalty", -0.5),
-                      ("repetition_penalty", 1.2), ("logit_bias", {"5": 10.0}), ("stop_token_ids", [5]),
-                      ("min_tokens", 3), ("response_format", {"type": "json_object"}),
+REFUSED_COMPLETION = [("best_of", 2), ("response_format", {"type": "json_object"}),
                       ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
                       ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
                       ("suffix", "end")]
@@ -450,3 +448,29 @@ def test_a_streamed_batch_with_n_names_each_choice(server: Served) -> None:
     assert events[-1]["usage"] == whole["usage"]
     status, err = server.post("/v1/completions", {**body, "n": 17})
     assert status == 400 and err["error"]["param"] == "n", err
+
+
+def test_logit_bias_stop_token_ids_and_penalties_are_applied_or_refused_by_name(server: Served) -> None:
+    base = {"model": "tiny", "prompt": "def main(", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    status, pushed = server.post("/v1/completions", {**base, "logit_bias": {"300": 100}, "logprobs": 0})
+    assert status == 200 and set(pushed["choices"][0]["logprobs"]["tokens"]) == {pushed["choices"][0]["logprobs"]["tokens"][0]}
+    from transformers import AutoTokenizer
+
+    from scheduler.model.presets import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("tiny")), local_files_only=True)
+    assert pushed["choices"][0]["logprobs"]["tokens"][0] == tok.decode([300])
+    # token 300 is drawn first (its bias), and it is a stop token: generated, counted, not text
+    status, stopped = server.post("/v1/completions", {**base, "logit_bias": {"300": 100}, "stop_token_ids": [300]})
+    assert status == 200 and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["text"] == "" and stopped["usage"]["completion_tokens"] == 1
+    status, pen = server.post("/v1/completions", {**base, "frequency_penalty": 2.0, "presence_penalty": 2.0,
+                                                  "repetition_penalty": 1.5})
+    assert status == 200 and pen["usage"]["completion_tokens"] == 6
+    for bad, param in (({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                       ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"min_tokens": 7}, "min_tokens")):
+        status, body = server.post("/v1/completions", {**base, **bad})
+        assert status == 400 and body["error"]["param"] == param, (bad, body)
+    status, body = server.post("/v1/completions", {**base, "stop_token_ids": [10 ** 9]})
+    assert status == 400 and "outside the vocabulary" in body["error"]["message"], body

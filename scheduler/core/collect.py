@@ -25,6 +25,7 @@ class TokenOut(Protocol):
     prompts: dict[str, list[int]]  # the prompt of each request whose first token is in `tokens`
     logprobs: dict[int, TokenLogprob]  # by index into `tokens`, for the tokens that asked
     prompt_logprobs: dict[str, list[TokenLogprob | None]]  # with the first token, where asked
+    hidden: set[int]  # indices into `tokens` whose text is left out (a stop_token_ids match)
 
 
 def launched(chunks: Sequence[ScheduledChunk], sampled: Sequence[ScheduledChunk], slots: Sequence[int]) -> None:
@@ -83,6 +84,9 @@ def collect(
         sp = req.sample.sampling_params
         if tok in eos_ids and not sp.ignore_eos:
             finish(req, FinishReason.EOS)
+        elif tok in sp.stop_token_ids:
+            out.hidden.add(len(out.tokens) - 1)  # generated and counted, but not text (vLLM's)
+            finish(req, FinishReason.STOP_TOKEN)
         elif req.num_real_outputs >= sp.max_new_tokens:
             finish(req, FinishReason.LENGTH)
     for c in chunks:

@@ -24,16 +24,49 @@ class SamplingParams:
     # token after the first (what `echo` scores); such a request takes no prefix-cache hit.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logit processing before the draw (vLLM's semantics, scheduler/model/penalties.py):
+    # penalties on tokens already in the output (frequency: per occurrence; presence: once) and,
+    # for repetition, in the prompt too (a logit divided by it if positive, else multiplied);
+    # a bias per token id; EOS and stop_token_ids banned until min_tokens are out.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # each ends the output as EOS does (its text left out)
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} (got {k})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2 (got {getattr(self, name)})")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if self.min_tokens < 0 or (self.min_tokens > self.max_new_tokens and not self.fill_context):
+            raise ValueError(f"min_tokens must be between 0 and max tokens {self.max_new_tokens} (got {self.min_tokens})")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be between -100 and 100")
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None or self.prompt_logprobs is not None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def needs_logits_rank(self) -> bool:
+        """Asks for what only the rank holding the logits can do (rank 0 here)."""
+        return self.wants_logprobs or self.adjusts_logits
+
+    def token_ids(self) -> list[int]:
+        """The token ids it names (logit_bias, stop_token_ids): the engine checks the vocabulary."""
+        return [t for t, _ in self.logit_bias] + list(self.stop_token_ids)
 
 
 class TokenLogprob(NamedTuple):
@@ -61,6 +94,25 @@ class ReqSample:
     tokenized_ns: int = 0
     error: str = ""  # set when tokenization failed; the scheduler rejects the request
 
+    def refusal(self, vocab_size: int, context: int, logits_on_rank0: bool) -> str:
+        """Why the engine cannot run this request ("" when it can)."""
+        sp = self.sampling_params
+        if self.error:
+            return self.error
+        if self.valid_len == 0:
+            return "empty prompt"
+        if not logits_on_rank0 and sp.needs_logits_rank:
+            return "logprobs, penalties, logit_bias and min_tokens need the logits on rank 0: not with --pp > 1"
+        named = sp.token_ids()
+        if max(self.input_ids) >= vocab_size or min(self.input_ids) < 0 or named:
+            bad = next((t for t in (*self.input_ids, *named) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                return f"token id {bad} is outside the vocabulary of {vocab_size}"
+        if self.valid_len + sp.max_new_tokens > context:
+            return (f"prompt of {self.valid_len} tokens + {sp.max_new_tokens} new tokens exceeds the model's "
+                    f"context of {context} (max_position_embeddings)")
+        return ""
+
 
 class RequestStatus(StrEnum):
     WAITING = "waiting"
@@ -70,6 +122,7 @@ class RequestStatus(StrEnum):
 
 class FinishReason(StrEnum):
     EOS = "eos"
+    STOP_TOKEN = "stop_token"  # one of the request's stop_token_ids
     LENGTH = "length"
     ABORTED = "aborted"
     REJECTED = "rejected"

@@ -17,6 +17,7 @@ from scheduler.device import wire
 from scheduler.device.work import STREAM_NAMES
 
 if TYPE_CHECKING:
+    from scheduler.model.penalties import LogitsAdjust
     from scheduler.model.sampling import SampledLists
 
 
@@ -163,6 +164,7 @@ class _Device:
         seeds: list[int | None],
         logprobs: list[int],
         score_k: int,
+        adjust: LogitsAdjust | None,
         slots: list[int],
         has_placeholders: bool,
     ) -> SampledLists:
@@ -177,7 +179,8 @@ class _Device:
         if has_placeholders:
             resolve_placeholders(fb, self.future)
         logits = self.model(fb, self.kv)
-        out = sample_batch(logits, fb.num_sampled, temperatures, top_ps, seeds, logprobs, fb.score_targets, score_k)
+        out = sample_batch(logits, fb.num_sampled, temperatures, top_ps, seeds, logprobs, fb.score_targets, score_k,
+                           adjust, self.future)
         if slots:
             publish(self.future, slots, out.tokens)
         return out.lists()  # for the pipe

@@ -25,6 +25,7 @@ from scheduler.core.request import Request
 from scheduler.device.prepared import Launch, PreparedBatch
 from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+from scheduler.model.penalties import LogitsAdjust
 from scheduler.model.sampling import SampledLists, token_seed
 
 
@@ -43,6 +44,7 @@ class Executor:
         wait_timeout_s: float,
         probe_buf: list[Row] | None,
         rank: int = 0,
+        eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -53,6 +55,7 @@ class Executor:
         self._buf = probe_buf
         self._rank = rank
         self._next_slot = 0
+        self.eos_ids = eos_ids  # what min_tokens bans, with each request's stop_token_ids
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
         seqs: list[SeqChunk] = []
@@ -78,6 +81,7 @@ class Executor:
             seeds=[self._draw_seed(c) for c in sampled],
             logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
             score_k=score_k,
+            adjust=logits_adjust(sampled, self.eos_ids),
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,
@@ -142,3 +146,38 @@ def score_targets(c: ScheduledChunk) -> list[int]:
     prompt = c.req.sample.input_ids
     end = min(c.start + c.num_tokens, c.req.sample.valid_len - 1)
     return prompt[c.start + 1 : end + 1] if end > c.start else []
+
+
+def logits_adjust(sampled: Sequence[ScheduledChunk], eos_ids: frozenset[int]) -> LogitsAdjust | None:
+    """The batch's logit changes (scheduler/model/penalties.py), from the sampled chunks'
+    requests; None when none asks, which is all a batch without them costs."""
+    adj: LogitsAdjust | None = None
+    for row, c in enumerate(sampled):
+        sp = c.req.sample.sampling_params
+        if not sp.adjusts_logits:
+            continue
+        if adj is None:
+            adj = LogitsAdjust([], [], [], [], [], [], [], [], [], [], [], [])
+        for tok, bias in sp.logit_bias:
+            adj.bias_rows.append(row)
+            adj.bias_ids.append(tok)
+            adj.bias_values.append(bias)
+        # every earlier output, the one fed in this round included (a placeholder in overlap mode)
+        outs = c.req.output_ids
+        if len(outs) < sp.min_tokens:
+            for tok in (*eos_ids, *sp.stop_token_ids):
+                adj.ban_rows.append(row)
+                adj.ban_ids.append(tok)
+        if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0:
+            k = len(adj.pen_rows)
+            adj.pen_rows.append(row)
+            adj.repetition.append(sp.repetition_penalty)
+            adj.frequency.append(sp.frequency_penalty)
+            adj.presence.append(sp.presence_penalty)
+            prompt = c.req.sample.input_ids if sp.repetition_penalty != 1.0 else []
+            adj.hist_pen.extend([k] * (len(prompt) + len(outs)))
+            adj.hist_ids.extend(prompt)
+            adj.hist_ids.extend(outs)
+            adj.hist_output.extend([False] * len(prompt))
+            adj.hist_output.extend([True] * len(outs))
+    return adj

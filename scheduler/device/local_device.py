@@ -73,7 +73,7 @@ class LocalDevice:
             assert self.model is not None
             logits = self.model(fb, kv)
             out = sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
-                               prepared.logprobs, fb.score_targets, prepared.score_k)
+                               prepared.logprobs, fb.score_targets, prepared.score_k, prepared.adjust, future)
         if slots:
             publish(future, slots, out.tokens)
         return out.to_host(non_blocking=True)

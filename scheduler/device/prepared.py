@@ -12,6 +12,7 @@ from scheduler.core.batch import ScheduledChunk
 from scheduler.core.request import TokenLogprob
 from scheduler.device.work import Event
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk
+from scheduler.model.penalties import LogitsAdjust
 from scheduler.model.sampling import SampledLists
 
 
@@ -36,6 +37,7 @@ class PreparedBatch:
     score_k: int  # the most alternatives a scored (prompt-logprob) row asks for; -1 = no scored rows
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
+    adjust: LogitsAdjust | None = None  # penalties, biases, min_tokens of the sampled rows (None: none asked)
     seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
 
     def results(

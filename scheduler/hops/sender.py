@@ -61,6 +61,7 @@ class StepOutput:
     prompts: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # by index into `tokens`, where asked
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)  # with the first token
+    hidden: set[int] = field(default_factory=set)  # indices into `tokens` whose text is left out (stop tokens)
     finished: list[FinishedRecord] = field(default_factory=list)
 
 
@@ -120,7 +121,7 @@ class Sender:
                 self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 
     def _deliver(self, out: StepOutput) -> None:
-        texts = [(rid, self._push(rid, tok, out.prompts)) for rid, tok in out.tokens]
+        texts = [(rid, self._push(rid, tok, out.prompts, i in out.hidden)) for i, (rid, tok) in enumerate(out.tokens)]
         last = {rid: i for i, (rid, _) in enumerate(texts)}
         tails: list[tuple[str, str]] = []  # text held back, of requests with no token this round
         for rec in out.finished:
@@ -155,8 +156,8 @@ class Sender:
         for s in self._lp_sinks:
             s.on_logprobs(rid, prompt, (tok, lp) if lp is not None else None)
 
-    def _push(self, rid: str, tok: int, prompts: dict[str, list[int]]) -> str:
-        if self._tok is None:
+    def _push(self, rid: str, tok: int, prompts: dict[str, list[int]], hidden: bool) -> str:
+        if self._tok is None or hidden:
             return ""
         d = self._detok.get(rid)
         if d is None:

@@ -8,6 +8,9 @@ from typing import NamedTuple
 
 import torch
 
+from scheduler.model.penalties import LogitsAdjust
+from scheduler.model.penalties import apply as apply_adjust
+
 
 def sample(
     logits: torch.Tensor,
@@ -147,14 +150,17 @@ class SampledLists(NamedTuple):
 def sample_batch(
     logits: torch.Tensor, num_sampled: int, temperatures: Sequence[float], top_ps: Sequence[float],
     seeds: Sequence[int | None], logprobs: Sequence[int], score_targets: torch.Tensor | None,
-    score_k: int,
+    score_k: int, adjust: LogitsAdjust | None = None, future: torch.Tensor | None = None,
 ) -> Sampled:
     """Step 4's sampling, the same in every backend: tokens for the first `num_sampled` rows
-    of `logits`, then, from the same logits and without leaving the device, the logprobs of
-    the sampled rows whose `logprobs[i] >= 0` and of the scored rows after them (each against
-    its `score_targets` entry). `k`: the most alternatives any row asked for (rows that asked
-    fewer are cut on the host). A batch where no row asked does no more than sample."""
-    tokens = sample_rows(logits[:num_sampled], temperatures, top_ps, seeds)
+    of `logits` (after `adjust`'s penalties and biases, scheduler/model/penalties.py; `future`
+    resolves placeholders in their histories), then, from the same raw logits and without
+    leaving the device, the logprobs of the sampled rows whose `logprobs[i] >= 0` and of the
+    scored rows after them (each against its `score_targets` entry). `k`: the most
+    alternatives any row asked for (rows that asked fewer are cut on the host). A batch where
+    no row asked for anything does no more than sample."""
+    rows = logits[:num_sampled]
+    tokens = sample_rows(rows if adjust is None else apply_adjust(rows, adjust, future), temperatures, top_ps, seeds)
     want = [i for i, k in enumerate(logprobs) if k >= 0]
     if not want and score_targets is None:
         return Sampled(tokens)

@@ -167,7 +167,7 @@ class Coordinator:
         self.log.drain()
         if logits is not None:
             return sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
-                                prepared.logprobs, fb.score_targets, prepared.score_k)
+                                prepared.logprobs, fb.score_targets, prepared.score_k, prepared.adjust)
         if not prepared.sampled:
             return Sampled(torch.zeros(0, dtype=torch.int64))
         return Sampled(self._recv_tokens(len(prepared.sampled), step))

@@ -21,7 +21,7 @@ from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 # Samples per prompt: each is an engine request, sharing the prompt's KV blocks
 MAX_N = 16
 
-FINISH_REASON = {"eos": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
+FINISH_REASON = {"eos": "stop", "stop_token": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
 
 
 class _Body(BaseModel):
@@ -44,14 +44,15 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False  # an extension (vLLM's): generate max_tokens whatever the model says
+    # Logit processing before the draw (scheduler/model/penalties.py; vLLM's semantics)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias in [-100, 100]
+    stop_token_ids: list[int] | None = None  # vLLM's: each ends the output, its text left out
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: EOS and stop_token_ids banned until then
     # Known fields not implemented: their neutral value is accepted, any other refused.
     best_of: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[str, float] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's
-    min_tokens: int | None = None  # vLLM's
     response_format: dict[str, Any] | None = None
     guided_json: Any = None  # vLLM's guided decoding (and its successor, structured_outputs)
     guided_regex: Any = None
@@ -69,12 +70,6 @@ class _Sampling(_Body):
         """BadRequest for the first field asked for that this server does not implement."""
         checks: list[tuple[str, bool]] = [
             ("best_of", self.best_of not in (None, self.n)),
-            ("frequency_penalty", self.frequency_penalty not in (None, 0.0)),
-            ("presence_penalty", self.presence_penalty not in (None, 0.0)),
-            ("repetition_penalty", self.repetition_penalty not in (None, 1.0)),
-            ("logit_bias", bool(self.logit_bias)),
-            ("stop_token_ids", bool(self.stop_token_ids)),
-            ("min_tokens", self.min_tokens not in (None, 0)),
             ("response_format", self.response_format is not None and self.response_format.get("type") != "text"),
             *((g, getattr(self, g) is not None) for g in ("guided_json", "guided_regex", "guided_choice",
                                                           "guided_grammar", "structured_outputs")),
@@ -100,9 +95,25 @@ class _Sampling(_Body):
                prompt_logprobs: int | None = None) -> SamplingParams:
         """None: as many as the context and the KV pool leave after the prompt (OpenAI's chat
         default). 0 (completions with echo): one is generated and not returned (vLLM's way)."""
+        if self.min_tokens and max_tokens is not None and self.min_tokens > max(max_tokens, 1):
+            raise BadRequest(f"min_tokens: {self.min_tokens} is more than max_tokens {max_tokens}", param="min_tokens")
         return SamplingParams(max_new_tokens=max_tokens or 1, temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed, ignore_eos=self.ignore_eos, fill_context=max_tokens is None,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self._bias(),
+                              min_tokens=self.min_tokens or 0, stop_token_ids=tuple(self.stop_token_ids or ()))
+
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise BadRequest(f"logit_bias: the key {key!r} is not a token id", param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise BadRequest(f"logit_bias: the bias of {key} is {bias}, not in [-100, 100]", param="logit_bias")
+            out.append((int(key), float(bias)))
+        return tuple(out)
 
 
 class CompletionRequest(_Sampling):
