@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,15 @@ class Served:
         out, _ = self.proc.communicate(timeout=timeout)
         self._err.close()
         return self.proc.returncode, out, self._err_path.read_text()
+
+
+@contextmanager
+def serving(out: Path, *flags: str) -> Iterator[Served]:
+    """A server for a test module: it must stop cleanly (exit 0) when the module is done."""
+    s = Served(out, *flags)
+    yield s
+    rc, _, err = s.stop()
+    assert rc == 0, err
 
 
 def sse_events(resp: HTTPResponse) -> list[dict[str, Any] | str]:

@@ -9,15 +9,7 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from tests.checkpoints import build_llama
-
-
-def drive(eng: Engine, limit: int = 500) -> None:
-    for _ in range(limit):
-        if not eng.has_work():
-            return
-        if eng.step() is None:
-            eng.wait_for_arrivals(0.05)
-    raise AssertionError("engine did not finish")
+from tests.engines import drive
 
 
 def test_eos_finishes_a_request(tmp_path):

@@ -14,6 +14,7 @@ from scheduler.core.request import SamplingParams, TokenLogprob
 from scheduler.engine import Engine
 from scheduler.parallel.coordinator import Coordinator
 from tests.checkpoints import build_llama
+from tests.engines import drive
 
 TOL = 1e-4
 K = 5
@@ -62,13 +63,7 @@ def run(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], trace_dir
     try:
         for rid, (prompt, sp) in reqs.items():
             eng.submit(prompt, sp, rid)
-        for _ in range(2000):
-            if not eng.has_work():
-                break
-            if eng.step() is None:
-                eng.wait_for_arrivals(0.05)
-        else:
-            raise AssertionError("engine did not finish")
+        drive(eng)
     finally:
         eng.close()
         if coord is not None:
@@ -139,9 +134,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(ckpt: Path, hf: torch.nn.Module) 
                              "cached": (prompt, SamplingParams(2, ignore_eos=True))}):
             for rid, (p, sp) in reqs.items():
                 eng.submit(p, sp, rid)
-            while eng.has_work():
-                if eng.step() is None:
-                    eng.wait_for_arrivals(0.05)
+            drive(eng)
         got = {r.request_id: r for r in eng.rm.finished}
     finally:
         eng.close()

@@ -20,6 +20,7 @@ from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from scheduler.model.penalties import apply
 from tests.checkpoints import build_llama
+from tests.engines import drive as drive_engine
 
 V = 300
 
@@ -85,11 +86,7 @@ def drive(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], **kw: o
     try:
         for rid, (p, sp) in reqs.items():
             eng.submit(p, sp, rid)
-        for _ in range(2000):
-            if not eng.has_work():
-                break
-            if eng.step() is None:
-                eng.wait_for_arrivals(0.05)
+        drive_engine(eng)
         return {r.request_id: r for r in eng.rm.finished}
     finally:
         eng.close()

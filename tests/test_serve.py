@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.cli import mstrace
-from tests.serve_proc import Served, sse_events
+from tests.serve_proc import Served, serving, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -18,10 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = Served(tmp_path_factory.mktemp("serve") / "trace")
-    yield s
-    rc, _, err = s.stop()
-    assert rc == 0, err
+    with serving(tmp_path_factory.mktemp("serve") / "trace") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

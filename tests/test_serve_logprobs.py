@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.serve_proc import Served, sse_events
+from tests.serve_proc import Served, serving, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -17,10 +17,8 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    s = Served(tmp_path_factory.mktemp("serve-lp") / "trace")
-    yield s
-    rc, _, err = s.stop()
-    assert rc == 0, err
+    with serving(tmp_path_factory.mktemp("serve-lp") / "trace") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
