@@ -84,7 +84,7 @@ def collect(
         sp = req.sample.sampling_params
         if tok in eos_ids and not sp.ignore_eos:
             finish(req, FinishReason.EOS)
-        elif tok in sp.stop_token_ids:
+        elif req.extras and tok in sp.stop_token_ids:
             out.hidden.add(len(out.tokens) - 1)  # generated and counted, but not text (vLLM's)
             finish(req, FinishReason.STOP_TOKEN)
         elif req.num_real_outputs >= sp.max_new_tokens:

@@ -34,8 +34,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()  # each ends the output as EOS does (its text left out)
+    # Any of logprobs, logit processing or stop tokens asked: one field a round reads per row,
+    # so a batch that asks for none pays one attribute read a row for all of it (__post_init__)
+    extras: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extras", self.wants_logprobs or self.adjusts_logits or bool(self.stop_token_ids))
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -161,6 +165,11 @@ class Request:
     last_event: Any = None  # end event of the last launch that touched this request (cross-stream waits)
     # prompt_logprobs: position p's entry scores prompt token p (p >= 1; [0] stays None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # sampling_params.extras, read once here: step 4 asks it of every chunk of every round
+    extras: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.extras = self.sample.sampling_params.extras
 
     @property
     def request_id(self) -> str:

@@ -158,7 +158,7 @@ class _Device:
 
     def _forward(
         self,
-        seqs: list[tuple[list[int], int, list[int], bool, list[int]]],
+        seqs: list[tuple[Any, ...]],  # SeqChunk's fields (score_targets only where a chunk has some)
         temperatures: list[float],
         top_ps: list[float],
         seeds: list[int | None],

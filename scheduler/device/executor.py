@@ -59,15 +59,14 @@ class Executor:
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> PreparedBatch:
         seqs: list[SeqChunk] = []
-        placeholders = False
-        score_k = -1
+        placeholders = extras = False
         for c in chunks:
-            toks = c.req.token_ids()[c.start : c.start + c.num_tokens]
+            req = c.req
+            toks = req.token_ids()[c.start : c.start + c.num_tokens]
             placeholders = placeholders or toks[-1] < 0
-            targets = score_targets(c)
-            if targets:
-                score_k = max(score_k, c.req.sample.sampling_params.prompt_logprobs or 0)
-            seqs.append(SeqChunk(toks, c.start, c.req.block_table, c.sample, targets))
+            extras = extras or req.extras
+            seqs.append(SeqChunk(toks, c.start, req.block_table, c.sample))
+        score_k = score_rows(chunks, seqs) if extras else -1
         sampled = [c for c in chunks if c.sample]
         params = [c.req.sample.sampling_params for c in sampled]
         dev = self.device
@@ -79,9 +78,9 @@ class Executor:
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
             seeds=[self._draw_seed(c) for c in sampled],
-            logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
+            logprobs=[-1 if p.logprobs is None else p.logprobs for p in params] if extras else [],
             score_k=score_k,
-            adjust=logits_adjust(sampled, self.eos_ids),
+            adjust=logits_adjust(sampled, self.eos_ids) if extras else None,
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,
@@ -135,6 +134,18 @@ class Executor:
         # run seed and the request id, never from global RNG state.
         sp = req.sample.sampling_params
         return sp.seed if sp.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
+
+
+def score_rows(chunks: Sequence[ScheduledChunk], seqs: list[SeqChunk]) -> int:
+    """Sets each chunk's score targets (prompt_logprobs); the most alternatives one asks for
+    (-1: no row is scored)."""
+    score_k = -1
+    for c, seq in zip(chunks, seqs, strict=True):
+        k = c.req.sample.sampling_params.prompt_logprobs
+        if k is not None and (targets := score_targets(c)):
+            seq.score_targets = targets
+            score_k = max(score_k, k)
+    return score_k
 
 
 def score_targets(c: ScheduledChunk) -> list[int]:

@@ -4,7 +4,9 @@ What the executor, the TP/PP coordinator and the engine pass between them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -33,7 +35,7 @@ class PreparedBatch:
     temperatures: list[float]
     top_ps: list[float]
     seeds: list[int | None]  # each sampled row's draw seed (token_seed); None = greedy
-    logprobs: list[int]  # each sampled row's top-k logprobs asked for; -1 = none
+    logprobs: list[int]  # each sampled row's top-k logprobs asked for, -1 = none; [] when no row asks
     score_k: int  # the most alternatives a scored (prompt-logprob) row asks for; -1 = no scored rows
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
@@ -42,11 +44,13 @@ class PreparedBatch:
 
     def results(
         self, out: SampledLists, slots: list[int]
-    ) -> tuple[list[tuple[ScheduledChunk, int, int, TokenLogprob | None]], list[tuple[ScheduledChunk, list[TokenLogprob]]]]:
+    ) -> tuple[Iterable[tuple[ScheduledChunk, int, int, TokenLogprob | None]], list[tuple[ScheduledChunk, list[TokenLogprob]]]]:
         """What step 5 reads from the device's answer: (chunk, slot, token, logprobs) per
         sampled chunk, and each scored chunk's prompt logprobs, each row cut to what its
         request asked for (the device computes the batch's largest top-k)."""
         lp = out.logprobs
+        if lp is None and self.score_k < 0:  # nobody asked: the common round, kept lean
+            return zip(self.sampled, slots, out.tokens, repeat(None), strict=False), []  # (lazy, as collect reads it)
         row = 0
 
         def entry(k: int) -> TokenLogprob:
@@ -56,8 +60,9 @@ class PreparedBatch:
             row += 1
             return e
 
+        ks = self.logprobs or [-1] * len(slots)
         sampled = [(c, slot, tok, entry(k) if k >= 0 else None)
-                   for c, slot, tok, k in zip(self.sampled, slots, out.tokens, self.logprobs, strict=True)]
+                   for c, slot, tok, k in zip(self.sampled, slots, out.tokens, ks, strict=True)]
         scores = []
         if self.score_k >= 0:
             for c, seq in zip(self.chunks, self.seqs, strict=True):

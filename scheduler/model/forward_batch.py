@@ -31,7 +31,8 @@ dtype, so a later overlap mode can run this for step N+1 while the device comput
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +47,7 @@ class SeqChunk:
     sample: bool  # logits for the last token are needed (decode, or the last prefill chunk)
     # Prompt logprobs: the chunk's first len(score_targets) rows are scored, row i against
     # score_targets[i] (the prompt token after it, which may lie in the next chunk).
-    score_targets: list[int] = field(default_factory=list)
+    score_targets: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -197,9 +198,9 @@ def build_forward_batch(
         torch.cat(pos_pieces),
         torch.cat(slot_pieces),
         torch.tensor(logits_rows, dtype=torch.int64),
-        torch.tensor(targets, dtype=torch.int64),
         decode_block_host.reshape(-1),
         *ctx_pieces,
+        *([torch.tensor(targets, dtype=torch.int64)] if targets else []),  # last: most batches have none
     ]
     ints = _to_device(torch.cat(int_parts), device)
     bool_parts = ([decode_mask_host.reshape(-1)] if decode_mask_host is not None else []) + [
@@ -209,8 +210,8 @@ def build_forward_batch(
 
     sizes = [p.numel() for p in int_parts]
     views = list(torch.split(ints, sizes))
-    input_ids, positions, slot_mapping, logits_indices, score_targets, dec_flat = views[:6]
-    ctx_views = views[6:]
+    input_ids, positions, slot_mapping, logits_indices, dec_flat = views[:5]
+    ctx_views = views[5 : 5 + len(ctx_pieces)]
 
     boff = 0
     decode_blocks = decode_mask = None
@@ -246,7 +247,7 @@ def build_forward_batch(
         max_context_len=max_ctx,
         block_size=block_size,
         num_scored=len(targets),
-        score_targets=score_targets if targets else None,
+        score_targets=views[-1] if targets else None,
     )
 
 

@@ -161,7 +161,7 @@ def sample_batch(
     no row asked for anything does no more than sample."""
     rows = logits[:num_sampled]
     tokens = sample_rows(rows if adjust is None else apply_adjust(rows, adjust, future), temperatures, top_ps, seeds)
-    want = [i for i, k in enumerate(logprobs) if k >= 0]
+    want = [i for i, k in enumerate(logprobs) if k >= 0]  # ([] when no row asked)
     if not want and score_targets is None:
         return Sampled(tokens)
     dev = logits.device
