@@ -472,3 +472,29 @@ def test_logit_bias_stop_token_ids_and_penalties_are_applied_or_refused_by_name(
         assert status == 400 and body["error"]["param"] == param, (bad, body)
     status, body = server.post("/v1/completions", {**base, "stop_token_ids": [10 ** 9]})
     assert status == 400 and "outside the vocabulary" in body["error"]["message"], body
+
+
+def test_requests_in_flight_when_the_engine_stalls_end_instead_of_hanging(tmp_path: Path) -> None:
+    """The injected deadlock stalls the engine with one request streaming and one waiting for
+    its first token: the stream ends (`abort`), the other gets a 503 naming the stall, and a
+    request sent afterwards too, each well before its client's own timeout."""
+    s = Served(tmp_path / "trace", "--inject", "deadlock", "--mode", "overlap", "--wait-timeout", "2")
+    try:
+        c, resp = s.stream({"model": "tiny", "prompt": "def f(", "max_tokens": 200, "ignore_eos": True})
+        first = resp.readline()  # the decode is running; a prefill joining it now deadlocks the round
+        assert first.startswith(b"data: "), first
+        box: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: box.update(r=s.post("/v1/completions", {
+            "model": "tiny", "prompt": "import os", "max_tokens": 4})))
+        waiter.start()
+        events = sse_events(resp)  # returns once the server ends the stream
+        waiter.join(60)
+        assert not waiter.is_alive(), "the waiting request hung after the stall"
+        finishes = [ch["finish_reason"] for e in events if isinstance(e, dict) for ch in e["choices"]]
+        assert finishes[-1] == "abort" and events[-1] == "[DONE]", events[-3:]
+        status, body = box["r"]  # type: ignore[misc]
+        assert status == 503 and "stalled" in body["error"]["message"], body
+        status, body = s.post("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert status == 503, body
+    finally:
+        s.stop()

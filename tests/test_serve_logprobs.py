@@ -59,7 +59,10 @@ def test_echo_with_no_new_tokens_scores_the_prompt_as_transformers_does(client, 
         got = lp.top_logprobs[p]
         assert all(abs(got[t] - v) < TOL for t, v in want.items()), (got, want)
         assert len(got) <= 4  # the token's own entry and the 3 most likely
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    # offsets into the choice's text: BOS (special, not in the text) takes no room
+    assert lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[1:i]) for i in range(len(ids))]
+    assert all(ch.text[o:].startswith(t) for o, t in zip(lp.text_offset[1:], lp.tokens[1:], strict=True))
 
 
 def test_lm_eval_shape_batch_of_token_ids_echo_one_token(server: Served, hf) -> None:

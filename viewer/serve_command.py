@@ -95,7 +95,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     engine: Any = None
     # (the engine is made below: these run only once it serves)
     streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why),
-                              lambda token: engine.tokenizer.token_text(token) if engine.tokenizer else str(token))
+                              lambda token: engine.tokenizer.token_text(token) if engine.tokenizer else (str(token), False))
     name = opts.served_model_name or cfg.model
     metrics = ServerMetrics(name, context)
     live = LiveCost()  # the cost table as the trace is committed: mstrace:boundary_seconds_total
@@ -116,7 +116,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, [], source, anchor))
         say_dtype(engine)
-        loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled))
+        loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled),
+                          on_fail=streams.fail_all)
         http_buf = writer.buffer("probes") if cfg.probes else None
         responder = Responder(streams, lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
                               engine.request_abort, http_buf, lambda: engine.step_no,

@@ -65,10 +65,11 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> tuple[str, bool]:
         """One token's own text, special tokens written out (what logprobs name a token by,
-        as vLLM does: the decode of that token alone)."""
-        return str(self._tok.decode([token_id], skip_special_tokens=False))
+        as vLLM does: the decode of that token alone), and whether it is special (then the
+        decoded output text, which skips special tokens, does not hold it)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False)), token_id in self._special
 
     def special_prefix(self) -> str:
         """The text of the special tokens put before every encoded text (Llama: "<s>";

@@ -26,9 +26,10 @@ class Health:
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_round: Callable[[StepStats], None] | None = None,
-                 idle_poll_s: float = 0.02) -> None:
+                 idle_poll_s: float = 0.02, on_fail: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._on_round = on_round
+        self._on_fail = on_fail  # the engine stopped on a failure or a stall: with why
         self.idle_poll_s = idle_poll_s
         self.rounds = 0
         self.start_ns = 0
@@ -61,6 +62,9 @@ class EngineLoop:
             self.error, self._state = x, "failed"
         finally:
             self.end_ns = now_ns()
+            if self._state != "stopped" and self._on_fail is not None:
+                h = self.health()
+                self._on_fail(f"the engine is {h.state}: {h.detail}")
 
     def stop(self, deadline_s: float, live: Iterable[str]) -> None:
         """Stop taking rounds once the work in flight is done; after `deadline_s`, abort

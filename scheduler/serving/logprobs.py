@@ -21,26 +21,31 @@ class Scored(NamedTuple):
     token: str
     logprob: float | None
     top: tuple[tuple[str, float], ...]
+    width: int  # characters the token adds to the choice's text: 0 for a special token (not in it)
 
 
-def scored(token_text: Callable[[int], str], token_id: int, lp: TokenLogprob | None) -> Scored:
+def scored(token_text: Callable[[int], tuple[str, bool]], token_id: int, lp: TokenLogprob | None) -> Scored:
+    text, special = token_text(token_id)
+    width = 0 if special else len(text)
     if lp is None:
-        return Scored(token_text(token_id), None, ())
-    return Scored(token_text(token_id), max(lp.logprob, FLOOR),
-                  tuple((token_text(t), max(v, FLOOR)) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)))
+        return Scored(text, None, (), width)
+    return Scored(text, max(lp.logprob, FLOOR),
+                  tuple((token_text(t)[0], max(v, FLOOR)) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)),
+                  width)
 
 
 def completion_logprobs(entries: Sequence[Scored], offset: int = 0) -> dict[str, Any]:
     """The completions API's object. A position's `top_logprobs` holds its own token and the
     alternatives (vLLM's: up to logprobs + 1 entries); `text_offset` is where each token's
-    text starts in the choice's text, counting from `offset` (a stream's earlier text)."""
+    text starts in the choice's text, counting from `offset` (a stream's earlier text); a
+    special token (BOS) adds nothing to the text, so it moves no offset."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
         tokens.append(e.token)
         lps.append(e.logprob)
         tops.append(None if e.logprob is None else {e.token: e.logprob, **dict(e.top)})
         offsets.append(offset)
-        offset += len(e.token)
+        offset += e.width
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 

@@ -78,9 +78,9 @@ class Responder:
         except BaseException:
             self._streams.close(rid)
             raise
-        if isinstance(first, End) and first.finish_reason == "error":
+        if isinstance(first, End) and (first.finish_reason == "error" or first.failed):
             self._streams.close(rid)
-            raise BadRequest(first.detail or "the engine refused the request")
+            raise _refusal(first)
         if call.stream:
             return self._timed(self._sse(call, rid, first, q, disconnected))
         try:
@@ -122,10 +122,10 @@ class Responder:
         except BaseException:
             give_up("another choice of its request failed")
             raise
-        refused = next((e for e in firsts if isinstance(e, End) and e.finish_reason == "error"), None)
+        refused = next((e for e in firsts if isinstance(e, End) and (e.finish_reason == "error" or e.failed)), None)
         if refused is not None:
             give_up("another choice of its request was refused")
-            raise BadRequest(refused.detail or "the engine refused a prompt of the batch", param="prompt")
+            raise _refusal(refused, "prompt")
         if call.stream:
             return self._timed(self._sse_many(call, rid, rids, queues, firsts, disconnected))
         try:
@@ -157,6 +157,9 @@ class Responder:
         return self._decode(prompt) if self._decode is not None else ""
 
     def _reply(self, call: Call, rid: str, replies: list[tuple[Choice, End]]) -> dict[str, Any]:
+        failed = next((e for _, e in replies if e.failed), None)
+        if failed is not None:  # a part of the answer will never come
+            raise _refusal(failed)
         choices: list[dict[str, Any]] = []
         for i, (ch, end) in enumerate(replies):
             if call.chat:
@@ -307,7 +310,7 @@ class _Chunks:
         if call.logprobs and not role:
             offset = self._offset.get(i, 0)
             lp = chat_logprobs(lps or []) if call.chat else completion_logprobs(lps or [], offset)
-            self._offset[i] = offset + sum(len(e.token) for e in lps or [])
+            self._offset[i] = offset + sum(e.width for e in lps or [])
         if call.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -316,6 +319,14 @@ class _Chunks:
         else:
             choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         return _data({"id": self.rid, "object": self.obj, "created": self.t, "model": call.model, "choices": [choice]})
+
+
+def _refusal(end: End, param: str | None = None) -> BadRequest:
+    """A first (or a whole reply's) End that is no answer: the engine refused the prompt (400),
+    or stopped on a failure or a stall (503)."""
+    if end.failed:
+        return BadRequest(end.detail, status=503, kind="server_error", code="engine_unavailable")
+    return BadRequest(end.detail or "the engine refused the request", param=param)
 
 
 def _sample_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -11,6 +11,7 @@ reads slowly only lets its own queue grow, and the socket write is probed as
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ class End:
     prompt_tokens: int
     completion_tokens: int
     tail: str  # the last text (held back for a stop string, or flushed by the detokenizer)
+    failed: bool = False  # the engine stopped (a failure or a stall) before the request finished
 
 
 Event = Text | End
@@ -54,17 +56,33 @@ class _Open:
 class ResponseStreams:
     """The sender's sink for served requests (requests it does not know are ignored)."""
 
-    def __init__(self, abort: Callable[[str, str], None], token_text: Callable[[int], str]) -> None:
+    def __init__(self, abort: Callable[[str, str], None], token_text: Callable[[int], tuple[str, bool]]) -> None:
         self._open: dict[str, _Open] = {}
         self._abort = abort  # engine.request_abort: thread-safe
         self._token_text = token_text  # a token's own text, for logprobs (the tokenizer's)
-        self._texts: dict[int, str] = {}  # token_text's answers: logprobs name the same few tokens again and again
+        self._texts: dict[int, tuple[str, bool]] = {}  # token_text's answers: logprobs name the same tokens again and again
+        self._lock = threading.Lock()  # open() against fail_all(): no request opened as the engine fails is missed
+        self._failed: str | None = None
 
     def open(self, request_id: str, stops: list[str]) -> asyncio.Queue[Event]:
         """Event loop: register a request before it is submitted."""
         o = _Open(asyncio.get_running_loop(), stops)
-        self._open[request_id] = o
+        with self._lock:
+            self._open[request_id] = o
+            failed = self._failed
+        if failed is not None:
+            self._post(o, End("abort", failed, 0, 0, "", failed=True))
         return o.queue
+
+    def fail_all(self, why: str) -> None:
+        """The scheduling thread, when the engine stops on a failure or a stall: every request
+        still open (and any opened later) ends now, rather than waiting for tokens that will
+        never come."""
+        with self._lock:
+            self._failed = why
+            opened = list(self._open.values())
+        for o in opened:
+            self._post(o, End("abort", why, 0, 0, "", failed=True))
 
     def close(self, request_id: str) -> None:
         """Event loop: the response is over (sent, or its client went away)."""
@@ -84,7 +102,7 @@ class ResponseStreams:
         if token is not None:
             o.logprobs.append(scored(self._text_of, *token))
 
-    def _text_of(self, token_id: int) -> str:
+    def _text_of(self, token_id: int) -> tuple[str, bool]:
         t = self._texts.get(token_id)
         if t is None:
             t = self._texts[token_id] = self._token_text(token_id)
