@@ -149,11 +149,9 @@ def score_rows(chunks: Sequence[ScheduledChunk], seqs: list[SeqChunk]) -> int:
 
 
 def score_targets(c: ScheduledChunk) -> list[int]:
-    """The prompt tokens a chunk's rows are scored against (prompt_logprobs): row i, at
+    """The prompt tokens a chunk's rows are scored against (for a request with prompt_logprobs): row i, at
     position c.start + i, predicts the prompt token at the next position; only positions
     whose next token is in the prompt are scored (the last prompt row predicts an output)."""
-    if c.req.sample.sampling_params.prompt_logprobs is None:
-        return []
     prompt = c.req.sample.input_ids
     end = min(c.start + c.num_tokens, c.req.sample.valid_len - 1)
     return prompt[c.start + 1 : end + 1] if end > c.start else []

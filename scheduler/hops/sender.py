@@ -121,7 +121,9 @@ class Sender:
                 self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 
     def _deliver(self, out: StepOutput) -> None:
-        texts = [(rid, self._push(rid, tok, out.prompts, i in out.hidden)) for i, (rid, tok) in enumerate(out.tokens)]
+        hidden = out.hidden
+        texts = [(rid, self._push(rid, tok, out.prompts, bool(hidden) and i in hidden))
+                 for i, (rid, tok) in enumerate(out.tokens)]
         last = {rid: i for i, (rid, _) in enumerate(texts)}
         tails: list[tuple[str, str]] = []  # text held back, of requests with no token this round
         for rec in out.finished:
@@ -134,8 +136,9 @@ class Sender:
                     tails.append((rec.request_id, tail))
                 else:  # the last token carries it: still one on_text per token
                     texts[i] = (rec.request_id, texts[i][1] + tail)
+        asked = bool(self._lp_sinks) and bool(out.logprobs or out.prompt_logprobs)
         for i, (rid, text) in enumerate(texts):
-            if self._lp_sinks and (i in out.logprobs or rid in out.prompt_logprobs):
+            if asked and (i in out.logprobs or rid in out.prompt_logprobs):
                 self._logprobs(out, i)
             for s in self._sinks:  # every token, even one whose text is not complete yet
                 s.on_text(rid, text)
