@@ -61,7 +61,10 @@ def test_bodies_are_strictly_typed():
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": "5"})
     with pytest.raises(ValidationError):
-        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0})
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": -1})
+    with pytest.raises(BadRequest, match="only with echo"):  # 0 scores the prompt: with echo only
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0}).unsupported()
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 0, "echo": True}).unsupported()
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": []})
     ok = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "temperature": 0, "unknown": 1})
