@@ -17,7 +17,7 @@ from common import OUT, load, median, mstrace_run, report
 
 def bubble(rep: dict, rank: str) -> float:
     rows = rep.get("per_rank", {}).get(rank, {}).get("boundaries", [])
-    return next((b["share"] or 0.0 for b in rows if b["boundary"] == "pp_bubble"), 0.0)
+    return next((b["device_share"] or 0.0 for b in rows if b["boundary"] == "pp_bubble"), 0.0)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ def report(trace: Path) -> dict[str, Any]:
 
 
 def share(rep: dict[str, Any], boundary: str) -> float:
-    return next((b["share"] or 0.0 for b in rep["boundaries"] if b["boundary"] == boundary), 0.0)
+    return next((b["device_share"] or 0.0 for b in rep["boundaries"] if b["boundary"] == boundary), 0.0)
 
 
 def median(xs: list[float]) -> float:

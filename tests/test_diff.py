@@ -67,13 +67,13 @@ def requests(n: int, ttft_ms: float, seed: int) -> pa.Table:
 
 def test_bootstrap_sees_a_2ms_shift():
     d = D.diff_cycles(*cycles(400, 1.0, 1), *cycles(400, 3.0, 2))
-    bk = d["boundaries"]["bookkeeping"]["mean_ms"]
+    bk = d["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
     assert bk.delta == pytest.approx(2.0, abs=0.05) and bk.significant
     assert 1.9 < bk.ci_low < bk.delta < bk.ci_high < 2.1
     # serial: the whole 2 ms is exposed, so the cycle grows by it and the device idles more
     assert d["cycle_ms"].delta == pytest.approx(2.0, abs=0.15) and d["cycle_ms"].significant
-    assert d["boundaries"]["bookkeeping"]["share"].significant and d["device_idle"].significant
-    assert not d["boundaries"]["batch_prepare"]["mean_ms"].significant
+    assert d["boundaries"]["bookkeeping"]["device_share"].significant and d["device_idle"].significant
+    assert not d["boundaries"]["batch_prepare"]["raw_ms_per_cycle"].significant
 
 
 def test_identical_inputs_are_not_significant():
@@ -86,7 +86,7 @@ def test_identical_inputs_are_not_significant():
         assert x.delta == 0 and not x.significant
         if x.ci_low is not None:  # a constant statistic (hidden 0%) has the interval [0, 0]
             assert x.ci_low <= 0 <= x.ci_high
-    assert d["boundaries"]["bookkeeping"]["mean_ms"].ci_low < 0 < d["boundaries"]["bookkeeping"]["mean_ms"].ci_high
+    assert d["boundaries"]["bookkeeping"]["raw_ms_per_cycle"].ci_low < 0 < d["boundaries"]["bookkeeping"]["raw_ms_per_cycle"].ci_high
     r = requests(200, 20.0, 3)
     dr = D.diff_requests(r, r)
     for x in [*dr["throughput"].values(), *(v for lat in dr["latency"].values() for v in lat.values())]:
@@ -111,7 +111,8 @@ def test_point_estimates_are_the_reports():
     d, dr = D.diff_cycles(p, s, p, s), D.diff_requests(r, r)
     itl = D.diff_itl(r, s, r, s)["itl_ms"]
     assert d["cycle_ms"].a == pytest.approx(ct.cycle_ms) and d["device_idle"].a == pytest.approx(1 - ct.device_busy)
-    fields = {"mean_ms": "mean_ms", "share": "share", "hidden": "hidden", "host": "host_share"}
+    fields = {"raw_ms_per_cycle": "raw_ms_per_cycle", "device_share": "share", "hidden": "hidden",
+              "host_share": "host_share"}  # the diff's metric: the cost table's field
     for b in ct.boundaries:
         row = d["boundaries"][b.boundary]
         for metric, fld in fields.items():
@@ -152,9 +153,9 @@ def test_pooled_percentiles_match_materialised_resamples(step, weighted):
 
 def test_blocks_do_not_change_the_answer(monkeypatch):
     a, b = cycles(300, 1.0, 1), cycles(300, 3.0, 2)
-    whole = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["mean_ms"]
+    whole = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
     monkeypatch.setattr(BS, "BLOCK_ELEMS", 1000)  # 3 rows per block
-    blocked = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["mean_ms"]
+    blocked = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
     assert blocked.delta == whole.delta and blocked.significant
     assert blocked.ci_low == pytest.approx(whole.ci_low, abs=0.05)
 
@@ -215,7 +216,7 @@ def test_diff_sees_injected_bookkeeping(traces):
     d = diff_json(traces / "a", traces / "b")
     assert {"a", "b", "delta", "warnings"} <= set(d)
     assert not any("workload" in w for w in d["warnings"]), d["warnings"]
-    bk = d["delta"]["boundaries"]["bookkeeping"]["mean_ms"]
+    bk = d["delta"]["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
     assert {"p_value", "p_adjusted"} <= set(bk) and bk["p_adjusted"] <= d["bootstrap"]["fdr"]["q"]
     assert d["bootstrap"]["fdr"]["method"] == "Benjamini-Hochberg" and d["bootstrap"]["fdr"]["rows"] >= 30
     assert d["bootstrap"]["resampling"]["requests"]["paired"]  # one workload: requests paired by id
@@ -223,7 +224,7 @@ def test_diff_sees_injected_bookkeeping(traces):
     # of the injected sleep gets descheduled now and then, which only ever adds time.
     assert 1.8 <= bk["delta"] <= 2.6, bk
     assert bk["significant"] and bk["ci_low"] > 0
-    assert bk["a"] == pytest.approx(next(x["mean_ms"] for x in d["a"]["boundaries"] if x["boundary"] == "bookkeeping"))
+    assert bk["a"] == pytest.approx(next(x["raw_ms_per_cycle"] for x in d["a"]["boundaries"] if x["boundary"] == "bookkeeping"))
     assert d["a"]["mode"] == "serial" and d["a"]["device_idle"] == pytest.approx(1 - d["a"]["device_busy"])
     for lat in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(d["delta"]["latency"][lat]) == {"mean", "p50", "p90", "p99"}

@@ -61,7 +61,7 @@ def test_defrag_pause_is_in_the_trace(tmp_path):
     stages = collections.Counter(read_table(out, "timeline").to_pydict()["stage"])
     assert stages["defrag_moved"] >= 1
     rep = json.loads(mstrace("report", str(out), "--json").stdout)
-    assert any(b["boundary"] == "defrag" and b["share"] > 0 and b["host_share"] > 0 for b in rep["boundaries"])
+    assert any(b["boundary"] == "defrag" and b["device_share"] > 0 and b["host_share"] > 0 for b in rep["boundaries"])
     req = read_table(out, "requests").to_pydict()
     assert sorted(req["finish_reason"]) == ["length"] * 9
 

@@ -57,9 +57,9 @@ def test_report_lists_core_boundaries_in_both_views(tiny_trace):
     assert rep["cycle_ms"] > 0 and rep["cycles"] > 0
     # both views, each row measured: tests/views.py checks they sum to the cycle; here, that
     # the scheduling thread's own time is where it should be
-    assert got["device_compute"]["share"] > 0.2 and got["device_compute"]["host_share"] is None
+    assert got["device_compute"]["device_share"] > 0.2 and got["device_compute"]["host_share"] is None
     assert got["scheduler_barrier"]["host_share"] > 0.2  # serial: the host waits out the forward
-    assert got["tokenize"]["share"] is None and got["tokenize"]["host_share"] is None  # off-thread
+    assert got["tokenize"]["device_share"] is None and got["tokenize"]["host_share"] is None  # off-thread
     assert rep["backend"]["name"] in ("cpu-process", "cpu-thread", "cuda") and rep["worth_attacking"]
     for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert rep["latency"][k]["p50"] > 0
@@ -175,7 +175,7 @@ def test_deleted_bookkeeping_rows_move_to_unattributed_on_a_real_trace(tiny_trac
     gone = {b.boundary: b for b in cost_table(probes.filter(pc.not_equal(probes["boundary"], "bookkeeping")),
                                               steps).boundaries}
     assert "bookkeeping" not in gone and full["bookkeeping"].host_share > 0
-    for view in ("share", "host_share"):
+    for view in ("share", "host_share"):  # the cost table's fields (device view, host view)
         f, g = ({k: getattr(v, view) for k, v in t.items()} for t in (full, gone))
         assert g["scheduler_barrier"] == pytest.approx(f["scheduler_barrier"], abs=1e-12)
         assert g["unattributed"] == pytest.approx(f["unattributed"] + f["bookkeeping"], abs=1e-9)

@@ -40,7 +40,7 @@ def test_the_cost_shares_equal_the_report(trace: Path) -> None:
     rows = TraceDb(trace).query(QUERIES[0]).rows
     rep = build_report(trace)
     got = {b: (d, h) for b, d, h in rows}
-    want = {b["boundary"]: (b["share"], b["host_share"]) for b in rep["boundaries"]}
+    want = {b["boundary"]: (b["device_share"], b["host_share"]) for b in rep["boundaries"]}
     assert set(want) <= set(got) | {"tokenize", "response_deliver", "stream_wait"}
     for b, (share, host) in want.items():
         if share is None and host is None:

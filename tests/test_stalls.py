@@ -60,7 +60,7 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     assert rep["status"]["state"] == "stalled" and rep["status"]["clipped"].get("probes", 0) > 0
     # the stalled round's seconds-long barrier is clipped, not charged to the last round that finished
     barrier = next(b for b in rep["boundaries"] if b["boundary"] == "scheduler_barrier")
-    assert barrier["mean_ms"] < 1000, barrier
+    assert barrier["raw_ms_per_cycle"] < 1000, barrier
 
 
 def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):

@@ -122,13 +122,13 @@ def test_tp2_run_matches_transformers_and_traces_every_rank(ckpt: Path, tmp_path
 
     rep = json.loads(mstrace("report", str(out), "--json").stdout)
     share = {b["boundary"]: b for b in rep["boundaries"]}
-    assert share["all_reduce"]["share"] > 0 and share["batch_broadcast"]["count"] > 0
+    assert share["all_reduce"]["device_share"] > 0 and share["batch_broadcast"]["count"] > 0
     assert set(rep["per_rank"]) == {"0", "1"}
     r1 = {b["boundary"]: b for b in rep["per_rank"]["1"]["boundaries"]}
     assert r1["all_reduce"]["count"] == len([s for s in colls["rank"] if s == 1])
-    assert 0 < r1["device_compute"]["share"] < 1 and r1["all_reduce"]["share"] > 0
+    assert 0 < r1["device_compute"]["device_share"] < 1 and r1["all_reduce"]["device_share"] > 0
     # rank 1's exposed rows fit inside rank 0's cycles: the remainder is not negative
-    assert r1["scheduler_barrier"]["share"] >= 0
+    assert r1["scheduler_barrier"]["device_share"] >= 0
     sv = rep["stragglers"]
     assert sv["collectives"] == len(colls["seq"]) // 2 and {x["rank"] for x in sv["ranks"]} == {0, 1}
 
@@ -294,7 +294,7 @@ def test_worker_rank_costs_against_rank_0_cycles() -> None:
     assert b[B.DEVICE_COMPUTE].share == pytest.approx(550 / 1000)  # 800 - 200 - 50
     assert b[B.ALL_REDUCE].share == pytest.approx(200 / 1000)
     assert b[B.BATCH_BROADCAST].share == pytest.approx(50 / 1000)
-    assert b[B.ALL_REDUCE].mean_ms * 1e6 == pytest.approx(300)  # issue -> completion
+    assert b[B.ALL_REDUCE].raw_ms_per_cycle * 1e6 == pytest.approx(300)  # issue -> completion
     assert b[B.ALL_REDUCE].hidden == pytest.approx(50 / 300)  # computing in [50, 100) only
     assert b["unattributed"].share == pytest.approx(200 / 1000)  # 800..1000: idle, no probe of rank 1's
 

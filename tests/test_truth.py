@@ -58,7 +58,7 @@ def _run(out, mode: str, *extra: str) -> tuple[dict, int, int]:
 def _views(rep: dict) -> tuple[dict[str, float], dict[str, float]]:
     """ms per cycle of each row, device view and host view."""
     c = rep["cycle_ms"]
-    dev = {b["boundary"]: b["share"] * c for b in rep["boundaries"] if b["share"] is not None}
+    dev = {b["boundary"]: b["device_share"] * c for b in rep["boundaries"] if b["device_share"] is not None}
     host = {b["boundary"]: b["host_share"] * c for b in rep["boundaries"] if b["host_share"] is not None}
     return dev, host
 

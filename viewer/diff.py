@@ -19,6 +19,7 @@ from viewer.analysis.diff import (
     FDR_Q,
     LATENCIES,
     LEVEL,
+    METRICS,
     QUANTILES,
     RESAMPLES,
     SEED,
@@ -47,9 +48,8 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
         if not r["probes"]:
             warnings.append(f"trace {side} was recorded with --no-probes: no boundary or device-idle comparison")
     # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
-    keep = {(row["boundary"], m) for r in reps_ for row in r.get("boundaries", [])
-            for m, fld in (("mean_ms", "mean_ms"), ("share", "share"), ("hidden", "hidden"), ("host", "host_share"))
-            if row.get(fld) is not None}
+    keep = {(row["boundary"], m) for r in reps_ for row in r.get("boundaries", []) for m in METRICS
+            if row.get(m) is not None}
     sides = [Side(i.probes, i.steps, i.requests, i.collectives, i.trace.meta) for i in inputs]
     delta, how = compare(sides[0], sides[1], reps, seed, probes_ok, keep)
     if not how["resampling"]["requests"]["paired"]:
@@ -75,12 +75,12 @@ def _plain(x: Any) -> Any:
 
 
 # Which way is better, for colouring significant deltas: +1 higher, -1 lower, 0 neither.
-_BETTER = {"mean_ms": -1, "share": -1, "hidden": +1, "host": -1, "cycle_ms": -1, "device_idle": -1,
+_BETTER = {"raw_ms_per_cycle": -1, "device_share": -1, "hidden": +1, "host_share": -1, "cycle_ms": -1, "device_idle": -1,
            **{k: +1 for k in THROUGHPUT}, **{k: -1 for k in LATENCIES}}
 # Rows where more is neither better nor worse: compute, the wait for it, time no probe saw.
 _NEUTRAL = ("device_compute", "scheduler_barrier", "unattributed")
-_LABEL = {"mean_ms": ("ms/cycle", "ms"), "share": ("device share", "pct"), "hidden": ("hidden", "pct"),
-          "host": ("host share", "pct")}
+_LABEL = {"raw_ms_per_cycle": ("raw ms/cycle", "ms"), "device_share": ("device share", "pct"),
+          "hidden": ("hidden", "pct"), "host_share": ("host share", "pct")}
 _MARK = "*"
 
 

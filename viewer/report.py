@@ -22,7 +22,7 @@ from tracing.run_status import RunStatus
 from viewer.analysis.advice import backend, worth_attacking
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import straggler_view
-from viewer.analysis.cost import CostTable, cost_table
+from viewer.analysis.cost import BoundaryCost, CostTable, cost_table
 from viewer.analysis.kv import kv_usage
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 
@@ -151,15 +151,25 @@ def _cost_dict(c: CostTable) -> dict[str, Any]:
         "idle_s": c.idle_s,
         "wall_s": c.wall_s,
         "device_busy": c.device_busy,
-        "share_sum": c.share_sum,
+        "device_share_sum": c.share_sum,
         "host_share_sum": c.host_share_sum,
         "negative": c.negative,
-        "boundaries": [
-            {"boundary": b.boundary, "mean_ms": b.mean_ms, "count": b.count, "share": b.share,
-             "host_share": b.host_share, "hidden": b.hidden, "removable": b.removable}
-            for b in c.boundaries
-        ],
+        "boundaries": [_boundary_dict(b, c) for b in c.boundaries],
     }
+
+
+def _boundary_dict(b: BoundaryCost, c: CostTable) -> dict[str, Any]:
+    """A row as JSON, each number named for its view and unit (docs/json.md): the two views'
+    ms per cycle are exactly the text table's (share x mean cycle); the rows' own time is
+    apart, per cycle and per row, since it is in neither view (it overlaps, it hides)."""
+    cyc = c.cycle_ms
+    return {"boundary": b.boundary,
+            "device_ms_per_cycle": None if b.share is None else b.share * cyc, "device_share": b.share,
+            "host_ms_per_cycle": None if b.host_share is None else b.host_share * cyc, "host_share": b.host_share,
+            "count": b.count,
+            "raw_ms_per_cycle": b.raw_ms_per_cycle if b.count else None,
+            "mean_row_ms": b.raw_ms_per_cycle * c.cycles / b.count if b.count else None,
+            "hidden": b.hidden, "removable": b.removable}
 
 
 def _delivery(requests: pa.Table) -> dict[str, dict[str, float | int | None]]:
@@ -196,12 +206,11 @@ def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
         t.add_column(head, justify="right", no_wrap=True)
     cyc = c["cycle_ms"]
     for b in c["boundaries"]:
-        share, host = b["share"], b["host_share"]
-        t.add_row(b["boundary"], _ms(None if share is None else share * cyc), _pct(share),
-                  _ms(None if host is None else host * cyc), _pct(host), str(b["count"]) if b["count"] else "",
+        t.add_row(b["boundary"], _ms(b["device_ms_per_cycle"]), _pct(b["device_share"]), _ms(b["host_ms_per_cycle"]),
+                  _pct(b["host_share"]), str(b["count"]) if b["count"] else "",
                   _pct(b["hidden"]) if b["hidden"] is not None else "")
     t.add_section()
-    t.add_row("cycle", _ms(cyc * c["share_sum"]), _pct(c["share_sum"]), _ms(cyc * c["host_share_sum"]),
+    t.add_row("cycle", _ms(cyc * c["device_share_sum"]), _pct(c["device_share_sum"]), _ms(cyc * c["host_share_sum"]),
               _pct(c["host_share_sum"]), str(c["cycles"]), "")
     console.print(t)
     barrier = next((b for b in c["boundaries"] if b["boundary"] == "scheduler_barrier"), None)
@@ -268,14 +277,14 @@ def render_comm(console: Console, rep: dict[str, Any]) -> None:
     """TP/PP: all_reduce exposed vs hidden per rank (HTA's comm/compute overlap), then stragglers."""
     t = Table(title="all_reduce per rank: exposed (host wait) vs hidden (rank computing)",
               header_style="bold", title_justify="left")
-    for col in ("rank", "collectives", "ms/cycle", "exposed", "hidden", "pp_bubble exposed"):
+    for col in ("rank", "collectives", "raw ms/cyc", "exposed", "hidden", "pp_bubble exposed"):
         t.add_column(col, justify="right")
     for r, c in rep["per_rank"].items():
         b = {x["boundary"]: x for x in c["boundaries"]}
         ar, pb = b.get("all_reduce"), b.get("pp_bubble")
-        t.add_row(r, str(ar["count"]) if ar else "0", _ms(ar["mean_ms"]) if ar else "—",
-                  _pct(ar["share"]) if ar else "—", _pct(ar["hidden"]) if ar else "—",
-                  _pct(pb["share"]) if pb else "—")
+        t.add_row(r, str(ar["count"]) if ar else "0", _ms(ar["raw_ms_per_cycle"]) if ar else "—",
+                  _pct(ar["device_share"]) if ar else "—", _pct(ar["hidden"]) if ar else "—",
+                  _pct(pb["device_share"]) if pb else "—")
     console.print(t)
     sv = rep.get("stragglers")
     if not sv:

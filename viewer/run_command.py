@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from scheduler.config import EngineConfig
@@ -74,13 +75,11 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         fail(str(e))
     claim_out(out, opts.force, fail)
     if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
-        from rich.markup import escape
-
         from tracing.otel import OtlpUnavailableError, otlp_exporter
         try:
             otlp_exporter(opts.otlp_endpoint)
         except OtlpUnavailableError as e:
-            fail(escape(str(e)))  # escaped: "mstrace[otlp]" is not rich markup
+            fail(str(e))
 
     from scheduler.model.config import ModelConfig
     from scheduler.model.loader import safetensors_files
@@ -119,7 +118,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
             why = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the run failed: {why}; trace flushed to {out}", 4)
         render_report(console, build_report(out))
-        console.print(f"trace written to [bold]{out}[/]")
+        console.print(f"trace written to [bold]{escape(str(out))}[/]")
         _say_rejections(out, fail)
         return
     # The seed's control group: the same workload through all three modes.
@@ -129,7 +128,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made)
         made = None  # a later mode's failure leaves the earlier modes' traces
     render_modes(console, {m: build_report(o) for m, o in outs.items()})
-    console.print(f"traces written to [bold]{out}[/]/{{serial,timeslice,overlap}}; "
+    console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
 
@@ -182,6 +181,19 @@ def is_trace_folder(path: Path) -> bool:
         return (p / "meta.json").is_file() or (p / "manifest.json").is_file()
 
     return trace(path) or (any(path.iterdir()) and all(p.is_dir() and trace(p) for p in path.iterdir()))
+
+
+def open_trace(out: Path, made: Path | None, fail: Callable[[str], NoReturn]) -> Any:
+    """The trace's writer, or one line and exit 2 where `out` cannot be written (a read-only
+    file system, no permission): nothing was run, so nothing is said to be flushed."""
+    from tracing.writer import TraceWriter
+
+    try:
+        writer = TraceWriter(out)  # makes the folders and takes the writer's lock: the first writes
+    except OSError as e:
+        _remove(made, out)
+        fail(f"cannot write a trace to {out}: {e.strerror or e}")
+    return writer
 
 
 def _remove(made: Path | None, out: Path) -> None:
@@ -244,10 +256,9 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
     from scheduler.stall_guard import EngineStalled
     from tracing.otel import SpanSink
     from tracing.run_status import end_record
-    from tracing.writer import TraceWriter
 
-    writer = TraceWriter(out)
     anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
+    writer = open_trace(out, made, fail)
     writer.write_meta(start_meta(cfg, items, source, anchor))
     span_sink = SpanSink(writer, anchor, opts.otlp_endpoint)
     # progress is for a person at a terminal: on stderr, and never into a pipe or a file
@@ -324,7 +335,7 @@ def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:
         t.add_row(label, *("—" if (v := f(r)) is None else format(v, fmt) for r in reps.values()))
 
     def bshare(name: str) -> Callable[[dict[str, Any]], float | None]:
-        return lambda r: next((100 * (b["share"] or 0) for b in r["boundaries"] if b["boundary"] == name), None)
+        return lambda r: next((100 * (b["device_share"] or 0) for b in r["boundaries"] if b["boundary"] == name), None)
 
     row("output tok/s", lambda r: r["throughput"]["output_tok_per_s"], ".1f")
     row("cycle ms", lambda r: r["cycle_ms"], ".2f")

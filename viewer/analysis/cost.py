@@ -40,7 +40,7 @@ NEGATIVE = -1e-9
 @dataclass(slots=True)
 class BoundaryCost:
     boundary: str
-    mean_ms: float  # raw time per cycle (unattributed: the host view's)
+    raw_ms_per_cycle: float  # its rows' own time per cycle, overlaps included: no view (unattributed: the host view's)
     count: int
     share: float | None  # device view: share of cycle time charged to it; None: not in that view
     host_share: float | None  # host view: share of cycle time the scheduling thread spent in it

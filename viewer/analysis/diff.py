@@ -40,11 +40,10 @@ from viewer.analysis.serving_boot import LATENCIES, THROUGHPUT, diff_requests, p
 
 RESAMPLES = 1000
 SEED = 0
-# Per-boundary metrics: ms per cycle (raw), device-view share, hidden fraction, host-view share.
-METRICS = ("mean_ms", "share", "hidden", "host")
-# The report's field for each (what `report --json` calls it).
-REPORT_FIELD = {"mean_ms": "mean_ms", "share": "share", "hidden": "hidden", "host": "host_share"}
-__all__ = ["FDR_Q", "LATENCIES", "LEVEL", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta", "Side",
+# Per-boundary metrics, named as `report --json` names them: the rows' own ms per cycle (no
+# view), device-view share, hidden fraction, host-view share.
+METRICS = ("raw_ms_per_cycle", "device_share", "hidden", "host_share")
+__all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta", "Side",
            "compare", "cycle_stats", "delta", "diff_cycles", "diff_itl", "diff_requests", "fdr", "pairing",
            "trace_warnings"]
 
@@ -68,8 +67,7 @@ def boundaries_of(keys: Any) -> list[str]:
     """Boundaries with any per-cycle column, in the cost table's order (device-view rows,
     host-view rows, then any other)."""
     present = {k.split(":", 1)[1] for k in keys
-               if k.split(":", 1)[0] in ("raw_ns", "hidden_ns", "exposed_ns", "host_ns", "mean_ms", "share",
-                                         "hidden", "host")}
+               if k.split(":", 1)[0] in ("raw_ns", "hidden_ns", "exposed_ns", "host_ns", *METRICS)}
     order = [*cost.ORDER, *cost.HOST_ORDER]
     seen = list(dict.fromkeys(b for b in order if b in present))
     return seen + sorted(present - set(seen))
@@ -78,9 +76,9 @@ def boundaries_of(keys: Any) -> list[str]:
 def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarray]:
     """Cost-table statistics over each row of `w` (draw counts of cycles); same definitions as cost_table.
 
-    Keys: cycle_ms, device_idle, and per boundary mean_ms:<b> (raw per cycle; the host
-    view's time where a row has no raw time, as unattributed), share:<b> (device view),
-    hidden:<b> (hidden / raw), host:<b> (host view), for whichever columns are present.
+    Keys: cycle_ms, device_idle, and per boundary raw_ms_per_cycle:<b> (the host view's time
+    where a row has no raw time, as unattributed), device_share:<b>, hidden:<b> (hidden / raw),
+    host_share:<b>, for whichever columns are present.
     """
     if not pcy:
         return {}
@@ -96,13 +94,13 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
     for b in boundaries_of(s):
         raw = s.get(f"raw_ns:{b}", s.get(f"host_ns:{b}"))
         if raw is not None:
-            out[f"mean_ms:{b}"] = raw / ncyc / 1e6
+            out[f"raw_ms_per_cycle:{b}"] = raw / ncyc / 1e6
         if f"exposed_ns:{b}" in s:
-            out[f"share:{b}"] = _ratio(s[f"exposed_ns:{b}"], s["cycle"])
+            out[f"device_share:{b}"] = _ratio(s[f"exposed_ns:{b}"], s["cycle"])
         if f"hidden_ns:{b}" in s and f"raw_ns:{b}" in s:
             out[f"hidden:{b}"] = _ratio(s[f"hidden_ns:{b}"], s[f"raw_ns:{b}"])
         if f"host_ns:{b}" in s:
-            out[f"host:{b}"] = _ratio(s[f"host_ns:{b}"], s["cycle"])
+            out[f"host_share:{b}"] = _ratio(s[f"host_ns:{b}"], s["cycle"])
     return out
 
 
@@ -128,7 +126,7 @@ def cycle_boot(probes: pa.Table, steps: pa.Table, reps: int, rng: np.random.Gene
 
 
 def cycle_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int) -> dict[str, Any]:
-    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden, host} deltas."""
+    """cycle_ms, device_idle and per-boundary {raw_ms_per_cycle, device_share, hidden, host_share} deltas."""
     none = _none(reps)
     out: dict[str, Any] = {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("cycle_ms", "device_idle")}
     out["boundaries"] = {}
@@ -148,7 +146,7 @@ def cycle_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int
 def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps_b: pa.Table,
                 reps: int = RESAMPLES, seed: int = SEED, colls_a: pa.Table | None = None,
                 colls_b: pa.Table | None = None) -> dict[str, Any]:
-    """cycle_ms, device_idle and per-boundary {mean_ms, share, hidden, host} deltas, resampling
+    """cycle_ms, device_idle and per-boundary {raw_ms_per_cycle, device_share, hidden, host_share} deltas, resampling
     each trace's cycles (`cycle_boot`); ``colls_*``: the collectives tables of TP runs
     (all_reduce's raw/hidden, see cost.per_cycle). "resampling" says how, per side."""
     (sa, ia), (sb, ib) = (cycle_boot(p, s, reps, np.random.default_rng([seed, i]), c)

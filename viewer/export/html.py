@@ -105,11 +105,12 @@ def _facts(rep: dict[str, Any]) -> str:
 
 
 def _cost_table(rep: dict[str, Any]) -> str:
-    rows = "".join(f"<tr><td>{_e(b['boundary'])}</td><td>{_num(b['mean_ms'])}</td><td>{_pct(b['share'])}</td>"
+    rows = "".join(f"<tr><td>{_e(b['boundary'])}</td><td>{_num(b['device_ms_per_cycle'])}</td>"
+                   f"<td>{_pct(b['device_share'])}</td><td>{_num(b['host_ms_per_cycle'])}</td>"
                    f"<td>{_pct(b['host_share'])}</td><td>{b['count']}</td><td>{_pct(b['hidden'])}</td></tr>"
                    for b in rep["boundaries"])
-    return ("<table><tr><th>boundary</th><th>ms/cycle</th><th>device view</th><th>host view</th><th>count</th>"
-            f"<th>hidden</th></tr>{rows}</table>")
+    return ("<table><tr><th>boundary</th><th>device ms/cycle</th><th>device share</th><th>host ms/cycle</th>"
+            f"<th>host share</th><th>count</th><th>hidden</th></tr>{rows}</table>")
 
 
 def _worth(rep: dict[str, Any]) -> list[str]:

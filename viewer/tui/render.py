@@ -166,14 +166,15 @@ def cost(v: TopView, width: int = 80) -> Text:
         return t
     hidden = width >= 12 + 35
     name_w = max(10, min(22, width - (35 if hidden else 26)))
-    t.append(f"{'boundary':<{name_w}}{'ms/cyc':>8}{'device':>9}{'host':>9}" + (f"{'hidden':>9}" if hidden else "")
+    t.append(f"{'boundary':<{name_w}}{'dev ms':>8}{'device':>9}{'host':>9}" + (f"{'hidden':>9}" if hidden else "")
              + "\n", style="bold")
     for b in c.boundaries:
         if b.share is None and b.host_share is None and not b.count:
             continue
         name = b.boundary if len(b.boundary) <= name_w - 1 else b.boundary[: name_w - 2] + "…"
         t.append(f"{name:<{name_w}}", style="bold reverse" if b.boundary == v.worst else colour(b.boundary))
-        t.append(f"{b.mean_ms:>8.2f}{_pct(b.share):>9}{_pct(b.host_share):>9}"
+        dev_ms = "-" if b.share is None else f"{b.share * c.cycle_ms:.2f}"  # device ms/cycle, as `report` prints it
+        t.append(f"{dev_ms:>8}{_pct(b.share):>9}{_pct(b.host_share):>9}"
                  + (f"{_pct(b.hidden):>9}" if hidden else "") + "\n")
     t.append(f"{'cycle':<{name_w}}", style="bold")
     t.append(f"{c.cycle_ms:>8.2f}{'100%':>9}{'100%':>9}")
