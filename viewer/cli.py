@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 import typer.rich_utils
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperGroup
 
 if TYPE_CHECKING:
@@ -41,6 +43,25 @@ class _Commands(TyperGroup):
 
             return bench_command(fail)
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx: Any) -> Any:
+        # `mstrace report T | head`: the reader has what it wanted. Exit as Unix tools do on
+        # SIGPIPE (141), silently; click alone exits 1 ("findings") and rich's console raises
+        # SystemExit(1) after pointing stdout at /dev/null.
+        import os
+
+        try:
+            try:
+                return super().invoke(ctx)
+            finally:
+                sys.stdout.flush()  # here, not in click's exit, so a closed pipe is seen here
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the last flush has nowhere to fail
+            raise typer.Exit(PIPE_CLOSED) from None
+        except SystemExit as e:
+            if e.code == 1 and os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull)):
+                raise typer.Exit(PIPE_CLOSED) from None
+            raise
 
 
 # The help tables' cells get a space on the right only: at 80 columns the default (one on
@@ -76,11 +97,12 @@ def _root(
 
 
 # Exit codes, documented in README's "Exit codes" (stable: CI gates on them).
-OK, FINDINGS, BAD_INPUT, STALLED, FAILED, INTERRUPTED = 0, 1, 2, 3, 4, 130
+OK, FINDINGS, BAD_INPUT, STALLED, FAILED, INTERRUPTED, PIPE_CLOSED = 0, 1, 2, 3, 4, 130, 141
 
 
 def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    # the message as it is: a path or a value in brackets ("runs [x]/t") is not markup
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -240,7 +262,9 @@ def compact(
         res = compact_trace(trace)
     except TraceError as e:
         fail(str(e))
-    console.print(f"{trace}: {res.parts_before} parts -> {res.parts_after} ({res.merges} merges); "
+    except OSError as e:  # a read-only trace, a full disk: the manifest commits all or nothing
+        fail(f"cannot compact {trace}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
+    console.print(f"{escape(str(trace))}: {res.parts_before} parts -> {res.parts_after} ({res.merges} merges); "
                   f"removed {res.removed} uncommitted files", highlight=False)
 
 
@@ -292,14 +316,14 @@ def export(
             from viewer.export.perfetto import export_perfetto
 
             st = export_perfetto(trace, perfetto)
-            console.print(f"{perfetto}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
+            console.print(f"{escape(str(perfetto))}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
                           f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",
                           highlight=False)
         if otlp is not None:
             from viewer.export.otlp import replay_spans
 
             n = replay_spans(trace, otlp)
-            console.print(f"{otlp}: {n.spans} spans of {n.requests} requests sent", highlight=False)
+            console.print(f"{escape(otlp)}: {n.spans} spans of {n.requests} requests sent", highlight=False)
     except TraceError as e:
         fail(str(e))
     except OSError as e:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.markup import escape
 
 from scheduler.config import EngineConfig
 from scheduler.serving.options import LOOPBACK, ServeOptions
@@ -83,12 +84,11 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     from scheduler.serving.responses import Responder
     from scheduler.serving.streams import ResponseStreams
     from tracing.run_status import end_record
-    from tracing.writer import TraceWriter
     from viewer.live_cost import LiveCost
     from viewer.live_cost import collector as live_collector
-    from viewer.run_command import NO_DETAIL, say_dtype
+    from viewer.run_command import NO_DETAIL, open_trace, say_dtype
 
-    writer = TraceWriter(out)
+    writer = open_trace(out, out if made else None, fail)
     anchor = wall_anchor()
     source = f"serve:{opts.host}:{sock.getsockname()[1]}"
     writer.write_meta(start_meta(cfg, [], source, anchor))
@@ -130,7 +130,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
                                                timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
         loop.start()
         host, port = sock.getsockname()[:2]
-        console.print(f"serving {name} on http://{host}:{port} (trace: {out}); Ctrl-C stops", highlight=False)
+        console.print(f"serving {escape(name)} on http://{host}:{port} (trace: {escape(str(out))}); Ctrl-C stops",
+                      highlight=False)
         # asyncio warns on every write to a socket whose client just left, until the
         # disconnect reaches the route: with many clients leaving, a flood on stderr
         logging.getLogger("asyncio").setLevel(logging.ERROR)
@@ -156,7 +157,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
         sock.close()
         if engine is None and made:  # no server ever ran: nothing of it stays behind
             shutil.rmtree(out, ignore_errors=True)
-    console.print(f"trace written to [bold]{out}[/]")
+    console.print(f"trace written to [bold]{escape(str(out))}[/]")
     if state == "stalled":
         fail(f"the engine stalled: {detail}; see `mstrace stalls {out}`", 3)
     if state != "complete":

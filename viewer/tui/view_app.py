@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -91,9 +92,10 @@ class ViewApp(App[None]):
     def compose(self) -> ComposeResult:
         st = self.browser.trace.status
         head = st.headline() or "complete"
-        yield Static(f"{self.browser.root}  {self.browser.meta.get('model', {}).get('name', '?')}  "
-                     f"{len(self.listings['rounds'].all):,} rounds  {len(self.listings['requests'].all):,} requests  "
-                     f"[{head}]", id="status")
+        # Text, not markup: a path or the status in brackets is shown as it is
+        yield Static(Text(f"{self.browser.root}  {self.browser.meta.get('model', {}).get('name', '?')}  "
+                          f"{len(self.listings['rounds'].all):,} rounds  {len(self.listings['requests'].all):,} requests  "
+                          f"[{head}]"), id="status")
         with TabbedContent(initial="rounds", id="tabs"):
             with TabPane("rounds", id="rounds"):
                 yield Input(placeholder="filter, e.g. ms>50 (enter applies, empty clears)", id="rounds-filter")
