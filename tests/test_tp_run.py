@@ -129,6 +129,14 @@ def test_tp2_run_matches_transformers_and_traces_every_rank(ckpt: Path, tmp_path
     assert 0 < r1["device_compute"]["device_share"] < 1 and r1["all_reduce"]["device_share"] > 0
     # rank 1's exposed rows fit inside rank 0's cycles: the remainder is not negative
     assert r1["scheduler_barrier"]["device_share"] >= 0
+    # rank 1 has no scheduling thread: no host view in its JSON or its table, and rank 0's table
+    # (the top one) is not printed a second time
+    assert rep["per_rank"]["1"]["host_share_sum"] is None and r1["device_compute"]["host_share"] is None
+    text = mstrace("report", str(out)).stdout
+    rank1 = text[text.index("rank 1 (against"):text.index("all_reduce per rank")]
+    assert "rank 0 (against" not in text and "host" not in rank1
+    said = next(ln for ln in rank1.splitlines() if ln.startswith("cycle ") and "computes" in ln)
+    assert "rank 1's device computes" in said and "scheduling thread" not in said, said
     sv = rep["stragglers"]
     assert sv["collectives"] == len(colls["seq"]) // 2 and {x["rank"] for x in sv["ranks"]} == {0, 1}
 

@@ -109,7 +109,7 @@ def build_report(root: str | Path | ReportInputs) -> dict[str, Any]:
     ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows and "rank" in probes.column_names else []
     if len(ranks) > 1:
         # every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
-        rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r, collectives=colls))
+        rep["per_rank"] = {str(r): _cost_dict(cost_table(probes, steps, rank=r, collectives=colls), host_view=r == 0)
                            for r in sorted(ranks)}
     if colls is not None:
         sv = straggler_view(colls)
@@ -143,8 +143,10 @@ def trace_heading(console: Console, trace: str, tail: str, lead: str = "") -> No
     console.print(Text.assemble((lead, "bold"), (str(trace), "bold"), tail), highlight=False, soft_wrap=True)
 
 
-def _cost_dict(c: CostTable) -> dict[str, Any]:
-    return {
+def _cost_dict(c: CostTable, host_view: bool = True) -> dict[str, Any]:
+    """`host_view`: the rank has a scheduling thread (rank 0); another rank's host columns are
+    null, not a table of time no probe covered."""
+    d = {
         "cycles": c.cycles,
         "cycle_ms": c.cycle_ms,
         "cycle_total_s": c.cycle_total_s,
@@ -156,6 +158,11 @@ def _cost_dict(c: CostTable) -> dict[str, Any]:
         "negative": c.negative,
         "boundaries": [_boundary_dict(b, c) for b in c.boundaries],
     }
+    if not host_view:
+        d["host_share_sum"] = None
+        for b in d["boundaries"]:
+            b["host_ms_per_cycle"] = b["host_share"] = None
+    return d
 
 
 def _boundary_dict(b: BoundaryCost, c: CostTable) -> dict[str, Any]:
@@ -197,27 +204,30 @@ def _ms(x: float | int | None) -> str:
     return "—" if x is None else f"{x:.2f}"
 
 
-def render_cost(console: Console, c: dict[str, Any], title: str) -> None:
+def render_cost(console: Console, c: dict[str, Any], title: str, whose: str = "the device") -> None:
     """Both views side by side, in ms per cycle and shares; each view's column sums to the cycle.
+    A table without a host view (a rank with no scheduling thread) has the device's only.
     Simple box and short headers: the table fits 80 columns."""
+    host = c["host_share_sum"] is not None
     t = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("boundary", no_wrap=True)
-    for head in ("device\nms/cyc", "device\nshare", "host\nms/cyc", "host\nshare", "count", "hidden"):
+    heads = ("device\nms/cyc", "device\nshare", *(("host\nms/cyc", "host\nshare") if host else ()), "count", "hidden")
+    for head in heads:
         t.add_column(head, justify="right", no_wrap=True)
     cyc = c["cycle_ms"]
     for b in c["boundaries"]:
-        t.add_row(b["boundary"], _ms(b["device_ms_per_cycle"]), _pct(b["device_share"]), _ms(b["host_ms_per_cycle"]),
-                  _pct(b["host_share"]), str(b["count"]) if b["count"] else "",
-                  _pct(b["hidden"]) if b["hidden"] is not None else "")
+        hv = (_ms(b["host_ms_per_cycle"]), _pct(b["host_share"])) if host else ()
+        t.add_row(b["boundary"], _ms(b["device_ms_per_cycle"]), _pct(b["device_share"]), *hv,
+                  str(b["count"]) if b["count"] else "", _pct(b["hidden"]) if b["hidden"] is not None else "")
     t.add_section()
-    t.add_row("cycle", _ms(cyc * c["device_share_sum"]), _pct(c["device_share_sum"]), _ms(cyc * c["host_share_sum"]),
-              _pct(c["host_share_sum"]), str(c["cycles"]), "")
+    hv = (_ms(cyc * c["host_share_sum"]), _pct(c["host_share_sum"])) if host else ()
+    t.add_row("cycle", _ms(cyc * c["device_share_sum"]), _pct(c["device_share_sum"]), *hv, str(c["cycles"]), "")
     console.print(t)
     barrier = next((b for b in c["boundaries"] if b["boundary"] == "scheduler_barrier"), None)
     waits = f"; the scheduling thread waits for the device {_pct(barrier['host_share'])} of it" \
         if barrier and barrier["host_share"] is not None else ""
     console.print(
-        f"cycle {_ms(cyc)} ms: the device computes {_pct(c['device_busy'])} of it{waits}.\n"
+        f"cycle {_ms(cyc)} ms: {whose} computes {_pct(c['device_busy'])} of it{waits}.\n"
         f"wall {c['wall_s']:.2f} s = {c['cycle_total_s']:.2f} s in {c['cycles']} cycles "
         f"+ {c['idle_s']:.2f} s idle (no work)",
         highlight=False,
@@ -241,7 +251,9 @@ def render_report(console: Console, rep: dict[str, Any]) -> None:
         for note in be["notes"]:
             console.print(f"[dim]{be['name']} backend (emulated): {escape(note)}[/]", highlight=False)
     for r, c in rep.get("per_rank", {}).items():
-        render_cost(console, c, f"rank {r} (against rank 0's cycles)")
+        if r != "0":  # rank 0's is the table above: the scheduler's rank
+            render_cost(console, c, f"rank {r} (against rank 0's cycles; no scheduling thread, so the device's view "
+                                    "only)", whose=f"rank {r}'s device")
     if rep.get("per_rank"):
         render_comm(console, rep)
 
