@@ -102,3 +102,17 @@ def test_bad_input_is_one_line(trace: Path, tmp_path: Path) -> None:
                  ("sql", str(trace), "SELECT * FROM nothing"), ("sql", str(trace), "SELECT 1", "--format", "xml")):
         p = mstrace(*args)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_show_tables_install_and_a_piped_table(trace: Path) -> None:
+    """SHOW TABLES lists the views; INSTALL is refused by its own name; a table printed into a
+    pipe keeps whole values (it was cut at 80 columns: `scheduler_bar…`)."""
+    p = mstrace("sql", str(trace), "SHOW TABLES", "--format", "json")
+    assert p.returncode == 0, p.stderr
+    assert {r["name"] for r in json.loads(p.stdout)} >= {"probes", "steps", "requests", "cycles", "cycle_cost",
+                                                        "request_latency"}
+    p = mstrace("sql", str(trace), "INSTALL httpfs")
+    assert p.returncode == 2 and "(INSTALL refused)" in p.stderr, p.stderr
+    p = mstrace("sql", str(trace), "SELECT boundary, stream, rank, step, ts_ns, dur_ns, ts_ns + dur_ns AS end_ns, "
+                "'a-long-literal-value-to-widen-the-table' AS pad FROM probes WHERE boundary = 'scheduler_barrier' LIMIT 2")
+    assert p.returncode == 0 and "…" not in p.stdout and p.stdout.count("scheduler_barrier") == 2, p.stdout

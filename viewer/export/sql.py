@@ -78,7 +78,10 @@ class TraceDb:
         import duckdb
 
         _only_select(sql)
-        con = self._connect(self._named(sql))
+        named = self._named(sql)
+        # a query that names no view (SHOW TABLES, SELECT 1) still sees them all, empty: no
+        # table is read for it
+        con = self._connect(named) if named else self._connect(set(self.views), empty=True)
         try:
             rel = con.sql(sql)
             if rel is None:
@@ -115,12 +118,13 @@ class TraceDb:
             except TraceError as e:
                 raise SqlError(str(e)) from None
         con = duckdb.connect(":memory:")
-        for name, table in data.items():
-            con.register(name, table)
+        frames = dict(data)
         if views & {"cycles", "cycle_cost"}:
-            cycles, cost = cycle_tables(data["probes"], data["steps"], data.get("collectives"))
-            con.register("cycles", cycles)
-            con.register("cycle_cost", cost)
+            frames["cycles"], frames["cycle_cost"] = cycle_tables(data["probes"], data["steps"], data.get("collectives"))
+        for name, table in frames.items():
+            # a view over the registered Arrow table: catalog entries, so SHOW TABLES lists them
+            con.register(f"__arrow_{name}", table)
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM __arrow_{name}")
         if "request_latency" in views:
             con.execute(REQUEST_LATENCY)
         # from here on no statement reaches the file system, and the setting cannot be undone
@@ -142,7 +146,9 @@ def _only_select(sql: str) -> None:
         raise SqlError(f"one statement at a time ({len(statements)} given)")
     kind = statements[0].type
     if kind != duckdb.StatementType.SELECT:
-        raise SqlError(f"the trace is read-only: only SELECT statements run ({kind.name} refused)")
+        # the statement's own first word (INSTALL, COPY, ...): DuckDB files several under one type
+        word = (re.findall(r"[A-Za-z]+", statements[0].query) or [kind.name])[0].upper()
+        raise SqlError(f"the trace is read-only: only SELECT statements run ({word} refused)")
 
 
 def cycle_tables(probes: pa.Table, steps: pa.Table, collectives: pa.Table | None) -> tuple[pa.Table, pa.Table]:
@@ -207,5 +213,7 @@ def render(result: Result, fmt: str, out: Any) -> None:
         t = Table(*result.columns, show_lines=False)
         for r in result.rows:
             t.add_row(*("" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in r))
-        Console(file=out).print(t)
+        # into a pipe or a file, as wide as the values: never cut to 80 columns ("scheduler_bar…")
+        tty = getattr(out, "isatty", lambda: False)()
+        Console(file=out, width=None if tty else 100_000).print(t)
         print(f"{len(result.rows)} rows", file=out)
