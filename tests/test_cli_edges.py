@@ -77,3 +77,27 @@ def test_output_into_a_closed_pipe_exits_141_quietly(trace: Path) -> None:
     cmd = f"set -o pipefail; {sys.executable} -m viewer.cli sql '{trace}' 'select * from probes' | true"
     p = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)
+
+
+def test_stalls_are_numbered_in_the_order_they_were_noticed() -> None:
+    import pyarrow as pa
+
+    from tracing.schema import STALLS
+    from viewer.analysis.stalls import stall_records
+
+    ts = [2_023_000_000, 2_021_000_000, 2_022_000_000]
+    cols = {f.name: [None] * 3 for f in STALLS}
+    cols.update(ts_ns=ts, rank=[0, 0, 1], step=[5, 5, 5], waited_ns=[2_000_000_000] * 3)
+    recs = stall_records(pa.Table.from_pydict(cols, schema=STALLS))
+    assert [r.ts_ns for r in recs] == sorted(ts)
+
+
+def test_the_kv_line_and_request_lists_read_as_a_person_expects() -> None:
+    from viewer.analysis.order import natural_key
+    from viewer.stalls_view import kv_line
+
+    assert sorted(["req-10", "req-2", "req-100", "req-1"], key=natural_key) == ["req-1", "req-2", "req-10", "req-100"]
+    line = kv_line({"num_blocks": 64, "free": 3, "fenced": 2, "holders": {"req-10": 12, "req-2": 7},
+                    "largest_free_run": None})
+    assert line == "KV pool: 64 blocks, 3 free, 2 fenced; held by req-2 (7), req-10 (12)"
+    assert "{" not in line and "None" not in line

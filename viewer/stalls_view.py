@@ -10,6 +10,7 @@ from rich.text import Text
 
 from probes.waits import DEVICE_THREAD
 from viewer.analysis.leaks import HeldBlocks, LeakReport
+from viewer.analysis.order import natural_key
 from viewer.analysis.stalls import StallRecord, interesting_frames
 from viewer.report import trace_heading
 
@@ -42,6 +43,20 @@ def _ranges(ids: list[int]) -> str:
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+def kv_line(kv: dict[str, Any]) -> str:
+    """The KV pool when it stalled, in words: "64 blocks, 3 free, 2 fenced; held by req-0 (7),
+    req-3 (12), ...; largest free run 2" (a run only where the layout is contiguous)."""
+    parts = [f"{kv.get('num_blocks', '?')} blocks, {kv.get('free', '?')} free, {kv.get('fenced', 0)} fenced"]
+    holders = kv.get("holders") or {}
+    if holders:
+        shown = sorted(holders.items(), key=lambda kv_: natural_key(kv_[0]))[:8]
+        more = f", and {len(holders) - len(shown)} more" if len(holders) > len(shown) else ""
+        parts.append("held by " + ", ".join(f"{rid} ({n})" for rid, n in shown) + more)
+    if kv.get("largest_free_run") is not None:
+        parts.append(f"largest free run {kv['largest_free_run']}")
+    return "KV pool: " + "; ".join(parts)
 
 
 def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list[StallRecord]) -> None:
@@ -96,7 +111,7 @@ def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list
             console.print(st)
 
         if r.kv:
-            console.print("KV pool: " + ", ".join(f"{k}={v}" for k, v in r.kv.items()), highlight=False)
+            console.print(kv_line(r.kv), highlight=False)
 
         waiting = {int(w.get("thread_id", 0)) for w in r.waits}
         console.print(Text("thread stacks (waiting threads first, innermost frames):", style="bold"))

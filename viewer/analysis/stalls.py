@@ -45,7 +45,8 @@ def _load(text: str | None, empty: Any) -> Any:
 
 
 def stall_records(stalls: pa.Table) -> list[StallRecord]:
-    """Every stall in the table, newest first (ties: higher rank, then later row, first)."""
+    """Every stall in the table in the order the watchdogs noticed them (ties: lower rank, then
+    earlier row, first): stall 1 is the first, often the cause of the ones after it."""
     cols = stalls.to_pydict()
     n = stalls.num_rows
     out = [
@@ -60,7 +61,7 @@ def stall_records(stalls: pa.Table) -> list[StallRecord]:
         )
         for i in range(n)
     ]
-    order = sorted(range(n), key=lambda i: (out[i].ts_ns, out[i].rank, i), reverse=True)
+    order = sorted(range(n), key=lambda i: (out[i].ts_ns, out[i].rank, i))
     return [out[i] for i in order]
 
 

@@ -22,6 +22,7 @@ from probes import boundaries as B
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from viewer.analysis.cycle_views import per_cycle
+from viewer.analysis.order import natural_key
 from viewer.tui.round_screen import RequestDetail, RoundDetail
 
 ROUND_COLS = ("step", "ms", "prefill", "prefill tok", "decode", "blocks", "waiting")
@@ -103,7 +104,7 @@ class TraceBrowser:
                 rids.add(rid)
         tl = self.timeline.filter(pc.equal(self.timeline["step"], step))
         rids.update(x for x in tl["request_id"].to_pylist() if x)
-        return sorted(rids)
+        return sorted(rids, key=natural_key)
 
     def request_detail(self, rid: str) -> RequestDetail | None:
         q = self.requests.filter(pc.equal(self.requests["request_id"], rid))
