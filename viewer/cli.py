@@ -265,7 +265,7 @@ def compact(
     except OSError as e:  # a read-only trace, a full disk: the manifest commits all or nothing
         fail(f"cannot compact {trace}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
     console.print(f"{escape(str(trace))}: {res.parts_before} parts -> {res.parts_after} ({res.merges} merges); "
-                  f"removed {res.removed} uncommitted files", highlight=False)
+                  f"removed {res.removed} uncommitted files", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -318,12 +318,13 @@ def export(
             st = export_perfetto(trace, perfetto)
             console.print(f"{escape(str(perfetto))}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
                           f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)  # soft: a long path is never broken
         if otlp is not None:
             from viewer.export.otlp import replay_spans
 
             n = replay_spans(trace, otlp)
-            console.print(f"{escape(otlp)}: {n.spans} spans of {n.requests} requests sent", highlight=False)
+            console.print(f"{escape(otlp)}: {n.spans} spans of {n.requests} requests sent", highlight=False,
+                          soft_wrap=True)
     except TraceError as e:
         fail(str(e))
     except OSError as e:

@@ -118,7 +118,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
             why = (str(e).splitlines() or [""])[0] or type(e).__name__
             fail(f"the run failed: {why}; trace flushed to {out}", 4)
         render_report(console, build_report(out))
-        console.print(f"trace written to [bold]{escape(str(out))}[/]")
+        console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
         _say_rejections(out, fail)
         return
     # The seed's control group: the same workload through all three modes.

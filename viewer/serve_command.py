@@ -157,7 +157,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
         sock.close()
         if engine is None and made:  # no server ever ran: nothing of it stays behind
             shutil.rmtree(out, ignore_errors=True)
-    console.print(f"trace written to [bold]{escape(str(out))}[/]")
+    console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
     if state == "stalled":
         fail(f"the engine stalled: {detail}; see `mstrace stalls {out}`", 3)
     if state != "complete":

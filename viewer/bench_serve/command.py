@@ -57,7 +57,6 @@ def _command(fail: Fail) -> Callable[..., None]:
 
 def _run(a: dict[str, Any], fail: Fail) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     try:  # first: without its client nothing else is worth loading
@@ -65,7 +64,7 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
     except ImportError as e:
         if (e.name or "").split(".")[0] in ("viewer", "scheduler", "tracing", "probes"):
             raise
-        fail(escape(f"bench-serve needs aiohttp ({e}): pip install 'mstrace[bench]'"))
+        fail(f"bench-serve needs aiohttp ({e}): pip install 'mstrace[bench]'")
     from viewer.bench_serve import results, runner
     from viewer.bench_serve.datasets import (
         DatasetError,
