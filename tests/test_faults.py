@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 
 import pytest
 
@@ -132,7 +133,13 @@ def test_starve_injection_completes_through_preemption(tmp_path):
     req = read_table(out, "requests").to_pydict()
     assert len(req["request_id"]) == 10 and set(req["finish_reason"]) == {"length"}
     tl = read_table(out, "timeline").to_pydict()
-    assert "preempted" in tl["stage"]  # the cause is in the trace
+    assert "preempted" in tl["stage"]
+    # the cause is in the trace: a reason per preemption, naming the prefill it made room for
+    assert sum(req["num_preemptions"]) == tl["stage"].count("preempted") > 0
+    for rid, n, why in zip(req["request_id"], req["num_preemptions"], req["preempt_reasons"], strict=True):
+        assert len(why) == n and all(why), (rid, why)
+    starved = [w for why in req["preempt_reasons"] for w in why if re.fullmatch(r"\S+ waited \d+ ms for blocks", w)]
+    assert starved and all(w.split()[0] in req["request_id"] for w in starved), req["preempt_reasons"]
 
 
 def test_starve_preempts_on_the_default_pool_and_says_what_it_added(tmp_path):

@@ -169,7 +169,7 @@ def _trace_with_requests(root: Path, runs: list[int], steps: list[int], status: 
     for s in steps:
         sb.append((s, "serial", 1000 * s, 10, 5, 5, 0, 0, 1, 1, 1, 3, 0, 1, 0, 1000 * s + 9, 0))
     w.buffer("requests").append(("r0", [1], [2, 3], "", 1, 2, 0, "length", "", 1, 1, 1, 1, 1, 1, 9, 0, 1,
-                                 [5], runs, 10))
+                                 [5], runs, 10, []))
     w.buffer("probes").extend(probe_row(s) for s in range(max(steps) + 3))
     w.close()
     if status is not None:

@@ -7,6 +7,8 @@ every timestamp column ends in `_ns` (CLOCK_MONOTONIC), every duration column is
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
@@ -43,6 +45,9 @@ REQUESTS = pa.schema([
     # when the sender delivered the request's end to the client (its sinks): with a slow
     # client, later than finish_ns by the time its output queued behind others' (0: unknown)
     ("delivered_ns", pa.int64()),
+    # why each preemption happened, in order (one per `preempted` timeline event): the
+    # policy's own words, naming the request it made room for (`--inject starve`)
+    ("preempt_reasons", pa.list_(pa.string())),
 ])
 
 TIMELINE = pa.schema([
@@ -145,7 +150,8 @@ COLLECTIVES = pa.schema([
 
 # Columns added since SCHEMA_VERSION 1, by table: a part written before one of them existed
 # reads it as this value, so older traces stay readable.
-ADDED: dict[str, dict[str, int]] = {"requests": {"delivered_ns": 0}, "steps": {"blocks_fenced": 0}}
+ADDED: dict[str, dict[str, Any]] = {"requests": {"delivered_ns": 0, "preempt_reasons": []},
+                                    "steps": {"blocks_fenced": 0}}
 
 TABLES: dict[str, pa.Schema] = {
     "probes": PROBES,

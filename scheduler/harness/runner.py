@@ -40,6 +40,7 @@ class TraceRequestsSink:
             [b - a for a, b in zip(r.token_ns, r.token_ns[1:], strict=False)],  # ITL gaps, off the hot path
             r.token_runs,
             now_ns(),  # delivered: this sink runs as the sender hands the request's end to the client
+            r.preempt_reasons,
         ))
 
 

@@ -40,6 +40,7 @@ class FinishedRecord:
     num_prefill_chunks: int
     token_ns: list[int]
     token_runs: list[int] = field(default_factory=list)
+    preempt_reasons: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, r: Request) -> FinishedRecord:
@@ -49,7 +50,7 @@ class FinishedRecord:
             r.finish_reason.value if r.finish_reason else "", r.finish_detail,
             s.arrival_ns, s.tokenized_ns, r.queued_ns, r.admitted_ns, r.first_scheduled_ns,
             r.first_token_ns, r.finish_ns, r.num_preemptions, r.num_prefill_chunks,
-            list(r.token_ns), list(r.token_runs),
+            list(r.token_ns), list(r.token_runs), list(r.preempt_reasons),
         )
 
 
