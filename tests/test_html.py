@@ -56,6 +56,7 @@ def test_a_report_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) 
     p = mstrace("report", str(traces[1]), "--html", str(page))
     assert p.returncode == 0, p.stderr
     assert "device_compute" in page.read_text() and "sync-cost table" in p.stdout
+    assert p.stderr.strip() == f"HTML written to {page.resolve()}", p.stderr  # where it went (issue 25, 8)
     _check(page, tmp_path, 4)
 
 
@@ -63,12 +64,44 @@ def test_a_diff_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) ->
     page = tmp_path / "diff.html"
     p = mstrace("diff", str(traces[0]), str(traces[1]), "--html", str(page))
     assert p.returncode == 0, p.stderr
+    assert f"HTML written to {page.resolve()}" in p.stderr, p.stderr
     text = page.read_text()
     first = text.index("<tr class=")
     assert text[first:first + 20].startswith('<tr class=sig')  # significant deltas first
+    # the text diff's labels and units, not the JSON's keys and raw fractions
+    table = text[text.index("<h2>B - A"):]
+    assert "boundaries " not in table and "host_share" not in table and " pp" in table and "e-0" not in table
     _check(page, tmp_path, 3)
 
 
 def test_an_unwritable_page_is_one_line(traces: tuple[Path, Path], tmp_path: Path) -> None:
     p = mstrace("report", str(traces[0]), "--html", str(tmp_path / "no" / "such" / "dir.html"))
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_page_says_no_data_and_names_what_it_shows() -> None:
+    """A stalled run may have no finished request: its CDFs say "no data" rather than draw
+    empty axes; one trace's CDFs have no legend (its one entry was blank); "worth attacking"
+    shows its code spans as code, not backticks (issue 25, point 8)."""
+    from tracing.schema import TABLES
+    from viewer.export import html_charts as charts
+    from viewer.export.html import _worth
+
+    empty = charts.ChartInputs(TABLES["probes"].empty_table(), TABLES["steps"].empty_table(),
+                               TABLES["requests"].empty_table())
+    fig = charts.latency_cdfs([("", empty)])
+    assert [a.text for a in fig.layout.annotations].count("no data") == 3
+    assert not any(t.showlegend for t in fig.data) and all(t.name for t in fig.data)
+    two = charts.latency_cdfs([("A", empty), ("B", empty)])
+    assert {t.name for t in two.data if t.showlegend} == {"A", "B"}
+    assert _worth({"worth_attacking": ["bookkeeping: try `--gc-after-s 5` <now>"]}) == [
+        "<p class=note>worth attacking: bookkeeping: try <code>--gc-after-s 5</code> &lt;now&gt;</p>"]
+
+
+def test_a_stalled_trace_page_says_so_first() -> None:
+    from viewer.export.html import _status
+
+    rep = {"trace": "t", "status": {"state": "stalled", "detail": "scheduler waited 2.0 s for event main#7"}}
+    line = _status(rep)
+    assert len(line) == 1 and "STALLED" in line[0] and "mstrace stalls t" in line[0] and "main#7" in line[0]
+    assert _status({"trace": "t", "status": {"state": "complete", "detail": ""}}) == []

@@ -145,6 +145,7 @@ def report(
         print(json.dumps(rep, indent=2))
     else:
         render_report(console, rep)
+    _wrote_html(html_out)
 
 
 @app.command()
@@ -296,6 +297,13 @@ def diff(
         print(json.dumps(d, indent=2))
     else:
         render_diff(console, d)
+    _wrote_html(html_out)
+
+
+def _wrote_html(path: Path | None) -> None:
+    """Where the page went: on stderr, so `--json` output stays one JSON document."""
+    if path is not None:
+        err_console.print(f"HTML written to {escape(str(path.resolve()))}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -119,7 +119,8 @@ def _row(label: str, d: dict[str, Any], kind: str, better: int, group: str | Non
                _MARK if d["significant"] else "", colour, group)
 
 
-def _sections(dl: dict[str, Any]) -> list[tuple[str, list[Row]]]:
+def sections(dl: dict[str, Any]) -> list[tuple[str, list[Row]]]:
+    """The deltas as the text prints them (labels, units, pp for shares): also the HTML page's."""
     cost: list[Row] = []
     for name, m in dl["boundaries"].items():
         first = True
@@ -215,17 +216,17 @@ def render_diff(console: Console, d: dict[str, Any]) -> None:
         console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False, soft_wrap=True)
     for side, r in (("A", a), ("B", b)):
         trace_heading(console, r["trace"], f" (mode {r['mode']}, model {r['model']})", lead=f"{side} ")
-    sections = _sections(dl)
+    parts = sections(dl)
     # the widest layout that fits: a table, a table with each interval under its row,
     # or every field stacked (all sections alike, so they read alike)
     for two_line in (False, True):
-        if all(_widths(rows, la, lb, two_line)[1] <= console.width for _, rows in sections):
-            for title, rows in sections:
+        if all(_widths(rows, la, lb, two_line)[1] <= console.width for _, rows in parts):
+            for title, rows in parts:
                 _table(console, title, rows, la, lb, two_line)
             break
     else:
         console.print(f"{la} → {lb}; Δ = B − A; CI = {LEVEL:.0%} interval of Δ", highlight=False)
-        for title, rows in sections:
+        for title, rows in parts:
             _stacked(console, title, rows)
     console.print(_footnote(bs), highlight=False)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
 table { border-collapse: collapse; margin: 8px 0; }
 td, th { padding: 3px 10px; border-bottom: 1px solid #ddd; text-align: right; }
 td:first-child, th:first-child { text-align: left; }
-tr.sig td { font-weight: 600; } .note { color: #666; } .chart { min-height: 200px; }
+tr.sig td { font-weight: 600; } .note { color: #666; } .warn { color: #b00; font-weight: 600; } .chart { min-height: 200px; }
 """
 ERRORS = ("window.__errors=[];window.addEventListener('error',function(e){window.__errors.push(String(e.message));"
           "document.body&&(document.body.dataset.errors=window.__errors.join(' | '));});")
@@ -45,8 +46,8 @@ def report_html(root: str | Path, out: str | Path, rep: dict[str, Any] | None = 
     inp = chart_inputs(root)
     figs = [charts.cost_bars([("", rep)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
-    body = [f"<h1>mstrace report: {_e(rep['trace'])}</h1>", _facts(rep), "<h2>Sync cost</h2>", _cost_table(rep),
-            *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep)]
+    body = [f"<h1>mstrace report: {_e(rep['trace'])}</h1>", *_status(rep), _facts(rep), "<h2>Sync cost</h2>",
+            _cost_table(rep), *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep)]
     _write(out, f"mstrace report {rep['trace']}", body, figs)
 
 
@@ -113,9 +114,23 @@ def _cost_table(rep: dict[str, Any]) -> str:
             f"<th>host share</th><th>count</th><th>hidden</th></tr>{rows}</table>")
 
 
+def _status(rep: dict[str, Any]) -> list[str]:
+    """An incomplete trace's line, as the text report's first line (a stalled run: where to look)."""
+    from tracing.run_status import RunStatus
+
+    line = RunStatus(**rep["status"]).headline()
+    if line is None:
+        return []
+    if rep["status"]["state"] == "stalled":
+        line += f"; see `mstrace stalls {rep['trace']}` for the waits, the wait-for graph and the stacks"
+    return [f"<p class=warn>{_e(line)}</p>"]
+
+
 def _worth(rep: dict[str, Any]) -> list[str]:
-    return [f"<p class=note>worth attacking: {_e(w if isinstance(w, str) else json.dumps(w))}</p>"
-            for w in rep.get("worth_attacking") or []]
+    # the text's `code` spans as <code>, not literal backticks
+    code, sub = re.compile(r"`([^`]*)`"), r"<code>\g<1></code>"
+    lines = [code.sub(sub, _e(w if isinstance(w, str) else json.dumps(w))) for w in rep.get("worth_attacking") or []]
+    return [f"<p class=note>worth attacking: {line}</p>" for line in lines]
 
 
 def _latency_table(rep: dict[str, Any]) -> str:
@@ -124,23 +139,19 @@ def _latency_table(rep: dict[str, Any]) -> str:
     return f"<table><tr><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{rows}</table>"
 
 
-def _leaves(d: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """The diff's deltas, nested by group (boundaries, throughput, latency), as (name, delta)."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    for k, v in d.items():
-        if isinstance(v, dict) and "delta" in v:
-            out.append((f"{prefix}{k}", v))
-        elif isinstance(v, dict):
-            out += _leaves(v, f"{prefix}{k} ")
-    return out
-
-
 def _delta_table(d: dict[str, Any]) -> str:
-    items = sorted(_leaves(d["delta"]), key=lambda kv: (not kv[1].get("significant"), -abs(kv[1].get("rel") or 0.0)))
-    rows = "".join(
-        f"<tr class={'sig' if v.get('significant') else 'ns'}><td>{_e(k)}</td><td>{_num(v.get('a'), '.4g')}</td>"
-        f"<td>{_num(v.get('b'), '.4g')}</td><td>{_num(v.get('delta'), '+.4g')}</td>"
-        f"<td>[{_num(v.get('ci_low'), '.3g')}, {_num(v.get('ci_high'), '.3g')}]</td>"
-        f"<td>{'yes' if v.get('significant') else 'no'}</td></tr>" for k, v in items if isinstance(v, dict))
+    """The text diff's rows (its labels and units: ms, pp, %), significant ones first."""
+    from viewer.diff import sections
+
+    rows: list[tuple[str, Any]] = []
+    for _, section in sections(d["delta"]):
+        group = ""
+        for r in section:
+            group = r.group if r.group is not None else group
+            rows.append((f"{group} {r.label.strip()}".strip(), r))
+    rows.sort(key=lambda x: not x[1].mark)  # stable: within each kind, the text's order
+    html_rows = "".join(
+        f"<tr class={'sig' if r.mark else 'ns'}><td>{_e(name)}</td><td>{_e(r.a)}</td><td>{_e(r.b)}</td>"
+        f"<td>{_e(r.delta)}</td><td>{_e(r.ci)}</td><td>{'yes' if r.mark else 'no'}</td></tr>" for name, r in rows)
     return ("<table><tr><th>metric</th><th>A</th><th>B</th><th>B - A</th><th>95% CI</th><th>significant</th></tr>"
-            f"{rows}</table>")
+            f"{html_rows}</table>")

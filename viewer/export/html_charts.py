@@ -106,6 +106,7 @@ def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT ms", "ITL ms", "E2E ms"))
+    has_data = [False, False, False]
     for i, (label, inp) in enumerate(inputs):
         q = inp.requests
         arr, ft, fin = (q[c].to_numpy() for c in ("arrival_ns", "first_token_ns", "finish_ns"))
@@ -113,8 +114,17 @@ def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
             else np.empty(0)
         for col, x in enumerate(((ft - arr)[ft > 0] / 1e6, itl / 1e6, (fin - arr) / 1e6), start=1):
             xs, ys = _cdf(x)
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label, legendgroup=label, showlegend=col == 1,
+            has_data[col - 1] |= len(xs) > 0
+            # one trace: one line per panel, nothing for a legend to tell apart (its entry was blank)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=label or "requests", legendgroup=label,
+                                     showlegend=col == 1 and len(inputs) > 1,
                                      line={"color": AB[i % 2] if len(inputs) > 1 else COLOURS[0]}), row=1, col=col)
+    for col, ok in enumerate(has_data, start=1):
+        if not ok:  # a stalled run may have no finished request: say so, not an empty axis
+            fig.add_annotation(text="no data", x=0.5, y=0.5, xref="x domain", yref="y domain", showarrow=False,
+                               row=1, col=col)
+            fig.update_xaxes(showticklabels=False, row=1, col=col)
+            fig.update_yaxes(showticklabels=False, row=1, col=col)
     return fig.update_layout(**_layout("latency CDFs", yaxis_title="fraction of requests (ITL: of gaps)"))
 
 
