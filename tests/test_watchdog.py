@@ -224,12 +224,12 @@ def test_stall_rows_round_trip_through_a_trace_and_the_cli(tmp_path):
     w.close()
 
     recs = stall_records(read_table(tmp_path / "t", "stalls"))
-    assert [r.waiter for r in recs] == ["scheduler", "prefill-stream"]  # newest first (same ts: later row)
-    assert recs[1].cycle.startswith("prefill-stream -> event main#42 -> main-stream") and recs[0].cycle == ""
+    assert [r.waiter for r in recs] == ["prefill-stream", "scheduler"]  # as noticed (same ts: earlier row)
+    assert recs[0].cycle.startswith("prefill-stream -> event main#42 -> main-stream") and recs[1].cycle == ""
     p = mstrace("stalls", str(tmp_path / "t"))
     assert p.returncode == 1, p.stderr  # findings: a stall (README, exit codes)
     out = p.stdout.replace("\n", " ")
     assert "2 stall(s)" in p.stdout and "blocks held by req r7" in out and "prefill r6" in out
-    assert "free=0" in p.stdout and "[waiting]" not in p.stdout  # thread ids 1, 2 are not real threads
+    assert "0 free" in p.stdout and "[waiting]" not in p.stdout  # thread ids 1, 2 are not real threads
     d = json.loads(mstrace("stalls", str(tmp_path / "t"), "--json").stdout)
-    assert d["count"] == 2 and d["stalls"][1]["graph"][-1]["label"] == "blocks held by req r7"
+    assert d["count"] == 2 and d["stalls"][0]["graph"][-1]["label"] == "blocks held by req r7"
