@@ -50,7 +50,7 @@ def synthetic_trace(root: Path, rounds: int = 60, requests: int = 12, stall: boo
             arrival = T0 + done * ROUND_NS
             reqs.append((rid, [1] * 20, [2] * 30, "", 20, 30, 16 * (done % 2), "length", "", arrival, arrival + MS,
                          arrival + MS, arrival + 2 * MS, arrival + 2 * MS, arrival + (20 + 3 * done) * MS, s, 0, 1,
-                         [ROUND_NS + (k % 3) * MS for k in range(29)], [done, 30], s + MS))
+                         [ROUND_NS + (k % 3) * MS for k in range(29)], [done, 30], s + MS, []))
             if not (leak and done == 3):
                 mem.extend((s + 2 * MS, i, "free", b, rid, 0) for b in held.pop(rid))
         if stall and i == rounds - 1:
