@@ -226,3 +226,17 @@ def test_a_stall_is_an_instant_with_its_wait_cycle(tmp_path: Path) -> None:
     args = {a.name: a for a in stalls[0].debug_annotations}
     assert args["cycle"].string_value.startswith("scheduler -> prefill stream event")
     assert args["waiter"].string_value == "scheduler" and args["waited_ns"].int_value == 2_000_000_000
+
+
+def test_otlp_replay_to_a_collector_that_is_not_there_is_one_line(tp2: Path) -> None:
+    """No "Transient error" lines from the exporter's retries: the collector is checked first
+    (issue 25, point 13)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = mstrace("export", str(tp2), "--otlp", f"http://127.0.0.1:{port}")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1, p.stderr
+    assert "cannot reach the collector" in lines[0] and "Transient" not in p.stderr
