@@ -379,7 +379,8 @@ class Engine:
     ) -> None:
         """Step 5 (scheduler/core/collect.py)."""
         split = [la.prepared.results(toks, la.slots) for la, toks in zip(launches, tokens, strict=True)]
-        results, scores = split[0] if len(split) == 1 else (itertools.chain(*(s[0] for s in split)), [c for s in split for c in s[1]])
+        results = itertools.chain.from_iterable(r for r, _ in split)
+        scores = [c for _, s in split for c in s]
         collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out, scores)
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:

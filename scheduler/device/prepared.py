@@ -15,7 +15,7 @@ from scheduler.core.request import TokenLogprob
 from scheduler.device.work import Event
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk
 from scheduler.model.penalties import LogitsAdjust
-from scheduler.model.sampling import SampledLists
+from scheduler.model.sampling import Sampled, SampledLists
 
 
 @dataclass(slots=True)
@@ -82,7 +82,8 @@ class Launch:
     slots: list[int]  # future slot of each sampled chunk
     start: Event
     end: Event
-    result: list[list[int]] = field(default_factory=list)
+    # the device's answer: a Sampled from a local device, its SampledLists from a device process
+    result: list[Sampled | SampledLists] = field(default_factory=list)
 
     def device_ns(self) -> int:
         s, e = self.start.ts_ns, self.end.ts_ns

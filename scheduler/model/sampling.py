@@ -159,8 +159,8 @@ def sample_batch(
     scored rows after them (each against its `score_targets` entry). `k`: the most
     alternatives any row asked for (rows that asked fewer are cut on the host). A batch where
     no row asked for anything does no more than sample."""
-    rows = logits[:num_sampled]
-    tokens = sample_rows(rows if adjust is None else apply_adjust(rows, adjust, future), temperatures, top_ps, seeds)
+    drawn = logits[:num_sampled]
+    tokens = sample_rows(drawn if adjust is None else apply_adjust(drawn, adjust, future), temperatures, top_ps, seeds)
     want = [i for i, k in enumerate(logprobs) if k >= 0]  # ([] when no row asked)
     if not want and score_targets is None:
         return Sampled(tokens)
