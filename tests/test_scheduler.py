@@ -3,6 +3,8 @@ without a model: the round's steps 1-3 are pure bookkeeping."""
 
 from __future__ import annotations
 
+import zlib
+
 from probes.clock import now_ns
 from scheduler.config import EngineConfig
 from scheduler.core.collect import collect, launched
@@ -25,7 +27,9 @@ def make(num_blocks=16, block_size=4, chunk=8, **kw):
 
 
 def add(rm, rid, n, max_new=4, ts=1):
-    ids = [(hash(rid) + i) % 50 + 1 for i in range(n)]
+    # crc32, not hash(): str hashes change per process, and two ids equal mod 50 would make two
+    # prompts identical (and share blocks) in one run in fifty
+    ids = [(zlib.crc32(rid.encode()) + i) % 50 + 1 for i in range(n)]
     return rm.enqueue(ReqSample(rid, ids, n, SamplingParams(max_new), ts, ts + 1))
 
 
