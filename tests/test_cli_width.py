@@ -65,3 +65,33 @@ def test_diff_fits_80_columns_and_keeps_its_marks(modes):
     narrow, wide = at(80, *args), at(200, *args)
     assert "…" not in narrow and _widest(narrow, modes) <= 80
     assert narrow.count(" * ") + narrow.count(" *\n") == wide.count(" * ") + wide.count(" *\n")
+
+
+def _commands() -> dict[str, object]:
+    """Every subcommand as click builds it, `run`'s, `serve`'s and `bench-serve`'s included."""
+    import typer
+
+    from viewer.cli import app
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("mstrace", ["--help"], resilient_parsing=True)
+    return {"": group, **{name: group.get_command(ctx, name) for name in group.list_commands(ctx)}}
+
+
+def test_help_shows_no_type_beside_a_flag():
+    """A flag takes no value: `--help  <bool>  Show this message` read as if it took one."""
+    import re
+
+    commands = _commands()
+    assert {"run", "serve", "bench-serve", "report", "diff", "sql"} <= set(commands)
+    for name, cmd in commands.items():
+        out = at(200, *([name] if name else []), "--help")
+        assert "<bool>" not in out, name
+        assert re.search(r"--help +Show this message", out), (name, out)
+        ctx = cmd.context_class(cmd, info_name=name or "mstrace")
+        flags = [p for p in cmd.get_params(ctx) if getattr(p, "is_flag", False) and not p.hidden]
+        assert flags, name  # --help at least
+        for p in flags:
+            line = next((ln for ln in out.splitlines() if re.search(rf"{re.escape(p.opts[0])}\b", ln)), None)
+            assert line is not None, (name, p.opts[0])
+            assert not re.search(r"<[\w\[\]|,. ]+>", line), (name, line)

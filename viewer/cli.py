@@ -68,6 +68,21 @@ class _Commands(TyperGroup):
 # each side) cut long flag names such as --no-overlap-schedule into "--no-overlap-sch…".
 typer.rich_utils.STYLE_OPTIONS_TABLE_PADDING = (0, 1, 0, 0)
 
+# typer's help shows every option's type beside its name, a flag's too: "--help  <bool>
+# Show this message" read as if --help took a value. A flag (or a count) takes none, so
+# its type cell is left empty, in every command's help (run's, serve's, bench-serve's too:
+# their typer apps live in this process).
+_display_type_rich = typer.core.TyperOption.display_type_rich
+
+
+def _flag_shows_no_type(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    if self.is_flag or self.count:
+        return None
+    return _display_type_rich(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _flag_shows_no_type  # type: ignore[method-assign]
+
 app = typer.Typer(
     name="mstrace",
     cls=_Commands,
