@@ -78,18 +78,84 @@ def test_a_tp2_export_has_every_probe_row_as_a_slice_with_valid_nesting(tp2: Pat
     assert {(0, "main"), (1, "main"), (0, "host"), (0, "comm")} <= threads  # type: ignore[operator]
     # Every probe row comes back as exactly the slice it was: same track, name, start and end.
     # (A slice that closed before its child would pair with the wrong end and break this.)
+    # A `tokenize` row is cut in two (the next test); here it starts where its wait ends.
     probes = read_table(tp2, "probes")
     want = Counter(zip(probes["rank"].to_pylist(), probes["stream"].cast("string").to_pylist(),
                        probes["boundary"].cast("string").to_pylist(), probes["ts_ns"].to_pylist(),
                        (np.asarray(probes["ts_ns"]) + np.maximum(np.asarray(probes["dur_ns"]), 0)).tolist(),
                        strict=True))
-    have = Counter((*k, n, t0, t1) for u, n, t0, t1, _ in got["slices"] if (k := _thread_key(tracks, u)) is not None)
+    wait_end = {t0: t1 for _, n, t0, t1, _ in got["slices"] if n == "tokenize wait"}
+    have = Counter((*k, n, {v: k for k, v in wait_end.items()}.get(t0, t0) if n == "tokenize" else t0, t1)
+                   for u, n, t0, t1, _ in got["slices"] if (k := _thread_key(tracks, u)) is not None)
     assert have == want
     per_boundary = Counter(n for u, n, *_ in got["slices"] if _thread_key(tracks, u) is not None)
     assert per_boundary == Counter(probes["boundary"].cast("string").to_pylist())
     # each probe slice carries its round
     one = next(b for u, _, _, _, b in got["slices"] if _thread_key(tracks, u) is not None)
     assert [a.int_value for a in one.debug_annotations if a.name_iid == 1]
+
+
+def test_one_tokenizer_thread_is_one_track_its_queue_wait_on_the_requests(tp2: Path, tmp_path: Path) -> None:
+    """A `tokenize` row spans a request's stay in the pool, queueing + encoding: twelve
+    requests arriving at once overlapped on the one thread's track and took eleven more
+    (`tokenizer #2`...). Now the thread's track holds each request from the end of the one
+    before (the thread's busy part), and the wait before it is `tokenize wait` on the
+    request's own track: each row's time exactly once, and one tokenizer track."""
+    out = tmp_path / "t.pftrace"
+    assert mstrace("export", str(tp2), "--perfetto", str(out)).returncode == 0
+    got = _parse(out)
+    tracks = got["tracks"]
+    assert got["unpaired"] == 0
+    assert [d.thread.thread_name for d in tracks.values()
+            if d.HasField("thread") and d.thread.thread_name.startswith("tokenizer")] == ["tokenizer"]
+    busy = sorted((t0, t1) for u, n, t0, t1, _ in got["slices"] if n == "tokenize")
+    assert all(a[1] <= b[0] for a, b in zip(busy, busy[1:], strict=False))  # one thread: one at a time
+    waits = {tracks[u].name: (t0, t1) for u, n, t0, t1, _ in got["slices"] if n == "tokenize wait"}
+    assert waits  # the twelve arrive together: all but the first wait
+    q = read_table(tp2, "requests")
+    probes = read_table(tp2, "probes").to_pylist()
+    rows = sorted((r["ts_ns"], r["ts_ns"] + r["dur_ns"]) for r in probes if r["boundary"] == "tokenize")
+    assert len(rows) == q.num_rows == len(busy)
+    # every row is its wait (on its request's track, from its arrival) and its busy part, or just the busy part
+    pieces = []
+    for rid, a, tok in zip(q["request_id"].to_pylist(), q["arrival_ns"].to_pylist(), q["tokenized_ns"].to_pylist(),
+                           strict=True):
+        s = waits[rid][1] if rid in waits else a
+        assert rid not in waits or waits[rid][0] == a < s
+        assert (s, tok) in busy
+        pieces.append((a, tok))
+    assert sorted(pieces) == rows
+    assert sum(t1 - t0 for t0, t1 in busy) + sum(t1 - t0 for t0, t1 in waits.values()) == \
+        sum(e - a for a, e in rows)
+
+
+def test_a_pool_thread_can_first_have_taken_a_request_no_earlier_than_the_bound() -> None:
+    """`pool_starts` against a simulated FIFO pool: never after the thread's real start nor
+    before the arrival, exact with one thread, and at most `threads` busy parts at once
+    (arrivals apart)."""
+    import heapq
+
+    from viewer.export.perfetto import pool_starts
+
+    rng = np.random.default_rng(1)
+    for threads in (1, 2, 4):
+        arrival = np.sort(rng.choice(10_000, 300, replace=False))  # (rows that arrived together may all
+        # start at the bound: which of them a thread took first is unknown)
+        free = [0] * threads  # each thread's end of its last request
+        start = np.empty(300, np.int64)
+        end = np.empty(300, np.int64)
+        for i, a in enumerate(arrival.tolist()):
+            f = heapq.heappop(free)
+            start[i] = max(a, f)
+            end[i] = start[i] + int(rng.integers(1, 200))
+            heapq.heappush(free, int(end[i]))
+        order = rng.permutation(300)  # rows come in any order
+        s = pool_starts(arrival[order], end[order], threads)
+        assert np.all(arrival[order] <= s) and np.all(s <= start[order])
+        if threads == 1:
+            assert np.array_equal(s, start[order])
+        edges = sorted([(int(x), 1) for x in s] + [(int(x), -1) for x in end[order]], key=lambda x: (x[0], x[1]))
+        assert max(np.cumsum([d for _, d in edges])) <= threads
 
 
 def test_requests_rounds_flows_and_counters(tp2: Path, tmp_path: Path) -> None:

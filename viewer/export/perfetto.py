@@ -3,7 +3,10 @@
 What ui.perfetto.dev shows:
 - a process per rank, with a thread track per stream (main, prefill, comm, the
   scheduling thread's `host`, sender, tokenizer, http): every probe row is a slice
-  named by its boundary, with its round in the `round` argument;
+  named by its boundary, with its round in the `round` argument; but a `tokenize` row
+  (a request's stay in the tokenizer pool: queueing + encoding) is cut in two where
+  the pool's thread can first have taken it (`pool_starts`): the thread's part on the
+  `tokenizer` track, the wait before it as `tokenize wait` on the request's track;
 - a `rounds` track on rank 0: a slice per scheduling round;
 - a `requests` process with an async track per request: `queued`, `prefill` (its
   chunks inside, one per round that ran one), `decode`; an instant at `finished`;
@@ -22,6 +25,7 @@ leaks, preemptions) go through the `perfetto` package's StreamingTraceProtoBuild
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from probes import boundaries as B
 from tracing.reader import Trace, read_parts
 from tracing.schema import TABLES
 from viewer.export import perfetto_bulk as bulk
@@ -80,8 +85,9 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
         b = StreamingTraceProtoBuilder(f)
         names, threads = _header(trace, b, stats)
         lanes = _Lanes(threads)
+        pool = _Pool(trace.meta.get("config", {}).get("tokenizer_threads"))
         for chunk in _probe_chunks(trace):
-            body = _probe_packets(chunk, names, lanes, stats)
+            body = _probe_packets(pool.take(chunk), names, lanes, stats)
             for uuid, (pid, tid, name) in lanes.new():  # a lane's track before its first slice
                 _track(b, stats, uuid, name, thread=(pid, tid, name))
             f.write(body)
@@ -91,7 +97,16 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
             if col in steps.column_names:
                 f.write(bulk.counter(steps["ts_ns"].to_numpy(), COUNTER + k, steps[col].to_numpy()))
                 stats.packets += steps.num_rows
-        flows = requests(trace, f, names, steps, stats) if trace.has_table("requests") else None
+        # a held row's wait goes on its request's track; the row of no request stays whole
+        a, s, e = pool.split()
+        flows, waited = requests(trace, f, names, steps, stats, (a, s, e)) if trace.has_table("requests") else \
+            (None, np.zeros(len(a), dtype=bool))
+        held = pool.rows(np.where(waited, s, a), e)
+        if held is not None:
+            body = _probe_packets(held, names, lanes, stats)
+            for uuid, (pid, tid, name) in lanes.new():
+                _track(b, stats, uuid, name, thread=(pid, tid, name))
+            f.write(body)
         rounds(f, steps, flows, names, stats)
         instants(trace, b, names, steps, stats)
 
@@ -158,6 +173,85 @@ def _probe_chunks(trace: Trace, cols: list[str] | None = None) -> Iterator[pa.Ta
         t = read_parts([part], TABLES["probes"], cols)
         for at in range(0, t.num_rows, BATCH):
             yield t.slice(at, BATCH)
+
+
+def pool_starts(start: np.ndarray, end: np.ndarray, threads: int) -> np.ndarray:
+    """The earliest time a thread of a pool of `threads` can have taken each row (a
+    request's stay in the pool, from its arrival to the end of its encoding): the part
+    before it is certainly queueing. The probe records no encode start, so this is a
+    bound, not a guess: with one thread, the end of the row the thread finished before
+    (the thread works one request after another, so the rows' ends are its order);
+    with more, FIFO in arrival order, the `threads`-th latest end of the rows that
+    arrived before (at most `threads` - 1 of them can still be in the pool's threads;
+    rows that arrived at the same nanosecond do not count for each other).
+    Between a row's bound and its end lies the encoding and, with more threads, maybe
+    some queueing the data cannot tell from it."""
+    s = start.astype(np.int64).copy()
+    if threads <= 1:
+        order = np.lexsort((start, end))
+        e = end[order].astype(np.int64)
+        prev = np.concatenate([[np.iinfo(np.int64).min], e[:-1]])
+        s[order] = np.minimum(np.maximum(s[order], prev), e)
+        return s
+    latest: list[int] = []  # a heap of the `threads` latest ends of the rows that arrived before
+    order = np.argsort(start, kind="stable")
+    a = start[order].tolist()
+    e = end[order].tolist()
+    at = 0
+    while at < len(a):  # rows that arrived together: none is known to have been taken first
+        to = at
+        while to < len(a) and a[to] == a[at]:
+            to += 1
+        if len(latest) == threads:
+            s[order[at:to]] = np.minimum(max(a[at], latest[0]), end[order[at:to]])
+        for z in e[at:to]:
+            heapq.heappush(latest, z)
+            if len(latest) > threads:
+                heapq.heappop(latest)
+        at = to
+    return s
+
+
+class _Pool:
+    """The tokenizer pool's `tokenize` rows (one per request), held back from the bulk
+    until all are read, to be cut where the pool's thread can first have taken each
+    (`pool_starts`); none are held when the trace does not say how many threads the
+    pool had."""
+
+    def __init__(self, threads: Any) -> None:
+        self._threads = threads if isinstance(threads, int) and threads >= 1 else None
+        self._held: list[pa.Table] = []
+        self._t: pa.Table | None = None
+
+    def take(self, t: pa.Table) -> pa.Table:
+        """The chunk without its rows held back."""
+        if self._threads is None or not t.num_rows:
+            return t
+        (s_code, s_names), (b_code, b_names) = _codes(t["stream"]), _codes(t["boundary"])
+        if "tokenizer" not in s_names or B.TOKENIZE not in b_names:
+            return t
+        m = (s_code == s_names.index("tokenizer")) & (b_code == b_names.index(B.TOKENIZE))
+        if not m.any():
+            return t
+        self._held.append(t.filter(pa.array(m)))
+        return t.filter(pa.array(~m))
+
+    def split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(arrival, the thread's earliest start, end) of each held row."""
+        self._t = pa.concat_tables(self._held) if self._held else None
+        self._held = []
+        if self._t is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        a = self._t["ts_ns"].to_numpy().astype(np.int64)
+        e = a + np.maximum(self._t["dur_ns"].to_numpy().astype(np.int64), 0)
+        return a, pool_starts(a, e, self._threads or 1), e
+
+    def rows(self, start: np.ndarray, end: np.ndarray) -> pa.Table | None:
+        """The held rows from these starts: the slices for the thread's track."""
+        if self._t is None:
+            return None
+        t = self._t.set_column(self._t.schema.get_field_index("ts_ns"), "ts_ns", pa.array(start, pa.int64()))
+        return t.set_column(t.schema.get_field_index("dur_ns"), "dur_ns", pa.array(end - start, pa.int64()))
 
 
 class _Lanes:

@@ -21,7 +21,7 @@ COUNTERS = (("blocks_free", "KV blocks free"), ("blocks_used", "KV blocks used")
             ("blocks_fenced", "KV blocks fenced"), ("num_waiting", "requests waiting"),
             ("num_running", "requests running"), ("num_prefill_tokens", "prefill tokens / round"),
             ("num_decode_tokens", "decode tokens / round"))
-NAMES = ("round", "request", "queued", "prefill", "prefill chunk", "decode", "finished", "preempted", "stall",
+NAMES = ("round", "request", "queued", "tokenize wait", "prefill", "prefill chunk", "decode", "finished", "preempted", "stall",
          "leaked blocks")  # event names besides the boundaries
 ARGS = {n: i + 1 for i, n in enumerate(("round", "prompt_len", "output_len", "cached_prefix_len", "num_preemptions",
                                         "tokens", "finish_reason", "computed_tokens"))}  # interned arg names

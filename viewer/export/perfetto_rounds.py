@@ -22,15 +22,23 @@ from viewer.export import wire
 from viewer.export.perfetto_bulk import ARGS, REQUEST, REQUESTS, ROUNDS
 
 BATCH = 25_000  # requests or rounds per column-wise batch
-REQUEST_COLS = ["request_id", "arrival_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
+REQUEST_COLS = ["request_id", "arrival_ns", "tokenized_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
                 "prompt_len", "output_len", "cached_prefix_len", "finish_reason", "num_preemptions"]
 Flows = tuple[np.ndarray, np.ndarray]  # (round, flow id), sorted by round
 
 
-def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table, stats: Any) -> Flows:
-    """An async track per request under `requests`, with its stages; returns the flows."""
+def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table, stats: Any,
+             pool: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Flows, np.ndarray]:
+    """An async track per request under `requests`, with its stages; returns the flows,
+    and which of the tokenizer pool's rows, (arrival, the thread's start, end) each, put
+    their wait (arrival to the thread's start) on a request's track as `tokenize wait`:
+    those whose arrival and end are a request's arrival_ns and tokenized_ns."""
     q = trace.table("requests", REQUEST_COLS)
     n = q.num_rows
+    pa_, ps, pe = pool
+    who = _match(pa_, pe, q["arrival_ns"].to_numpy().astype(np.int64), q["tokenized_ns"].to_numpy().astype(np.int64))
+    waited = (who >= 0) & (ps > pa_)
+    w_req, w_a, w_s = who[waited], pa_[waited], ps[waited]
     chunks = _timeline(trace, q["request_id"], ("prefill_chunk", "preempted"))
     a = q["arrival_ns"].to_numpy().astype(np.int64)
     s = np.maximum(a, q["first_scheduled_ns"].to_numpy())
@@ -65,6 +73,8 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
                 for x in bulk.int_arg(ARGS[c], q[c].to_numpy()[sl])]
         groups = [(a[sl], e[sl], uuid[sl], names["request"], [*args, flows]),
                   (a[sl], s[sl], uuid[sl], names["queued"], [])]
+        m = (w_req >= lo) & (w_req < hi)
+        groups.append((w_a[m], w_s[m], uuid[w_req[m]], names["tokenize wait"], []))
         m = p_end[sl] > s[sl]
         groups.append((s[sl][m], p_end[sl][m], uuid[sl][m], names["prefill"], []))
         m = e[sl] > p_end[sl]
@@ -90,7 +100,25 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
                           bulk.int_arg(ARGS["computed_tokens"], chunks["value"][pre])))
     stats.requests, stats.flows = n, len(fid)
     order = np.argsort(rnd, kind="stable")
-    return rnd[order], fid[order]
+    return (rnd[order], fid[order]), waited
+
+
+def _match(a1: np.ndarray, e1: np.ndarray, a2: np.ndarray, e2: np.ndarray) -> np.ndarray:
+    """For each pair (a1, e1), the index of an equal pair (a2, e2), each used once; -1 for none."""
+    n1 = len(a1)
+    side = np.concatenate([np.zeros(n1, np.int64), np.ones(len(a2), np.int64)])
+    a, e = np.concatenate([a1, a2]), np.concatenate([e1, e2])
+    order = np.lexsort((side, e, a))  # equal pairs together, the first side's first
+    sa, se, sd = a[order], e[order], side[order]
+    new = np.concatenate([[True], (sa[1:] != sa[:-1]) | (se[1:] != se[:-1])])
+    grp = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    ones = np.bincount(grp, weights=sd == 0, minlength=len(first)).astype(np.int64)  # first side's, per pair
+    k = np.arange(len(order)) - first[grp] - np.where(sd == 1, ones[grp], 0)  # k-th of its side in its pair
+    two = np.flatnonzero((sd == 1) & (k < ones[grp]))
+    out = np.full(n1, -1, dtype=np.int64)
+    out[order[first[grp[two]] + k[two]]] = order[two] - n1
+    return out
 
 
 def rounds(f: IO[bytes], steps: pa.Table, flows: Flows | None, names: dict[str, int], stats: Any) -> None:
