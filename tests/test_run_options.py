@@ -96,8 +96,8 @@ def test_config_file_gives_the_same_run_as_the_flags(tmp_path):
     ("prefill-chunk = 64\n", "unknown option 'prefill-chunk'"),
     ("no_such_option = 1\n", "unknown option 'no_such_option'"),
     ("prefill_chunk = \n", "not valid TOML"),
-    ("comm_overlap = \"maybe\"\n", "--comm-overlap must be on or off"),
-    ("prompt_len = [3]\n", "--prompt-len must look like"),
+    ("comm_overlap = \"maybe\"\n", "bad.toml: comm_overlap must be on or off"),
+    ("prompt_len = [3]\n", "bad.toml: prompt_len must look like"),
     ("enable_prefix_sharing = 1\n", "must be true or false"),
     ("inject = [\"leak\", 3]\n", "must be a list of strings"),
 ])
@@ -107,6 +107,37 @@ def test_bad_config_file(tmp_path, text, needle):
     line = one_line_error(mstrace("run", "--config", str(cfg), "--out", str(tmp_path / "o")))
     assert needle in line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command,text,says", [
+    # checked when the workload is made, after the model's config is read
+    ("run", "requests = 0\n", "requests must be >= 1"),
+    # checked by EngineConfig.validate
+    ("run", "block_size = 0\n", "block_size must be >= 1 (got 0)"),
+    ("run", "rate = -1.0\n", "rate must be a finite number"),
+    # a parser's message that names no flag of its own
+    ("run", "kv_bytes = \"12 parsecs\"\n", "kv_bytes: cannot read size '12 parsecs'"),
+    ("serve", "port = 70000\n", "port must be in 0..65535, got 70000"),
+])
+def test_a_bad_value_from_the_config_file_names_the_file_and_key(tmp_path, command, text, says):
+    """Not `--requests must be >= 1`: no --requests was given. The file and its key are
+    named, with the usual one line and exit 2."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("model = \"tiny\"\n" + text)
+    p = mstrace(command, "--config", str(cfg), "--out", str(tmp_path / "o"), timeout=120)
+    line = one_line_error(p)
+    assert p.returncode == 2
+    assert line.startswith(f"error: --config {cfg}: {says}"), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_value_from_a_flag_still_names_the_flag(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text("model = \"tiny\"\nrequests = 8\nblock_size = 0\n")
+    p = mstrace("run", "--config", str(cfg), "--block-size", "16", "--requests", "0", "--out", str(tmp_path / "o"))
+    assert one_line_error(p) == "error: --requests must be >= 1" and p.returncode == 2
+    p = mstrace("run", "--model", "tiny", "--kv-bytes", "12 parsecs", "--out", str(tmp_path / "o"))
+    assert one_line_error(p).startswith("error: --kv-bytes: cannot read size '12 parsecs'")
 
 
 def test_missing_config_file(tmp_path):

@@ -121,13 +121,14 @@ def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _run(cfg: EngineConfig, opts: RunOptions) -> None:
+def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
+    """`fail`: this module's, naming a value from --config by the file's key (run_flags)."""
     from viewer.run_command import execute_run
 
     execute_run(cfg, opts, console, fail)
 
 
-def _serve(cfg: EngineConfig, opts: ServeOptions) -> None:
+def _serve(cfg: EngineConfig, opts: ServeOptions, fail: Any = fail) -> None:
     from viewer.serve_command import execute_serve
 
     execute_serve(cfg, opts, console, fail)

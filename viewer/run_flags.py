@@ -7,6 +7,7 @@ A value comes from, in order: the command line, the TOML file, the field's defau
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -41,34 +42,70 @@ def _parameter(f: OptionField) -> inspect.Parameter:
 
 
 def build(values: dict[str, Any], given: set[str], config: Path | None,
-          classes: tuple[type, ...] = CLASSES) -> list[Any]:
+          classes: tuple[type, ...] = CLASSES, toml: dict[str, Any] | None = None) -> list[Any]:
     """One record per class from the parsed flags (`given`: those set on the command line)
-    and the TOML file. ConfigError (one line) on a bad value."""
-    toml = read_toml(str(config), classes) if config is not None else {}
+    and the TOML file (`toml`: as read_toml read it, if it was). ConfigError (one line) on a
+    bad value; a parser's message that names no flag is given the field's flag
+    (`name_sources` turns it into the file's key)."""
+    if toml is None:
+        toml = read_toml(str(config), classes) if config is not None else {}
     records = []
     for cls in classes:
         kw = {}
         for f in option_fields(cls):
             v = values[f.name] if f.name in given or f.name not in toml else toml[f.name]
-            kw[f.name] = f.to_value(v)
+            try:
+                kw[f.name] = f.to_value(v)
+            except ConfigError as e:
+                raise ConfigError(str(e) if _mentions(str(e), f.flag) else f"{f.flag}: {e}") from None
         records.append(cls(**kw))
     return records
 
 
-def run_command(body: Callable[..., None], fail: Callable[[str], NoReturn], classes: tuple[type, ...] = CLASSES,
+def _flag_re(flag: str) -> re.Pattern[str]:
+    """`flag` as a word of a message: not --no-flag, not --flag-more."""
+    return re.compile(rf"(?<![\w-]){re.escape(flag)}(?![\w-])")
+
+
+def _mentions(msg: str, flag: str) -> bool:
+    return _flag_re(flag).search(msg) is not None
+
+
+def name_sources(msg: str, from_file: dict[str, str], config: Path | None) -> str:
+    """A message about values names their flags ("--requests must be >= 1"); a value that
+    came from the TOML file (`from_file`: {flag: key}) is named by the file and its key
+    instead: "--config config.toml: requests must be >= 1". A flag not given is not named."""
+    named = False
+    for flag, key in from_file.items():
+        msg, n = _flag_re(flag).subn(key, msg)
+        named = named or n > 0
+    return f"--config {config}: {msg}" if named else msg
+
+
+def run_command(body: Callable[..., None], fail: Callable[..., NoReturn], classes: tuple[type, ...] = CLASSES,
                 doc: str = "Run a workload through the reference engine and write a trace.") -> Callable[..., None]:
     """A typer command whose parameters are every option field of `classes`, calling `body`
-    with one record per class."""
+    with one record per class and `fail=`: `fail` naming a value from the --config file by
+    the file and its key (`name_sources`)."""
     fields = all_fields(classes)
 
     def run(ctx: typer.Context, config: Path | None = None, **values: Any) -> None:
         given = {f.name for f in fields if (src := ctx.get_parameter_source(f.name)) is not None
                  and src.name not in ("DEFAULT", "DEFAULT_MAP")}
+        from_file: dict[str, str] = {}
+
+        def usage_error(msg: str, *code: int) -> NoReturn:
+            # a usage error (no code given) about a value from the file names the file's key;
+            # a stalled or failed run's message (exit 3, 4) is passed on as it is
+            fail(msg if code else name_sources(msg, from_file, config), *code)
+
         try:
-            records = build(values, given, config, classes)
+            toml = read_toml(str(config), classes) if config is not None else {}
+            from_file.update({f.flag: f.name for f in fields if f.name in toml and f.name not in given})
+            records = build(values, given, config, classes, toml)
         except ConfigError as e:
-            fail(str(e))
-        body(*records)
+            usage_error(str(e))
+        body(*records, fail=usage_error)
 
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
               inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -80,7 +117,7 @@ def run_command(body: Callable[..., None], fail: Callable[[str], NoReturn], clas
     return run
 
 
-def click_command(body: Callable[..., None], fail: Callable[[str], NoReturn], name: str = "run",
+def click_command(body: Callable[..., None], fail: Callable[..., NoReturn], name: str = "run",
                   classes: tuple[type, ...] = CLASSES, doc: str | None = None) -> Any:
     """A generated command as a click command of its own, built only when it is asked for
     (viewer/cli.py)."""
