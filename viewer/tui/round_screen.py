@@ -13,6 +13,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
+from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import DataTable, Footer, Static
 
 from viewer.tui.render import COLOURS, colour
@@ -43,7 +44,7 @@ def live_round(state: Any, step: int) -> RoundDetail:
     return RoundDetail(step, row, rows, note="live window: `mstrace view TRACE` shows its requests and blocks")
 
 
-def round_text(d: RoundDetail, width: int) -> Text:
+def round_head(d: RoundDetail) -> Text:
     t = Text()
     t.append(f"round {d.step}\n", style="bold")
     r = d.row
@@ -51,25 +52,29 @@ def round_text(d: RoundDetail, width: int) -> Text:
         t.append(f"{r['dur_ns'] / 1e6:.2f} ms (host {r['dur_host_ns'] / 1e6:.2f}, device {r['dur_device_ns'] / 1e6:.2f}); "
                  f"prefill {r['num_prefill_reqs']} reqs / {r['num_prefill_tokens']} tokens, decode "
                  f"{r['num_decode_reqs']}; blocks used {r['blocks_used']} free {r['blocks_free']}; "
-                 f"waiting {r['num_waiting']} running {r['num_running']}\n")
+                 f"waiting {r['num_waiting']} running {r['num_running']}")
     if d.note:
-        t.append(d.note + "\n", style="dim")
+        t.append("\n" + d.note, style="dim")
+    return t
+
+
+def round_timeline(d: RoundDetail, width: int) -> Text:
+    t = Text()
     if not d.probes:
-        t.append("(no probe rows)\n", style="dim")
+        t.append("(no probe rows)", style="dim")
         return t
     t0 = min(x["ts_ns"] for x in d.probes)
     t1 = max(x["ts_ns"] + x["dur_ns"] for x in d.probes)
     span = max(1, t1 - t0)
     bar_w = max(10, width - 52)
-    t.append(f"{'stream':<14}{'boundary':<20}{'at ms':>7}{'ms':>7}  timeline\n", style="bold")
+    t.append(f"{'stream':<14}{'boundary':<20}{'at ms':>7}{'ms':>7}  timeline", style="bold")
     for x in sorted(d.probes, key=lambda x: (x["rank"], x["stream"], x["ts_ns"])):
         a = int((x["ts_ns"] - t0) / span * bar_w)
         w = max(1, int(x["dur_ns"] / span * bar_w))
-        t.append(f"r{x['rank']} {x['stream']:<11}{x['boundary']:<20}{(x['ts_ns'] - t0) / 1e6:>7.2f}"
+        t.append(f"\nr{x['rank']} {x['stream']:<11}{x['boundary']:<20}{(x['ts_ns'] - t0) / 1e6:>7.2f}"
                  f"{x['dur_ns'] / 1e6:>7.2f}  ")
         t.append(" " * a)
         t.append(COLOURS.get(x["boundary"], ("", "?"))[1] * min(w, bar_w - a), style=f"black on {colour(x['boundary'])}")
-        t.append("\n")
     return t
 
 
@@ -85,9 +90,23 @@ def blocks_table(blocks: list[dict[str, Any]]) -> Table:
 
 
 class _Detail(Screen[None]):
-    """A round's or a request's page; enter on its list opens the other kind, escape goes back."""
+    """A round's or a request's page; enter on its list opens the other kind, escape goes back.
+
+    The head (what it is, its summary) never scrolls; below it the timeline or stages
+    scroll in their own box, and the list and the blocks share the rest side by side, so
+    at 80x24 the summary and the list's first rows are on screen together. `tab` moves
+    between the boxes; arrows, PageUp/Down and Home/End scroll the focused one.
+    """
 
     BINDINGS = [Binding("escape,q", "dismiss", "back")]
+    DEFAULT_CSS = """
+    _Detail .head { height: auto; max-height: 6; background: $boost; padding: 0 1; }
+    _Detail .body { height: auto; max-height: 50%; }
+    _Detail .body.alone { max-height: 100%; }
+    _Detail .lists { height: 1fr; min-height: 5; }
+    _Detail .lists DataTable { width: 30; height: 100%; }
+    _Detail .lists VerticalScroll { width: 1fr; height: 100%; }
+    """
 
     def __init__(self, open_round: Callable[[int], RoundDetail | None] | None,
                  open_request: Callable[[str], RequestDetail | None] | None) -> None:
@@ -95,13 +114,26 @@ class _Detail(Screen[None]):
         self._open_round = open_round
         self._open_request = open_request
 
-    @staticmethod
-    def _list(id: str, title: str, keys: list[str]) -> DataTable[str]:  # noqa: A002
-        t: DataTable[str] = DataTable(id=id, cursor_type="row")
-        t.add_column(title)
-        for k in keys:
-            t.add_row(k, key=k)
-        return t
+    def _page(self, name: str, head: Text, body: Text, title: str, keys: list[str],
+              blocks: list[dict[str, Any]]) -> ComposeResult:
+        yield Static(head, id=f"{name}-head", classes="head")
+        has_lists = bool(keys or blocks)
+        yield VerticalScroll(Static(body), id=f"{name}-body", classes="body" if has_lists else "body alone")
+        if has_lists:
+            with Horizontal(classes="lists"):
+                if keys:
+                    t: DataTable[str] = DataTable(id=f"{name}-list", cursor_type="row")
+                    t.add_column(title)
+                    for k in keys:
+                        t.add_row(k, key=k)
+                    yield t
+                if blocks:
+                    yield VerticalScroll(Static(blocks_table(blocks)), id=f"{name}-blocks")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        lists = self.query(DataTable)
+        (lists.first() if lists else self.query_one(VerticalScroll)).focus()
 
 
 class RoundScreen(_Detail):
@@ -111,12 +143,9 @@ class RoundScreen(_Detail):
         self.detail = detail
 
     def compose(self) -> ComposeResult:
-        yield Static(round_text(self.detail, self.app.size.width), id="round")
-        if self.detail.requests:
-            yield self._list("round-requests", "requests in this round", self.detail.requests)
-        if self.detail.blocks:
-            yield Static(blocks_table(self.detail.blocks), id="round-blocks")
-        yield Footer()
+        d = self.detail
+        yield from self._page("round", round_head(d), round_timeline(d, self.app.size.width), "requests in this round",
+                              d.requests, d.blocks)
 
     def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
         ev.stop()
@@ -125,23 +154,28 @@ class RoundScreen(_Detail):
             self.app.push_screen(RequestScreen(got, self._open_round, self._open_request))
 
 
-def request_text(d: RequestDetail) -> Text:
+def request_head(d: RequestDetail) -> Text:
     r = d.row
     t = Text()
-    t.append(f"request {d.request_id}\n", style="bold")
+    t.append(f"request {d.request_id}", style="bold")
     if r:
         ttft = (r["first_token_ns"] - r["arrival_ns"]) / 1e6 if r["first_token_ns"] > 0 else None
         e2e = (r["finish_ns"] - r["arrival_ns"]) / 1e6
         itl = max(r["dur_itl_ns"] or [0]) / 1e6
-        t.append(f"prompt {r['prompt_len']} tokens (cached {r['cached_prefix_len']}), output {r['output_len']}, "
+        t.append(f"\nprompt {r['prompt_len']} tokens (cached {r['cached_prefix_len']}), output {r['output_len']}, "
                  f"{r['finish_reason']}; TTFT {'-' if ttft is None else f'{ttft:.1f}'} ms, max ITL {itl:.1f} ms, "
-                 f"E2E {e2e:.1f} ms, preempted {r['num_preemptions']}x\n")
-    t.append(f"{'stage':<22}{'at ms':>10}{'lasted ms':>11}{'round':>8}\n", style="bold")
+                 f"E2E {e2e:.1f} ms, preempted {r['num_preemptions']}x")
+    return t
+
+
+def request_stages(d: RequestDetail) -> Text:
+    t = Text()
+    t.append(f"{'stage':<22}{'at ms':>10}{'lasted ms':>11}{'round':>8}", style="bold")
     base = d.stages[0][1] if d.stages else 0
     for i, (stage, ts, step) in enumerate(d.stages):
         nxt = d.stages[i + 1][1] if i + 1 < len(d.stages) else None
         lasted = "" if nxt is None else f"{(nxt - ts) / 1e6:.2f}"
-        t.append(f"{stage:<22}{(ts - base) / 1e6:>10.2f}{lasted:>11}{step if step >= 0 else '':>8}\n")
+        t.append(f"\n{stage:<22}{(ts - base) / 1e6:>10.2f}{lasted:>11}{step if step >= 0 else '':>8}")
     return t
 
 
@@ -152,11 +186,9 @@ class RequestScreen(_Detail):
         self.detail = detail
 
     def compose(self) -> ComposeResult:
-        yield Static(request_text(self.detail), id="request")
-        yield self._list("request-rounds", f"its {len(self.detail.rounds)} rounds", [str(x) for x in self.detail.rounds])
-        if self.detail.blocks:
-            yield Static(blocks_table(self.detail.blocks), id="request-blocks")
-        yield Footer()
+        d = self.detail
+        yield from self._page("request", request_head(d), request_stages(d), f"its {len(d.rounds)} rounds",
+                              [str(x) for x in d.rounds], d.blocks)
 
     def on_data_table_row_selected(self, ev: DataTable.RowSelected) -> None:
         ev.stop()
