@@ -10,6 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from textual.geometry import Region
+from textual.widgets import DataTable
 
 from probes import boundaries as B
 from tests.cli import mstrace
@@ -22,6 +24,7 @@ from viewer.live.state import HOLD, LiveState
 from viewer.live.tail import TraceTail
 from viewer.tui import render
 from viewer.tui.round_screen import RequestScreen, RoundScreen
+from viewer.tui.sort_picker import HOTKEYS
 from viewer.tui.top_app import TopApp
 from viewer.tui.view_app import ViewApp
 
@@ -187,7 +190,7 @@ def test_view_on_a_real_run_sorts_filters_and_walks_rounds_and_requests(run_trac
             assert n == Trace.open(run_trace).table("steps", ["step"]).num_rows
             ms = [r[1] for r in app.listings["rounds"].rows()]
             assert ms == sorted(ms, reverse=True)  # slowest first
-            await pilot.press("s")  # the cursor's column (step): descending
+            await pilot.press("s", "1")  # step's key: descending
             steps = [r[0] for r in app.listings["rounds"].rows()]
             assert steps == sorted(steps, reverse=True)
             await pilot.press("slash", *"prefill>0", "enter")
@@ -218,6 +221,84 @@ def test_view_on_a_real_run_sorts_filters_and_walks_rounds_and_requests(run_trac
             await pilot.press("q")
 
     asyncio.run(go())
+
+
+def _on_screen(app: ViewApp, selector: str) -> Region:
+    """The part of a widget the screen shows (empty when it is scrolled off or squeezed out)."""
+    w = app.screen.query_one(selector)
+    return w.region.intersection(app.screen.region)
+
+
+def test_view_detail_pages_show_their_head_and_list_at_80x24(run_trace: Path) -> None:
+    """A real run's round has more probe rows, requests and blocks than 24 lines hold: the
+    summary stays on top, the list shows its first rows, and each box scrolls on its own."""
+    async def go() -> None:
+        app = ViewApp(run_trace)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            first = app.listings["rounds"].rows()[0][0]
+            await pilot.press("enter")
+            await pilot.pause()
+            assert isinstance(app.screen, RoundScreen) and app.screen.detail.step == first
+            head = _on_screen(app, "#round-head")
+            assert head.y == 0 and head.height >= 2  # "round N" and its summary
+            rows = _on_screen(app, "#round-list")
+            assert rows.height >= 6  # the header and at least five requests
+            assert app.focused is app.screen.query_one("#round-list")
+            assert app.screen.detail.requests and len(app.screen.detail.requests) + 1 > rows.height  # it must scroll
+            await pilot.press("end", "home", "pageup", "tab", "tab", "end")
+            await pilot.pause()
+            assert _on_screen(app, "#round-head").y == 0  # no key scrolls the head away
+            await pilot.press("shift+tab", "shift+tab", "enter")  # back on the list: its first request
+            await pilot.pause()
+            assert isinstance(app.screen, RequestScreen)
+            assert _on_screen(app, "#request-head").y == 0
+            assert _on_screen(app, "#request-body").height >= 5  # the stages' header and rows
+            assert _on_screen(app, "#request-list").height >= 4
+
+    asyncio.run(go())
+
+
+def test_view_sorts_rounds_by_any_boundary_in_two_keys(run_trace: Path) -> None:
+    async def go() -> None:
+        app = ViewApp(run_trace)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            li = app.listings["rounds"]
+            boundaries = [i for i, c in enumerate(li.columns) if c.endswith(" ms") and c != "ms"]
+            assert len(boundaries) >= 4
+            for k in boundaries:
+                await pilot.press("s", HOTKEYS[k])
+                await pilot.pause()
+                assert li.sort == k and li.reverse, li.columns[k]
+                got = [r[k] or 0 for r in li.rows()]
+                assert got == sorted(got, reverse=True)
+                t = app.query_one("#rounds-table", DataTable)
+                assert t.ordered_columns[k].label.plain.endswith("▼")
+                # the sorted column is in view at 80 columns
+                x = sum(c.get_render_width(t) for c in t.ordered_columns[:k]) - t.scroll_x
+                assert 0 <= x < t.scrollable_content_region.width
+            await pilot.press("s", "enter")  # enter on the highlighted (sorted) column: the other way
+            assert not li.reverse
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("keys", [[], ["enter"], ["enter", "enter"], ["s"]], ids=["list", "round", "request", "picker"])
+def test_ctrl_c_quits_view_and_top_from_any_screen(run_trace: Path, keys: list[str]) -> None:
+    async def go(app: TopApp | ViewApp) -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            await pilot.press(*keys)
+            await pilot.pause()
+            await pilot.press("ctrl+c")
+            await pilot.pause()
+            assert not app.is_running
+        assert app.return_code == 0
+
+    asyncio.run(go(ViewApp(run_trace)))
+    if keys != ["s"]:
+        asyncio.run(go(TopApp(run_trace)))
 
 
 def test_view_refuses_a_missing_trace_and_the_tuis_a_pipe_in_one_line(tmp_path: Path, run_trace: Path) -> None:

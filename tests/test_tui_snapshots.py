@@ -32,5 +32,20 @@ def test_view_layout(snap_compare, trace: str, size: tuple[int, int]) -> None:
     assert snap_compare(ViewApp(trace), terminal_size=size)
 
 
-def test_view_round_detail_layout(snap_compare, trace: str) -> None:
-    assert snap_compare(ViewApp(trace), terminal_size=(160, 48), press=["enter"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_view_round_detail_layout(snap_compare, trace: str, size: tuple[int, int]) -> None:
+    """The round's summary on top, its timeline, then its requests beside its blocks."""
+    assert snap_compare(ViewApp(trace), terminal_size=size, press=["enter"])
+
+
+def test_view_request_detail_layout(snap_compare, trace: str) -> None:
+    assert snap_compare(ViewApp(trace), terminal_size=(80, 24), press=["enter", "enter"])
+
+
+def test_view_sort_picker_layout(snap_compare, trace: str) -> None:
+    assert snap_compare(ViewApp(trace), terminal_size=(80, 24), press=["s"])
+
+
+def test_view_rounds_sorted_by_a_boundary_in_two_keys(snap_compare, trace: str) -> None:
+    """`s`, then the unattributed column's key: the rounds it cost most first, the column in view."""
+    assert snap_compare(ViewApp(trace), terminal_size=(80, 24), press=["s", "b"])

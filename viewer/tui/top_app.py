@@ -82,6 +82,9 @@ class TopApp(App[None]):
     """
     BINDINGS = [
         Binding("q", "quit", "quit"),
+        # Ctrl-C quits, as in any terminal program (Textual only says "press ctrl+q"); from
+        # any screen, the round pages and the sort picker included
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("p", "pause", "pause"),
         Binding("tab", "focus_next", "panel", show=True),
         Binding("m", "maximize_panel", "max"),

@@ -1,6 +1,6 @@
 """`mstrace view TRACE`: a browser for a finished or truncated trace.
 
-Tabs: rounds (sortable by duration or any boundary's cost, with a filter), requests
+Tabs: rounds (sortable by duration or any boundary's cost, `s` then a column's key; a filter), requests
 (sortable by TTFT, max ITL, E2E), stalls, leaks. Enter opens a round or a request;
 from a round you reach its requests, from a request its rounds, and escape goes back.
 A table shows at most `SHOWN` rows of the sorted, filtered list, so a run of a
@@ -20,6 +20,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, TabPane
 
 from viewer.tui.round_screen import RequestScreen, RoundScreen
+from viewer.tui.sort_picker import SortPicker
 from viewer.tui.view_data import REQUEST_COLS, TraceBrowser
 
 SHOWN = 2000
@@ -72,7 +73,10 @@ class ViewApp(App[None]):
     """
     BINDINGS = [
         Binding("q", "quit", "quit"),
-        Binding("s", "sort", "sort by column"),
+        # Ctrl-C quits, as in any terminal program (Textual only says "press ctrl+q"); from
+        # any screen, the round pages and the sort picker included
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
+        Binding("s", "sort", "sort"),
         Binding("slash", "filter", "filter", key_display="/"),
         Binding("1", "tab('rounds')", "rounds"),
         Binding("2", "tab('requests')", "requests"),
@@ -100,11 +104,11 @@ class ViewApp(App[None]):
             with TabPane("rounds", id="rounds"):
                 yield Input(placeholder="filter, e.g. ms>50 (enter applies, empty clears)", id="rounds-filter")
                 yield Static("", id="rounds-note", classes="note")
-                yield DataTable(id="rounds-table", cursor_type="row", zebra_stripes=True)
+                yield DataTable(id="rounds-table", cursor_type="row", zebra_stripes=True, fixed_columns=1)
             with TabPane("requests", id="requests"):
                 yield Input(placeholder="filter, e.g. TTFT>100", id="requests-filter")
                 yield Static("", id="requests-note", classes="note")
-                yield DataTable(id="requests-table", cursor_type="row", zebra_stripes=True)
+                yield DataTable(id="requests-table", cursor_type="row", zebra_stripes=True, fixed_columns=1)
             with TabPane("stalls", id="stalls"):
                 yield VerticalScroll(Static(self.browser.stalls_text(max(60, self.size.width - 4)), id="stalls-text"),
                                      id="stalls-scroll")
@@ -127,10 +131,19 @@ class ViewApp(App[None]):
         rows = li.rows()
         for r in rows[:SHOWN]:
             t.add_row(*("-" if v is None else v for v in r), key=str(r[0]))
+        self.call_after_refresh(self._show_column, t, li.sort)
         shown = f"showing {min(SHOWN, len(rows)):,} of {len(rows):,}" + (" (sort or filter for the rest)"
                                                                        if len(rows) > SHOWN else "")
-        self.query_one(f"#{name}-note", Static).update(li.error or f"{shown}; s sorts by the cursor's column, "
-                                                                    f"enter opens")
+        self.query_one(f"#{name}-note", Static).update(li.error or f"{shown}; s sorts (then a column's key), "
+                                                                    f"/ filters, enter opens")
+
+    @staticmethod
+    def _show_column(t: DataTable[Any], k: int) -> None:
+        """Scroll the sorted column into view beside the fixed first one: at 80 columns a
+        boundary's column is off to the right, and a sort one cannot see is no sort."""
+        widths = [c.get_render_width(t) for c in t.ordered_columns]
+        x = sum(widths[:k])
+        t.scroll_to(x=0 if x + widths[k] <= t.scrollable_content_region.width else x - widths[0], animate=False)
 
     def _current(self) -> str | None:
         tab = self.query_one("#tabs", TabbedContent).active
@@ -143,12 +156,24 @@ class ViewApp(App[None]):
         target = f"#{name}-table" if name in self.listings else f"#{name}-scroll"
         self.query_one(target).focus()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # the list's keys belong to the list: on a round's page they would act unseen behind it
+        if action in ("sort", "filter", "tab") and self.screen is not self.screen_stack[0]:
+            return False
+        return True
+
     def action_sort(self) -> None:
         name = self._current()
         if name is None:
             return
-        t = self.query_one(f"#{name}-table", DataTable)
-        self._sort_by(name, t.cursor_column)
+        li = self.listings[name]
+
+        def picked(col: int | None) -> None:
+            if col is not None:
+                self._sort_by(name, col)
+            self.query_one(f"#{name}-table", DataTable).focus()
+
+        self.push_screen(SortPicker(li.columns, li.sort, li.reverse), picked)
 
     def _sort_by(self, name: str, col: int) -> None:
         li = self.listings[name]
