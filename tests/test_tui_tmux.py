@@ -35,8 +35,9 @@ class Pane:
         subprocess.run(["tmux", "resize-window", "-t", self.name, "-x", str(size[0]), "-y", str(size[1])],
                        capture_output=True)
 
-    def text(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True).stdout
+    def text(self, history: bool = False) -> str:
+        cmd = ["tmux", "capture-pane", "-p", "-t", self.name, *(["-S", "-"] if history else [])]
+        return subprocess.run(cmd, capture_output=True, text=True).stdout
 
     def keys(self, *keys: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
@@ -77,7 +78,7 @@ def _mstrace(*args: str) -> list[str]:
 
 def test_run_live_shows_lanes_and_the_cost_table_updating(tmp_path: Path) -> None:
     out = tmp_path / "live"
-    pane = Pane(_mstrace("run", "--model", "tiny", "--requests", "600", "--rate", "60", "--live", "--out", str(out)))
+    pane = Pane(_mstrace("run", "--model", "tiny", "--requests", "6000", "--rate", "60", "--live", "--out", str(out)))
     try:
         first = pane.wait_for(lambda t: "lanes" in t and "sync cost, last" in t and "r0 main" in t and " round " in t,
                               "the lanes and the cost table")
@@ -85,10 +86,15 @@ def test_run_live_shows_lanes_and_the_cost_table_updating(tmp_path: Path) -> Non
         # one capture may catch a repaint half done: wait for a screen with everything on it
         pane.wait_for(lambda t: " round " in t and _round(t) > _round(first) and all(x in t for x in panels),
                       "the round number moving on, with every panel")
-        pane.keys("q")  # leaves the view and stops the run, which prints its report
+        pane.keys("C-c")  # leaves the view and stops the run, which prints its report
+        t0 = time.monotonic()
         done = pane.wait_for(lambda t: "EXITED" in t, "the command's end")
+        print(f"Ctrl-C to the shell's prompt: {time.monotonic() - t0:.2f} s (polled every 0.2 s)")
         assert "EXITED 130" in done  # stopped as Ctrl-C stops a run
-        assert Trace.open(out).status.state == "interrupted"
+        screen = pane.text(history=True)
+        assert "sync-cost table" in screen and "throughput and latency" in screen  # the report of what ran
+        st = Trace.open(out).status
+        assert st.state == "interrupted" and 0 < st.submitted < 6000  # stopped, not run to its end
     finally:
         pane.close()
 

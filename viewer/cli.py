@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -383,7 +384,13 @@ def sql(
 
 
 def main() -> None:
-    app()  # typer turns Ctrl-C into exit code 130
+    try:
+        app()  # typer turns Ctrl-C into exit code 130
+    finally:
+        # The interpreter's last collection walks every object a run left (its requests,
+        # its buffers, torch's modules): over a second, which a stopped run's user would wait.
+        # Frozen, they are left to the process's end.
+        gc.freeze()
 
 
 if __name__ == "__main__":

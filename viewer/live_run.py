@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 STOP_WAIT_S = 60.0
+INTERRUPTED = 130  # a run stopped by Ctrl-C (typer's exit code for it)
 
 
 def child_argv(argv: list[str], out: Path) -> list[str]:
@@ -46,17 +47,38 @@ def run_live(out: Path) -> None:
     try:
         TopApp(out, process_state=state).run()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.close()
     text = Path(log.name).read_text(errors="replace")
     Path(log.name).unlink(missing_ok=True)
     sys.stdout.write(text)
     sys.stdout.flush()
+    if proc.returncode == INTERRUPTED:
+        # the child ran --quiet and, stopped, printed only where its trace is: the report of
+        # what it did until then is what the view's user came for
+        from rich.console import Console
+
+        from viewer.report import build_report, render_report
+
+        render_report(Console(), build_report(out))
     if proc.returncode:
         raise typer.Exit(proc.returncode)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a run still going as Ctrl-C stops it, and wait for its trace's last commit.
+
+    Once the view is gone the terminal sends Ctrl-C to both processes: waiting goes on
+    (the child got it too); a second one while it still flushes kills it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    for _ in range(2):
+        try:
+            proc.wait(STOP_WAIT_S)
+            return
+        except KeyboardInterrupt:
+            continue
+        except subprocess.TimeoutExpired:
+            break
+    proc.kill()
+    proc.wait()

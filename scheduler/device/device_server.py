@@ -4,7 +4,9 @@ items in order, and answers every item with one completion message."""
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -47,6 +49,11 @@ def device_main(conn: Connection, spec: DeviceSpec) -> None:
         return
     conn.send(wire.Ready())
     dev.serve()
+    # Served and answered `Stopped`: nothing here is left to write. Tearing down an
+    # interpreter with torch loaded takes about a second, which a Ctrl-C'd run would wait.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Device:
