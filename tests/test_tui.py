@@ -301,6 +301,52 @@ def test_ctrl_c_quits_view_and_top_from_any_screen(run_trace: Path, keys: list[s
         asyncio.run(go(TopApp(run_trace)))
 
 
+@pytest.mark.parametrize("keys", [["m"], ["tab", "m"], ["tab", "tab", "m"], ["tab", "tab", "tab", "m"]],
+                         ids=["lanes", "cost", "latency", "kv"])
+def test_top_maximizes_each_panel_to_the_whole_screen_at_160x48(run_trace: Path, keys: list[str]) -> None:
+    async def go() -> None:
+        app = TopApp(run_trace)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause(0.5)
+            await pilot.press(*keys)
+            await pilot.pause()
+            m = app.screen.maximized
+            assert m is not None
+            # the whole screen but the footer: its border's right edge on screen, not off it
+            assert m.region == Region(0, 0, 160, 47), (m.id, m.region)
+
+    asyncio.run(go())
+
+
+def test_top_zoomed_out_on_a_finished_run_shows_its_last_30_s(tmp_path: Path) -> None:
+    root = synthetic_trace(tmp_path / "t", rounds=600)  # 6 s of rounds, 10 ms each
+
+    async def go() -> None:
+        app = TopApp(root)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause(0.5)
+            await pilot.press("minus", "minus", "minus")  # 2 s -> 5 -> 10 -> 30
+            await pilot.pause(0.5)
+            v = app.state.snapshot()
+            assert app.state.lane_s == 30.0
+            main = next(lane for lane in v.lanes if lane.stream == "main")
+            assert int(main.start[0]) == T0 + 1 * MS  # the first round's device_compute, 6 s before the end
+
+    asyncio.run(go())
+
+
+def test_top_says_the_engine_is_starting_before_its_first_round(tmp_path: Path) -> None:
+    w = TraceWriter(tmp_path / "t", flush_interval_s=3600)
+    w.write_meta({"model": {"name": "tiny", "kv_blocks": 4}, "config": {"mode": "serial"}})
+    try:
+        st = _state(tmp_path / "t")
+        head = render.header(st.snapshot()).plain
+        assert "STARTING: loading the model, no round yet" in head and "round -" in head and "up -" in head
+        assert "round -1" not in head and "live" not in head
+    finally:
+        w.close()
+
+
 def test_view_refuses_a_missing_trace_and_the_tuis_a_pipe_in_one_line(tmp_path: Path, run_trace: Path) -> None:
     p = mstrace("view", str(tmp_path / "nope"))
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "trace not found" in p.stderr

@@ -112,8 +112,12 @@ class TopView:
 
 
 class LiveState:
-    def __init__(self, lane_s: float = 2.0, rounds: int = 64, latency_s: float = 10.0, rate_s: float = 10.0) -> None:
+    def __init__(self, lane_s: float = 2.0, rounds: int = 64, latency_s: float = 10.0, rate_s: float = 10.0,
+                 keep_s: float = 0.0) -> None:
+        """`keep_s`: probe rows kept beyond the lane window, so zooming out shows what was
+        read (a finished run's last 30 s), not only what came after the zoom."""
         self.lane_s, self.rounds, self.latency_s, self.rate_s = lane_s, rounds, latency_s, rate_s
+        self.keep_s = keep_s
         self.meta: dict[str, Any] = {}
         self.status: RunStatus | None = None
         self.committed: dict[str, int] = {}
@@ -147,7 +151,7 @@ class LiveState:
         if "probes" in r and r["probes"].num_rows:
             self._probes = _cat(self._probes, r["probes"])
         if self._probes is not None:
-            keep_from = now - int(self.lane_s * 1e9)
+            keep_from = now - int(max(self.lane_s, self.keep_s) * 1e9)
             if self._steps is not None and self._steps.num_rows:
                 first = self._steps["ts_ns"][max(0, self._steps.num_rows - self.rounds - HOLD - 1)].as_py()
                 keep_from = min(keep_from, first)

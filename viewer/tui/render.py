@@ -46,11 +46,16 @@ def header(v: TopView, paused: bool = False) -> Text:
     state = "running" if st.state == "truncated" and st.live else st.state
     t = Text()
     t.append(f"{v.model}", style="bold")
-    t.append(f"  mode {v.mode}  {v.backend}  up {v.uptime_s:,.0f}s  round {v.last_step}\n")
+    started = v.last_step >= 0
+    t.append(f"  mode {v.mode}  {v.backend}  " + (f"up {v.uptime_s:,.0f}s  round {v.last_step}\n" if started
+                                                  else "up -  round -\n"))
     t.append(f"{v.req_per_s:.1f} req/s  {v.decode_tok_per_s:,.0f} decode tok/s  ")
     t.append(f"running {v.running}  waiting {v.waiting}  finished {v.finished}  ")
-    t.append(state.upper() if state != "running" else "live", style="bold green" if state == "running" else "bold red"
-             if state in ("stalled", "error") else "bold yellow")
+    if state == "running" and not started:  # the trace is there, its first round is not: the engine starts
+        t.append("STARTING: loading the model, no round yet", style="bold yellow")
+    else:
+        t.append(state.upper() if state != "running" else "live", style="bold green" if state == "running"
+                 else "bold red" if state in ("stalled", "error") else "bold yellow")
     if paused:
         t.append("  PAUSED", style="reverse")
     return t

@@ -79,6 +79,9 @@ class TopApp(App[None]):
     #latency { height: auto; }
     #kv { height: 1fr; }
     Panel:focus { border: round $accent; }
+    /* maximized, a panel fills the screen: its own width (3fr of a row it has left) would
+       run off the right edge, and an auto height would leave it a strip */
+    Panel.-maximized { width: 100% !important; height: 100% !important; }
     """
     BINDINGS = [
         Binding("q", "quit", "quit"),
@@ -100,7 +103,7 @@ class TopApp(App[None]):
         super().__init__()
         self.trace = Path(trace)
         self.tail = TraceTail(self.trace)
-        self.state = LiveState(lane_s=lane_s, rounds=rounds)
+        self.state = LiveState(lane_s=lane_s, rounds=rounds, keep_s=ZOOM[-1])
         self.view: TopView | None = None
         self.paused = False
         self.cursor: float | None = None  # 0..1 across the lanes' window
