@@ -105,3 +105,53 @@ def test_a_stalled_trace_page_says_so_first() -> None:
     line = _status(rep)
     assert len(line) == 1 and "STALLED" in line[0] and "mstrace stalls t" in line[0] and "main#7" in line[0]
     assert _status({"trace": "t", "status": {"state": "complete", "detail": ""}}) == []
+
+
+# Injected into a copy of a page: once its charts drew, what a reader at this window width
+# would find cut off, as <body data-cut="...">: the page wider than the window, a table past
+# the window's edge outside a box that scrolls it, a value broken over lines ("+23.3" over
+# "pp"), a CI broken inside one of its ends, the timeline's axis stretched far left of 0.
+LAYOUT = """<script>(function(){function look(){var b=document.body;
+if(b.dataset.drawn!==b.dataset.charts&&!b.dataset.errors){return setTimeout(look,50);}
+var w=document.documentElement.clientWidth,cut=[],d=document.documentElement;
+if(d.scrollWidth>w){cut.push('page '+d.scrollWidth+' px wide');}
+document.querySelectorAll('table').forEach(function(t){var e=t.parentElement;
+ while(e&&e!==b&&['auto','scroll'].indexOf(getComputedStyle(e).overflowX)<0){e=e.parentElement;}
+ if((!e||e===b)&&t.getBoundingClientRect().right>w){cut.push('table past the edge: '+t.rows[0].textContent);}});
+document.querySelectorAll('td:not(:first-child)').forEach(function(td){var r=document.createRange();
+ r.selectNodeContents(td);var lines=new Set(Array.from(r.getClientRects()).map(function(x){return Math.round(x.top);})).size;
+ if(lines>(td.classList.contains('ci')?2:1)){cut.push(lines+' lines: '+td.textContent);}});
+document.querySelectorAll('.chart').forEach(function(c){var l=c._fullLayout;
+ if(l&&/^timeline/.test(l.title.text)){var x=l.xaxis.range;
+  if(x[0]<-0.05*(x[1]-x[0])){cut.push('timeline from '+x[0].toFixed(1)+' ms');}}});
+b.dataset.cut=cut.join(' | ');}setTimeout(look,0);})();</script>"""
+
+
+def _cut_at(page: Path, width: int) -> str:
+    assert CHROMIUM, "no chromium-headless-shell: `bash setup.sh --test` installs it (Debian's package)"
+    probe = page.with_name(f"{page.stem}-{width}.html")
+    probe.write_text(page.read_text().replace("</body>", LAYOUT + "</body>"))
+    # as tall as the other tests' window: the page grows past it only as the charts draw
+    dom = subprocess.run([CHROMIUM, *NO_NET, f"--window-size={width},2300", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    body = re.search(r"<body[^>]*>", dom)
+    assert body, dom[:500]
+    attrs = dict(re.findall(r'data-(\w+)="([^"]*)"', body.group(0)))
+    assert attrs["errors"] == "" and attrs["drawn"] == attrs["charts"], attrs
+    return attrs["cut"]
+
+
+def test_pages_cut_nothing_off_narrow_or_wide(traces: tuple[Path, Path], tmp_path: Path) -> None:
+    """At a 640 px and a 1600 px window, a report page and a diff page fit: the long trace
+    path in the heading wraps, the tables fit or scroll on their own, each value stays on
+    one line, the charts stay inside the window and the timeline's axis at its bars."""
+    where = tmp_path / "ci_runner_workspace_checkout_of_the_branch_under_test"  # no place to break a line
+    where.mkdir()
+    for t in traces:
+        (where / t.name).symlink_to(t)
+    a, b = where / traces[0].name, where / traces[1].name
+    report, diff = tmp_path / "report.html", tmp_path / "diff.html"
+    assert mstrace("report", str(b), "--html", str(report)).returncode == 0
+    assert mstrace("diff", str(a), str(b), "--html", str(diff)).returncode == 0
+    cut = {(page.name, width): _cut_at(page, width) for page in (report, diff) for width in (640, 1600)}
+    assert not any(cut.values()), cut

@@ -26,7 +26,17 @@ table { border-collapse: collapse; margin: 8px 0; }
 td, th { padding: 3px 10px; border-bottom: 1px solid #ddd; text-align: right; }
 td:first-child, th:first-child { text-align: left; }
 tr.sig td { font-weight: 600; } .note { color: #666; } .warn { color: #b00; font-weight: 600; } .chart { min-height: 200px; }
+html { scrollbar-gutter: stable; } h1, p { overflow-wrap: anywhere; }
+td:not(:first-child) { white-space: nowrap; } td.ci { white-space: normal; }
+.wide { overflow-x: auto; }
+@media (max-width: 720px) { body { margin: 12px; } td, th { padding: 3px 6px; } }
 """
+# A narrow window (tests/test_html.py: 640 px) cuts nothing off: a trace's path wraps
+# anywhere rather than run past the edge; a value keeps its unit on its line ("+23.3 pp",
+# not "+23.3" over "pp"), a CI breaks after its comma only; a table still wider than the
+# window scrolls in its own box (.wide), not the page. The scroll bar's room is kept from
+# the start: a chart takes the page's width as it draws, and a bar that came after (the page
+# grown by the charts) pushed the charts past the window's edge.
 ERRORS = ("window.__errors=[];window.addEventListener('error',function(e){window.__errors.push(String(e.message));"
           "document.body&&(document.body.dataset.errors=window.__errors.join(' | '));});")
 
@@ -97,6 +107,16 @@ def _num(x: float | int | None, fmt: str = ".2f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _ci(ci: Any) -> str:
+    """"[-9.5 pp, -3.1 pp]": each end whole, a line break only after the comma."""
+    return ", ".join(_e(end).replace(" ", "&nbsp;") for end in str(ci).split(", "))
+
+
+def _wide(table: str) -> str:
+    """A table in a box of its own that scrolls sideways when the window is narrower."""
+    return f"<div class=wide>{table}</div>"
+
+
 def _facts(rep: dict[str, Any]) -> str:
     t = rep["throughput"]
     return (f"<p>model {_e(rep['model'])}, mode {_e(rep['mode'])}, {_e(rep['status']['state'])}; "
@@ -110,8 +130,8 @@ def _cost_table(rep: dict[str, Any]) -> str:
                    f"<td>{_pct(b['device_share'])}</td><td>{_num(b['host_ms_per_cycle'])}</td>"
                    f"<td>{_pct(b['host_share'])}</td><td>{b['count']}</td><td>{_pct(b['hidden'])}</td></tr>"
                    for b in rep["boundaries"])
-    return ("<table><tr><th>boundary</th><th>device ms/cycle</th><th>device share</th><th>host ms/cycle</th>"
-            f"<th>host share</th><th>count</th><th>hidden</th></tr>{rows}</table>")
+    return _wide("<table><tr><th>boundary</th><th>device ms/cycle</th><th>device share</th><th>host ms/cycle</th>"
+                 f"<th>host share</th><th>count</th><th>hidden</th></tr>{rows}</table>")
 
 
 def _status(rep: dict[str, Any]) -> list[str]:
@@ -136,7 +156,7 @@ def _worth(rep: dict[str, Any]) -> list[str]:
 def _latency_table(rep: dict[str, Any]) -> str:
     rows = "".join(f"<tr><td>{_e(k)}</td>" + "".join(f"<td>{_num(v.get(c))}</td>" for c in ("mean", "p50", "p90", "p99"))
                    + "</tr>" for k, v in rep["latency"].items() if isinstance(v, dict))
-    return f"<table><tr><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{rows}</table>"
+    return _wide(f"<table><tr><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{rows}</table>")
 
 
 def _delta_table(d: dict[str, Any]) -> str:
@@ -152,6 +172,6 @@ def _delta_table(d: dict[str, Any]) -> str:
     rows.sort(key=lambda x: not x[1].mark)  # stable: within each kind, the text's order
     html_rows = "".join(
         f"<tr class={'sig' if r.mark else 'ns'}><td>{_e(name)}</td><td>{_e(r.a)}</td><td>{_e(r.b)}</td>"
-        f"<td>{_e(r.delta)}</td><td>{_e(r.ci)}</td><td>{'yes' if r.mark else 'no'}</td></tr>" for name, r in rows)
-    return ("<table><tr><th>metric</th><th>A</th><th>B</th><th>B - A</th><th>95% CI</th><th>significant</th></tr>"
-            f"{html_rows}</table>")
+        f"<td>{_e(r.delta)}</td><td class=ci>{_ci(r.ci)}</td><td>{'yes' if r.mark else 'no'}</td></tr>" for name, r in rows)
+    return _wide("<table><tr><th>metric</th><th>A</th><th>B</th><th>B - A</th><th>95% CI</th><th>significant</th></tr>"
+                 f"{html_rows}</table>")

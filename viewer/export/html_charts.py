@@ -75,10 +75,18 @@ def timeline(inp: ChartInputs) -> Any:
                              marker={"color": colour(b)}, hovertemplate=f"{b}<br>%{{base:.3f}} ms"
                              "+ %{x:.3f} ms<extra></extra>"))
     w0, w1 = (ts[worst] - t0) / 1e6, (ts[worst] + dur[worst] - t0) / 1e6
+    # The x range is the bars' own: autorange also fits the shaded round's label, which on a
+    # narrow page stretched the axis far left of 0 (640 px: -50 ms to 60, half of it empty).
+    # The label runs from the round's edge into the window's wider side.
+    x0 = min(0.0, float(start.min())) if len(start) else 0.0
+    x1 = max((t1 - t0) / 1e6, float((start + length).max()) if len(start) else 0.0)
+    pad = 0.01 * (x1 - x0)
     fig.add_vrect(x0=w0, x1=w1, fillcolor="red", opacity=0.12, line_width=0,
+                  annotation_position="top left" if w0 - x0 < x1 - w1 else "top right",
                   annotation_text=f"round {int(step[worst])}: {dur[worst] / 1e6:.2f} ms (the longest)")
     return fig.update_layout(**_layout(f"timeline: rounds {int(step[lo])}-{int(step[hi])}", barmode="overlay",
-                                       xaxis_title="ms", height=120 + 40 * len(set(lane.tolist()))))
+                                       xaxis_title="ms", xaxis_range=[x0 - pad, x1 + pad],
+                                       height=120 + 40 * len(set(lane.tolist()))))
 
 
 def cost_bars(reports: list[tuple[str, dict[str, Any]]]) -> Any:
