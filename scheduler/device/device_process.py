@@ -58,11 +58,10 @@ class RemoteDevice:
     def forward_work(self, prepared: PreparedBatch, slots: list[int], step: int, out: list[Any]) -> Work:
         return RemoteOp("forward", (
             # score targets only in a round that scores a prompt: most have none to pickle
-            [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs] if prepared.score_k < 0
+            [(c.token_ids, c.start_pos, c.block_table, c.sample) for c in prepared.seqs]
+            if prepared.sampling.score_k < 0
             else [(c.token_ids, c.start_pos, c.block_table, c.sample, c.score_targets) for c in prepared.seqs],
-            prepared.temperatures, prepared.top_ps, prepared.seeds, prepared.logprobs, prepared.score_k,
-            prepared.adjust, slots,
-            prepared.has_placeholders), out.append)
+            prepared.sampling, slots, prepared.has_placeholders), out.append)
 
     def sleep_work(self, us: float) -> Work:
         return RemoteOp("sleep", (us,))

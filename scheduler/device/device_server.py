@@ -19,7 +19,7 @@ from scheduler.device import wire
 from scheduler.device.work import STREAM_NAMES
 
 if TYPE_CHECKING:
-    from scheduler.model.penalties import LogitsAdjust
+    from scheduler.model.forward_step import SamplingArgs
     from scheduler.model.sampling import SampledLists
 
 
@@ -166,30 +166,16 @@ class _Device:
     def _forward(
         self,
         seqs: list[tuple[Any, ...]],  # SeqChunk's fields (score_targets only where a chunk has some)
-        temperatures: list[float],
-        top_ps: list[float],
-        seeds: list[int | None],
-        logprobs: list[int],
-        score_k: int,
-        adjust: LogitsAdjust | None,
+        sampling: SamplingArgs,
         slots: list[int],
         has_placeholders: bool,
     ) -> SampledLists:
-        from scheduler.model.forward_batch import (
-            SeqChunk,
-            build_forward_batch,
-            resolve_placeholders,
-        )
-        from scheduler.model.sampling import publish, sample_batch
+        from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+        from scheduler.model.forward_step import forward_step
 
         fb = build_forward_batch([SeqChunk(*s) for s in seqs], self.spec.block_size, "cpu")
-        if has_placeholders:
-            resolve_placeholders(fb, self.future)
-        logits = self.model(fb, self.kv)
-        out = sample_batch(logits, fb.num_sampled, temperatures, top_ps, seeds, logprobs, fb.score_targets, score_k,
-                           adjust, self.future)
-        if slots:
-            publish(self.future, slots, out.tokens)
+        out = forward_step(self.model, fb, self.kv, sampling, self.future, slots, has_placeholders)
+        assert out is not None, "a whole model gives logits"
         return out.lists()  # for the pipe
 
 

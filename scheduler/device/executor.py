@@ -25,6 +25,7 @@ from scheduler.core.request import Request
 from scheduler.device.prepared import Launch, PreparedBatch
 from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+from scheduler.model.forward_step import SamplingArgs
 from scheduler.model.penalties import LogitsAdjust
 from scheduler.model.sampling import SampledLists, token_seed
 
@@ -75,12 +76,14 @@ class Executor:
             forward=build_forward_batch(seqs, self.block_size, dev.device) if dev.builds_batch_on_host else None,
             chunks=list(chunks),
             sampled=sampled,
-            temperatures=[p.temperature for p in params],
-            top_ps=[p.top_p for p in params],
-            seeds=[self._draw_seed(c) for c in sampled],
-            logprobs=[-1 if p.logprobs is None else p.logprobs for p in params] if extras else [],
-            score_k=score_k,
-            adjust=logits_adjust(sampled, self.eos_ids) if extras else None,
+            sampling=SamplingArgs(
+                temperatures=[p.temperature for p in params],
+                top_ps=[p.top_p for p in params],
+                seeds=[self._draw_seed(c) for c in sampled],
+                logprobs=[-1 if p.logprobs is None else p.logprobs for p in params] if extras else [],
+                score_k=score_k,
+                adjust=logits_adjust(sampled, self.eos_ids) if extras else None,
+            ),
             has_placeholders=placeholders,
             kv_check=check,
             seqs=seqs,

@@ -15,9 +15,10 @@ from scheduler.core.batch import ScheduledChunk
 from scheduler.device.prepared import KvReadCheck, PreparedBatch
 from scheduler.device.work import FUTURE_SLOTS, Work
 from scheduler.harness.debug_delay import HeldForward, hold
-from scheduler.model.forward_batch import resolve_placeholders
+from scheduler.model.forward_batch import ForwardBatch
+from scheduler.model.forward_step import ModelStep, forward_step
 from scheduler.model.kv_cache import PagedKVCache
-from scheduler.model.sampling import Sampled, publish, sample_batch
+from scheduler.model.sampling import Sampled
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -56,27 +57,32 @@ class LocalDevice:
         return lambda: self.copy_blocks(src, dst)
 
     def run_model(self, prepared: PreparedBatch, slots: list[int], step: int = -1) -> Sampled:
-        """Device work: resolve placeholders, forward, sample (and the logprobs asked for),
-        publish tokens to the future ring. The tokens stay on the device; on a GPU they are
-        copied to pinned host memory without waiting, ahead of the launch's end event, which
-        the barrier waits for."""
-        fb, kv, future = prepared.forward, self.kv, self.future
+        """Device work: step 4's `forward_step` with this device's model. The tokens stay on
+        the device; on a GPU they are copied to pinned host memory without waiting, ahead of
+        the launch's end event, which the barrier waits for."""
+        fb = prepared.forward
         assert fb is not None, "prepare() builds the forward batch for a local device"
-        if prepared.has_placeholders:
-            resolve_placeholders(fb, future)
-        if self.kv_tags is not None:
-            self._check_kv(prepared)
-        if self.parallel is not None:
-            # TP/PP rank 0: broadcast the batch, run this shard, sample or receive the tokens.
-            out = self.parallel.forward(prepared, kv, step)
+        par = self.parallel
+        receive = None
+        if par is not None:  # TP/PP rank 0: broadcast the batch, run this shard; a PP run's tokens come back
+            def model(fb: ForwardBatch, kv: PagedKVCache) -> torch.Tensor | None:
+                return par.shard_step(prepared, kv, step)
+
+            receive = partial(par.tokens, prepared, step)
         else:
             assert self.model is not None
-            logits = self.model(fb, kv)
-            out = sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
-                               prepared.logprobs, fb.score_targets, prepared.score_k, prepared.adjust, future)
-        if slots:
-            publish(future, slots, out.tokens)
+            model = self.model
+        if self.kv_tags is not None:  # the test-only ordering check reads the resolved batch
+            model = partial(self._checked, model, prepared)
+        out = forward_step(model, fb, self.kv, prepared.sampling, self.future, slots, prepared.has_placeholders,
+                           receive)
+        assert out is not None, "rank 0 always gets tokens"
         return out.to_host(non_blocking=True)
+
+    def _checked(self, model: ModelStep, prepared: PreparedBatch, fb: ForwardBatch,
+                 kv: PagedKVCache) -> torch.Tensor | None:
+        self._check_kv(prepared)
+        return model(fb, kv)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device work: move KV blocks (defragmentation); test-only tags move with them."""

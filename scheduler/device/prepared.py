@@ -14,7 +14,7 @@ from scheduler.core.batch import ScheduledChunk
 from scheduler.core.request import TokenLogprob
 from scheduler.device.work import Event
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk
-from scheduler.model.penalties import LogitsAdjust
+from scheduler.model.forward_step import SamplingArgs
 from scheduler.model.sampling import Sampled, SampledLists
 
 
@@ -32,14 +32,9 @@ class PreparedBatch:
     forward: ForwardBatch | None  # None on a device process, which builds it from `seqs`
     chunks: list[ScheduledChunk]
     sampled: list[ScheduledChunk]  # chunks that produce a token, in logits-row order
-    temperatures: list[float]
-    top_ps: list[float]
-    seeds: list[int | None]  # each sampled row's draw seed (token_seed); None = greedy
-    logprobs: list[int]  # each sampled row's top-k logprobs asked for, -1 = none; [] when no row asks
-    score_k: int  # the most alternatives a scored (prompt-logprob) row asks for; -1 = no scored rows
+    sampling: SamplingArgs  # per sampled row: temperature, top-p, draw seed (token_seed), logprobs asked
     has_placeholders: bool
     kv_check: KvReadCheck | None = None
-    adjust: LogitsAdjust | None = None  # penalties, biases, min_tokens of the sampled rows (None: none asked)
     seqs: list[SeqChunk] = field(default_factory=list)  # what `forward` was built from (TP/PP wire)
 
     def results(
@@ -49,7 +44,7 @@ class PreparedBatch:
         sampled chunk, and each scored chunk's prompt logprobs, each row cut to what its
         request asked for (the device computes the batch's largest top-k)."""
         lp = out.logprobs
-        if lp is None and self.score_k < 0:  # nobody asked: the common round, kept lean
+        if lp is None and self.sampling.score_k < 0:  # nobody asked: the common round, kept lean
             return zip(self.sampled, slots, out.tokens, repeat(None), strict=False), []  # (lazy, as collect reads it)
         row = 0
 
@@ -60,11 +55,11 @@ class PreparedBatch:
             row += 1
             return e
 
-        ks = self.logprobs or [-1] * len(slots)
+        ks = list(self.sampling.logprobs) or [-1] * len(slots)
         sampled = [(c, slot, tok, entry(k) if k >= 0 else None)
                    for c, slot, tok, k in zip(self.sampled, slots, out.tokens, ks, strict=True)]
         scores = []
-        if self.score_k >= 0:
+        if self.sampling.score_k >= 0:
             for c, seq in zip(self.chunks, self.seqs, strict=True):
                 if seq.score_targets:
                     k = c.req.sample.sampling_params.prompt_logprobs or 0

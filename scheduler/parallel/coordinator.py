@@ -2,7 +2,8 @@
 
 Rank 0 owns everything of the engine (policy, memory manager, sender, trace writer) and also
 holds a model shard: TP rank 0 of pipeline stage 0.  Per round, on its main stream's thread
-(:meth:`Coordinator.forward`, called by :meth:`scheduler.device.local_device.LocalDevice.run_model`):
+(:meth:`Coordinator.shard_step` as the model of ``scheduler/model/forward_step.py``, called by
+:meth:`scheduler.device.local_device.LocalDevice.run_model`):
 
 1. broadcast the batch description to every rank (``batch_wire``; ``batch_broadcast``);
 2. run its own shard (``ShardedModel.step``: all-reduces with its TP peers, hidden states to the
@@ -36,7 +37,6 @@ from scheduler.config import EngineConfig
 from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache, block_bytes
-from scheduler.model.sampling import Sampled, sample_batch
 
 from .batch_wire import RUN, STOP, BatchChannel, WireBatch
 from .comm import COMM_STREAM, p2p_ready
@@ -153,24 +153,25 @@ class Coordinator:
         self.log = CollectiveLog(comm, probes.buffer("collectives"), 0, "tp0")
         return self.sm
 
-    def forward(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> Sampled:
-        """One round on rank 0 (the main stream's thread): broadcast, forward, tokens.
-        Logprobs only where rank 0 computes the logits (pp == 1; the engine refuses them
-        otherwise)."""
+    def shard_step(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> torch.Tensor | None:
+        """Rank 0's model in `forward_step` (the main stream's thread): broadcast the batch,
+        run this shard. Logits where rank 0 computes them (pp == 1; logprobs only then, the
+        engine refuses them otherwise), else None and the tokens come from `tokens`."""
         sm, ch = self.sm, self.channel
         assert sm is not None and ch is not None, "start_ranks() first"
-        seeds = [0 if s is None else s for s in prepared.seeds]
-        ch.send(WireBatch(RUN, step, prepared.seqs, prepared.temperatures, prepared.top_ps, seeds))
+        s = prepared.sampling
+        ch.send(WireBatch(RUN, step, prepared.seqs, list(s.temperatures), list(s.top_ps),
+                          [0 if x is None else x for x in s.seeds]))
         assert prepared.forward is not None, "TP/PP runs use the in-process device"
-        fb = prepared.forward
-        logits = sm.step(fb, kv, step)
+        logits = sm.step(prepared.forward, kv, step)
         self.log.drain()
-        if logits is not None:
-            return sample_batch(logits, fb.num_sampled, prepared.temperatures, prepared.top_ps, prepared.seeds,
-                                prepared.logprobs, fb.score_targets, prepared.score_k, prepared.adjust)
+        return logits
+
+    def tokens(self, prepared: PreparedBatch, step: int) -> torch.Tensor:
+        """The tokens the last pipeline stage sampled for this round."""
         if not prepared.sampled:
-            return Sampled(torch.zeros(0, dtype=torch.int64))
-        return Sampled(self._recv_tokens(len(prepared.sampled), step))
+            return torch.zeros(0, dtype=torch.int64)
+        return self._recv_tokens(len(prepared.sampled), step)
 
     def _recv_tokens(self, n: int, step: int) -> torch.Tensor:
         src = self.state.logits_rank

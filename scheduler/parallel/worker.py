@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from types import FrameType
 
 import torch
@@ -34,7 +35,7 @@ from probes.waits import WaitRegistry, timed_wait
 from probes.watchdog import StallReport, Watchdog
 from scheduler.model.dtypes import DTYPES
 from scheduler.model.forward_batch import build_forward_batch
-from scheduler.model.sampling import sample_rows
+from scheduler.model.forward_step import SamplingArgs, forward_step
 from tracing.writer import TraceWriter
 
 from .batch_wire import STOP, BatchChannel, WireBatch
@@ -110,9 +111,9 @@ def worker_main(argv: list[str]) -> int:
                 stall(step)  # no collectives (tp == 1): stop before the forward instead
             t0 = now_ns()
             fb = build_forward_batch(wb.seqs, spec.block_size, state.device)
-            logits = sm.step(fb, kv, step)
-            if logits is not None and fb.num_sampled:  # the logits rank of a PP run
-                _send_tokens(_sample(logits, wb), control, registry, rank, spec.comm_timeout_s, step)
+            out = forward_step(partial(sm.step, step=step), fb, kv, _sampling(wb))
+            if out is not None and fb.num_sampled:  # the logits rank of a PP run
+                _send_tokens(out.tokens.tolist(), control, registry, rank, spec.comm_timeout_s, step)
             if buf is not None:
                 buf.append((t0, now_ns() - t0, DEVICE_COMPUTE, "main", rank, step))
             log.drain()
@@ -140,9 +141,10 @@ def _stall_rank(spec: RunSpec, rank: int, world: int) -> Callable[[int], None] |
     return stall
 
 
-def _sample(logits: torch.Tensor, wb: WireBatch) -> list[int]:
-    seeds = [s if t > 0 else None for t, s in zip(wb.temperatures, wb.seeds, strict=True)]
-    return sample_rows(logits, wb.temperatures, wb.top_ps, seeds).tolist()
+def _sampling(wb: WireBatch) -> SamplingArgs:
+    """The tokens only: a PP run refuses logprobs and penalties (their logits are here)."""
+    return SamplingArgs(wb.temperatures, wb.top_ps,
+                        [s if t > 0 else None for t, s in zip(wb.temperatures, wb.seeds, strict=True)])
 
 
 def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegistry, rank: int,
