@@ -22,11 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from probes.boundaries import (
-    BATCH_PREPARE,
-    BOOKKEEPING,
     DEFRAG,
     IDLE,
-    RESPONSE_SEND,
 )
 from probes.clock import now_ns
 from probes.recorder import Probes
@@ -59,6 +56,7 @@ from scheduler.model.dtypes import dtype_of
 from scheduler.model.presets import resolve_model
 from scheduler.model.sampling import SampledLists
 from scheduler.options import ConfigError
+from scheduler.round_record import InFlight, RoundClock, StepsRow
 from scheduler.stall_guard import StallGuard
 from tracing.writer import TraceWriter
 
@@ -120,7 +118,7 @@ class Engine:
         self.rm = RequestManager(self._timeline_sink())
         self.mm = MemoryManager(num_blocks, config.block_size, self._memory_sink(),
                                 config.enable_prefix_sharing and config.kv_layout == "paged")
-        self._inflight: tuple[ScheduleBatch, list[Launch]] | None = None
+        self._inflight: InFlight | None = None  # overlap mode: the batch launched last round
         self.fence = KvFence(self.mm, config.split_on, self._pb, 0)
         self.policy = Policy(config, self.rm, self.mm, self._release, lambda: self.fence.blocks)
         self.executor = Executor(self.backend.ops, config.block_size, config.seed, self.streams, self.registry,
@@ -227,8 +225,36 @@ class Engine:
         overlap (a): schedule and launch round N, then wait for and collect
         round N-1, so the host's work for N runs under the device's work for N-1.
         """
-        pb = self._pb
-        t0 = now_ns()
+        clock = RoundClock()
+        step = self._intake()
+        batch = self.policy.schedule(step)  # steps 1-3
+        clock.scheduled = now_ns()
+        launches = self._launch(batch, step) if batch else []  # step 4
+        clock.launched = now_ns()
+        done = self._swap_inflight(InFlight(batch, launches) if batch else None)
+        tokens = self._barrier(done)
+        clock.synced = now_ns()
+        out = self._collect(done, tokens, clock.synced)  # step 5
+        if done is None and not batch:
+            if out.finished:
+                self.sender.queue.put(out)
+            return None
+        clock.pause = self._housekeeping(step, clock.synced)
+        clock.housekept = now_ns()
+        device_ns = self._record(clock, step, batch, done)
+        self.sender.queue.put(out)  # after the round's steps row (tracing/schema.py DRAIN_ORDER)
+        self.hooks.after_send()
+        clock.sent = now_ns()
+        if self._pb is not None:
+            clock.send_row(self._pb, self.probes.rank, step)
+        self.hooks.between_rounds()
+        return StepStats(step, clock.start, clock.sent - clock.start, device_ns, len(batch.prefills),
+                         batch.num_prefill_tokens, len(batch.decodes), sum(len(t.tokens) for t in tokens),
+                         len(out.finished))
+
+    def _intake(self) -> int:
+        """A new round: the tokenized arrivals queued, the aborts asked for taken, the blocks
+        whose readers have finished freed."""
         self.step_no += 1
         step = self.rm.step = self.step_no
         self._drain_arrivals()
@@ -236,70 +262,53 @@ class Engine:
                                          self._received < self._submitted):
             self._finish(req, FinishReason.ABORTED, why)
         self.fence.free_completed(step)
-        batch = self.policy.schedule(step)  # steps 1-3
-        t1 = now_ns()
-        launches = self._launch(batch, step) if batch else []  # step 4
-        t2 = now_ns()
-        if self.cfg.overlap_on:
-            done, self._inflight = self._inflight, (batch, launches) if batch else None
-        else:
-            done = (batch, launches) if batch else None
-        out = StepOutput(step)
-        tokens: list[SampledLists] = []
-        device_ns = 0
-        if done is not None:
-            try:
-                tokens = [self.executor.wait(la) for la in done[1]]  # the scheduler barrier
-            except (WaitTimeout, RuntimeError) as e:
-                raise self.stalls.stalled(e) from e
-            device_ns = sum(la.device_ns() for la in done[1])
-        t3 = now_ns()
-        if done is not None:
-            self._collect(done[0], done[1], tokens, out, t3)  # step 5
-        self._emit_finished(out)
-        if done is None and not batch:
-            if out.finished:
-                self.sender.queue.put(out)
-            return None
+        return step
+
+    def _swap_inflight(self, launched: InFlight | None) -> InFlight | None:
+        """The batch this round collects: in overlap mode the one launched a round ago (this
+        round's stays in flight), else this round's own."""
+        if not self.cfg.overlap_on:
+            return launched
+        done, self._inflight = self._inflight, launched
+        return done
+
+    def _barrier(self, done: InFlight | None) -> list[SampledLists]:
+        """The scheduler barrier: wait for the collected batch's device work."""
+        if done is None:
+            return []
+        try:
+            return [self.executor.wait(la) for la in done.launches]
+        except (WaitTimeout, RuntimeError) as e:
+            raise self.stalls.stalled(e) from e
+
+    def _housekeeping(self, step: int, now: int) -> tuple[int, int]:
+        """Defragment, reclaim orphans, snapshot the block table, as due; the defrag pause's
+        (start, end), which is not bookkeeping."""
         pause = (0, 0)
         if self.policy.fragmented_need and self.mm.num_free > self.cfg.defrag_free_frac * self.mm.num_blocks:
             pause = self._defrag(step)
-        if self.reclaimer is not None and self.reclaimer.due(t3):
-            self._gc(t3)
+        if self.reclaimer is not None and self.reclaimer.due(now):
+            self._gc(now)
         if self.cfg.snapshot_every and step % self.cfg.snapshot_every == 0 and self._mem_buf is not None:
             append_snapshot(self._mem_buf, step, self.mm, self.rm.running)
         self.hooks.end_of_bookkeeping()
-        t4 = now_ns()
-        n_sampled = sum(len(t.tokens) for t in tokens)
-        r = self.probes.rank
-        if pb is not None:
-            pb.append((t0, t1 - t0, BOOKKEEPING, "host", r, step))
-            if batch:
-                pb.append((t1, t2 - t1, BATCH_PREPARE, "host", r, step))
-            if pause[1]:  # the defrag pause is its own row, not bookkeeping
-                pb.append((t3, pause[0] - t3, BOOKKEEPING, "host", r, step))
-                pb.append((pause[1], t4 - pause[1], BOOKKEEPING, "host", r, step))
-            else:
-                pb.append((t3, t4 - t3, BOOKKEEPING, "host", r, step))
+        return pause
+
+    def _record(self, clock: RoundClock, step: int, batch: ScheduleBatch, done: InFlight | None) -> int:
+        """The round's host probe rows, then its steps row, which ends at the hand-off: a
+        requests row that names this round is never in the trace without the round's own
+        row. Returns the collected batch's device time."""
+        device_ns = sum(la.device_ns() for la in done.launches) if done is not None else 0
+        if self._pb is not None:
+            clock.host_rows(self._pb, self.probes.rank, step, bool(batch))
         if self._steps_buf is not None:
-            # Appended before the tokens leave for the sender: a requests row that
-            # names this round is never in the trace without the round's own row
-            # (tracing/schema.py DRAIN_ORDER). So the row ends at the hand-off, t4.
-            self._steps_buf.append((
-                step, self.cfg.mode, t0, t4 - t0, max(0, (t4 - t0) - device_ns), device_ns,
-                len(batch.prefills), batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes),
-                self.mm.num_used, self.mm.num_free, len(self.rm.waiting), len(self.rm.running),
-                self.sender.queue.qsize(), t3 if done is not None else 0, self.fence.blocks,
-            ))
-        self.sender.queue.put(out)
-        self.hooks.after_send()
-        t5 = now_ns()
-        if pb is not None:
-            pb.append((t4, t5 - t4, RESPONSE_SEND, "host", r, step))
-        self.hooks.between_rounds()
-        stats = StepStats(step, t0, t5 - t0, device_ns, len(batch.prefills), batch.num_prefill_tokens,
-                          len(batch.decodes), n_sampled, len(out.finished))
-        return stats
+            t0, dur = clock.start, clock.housekept - clock.start
+            self._steps_buf.append(StepsRow(
+                step, self.cfg.mode, t0, dur, max(0, dur - device_ns), device_ns, len(batch.prefills),
+                batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes), self.mm.num_used,
+                self.mm.num_free, len(self.rm.waiting), len(self.rm.running), self.sender.queue.qsize(),
+                clock.synced if done is not None else 0, self.fence.blocks))
+        return device_ns
 
     def request_abort(self, request_id: str, detail: str) -> None:
         """Thread-safe: abort this request at the next round (scheduler/core/aborts.py)."""
@@ -374,14 +383,17 @@ class Engine:
             launches.append(la)
         return launches
 
-    def _collect(
-        self, batch: ScheduleBatch, launches: list[Launch], tokens: list[SampledLists], out: StepOutput, now: int
-    ) -> None:
-        """Step 5 (scheduler/core/collect.py)."""
-        split = [la.prepared.results(toks, la.slots) for la, toks in zip(launches, tokens, strict=True)]
-        results = itertools.chain.from_iterable(r for r, _ in split)
-        scores = [c for _, s in split for c in s]
-        collect(results, batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out, scores)
+    def _collect(self, done: InFlight | None, tokens: list[SampledLists], now: int) -> StepOutput:
+        """Step 5 (scheduler/core/collect.py), and the requests that finished, for the sender."""
+        out = StepOutput(self.step_no)
+        if done is not None:
+            split = [la.prepared.results(toks, la.slots) for la, toks in zip(done.launches, tokens, strict=True)]
+            results = itertools.chain.from_iterable(r for r, _ in split)
+            scores = [c for _, s in split for c in s]
+            collect(results, done.batch.chunks, self.step_no, now, self.mm, self.rm, self.eos_ids, self._finish, out,
+                    scores)
+        self._emit_finished(out)
+        return out
 
     def _finish(self, req: Request, reason: FinishReason, detail: str = "", kind: str = "free") -> None:
         if self.hooks.finish(self, req):
@@ -433,7 +445,7 @@ class Engine:
 
     def _release(self, req: Request, kind: str = "free") -> None:
         """Give a request's blocks back, behind the KV fence (scheduler/core/kv_fence.py)."""
-        self.fence.release(req, [la.end for la in self._inflight[1]] if self._inflight is not None else [], kind)
+        self.fence.release(req, [la.end for la in self._inflight.launches] if self._inflight is not None else [], kind)
 
     def _emit_finished(self, out: StepOutput) -> None:
         out.finished += self.fence.hand_over(self.rm.drain_finished(), FinishedRecord.of)

@@ -10,7 +10,9 @@ from pathlib import Path
 from tests.cli import REPO
 
 PACKAGES = ("scheduler", "probes", "tracing", "viewer")
-MAX_LINES = 450
+# about 600 lines (STYLE.md): a module is cut where its responsibility ends, and a cap
+# near the size of the largest module only moved 20-line pieces out of the engine
+MAX_LINES = 600
 
 
 def _modules() -> dict[str, Path]:

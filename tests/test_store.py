@@ -47,6 +47,13 @@ def steps_of(root: Path) -> list[int]:
     return read_table(root, "probes", ["step"])["step"].to_pylist()
 
 
+def test_the_engines_steps_row_is_the_schemas_columns_in_order() -> None:
+    from scheduler.round_record import StepsRow
+    from tracing.schema import STEPS
+
+    assert StepsRow._fields == tuple(STEPS.names)
+
+
 def test_tiered_plan_merges_fan_in_parts_of_one_level_and_seals_full_ones() -> None:
     e = [PartEntry(f"part-{i:06d}.parquet", 5, 10, 0) for i in range(7)]
     plan = list(plan_tiered(e, SMALL))
