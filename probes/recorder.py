@@ -36,5 +36,3 @@ class Probes:
     def buffer(self, table: str = "probes") -> list[Row] | None:
         return None if self._factory is None else self._factory(table)
 
-
-DISABLED = Probes(None)

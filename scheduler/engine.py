@@ -305,7 +305,7 @@ class Engine:
             t0, dur = clock.start, clock.housekept - clock.start
             self._steps_buf.append(StepsRow(
                 step, self.cfg.mode, t0, dur, max(0, dur - device_ns), device_ns, len(batch.prefills),
-                batch.num_prefill_tokens, len(batch.decodes), len(batch.decodes), self.mm.num_used,
+                batch.num_prefill_tokens, len(batch.decodes), batch.num_decode_tokens, self.mm.num_used,
                 self.mm.num_free, len(self.rm.waiting), len(self.rm.running), self.sender.queue.qsize(),
                 clock.synced if done is not None else 0, self.fence.blocks))
         return device_ns

@@ -109,9 +109,6 @@ class MemoryManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def free_block_ids(self) -> list[int]:
-        return list(self._free)
-
     # ---- the contiguous layout (--kv-layout contiguous) -----------------
     # The seed's "pool as a contiguous array": a request owns one run of
     # consecutive blocks, so free space can be plentiful yet too scattered.

@@ -44,7 +44,6 @@ class Executor:
         registry: WaitRegistry,
         wait_timeout_s: float,
         probe_buf: list[Row] | None,
-        rank: int = 0,
         eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.device = device
@@ -54,7 +53,6 @@ class Executor:
         self.registry = registry
         self.wait_timeout_s = wait_timeout_s
         self._buf = probe_buf
-        self._rank = rank
         self._next_slot = 0
         self.eos_ids = eos_ids  # what min_tokens bans, with each request's stop_token_ids
 
@@ -119,7 +117,7 @@ class Executor:
         ev = launch.end
         timed_wait(ev.wait, registry=self.registry, waiter="scheduler", what=f"event {ev.label}",
                    signaller=f"{launch.stream}-stream", boundary=SCHEDULER_BARRIER,
-                   timeout_s=self.wait_timeout_s, buf=self._buf, rank=self._rank, step=launch.step)
+                   timeout_s=self.wait_timeout_s, buf=self._buf, step=launch.step)
         err = self.streams[launch.stream].error
         if err is not None:
             raise RuntimeError(f"forward failed on the {launch.stream} stream: {err!r}") from err

@@ -49,10 +49,6 @@ class ParallelState:
         """The one rank that computes logits: TP rank 0 of the last stage (it samples)."""
         return (self.pp_size - 1) * self.tp_size
 
-    @property
-    def is_logits_rank(self) -> bool:
-        return self.rank == self.logits_rank
-
     def stage_peer(self, pp_rank: int) -> int:
         """Global rank of this rank's TP position in stage ``pp_rank``."""
         return pp_rank * self.tp_size + self.tp_rank
