@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
 from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
 from viewer.tui.render import COLOURS, colour
