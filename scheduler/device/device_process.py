@@ -72,6 +72,9 @@ class RemoteDevice:
     def kv_reads(self, chunks: Any) -> Any:
         raise NotImplementedError("the KV ordering check runs on a local device only")
 
+    def enable_kv_check(self) -> None:
+        raise NotImplementedError("the KV ordering check runs on a local device only")
+
 
 class ProcEvent(CpuEvent):
     __slots__ = ("id",)

@@ -54,7 +54,8 @@ class DeviceOps(Protocol):
     RemoteDevice). Each returns the work for a stream to run."""
 
     builds_batch_on_host: bool  # prepare() builds the forward batch's tensors (else: the device does)
-    kv_check_on: bool  # the test-only KV ordering check
+    @property
+    def kv_check_on(self) -> bool: ...  # the test-only KV ordering check
     device: Any  # the torch device of a local device (None for a device process)
 
     def forward_work(self, prepared: Any, slots: list[int], step: int, out: list[Any]) -> Work: ...
@@ -64,6 +65,8 @@ class DeviceOps(Protocol):
     def copy_work(self, src: list[int], dst: list[int]) -> Work: ...
 
     def kv_reads(self, chunks: Any) -> Any: ...
+
+    def enable_kv_check(self) -> None: ...
 
 
 @dataclass(slots=True)
