@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from scheduler.core.policy import Policy
 from scheduler.core.reclaim import Reclaimer
 from scheduler.core.request import FinishReason, Request, SamplingParams
 from scheduler.core.request_manager import RequestManager
-from scheduler.device.backend import Backend
+from scheduler.device.backend import choose_backend
 from scheduler.device.executor import Executor
 from scheduler.device.prepared import Launch
 from scheduler.device.work import MAIN, PREFILL
@@ -96,7 +96,7 @@ class Engine:
         self.settings = ProcessSettings()  # restored by close()
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
-        self.backend = Backend.choose(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel)
+        self.backend = choose_backend(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel)
         self.device = self.backend.device
         if self.device.type == "cpu":
             self.settings.set_threads(config.resolved_device_threads())
@@ -217,6 +217,18 @@ class Engine:
                    step=self.step_no, raise_on_timeout=False)
         for sample in got:
             self._enqueue(sample)
+
+    def drive(self, arriving: Callable[[], bool], on_round: Callable[[StepStats], None] | None = None,
+              idle_poll_s: float = 0.02) -> None:
+        """The one loop that runs an engine (`run`, `serve`, the tests): a round, else a wait
+        for arrivals, until no request can still arrive (`arriving()` false) and none is left."""
+        while arriving() or self.has_work():
+            stats = self.step()
+            if stats is None:
+                self.wait_for_arrivals(idle_poll_s)
+            elif on_round is not None:
+                on_round(stats)
+        self.finish_run()
 
     def step(self) -> StepStats | None:
         """One scheduling round. Returns None when there was nothing to run or collect.

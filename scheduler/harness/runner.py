@@ -15,10 +15,11 @@ from typing import Any
 from probes.clock import now_ns, wall_anchor
 from probes.cpu import cpu_record, sample_cpu
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine
+from scheduler.engine import Engine, StepStats
 from scheduler.harness.workload import WorkloadItem, workload_digest
 from scheduler.hops.sender import FinishedRecord
 from scheduler.model.dtypes import name_of
+from tracing.run_status import first_line
 from tracing.writer import TraceWriter
 
 
@@ -59,14 +60,10 @@ class RunFailed(RuntimeError):
     """A thread of the run failed; the message is one line."""
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).splitlines() or [""])[0] or type(e).__name__
-
-
 def run_workload(
     engine: Engine,
     items: list[WorkloadItem],
-    on_step: Callable[[Engine], None] | None = None,
+    on_round: Callable[[StepStats], None] | None = None,
     idle_poll_s: float = 0.02,
     result: RunResult | None = None,
 ) -> RunResult:
@@ -92,24 +89,23 @@ def run_workload(
 
     feeder = threading.Thread(target=feed, name="arrivals", daemon=True)
     feeder.start()
-    steps = 0
+
+    def arriving() -> bool:
+        if failed:  # the run stops with the arrivals, not after the work they left
+            raise RunFailed(f"the arrivals thread failed: {first_line(failed[0])}") from failed[0]
+        return feeder.is_alive()
+
+    def counted(stats: StepStats) -> None:
+        res.steps += 1
+        if on_round is not None:
+            on_round(stats)
+
     try:
-        while (feeder.is_alive() or engine.has_work()) and not failed:
-            if engine.step() is None:
-                engine.wait_for_arrivals(idle_poll_s)
-            else:
-                steps += 1
-                res.steps = steps
-            if on_step is not None:
-                on_step(engine)
+        engine.drive(arriving, counted, idle_poll_s)
     finally:
         stop.set()
         feeder.join()
         res.end_ns = now_ns()
-    if failed:
-        raise RunFailed(f"the arrivals thread failed: {_first_line(failed[0])}") from failed[0]
-    engine.finish_run()
-    res.end_ns = now_ns()
     res.cpu = cpu_record(cpu0, sample_cpu())
     return res
 

@@ -15,6 +15,7 @@ from probes.boundaries import IDLE
 from probes.clock import now_ns
 from scheduler.engine import Engine, StepStats
 from scheduler.stall_guard import EngineStalled
+from tracing.run_status import first_line
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,17 +45,8 @@ class EngineLoop:
         self._thread.start()
 
     def _loop(self) -> None:
-        e = self.engine
         try:
-            while not self._stop.is_set() or e.has_work():
-                stats = e.step()
-                if stats is None:
-                    e.wait_for_arrivals(self.idle_poll_s)
-                    continue
-                self.rounds += 1
-                if self._on_round is not None:
-                    self._on_round(stats)
-            e.finish_run()
+            self.engine.drive(lambda: not self._stop.is_set(), self._round, self.idle_poll_s)
             self._state = "stopped"
         except EngineStalled as x:
             self.error, self._state = x, "stalled"
@@ -65,6 +57,11 @@ class EngineLoop:
             if self._state != "stopped" and self._on_fail is not None:
                 h = self.health()
                 self._on_fail(f"the engine is {h.state}: {h.detail}")
+
+    def _round(self, stats: StepStats) -> None:
+        self.rounds += 1
+        if self._on_round is not None:
+            self._on_round(stats)
 
     def stop(self, deadline_s: float, live: Iterable[str]) -> None:
         """Stop taking rounds once the work in flight is done; after `deadline_s`, abort
@@ -78,7 +75,7 @@ class EngineLoop:
 
     def health(self) -> Health:
         if self._state == "stalled" or self._state == "failed":
-            why = (str(self.error).splitlines() or [""])[0] if self.error else ""
+            why = first_line(self.error) if self.error else ""
             return Health(False, self._state, why)
         if not self._thread.is_alive():
             return Health(False, "stopped", "the scheduling thread is not running")
