@@ -75,3 +75,8 @@ def end_record(state: str, detail: str, submitted: int, start_ns: int | None, en
     if cpu is not None:
         rec["cpu"] = cpu
     return rec
+
+
+def first_line(e: BaseException) -> str:
+    """An error's first line, for a run's one-line detail (its type's name when it says nothing)."""
+    return (str(e).strip().splitlines() or [""])[0] or type(e).__name__

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
+from tracing.run_status import first_line
 from viewer.report import build_report, render_report
 
 
@@ -115,7 +116,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Cal
         except typer.Exit:  # fail() inside the run: already said (click's Exit is a RuntimeError)
             raise
         except Exception as e:  # noqa: BLE001 - a thread of the run failed: one line, and the trace
-            why = (str(e).splitlines() or [""])[0] or type(e).__name__
+            why = first_line(e)
             fail(f"the run failed: {why}; trace flushed to {out}", 4)
         render_report(console, build_report(out))
         console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
@@ -283,7 +284,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
             detail = str(e)
             fail(detail)
         except Exception as e:  # noqa: BLE001 - e.g. a device process or rank that failed to start
-            detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+            detail = first_line(e)
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, items, source, anchor))
         say_dtype(engine)
@@ -301,7 +302,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
         raise
     except BaseException as e:
         if detail == NO_DETAIL:
-            detail = (str(e).splitlines() or [type(e).__name__])[0] or type(e).__name__
+            detail = first_line(e)
         raise
     finally:
         if coord is not None:

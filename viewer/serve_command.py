@@ -24,6 +24,7 @@ from rich.markup import escape
 
 from scheduler.config import EngineConfig
 from scheduler.serving.options import LOOPBACK, ServeOptions
+from tracing.run_status import first_line
 
 
 def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
@@ -112,7 +113,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
             detail = str(e)
             fail(detail)
         except Exception as e:  # noqa: BLE001 - e.g. a device process that failed to start
-            detail = (str(e).splitlines() or [""])[0] or type(e).__name__
+            detail = first_line(e)
             fail(f"the engine could not start: {detail}")
         writer.write_meta(run_meta(engine, [], source, anchor))
         say_dtype(engine)

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from tracing.consistency import read_consistent
 from tracing.reader import Trace, TraceError
+from tracing.run_status import first_line
 from tracing.schema import TABLES
 
 HELPERS: dict[str, tuple[str, ...]] = {  # helper view -> the tables it is built from
@@ -88,7 +89,7 @@ class TraceDb:
                 return Result([], [], [])
             return Result(list(rel.columns), [str(t) for t in rel.types], rel.fetchall())
         except duckdb.Error as e:
-            raise SqlError(_first_line(e)) from None
+            raise SqlError(first_line(e)) from None
         finally:
             con.close()
 
@@ -139,7 +140,7 @@ def _only_select(sql: str) -> None:
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as e:
-        raise SqlError(_first_line(e)) from None
+        raise SqlError(first_line(e)) from None
     if not statements:
         raise SqlError("no statement given")
     if len(statements) > 1:
@@ -189,9 +190,6 @@ def cycle_tables(probes: pa.Table, steps: pa.Table, collectives: pa.Table | None
                     schema=schema)
     return cycles, cost
 
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def render(result: Result, fmt: str, out: Any) -> None:
