@@ -48,8 +48,9 @@ CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 HOST_STREAM = "host"
 
 
-def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
-    """Each chunk's dictionary codes (int32, zero-copy) over one list of names."""
+def chunk_codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
+    """Each chunk's dictionary codes (int32, zero-copy) over one list of names: grouping a
+    probes column on its codes costs a fraction of a string per row."""
     if isinstance(col, pa.Array):
         col = pa.chunked_array([col])
     if not pa.types.is_dictionary(col.type):
@@ -59,6 +60,12 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]
     chunks = [c for c in col.chunks if len(c)]
     names = chunks[0].dictionary.to_pylist() if chunks else []
     return [c.indices.to_numpy(zero_copy_only=False) for c in chunks], names
+
+
+def codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    """`chunk_codes` as one int64 array."""
+    parts, names = chunk_codes(col)
+    return (np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)), names
 
 
 def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
@@ -72,11 +79,11 @@ class _Rows:
     reader's chunks are never copied into one array."""
 
     def __init__(self, probes: pa.Table) -> None:
-        codes, self.names = _codes(probes["boundary"]) if probes.num_rows else ([], [])
+        codes, self.names = chunk_codes(probes["boundary"]) if probes.num_rows else ([], [])
         ts, dur = _numpy_chunks(probes["ts_ns"]), _numpy_chunks(probes["dur_ns"])
         host: list[np.ndarray] | None = None  # rows on the scheduling thread; None: all of them
         if "stream" in probes.column_names and probes.num_rows:
-            sc, sn = _codes(probes["stream"])
+            sc, sn = chunk_codes(probes["stream"])
             if any(s != HOST_STREAM for s in sn):
                 h = sn.index(HOST_STREAM) if HOST_STREAM in sn else -1
                 host = [c == h for c in sc]

@@ -38,6 +38,7 @@ import pyarrow.compute as pc
 from probes import boundaries as B
 from tracing.reader import Trace, read_parts
 from tracing.schema import TABLES
+from viewer.analysis.cycle_views import codes
 from viewer.export import perfetto_bulk as bulk
 from viewer.export.perfetto_bulk import (
     ARGS,
@@ -227,7 +228,7 @@ class _Pool:
         """The chunk without its rows held back."""
         if self._threads is None or not t.num_rows:
             return t
-        (s_code, s_names), (b_code, b_names) = _codes(t["stream"]), _codes(t["boundary"])
+        (s_code, s_names), (b_code, b_names) = codes(t["stream"]), codes(t["boundary"])
         if "tokenizer" not in s_names or B.TOKENIZE not in b_names:
             return t
         m = (s_code == s_names.index("tokenizer")) & (b_code == b_names.index(B.TOKENIZE))
@@ -336,8 +337,8 @@ def _probe_packets(t: pa.Table, names: dict[str, int], lanes: _Lanes, stats: Exp
         return b""
     ts = t["ts_ns"].to_numpy().astype(np.int64)
     end = ts + np.maximum(t["dur_ns"].to_numpy().astype(np.int64), 0)
-    b_code, b_names = _codes(t["boundary"])
-    s_code, s_names = _codes(t["stream"])
+    b_code, b_names = codes(t["boundary"])
+    s_code, s_names = codes(t["stream"])
     rank = t["rank"].to_numpy().astype(np.int64)
     key = rank * (len(s_names) + 1) + s_code
     track = np.empty(n, dtype=np.uint64)
@@ -348,13 +349,6 @@ def _probe_packets(t: pa.Table, names: dict[str, int], lanes: _Lanes, stats: Exp
     stats.probe_rows += n
     stats.packets += 2 * n
     return bulk.slices([(ts, end, track, name, bulk.int_arg(ARGS["round"], t["step"].to_numpy()))])
-
-
-def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    a = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if not pa.types.is_dictionary(a.type):
-        a = pc.dictionary_encode(a)
-    return a.indices.to_numpy(zero_copy_only=False).astype(np.int64), a.dictionary.to_pylist()
 
 
 def _strings(col: pa.ChunkedArray | pa.Array) -> list[str]:

@@ -22,6 +22,7 @@ from probes import boundaries as B
 from tracing.run_status import RunStatus
 from viewer.analysis.advice import backend
 from viewer.analysis.cost import CostTable, cost_table
+from viewer.analysis.cycle_views import codes
 from viewer.analysis.holders import fold_holders
 from viewer.live.tail import Poll
 
@@ -257,8 +258,8 @@ class LiveState:
         if not p.num_rows:
             return []
         # grouped on the dictionaries' codes: a string per row cost more than the rest
-        bnd_code, bnd_names = _codes(p["boundary"])
-        st_code, st_names = _codes(p["stream"])
+        bnd_code, bnd_names = codes(p["boundary"])
+        st_code, st_names = codes(p["stream"])
         keep = bnd_code != (bnd_names.index(B.IDLE) if B.IDLE in bnd_names else -1)
         ts, dur = p["ts_ns"].to_numpy()[keep], p["dur_ns"].to_numpy()[keep]
         rank, step = p["rank"].to_numpy()[keep], p["step"].to_numpy()[keep]
@@ -378,14 +379,6 @@ def _lat(name: str, x: np.ndarray, series: np.ndarray | None = None) -> Latency:
         return Latency(name, None, None, [])
     p50, p99 = np.percentile(x, [50, 99])
     return Latency(name, float(p50), float(p99), [float(v) for v in (x if series is None else series)[-60:]])
-
-
-def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """A dictionary column's codes and names (its chunks share one dictionary: `_cat`)."""
-    a = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if not pa.types.is_dictionary(a.type):
-        a = pc.dictionary_encode(a)
-    return a.indices.to_numpy(zero_copy_only=False), a.dictionary.to_pylist()
 
 
 def _cat(a: pa.Table | None, b: pa.Table) -> pa.Table:
