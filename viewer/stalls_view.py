@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -32,13 +33,13 @@ def _when(meta: dict[str, Any], ts_ns: int) -> str:
     return f"ts {ts_ns}"
 
 
-def _ranges(ids: list[int]) -> str:
-    """[1,2,3,7,9,10] -> "1-3, 7, 9-10": a leaked table is usually a few runs."""
+def _ranges(ids: Sequence[int | None]) -> str:
+    """[1,2,3,7,9,10] -> "1-3, 7, 9-10": a leaked table is usually a few runs (None: a null block id)."""
     out: list[str] = []
     i = 0
     while i < len(ids):
         j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+        while j + 1 < len(ids) and (b := ids[j]) is not None and ids[j + 1] == b + 1:
             j += 1
         out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1

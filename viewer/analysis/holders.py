@@ -29,7 +29,8 @@ def fold_holders(mem: pa.Table, held: dict[str, int], restart: bool = False) -> 
     `restart`: start from the last snapshot in `mem`, if any (the rows before it are
     then not returned). Returns the rows folded and whether a snapshot restarted."""
     kind = mem["kind"].cast(pa.string())
-    begin = np.flatnonzero(pc.equal(kind, "snapshot_begin").to_numpy(zero_copy_only=False)) if restart else []
+    begin = (np.flatnonzero(pc.equal(kind, "snapshot_begin").to_numpy(zero_copy_only=False)) if restart
+             else np.zeros(0, np.intp))
     restarted = bool(len(begin))
     plus_kinds = _PLUS
     if restarted:

@@ -48,7 +48,9 @@ class CycleSums:
     def cycle_of(self, t: np.ndarray) -> np.ndarray:
         if not len(t):
             return np.zeros(0, np.int64)
-        return np.clip(search(self.S, t, int(t.min()), int(t.max())) - 1, 0, self.n - 1)
+        # arithmetic on an ndarray of unknown dtype is Any in numpy's stubs
+        out: np.ndarray = np.clip(search(self.S, t, int(t.min()), int(t.max())) - 1, 0, self.n - 1)
+        return out
 
     def zeros(self) -> np.ndarray:
         return np.zeros(self.n, dtype=np.float64)
@@ -121,7 +123,8 @@ class Coverage:
         if not len(a):
             return np.zeros(0, dtype=np.int64)
         if native.AVAILABLE:
-            return native.busy_before(s, ln, cum, b) - native.busy_before(s, ln, cum, a)
+            busy: np.ndarray = native.busy_before(s, ln, cum, b) - native.busy_before(s, ln, cum, a)
+            return busy
         if lo is None or hi is None:
             lo, hi = int(a.min()), int(b.max())
         i = search(s, a, lo, hi) - 1
@@ -131,7 +134,8 @@ class Coverage:
         fb = np.minimum(np.maximum(b - s[jc], 0), ln[jc])
         fa[i < 0] = 0
         fb[j < 0] = 0
-        return (cum[jc] + fb) - (cum[ic] + fa)
+        covered: np.ndarray = (cum[jc] + fb) - (cum[ic] + fa)
+        return covered
 
 
 def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -97,7 +97,7 @@ def fragmentation(sn: Snaps, h: Held, capacity: int) -> list[FragPoint]:
     lin = (sn.lbid >= 0) & (sn.lbid < capacity)
     lgroup, lbid = sn.lgroup[lin], sn.lbid[lin]
     step = max(1, CHUNK_CELLS // max(capacity, 1))
-    carry = np.zeros(capacity, cell)
+    carry: np.ndarray = np.zeros(capacity, cell)
     out: list[FragPoint] = []
     for s0 in range(0, n, step):
         s1 = min(n, s0 + step)
@@ -113,8 +113,8 @@ def fragmentation(sn: Snaps, h: Held, capacity: int) -> list[FragPoint]:
         carry = held[-1].copy()
         busy = held > 0
         busy[~sn.begun[s0:s1]] = False
-        m = slice(None) if s0 == 0 and s1 == n else (lgroup >= s0) & (lgroup < s1)
-        busy[lgroup[m] - s0, lbid[m]] = True
+        listed: slice | np.ndarray = slice(None) if s0 == 0 and s1 == n else (lgroup >= s0) & (lgroup < s1)
+        busy[lgroup[listed] - s0, lbid[listed]] = True
         nfree, run = _free_runs(busy)
         out += [point(sn.ts[s], sn.step[s], fr, r, capacity, sn.reported[s])
                 for s, fr, r in zip(range(s0, s1), nfree.tolist(), run.tolist(), strict=True)]

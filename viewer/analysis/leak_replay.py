@@ -110,23 +110,25 @@ class Rows:
         self.names = names if names is not None else self.names
 
     def column(self, name: str, pos: np.ndarray) -> list[Any]:
-        return self.memory[name].take(pa.array(pos if self.order is None else self.order[pos])).to_pylist()
+        out: list[Any] = self.memory[name].take(pa.array(pos if self.order is None else self.order[pos])).to_pylist()
+        return out
 
     def rids(self, codes: np.ndarray) -> list[str]:
-        return self.names.take(pa.array(codes, pa.int32())).to_pylist()
+        out: list[str] = self.names.take(pa.array(codes, pa.int32())).to_pylist()
+        return out
 
 
 def read_rows(memory: pa.Table) -> Rows:
     if memory["ts_ns"].null_count and memory.num_rows > 1:
         raise TypeError("memory.ts_ns has nulls: no replay order")
     ts = memory["ts_ns"].to_numpy()
-    cols = [codes(memory["kind"], _kind_luts)[0].astype(np.int8, copy=False),
-            _ints(memory["block_id"], NOBID), _ints(memory["ref_count"], NOREF)]
-    order = None
+    kind = codes(memory["kind"], _kind_luts)[0].astype(np.int8, copy=False)
+    bid, ref = _ints(memory["block_id"], NOBID), _ints(memory["ref_count"], NOREF)
+    order: np.ndarray | None = None
     if len(ts) > 1 and not (ts[1:] >= ts[:-1]).all():
         order = np.argsort(ts, kind="stable")  # equal timestamps keep file order: emission order
-        ts, cols = ts[order], [c[order] for c in cols]
-    return Rows(ts, *cols, order, memory)
+        ts, kind, bid, ref = ts[order], kind[order], bid[order], ref[order]
+    return Rows(ts, kind, bid, ref, order, memory)
 
 
 # ------------------------------------------------------------ state rows, block by block
@@ -186,7 +188,7 @@ class Blocks:
     cb: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # the row's request's count before it
 
 
-def blocks(rows: Rows, rids: Future) -> Blocks:
+def blocks(rows: Rows, rids: Future[tuple[np.ndarray, pa.Array | None]]) -> Blocks:
     """The state rows in block order and their running sums; `rids` is the request id encoding."""
     st = rows.kind < BEGIN
     spos, sbid, skind = np.flatnonzero(st), rows.bid[st], rows.kind[st]

@@ -53,7 +53,7 @@ class LeakReport:
     final_free: int
     leaks: list[HeldBlocks] = field(default_factory=list)
     still_running: list[HeldBlocks] = field(default_factory=list)  # killed run: not leaks
-    reclaimed: dict[str, list[int]] = field(default_factory=dict)
+    reclaimed: dict[str, list[int | None]] = field(default_factory=dict)  # None: a null block id
     anomalies: list[str] = field(default_factory=list)  # events the replay could not reconcile
     num_anomalies: int = 0
     fragmentation: list[FragPoint] = field(default_factory=list)
@@ -125,14 +125,20 @@ def _classify(holders: dict[Any, list[str]], requests: pa.Table,
     return leaks, running
 
 
-def _reclaimed(rows: replay.Rows) -> dict[str, list[int]]:
+def _reclaimed(rows: replay.Rows) -> dict[str, list[int | None]]:
     p = np.flatnonzero(rows.kind == replay.RECLAIM)
     o = np.lexsort((rows.bid[p], rows.rid[p]))
-    codes, ids = rows.rid[p][o], [None if x == replay.NOBID else x for x in rows.bid[p][o].tolist()]
+    codes = rows.rid[p][o]
+    ids: list[int | None] = [None if x == replay.NOBID else x for x in rows.bid[p][o].tolist()]
     at = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]]) if len(p) else p
     cuts = np.r_[at, len(p)].tolist()
-    # sorted() again on sorted lists is linear, and fails on null block ids as the replay does
-    got = {n: sorted(ids[a:z]) for n, a, z in zip(rows.rids(codes[at]), cuts[:-1], cuts[1:], strict=True)}
+    got: dict[str, list[int | None]] = {}
+    for n, a, z in zip(rows.rids(codes[at]), cuts[:-1], cuts[1:], strict=True):
+        # Already in order (the lexsort). A null block id sorts last and stays a request's only
+        # id; among others it has no order, and the replay's sorted() fails there: so must we.
+        if z - a > 1 and ids[z - 1] is None:
+            raise TypeError(f"reclaimed blocks of {n!r}: a null block id cannot be ordered among others")
+        got[n] = ids[a:z]
     return {k: got[k] for k in sorted(got)}
 
 

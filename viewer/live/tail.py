@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -39,7 +40,7 @@ BACKLOG = {"probes": 200_000, "steps": 20_000, "requests": 20_000, "memory": 200
 class Poll:
     """One poll's news: the new rows of each table, and the trace's state."""
 
-    meta: dict
+    meta: dict[str, Any]
     status: RunStatus
     rows: dict[str, pa.Table] = field(default_factory=dict)
     committed: dict[str, int] = field(default_factory=dict)  # rows committed so far, per table (all ranks)
@@ -94,7 +95,8 @@ class TraceTail:
             seen = self._seen[key]
             if total <= seen:
                 continue
-            want, skip, at = [], 0, 0
+            want: list[Part] = []
+            skip, at = 0, 0
             for p in ps:
                 n = p.rows or 0
                 if at + n > seen:
