@@ -99,7 +99,7 @@ def cost_bars(reports: list[tuple[str, dict[str, Any]]]) -> Any:
     for b in order:
         ys = []
         for _, rep in reports:
-            row = next((r for r in rep["boundaries"] if r["boundary"] == b), {})
+            row: dict[str, Any] = next((r for r in rep["boundaries"] if r["boundary"] == b), {})
             ys += [100 * (row.get("device_share") or 0.0), 100 * (row.get("host_share") or 0.0)]
         if any(ys):
             fig.add_trace(go.Bar(x=x, y=ys, name=b, marker={"color": colour(b)},

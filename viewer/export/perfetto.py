@@ -119,8 +119,8 @@ def _header(trace: Trace, b: Any, stats: ExportStats) -> tuple[dict[str, int], d
     pairs: set[tuple[int, str]] = set()
     boundaries: set[str] = set()
     for chunk in _probe_chunks(trace, ["rank", "stream", "boundary"]):
-        r, s, bd = chunk["rank"].to_numpy(), _strings(chunk["stream"]), _strings(chunk["boundary"])
-        pairs |= set(zip(r.tolist(), s, strict=True))
+        r, st, bd = chunk["rank"].to_numpy(), _strings(chunk["stream"]), _strings(chunk["boundary"])
+        pairs |= set(zip(r.tolist(), st, strict=True))
         boundaries |= set(bd)
     ranks = sorted({r for r, _ in pairs} | {0})
     for r in ranks:
@@ -352,7 +352,8 @@ def _probe_packets(t: pa.Table, names: dict[str, int], lanes: _Lanes, stats: Exp
 
 
 def _strings(col: pa.ChunkedArray | pa.Array) -> list[str]:
-    return col.cast(pa.string()).to_pylist() if pa.types.is_dictionary(col.type) else col.to_pylist()
+    out: list[str] = col.cast(pa.string()).to_pylist() if pa.types.is_dictionary(col.type) else col.to_pylist()
+    return out
 
 
 def _stream_rank(s: str) -> int:

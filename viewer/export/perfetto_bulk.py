@@ -8,6 +8,8 @@ the `perfetto` package's classes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 
@@ -59,7 +61,7 @@ def _packets(ts: np.ndarray, event: list[Piece], n: int, interned: bool = True) 
     return buf, start, wire.lengths(whole, n)
 
 
-def slices(groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, int | np.ndarray, list[Piece]]]) -> bytes:
+def slices(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int | np.ndarray, list[Piece]]]) -> bytes:
     """Begin and end packets for groups of slices (start, end, track, name iid, begin
     args), ordered together so that at one timestamp an end comes before a begin and
     an outer slice opens before and closes after an inner one: slices that share a
@@ -74,8 +76,9 @@ def slices(groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, int | np.ndarr
         end = np.maximum(end.astype(np.int64), start)
         tr = track.astype(U)
         name = np.full(n, name_iid, U) if isinstance(name_iid, int) else name_iid.astype(U)
-        for ts, event in ((start, [*args, b"\x48\x01", b"\x50", name, b"\x58", tr]),
-                          (end, [b"\x48\x02", b"\x58", tr])):
+        begins: list[Piece] = [*args, b"\x48\x01", b"\x50", name, b"\x58", tr]
+        ends: list[Piece] = [b"\x48\x02", b"\x58", tr]
+        for ts, event in ((start, begins), (end, ends)):
             buf, first, size = _packets(ts, event, n)
             bufs.append(buf)
             firsts.append(first + at)
@@ -115,7 +118,7 @@ def named_tracks(uuid: np.ndarray, names: pa.Array, parent: int) -> bytes:
     if not n:
         return b""
     s = _raw_strings(names)
-    desc = [b"\x08", uuid.astype(U), b"\x12", s.lengths.astype(U), s, b"\x28", np.full(n, parent, U)]
+    desc: list[Piece] = [b"\x08", uuid.astype(U), b"\x12", s.lengths.astype(U), s, b"\x28", np.full(n, parent, U)]
     whole = _sub(b"\x0a", _sub(b"\xe2\x03", desc, n), n)
     return wire.encode(whole, n)[0].tobytes()
 

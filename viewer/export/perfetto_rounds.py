@@ -131,7 +131,7 @@ def rounds(f: IO[bytes], steps: pa.Table, flows: Flows | None, names: dict[str, 
     for lo in range(0, len(order), BATCH):
         idx = order[lo:lo + BATCH]
         a, z = np.searchsorted(rnd, step[idx]), np.searchsorted(rnd, step[idx] + 1)
-        ends = wire.fixed64s(bulk.FLOW_END, z - a, fid[a[0]:z[-1]]) if len(idx) else None
+        ends = wire.fixed64s(bulk.FLOW_END, z - a, fid[a[0]:z[-1]])  # idx is never empty: lo < len(order)
         f.write(bulk.slices([(ts[idx], end[idx], np.full(len(idx), ROUNDS), names["round"],
                               [*bulk.int_arg(ARGS["round"], step[idx]), ends])]))
     stats.rounds = steps.num_rows
