@@ -45,7 +45,8 @@ class DeviceClock:
 
     def ts(self, ev: Any) -> int:
         """A completed event's time."""
-        return self._ns + round(self._ev.elapsed_time(ev) * 1e6)
+        ms: float = self._ev.elapsed_time(ev)  # torch.cuda.Event.elapsed_time: milliseconds
+        return self._ns + round(ms * 1e6)
 
     def advance(self, ev: Any, ts: int) -> None:
         """Later readings measure from `ev` (complete, at `ts`): short spans stay precise."""

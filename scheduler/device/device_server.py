@@ -19,7 +19,7 @@ from scheduler.device import wire
 from scheduler.device.work import STREAM_NAMES
 
 if TYPE_CHECKING:
-    from scheduler.model.forward_step import SamplingArgs
+    from scheduler.model.forward_step import ModelStep, SamplingArgs
     from scheduler.model.sampling import SampledLists
 
 
@@ -70,11 +70,12 @@ class _Device:
         from scheduler.model.dtypes import DTYPES
 
         dtype = DTYPES[spec.dtype]
-        self.model, mc = load_model(spec.model_dir, "cpu", dtype)
+        model, mc = load_model(spec.model_dir, "cpu", dtype)
+        self.model: ModelStep = model
         if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward
             from scheduler.harness.debug_delay import HeldForward
 
-            self.model = HeldForward(self.model, spec.debug_delay_ns)
+            self.model = HeldForward(model, spec.debug_delay_ns)
         self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)

@@ -114,7 +114,10 @@ class LocalDevice:
                 slots.append(c.req.block_table[p // bs] * bs + p % bs)
                 pos.append(p)
                 toks.append(ids[p])
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
         return KvReadCheck(t(slots), t(pos), t(toks))
 
 
@@ -122,7 +125,8 @@ def _device_hold(ns: int, device: torch.device) -> None:
     """A known delay inside the forward: on a GPU a kernel that spins (the host is not
     held); on the CPU the stream thread is the device."""
     if device.type == "cuda":
-        torch.cuda._sleep(ns)  # ~1 GHz: cycles ~ ns
+        # ~1 GHz: cycles ~ ns
+        torch.cuda._sleep(ns)  # type: ignore[no-untyped-call]  # torch leaves _sleep unannotated
     else:
         hold(ns)
 
@@ -130,6 +134,6 @@ def _device_hold(ns: int, device: torch.device) -> None:
 def _device_sleep(us: float, device: torch.device) -> None:
     if device.type == "cuda":
         # ~1 GHz: cycles ~ ns. A device-side delay, so the host is never blocked.
-        torch.cuda._sleep(int(us * 1000))
+        torch.cuda._sleep(int(us * 1000))  # type: ignore[no-untyped-call]  # torch leaves _sleep unannotated
     else:
         time.sleep(us / 1e6)

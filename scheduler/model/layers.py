@@ -146,7 +146,7 @@ def paged_attention(
             mask = plan.decode_mask[r0:r1, :, :, : nblk * bs]
             o = F.scaled_dot_product_attention(qd[r0:r1], kd, vd, attn_mask=mask)
             outs.append(o.reshape(r1 - r0, h * d))
-    for p, mask in zip(batch.prefills, plan.prefill_masks, strict=True):
+    for p, pmask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
         if p.ctx_blocks is None:
             kp, vp = k_new[p.row_start : p.row_end], v_new[p.row_start : p.row_end]
@@ -156,7 +156,7 @@ def paged_attention(
         kp = kp.transpose(0, 1)[None]
         vp = vp.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h
+            qp, kp, vp, attn_mask=pmask, is_causal=pmask is None, enable_gqa=kvh != h
         )
         outs.append(o[0].transpose(0, 1).reshape(-1, h * d))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -130,8 +130,12 @@ class Sampled:
         end event, which the barrier waits for, is recorded after these copies)."""
         if self.tokens.device.type != "cuda":
             return self
-        return Sampled(*(None if t is None else _pinned(t, non_blocking)
-                         for t in (self.tokens, self.logprob, self.top_ids, self.top_logprobs)))
+
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else _pinned(t, non_blocking)
+
+        return Sampled(_pinned(self.tokens, non_blocking), pinned(self.logprob), pinned(self.top_ids),
+                       pinned(self.top_logprobs))
 
     def lists(self) -> SampledLists:
         """Plain lists (host tensors only): what crosses a process and what collect reads."""

@@ -14,7 +14,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
@@ -25,6 +25,8 @@ from scheduler.serving.streams import End, Event, ResponseStreams, Text
 
 # How often a request waiting for its first or next token checks its client is still there.
 DISCONNECT_POLL_S = 0.25
+
+_T = TypeVar("_T")  # what a queue holds
 
 
 class ClientGone(Exception):
@@ -182,7 +184,7 @@ class Responder:
         return usage(sum(e.prompt_tokens for e in ends[:: call.n]),
                      0 if call.drop_output else sum(e.completion_tokens for e in ends))
 
-    async def _next(self, q: asyncio.Queue[Any], disconnected: Callable[[], Awaitable[bool]], *rids: str) -> Any:
+    async def _next(self, q: asyncio.Queue[_T], disconnected: Callable[[], Awaitable[bool]], *rids: str) -> _T:
         while True:
             try:
                 return await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
