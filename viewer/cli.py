@@ -67,7 +67,8 @@ class _Commands(TyperGroup):
 
 # The help tables' cells get a space on the right only: at 80 columns the default (one on
 # each side) cut long flag names such as --no-overlap-schedule into "--no-overlap-sch…".
-typer.rich_utils.STYLE_OPTIONS_TABLE_PADDING = (0, 1, 0, 0)
+# typer's constant is typed from its default, (0, 1); rich's Table takes 4 values too (PaddingDimensions)
+typer.rich_utils.STYLE_OPTIONS_TABLE_PADDING = (0, 1, 0, 0)  # type: ignore[assignment]
 
 # typer's help shows every option's type beside its name, a flag's too: "--help  <bool>
 # Show this message" read as if --help took a value. A flag (or a count) takes none, so

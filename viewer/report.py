@@ -146,7 +146,7 @@ def trace_heading(console: Console, trace: str, tail: str, lead: str = "") -> No
 def _cost_dict(c: CostTable, host_view: bool = True) -> dict[str, Any]:
     """`host_view`: the rank has a scheduling thread (rank 0); another rank's host columns are
     null, not a table of time no probe covered."""
-    d = {
+    d: dict[str, Any] = {
         "cycles": c.cycles,
         "cycle_ms": c.cycle_ms,
         "cycle_total_s": c.cycle_total_s,

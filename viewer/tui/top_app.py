@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import RenderableType
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -192,7 +193,7 @@ class TopApp(App[None]):
         v = self.view
         if v is None:
             head: RenderableType = f"mstrace top {self.trace}"
-            b = render.banner_waiting(self.error or f"waiting for {self.trace} (no trace there yet)")
+            b: Text | None = render.banner_waiting(self.error or f"waiting for {self.trace} (no trace there yet)")
         else:
             head = render.header(v, self.paused)
             note = self.error or (self._process_state() if self._process_state is not None else None)

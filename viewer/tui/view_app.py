@@ -10,6 +10,7 @@ million rounds stays quick to browse.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ class Listing:
         name = name.strip().lower()
         exact = [i for i, c in enumerate(self.columns) if c.lower() == name]
         pref = [i for i, c in enumerate(self.columns) if c.lower().startswith(name)]
-        return (exact or pref or [None])[0]
+        found = exact or pref
+        return found[0] if found else None
 
     def rows(self) -> list[tuple[Any, ...]]:
         rows = self.all
@@ -51,8 +53,10 @@ class Listing:
                 self.error = f"filter: COLUMN OP NUMBER, e.g. `ms>50` or `kv_fence ms>0.1` (columns: {', '.join(self.columns)})"
             else:
                 op, x = m.group(2), float(m.group(3))
-                test = {">": lambda v: v > x, "<": lambda v: v < x, ">=": lambda v: v >= x, "<=": lambda v: v <= x,
-                        "=": lambda v: v == x}[op]
+                tests: dict[str, Callable[[float], bool]] = {
+                    ">": lambda v: v > x, "<": lambda v: v < x, ">=": lambda v: v >= x, "<=": lambda v: v <= x,
+                    "=": lambda v: v == x}
+                test = tests[op]
                 rows = [r for r in rows if isinstance(r[col], int | float) and test(r[col])]
         k = self.sort
 
