@@ -1,6 +1,8 @@
 """The linters as part of the suite, so CI (.ci/run) runs them on a clean clone:
-ruff over the repository, mypy on the typed core (strict on probes/, tracing/ and
-scheduler/core/, as pyproject.toml says)."""
+ruff over the repository, mypy over every package with pyproject.toml's config
+(strict on probes/, tracing/ and scheduler/core/ as written there; mypy applies a
+per-module `strict = true` to every module, python/mypy#11401, so in effect all of
+them are strict today). Cold, mypy takes under a minute; its cache makes a rerun quick."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 
 from tests.cli import REPO
 
-TYPED = ["probes", "tracing", "scheduler/core"]
+PACKAGES = ["scheduler", "probes", "tracing", "viewer"]  # every package: `mypy scheduler probes tracing viewer`
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -22,8 +24,8 @@ def test_ruff():
 
 
 def test_mypy():
-    p = _run("mypy", *TYPED)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = _run("mypy", *PACKAGES)
+    assert p.returncode == 0 and "Success: no issues found" in p.stdout, p.stdout + p.stderr
 
 
 def test_shell_scripts_parse():

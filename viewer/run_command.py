@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import typer
 from rich.console import Console
@@ -20,6 +20,13 @@ from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
 from tracing.run_status import first_line
 from viewer.report import build_report, render_report
+
+
+class Fail(Protocol):
+    """How a command gives up (viewer.cli.fail): the message on stderr, then exit `code`
+    (its default: bad input)."""
+
+    def __call__(self, msg: str, code: int = ...) -> NoReturn: ...
 
 
 class _ProgressSink:
@@ -33,7 +40,7 @@ class _ProgressSink:
         self._p.advance(self._t)  # type: ignore[arg-type]
 
 
-def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Callable[[str], NoReturn]) -> None:
+def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fail) -> None:
     from scheduler.harness.workload import (
         SyntheticSpec,
         WorkloadError,
@@ -344,7 +351,11 @@ def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:
     row("barrier exposed %", bshare("scheduler_barrier"), ".1f")
     row("bookkeeping exposed %", bshare("bookkeeping"), ".1f")
     row("batch_prepare exposed %", bshare("batch_prepare"), ".1f")
+
+    def latency(k: str, q: str) -> Callable[[dict[str, Any]], float | None]:
+        return lambda r: r["latency"][k][q]
+
     for k, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
-        row(f"{label} p50 ms", lambda r, k=k: r["latency"][k]["p50"], ".1f")
-        row(f"{label} p99 ms", lambda r, k=k: r["latency"][k]["p99"], ".1f")
+        row(f"{label} p50 ms", latency(k, "p50"), ".1f")
+        row(f"{label} p99 ms", latency(k, "p99"), ".1f")
     console.print(t)
