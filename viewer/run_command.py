@@ -140,8 +140,6 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
 
-NO_DETAIL = "the run ended without saying why"
-
 
 def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:
     """Requests the engine refused, each distinct reason with its count, on stderr; a run
@@ -191,28 +189,6 @@ def is_trace_folder(path: Path) -> bool:
     return trace(path) or (any(path.iterdir()) and all(p.is_dir() and trace(p) for p in path.iterdir()))
 
 
-def open_trace(out: Path, made: Path | None, fail: Callable[[str], NoReturn]) -> Any:
-    """The trace's writer, or one line and exit 2 where `out` cannot be written (a read-only
-    file system, no permission): nothing was run, so nothing is said to be flushed."""
-    from tracing.writer import TraceWriter
-
-    try:
-        writer = TraceWriter(out)  # makes the folders and takes the writer's lock: the first writes
-    except OSError as e:
-        _remove(made, out)
-        fail(f"cannot write a trace to {out}: {e.strerror or e}")
-    return writer
-
-
-def _remove(made: Path | None, out: Path) -> None:
-    """Undo a run that never started: the folder it made, or what it put in an empty --out."""
-    if made is not None:
-        shutil.rmtree(made, ignore_errors=True)
-        return
-    for p in out.iterdir() if out.is_dir() else ():
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-
-
 def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload: Path) -> None:
     from scheduler.hops.tokenizer import Tokenizer, TokenizerError
     from scheduler.options import ConfigError
@@ -250,84 +226,40 @@ def check_device(device: str) -> None:
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
              fail: Callable[[str], NoReturn], made: Path | None = None) -> None:
     """`made`: the folder this run created, removed again if the engine never starts."""
-    from probes.clock import wall_anchor
-    from scheduler.engine import Engine
-    from scheduler.harness.runner import (
-        RunResult,
-        TraceRequestsSink,
-        run_meta,
-        run_workload,
-        start_meta,
-    )
-    from scheduler.model.config import ModelLoadError
-    from scheduler.options import ConfigError
-    from scheduler.stall_guard import EngineStalled
+    from scheduler.harness.runner import RunResult, TraceRequestsSink, run_workload
+    from scheduler.harness.session import TracedSession
     from tracing.otel import SpanSink
-    from tracing.run_status import end_record
 
-    anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
-    writer = open_trace(out, made, fail)
-    writer.write_meta(start_meta(cfg, items, source, anchor))
-    span_sink = SpanSink(writer, anchor, opts.otlp_endpoint)
     # progress is for a person at a terminal: on stderr, and never into a pipe or a file
     err = Console(stderr=True)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=err, disable=opts.quiet or not err.is_terminal,
                         transient=False)
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
-    coord = None  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
-    engine = None
     result = RunResult(0, 0, 0, len(items))
-    state, detail = "error", NO_DETAIL
     try:
-        try:
-            if cfg.world_size > 1:
+        with TracedSession(cfg, out, made, items, source, fail) as session:
+            span_sink = SpanSink(session.writer, session.anchor, opts.otlp_endpoint)
+            # after the engine (its sender is drained), before the writer's last flush
+            session.on_close(lambda ok: span_sink.close())
+            parallel = None
+            if cfg.world_size > 1:  # TP/PP: rank 0's side of the other ranks (scheduler/parallel/coordinator.py)
                 from scheduler.parallel.coordinator import Coordinator
 
-                coord = Coordinator.start(cfg, out)
-            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), span_sink, _ProgressSink(progress, task)],
-                            trace=writer, parallel=coord)
-        except (ModelLoadError, ConfigError, ValueError) as e:
-            detail = str(e)
-            fail(detail)
-        except Exception as e:  # noqa: BLE001 - e.g. a device process or rank that failed to start
-            detail = first_line(e)
-            fail(f"the engine could not start: {detail}")
-        writer.write_meta(run_meta(engine, items, source, anchor))
-        say_dtype(engine)
-        with progress:
+                def parallel() -> Any:
+                    return Coordinator.start(cfg, out)
+            engine = session.start([TraceRequestsSink(session.writer), span_sink, _ProgressSink(progress, task)],
+                                   parallel)
+            say_dtype(engine)
             try:
-                run_workload(engine, items, result=result)
-            finally:
-                engine.close()
-        state, detail = "complete", ""
-    except KeyboardInterrupt:
-        state, detail = "interrupted", "Ctrl-C"
+                with progress:
+                    run_workload(engine, items, result=result)
+            finally:  # `result` knows how far a run that failed got
+                session.timing(result.start_ns or None, result.end_ns or None, result.steps, result.cpu)
+            session.ended("complete")
+    except KeyboardInterrupt:  # typer exits 130 without a word; say where the evidence is
+        print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
         raise
-    except EngineStalled as e:
-        state, detail = "stalled", str(e)
-        raise
-    except BaseException as e:
-        if detail == NO_DETAIL:
-            detail = first_line(e)
-        raise
-    finally:
-        if coord is not None:
-            # STOP on success; otherwise terminate, then kill: no rank outlives the run.
-            coord.close(state == "complete")
-        span_sink.close()  # after engine.close() (its sender is drained), before the writer's last flush
-        # The end-of-run record comes after the last commit: a trace that has it is whole.
-        meta = run_meta(engine, items, source, anchor) if engine is not None else start_meta(cfg, items, source, anchor)
-        meta["run"] = end_record(state, detail, engine.submitted if engine is not None else 0,
-                                 result.start_ns or None, result.end_ns or None, result.steps, result.cpu)
-        try:
-            writer.close(meta)
-        except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so
-            fail(f"could not write the trace to {out}: {e}")
-        if engine is None and state == "error":  # no run started: nothing of it stays behind
-            _remove(made, out)
-        if state == "interrupted":  # typer exits 130 without a word; say where the evidence is
-            print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
 
 
 def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:

@@ -9,7 +9,6 @@ finish for --shutdown-timeout-s, abort the rest, then commit the trace and exit 
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
 import socket
 import sys
@@ -24,7 +23,6 @@ from rich.markup import escape
 
 from scheduler.config import EngineConfig
 from scheduler.serving.options import LOOPBACK, ServeOptions
-from tracing.run_status import first_line
 
 
 def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
@@ -72,11 +70,8 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
            console: Console, fail: Callable[..., NoReturn]) -> None:
     import uvicorn
 
-    from probes.clock import wall_anchor
-    from scheduler.engine import Engine
-    from scheduler.harness.runner import TraceRequestsSink, run_meta, start_meta
-    from scheduler.model.config import ModelLoadError
-    from scheduler.options import ConfigError
+    from scheduler.harness.runner import TraceRequestsSink
+    from scheduler.harness.session import TracedSession
     from scheduler.serving.app import ServerState, make_app
     from scheduler.serving.chat import ChatTemplate
     from scheduler.serving.engine_loop import EngineLoop
@@ -84,80 +79,65 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     from scheduler.serving.protocol import created
     from scheduler.serving.responses import Responder
     from scheduler.serving.streams import ResponseStreams
-    from tracing.run_status import end_record
     from viewer.live_cost import LiveCost
     from viewer.live_cost import collector as live_collector
-    from viewer.run_command import NO_DETAIL, open_trace, say_dtype
+    from viewer.run_command import say_dtype
 
-    writer = open_trace(out, out if made else None, fail)
-    anchor = wall_anchor()
     source = f"serve:{opts.host}:{sock.getsockname()[1]}"
-    writer.write_meta(start_meta(cfg, [], source, anchor))
     engine: Any = None
-    # (the engine is made below: these run only once it serves)
-    streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why),
-                              lambda token: engine.tokenizer.token_text(token) if engine.tokenizer else (str(token), False))
-    name = opts.served_model_name or cfg.model
-    metrics = ServerMetrics(name, context)
-    live = LiveCost()  # the cost table as the trace is committed: mstrace:boundary_seconds_total
-    writer.tap("probes", live.on_probes)
-    writer.tap("steps", live.on_steps)
-    metrics.registry.register(live_collector(live, (name, "0")))
-    loop: EngineLoop | None = None
-    state, detail = "error", NO_DETAIL
     try:
-        try:
-            engine = Engine(cfg, sinks=[TraceRequestsSink(writer), streams, metrics], trace=writer)
+        with TracedSession(cfg, out, out if made else None, [], source, fail) as session:
+            writer = session.writer
+            # (the engine is made below: these run only once it serves)
+            streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why),
+                                      lambda token: engine.tokenizer.token_text(token) if engine.tokenizer
+                                      else (str(token), False))
+            name = opts.served_model_name or cfg.model
+            metrics = ServerMetrics(name, context)
+            live = LiveCost()  # the cost table as the trace is committed: mstrace:boundary_seconds_total
+            writer.tap("probes", live.on_probes)
+            writer.tap("steps", live.on_steps)
+            metrics.registry.register(live_collector(live, (name, "0")))
+            engine = session.start([TraceRequestsSink(writer), streams, metrics])
             metrics.engine = engine
-        except (ModelLoadError, ConfigError, ValueError) as e:
-            detail = str(e)
-            fail(detail)
-        except Exception as e:  # noqa: BLE001 - e.g. a device process that failed to start
-            detail = first_line(e)
-            fail(f"the engine could not start: {detail}")
-        writer.write_meta(run_meta(engine, [], source, anchor))
-        say_dtype(engine)
-        loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled),
-                          on_fail=streams.fail_all)
-        http_buf = writer.buffer("probes") if cfg.probes else None
-        responder = Responder(streams, lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
-                              engine.request_abort, http_buf, lambda: engine.step_no,
-                              engine.tokenizer.decode if engine.tokenizer else None)
-        chat = ChatTemplate(engine.model_dir, engine.tokenizer.special_prefix() if engine.tokenizer else "")
-        st = ServerState(loop, metrics, responder, chat, name,
-                         engine.model_config.max_position_embeddings, opts.api_key, created())
-        app = make_app(st, opts.max_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                               timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
-        loop.start()
-        host, port = sock.getsockname()[:2]
-        console.print(f"serving {escape(name)} on http://{host}:{port} (trace: {escape(str(out))}); Ctrl-C stops",
-                      highlight=False)
-        # asyncio warns on every write to a socket whose client just left, until the
-        # disconnect reaches the route: with many clients leaving, a flood on stderr
-        logging.getLogger("asyncio").setLevel(logging.ERROR)
-        # uvicorn stops on SIGTERM/SIGINT, then raises the signal again for the handler it
-        # found: SIGTERM's must not kill the process before the trace is committed.
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
-        loop.stop(opts.shutdown_timeout_s, streams.open_ids())
-        h = loop.health()
-        state, detail = {"stopped": ("complete", ""), "stalled": ("stalled", h.detail)}.get(h.state, ("error", h.detail))
+            say_dtype(engine)
+            loop = EngineLoop(engine, lambda st: metrics.on_round(st.dur_ns, st.num_prefill_tokens, st.num_sampled),
+                              on_fail=streams.fail_all)
+            http_buf = writer.buffer("probes") if cfg.probes else None
+            responder = Responder(streams,
+                                  lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
+                                  engine.request_abort, http_buf, lambda: engine.step_no,
+                                  engine.tokenizer.decode if engine.tokenizer else None)
+            chat = ChatTemplate(engine.model_dir, engine.tokenizer.special_prefix() if engine.tokenizer else "")
+            st = ServerState(loop, metrics, responder, chat, name,
+                             engine.model_config.max_position_embeddings, opts.api_key, created())
+            app = make_app(st, opts.max_body_bytes)
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                                   timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
+            loop.start()
+            host, port = sock.getsockname()[:2]
+            console.print(f"serving {escape(name)} on http://{host}:{port} (trace: {escape(str(out))}); "
+                          "Ctrl-C stops", highlight=False)
+            # asyncio warns on every write to a socket whose client just left, until the
+            # disconnect reaches the route: with many clients leaving, a flood on stderr
+            logging.getLogger("asyncio").setLevel(logging.ERROR)
+            # uvicorn stops on SIGTERM/SIGINT, then raises the signal again for the handler it
+            # found: SIGTERM's must not kill the process before the trace is committed.
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            try:
+                try:
+                    server.run(sockets=[sock])
+                except KeyboardInterrupt:
+                    pass
+                loop.stop(opts.shutdown_timeout_s, streams.open_ids())
+            finally:
+                session.timing(loop.start_ns or None, loop.end_ns or None, loop.rounds, None, engine.submitted)
+            h = loop.health()
+            session.ended(*{"stopped": ("complete", ""), "stalled": ("stalled", h.detail)}.get(
+                h.state, ("error", h.detail)))
     finally:
-        if engine is not None:
-            engine.close()
-        meta = run_meta(engine, [], source, anchor) if engine is not None else start_meta(cfg, [], source, anchor)
-        meta["workload"]["requests"] = engine.submitted if engine is not None else 0
-        meta["run"] = end_record(state, detail, engine.submitted if engine is not None else 0,
-                                 loop.start_ns or None if loop else None, loop.end_ns or None if loop else None,
-                                 loop.rounds if loop else 0, None)
-        writer.close(meta)
         sock.close()
-        if engine is None and made:  # no server ever ran: nothing of it stays behind
-            shutil.rmtree(out, ignore_errors=True)
+    state, detail = session.state, session.detail
     console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
     if state == "stalled":
         fail(f"the engine stalled: {detail}; see `mstrace stalls {out}`", 3)
