@@ -11,8 +11,7 @@ model returns no logits (a pipeline stage before the last).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.model.forward_batch import resolve_placeholders
 from scheduler.model.sampling import Sampled, publish, sample_batch
@@ -28,9 +27,9 @@ if TYPE_CHECKING:
 ModelStep = Callable[["ForwardBatch", "PagedKVCache"], "torch.Tensor | None"]
 
 
-@dataclass(slots=True, frozen=True)
-class SamplingArgs:
-    """Per sampled row, what the sampler needs beside the logits."""
+class SamplingArgs(NamedTuple):
+    """Per sampled row, what the sampler needs beside the logits. A tuple: it crosses the
+    device process's pipe every round, and a dataclass pickles through Python code."""
 
     temperatures: Sequence[float]
     top_ps: Sequence[float]
