@@ -70,7 +70,8 @@ class _Common:
         self.streams: dict[str, Stream] = {}
         self.ops: DeviceOps
         self.device_proc: DeviceProcess | None = None
-        self.model_config: ModelConfig
+        # where the weights load elsewhere (a device process, the ranks), the config is all this process reads
+        self.model_config = ModelConfig.from_file(model_dir / "config.json")
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return PagedKVCache.bytes_per_block(self.model_config, block_size, self.dtype)
@@ -107,7 +108,6 @@ class ProcessBackend(_Common):
                  delay_ns: int, threads: int) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
         self._threads = threads
-        self.model_config = ModelConfig.from_file(model_dir / "config.json")
 
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         self.device_proc = DeviceProcess(DeviceSpec(
@@ -131,7 +131,6 @@ class ParallelBackend(_Common):
                  delay_ns: int, parallel: Coordinator) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
         self.parallel = parallel
-        self.model_config = ModelConfig.from_file(model_dir / "config.json")
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """A rank holds its shard's heads and layers."""
