@@ -16,7 +16,7 @@ KV_FENCE: Final = "kv_fence"  # freeing/reusing blocks waits for device work tha
 TOKENIZE: Final = "tokenize"  # a request's time in the tokenizer pool
 BATCH_PREPARE: Final = "batch_prepare"  # host builds the step's device tensors (launch cost)
 STREAM_WAIT: Final = "stream_wait"  # a stream waits for an event recorded on another stream
-PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill work (seed's cache remedy)
+PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill work (spreads prefill launches apart)
 DEFRAG: Final = "defrag"  # scheduling paused while live KV blocks move to the low end
 IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
 PP_BUBBLE: Final = "pp_bubble"  # a pipeline stage waits for its input hidden states from the previous stage
@@ -27,7 +27,7 @@ ALL: Final = (
     PP_BUBBLE,
 )
 
-# The seed's judgement of each boundary (DIGEST.md, "The cost table").
+# How far each boundary's cost can be removed (the report's `removable` column).
 REMOVABLE: Final[dict[str, str]] = {
     SCHEDULER_BARRIER: "partly overlappable",
     DEVICE_COMPUTE: "not removable",

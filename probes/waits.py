@@ -12,7 +12,7 @@ from itertools import count
 from probes.clock import now_ns
 from probes.recorder import Row
 
-DEFAULT_TIMEOUT_S = 5.0  # the seed's wrapper used 5 s
+DEFAULT_TIMEOUT_S = 5.0  # long enough for a slow CPU forward, short enough to report a hang
 
 
 class WaitTimeout(RuntimeError):

@@ -1,6 +1,6 @@
 """The stall watchdog: finds waits that last too long and dumps why.
 
-The seed's remedy for deadlocks (DIGEST.md, "Troubleshooting") was a timeout
+The remedy for deadlocks is a timeout
 on every wait that, on expiry, dumps every stream's state, its recent kernels
 and the call stack. Every engine wait goes through `probes.waits.timed_wait`,
 which registers an `ActiveWait` while it lasts, so a separate thread can see

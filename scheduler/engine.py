@@ -1,6 +1,6 @@
 """The Engine: owns the parts and drives one scheduling round per step().
 
-A round is the seed's five steps:
+A round is five steps:
   1 scan     pull tokenized requests, scan the waiting queue (FCFS)
   2 group    decode group = running requests with one uncomputed token;
              prefill group = new and partially prefilled requests

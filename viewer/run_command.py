@@ -129,7 +129,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
         _say_rejections(out, fail)
         return
-    # The seed's control group: the same workload through all three modes.
+    # The control group: the same workload through all three modes.
     outs = {}
     for mode in ("serial", "timeslice", "overlap"):
         outs[mode] = out / mode

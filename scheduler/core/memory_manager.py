@@ -110,7 +110,7 @@ class MemoryManager:
         return -(-num_tokens // self.block_size)
 
     # ---- the contiguous layout (--kv-layout contiguous) -----------------
-    # The seed's "pool as a contiguous array": a request owns one run of
+    # The pool as one contiguous array: a request owns one run of
     # consecutive blocks, so free space can be plentiful yet too scattered.
     def free_runs(self) -> list[tuple[int, int]]:
         """(start, length) of every run of consecutive free block ids, in id order."""

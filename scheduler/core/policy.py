@@ -11,7 +11,7 @@ Every decision that delays a request leaves a timeline event:
     the most recently admitted running request loses its blocks (vLLM's
     recompute policy) and goes back to the front of the waiting queue;
   * decode_priority: a decode waited past `decode_max_wait_ms` since its last
-    token, so this round runs decodes only (no prefill), as the seed advises.
+    token, so this round runs decodes only (no prefill): a waiting decode is not starved by prefills.
   * fence_wait (value = blocks behind the fence): a decode needed a block, none
     was free, but released blocks were still behind the KV fence; it skips
     this round instead of evicting more.

@@ -1,4 +1,4 @@
-"""The GC scan (the seed's remedy for leaks on exception paths).
+"""The GC scan: the remedy for blocks leaked on exception paths.
 
 Periodically reconcile the Memory Manager's holders against live requests:
   * a holder that is no longer a running request (it died on a path that

@@ -1,7 +1,7 @@
 """Fault injection (--inject NAME) and the truth harness's delays (--debug-delay-ms),
 as one hooks object the engine is given at construction.
 
-Each fault reproduces a failure from the seed's troubleshooting chapter on purpose,
+Each fault reproduces a known scheduler failure (a hang, a leak, a starved prefill) on purpose,
 so the tooling can be shown to catch it. `RoundHooks`, the default, does nothing: the
 engine calls it at fixed points of the round (a method call each) and never tests a
 fault or debug flag itself. `hooks_for(cfg)` returns it unless something is switched on.
@@ -173,7 +173,7 @@ def _starve(engine: Any) -> None:
 
 
 def _deadlock(engine: Any, batch: Any, step: int, timeout_s: float) -> None:
-    """The seed's deadlock: main waits for blocks the prefill stream would free,
+    """A cross-stream deadlock: main waits for blocks the prefill stream would free,
     while the prefill stream waits for an event recorded on main after that."""
     from scheduler.device.work import MAIN, PREFILL
 

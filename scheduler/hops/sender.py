@@ -2,7 +2,7 @@
 that a separate sender thread drains. The sender detokenizes incrementally and
 hands text to a sink (the run command's trace writer and progress bar, or later
 an HTTP response). A slow client therefore slows only this thread, never a
-scheduling round: the seed's "slow client" lesson."""
+scheduling round."""
 
 from __future__ import annotations
 
