@@ -93,7 +93,7 @@ def load_avg() -> list[float] | None:
 
 def make_workload(model_dir: Path, spec: SyntheticSpec) -> tuple[list[WorkloadItem], dict[str, Any]]:
     """The synthetic workload over the model's vocabulary, without eos/bos ids
-    (collected as in viewer/run_command.py)."""
+    (collected as in viewer/commands/run.py)."""
     from scheduler.model.config import ModelConfig
 
     mc = ModelConfig.from_file(model_dir / "config.json")

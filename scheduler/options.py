@@ -2,7 +2,7 @@
 help panel and how its command-line or TOML value becomes the field's value.
 
 `EngineConfig` (scheduler/config.py) and `RunOptions` (scheduler/harness/run_options.py)
-declare their fields with `option(...)`; `mstrace run`'s flags (viewer/run_flags.py),
+declare their fields with `option(...)`; `mstrace run`'s flags (viewer/commands/flags.py),
 `--config FILE.toml`, the validation messages and meta.json's config record are
 all derived from those fields, so a default cannot differ between them.
 """

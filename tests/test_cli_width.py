@@ -21,7 +21,7 @@ def at(columns: int, *args: str) -> str:
 
 
 def test_run_help_fits_80_columns_whole():
-    from viewer.run_flags import all_fields
+    from viewer.commands.flags import all_fields
 
     out = at(80, "run", "--help")
     assert "…" not in out

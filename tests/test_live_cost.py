@@ -14,7 +14,7 @@ import pytest
 from tests.cli import mstrace
 from tracing.reader import Trace
 from viewer.analysis.cycle_views import per_cycle
-from viewer.live_cost import HOLD, LiveCost
+from viewer.commands.live_cost import HOLD, LiveCost
 
 
 @pytest.fixture(scope="module")

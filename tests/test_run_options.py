@@ -14,7 +14,7 @@ from scheduler.harness.run_options import RunOptions
 from tests.cli import mstrace
 from tests.test_cli_errors import one_line_error
 from viewer.cli import app
-from viewer.run_flags import all_fields, build
+from viewer.commands.flags import all_fields, build
 
 
 def _run_params() -> dict[str, object]:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class _Commands(TyperGroup):
     """`run`'s and `serve`'s flags are generated from the engine's config fields
-    (viewer/run_flags.py): built only when asked for, so the analyses import nothing of
+    (viewer/commands/flags.py): built only when asked for, so the analyses import nothing of
     the engine."""
 
     def list_commands(self, ctx: Any) -> list[str]:
@@ -29,13 +29,13 @@ class _Commands(TyperGroup):
 
     def get_command(self, ctx: Any, name: str) -> Any:
         if name == "run":
-            from viewer.run_flags import click_command
+            from viewer.commands.flags import click_command
 
             return click_command(_run, fail)
         if name == "serve":
             from scheduler.config import EngineConfig
             from scheduler.serving.options import ServeOptions
-            from viewer.run_flags import click_command
+            from viewer.commands.flags import click_command
 
             return click_command(_serve, fail, "serve", (EngineConfig, ServeOptions),
                                  "Serve the engine over an OpenAI-compatible HTTP API and trace it.")
@@ -124,14 +124,14 @@ def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
 
 
 def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
-    """`fail`: this module's, naming a value from --config by the file's key (run_flags)."""
-    from viewer.run_command import execute_run
+    """`fail`: this module's, naming a value from --config by the file's key (commands/flags.py)."""
+    from viewer.commands.run import execute_run
 
     execute_run(cfg, opts, console, fail)
 
 
 def _serve(cfg: EngineConfig, opts: ServeOptions, fail: Any = fail) -> None:
-    from viewer.serve_command import execute_serve
+    from viewer.commands.serve import execute_serve
 
     execute_serve(cfg, opts, console, fail)
 

@@ -157,5 +157,5 @@ def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegist
                boundary=PP_BUBBLE, timeout_s=timeout_s, rank=rank, step=step)
 
 
-if __name__ == "__main__":  # spawned by rank 0 (launch.py); under torchrun: viewer/torchrun.py
+if __name__ == "__main__":  # spawned by rank 0 (launch.py); under torchrun: viewer/commands/torchrun.py
     sys.exit(worker_main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The torchrun entry point (`torchrun ... -m viewer.torchrun run --tp N --pp M ...`):
+"""The torchrun entry point (`torchrun ... -m viewer.commands.torchrun run --tp N --pp M ...`):
 rank 0 is the scheduler, running the mstrace command line it was given; every other
 rank is a model worker (scheduler/parallel/worker.py)."""
 

@@ -30,7 +30,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     from scheduler.model.loader import safetensors_files
     from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
-    from viewer.run_command import check_device, claim_out
+    from viewer.commands.run import check_device, claim_out
 
     if cfg.world_size > 1:
         fail("serve runs one rank: --tp/--pp > 1 are for `mstrace run`")
@@ -79,9 +79,9 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     from scheduler.serving.protocol import created
     from scheduler.serving.responses import Responder
     from scheduler.serving.streams import ResponseStreams
-    from viewer.live_cost import LiveCost
-    from viewer.live_cost import collector as live_collector
-    from viewer.run_command import say_dtype
+    from viewer.commands.live_cost import LiveCost
+    from viewer.commands.live_cost import collector as live_collector
+    from viewer.commands.run import say_dtype
 
     source = f"serve:{opts.host}:{sock.getsockname()[1]}"
     engine: Any = None

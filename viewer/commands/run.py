@@ -59,7 +59,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
             fail("--live follows one trace: choose --mode serial, timeslice or overlap")
         if not sys.stdout.isatty():  # before --force removes anything
             fail("--live draws in a terminal, and stdout is not one: drop --live")
-        from viewer.live_run import run_live
+        from viewer.commands.live_run import run_live
 
         claim_out(out, opts.force, fail)
         run_live(out)
