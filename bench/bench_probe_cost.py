@@ -4,7 +4,7 @@
 
 Each kind is measured at its real emission site where the site can be called on
 its own (timed_wait, ProcStream.complete, MemoryManager._emit with the engine's own
-memory sink, append_snapshot (scheduler/core/block_snapshot.py), RequestManager.mark with the engine's
+memory sink, append_snapshot (scheduler/core/memory_manager.py), RequestManager.mark with the engine's
 timeline sink, TraceRequestsSink.on_finish, SpanSink.on_finish), and as a copy of
 the site's code where it is inline in Engine.step (the round's probe rows, the
 steps row, the token-runs stamp). Every site runs twice, with its buffer and with
@@ -196,8 +196,7 @@ def _memory_events(buf: Buf) -> Run:
 
 def _snapshot_rows(buf: Buf) -> Run:
     """append_snapshot: 256 running requests of 8 blocks, 2,049 rows a snapshot."""
-    from scheduler.core.block_snapshot import append_snapshot
-    from scheduler.core.memory_manager import MemoryManager
+    from scheduler.core.memory_manager import MemoryManager, append_snapshot
 
     running = [SimpleNamespace(request_id=f"req-{i}", block_table=list(range(i * 8, i * 8 + 8))) for i in range(256)]
     mm = MemoryManager(4096, 16, None, False)

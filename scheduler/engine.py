@@ -32,11 +32,9 @@ from probes.watchdog import Watchdog
 from scheduler.config import DEFAULT_KV_TOKENS, EngineConfig
 from scheduler.core.aborts import AbortInbox
 from scheduler.core.batch import ScheduleBatch
-from scheduler.core.block_snapshot import append_snapshot
 from scheduler.core.collect import collect, launched
-from scheduler.core.defrag import plan_moves
 from scheduler.core.kv_fence import KvFence
-from scheduler.core.memory_manager import MemoryManager
+from scheduler.core.memory_manager import MemoryManager, append_snapshot, plan_moves
 from scheduler.core.policy import Policy
 from scheduler.core.reclaim import Reclaimer
 from scheduler.core.request import FinishReason, Request, SamplingParams

@@ -1,6 +1,7 @@
-"""The source layout's rules, checked from the files themselves: no import cycle
-(lazy and TYPE_CHECKING imports included), no oversized module, and the engine
-never reaching into the viewer."""
+"""The source layout's rules, checked from the files themselves: no runtime import cycle
+(lazy imports inside functions included; an import under `if TYPE_CHECKING:` is for
+annotations only and never runs, so it may close a loop), no oversized module, and the
+engine never reaching into the viewer."""
 
 from __future__ import annotations
 
@@ -26,11 +27,27 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
-    """Every module of ours that `name` imports, wherever the import statement sits."""
+def _annotation_only(tree: ast.AST) -> set[int]:
+    """ids of the import statements under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def _imports(path: Path, name: str, known: dict[str, Path], runtime: bool = True) -> set[str]:
+    """Every module of ours that `name` imports, wherever the import statement sits;
+    `runtime`: leaving out the annotation-only ones."""
     is_pkg = path.name == "__init__.py"
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _annotation_only(tree) if runtime else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,13 +103,27 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(runtime: bool = True) -> dict[str, set[str]]:
     mods = _modules()
-    return {m: _imports(p, m, mods) for m, p in mods.items()}
+    return {m: _imports(p, m, mods, runtime) for m, p in mods.items()}
 
 
 def test_no_import_cycles():
     assert _cycles(_graph()) == []
+
+
+def test_annotation_only_imports_are_told_apart(tmp_path):
+    """A loop closed only by an `if TYPE_CHECKING:` import is no runtime cycle; one closed by
+    a lazy import inside a function is."""
+    (tmp_path / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    import a\n")
+    known = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+
+    def graph(runtime: bool) -> dict[str, set[str]]:
+        return {m: _imports(p, m, known, runtime) for m, p in known.items()}
+
+    assert _cycles(graph(runtime=True)) == []
+    assert _cycles(graph(runtime=False)) == [["a", "b"]]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -1,7 +1,7 @@
 """The Memory Manager: a pool of fixed-size KV blocks with reference counts,
 a free list and prefix sharing.
 
-Block states follow the seed: FREE (ref 0, on the free list), ALLOCATED (ref 1)
+Block states: FREE (ref 0, on the free list), ALLOCATED (ref 1)
 and REFERENCED (ref > 1, shared by several requests through a common prefix).
 
 Prefix sharing: every *full* block whose KV has been computed is registered
@@ -17,9 +17,15 @@ request always appends into a block it owns alone: no copy-on-write is needed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from probes.clock import now_ns
+
+if TYPE_CHECKING:
+    from scheduler.core.request import Request
 
 NO_HASH = -1
 
@@ -322,3 +328,35 @@ class MemoryManager:
     def _emit(self, kind: str, bid: int, request_id: str, ref_after: int) -> None:
         if self._on_event is not None:
             self._on_event(kind, bid, request_id, ref_after)
+
+
+def append_snapshot(buf: list[Any], step: int, mm: MemoryManager, running: Iterable[Request]) -> None:
+    """A full block-table snapshot into the memory table (`--snapshot-every N` rounds): one
+    row per (block, holder), after a marker row, so an empty pool still shows up as a
+    snapshot; the marker's ref_count carries the free count."""
+    ts = now_ns()
+    blocks = mm.blocks
+    buf.append((ts, step, "snapshot_begin", -1, "", mm.num_free))
+    for req in running:
+        rid = req.request_id
+        for bid in req.block_table:
+            buf.append((ts, step, "snapshot", bid, rid, blocks[bid].ref_count))
+
+
+def plan_moves(running: Iterable[Request], mm: MemoryManager,
+               mark: Callable[[Request, str, int], object]) -> list[tuple[int, int]]:
+    """Defragmentation's plan (--kv-layout contiguous): every live run moves to the low end
+    of the pool, in pool order, so the free blocks become one run. Moves the block tables
+    here; returns the (src, dst) block copies the device must make (the engine pauses
+    scheduling and waits for the streams first). `mark` records a `defrag_moved` stage on
+    each moved request."""
+    holders = sorted((r for r in running if r.block_table), key=lambda r: r.block_table[0])
+    moves: list[tuple[int, int]] = []
+    at = 0
+    for req in holders:
+        m = mm.move(req.request_id, req.block_table, at)
+        at += len(req.block_table)
+        if m:
+            moves += m
+            mark(req, "defrag_moved", len(m))
+    return moves
