@@ -335,6 +335,7 @@ class Engine:
         self.watchdog.stop()
         self.pool.shutdown()
         self.backend.close()
+        self.hooks.device_held(self.backend.device_held())
         try:
             self.sender.close()
         finally:

@@ -49,6 +49,10 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
+    def device_held(self) -> tuple[int, int] | None:
+        """After `close`: (count, held_ns) of the truth harness's holds inside the forward,
+        None where there were none or the host could not time them (a GPU's)."""
+
 
 def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_delay_ns: int,
                    parallel: Coordinator | None) -> Backend:
@@ -70,6 +74,7 @@ class _Common:
         self.streams: dict[str, Stream] = {}
         self.ops: DeviceOps
         self.device_proc: DeviceProcess | None = None
+        self._local: LocalDevice | None = None  # where the forward runs in this process
         # where the weights load elsewhere (a device process, the ranks), the config is all this process reads
         self.model_config = ModelConfig.from_file(model_dir / "config.json")
 
@@ -79,6 +84,10 @@ class _Common:
     def close(self) -> None:
         for s in self.streams.values():
             s.close()
+
+    def device_held(self) -> tuple[int, int] | None:
+        held = self._local.held if self._local is not None else None
+        return held.tally() if held is not None else None
 
 
 class LocalBackend(_Common):
@@ -95,7 +104,7 @@ class LocalBackend(_Common):
         mc = self.model_config
         kv = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim,
                           self.dtype, self.device)
-        self.ops = LocalDevice(self.model, kv, self.device, block_size, None, self._delay_ns)
+        self.ops = self._local = LocalDevice(self.model, kv, self.device, block_size, None, self._delay_ns)
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)
 
 
@@ -121,6 +130,9 @@ class ProcessBackend(_Common):
         if self.device_proc is not None:
             self.device_proc.close()
 
+    def device_held(self) -> tuple[int, int] | None:
+        return self.device_proc.device_held if self.device_proc is not None else None
+
 
 class ParallelBackend(_Common):
     """Rank 0's shard of a TP/PP run; the ranks load their own weights."""
@@ -141,5 +153,6 @@ class ParallelBackend(_Common):
         # registry, so the watchdog sees rank 0's collective waits.
         sharded = self.parallel.start_ranks(self.model_dir, num_blocks, self.dtype, probes, registry)
         kv = sharded.make_kv_cache(num_blocks, block_size)
-        self.ops = LocalDevice(sharded.model, kv, self.device, block_size, self.parallel, self._delay_ns)
+        self.ops = self._local = LocalDevice(sharded.model, kv, self.device, block_size, self.parallel,
+                                             self._delay_ns)
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)

@@ -115,6 +115,7 @@ class DeviceProcess:
         child.close()
         self._send_lock = threading.Lock()
         self._events = 0
+        self.device_held: tuple[int, int] | None = None  # the truth harness's holds, told at Stopped
         self._stack_replies: dict[int, tuple[threading.Event, list[ThreadStack]]] = {}
         self._stack_keys = itertools.count()  # the watchdog's thread asks; atomic under the GIL
         if not self._conn.poll(START_TIMEOUT_S):
@@ -173,6 +174,8 @@ class DeviceProcess:
             elif isinstance(msg, wire.Dead | wire.Stopped):
                 if isinstance(msg, wire.Dead):
                     self._fail(msg.why)
+                else:
+                    self.device_held = msg.device_held
                 return
 
     def stacks(self, timeout_s: float = 1.0) -> list[ThreadStack]:

@@ -19,6 +19,7 @@ from scheduler.device import wire
 from scheduler.device.work import STREAM_NAMES
 
 if TYPE_CHECKING:
+    from scheduler.harness.debug_delay import HeldForward
     from scheduler.model.forward_step import ModelStep, SamplingArgs
     from scheduler.model.sampling import SampledLists
 
@@ -72,10 +73,11 @@ class _Device:
         dtype = DTYPES[spec.dtype]
         model, mc = load_model(spec.model_dir, "cpu", dtype)
         self.model: ModelStep = model
+        self._held: HeldForward | None = None
         if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward
             from scheduler.harness.debug_delay import HeldForward
 
-            self.model = HeldForward(model, spec.debug_delay_ns)
+            self.model = self._held = HeldForward(model, spec.debug_delay_ns)
         self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)
@@ -104,7 +106,7 @@ class _Device:
                 for t in self._threads:
                     t.join(self.spec.wait_timeout_s + 1)
                 try:
-                    self.conn.send(wire.Stopped())
+                    self.conn.send(wire.Stopped(self._held.tally() if self._held is not None else None))
                 except OSError:
                     pass
                 return

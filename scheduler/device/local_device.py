@@ -30,8 +30,9 @@ class LocalDevice:
     def __init__(self, model: Any, kv: PagedKVCache, device: torch.device, block_size: int,
                  parallel: Coordinator | None = None, debug_delay_ns: int = 0) -> None:
         # the truth harness: a known hold inside every forward
-        self.model: Any = HeldForward(model, debug_delay_ns, partial(_device_hold, device=device)) \
-            if debug_delay_ns else model
+        self.held = HeldForward(model, debug_delay_ns, partial(_device_hold, device=device)) \
+            if debug_delay_ns else None
+        self.model: Any = self.held or model
         self.kv, self.device, self.block_size, self.parallel = kv, device, block_size, parallel
         self.future = torch.zeros(FUTURE_SLOTS, dtype=torch.long, device=device)
         # Test-only stream-ordering check: every KV slot is tagged (position, token) when a
@@ -121,14 +122,14 @@ class LocalDevice:
         return KvReadCheck(t(slots), t(pos), t(toks))
 
 
-def _device_hold(ns: int, device: torch.device) -> None:
+def _device_hold(ns: int, device: torch.device) -> int | None:
     """A known delay inside the forward: on a GPU a kernel that spins (the host is not
     held); on the CPU the stream thread is the device."""
     if device.type == "cuda":
         # ~1 GHz: cycles ~ ns
         torch.cuda._sleep(ns)  # type: ignore[no-untyped-call]  # torch leaves _sleep unannotated
-    else:
-        hold(ns)
+        return None
+    return hold(ns)
 
 
 def _device_sleep(us: float, device: torch.device) -> None:

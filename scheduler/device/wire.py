@@ -60,7 +60,9 @@ class Stacks(NamedTuple):
 
 
 class Stopped(NamedTuple):
-    pass
+    """The device process is done; (count, held_ns) of its truth-harness holds, if any."""
+
+    device_held: tuple[int, int] | None = None
 
 
 class Dead(NamedTuple):

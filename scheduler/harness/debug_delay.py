@@ -57,15 +57,25 @@ def hold(ns: int) -> int:
 
 class HeldForward:
     """A model whose every forward is followed by a known hold (the device_compute place),
-    put in the model's stead at construction, so the round itself never checks for it."""
+    put in the model's stead at construction, so the round itself never checks for it.
+    `held_ns` is what the holds took where the host can time them (a CPU device); a GPU's
+    hold is a kernel the host does not wait for, so there it stays None."""
 
-    def __init__(self, model: Callable[..., Any], ns: int, hold: Callable[[int], object] = hold) -> None:
+    def __init__(self, model: Callable[..., Any], ns: int, hold: Callable[[int], int | None] = hold) -> None:
         self.model, self.ns, self._hold = model, ns, hold
+        self.count = 0
+        self.held_ns: int | None = 0
 
     def __call__(self, *args: Any) -> Any:
         out = self.model(*args)
-        self._hold(self.ns)
+        took = self._hold(self.ns)
+        self.count += 1
+        self.held_ns = None if took is None or self.held_ns is None else self.held_ns + took
         return out
+
+    def tally(self) -> tuple[int, int] | None:
+        """(count, held_ns) of the holds so far, or None where they were not timed."""
+        return None if self.held_ns is None else (self.count, self.held_ns)
 
 
 class Held:
@@ -76,8 +86,11 @@ class Held:
         self.ns: dict[str, int] = {}
 
     def hold(self, place: str, ns: int) -> None:
-        self.count[place] = self.count.get(place, 0) + 1
-        self.ns[place] = self.ns.get(place, 0) + hold(ns)
+        self.add(place, 1, hold(ns))
+
+    def add(self, place: str, count: int, held_ns: int) -> None:
+        self.count[place] = self.count.get(place, 0) + count
+        self.ns[place] = self.ns.get(place, 0) + held_ns
 
     def to_dict(self) -> dict[str, dict[str, int]]:
         return {p: {"count": self.count[p], "held_ns": self.ns[p]} for p in self.count}

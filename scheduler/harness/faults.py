@@ -12,12 +12,23 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from probes.boundaries import KV_FENCE
 from probes.waits import timed_wait
-from scheduler.core.request import FinishReason, SamplingParams
+from scheduler.core.request import FinishReason, Request, SamplingParams
 from scheduler.harness import debug_delay as dd
+
+if TYPE_CHECKING:
+    from probes.waits import WaitRegistry
+    from scheduler.config import EngineConfig
+    from scheduler.core.batch import ScheduleBatch
+    from scheduler.core.memory_manager import MemoryManager
+    from scheduler.core.request_manager import RequestManager
+    from scheduler.device.device_process import DeviceProcess
+    from scheduler.device.work import Stream
+    from scheduler.model.config import ModelConfig
 
 FAULTS: dict[str, str] = {
     "deadlock": "overlap mode with split streams: the main stream waits for blocks the prefill stream "
@@ -41,23 +52,44 @@ def parse_faults(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-# The engine is passed as `Any`: importing its class here would make a cycle.
+class FaultTarget(Protocol):
+    """What of the engine (scheduler/engine.py) a fault may touch, and nothing else: the
+    queues and the pool it breaks, the streams it deadlocks, `submit` for the requests it
+    adds. The engine passes itself; its class is not imported here (it imports this)."""
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def rm(self) -> RequestManager: ...
+    @property
+    def mm(self) -> MemoryManager: ...
+    @property
+    def registry(self) -> WaitRegistry: ...
+    @property
+    def streams(self) -> dict[str, Stream]: ...
+    @property
+    def device_proc(self) -> DeviceProcess | None: ...
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> str: ...
+
+
 class RoundHooks:
     """No faults, no delays: every hook is a no-op."""
 
     __slots__ = ()
 
-    def at_start(self, engine: Any) -> None:
+    def at_start(self, engine: FaultTarget) -> None:
         """After construction, before the first round."""
 
-    def before_launch(self, engine: Any, batch: Any, step: int) -> None:
+    def before_launch(self, engine: FaultTarget, batch: ScheduleBatch, step: int) -> None:
         """Inside batch_prepare, after scheduling, before the batch's launches."""
 
     def cross_stream_waits(self, waits: list[Any]) -> list[Any]:
         """The events a launch waits for on other streams."""
         return waits
 
-    def finish(self, engine: Any, req: Any) -> bool:
+    def finish(self, engine: FaultTarget, req: Request) -> bool:
         """A request is about to finish; True: the hook finished it instead."""
         return False
 
@@ -72,6 +104,9 @@ class RoundHooks:
 
     def before_deliver(self) -> None:
         """On the sender thread, before it delivers a round's output."""
+
+    def device_held(self, held: tuple[int, int] | None) -> None:
+        """At close: (count, held_ns) of the device's holds (the backend timed them)."""
 
     def meta(self) -> dict[str, Any]:
         """What meta.json records about the hooks."""
@@ -88,7 +123,7 @@ class InjectedHooks(RoundHooks):
     __slots__ = ("faults", "delays", "held", "split", "wait_timeout_s", "skip_stream_waits",
                  "_leaked", "_deadlocked")
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: EngineConfig) -> None:
         self.faults = frozenset(cfg.inject)
         self.delays = {p: dd.delay_ns(cfg.debug_delay_ms, p) for p in dd.PLACES}
         self.held = dd.Held()
@@ -101,11 +136,11 @@ class InjectedHooks(RoundHooks):
         if self.delays[place]:
             self.held.hold(place, self.delays[place])
 
-    def at_start(self, engine: Any) -> None:
+    def at_start(self, engine: FaultTarget) -> None:
         if "starve" in self.faults:
             _starve(engine)
 
-    def before_launch(self, engine: Any, batch: Any, step: int) -> None:
+    def before_launch(self, engine: FaultTarget, batch: ScheduleBatch, step: int) -> None:
         self._hold(dd.BATCH_PREPARE)  # before the launch: the device has nothing to run meanwhile
         if ("deadlock" in self.faults and not self._deadlocked and batch.decodes and batch.prefills
                 and self.split):
@@ -116,7 +151,7 @@ class InjectedHooks(RoundHooks):
         # the negative control of the KV ordering check: without these waits it must fire
         return [] if self.skip_stream_waits else waits
 
-    def finish(self, engine: Any, req: Any) -> bool:
+    def finish(self, engine: FaultTarget, req: Request) -> bool:
         if "leak" not in self.faults or self._leaked:
             return False
         # The request dies on an exception path that skips the free: its blocks stay
@@ -140,11 +175,15 @@ class InjectedHooks(RoundHooks):
         if "slow-sender" in self.faults:
             time.sleep(SLOW_SENDER_S)
 
+    def device_held(self, held: tuple[int, int] | None) -> None:
+        if held is not None and self.delays[dd.DEVICE_COMPUTE]:
+            self.held.add(dd.DEVICE_COMPUTE, *held)
+
     def meta(self) -> dict[str, Any]:
         return {"debug_delays": self.held.to_dict()} if any(self.delays.values()) else {}
 
 
-def hooks_for(cfg: Any) -> RoundHooks:
+def hooks_for(cfg: EngineConfig) -> RoundHooks:
     on = cfg.inject or any(ms for _, ms in cfg.debug_delay_ms) or cfg.debug_skip_stream_waits
     return InjectedHooks(cfg) if on else NO_HOOKS
 
@@ -152,7 +191,7 @@ def hooks_for(cfg: Any) -> RoundHooks:
 STARVE_POOL_SHARE = 0.9  # of the KV pool the pins' prompts take
 
 
-def _starve(engine: Any) -> None:
+def _starve(engine: FaultTarget) -> None:
     """Long decodes, submitted first, whose prompts take ~90% of the pool and which then
     grow past it, whatever the pool's size: at least four, each within the model's context
     (a longer one would be rejected). The workload behind them waits for blocks until a
@@ -172,7 +211,7 @@ def _starve(engine: Any) -> None:
           file=sys.stderr, flush=True)
 
 
-def _deadlock(engine: Any, batch: Any, step: int, timeout_s: float) -> None:
+def _deadlock(engine: FaultTarget, batch: ScheduleBatch, step: int, timeout_s: float) -> None:
     """A cross-stream deadlock: main waits for blocks the prefill stream would free,
     while the prefill stream waits for an event recorded on main after that."""
     from scheduler.device.work import MAIN, PREFILL
