@@ -7,15 +7,20 @@ pool) asks once for its own buffer; the trace writer's background thread
 drains every buffer into Parquet. Measured cost: see BENCHMARKS.md
 (bench/bench_probe_cost.py).
 
-Row layout (the probes table's column order): ts_ns, dur_ns, boundary, stream, rank, step.
+A probe row's layout is `ProbeRow`, the probes table's columns in order (`PROBE_COLUMNS`;
+tests/test_store.py checks them against tracing/schema.py). It stays a plain tuple, not a
+NamedTuple: making one is a Python-level call on every probe; the type lets mypy check each
+place that builds one for arity and order of types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-Row = tuple[Any, ...]
+Row = tuple[Any, ...]  # a row of any table, in its schema's column order
+ProbeRow = tuple[int, int, str, str, int, int]
+PROBE_COLUMNS = ("ts_ns", "dur_ns", "boundary", "stream", "rank", "step")
 BufferFactory = Callable[[str], list[Row]]
 
 
@@ -33,6 +38,11 @@ class Probes:
     def enabled(self) -> bool:
         return self._factory is not None
 
-    def buffer(self, table: str = "probes") -> list[Row] | None:
+    def buffer(self) -> list[ProbeRow] | None:
+        """A buffer of probe rows for one producer thread."""
+        return None if self._factory is None else cast("list[ProbeRow]", self._factory("probes"))
+
+    def table_buffer(self, table: str) -> list[Row] | None:
+        """A buffer for another table's rows (memory, collectives), on the same switch."""
         return None if self._factory is None else self._factory(table)
 

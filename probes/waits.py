@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from probes.clock import now_ns
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 
 DEFAULT_TIMEOUT_S = 5.0  # long enough for a slow CPU forward, short enough to report a hang
 
@@ -65,7 +65,7 @@ def timed_wait(
     signaller: str,
     boundary: str,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    buf: list[Row] | None = None,
+    buf: list[ProbeRow] | None = None,
     stream: str = "host",
     rank: int = 0,
     step: int = -1,

@@ -109,7 +109,7 @@ class Engine:
         self.trace = trace
         self.probes = Probes(trace.buffer if trace is not None and config.probes else None, rank=0)
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
-        self._mem_buf = self.probes.buffer("memory")
+        self._mem_buf = self.probes.table_buffer("memory")
         self.registry = WaitRegistry()
         self.backend.open(num_blocks, config.block_size, self.probes, self.registry)
         self.streams, self.device_proc = self.backend.streams, self.backend.device_proc

@@ -16,7 +16,7 @@ from probes.boundaries import BATCH_PREPARE, BOOKKEEPING, RESPONSE_SEND
 from probes.clock import now_ns
 
 if TYPE_CHECKING:
-    from probes.recorder import Row
+    from probes.recorder import ProbeRow
     from scheduler.core.batch import ScheduleBatch
     from scheduler.device.prepared import Launch
 
@@ -62,7 +62,7 @@ class RoundClock:
         self.scheduled = self.launched = self.synced = self.housekept = self.sent = 0
         self.pause = (0, 0)  # a defrag pause's (start, end) inside housekeeping
 
-    def host_rows(self, buf: list[Row], rank: int, step: int, launched: bool) -> None:
+    def host_rows(self, buf: list[ProbeRow], rank: int, step: int, launched: bool) -> None:
         buf.append((self.start, self.scheduled - self.start, BOOKKEEPING, "host", rank, step))
         if launched:
             buf.append((self.scheduled, self.launched - self.scheduled, BATCH_PREPARE, "host", rank, step))
@@ -73,5 +73,5 @@ class RoundClock:
         else:
             buf.append((self.synced, self.housekept - self.synced, BOOKKEEPING, "host", rank, step))
 
-    def send_row(self, buf: list[Row], rank: int, step: int) -> None:
+    def send_row(self, buf: list[ProbeRow], rank: int, step: int) -> None:
         buf.append((self.housekept, self.sent - self.housekept, RESPONSE_SEND, "host", rank, step))

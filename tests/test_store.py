@@ -54,6 +54,16 @@ def test_the_engines_steps_row_is_the_schemas_columns_in_order() -> None:
     assert StepsRow._fields == tuple(STEPS.names)
 
 
+def test_the_requests_and_probes_rows_are_the_schemas_columns_in_order() -> None:
+    from probes.recorder import PROBE_COLUMNS, ProbeRow
+    from scheduler.harness.runner import RequestsRow
+    from tracing.schema import PROBES, REQUESTS
+
+    assert RequestsRow._fields == tuple(REQUESTS.names)
+    assert PROBE_COLUMNS == tuple(PROBES.names)
+    assert len(ProbeRow.__args__) == len(PROBE_COLUMNS)  # type: ignore[attr-defined]
+
+
 def test_tiered_plan_merges_fan_in_parts_of_one_level_and_seals_full_ones() -> None:
     e = [PartEntry(f"part-{i:06d}.parquet", 5, 10, 0) for i in range(7)]
     plan = list(plan_tiered(e, SMALL))

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from probes.boundaries import KV_FENCE
 from probes.clock import now_ns
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from scheduler.core.memory_manager import MemoryManager
 from scheduler.core.request import Request
 
@@ -26,7 +26,7 @@ class Completion(Protocol):
 
 
 class KvFence:
-    def __init__(self, mm: MemoryManager, split: bool, probe_buf: list[Row] | None, rank: int) -> None:
+    def __init__(self, mm: MemoryManager, split: bool, probe_buf: list[ProbeRow] | None, rank: int) -> None:
         self.mm, self.split = mm, split
         self._buf, self._rank = probe_buf, rank
         self._held: list[tuple[list[Completion], str, list[int], str]] = []

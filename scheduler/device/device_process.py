@@ -34,7 +34,7 @@ from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
-from probes.recorder import Probes, Row
+from probes.recorder import ProbeRow, Probes
 from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from probes.watchdog import ThreadStack
 from scheduler.device import wire
@@ -215,7 +215,7 @@ class ProcStream:
         self.error: BaseException | None = None
         self._dev = device
         self._rank = device.probes.rank
-        self._buf: list[Row] | None = device.probes.buffer()  # written by the reader thread only
+        self._buf: list[ProbeRow] | None = device.probes.buffer()  # written by the reader thread only
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()  # the host thread appends, the reader thread pops
         self._since = now_ns()  # when the item at the head of the queue could start

@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Sequence
 
 from probes.boundaries import PREFILL_STAGGER, SCHEDULER_BARRIER
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.core.batch import ScheduledChunk
 from scheduler.core.request import Request
@@ -43,7 +43,7 @@ class Executor:
         streams: dict[str, Stream],
         registry: WaitRegistry,
         wait_timeout_s: float,
-        probe_buf: list[Row] | None,
+        probe_buf: list[ProbeRow] | None,
         eos_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.device = device

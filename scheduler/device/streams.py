@@ -22,7 +22,7 @@ from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
-from probes.recorder import Probes, Row
+from probes.recorder import ProbeRow, Probes
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
 from scheduler.device.work import STREAM_NAMES, Event, OpRecord, Stream, Work
 
@@ -70,7 +70,7 @@ class CpuStream:
         self.error: BaseException | None = None
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._rank = probes.rank
-        self._buf: list[Row] | None = probes.buffer()
+        self._buf: list[ProbeRow] | None = probes.buffer()
         self._registry = registry
         self._timeout = timeout_s
         self._events = 0

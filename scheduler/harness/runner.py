@@ -10,7 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from probes.clock import now_ns, wall_anchor
 from probes.cpu import cpu_record, sample_cpu
@@ -23,6 +23,33 @@ from tracing.run_status import first_line
 from tracing.writer import TraceWriter
 
 
+class RequestsRow(NamedTuple):
+    """A requests-table row: the schema's columns in order (tests/test_store.py checks)."""
+
+    request_id: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    prompt_len: int
+    output_len: int
+    cached_prefix_len: int
+    finish_reason: str
+    finish_detail: str
+    arrival_ns: int
+    tokenized_ns: int
+    queued_ns: int
+    admitted_ns: int
+    first_scheduled_ns: int
+    first_token_ns: int
+    finish_ns: int
+    num_preemptions: int
+    num_prefill_chunks: int
+    dur_itl_ns: list[int]
+    token_runs: list[int]
+    delivered_ns: int
+    preempt_reasons: list[str]
+
+
 class TraceRequestsSink:
     """Writes one requests-table row per finished request (runs on the sender thread)."""
 
@@ -33,7 +60,7 @@ class TraceRequestsSink:
         pass
 
     def on_finish(self, r: FinishedRecord, text: str) -> None:
-        self._buf.append((
+        self._buf.append(RequestsRow(
             r.request_id, r.input_ids, r.output_ids, text, len(r.input_ids), len(r.output_ids),
             r.cached_prefix_len, r.finish_reason, r.finish_detail, r.arrival_ns, r.tokenized_ns,
             r.queued_ns, r.admitted_ns, r.first_scheduled_ns, r.first_token_ns, r.finish_ns,

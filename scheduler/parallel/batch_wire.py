@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from probes.boundaries import BATCH_BROADCAST
 from probes.clock import now_ns
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.model.forward_batch import SeqChunk
 
@@ -114,7 +114,7 @@ class BatchChannel:
         *,
         registry: WaitRegistry,
         timeout_s: float,
-        buf: list[Row] | None,
+        buf: list[ProbeRow] | None,
     ) -> None:
         self.group = group
         self.rank = rank

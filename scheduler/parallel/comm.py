@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from probes.boundaries import ALL_REDUCE
 from probes.clock import now_ns
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from probes.waits import WaitRegistry, timed_wait
 
 # Longer than probes.waits.DEFAULT_TIMEOUT_S: a collective also absorbs skew between ranks (one
@@ -87,7 +87,7 @@ class AllReduce:
         group: dist.ProcessGroup | None,
         rank: int,
         *,
-        buf: list[Row] | None = None,
+        buf: list[ProbeRow] | None = None,
         registry: WaitRegistry | None = None,
         timeout_s: float = COMM_TIMEOUT_S,
         history: int = HISTORY,

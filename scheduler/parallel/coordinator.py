@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from probes.boundaries import PP_BUBBLE
-from probes.recorder import Probes, Row
+from probes.recorder import ProbeRow, Probes
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.config import EngineConfig
 from scheduler.model.config import ModelConfig
@@ -86,7 +86,7 @@ class Coordinator:
         self.channel: BatchChannel | None = None
         self.log = CollectiveLog(None, None, 0, "tp0")
         self.registry = WaitRegistry()
-        self._buf: list[Row] | None = None  # the main stream thread's probe rows (comm waits)
+        self._buf: list[ProbeRow] | None = None  # the main stream thread's probe rows (comm waits)
         self.exit_codes: list[int | None] = []
 
     @classmethod
@@ -150,7 +150,7 @@ class Coordinator:
         self.channel = BatchChannel(self.control, 0, registry=registry,
                                     timeout_s=cfg.hard_wait_timeout_s, buf=self._buf)
         comm = self.sm.tp.comm if self.sm.tp is not None else None
-        self.log = CollectiveLog(comm, probes.buffer("collectives"), 0, "tp0")
+        self.log = CollectiveLog(comm, probes.table_buffer("collectives"), 0, "tp0")
         return self.sm
 
     def shard_step(self, prepared: PreparedBatch, kv: PagedKVCache, step: int) -> torch.Tensor | None:

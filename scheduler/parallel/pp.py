@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from probes.boundaries import PP_BUBBLE
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.model.config import ModelConfig, ModelLoadError, ModelPart
 from scheduler.model.forward_batch import ForwardBatch
@@ -68,7 +68,7 @@ class PipelineStage:
         state: ParallelState,
         tp: TPRunner | None = None,
         *,
-        buf: list[Row] | None = None,
+        buf: list[ProbeRow] | None = None,
         registry: WaitRegistry | None = None,
         timeout_s: float = COMM_TIMEOUT_S,
     ) -> None:

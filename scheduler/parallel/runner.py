@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from probes.recorder import Row
+from probes.recorder import ProbeRow
 from probes.waits import WaitRegistry
 from scheduler.model.config import ModelConfig
 from scheduler.model.forward_batch import ForwardBatch
@@ -45,7 +45,7 @@ class ShardedModel:
         *,
         dtype: torch.dtype | None = None,
         overlap: bool = False,
-        probe_buf: list[Row] | None = None,
+        probe_buf: list[ProbeRow] | None = None,
         registry: WaitRegistry | None = None,
         timeout_s: float = COMM_TIMEOUT_S,
         microbatches: int = 2,

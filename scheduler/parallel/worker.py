@@ -96,7 +96,7 @@ def worker_main(argv: list[str]) -> int:
         )
         kv = sm.make_kv_cache(spec.num_blocks, spec.block_size)
         comm = sm.tp.comm if sm.tp is not None else None
-        log = CollectiveLog(comm, probes.buffer("collectives"), rank, f"tp{state.pp_rank}")
+        log = CollectiveLog(comm, probes.table_buffer("collectives"), rank, f"tp{state.pp_rank}")
         stall = _stall_rank(spec, rank, world)
         if comm is not None and stall is not None:
             comm.before_issue = lambda seq: stall(comm.step)
