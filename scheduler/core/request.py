@@ -195,8 +195,11 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        # written out, not through num_tokens: the policy asks this of every running request
+        # every round, and a property call costs more than the arithmetic
+        return self.sample.valid_len + len(self.output_ids) - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_uncomputed == 1 and len(self.output_ids) > 0
+        n = len(self.output_ids)
+        return n > 0 and self.sample.valid_len + n - self.num_computed == 1
