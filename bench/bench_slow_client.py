@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import load  # noqa: E402
 
-from tests.serve_proc import Served  # noqa: E402
+from tests.support.serve_proc import Served  # noqa: E402
 from viewer.bench_serve.http_client import Endpoint  # noqa: E402
 
 

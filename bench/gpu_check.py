@@ -58,7 +58,7 @@ def parity(device: str) -> str:
     from scheduler.harness.runner import run_workload
     from scheduler.harness.workload import WorkloadItem
     from scheduler.model.presets import ensure_preset
-    from tests.checkpoints import build_llama
+    from tests.support.checkpoints import build_llama
 
     results = []
     for name, path in (("tiny preset", ensure_preset("tiny")), ("test-built llama", build_llama(OUT / "ckpt"))):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.cli import mstrace  # noqa: E402
-from tests.serve_proc import Served  # noqa: E402
+from tests.support.cli import mstrace  # noqa: E402
+from tests.support.serve_proc import Served  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.support.cli import REPO, mstrace
 
 
 def _without_aiohttp(*args: str) -> subprocess.CompletedProcess[str]:

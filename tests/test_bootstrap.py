@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.diff_synth import ar1
+from tests.support.diff_synth import ar1
 from viewer.analysis import bootstrap as BS
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.support.cli import REPO, mstrace
 
 BRACKETS = "dir [x]"
 

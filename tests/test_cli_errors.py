@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 
 
 def one_line_error(p):
@@ -190,7 +190,7 @@ def test_version():
 
 # ---------------------------------------------------------------- issue 12, point 1
 def test_prompts_for_a_model_without_tokenizer_are_refused_up_front(tmp_path):
-    from tests.checkpoints import build_llama
+    from tests.support.checkpoints import build_llama
 
     ckpt = build_llama(tmp_path / "ckpt")
     wl = tmp_path / "w.jsonl"
@@ -217,7 +217,7 @@ def test_the_dtype_that_ran_is_recorded_and_said(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.checkpoints import build_llama
+    from tests.support.checkpoints import build_llama
 
     ckpt = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(build_llama(tmp_path / "f32")).to(torch.bfloat16).save_pretrained(ckpt)
@@ -235,7 +235,7 @@ def test_the_dtype_that_ran_is_recorded_and_said(tmp_path):
 
 
 def test_a_request_longer_than_the_models_context_is_rejected(tmp_path):
-    from tests.checkpoints import build_llama
+    from tests.support.checkpoints import build_llama
 
     ckpt = build_llama(tmp_path / "short", max_position_embeddings=64)
     wl = tmp_path / "w.jsonl"

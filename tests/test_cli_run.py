@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.checkpoints import build_llama, build_qwen2
-from tests.cli import mstrace
+from tests.support.checkpoints import build_llama, build_qwen2
+from tests.support.cli import mstrace
 from tracing.reader import read_meta, read_table
 
 

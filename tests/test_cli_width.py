@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.support.cli import REPO, mstrace
 
 
 def at(columns: int, *args: str) -> str:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cli import cli, mstrace
+from tests.support.cli import cli, mstrace
 from tracing.schema import TABLES
 
 # Corruptions after which the trace is still what was committed: commands must

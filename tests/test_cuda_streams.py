@@ -1,4 +1,4 @@
-"""The CUDA backend's logic against a stand-in with CUDA's semantics (tests/fake_cuda.py):
+"""The CUDA backend's logic against a stand-in with CUDA's semantics (tests/support/fake_cuda.py):
 a launch never waits for its kernels, device rows stream into the probe buffer as launches
 complete, the clock keeps sub-microsecond precision over hours, and waits neither poll
 nor outlive their timeout."""
@@ -11,7 +11,7 @@ import numpy as np
 
 from probes.recorder import Probes
 from scheduler.device.cuda_streams import CudaStream, make_cuda_streams
-from tests.fake_cuda import FakeCuda
+from tests.support.fake_cuda import FakeCuda
 
 MS = 1_000_000
 

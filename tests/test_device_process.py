@@ -14,8 +14,8 @@ from scheduler.config import ConfigError, EngineConfig
 from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
 from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
-from tests.cli import mstrace
-from tests.engine_run import run_engine
+from tests.support.cli import mstrace
+from tests.support.engine_run import run_engine
 from tests.test_faults import fragmenting_workload
 from tracing.reader import read_table
 

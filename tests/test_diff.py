@@ -17,8 +17,8 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from tests import diff_synth
-from tests.cli import mstrace
+from tests.support import diff_synth
+from tests.support.cli import mstrace
 from tracing.reader import Trace
 from viewer.analysis import bootstrap as BS
 from viewer.analysis import diff as D

@@ -1,6 +1,6 @@
 """Do `diff`'s stars mean what they say? Many synthetic pairs through the whole pipeline
 (cycles, rounds, paired requests, Benjamini-Hochberg), from a stationary process with
-strong autocorrelation (AR(1) 0.8, tests/diff_synth.py).
+strong autocorrelation (AR(1) 0.8, tests/support/diff_synth.py).
 
   * no true difference (two runs of one workload, independent timing noise): at most
     10% of rows starred on average, and per-row 95% intervals that are not far from 95%;
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests import diff_synth
+from tests.support import diff_synth
 from viewer.analysis.delta import deltas
 from viewer.analysis.diff import compare
 

@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.cli import REPO
+from tests.support.cli import REPO
 
 PACKAGES = ("scheduler", "probes", "tracing", "viewer")
 CLASS_ATTR = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z_0-9]*)(?:\(\))?`")

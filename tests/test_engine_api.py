@@ -8,8 +8,8 @@ import shutil
 from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
-from tests.checkpoints import build_llama
-from tests.engines import drive
+from tests.support.checkpoints import build_llama
+from tests.support.engines import drive
 
 
 def test_eos_finishes_a_request(tmp_path):

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.cli import mstrace
-from tests.otlp_receiver import Receiver, receiver
+from tests.support.cli import mstrace
+from tests.support.otlp_receiver import Receiver, receiver
 from tracing.reader import read_table
 from viewer.export import wire
 
@@ -282,7 +282,7 @@ def test_leaked_blocks_are_instants_naming_the_requests_mstrace_leaks_names(tmp_
 
 
 def test_a_stall_is_an_instant_with_its_wait_cycle(tmp_path: Path) -> None:
-    from tests.tui_trace import synthetic_trace
+    from tests.support.tui_trace import synthetic_trace
     from viewer.export.perfetto import export_perfetto
 
     trace = synthetic_trace(tmp_path / "t", rounds=40, stall=True)

@@ -12,8 +12,8 @@ import pytest
 from scheduler.config import EngineConfig
 from scheduler.core.request import SamplingParams
 from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
-from tests.cli import mstrace
-from tests.engine_run import run_engine
+from tests.support.cli import mstrace
+from tests.support.engine_run import run_engine
 from tracing.reader import read_table
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 
 CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
 # no network at view time: every host resolves to nothing, and no proxy is tried

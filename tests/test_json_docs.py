@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.support.cli import REPO, mstrace
 
 DOC = REPO / "docs" / "json.md"
 

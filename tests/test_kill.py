@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, TAG, cli, tagged_pids
+from tests.support.cli import REPO, TAG, cli, tagged_pids
 from tracing.compaction import Targets
 from tracing.manifest import read_manifests
 from tracing.reader import Trace

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.cli import REPO
+from tests.support.cli import REPO
 
 PACKAGES = ("scheduler", "probes", "tracing", "viewer")
 # about 600 lines (STYLE.md): a module is cut where its responsibility ends, and a cap

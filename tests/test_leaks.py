@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import viewer.analysis.leak_fragmentation as frag_mod
 import viewer.analysis.leak_replay as replay_mod
 import viewer.analysis.leaks as leaks_mod
-from tests.cli import mstrace
-from tests.leak_oracle import oracle_leak_report
+from tests.support.cli import mstrace
+from tests.support.leak_oracle import oracle_leak_report
 from tracing.schema import MEMORY, REQUESTS
 from viewer.analysis.leaks import (
     MAX_ANOMALIES,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.cli import REPO
+from tests.support.cli import REPO
 
 PACKAGES = ["scheduler", "probes", "tracing", "viewer"]  # every package: `mypy scheduler probes tracing viewer`
 

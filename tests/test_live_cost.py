@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 from tracing.reader import Trace
 from viewer.analysis.cycle_views import per_cycle
 from viewer.commands.live_cost import HOLD, LiveCost

@@ -13,8 +13,8 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import SamplingParams, TokenLogprob
 from scheduler.engine import Engine
 from scheduler.parallel.coordinator import Coordinator
-from tests.checkpoints import build_llama
-from tests.engines import drive
+from tests.support.checkpoints import build_llama
+from tests.support.engines import drive
 
 TOL = 1e-4
 K = 5

@@ -28,10 +28,7 @@ from scheduler.model import (
     load_model,
 )
 
-try:  # `python -m pytest` (repo root on sys.path) or tests/ as a package
-    from tests.checkpoints import BUILDERS, build_llama
-except ImportError:  # plain `pytest`: tests/ itself is on sys.path
-    from checkpoints import BUILDERS, build_llama  # type: ignore[no-redef]
+from tests.support.checkpoints import BUILDERS, build_llama
 
 BLOCK = 16
 NEAR_TIE = 1e-3

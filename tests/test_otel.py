@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from scheduler.hops.sender import FinishedRecord
-from tests.cli import mstrace
-from tests.otlp_receiver import Receiver, receiver
+from tests.support.cli import mstrace
+from tests.support.otlp_receiver import Receiver, receiver
 from tracing.otel import (
     REQUEST_SPAN,
     OtlpUnavailableError,

@@ -142,10 +142,8 @@ def oracle_check(
 
 
 def _builders() -> Any:
-    try:
-        from tests import checkpoints
-    except ImportError:
-        import checkpoints  # type: ignore[no-redef]
+    from tests.support import checkpoints
+
     return checkpoints
 
 

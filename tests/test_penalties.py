@@ -19,8 +19,8 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from scheduler.model.penalties import apply
-from tests.checkpoints import build_llama
-from tests.engines import drive as drive_engine
+from tests.support.checkpoints import build_llama
+from tests.support.engines import drive as drive_engine
 
 V = 300
 

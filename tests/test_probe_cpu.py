@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from probes.cpu import child_cpu_ns, cpu_record, sample_cpu
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 from tracing.reader import read_meta, read_table
 from tracing.schema import TABLES
 from tracing.writer import TraceWriter

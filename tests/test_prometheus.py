@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.cli import REPO
-from tests.serve_proc import Served, sse_events
+from tests.support.cli import REPO
+from tests.support.serve_proc import Served, sse_events
 
 DASHBOARD = REPO / "docs" / "grafana" / "mstrace.json"
 DS_UID = "${DS_PROMETHEUS}"

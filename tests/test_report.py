@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.cli import REPO, TAG, mstrace, tagged_pids
+from tests.support.cli import REPO, TAG, mstrace, tagged_pids
 from tracing.reader import read_table
 
 CORE = {"scheduler_barrier", "device_compute", "bookkeeping", "response_send", "tokenize", "batch_prepare"}
@@ -55,7 +55,7 @@ def test_report_lists_core_boundaries_in_both_views(tiny_trace):
     got = rows(rep)
     assert CORE <= set(got)
     assert rep["cycle_ms"] > 0 and rep["cycles"] > 0
-    # both views, each row measured: tests/views.py checks they sum to the cycle; here, that
+    # both views, each row measured: tests/support/views.py checks they sum to the cycle; here, that
     # the scheduling thread's own time is where it should be
     assert got["device_compute"]["device_share"] > 0.2 and got["device_compute"]["host_share"] is None
     assert got["scheduler_barrier"]["host_share"] > 0.2  # serial: the host waits out the forward

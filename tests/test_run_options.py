@@ -11,7 +11,7 @@ import typer
 
 from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 from tests.test_cli_errors import one_line_error
 from viewer.cli import app
 from viewer.commands.flags import all_fields, build

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.cli import mstrace
-from tests.serve_proc import Served, serving, sse_events
+from tests.support.cli import mstrace
+from tests.support.serve_proc import Served, serving, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cli import mstrace
-from tests.serve_proc import Served
+from tests.support.cli import mstrace
+from tests.support.serve_proc import Served
 
 pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("MSTRACE_SERVE_FUZZ_EXAMPLES", "500"))

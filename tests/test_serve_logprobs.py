@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.serve_proc import Served, serving, sse_events
+from tests.support.serve_proc import Served, serving, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, mstrace
+from tests.support.cli import REPO, mstrace
 from viewer.export.sql import SqlError, TraceDb
 from viewer.report import build_report
 

@@ -12,7 +12,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.harness.runner import run_workload
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 from tracing.reader import read_table
 
 

@@ -1,5 +1,5 @@
 """Tokens as the folder's own tokenizer gives them, and streamed text equal to the full
-decode, for every tokenizer family a Llama-family folder can carry (tests/tokenizer_families.py)
+decode, for every tokenizer family a Llama-family folder can carry (tests/support/tokenizer_families.py)
 and for the embedded presets' tokenizer."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from scheduler.model.tokenizer_build import BOS_ID, EOS_ID
 from scheduler.serving.chat import ChatTemplate
 from scheduler.serving.protocol import ChatMessage
 from scheduler.serving.stop import StopMatcher
-from tests.tokenizer_families import FAMILIES, MULTIBYTE, build_family
+from tests.support.tokenizer_families import FAMILIES, MULTIBYTE, build_family
 
 # Texts drawn from what tokenizes interestingly: words and spaces (merges at the seam, a
 # Metaspace decoder's leading space), newlines, multi-byte characters in the vocabulary,

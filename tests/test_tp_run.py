@@ -30,8 +30,8 @@ from scheduler.config import ConfigError, EngineConfig
 from scheduler.model.forward_batch import SeqChunk
 from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
 from scheduler.parallel.launch import STOP_GRACE_S
-from tests.checkpoints import build_llama
-from tests.cli import REPO, TAG, mstrace, tagged_pids
+from tests.support.checkpoints import build_llama
+from tests.support.cli import REPO, TAG, mstrace, tagged_pids
 from tracing.reader import read_meta, read_table
 from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter

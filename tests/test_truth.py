@@ -28,7 +28,7 @@ import pytest
 
 from probes import boundaries as B
 from scheduler.harness import debug_delay as dd
-from tests.cli import cli, mstrace
+from tests.support.cli import cli, mstrace
 
 DELAY_MS = 25.0  # a loaded machine moves a row by a few ms per cycle between two runs, whatever the delay
 TOL = 0.15

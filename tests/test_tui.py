@@ -14,9 +14,9 @@ from textual.geometry import Region
 from textual.widgets import DataTable
 
 from probes import boundaries as B
-from tests.cli import mstrace
+from tests.support.cli import mstrace
 from tests.test_store import SMALL, probe_row
-from tests.tui_trace import MS, T0, synthetic_trace
+from tests.support.tui_trace import MS, T0, synthetic_trace
 from tracing.reader import Trace, read_table
 from tracing.writer import TraceWriter
 from viewer.analysis.cost import cost_table

@@ -1,5 +1,5 @@
 """The TUI's layout pinned as SVG snapshots (pytest-textual-snapshot) at 80x24 and 160x48,
-on a trace with fixed numbers (tests/tui_trace.py). After a deliberate layout change:
+on a trace with fixed numbers (tests/support/tui_trace.py). After a deliberate layout change:
 `pytest tests/test_tui_snapshots.py --snapshot-update`, and look at the new SVGs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tui_trace import synthetic_trace
+from tests.support.tui_trace import synthetic_trace
 from viewer.tui.top_app import TopApp
 from viewer.tui.view_app import ViewApp
 

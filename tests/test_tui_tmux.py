@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO
-from tests.serve_proc import Served
+from tests.support.cli import REPO
+from tests.support.serve_proc import Served
 from tracing.reader import Trace
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]

@@ -203,7 +203,7 @@ def test_check_is_cheap_when_nothing_is_stalled():
 
 # ---------------------------------------------------------------- through the trace and the CLI
 def test_stall_rows_round_trip_through_a_trace_and_the_cli(tmp_path):
-    from tests.cli import mstrace
+    from tests.support.cli import mstrace
     from tracing.reader import read_table
     from tracing.writer import TraceWriter
     from viewer.analysis.stalls import stall_records

@@ -18,7 +18,7 @@ Waits: an event is created with blocking sync, and a stream's waits are made by 
 sync thread (cudaEventSynchronize, which sleeps in the driver), which sets a host event;
 the caller waits on that with its timeout. No polling, and the timeout still holds.
 
-`cuda` is the torch.cuda module, or a stand-in with its semantics (tests/fake_cuda.py).
+`cuda` is the torch.cuda module, or a stand-in with its semantics (tests/support/fake_cuda.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ whose checks fail on those counts, their exact replay row by row, the anomaly
 messages and the holders when the trace ends.
 
 How: a long run has tens of millions of events, so nothing loops over rows;
-tests/leak_oracle.py keeps the event-by-event loop as the definition, and a
+tests/support/leak_oracle.py keeps the event-by-event loop as the definition, and a
 property test holds the two equal.
 
 - A block's holders depend on its own events only, so state rows are put in
@@ -274,7 +274,7 @@ def replay_dirty(rows: Rows, b: Blocks, ranks: np.ndarray) -> _Dirty:
 
 
 def _step(holders: dict[Any, dict[str, int]], t: int, kind: str, bid: Any, rid: str, ref: int | None) -> list[str]:
-    """One state event, exactly as tests/leak_oracle.py replays it; returns its anomaly messages."""
+    """One state event, exactly as tests/support/leak_oracle.py replays it; returns its anomaly messages."""
     h, msgs = holders.get(bid), []
     if kind == "alloc":
         if h:

@@ -15,7 +15,7 @@ from http.client import HTTPConnection, HTTPResponse
 from pathlib import Path
 from typing import Any
 
-from tests.cli import REPO
+from tests.support.cli import REPO
 
 
 class Served:

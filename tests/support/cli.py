@@ -6,18 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def mstrace(*args: str, timeout: float = 600, check_views: bool = True) -> subprocess.CompletedProcess[str]:
-    """A successful `mstrace run` also has its trace's cost views checked (tests/views.py):
+    """A successful `mstrace run` also has its trace's cost views checked (tests/support/views.py):
     every trace the suite makes, not only the ones a test looks at."""
     p = subprocess.run(
         [sys.executable, "-m", "viewer.cli", *args],
         cwd=REPO, capture_output=True, text=True, timeout=timeout,
     )
     if check_views and args and args[0] == "run" and p.returncode == 0 and "--out" in args:
-        from tests.views import assert_views_hold
+        from tests.support.views import assert_views_hold
 
         out = Path(args[args.index("--out") + 1])
         for trace in ([out] if (out / "meta.json").exists() else sorted(d for d in out.iterdir() if d.is_dir())):

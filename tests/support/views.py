@@ -1,5 +1,5 @@
 """The cost table's invariants, checked on every trace the test suite makes
-(tests/cli.py runs it after each successful `mstrace run`): each view sums to the
+(tests/support/cli.py runs it after each successful `mstrace run`): each view sums to the
 cycle within 2%, no row is negative (a negative row is probes that overlap), no row's
 ms per cycle in either view exceeds the cycle, and `--json`'s per-view ms per cycle and
 shares are exactly what the text table prints, rank by rank.
@@ -21,7 +21,7 @@ VIEWS = ("device_ms_per_cycle", "device_share", "host_ms_per_cycle", "host_share
 
 
 def assert_views_hold(trace: Path) -> dict:
-    from tests.cli import cli
+    from tests.support.cli import cli
 
     rc, out, err = cli("report", str(trace), "--json")
     assert rc == 0, err
