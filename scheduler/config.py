@@ -1,10 +1,15 @@
-"""Engine configuration: one record, validated once, recorded in meta.json."""
+"""Engine configuration: one record, validated once, recorded in meta.json.
+
+Each field declares its own choices and bounds (`option(...)`, scheduler/options.py);
+`cross_field_problems` holds the few rules between fields. What `mstrace run` and
+`serve` add lives in scheduler/harness/run_options.py and scheduler/serving/options.py.
+"""
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from scheduler.options import (
@@ -16,7 +21,7 @@ from scheduler.options import (
     SCHEDULING,
     WORKLOAD,
     ConfigError,
-    flag_of,
+    check_fields,
     option,
 )
 
@@ -52,69 +57,90 @@ def _delays(v: Any) -> tuple[tuple[str, float], ...]:
         raise ConfigError(str(e)) from None
 
 
+def _known_delays(v: tuple[tuple[str, float], ...]) -> None:
+    from scheduler.harness.debug_delay import PLACES
+
+    bad = [(p, ms) for p, ms in v if p not in PLACES or not 0 <= ms < float("inf")]
+    if bad:
+        raise ConfigError(f"--debug-delay-ms: unknown place or negative delay at {bad[0]!r}; "
+                          f"places: {', '.join(PLACES)}")
+
+
+def _known_faults(v: tuple[str, ...]) -> None:
+    from scheduler.harness.faults import parse_faults
+
+    parse_faults(v)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = option("default", "Preset name (tiny, small, default) or a local HF Llama-family folder.", DEVICE)
     mode: str = option("serial", "serial, timeslice, overlap, or all (mstrace run: the three, one after another).",
-                       SCHEDULING)
-    block_size: int = option(16, "Tokens per KV block.", MEMORY)
+                       SCHEDULING, choices=MODES)
+    block_size: int = option(16, "Tokens per KV block.", MEMORY, ge=1)
     kv_blocks: int | None = option(None, f"KV pool size in blocks (default: {DEFAULT_KV_TOKENS} tokens' worth, or "
-                                   "--kv-bytes).", MEMORY)
+                                   "--kv-bytes).", MEMORY, ge=1)
     kv_bytes: int | None = option(None, "KV pool size in bytes (e.g. 256MiB).", MEMORY, cli_type=str | None,
-                                  parse=_size)
-    prefill_chunk: int = option(512, "Max prefill tokens per round (chunked prefill).", SCHEDULING)
-    timeslice_chunk: int = option(256, "timeslice mode: one prefill chunk of this many tokens per cycle.", SCHEDULING)
+                                  parse=_size, ge=1)
+    prefill_chunk: int = option(512, "Max prefill tokens per round (chunked prefill).", SCHEDULING, ge=1)
+    timeslice_chunk: int = option(256, "timeslice mode: one prefill chunk of this many tokens per cycle.", SCHEDULING,
+                                  ge=1)
     # Overlap sub-features, switchable separately; None = on exactly in overlap mode.
     overlap_schedule: bool | None = option(
         None, "(a) prepare round N+1 while the device runs N (default: on in overlap mode).", SCHEDULING)
     split_streams: bool | None = option(
         None, "(b) decode on main, prefill on its own stream, joined by events (default: on in overlap mode).",
         SCHEDULING)
-    prefill_stagger_us: float = option(0.0, "(c) start prefill work this many us after decode work.", SCHEDULING)
-    decode_max_wait_ms: float = option(500.0, "A decode that waited this long gets a decode-only round.", SCHEDULING)
+    prefill_stagger_us: float = option(0.0, "(c) start prefill work this many us after decode work.", SCHEDULING,
+                                       ge=0)
+    decode_max_wait_ms: float = option(500.0, "A decode that waited this long gets a decode-only round.", SCHEDULING,
+                                       ge=0)
     prefill_max_wait_ms: float = option(2000.0, "A prefill that waited this long for blocks evicts decodes.",
-                                        SCHEDULING)
-    max_running: int = option(256, "Max requests in the running queue.", SCHEDULING)
+                                        SCHEDULING, ge=0)
+    max_running: int = option(256, "Max requests in the running queue.", SCHEDULING, ge=1)
     watermark_frac: float = option(0.01, "Share of the KV pool kept back at admission so running decodes can grow.",
-                                   MEMORY)
+                                   MEMORY, ge=0, lt=1)
     enable_prefix_sharing: bool = option(True, "Share KV blocks of common prompt prefixes.", MEMORY,
                                          flag="prefix-sharing")
     # paged: a request's blocks are scattered (block table). contiguous: one run of
     # consecutive blocks reserved for its whole life (fragments; see defrag).
     kv_layout: str = option("paged", "paged (scattered blocks) or contiguous (one run per request; fragments, "
-                            "defragments).", MEMORY)
+                            "defragments).", MEMORY, choices=("paged", "contiguous"))
     defrag_free_frac: float = option(0.3, "contiguous: defragment when this share of the pool is free but no run "
-                                     "fits.", MEMORY)
-    device: str = option("auto", "auto, cpu or cuda.", DEVICE)
-    dtype: str = option("auto", "auto, float32, bfloat16 or float16.", DEVICE)
+                                     "fits.", MEMORY, ge=0, le=1)
+    device: str = option("auto", "auto, cpu or cuda.", DEVICE, choices=("auto", "cpu", "cuda"))
+    dtype: str = option("auto", "auto, float32, bfloat16 or float16.", DEVICE,
+                        choices=("auto", "float32", "bfloat16", "float16"))
     # 0 = cores - 1, so the host thread (scheduling, tokenizer, sender, trace writer) keeps
     # a core: with every core given to OpenMP, any other runnable thread makes its barrier
     # spin and a step can get ~100x slower (measured on 2 cores, BENCHMARKS.md).
-    device_threads: int = option(0, "CPU intra-op threads for the model (0 = cores - 1).", DEVICE)
+    device_threads: int = option(0, "CPU intra-op threads for the model (0 = cores - 1).", DEVICE, ge=0)
     # thread: the CPU device's streams share this process's GIL with the scheduler. process:
     # the device is a process of its own (scheduler/device/device_process.py), so host work overlaps
     # device work as it does on a GPU.
     cpu_device: str = option("auto", "CPU only: process (the device has its own interpreter, as a GPU runs apart "
                              "from the host), thread (stream threads share the scheduler's GIL), or auto "
-                             "(process, unless a feature needs thread).", DEVICE)
-    tokenizer_threads: int = option(1, "Tokenizer pool threads.", SCHEDULING)
+                             "(process, unless a feature needs thread).", DEVICE,
+                             choices=("auto", "thread", "process"))
+    tokenizer_threads: int = option(1, "Tokenizer pool threads.", SCHEDULING, ge=1)
     seed: int = option(0, "Seed for the synthetic workload and unseeded sampling.", WORKLOAD)
     probes: bool = option(True, "Probe and memory tables (--no-probes: requests, timeline and steps only).", OUTPUT)
     wait_timeout_s: float = option(5.0, "Timeout in seconds of every wait in the engine.", FAULTS,
-                                   flag="wait-timeout")
-    snapshot_every: int = option(50, "Full block-table snapshot every N rounds (0 = never).", OUTPUT)
+                                   flag="wait-timeout", gt=0)
+    snapshot_every: int = option(50, "Full block-table snapshot every N rounds (0 = never).", OUTPUT, ge=0)
     # The truth harness (scheduler/harness/debug_delay.py): (place, ms) delays that a test checks
     # the cost table charges to the right row.
     debug_delay_ms: tuple[tuple[str, float], ...] = option(
         (), "Test-only: PLACE=MS, a known delay (repeatable).", FAULTS, hidden=True, cli_type=list[str] | None,
-        cli_default=None, parse=_delays)
+        cli_default=None, parse=_delays, check=_known_delays)
     inject: tuple[str, ...] = option((), "Fault injection: deadlock, leak, slow-sender, starve, stall-rank "
-                                     "(repeatable).", FAULTS)
+                                     "(repeatable).", FAULTS, check=_known_faults)
     gc: bool = option(True, "The periodic GC scan that reclaims blocks of dead or stuck holders (--no-gc: a leak "
                       "stays visible).", MEMORY)
-    gc_after_s: float = option(10.0, "GC reclaims blocks of dead or stuck holders after this long.", MEMORY)
+    gc_after_s: float = option(10.0, "GC reclaims blocks of dead or stuck holders after this long.", MEMORY,
+                                  ge=0)
     on_stall: str = option("abort", "abort (flush the trace, exit 3) or continue, when a wait passes "
-                           "--wait-timeout.", FAULTS)
+                           "--wait-timeout.", FAULTS, choices=("abort", "continue"))
     # Test-only: verify on the device stream that no KV slot is read before its write,
     # and (negative control) drop the cross-stream event waits that guarantee it.
     debug_kv_check: bool = option(False, "Test-only: check on the device that no KV slot is read before its "
@@ -123,95 +149,24 @@ class EngineConfig:
                                            hidden=True)
     # Tensor x pipeline parallel (scheduler/parallel/): this process is rank 0 and spawns the
     # other tp * pp - 1 ranks.
-    tp: int = option(1, "Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.", PARALLEL)
-    pp: int = option(1, "Pipeline-parallel stages; --tp x --pp ranks in all.", PARALLEL)
+    tp: int = option(1, "Tensor-parallel ranks (gloo on CPU, nccl on CUDA); this process is rank 0.", PARALLEL,
+                     ge=1)
+    pp: int = option(1, "Pipeline-parallel stages; --tp x --pp ranks in all.", PARALLEL, ge=1)
     comm_overlap: bool = option(True, "on: hide each TP all-reduce behind the other half of the batch "
                                 "(scheduler/parallel/tp.py); off: synchronous.", PARALLEL, cli_type=str,
                                 cli_default="on", parse=_on_off)
     # pp > 1: cut each round's batch at a sequence boundary into this many parts (1 or 2), so
     # the next stage computes the first while this stage computes the second.
     pp_microbatches: int = option(2, "--pp > 1: pipeline each round's batch in 1 or 2 parts (2: the next stage "
-                                  "computes the first half while this one computes the second).", PARALLEL)
+                                  "computes the first half while this one computes the second).", PARALLEL,
+                                  choices=(1, 2))
 
     def validate(self) -> None:
-        for f in fields(self):  # a NaN passes every `< 0` check below: refuse it first
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{flag_of(EngineConfig, f.name)} must be a finite number, got {v}")
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.timeslice_chunk < 1:
-            raise ConfigError(f"--timeslice-chunk must be >= 1 (got {self.timeslice_chunk})")
-        for name in ("prefill_stagger_us", "decode_max_wait_ms", "prefill_max_wait_ms"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size must be >= 1 (got {self.block_size})")
-        if self.kv_blocks is not None and self.kv_blocks < 1:
-            raise ConfigError(f"--kv-blocks must be >= 1 (got {self.kv_blocks})")
-        if self.kv_bytes is not None and self.kv_bytes < 1:
-            raise ConfigError(f"--kv-bytes must be >= 1 (got {self.kv_bytes})")
-        if self.kv_blocks is not None and self.kv_bytes is not None:
-            raise ConfigError("give the KV pool size in blocks or in bytes, not both")
-        if self.prefill_chunk < 1:
-            raise ConfigError(f"--prefill-chunk must be >= 1 (got {self.prefill_chunk})")
-        if not 0 <= self.watermark_frac < 1:
-            raise ConfigError(f"--watermark-frac must be in [0, 1) (got {self.watermark_frac})")
-        if not 0 <= self.defrag_free_frac <= 1:
-            raise ConfigError(f"--defrag-free-frac must be in [0, 1] (got {self.defrag_free_frac})")
-        if self.device_threads < 0:
-            raise ConfigError(f"--device-threads must be >= 0 (got {self.device_threads})")
-        if self.max_running < 1:
-            raise ConfigError(f"--max-running must be >= 1 (got {self.max_running})")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"--device must be auto, cpu or cuda (got {self.device!r})")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
-        if self.wait_timeout_s <= 0:
-            raise ConfigError(f"--wait-timeout must be > 0 (got {self.wait_timeout_s})")
-        if self.snapshot_every < 0:
-            raise ConfigError(f"--snapshot-every must be >= 0 (got {self.snapshot_every})")
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ConfigError(f"--kv-layout must be paged or contiguous (got {self.kv_layout!r})")
-        if self.on_stall not in ("abort", "continue"):
-            raise ConfigError(f"--on-stall must be abort or continue (got {self.on_stall!r})")
-        if self.gc_after_s < 0:
-            raise ConfigError(f"--gc-after-s must be >= 0 (got {self.gc_after_s})")
-        from scheduler.harness.debug_delay import PLACES
-        from scheduler.harness.faults import parse_faults
-
-        bad = [p for p, ms in self.debug_delay_ms if p not in PLACES or ms < 0]
-        if bad:
-            raise ConfigError(f"--debug-delay-ms: unknown place or negative delay at {bad[0]!r}; "
-                              f"places: {', '.join(PLACES)}")
-
-        try:
-            parse_faults(self.inject)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if "deadlock" in self.inject and not self.split_on:
-            raise ConfigError("--inject deadlock needs split streams: use --mode overlap")
-        if self.cpu_device not in ("auto", "thread", "process"):
-            raise ConfigError(f"--cpu-device must be auto, thread or process (got {self.cpu_device!r})")
-        if self.cpu_device == "process":  # (auto picks thread for these)
-            # These hand the device Python callables or host objects, which cannot cross a process.
-            clash = self._needs_in_process_device()
-            if clash:
-                raise ConfigError(f"--cpu-device process does not support {', '.join(clash)}; "
-                                  "use --cpu-device thread")
-        if self.tokenizer_threads < 1:
-            raise ConfigError("--tokenizer-threads must be >= 1")
-        if self.tp < 1 or self.pp < 1:
-            raise ConfigError(f"--tp and --pp must be >= 1 (got {self.tp}, {self.pp})")
-        if self.world_size > 1 and (self.overlap_on or self.split_on):
-            # A placeholder token lives in rank 0's future ring only; the other ranks would
-            # need the ring too (and split streams would interleave two forwards' collectives).
-            raise ConfigError("--tp/--pp > 1 runs rounds serially: use --no-overlap-schedule "
-                              "--no-split-streams (mstrace run sets both)")
-        if self.pp_microbatches not in (1, 2):
-            raise ConfigError(f"--pp-microbatches must be 1 or 2 (got {self.pp_microbatches})")
-        if "stall-rank" in self.inject and self.world_size < 2:
-            raise ConfigError("--inject stall-rank needs more than one rank (--tp or --pp > 1)")
+        """Each field against its own declaration (scheduler/options.py), then the rules
+        between fields; ConfigError with the first problem, one line."""
+        check_fields(self)
+        for problem in cross_field_problems(self):
+            raise ConfigError(problem)
 
     @property
     def world_size(self) -> int:
@@ -249,6 +204,29 @@ class EngineConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+def cross_field_problems(c: EngineConfig) -> Iterator[str]:
+    """The rules between fields, in one place (a field's own choices and bounds are
+    declared on it): what is wrong, one line each."""
+    if c.kv_blocks is not None and c.kv_bytes is not None:
+        yield "give the KV pool size in blocks or in bytes, not both"
+    if "deadlock" in c.inject and not c.split_on:
+        yield "--inject deadlock needs split streams: use --mode overlap"
+    if "stall-rank" in c.inject and c.world_size < 2:
+        yield "--inject stall-rank needs more than one rank (--tp or --pp > 1)"
+    if c.cpu_device == "process" and (clash := c._needs_in_process_device()):  # (auto picks thread for these)
+        # These hand the device Python callables or host objects, which cannot cross a process.
+        yield f"--cpu-device process does not support {', '.join(clash)}; use --cpu-device thread"
+    if c.world_size > 1 and (c.overlap_on or c.split_on):
+        # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
+        # token lives in rank 0's future ring only, and split streams would interleave two
+        # forwards' collectives. `mstrace run` switches both off for --tp/--pp > 1.
+        if c.overlap_schedule or c.split_streams:
+            yield ("--overlap-schedule and --split-streams cannot be used with --tp/--pp > 1 "
+                   "(rounds run serially across ranks)")
+        else:
+            yield (f"--mode {c.mode} needs overlap scheduling and split streams, which --tp/--pp > 1 cannot "
+                   "run (rounds run serially across ranks): use --mode serial or timeslice")
 
 
 def parse_size(text: str) -> int:

@@ -1,5 +1,6 @@
 """What `mstrace run` needs beyond the engine's configuration: the workload, where
-the trace goes, how the run reports. Declared like EngineConfig (scheduler/options.py)."""
+the trace goes, how the run reports. Declared like EngineConfig (scheduler/options.py):
+each field carries its own bounds, and `validate` checks them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.options import OUTPUT, WORKLOAD, ConfigError, option
+from scheduler.options import OUTPUT, WORKLOAD, ConfigError, check_fields, option, parse_path
 
 
 def _length_range(flag: str) -> Any:
@@ -30,24 +31,19 @@ def _length_range(flag: str) -> Any:
     return parse
 
 
-def parse_path(v: Any) -> Path | None:
-    if v is None or isinstance(v, Path):
-        return v
-    if not isinstance(v, str):
-        raise ConfigError(f"a path must be a string, got {v!r}")
-    return Path(v)
-
-
 @dataclass(slots=True)
 class RunOptions:
     workload: Path | None = option(None, "JSONL workload file; otherwise a synthetic one.", WORKLOAD, parse=parse_path)
-    requests: int = option(64, "Synthetic: number of requests.", WORKLOAD)
+    requests: int = option(64, "Synthetic: number of requests.", WORKLOAD, ge=1, refusal="{flag} must be >= 1")
     prompt_len: tuple[int, int] = option((32, 256), "Synthetic: prompt length range, MIN-MAX tokens.", WORKLOAD,
-                                         cli_type=str, cli_default="32-256", parse=_length_range("--prompt-len"))
+                                         cli_type=str, cli_default="32-256", parse=_length_range("--prompt-len"),
+                                         check=_length_range("--prompt-len"))
     output_len: tuple[int, int] = option((32, 128), "Synthetic: output length range, MIN-MAX tokens.", WORKLOAD,
-                                         cli_type=str, cli_default="32-128", parse=_length_range("--output-len"))
-    shared_prefix: float = option(0.25, "Synthetic: fraction of requests sharing one system prompt.", WORKLOAD)
-    rate: float = option(0.0, "Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.", WORKLOAD)
+                                         cli_type=str, cli_default="32-128", parse=_length_range("--output-len"),
+                                         check=_length_range("--output-len"))
+    shared_prefix: float = option(0.25, "Synthetic: fraction of requests sharing one system prompt.", WORKLOAD,
+                                  ge=0, le=1)
+    rate: float = option(0.0, "Synthetic: Poisson arrival rate in requests/s; 0 = all at t=0.", WORKLOAD, ge=0)
     save_workload: Path | None = option(None, "Also write the workload that ran as JSONL.", WORKLOAD, parse=parse_path)
     out: Path | None = option(None, "Trace directory (default: a new folder under traces/).", OUTPUT, parse=parse_path)
     force: bool = option(False, "Replace the trace already in --out (a trace folder, or a --mode all run's).",
@@ -57,3 +53,7 @@ class RunOptions:
                         "own process; q leaves the view and stops the run).", OUTPUT)
     otlp_endpoint: str | None = option(None, "Also send request spans to this OTLP/HTTP collector (e.g. "
                                        "http://localhost:4318); needs mstrace\\[otlp].", OUTPUT)
+
+    def validate(self) -> None:
+        """Each field against its own declaration; ConfigError with the first problem."""
+        check_fields(self)

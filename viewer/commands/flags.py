@@ -1,5 +1,6 @@
 """`mstrace run`'s and `serve`'s flags, generated from the option fields of EngineConfig
-and RunOptions or ServeOptions (scheduler/options.py), plus `--config FILE.toml`.
+and RunOptions or ServeOptions (scheduler/options.py), plus `--config FILE.toml`. A
+field's help shows its bounds from the same declaration that checks them.
 
 A value comes from, in order: the command line, the TOML file, the field's default.
 """
@@ -7,7 +8,6 @@ A value comes from, in order: the command line, the TOML file, the field's defau
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -16,7 +16,15 @@ import typer
 
 from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
-from scheduler.options import PANELS, ConfigError, OptionField, option_fields, read_toml
+from scheduler.options import (
+    PANELS,
+    ConfigError,
+    OptionField,
+    flag_re,
+    names_flag,
+    option_fields,
+    read_toml,
+)
 
 CLASSES = (EngineConfig, RunOptions)
 CONFIG_HELP = ("TOML file of options: flat keys named like the config fields (prefill_chunk = 512, "
@@ -36,7 +44,8 @@ def _decls(f: OptionField) -> list[str]:
 
 
 def _parameter(f: OptionField) -> inspect.Parameter:
-    info = typer.Option(*_decls(f), help=f.opt.help, rich_help_panel=f.opt.panel, hidden=f.opt.hidden)
+    text = f"{f.opt.help} [{', '.join(f.limits)}]" if f.limits else f.opt.help
+    info = typer.Option(*_decls(f), help=text, rich_help_panel=f.opt.panel, hidden=f.opt.hidden)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.cli_default,
                              annotation=Annotated[f.cli_type, info])
 
@@ -57,18 +66,9 @@ def build(values: dict[str, Any], given: set[str], config: Path | None,
             try:
                 kw[f.name] = f.to_value(v)
             except ConfigError as e:
-                raise ConfigError(str(e) if _mentions(str(e), f.flag) else f"{f.flag}: {e}") from None
+                raise ConfigError(str(e) if names_flag(str(e), f.flag) else f"{f.flag}: {e}") from None
         records.append(cls(**kw))
     return records
-
-
-def _flag_re(flag: str) -> re.Pattern[str]:
-    """`flag` as a word of a message: not --no-flag, not --flag-more."""
-    return re.compile(rf"(?<![\w-]){re.escape(flag)}(?![\w-])")
-
-
-def _mentions(msg: str, flag: str) -> bool:
-    return _flag_re(flag).search(msg) is not None
 
 
 def name_sources(msg: str, from_file: dict[str, str], config: Path | None) -> str:
@@ -77,7 +77,7 @@ def name_sources(msg: str, from_file: dict[str, str], config: Path | None) -> st
     instead: "--config config.toml: requests must be >= 1". A flag not given is not named."""
     named = False
     for flag, key in from_file.items():
-        msg, n = _flag_re(flag).subn(key, msg)
+        msg, n = flag_re(flag).subn(key, msg)
         named = named or n > 0
     return f"--config {config}: {msg}" if named else msg
 

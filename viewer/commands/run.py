@@ -53,6 +53,10 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     from scheduler.options import ConfigError
 
     all_modes = cfg.mode == "all"
+    try:
+        cfg = checked(cfg, opts)
+    except ConfigError as e:
+        fail(str(e))
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
     if opts.live:
         if all_modes:
@@ -64,20 +68,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         claim_out(out, opts.force, fail)
         run_live(out)
         return
-    if cfg.world_size > 1:
-        # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
-        # token of overlap scheduling lives in rank 0's future ring only. A run labelled
-        # overlap that ran serially would make a diff compare serial with serial.
-        if cfg.overlap_schedule or cfg.split_streams:
-            fail("--overlap-schedule and --split-streams cannot be used with --tp/--pp > 1")
-        if cfg.mode in ("overlap", "all"):
-            fail(f"--mode {cfg.mode} needs overlap scheduling and split streams, which --tp/--pp > 1 cannot "
-                 "run (rounds are serial across ranks): use --mode serial or timeslice")
-        cfg = replace(cfg, overlap_schedule=False, split_streams=False)
     try:
-        cfg = replace(cfg, mode="serial") if all_modes else cfg
-        cfg.validate()
-        cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())  # meta.json records what ran
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
@@ -139,6 +130,23 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
+
+def checked(cfg: EngineConfig, opts: RunOptions) -> EngineConfig:
+    """The configuration that runs (its first mode's, for --mode all), once `opts` and the
+    configuration of every mode it runs are valid; ConfigError otherwise."""
+    from scheduler.config import MODES
+    from scheduler.options import ConfigError
+
+    opts.validate()
+    for mode in MODES if cfg.mode == "all" else (cfg.mode,):
+        try:
+            replace(cfg, mode=mode).validate()
+        except ConfigError as e:
+            raise ConfigError(f"--mode all runs {mode} too: {e}" if cfg.mode == "all" else str(e)) from None
+    cfg = replace(cfg, mode="serial") if cfg.mode == "all" else cfg
+    if cfg.world_size > 1:  # meta.json records what ran: serial rounds across ranks
+        cfg = replace(cfg, overlap_schedule=False, split_streams=False)
+    return replace(cfg, cpu_device=cfg.resolved_cpu_device())
 
 
 def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:

@@ -38,6 +38,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         fail("--mode all runs a workload three times; serve one mode: serial, timeslice or overlap")
     try:
         cfg.validate()
+        opts.validate()
         cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())
         model_dir = resolve_model(cfg.model)
         context = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
@@ -45,15 +46,9 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         check_device(cfg.device)
     except (ConfigError, FileNotFoundError, ValueError, ModelLoadError) as e:
         fail(str(e))
-    if not 0 <= opts.port <= 65535:
-        fail(f"--port must be in 0..65535, got {opts.port}")
-    if opts.max_body_bytes < 1024:
-        fail(f"--max-body-bytes must be at least 1024, got {opts.max_body_bytes}")
     out = opts.out or Path("traces") / datetime.now().strftime("serve-%Y%m%d-%H%M%S")
     claim_out(out, opts.force, fail)
     made = not out.exists()  # removed again if the engine never starts
-    if opts.send_buffer_bytes < 0:
-        fail(f"--send-buffer-bytes must be >= 0, got {opts.send_buffer_bytes}")
     try:
         sock = socket.create_server((opts.host, opts.port))
         if opts.send_buffer_bytes:  # accepted connections inherit it
