@@ -7,15 +7,7 @@ import shutil
 
 import pytest
 
-from tests.support.cli import mstrace
-
-
-def one_line_error(p):
-    assert p.returncode != 0
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, p.stderr
-    assert "Traceback" not in p.stderr
-    return lines[0]
+from tests.support.cli import mstrace, one_line_error
 
 
 def test_missing_model_folder(tmp_path):

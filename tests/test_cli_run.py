@@ -9,6 +9,7 @@ import torch
 
 from tests.support.checkpoints import build_llama, build_qwen2
 from tests.support.cli import mstrace
+from tests.support.oracle import teacher_forced_mismatches
 from tracing.reader import read_meta, read_table
 
 
@@ -42,24 +43,6 @@ def test_run_tiny_writes_a_readable_trace(tmp_path):
     assert allocs == frees > 0  # everything allocated was released
 
 
-def _teacher_forced_mismatches(model_dir, prompt, output):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        logits = model(ids).logits[0]
-    bad, ties = 0, 0
-    for j, tok in enumerate(output):
-        row = logits[len(prompt) - 1 + j]
-        top2 = torch.topk(row, 2)
-        if top2.values[0] - top2.values[1] < 1e-3:
-            ties += 1
-            continue
-        bad += int(top2.indices[0].item() != tok)
-    return bad, ties
-
-
 @pytest.mark.parametrize("builder,mode", [
     (build_llama, "serial"), (build_qwen2, "serial"), (build_llama, "overlap"), (build_qwen2, "timeslice"),
 ], ids=["llama-gqa-tied", "qwen2-bias", "llama-overlap", "qwen2-timeslice"])
@@ -89,7 +72,7 @@ def test_run_matches_transformers_greedy(tmp_path, builder, mode):
     for i, rid in enumerate(req["request_id"]):
         prompt, output = req["input_ids"][i], req["output_ids"][i]
         assert len(output) == lines[int(rid[1:])]["max_new_tokens"]
-        bad, ties = _teacher_forced_mismatches(model_dir, prompt, output)
+        bad, ties = teacher_forced_mismatches(model_dir, prompt, output)
         assert bad == 0, f"{rid}: {bad} greedy tokens differ from transformers"
         checked += len(output) - ties
     assert checked >= 0.95 * sum(len(o) for o in req["output_ids"])

@@ -15,8 +15,7 @@ from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
 from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
 from tests.support.cli import mstrace
-from tests.support.engine_run import run_engine
-from tests.test_faults import fragmenting_workload
+from tests.support.engines import fragmenting_workload, run_engine
 from tracing.reader import read_table
 
 

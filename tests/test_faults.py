@@ -10,26 +10,10 @@ import re
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.core.request import SamplingParams
-from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
+from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.support.cli import mstrace
-from tests.support.engine_run import run_engine
+from tests.support.engines import fragmenting_workload, run_engine
 from tracing.reader import read_table
-
-
-def fragmenting_workload() -> list[WorkloadItem]:
-    """Long-lived and short requests interleaved in the pool, then one big
-    request: after the short ones finish, enough blocks are free but no run fits."""
-    items = []
-    for i in range(4):
-        items.append(WorkloadItem(f"long{i}", None, tuple(range(20 + i, 36 + i)),
-                                  SamplingParams(112, ignore_eos=True), 0.0))  # 16+112 = 8 blocks
-        # short ones finish in the first round; the long ones decode for 112 more rounds
-        items.append(WorkloadItem(f"short{i}", None, tuple(range(60 + i, 76 + i)),
-                                  SamplingParams(1, ignore_eos=True), 0.0))  # 16+1 = 2 blocks
-    items.append(WorkloadItem("big", None, tuple(range(100, 164)), SamplingParams(384, ignore_eos=True), 0.03))
-    return items  # big: 64+384 = 28 blocks
-
 
 
 def test_contiguous_layout_defragments_and_keeps_tokens_exact():

@@ -119,7 +119,7 @@ def _uncompacted(root: Path, parts: int) -> None:
     """A killed long run's layout: many committed one-flush parts, never merged."""
     import pyarrow as pa
 
-    from tests.test_store import probe_row
+    from tests.support.store import probe_row
     from tracing.manifest import Manifest
     from tracing.schema import PROBES, TABLES
     from tracing.writer import PartStore, write_json_atomic

@@ -8,9 +8,7 @@ final sequence once, teacher-forced, and must agree with every greedy token and 
 from __future__ import annotations
 
 import json
-import random
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from scheduler.model import (
     CausalLM,
+    ForwardBatch,
     ModelConfig,
     ModelLoadError,
     PagedKVCache,
@@ -27,97 +26,20 @@ from scheduler.model import (
     build_forward_batch,
     load_model,
 )
-
 from tests.support.checkpoints import BUILDERS, build_llama
-
-BLOCK = 16
-NEAR_TIE = 1e-3
+from tests.support.oracle import BLOCK, Req, generate, load_hf, make_reqs, teacher_forced_check
 
 
-@dataclass(slots=True)
-class Req:
-    prompt: list[int]
-    chunk: int  # prefill chunk size (>= len(prompt) means one-shot prefill)
-    start_step: int  # step at which the request arrives
-    max_new: int
-    blocks: list[int] = field(default_factory=list)
-    done: int = 0  # tokens in the KV cache
-    out: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)  # one row per generated token
+def run_model(model: CausalLM, reqs: list[Req], seed: int = 0) -> None:
+    """Greedy-generate every request through the engine's forward (the oracle's loop)."""
 
-
-def run_engine(model: CausalLM, reqs: list[Req], seed: int = 0) -> None:
-    """Greedy-generate every request with a tiny continuous-batching loop."""
-    rng = random.Random(seed)
-    need = sum(-(-(len(r.prompt) + r.max_new) // BLOCK) for r in reqs)
-    free = list(range(need + 7))
-    rng.shuffle(free)  # blocks come from anywhere in the pool, in any order
-    kv = model.make_kv_cache(len(free), BLOCK)
-    step = 0
-    while any(len(r.out) < r.max_new for r in reqs):
-        work: list[tuple[Req, SeqChunk]] = []
-        for r in reqs:
-            if step < r.start_step or len(r.out) >= r.max_new:
-                continue
-            if r.done < len(r.prompt):
-                toks = r.prompt[r.done : r.done + r.chunk]
-                sample = r.done + len(toks) == len(r.prompt)
-            else:
-                toks, sample = [r.out[-1]], True
-            while len(r.blocks) * BLOCK < r.done + len(toks):
-                r.blocks.append(free.pop())
-            work.append((r, SeqChunk(toks, r.done, list(r.blocks), sample)))
-        rng.shuffle(work)
-        step += 1
-        if not work:
-            continue
-        logits = model(build_forward_batch([c for _, c in work], BLOCK, "cpu"), kv)
+    def forward(batch: ForwardBatch, kv: PagedKVCache, step: int) -> torch.Tensor:
+        logits = model(batch, kv)
         assert logits.dtype == torch.float32
-        assert logits.shape == (sum(c.sample for _, c in work), model.cfg.vocab_size)
-        rows = iter(logits)
-        for r, c in work:
-            r.done += len(c.token_ids)
-            if c.sample:
-                row = next(rows)
-                r.logits.append(row.clone())
-                r.out.append(int(row.argmax()))
+        assert logits.shape == (batch.num_sampled, model.cfg.vocab_size)
+        return logits
 
-
-def teacher_forced_check(hf: torch.nn.Module, reqs: list[Req]) -> None:
-    """Every engine token must be transformers' argmax unless transformers itself has a near-tie."""
-    checked = ties = 0
-    for r in reqs:
-        seq = r.prompt + r.out
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0].float()
-        gen_rows = ref[len(r.prompt) - 1 : len(seq) - 1]
-        engine = torch.stack(r.logits)
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(engine, gen_rows, atol=1e-4 * max(scale, 1.0), rtol=0)
-        top2 = gen_rows.topk(2, dim=-1).values
-        for j, tok in enumerate(r.out):
-            checked += 1
-            if (top2[j, 0] - top2[j, 1]).item() < NEAR_TIE:
-                ties += 1
-                continue
-            assert tok == int(gen_rows[j].argmax()), f"prompt len {len(r.prompt)}, token {j}"
-    assert checked > 0 and ties <= 0.05 * checked, f"{ties}/{checked} near-ties: check is vacuous"
-
-
-def make_reqs(
-    vocab: int, seed: int, lengths: list[int], chunks: list[int], max_new: int
-) -> list[Req]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        Req(torch.randint(0, vocab, (n,), generator=g).tolist(), chunk, i, max_new)
-        for i, (n, chunk) in enumerate(zip(lengths, chunks, strict=True))
-    ]
-
-
-def load_hf(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    generate(forward, lambda n: model.make_kv_cache(n, BLOCK), reqs, seed)
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +59,7 @@ def test_greedy_matches_transformers(checkpoint: Path) -> None:
     reqs = make_reqs(
         cfg.vocab_size, seed=7, lengths=[5, 17, 40, 1, 33], chunks=[7, 7, 7, 7, 64], max_new=20
     )
-    run_engine(model, reqs)
+    run_model(model, reqs)
     teacher_forced_check(load_hf(checkpoint), reqs)
 
 
@@ -330,7 +252,7 @@ def test_presets_match_transformers(name: str, preset_cache: Path) -> None:
     path = ensure_preset(name, cache_dir=preset_cache)
     model, cfg = load_model(path)
     reqs = make_reqs(cfg.vocab_size, seed=11, lengths=[6, 19], chunks=[4, 8], max_new=10)
-    run_engine(model, reqs)
+    run_model(model, reqs)
     teacher_forced_check(load_hf(path), reqs)
 
 

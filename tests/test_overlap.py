@@ -8,7 +8,7 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
-from tests.support.engine_run import run_engine
+from tests.support.engines import run_engine
 
 
 def workload(n=24, seed=0):

@@ -1,8 +1,8 @@
 """Tensor- and pipeline-parallel execution against transformers as the oracle.
 
-The slow tests spawn real gloo ranks on 127.0.0.1 that greedy-generate with the same miniature
-continuous-batching loop as ``test_model_oracle`` (chunked prefill, arrivals, batched decodes,
-shuffled chunk order and KV blocks); the logits rank's tokens and logit rows must pass the same
+The slow tests spawn real gloo ranks on 127.0.0.1 that greedy-generate with test_model_oracle's
+miniature continuous-batching loop (tests/support/oracle.py: chunked prefill, arrivals, batched
+decodes, shuffled chunk order and KV blocks); the logits rank's tokens and logit rows must pass the same
 teacher-forced check.  The fast tests check the sharding rules with TP ranks simulated by threads.
 
 Module-level imports are kept light on purpose: every spawned rank imports this module to find
@@ -12,13 +12,12 @@ its target, and transformers (needed only by the parent, for the oracle) costs s
 from __future__ import annotations
 
 import multiprocessing.connection
-import random
 import socket
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +46,9 @@ from scheduler.parallel import (
     tp_config,
     tp_shard_fn,
 )
+from tests.support import oracle
+from tests.support.oracle import BLOCK, Req
 
-BLOCK = 16
 # test_model_oracle's workload: lengths straddle blocks and the Mistral window, a 1-token prompt
 # goes through the decode path, the 64-chunk one through one-shot prefill.
 LENGTHS, CHUNKS, MAX_NEW = [5, 17, 40, 1, 33], [7, 7, 7, 7, 64], 20
@@ -56,89 +56,23 @@ RANK_TIMEOUT_S = 20.0  # every collective / p2p wait of a rank
 JOB_TIMEOUT_S = 90.0  # the whole spawn, start to join
 
 
-# ----------------------------------------------------------------------------- the loop
-
-
-@dataclass(slots=True)
-class Req:
-    prompt: list[int]
-    chunk: int
-    start_step: int
-    max_new: int
-    blocks: list[int] = field(default_factory=list)
-    done: int = 0
-    out: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
+# ----------------------------------------------------------------------------- the oracle's loop
 
 
 def make_reqs(vocab: int, seed: int = 7) -> list[Req]:
-    g = torch.Generator().manual_seed(seed)  # same prompts as test_model_oracle.make_reqs
-    return [
-        Req(torch.randint(0, vocab, (n,), generator=g).tolist(), chunk, i, MAX_NEW)
-        for i, (n, chunk) in enumerate(zip(LENGTHS, CHUNKS, strict=True))
-    ]
-
-
-Forward = Callable[[ForwardBatch, PagedKVCache, int], torch.Tensor]
-
-
-def generate(
-    forward: Forward, make_kv: Callable[[int], PagedKVCache], reqs: list[Req], seed: int = 0
-) -> int:
-    """test_model_oracle.run_engine's loop, with the model call abstracted; returns the steps.
-
-    Deterministic given ``seed``, so every rank builds the same batches in the same order.
-    """
-    rng = random.Random(seed)
-    need = sum(-(-(len(r.prompt) + r.max_new) // BLOCK) for r in reqs)
-    free = list(range(need + 7))
-    rng.shuffle(free)
-    kv = make_kv(len(free))
-    step = 0
-    while any(len(r.out) < r.max_new for r in reqs):
-        work: list[tuple[Req, SeqChunk]] = []
-        for r in reqs:
-            if step < r.start_step or len(r.out) >= r.max_new:
-                continue
-            if r.done < len(r.prompt):
-                toks = r.prompt[r.done : r.done + r.chunk]
-                sample = r.done + len(toks) == len(r.prompt)
-            else:
-                toks, sample = [r.out[-1]], True
-            while len(r.blocks) * BLOCK < r.done + len(toks):
-                r.blocks.append(free.pop())
-            work.append((r, SeqChunk(toks, r.done, list(r.blocks), sample)))
-        rng.shuffle(work)
-        step += 1
-        if not work:
-            continue
-        logits = forward(build_forward_batch([c for _, c in work], BLOCK, "cpu"), kv, step)
-        rows = iter(logits)
-        for r, c in work:
-            r.done += len(c.token_ids)
-            if c.sample:
-                row = next(rows)
-                r.logits.append(row.clone())
-                r.out.append(int(row.argmax()))
-    return step
+    return oracle.make_reqs(vocab, seed, LENGTHS, CHUNKS, MAX_NEW)  # test_model_oracle's prompts
 
 
 def oracle_check(
     ckpt: Path, prompts: list[list[int]], out: list[list[int]], logits: list[Any]
 ) -> None:
-    # Parent-side only: importing transformers in every rank would cost seconds each.
-    try:
-        from tests.test_model_oracle import Req as OracleReq
-        from tests.test_model_oracle import load_hf, teacher_forced_check
-    except ImportError:
-        from test_model_oracle import Req as OracleReq  # type: ignore[no-redef]
-        from test_model_oracle import load_hf, teacher_forced_check  # type: ignore[no-redef]
+    # Parent-side only: load_hf imports transformers, which would cost every rank seconds.
     reqs = []
     for p, o, lg in zip(prompts, out, logits, strict=True):
-        r = OracleReq(p, len(p), 0, len(o))
+        r = Req(p, len(p), 0, len(o))
         r.out, r.logits = list(o), list(lg)
         reqs.append(r)
-    teacher_forced_check(load_hf(ckpt), reqs)
+    oracle.teacher_forced_check(oracle.load_hf(ckpt), reqs)
 
 
 def _builders() -> Any:
@@ -208,7 +142,7 @@ def _run(job: Job, state: ParallelState, overlap: bool) -> dict[str, Any]:
             dist.broadcast(logits, src=state.logits_rank)
         return logits
 
-    steps = generate(forward, make_kv, reqs)
+    steps = oracle.generate(forward, make_kv, reqs)
     comm = sm.tp.comm if sm.tp is not None else None
     return {
         "overlap": overlap,

@@ -20,7 +20,7 @@ from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from scheduler.model.penalties import apply
 from tests.support.checkpoints import build_llama
-from tests.support.engines import drive as drive_engine
+from tests.support.engines import drive
 
 V = 300
 
@@ -80,13 +80,14 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama(tmp_path_factory.mktemp("pen") / "llama")
 
 
-def drive(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], **kw: object) -> dict:
+def finished(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], **kw: object) -> dict:
+    """The requests run to the end on a new engine: each finished one, by id."""
     kw.setdefault("cpu_device", "thread")
     eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, **kw))  # type: ignore[arg-type]
     try:
         for rid, (p, sp) in reqs.items():
             eng.submit(p, sp, rid)
-        drive_engine(eng)
+        drive(eng)
         return {r.request_id: r for r in eng.rm.finished}
     finally:
         eng.close()
@@ -97,14 +98,14 @@ def test_greedy_tokens_follow_transformers_logits_through_the_reference(ckpt: Pa
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 14, 6)]
-    free = drive(ckpt, {f"r{i}": (p, SamplingParams(10, ignore_eos=True)) for i, p in enumerate(prompts)}, mode=mode,
+    free = finished(ckpt, {f"r{i}": (p, SamplingParams(10, ignore_eos=True)) for i, p in enumerate(prompts)}, mode=mode,
                  cpu_device=device)
     params = [SamplingParams(10, ignore_eos=True, repetition_penalty=0.2, frequency_penalty=2.0),  # <1: seen tokens boosted
               # the unpenalised run's third token is pushed out; another one pulled a little
               SamplingParams(10, ignore_eos=True, presence_penalty=1.5,
                              logit_bias=((free["r1"].output_ids[2], -100.0), (17, 2.0))),
               SamplingParams(10, ignore_eos=True)]
-    got = drive(ckpt, {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))},
+    got = finished(ckpt, {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))},
                 mode=mode, cpu_device=device)
     for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
         outs: list[int] = []
@@ -120,10 +121,10 @@ def test_greedy_tokens_follow_transformers_logits_through_the_reference(ckpt: Pa
 
 def test_stop_token_ids_and_min_tokens(ckpt: Path, tmp_path: Path) -> None:
     prompt = [11, 42, 7, 99, 5]
-    ref = drive(ckpt, {"a": (prompt, SamplingParams(12, ignore_eos=True))})["a"].output_ids
+    ref = finished(ckpt, {"a": (prompt, SamplingParams(12, ignore_eos=True))})["a"].output_ids
     stop = ref[4]
     first = ref.index(stop)
-    got = drive(ckpt, {"a": (prompt, SamplingParams(12, ignore_eos=True, stop_token_ids=(stop,)))})["a"]
+    got = finished(ckpt, {"a": (prompt, SamplingParams(12, ignore_eos=True, stop_token_ids=(stop,)))})["a"]
     assert got.finish_reason is FinishReason.STOP_TOKEN and got.output_ids == ref[: first + 1]
     # min_tokens bans EOS (and the stop tokens) until that many are out
     eos_dir = tmp_path / "eos"
@@ -131,7 +132,7 @@ def test_stop_token_ids_and_min_tokens(ckpt: Path, tmp_path: Path) -> None:
     cfg = json.loads((eos_dir / "config.json").read_text())
     cfg["eos_token_id"] = [ref[0]]
     (eos_dir / "config.json").write_text(json.dumps(cfg))
-    early = drive(eos_dir, {"a": (prompt, SamplingParams(12))})["a"]
+    early = finished(eos_dir, {"a": (prompt, SamplingParams(12))})["a"]
     assert early.finish_reason is FinishReason.EOS and early.output_ids == ref[:1]
-    late = drive(eos_dir, {"a": (prompt, SamplingParams(12, min_tokens=4))})["a"]
+    late = finished(eos_dir, {"a": (prompt, SamplingParams(12, min_tokens=4))})["a"]
     assert len(late.output_ids) >= 4 and ref[0] not in late.output_ids[:4]

@@ -11,19 +11,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from probes import boundaries as B
+from tests.support.store import SMALL, probe_row
 from tracing.compact_trace import compact_trace
 from tracing.compaction import Targets, plan_tiered
 from tracing.consistency import read_consistent
 from tracing.manifest import SEALED, PartEntry, read_manifests
 from tracing.reader import Trace, TraceError, read_table
 from tracing.writer import TraceWriter
-
-SMALL = Targets(fan_in=3, max_rows=40, max_bytes=1 << 30)
-
-
-def probe_row(i: int) -> tuple[int, int, str, str, int, int]:
-    return (1000 + i, 1, B.BOOKKEEPING, "host", 0, i)
 
 
 def write_flushes(root: Path, flushes: int, rows: int, targets: Targets = SMALL, close: bool = True,

@@ -32,6 +32,7 @@ from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
 from scheduler.parallel.launch import STOP_GRACE_S
 from tests.support.checkpoints import build_llama
 from tests.support.cli import REPO, TAG, mstrace, tagged_pids
+from tests.support.oracle import teacher_forced_mismatches
 from tracing.reader import read_meta, read_table
 from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter
@@ -68,15 +69,13 @@ def _workload(model_dir: Path, path: Path) -> list[dict[str, object]]:
 
 
 def _check_greedy(model_dir: Path, out: Path, lines: list[dict[str, object]]) -> None:
-    from tests.test_cli_run import _teacher_forced_mismatches  # transformers: parent only
-
     req = read_table(out, "requests").to_pydict()
     assert sorted(req["request_id"]) == [f"r{i}" for i in range(len(lines))]
     checked = 0
     for i, rid in enumerate(req["request_id"]):
         prompt, output = req["input_ids"][i], req["output_ids"][i]
         assert len(output) == lines[int(rid[1:])]["max_new_tokens"]
-        bad, ties = _teacher_forced_mismatches(model_dir, prompt, output)  # type: ignore[no-untyped-call]
+        bad, ties = teacher_forced_mismatches(model_dir, prompt, output)
         assert bad == 0, f"{rid}: {bad} greedy tokens differ from transformers"
         checked += len(output) - ties
     assert checked >= 0.95 * sum(len(o) for o in req["output_ids"])

@@ -15,7 +15,7 @@ from textual.widgets import DataTable
 
 from probes import boundaries as B
 from tests.support.cli import mstrace
-from tests.test_store import SMALL, probe_row
+from tests.support.store import SMALL, probe_row
 from tests.support.tui_trace import MS, T0, synthetic_trace
 from tracing.reader import Trace, read_table
 from tracing.writer import TraceWriter

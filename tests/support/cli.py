@@ -45,6 +45,15 @@ def tagged_pids(tag: str, exclude: int | None = None) -> list[int]:
     return out
 
 
+def one_line_error(p: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed command printed on stderr (no traceback, nothing else)."""
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
 def cli(*args: str) -> tuple[int, str, str]:
     """The CLI in this process (exit code, stdout, stderr): for analyses run many
     times in one test, where a fresh interpreter each time would dominate."""
