@@ -25,7 +25,7 @@ def mstrace_run(out: Path, *args: str) -> None:
 
 def report(trace: Path) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
-    from viewer.report import build_report
+    from viewer.analysis.report import build_report
 
     return build_report(trace)
 

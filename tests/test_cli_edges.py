@@ -94,7 +94,7 @@ def test_stalls_are_numbered_in_the_order_they_were_noticed() -> None:
 
 def test_the_kv_line_and_request_lists_read_as_a_person_expects() -> None:
     from viewer.analysis.order import natural_key
-    from viewer.stalls_view import kv_line
+    from viewer.render.stalls import kv_line
 
     assert sorted(["req-10", "req-2", "req-100", "req-1"], key=natural_key) == ["req-1", "req-2", "req-10", "req-100"]
     line = kv_line({"num_blocks": 64, "free": 3, "fenced": 2, "holders": {"req-10": 12, "req-2": 7},

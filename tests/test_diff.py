@@ -23,9 +23,10 @@ from tracing.reader import Trace
 from viewer.analysis import bootstrap as BS
 from viewer.analysis import diff as D
 from viewer.analysis.cost import cost_table
+from viewer.analysis.diff import build_diff
 from viewer.analysis.pooled import PooledDist
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
-from viewer.diff import _LABEL, _fmt, build_diff, render_diff
+from viewer.render.diff import _LABEL, _fmt, render_diff
 
 
 def cycles(n: int, bookkeeping_ms: float, seed: int) -> tuple[pa.Table, pa.Table]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import REPO, mstrace
+from viewer.analysis.report import build_report
 from viewer.export.sql import SqlError, TraceDb
-from viewer.report import build_report
 
 QUERIES = re.findall(r"```sql\n(.*?)```", (REPO / "docs" / "sql.md").read_text(), re.S)
 

@@ -147,7 +147,8 @@ def report(
     import json
 
     from tracing.reader import TraceError
-    from viewer.report import build_report, render_report
+    from viewer.analysis.report import build_report
+    from viewer.render.report import render_report
 
     try:
         rep = build_report(trace)
@@ -160,7 +161,7 @@ def report(
     except OSError as e:
         fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
-        print(json.dumps(rep, indent=2))
+        print(json.dumps(rep.to_json(), indent=2))
     else:
         render_report(console, rep)
     _wrote_html(html_out)
@@ -175,26 +176,21 @@ def stalls(
     import json
 
     from tracing.reader import Trace, TraceError
-    from viewer.analysis.stalls import name_missing_ranks, stall_records
-    from viewer.report import status_line
-    from viewer.stalls_view import render_stalls
+    from viewer.analysis.stalls import build_stalls
+    from viewer.render.stalls import render_stalls
+    from viewer.render.text import status_line
 
     try:
         tr = Trace.open(trace)
-        # A trace written before the stalls table existed has no folder for it: no stalls recorded.
-        recs = stall_records(tr.table("stalls")) if tr.has_table("stalls") else []
-        tp = int((tr.meta.get("parallel") or {}).get("tp", 1))
-        if recs and tp > 1 and tr.has_table("collectives"):
-            name_missing_ranks(recs, tr.table("collectives"), tp)
+        res = build_stalls(tr, str(trace))
     except TraceError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps({"trace": str(trace), "status": tr.status.to_dict(), "count": len(recs),
-                          "stalls": [r.to_dict() for r in recs]}, indent=2))
+        print(json.dumps(res.to_json(), indent=2))
     else:
-        status_line(console, tr.status.to_dict(), str(trace))
-        render_stalls(console, str(trace), tr.meta, recs)
-    if recs:
+        status_line(console, res.status, res.trace)
+        render_stalls(console, res.trace, tr.meta, res.stalls)
+    if res.stalls:
         raise typer.Exit(FINDINGS)
 
 
@@ -206,28 +202,24 @@ def leaks(
     """KV blocks still held at the end by finished requests, reclaimed blocks, and fragmentation over time."""
     import json
 
-    from tracing.consistency import read_consistent
     from tracing.reader import Trace, TraceError
-    from viewer.analysis.leaks import leak_report
-    from viewer.report import status_line
-    from viewer.stalls_view import render_leaks
+    from viewer.analysis.leaks import build_leaks
+    from viewer.render.leaks import render_leaks
+    from viewer.render.text import status_line
 
     try:
         tr = Trace.open(trace)
         if not tr.meta.get("config", {}).get("probes", True):
             fail(f"{trace} was recorded with --no-probes: it has no memory table, so its leaks cannot be known")
-        t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]},
-                            dictionary={"memory": ("request_id",)})
-        rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
-                          run_ended=tr.status.complete)
+        res = build_leaks(tr, str(trace))
     except TraceError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps({"trace": str(trace), "status": tr.status.to_dict(), **rep.to_dict()}, indent=2))
+        print(json.dumps(res.to_json(), indent=2))
     else:
-        status_line(console, tr.status.to_dict(), str(trace))
-        render_leaks(console, str(trace), tr.meta, rep)
-    if rep.leaked_blocks or rep.num_anomalies:
+        status_line(console, res.status, res.trace)
+        render_leaks(console, res.trace, res.report)
+    if res.report.leaked_blocks or res.report.num_anomalies:
         raise typer.Exit(FINDINGS)
 
 
@@ -299,7 +291,8 @@ def diff(
     import json
 
     from tracing.reader import TraceError
-    from viewer.diff import build_diff, render_diff
+    from viewer.analysis.diff import build_diff
+    from viewer.render.diff import render_diff
 
     try:
         d = build_diff(a, b)
@@ -312,7 +305,7 @@ def diff(
     except OSError as e:
         fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
-        print(json.dumps(d, indent=2))
+        print(json.dumps(d.to_json(), indent=2))
     else:
         render_diff(console, d)
     _wrote_html(html_out)

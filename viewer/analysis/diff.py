@@ -24,7 +24,8 @@ different batches once their timings differ.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ from viewer.analysis.bootstrap import blocks, bootstrap, widen
 from viewer.analysis.cycle_views import CONCURRENT, per_cycle
 from viewer.analysis.delta import FDR_Q, LEVEL, Delta, delta, fdr
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
+from viewer.analysis.records import JsonRecord
+from viewer.analysis.report import REQUEST_COLUMNS, ReportResult, build_report, load_inputs
 from viewer.analysis.serving import itl_rounds
 from viewer.analysis.serving_boot import LATENCIES, THROUGHPUT, diff_requests, pairing
 
@@ -43,8 +46,8 @@ SEED = 0
 # Per-boundary metrics, named as `report --json` names them: the rows' own ms per cycle (no
 # view), device-view share, hidden fraction, host-view share.
 METRICS = ("raw_ms_per_cycle", "device_share", "hidden", "host_share")
-__all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta", "Side",
-           "compare", "cycle_stats", "delta", "diff_cycles", "diff_itl", "diff_requests", "fdr", "pairing",
+__all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta",
+           "Deltas", "DiffResult", "DiffSide", "Side", "build_diff", "compare", "cycle_stats", "delta", "diff_cycles", "diff_itl", "diff_requests", "fdr", "pairing",
            "trace_warnings"]
 
 
@@ -253,3 +256,91 @@ def trace_warnings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[str]:
     if da != db:
         out.append(f"the two traces ran on different devices ({da} vs {db})")
     return out
+
+
+# ---- the result of `diff` --------------------------------------------------------------
+@dataclass(slots=True)
+class DiffSide(ReportResult):
+    """One trace's report, as diff shows it: with the share of the cycle its device was idle
+    (None: a side recorded with --no-probes, or no cycles)."""
+
+    device_idle: float | None = None
+
+
+@dataclass(slots=True)
+class Deltas:
+    """Every compared number, B - A: per boundary and metric, per throughput metric, per
+    latency and statistic."""
+
+    cycle_ms: Delta
+    device_idle: Delta
+    boundaries: dict[str, dict[str, Delta]]
+    throughput: dict[str, Delta]
+    latency: dict[str, dict[str, Delta]]
+
+
+@dataclass(slots=True)
+class Fdr:
+    method: str
+    q: float
+    rows: int  # compared numbers tested
+
+
+@dataclass(slots=True)
+class Bootstrap:
+    """How the intervals were made, and what they cover."""
+
+    resamples: int
+    seed: int
+    level: float
+    resampling: dict[str, dict[str, Any]]  # per unit: cycles, rounds, requests
+    fdr: Fdr
+    covers: str
+
+
+@dataclass(slots=True)
+class DiffResult(JsonRecord):
+    """Everything `diff` shows (its to_json() is what --json prints)."""
+
+    a: DiffSide
+    b: DiffSide
+    delta: Deltas
+    warnings: list[str]
+    bootstrap: Bootstrap
+
+
+def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> DiffResult:
+    """Both traces' reports, and every delta between them with its interval."""
+    # Both traces open first: a bad trace fails before any work.
+    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])))
+              for r in (a_root, b_root)]
+    reports = [build_report(inp) for inp in inputs]
+    warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
+                for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
+    warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
+    probes_ok = all(r.probes for r in reports)
+    sides = []
+    for side, r in zip("AB", reports, strict=True):
+        # with --no-probes every cycle would count as barrier: no cost comparison at all
+        idle = 1 - r.cost.device_busy if probes_ok and r.cost.cycles else None
+        sides.append(DiffSide(**{f.name: getattr(r, f.name) for f in fields(r)}, device_idle=idle))
+        if not r.probes:
+            warnings.append(f"trace {side} was recorded with --no-probes: no boundary or device-idle comparison")
+    # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
+    keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
+            if getattr(row, m) is not None}
+    tables = [Side(i.probes, i.steps, i.requests, i.collectives, i.trace.meta) for i in inputs]
+    delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep)
+    if not how["resampling"]["requests"]["paired"]:
+        warnings.append("requests resampled independently (" + how["resampling"]["requests"]["why"]
+                        + "): serving intervals include the workload's own spread")
+    return DiffResult(
+        a=sides[0], b=sides[1],
+        delta=Deltas(delta["cycle_ms"], delta["device_idle"], delta["boundaries"], delta["throughput"],
+                     delta["latency"]),
+        warnings=warnings,
+        bootstrap=Bootstrap(resamples=reps, seed=seed, level=LEVEL, resampling=how["resampling"],
+                            fdr=Fdr(**how["fdr"]),
+                            covers="noise within these two runs (their rounds and requests resampled), "
+                                   "not run-to-run variation"),
+    )

@@ -20,19 +20,24 @@ How it is done at scale: leak_replay.py (the replay) and leak_fragmentation.py
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from tracing.run_status import RunStatus
 from viewer.analysis import leak_fragmentation as frag
 from viewer.analysis import leak_replay as replay
 from viewer.analysis.leak_fragmentation import FragPoint
 from viewer.analysis.leak_replay import MAX_ANOMALIES
+from viewer.analysis.records import INLINE, JsonRecord, plain
 
-__all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "frag_point", "largest_run", "leak_report"]
+__all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "LeaksResult", "build_leaks", "frag_point",
+           "largest_run", "leak_report"]
 
 
 @dataclass(slots=True)
@@ -57,6 +62,8 @@ class LeakReport:
     anomalies: list[str] = field(default_factory=list)  # events the replay could not reconcile
     num_anomalies: int = 0
     fragmentation: list[FragPoint] = field(default_factory=list)
+    # printed after the fields (viewer/analysis/records.py)
+    DERIVED: ClassVar[tuple[str, ...]] = ("leaked_blocks", "reclaimed_blocks", "frag_index_min", "frag_index_max")
 
     @property
     def leaked_blocks(self) -> int:
@@ -72,13 +79,38 @@ class LeakReport:
         xs = [f.frag_index for f in self.fragmentation]
         return min(xs), max(xs)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+    @property
+    def frag_index_min(self) -> float | None:
         rng = self.frag_range()
-        d.update(leaked_blocks=self.leaked_blocks, reclaimed_blocks=self.reclaimed_blocks,
-                 frag_index_min=None if rng is None else rng[0],
-                 frag_index_max=None if rng is None else rng[1])
-        return d
+        return None if rng is None else rng[0]
+
+    @property
+    def frag_index_max(self) -> float | None:
+        rng = self.frag_range()
+        return None if rng is None else rng[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = plain(self)
+        return out
+
+
+@dataclass(slots=True)
+class LeaksResult(JsonRecord):
+    """Everything `leaks` shows (its to_json() is what --json prints): the report's keys
+    after the trace's."""
+
+    trace: str  # the trace folder, as given
+    status: RunStatus
+    report: LeakReport = field(metadata=INLINE)
+
+
+def build_leaks(tr: Trace, trace: str) -> LeaksResult:
+    """The leaks of an open trace recorded with probes (one without has no memory table)."""
+    t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]},
+                        dictionary={"memory": ("request_id",)})
+    rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
+                      run_ended=tr.status.complete)
+    return LeaksResult(trace, tr.status, rep)
 
 
 def largest_run(sorted_ids: list[int]) -> int:

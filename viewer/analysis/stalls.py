@@ -9,6 +9,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from tracing.reader import Trace
+from tracing.run_status import RunStatus
+from viewer.analysis.records import JsonRecord
+
 
 @dataclass(slots=True)
 class StallRecord:
@@ -32,6 +36,27 @@ class StallRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class StallsResult(JsonRecord):
+    """Everything `stalls` shows (its to_json() is what --json prints)."""
+
+    trace: str  # the trace folder, as given
+    status: RunStatus
+    count: int
+    stalls: list[StallRecord]
+
+
+def build_stalls(tr: Trace, trace: str) -> StallsResult:
+    """The stalls of an open trace (`trace`: its folder as the user gave it), a TP run's with
+    the ranks that never joined a stalled collective."""
+    # A trace written before the stalls table existed has no folder for it: no stalls recorded.
+    recs = stall_records(tr.table("stalls")) if tr.has_table("stalls") else []
+    tp = int((tr.meta.get("parallel") or {}).get("tp", 1))
+    if recs and tp > 1 and tr.has_table("collectives"):
+        name_missing_ranks(recs, tr.table("collectives"), tp)
+    return StallsResult(trace, tr.status, len(recs), recs)
 
 
 def _load(text: str | None, empty: Any) -> Any:

@@ -58,7 +58,8 @@ def run_live(out: Path) -> None:
         # what it did until then is what the view's user came for
         from rich.console import Console
 
-        from viewer.report import build_report, render_report
+        from viewer.analysis.report import build_report
+        from viewer.render.report import render_report
 
         render_report(Console(), build_report(out))
     if proc.returncode:

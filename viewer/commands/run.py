@@ -19,7 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
 from tracing.run_status import first_line
-from viewer.report import build_report, render_report
+from viewer.analysis.report import build_report
+from viewer.render.report import render_report
 
 
 class Fail(Protocol):
@@ -126,7 +127,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         outs[mode] = out / mode
         _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made)
         made = None  # a later mode's failure leaves the earlier modes' traces
-    render_modes(console, {m: build_report(o) for m, o in outs.items()})
+    render_modes(console, {m: build_report(o).to_json() for m, o in outs.items()})
     console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 

@@ -13,11 +13,17 @@ import html
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
+from viewer.analysis.records import JsonView
 from viewer.export import html_charts as charts
+from viewer.render.text import ms, pct
+
+if TYPE_CHECKING:
+    from viewer.analysis.diff import DiffResult
+    from viewer.analysis.report import CostView, Latency, ReportResult
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
@@ -49,28 +55,28 @@ def chart_inputs(root: str | Path) -> charts.ChartInputs:
     return charts.ChartInputs(t["probes"], t["steps"], t["requests"])
 
 
-def report_html(root: str | Path, out: str | Path, rep: dict[str, Any] | None = None) -> None:
-    from viewer.report import build_report
+def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = None) -> None:
+    from viewer.analysis.report import build_report
 
     rep = rep if rep is not None else build_report(root)
     inp = chart_inputs(root)
-    figs = [charts.cost_bars([("", rep)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
+    figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
-    body = [f"<h1>mstrace report: {_e(rep['trace'])}</h1>", *_status(rep), _facts(rep), "<h2>Sync cost</h2>",
-            _cost_table(rep), *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep)]
-    _write(out, f"mstrace report {rep['trace']}", body, figs)
+    body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep), "<h2>Sync cost</h2>",
+            _cost_table(rep.cost), *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep.latency)]
+    _write(out, f"mstrace report {rep.trace}", body, figs)
 
 
-def diff_html(a: str | Path, b: str | Path, out: str | Path, d: dict[str, Any] | None = None) -> None:
-    from viewer.diff import build_diff
+def diff_html(a: str | Path, b: str | Path, out: str | Path, d: DiffResult | None = None) -> None:
+    from viewer.analysis.diff import build_diff
 
     d = d if d is not None else build_diff(a, b)
     ia, ib = chart_inputs(a), chart_inputs(b)
-    figs = [charts.cost_bars([("A", d["a"]), ("B", d["b"])]), charts.latency_cdfs([("A", ia), ("B", ib)]),
+    figs = [charts.cost_bars([("A", d.a.cost), ("B", d.b.cost)]), charts.latency_cdfs([("A", ia), ("B", ib)]),
             charts.kv_and_queues([("A", ia), ("B", ib)])]
-    body = [f"<h1>mstrace diff</h1><p>A: {_e(d['a']['trace'])} ({_e(d['a'].get('mode'))})<br>"
-            f"B: {_e(d['b']['trace'])} ({_e(d['b'].get('mode'))})</p>",
-            *(f"<p class=note>{_e(w)}</p>" for w in d.get("warnings", [])),
+    body = [f"<h1>mstrace diff</h1><p>A: {_e(d.a.trace)} ({_e(d.a.mode)})<br>"
+            f"B: {_e(d.b.trace)} ({_e(d.b.mode)})</p>",
+            *(f"<p class=note>{_e(w)}</p>" for w in d.warnings),
             ]
     _write(out, "mstrace diff", body, figs, ["<h2>B - A, significant deltas first</h2>", _delta_table(d)])
 
@@ -99,14 +105,6 @@ def _e(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
 
-def _pct(x: float | None) -> str:
-    return "—" if x is None else f"{100 * x:.1f}%"
-
-
-def _num(x: float | int | None, fmt: str = ".2f") -> str:
-    return "—" if x is None else format(x, fmt)
-
-
 def _ci(ci: Any) -> str:
     """"[-9.5 pp, -3.1 pp]": each end whole, a line break only after the comma."""
     return ", ".join(_e(end).replace(" ", "&nbsp;") for end in str(ci).split(", "))
@@ -117,25 +115,26 @@ def _wide(table: str) -> str:
     return f"<div class=wide>{table}</div>"
 
 
-def _facts(rep: dict[str, Any]) -> str:
-    t = rep["throughput"]
-    return (f"<p>model {_e(rep['model'])}, mode {_e(rep['mode'])}, {_e(rep['status']['state'])}; "
-            f"{rep['cycles']} cycles of {_num(rep['cycle_ms'])} ms; the device computes "
-            f"{_pct(rep['device_busy'])} of it. {t['completed']}/{t['requests']} requests in "
-            f"{_num(t['duration_s'])} s: {_num(t['output_tok_per_s'], '.1f')} output tok/s.</p>")
+def _facts(rep: ReportResult) -> str:
+    t, c = rep.throughput, rep.cost
+    return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}, {_e(rep.status.state)}; "
+            f"{c.cycles} cycles of {ms(c.cycle_ms)} ms; the device computes "
+            f"{pct(c.device_busy)} of it. {t.completed}/{t.requests} requests in "
+            f"{t.duration_s:.2f} s: {t.output_tok_per_s:.1f} output tok/s.</p>")
 
 
-def _cost_table(rep: dict[str, Any]) -> str:
-    rows = "".join(f"<tr><td>{_e(b['boundary'])}</td><td>{_num(b['device_ms_per_cycle'])}</td>"
-                   f"<td>{_pct(b['device_share'])}</td><td>{_num(b['host_ms_per_cycle'])}</td>"
-                   f"<td>{_pct(b['host_share'])}</td><td>{b['count']}</td><td>{_pct(b['hidden'])}</td></tr>"
-                   for b in rep["boundaries"])
+def _cost_table(c: CostView) -> str:
+    rows = "".join(f"<tr><td>{_e(b.boundary)}</td><td>{ms(b.device_ms_per_cycle)}</td>"
+                   f"<td>{pct(b.device_share)}</td><td>{ms(b.host_ms_per_cycle)}</td>"
+                   f"<td>{pct(b.host_share)}</td><td>{b.count}</td><td>{pct(b.hidden)}</td></tr>"
+                   for b in c.boundaries)
     return _wide("<table><tr><th>boundary</th><th>device ms/cycle</th><th>device share</th><th>host ms/cycle</th>"
                  f"<th>host share</th><th>count</th><th>hidden</th></tr>{rows}</table>")
 
 
-def _status(rep: dict[str, Any]) -> list[str]:
-    """An incomplete trace's line, as the text report's first line (a stalled run: where to look)."""
+def _status(rep: JsonView) -> list[str]:
+    """An incomplete trace's line, as the text report's first line (a stalled run: where to look).
+    `rep`: the report or its JSON (either reads by key)."""
     from tracing.run_status import RunStatus
 
     line = RunStatus(**rep["status"]).headline()
@@ -146,25 +145,26 @@ def _status(rep: dict[str, Any]) -> list[str]:
     return [f"<p class=warn>{_e(line)}</p>"]
 
 
-def _worth(rep: dict[str, Any]) -> list[str]:
+def _worth(rep: JsonView) -> list[str]:
+    """`rep`: the report or its JSON (either reads by key)."""
     # the text's `code` spans as <code>, not literal backticks
     code, sub = re.compile(r"`([^`]*)`"), r"<code>\g<1></code>"
-    lines = [code.sub(sub, _e(w if isinstance(w, str) else json.dumps(w))) for w in rep.get("worth_attacking") or []]
+    lines = [code.sub(sub, _e(w if isinstance(w, str) else json.dumps(w))) for w in rep["worth_attacking"] or []]
     return [f"<p class=note>worth attacking: {line}</p>" for line in lines]
 
 
-def _latency_table(rep: dict[str, Any]) -> str:
-    rows = "".join(f"<tr><td>{_e(k)}</td>" + "".join(f"<td>{_num(v.get(c))}</td>" for c in ("mean", "p50", "p90", "p99"))
-                   + "</tr>" for k, v in rep["latency"].items() if isinstance(v, dict))
+def _latency_table(lat: Latency) -> str:
+    rows = "".join(f"<tr><td>{_e(k)}</td>" + "".join(f"<td>{ms(x)}</td>" for x in (v.mean, v.p50, v.p90, v.p99))
+                   + "</tr>" for k, v in lat.items())
     return _wide(f"<table><tr><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{rows}</table>")
 
 
-def _delta_table(d: dict[str, Any]) -> str:
+def _delta_table(d: DiffResult) -> str:
     """The text diff's rows (its labels and units: ms, pp, %), significant ones first."""
-    from viewer.diff import sections
+    from viewer.render.diff import sections
 
     rows: list[tuple[str, Any]] = []
-    for _, section in sections(d["delta"]):
+    for _, section in sections(d.delta):
         group = ""
         for r in section:
             group = r.group if r.group is not None else group

@@ -10,11 +10,14 @@ CDF, per-bucket maxima for a time series) so a page stays a few MB for any run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from viewer.analysis.report import CostView
 
 
 @dataclass(slots=True)
@@ -89,18 +92,19 @@ def timeline(inp: ChartInputs) -> Any:
                                        height=120 + 40 * len(set(lane.tolist()))))
 
 
-def cost_bars(reports: list[tuple[str, dict[str, Any]]]) -> Any:
+def cost_bars(tables: list[tuple[str, CostView]]) -> Any:
     """Both views of the cost table as stacked bars, one pair of bars per trace."""
     go = _go()
     fig = go.Figure()
-    names = [b["boundary"] for _, rep in reports for b in rep["boundaries"]]
+    names = [b.boundary for _, c in tables for b in c.boundaries]
     order = list(dict.fromkeys(names))
-    x = [f"{label} {view}" for label, _ in reports for view in ("device view", "host view")]
+    x = [f"{label} {view}" for label, _ in tables for view in ("device view", "host view")]
     for b in order:
         ys = []
-        for _, rep in reports:
-            row: dict[str, Any] = next((r for r in rep["boundaries"] if r["boundary"] == b), {})
-            ys += [100 * (row.get("device_share") or 0.0), 100 * (row.get("host_share") or 0.0)]
+        for _, c in tables:
+            row = c.row(b)
+            device, host = (row.device_share, row.host_share) if row is not None else (None, None)
+            ys += [100 * (device or 0.0), 100 * (host or 0.0)]
         if any(ys):
             fig.add_trace(go.Bar(x=x, y=ys, name=b, marker={"color": colour(b)},
                                  hovertemplate=f"{b}: %{{y:.1f}}%<extra></extra>"))

@@ -128,21 +128,21 @@ class TraceBrowser:
 
     # ---- the stalls and leaks views, as the CLI renders them -------------------------
     def stalls_text(self, width: int) -> Text:
-        from viewer.analysis.stalls import stall_records
-        from viewer.stalls_view import render_stalls
+        from viewer.analysis.stalls import build_stalls
+        from viewer.render.stalls import render_stalls
 
-        recs = stall_records(self.trace.table("stalls")) if self.trace.has_table("stalls") else []
-        return _rendered(width, lambda c: render_stalls(c, str(self.root), self.meta, recs))
+        res = build_stalls(self.trace, str(self.root))
+        return _rendered(width, lambda c: render_stalls(c, res.trace, self.meta, res.stalls))
 
     def leaks_text(self, width: int) -> Text:
         from viewer.analysis.leaks import leak_report
-        from viewer.stalls_view import render_leaks
+        from viewer.render.leaks import render_leaks
 
         if self.memory is None:
             return Text("this trace has no memory table (recorded with --no-probes)")
         rep = leak_report(self.memory, self.requests.select(["request_id", "finish_reason"]),
                           int(self.meta.get("model", {}).get("kv_blocks") or 0), run_ended=self.trace.status.complete)
-        return _rendered(width, lambda c: render_leaks(c, str(self.root), self.meta, rep))
+        return _rendered(width, lambda c: render_leaks(c, str(self.root), rep))
 
 
 def _rendered(width: int, draw: Any) -> Text:

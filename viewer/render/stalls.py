@@ -1,8 +1,7 @@
-"""Rich rendering for `mstrace stalls` and `mstrace leaks` (the data comes from viewer/analysis)."""
+"""`mstrace stalls` as text: each stall's wait cycle, waits, streams, KV pool and thread stacks."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -10,10 +9,9 @@ from rich.table import Table
 from rich.text import Text
 
 from probes.waits import DEVICE_THREAD
-from viewer.analysis.leaks import HeldBlocks, LeakReport
 from viewer.analysis.order import natural_key
 from viewer.analysis.stalls import StallRecord, interesting_frames
-from viewer.report import trace_heading
+from viewer.render.text import trace_heading
 
 RECENT_OPS = 5
 
@@ -31,19 +29,6 @@ def _when(meta: dict[str, Any], ts_ns: int) -> str:
 
         return datetime.fromtimestamp((ts_ns - mono + unix) / 1e9).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
     return f"ts {ts_ns}"
-
-
-def _ranges(ids: Sequence[int | None]) -> str:
-    """[1,2,3,7,9,10] -> "1-3, 7, 9-10": a leaked table is usually a few runs (None: a null block id)."""
-    out: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and (b := ids[j]) is not None and ids[j + 1] == b + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def kv_line(kv: dict[str, Any]) -> str:
@@ -128,55 +113,3 @@ def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list
                                style="bold" if mark else ""))
             for f in kept:
                 console.print(Text("    " + f.rstrip("\n").replace("\n", "\n    "), style="dim" if not mark else ""))
-
-
-def _held_table(title: str, rows: list[HeldBlocks]) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("request", "status", "finish", "blocks", "block ids"):
-        t.add_column(col, justify="right" if col == "blocks" else "left")
-    for h in rows:
-        t.add_row(h.request_id or "(none)", h.status, h.finish_reason or "—", str(len(h.block_ids)),
-                  _ranges(h.block_ids))
-    return t
-
-
-def render_leaks(console: Console, trace: str, meta: dict[str, Any], rep: LeakReport) -> None:
-    trace_heading(console, trace, f"  {rep.events} block events replayed")
-    if not rep.run_ended:
-        console.print("[yellow]the run did not finish cleanly: blocks of requests not in `requests` "
-                      "are counted as still running, not leaked[/]")
-    cap = f"{rep.capacity}" + (" (inferred: meta.json has no kv_blocks)" if rep.capacity_inferred else "")
-    console.print(f"KV pool at the end: {rep.final_free}/{cap} blocks free, {rep.final_held} held", highlight=False)
-    if rep.leaks:
-        console.print(Text(f"{rep.leaked_blocks} leaked block(s) in {len(rep.leaks)} request(s)", style="bold red"))
-        console.print(_held_table("leaked blocks", rep.leaks))
-    else:
-        console.print("[green]no leaks: every finished request released its blocks[/]")
-    if rep.still_running:
-        console.print(_held_table("held by requests still running when the trace ended", rep.still_running))
-    if rep.reclaimed:
-        t = Table(title=f"reclaimed by the engine's GC: {rep.reclaimed_blocks} block(s)", title_justify="left",
-                  header_style="bold")
-        for col in ("request", "blocks", "block ids"):
-            t.add_column(col, justify="right" if col == "blocks" else "left")
-        for rid, ids in rep.reclaimed.items():
-            t.add_row(rid or "(none)", str(len(ids)), _ranges(ids))
-        console.print(t)
-    else:
-        console.print("no blocks reclaimed")
-    rng = rep.frag_range()
-    if rng is None:
-        console.print("fragmentation: no block-table snapshots in this trace (--snapshot-every 0?)")
-    else:
-        worst = max(rep.fragmentation, key=lambda f: f.frag_index)
-        ratios = [f.free_ratio for f in rep.fragmentation]
-        console.print(
-            f"fragmentation over {len(rep.fragmentation)} snapshots: index min {rng[0]:.3f} max {rng[1]:.3f} "
-            f"(1 - largest free run / free blocks); free ratio {min(ratios):.1%}-{max(ratios):.1%}; "
-            f"worst at step {worst.step}: {worst.free_blocks} free, largest run {worst.largest_free_run}",
-            highlight=False,
-        )
-    if rep.num_anomalies:
-        console.print(Text(f"{rep.num_anomalies} event(s) the replay could not reconcile:", style="yellow"))
-        for a in rep.anomalies[:10]:
-            console.print(Text("  " + a))

@@ -1,4 +1,4 @@
-"""`mstrace diff A B`: did the change from trace A to trace B pay? Build and render.
+"""`mstrace diff A B` as text: did the change from trace A to trace B pay?
 
 Rendering never cuts a number or drops a significance mark: the rows are laid
 out as a table when the table fits the console (80 columns when piped), and
@@ -7,72 +7,23 @@ otherwise stacked, one row per line, wrapped between fields, never inside one.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 
 from viewer.analysis.diff import (
-    FDR_Q,
     LATENCIES,
     LEVEL,
-    METRICS,
     QUANTILES,
-    RESAMPLES,
-    SEED,
     THROUGHPUT,
+    Bootstrap,
     Delta,
-    Side,
-    compare,
-    trace_warnings,
+    Deltas,
+    DiffResult,
 )
-from viewer.report import REQUEST_COLUMNS, build_report, load_inputs, trace_heading
-
-
-def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> dict[str, Any]:
-    """Everything `diff` shows, as plain data (what --json prints)."""
-    # Both traces open first: a bad trace fails before any work.
-    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])))
-              for r in (a_root, b_root)]
-    reps_ = [build_report(inp) for inp in inputs]
-    warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
-                for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
-    warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
-    probes_ok = all(r["probes"] for r in reps_)
-    for side, r in zip("AB", reps_, strict=True):
-        # with --no-probes every cycle would count as barrier: no cost comparison at all
-        r["device_idle"] = 1 - r["device_busy"] if probes_ok and r["cycles"] else None
-        if not r["probes"]:
-            warnings.append(f"trace {side} was recorded with --no-probes: no boundary or device-idle comparison")
-    # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
-    keep = {(row["boundary"], m) for r in reps_ for row in r.get("boundaries", []) for m in METRICS
-            if row.get(m) is not None}
-    sides = [Side(i.probes, i.steps, i.requests, i.collectives, i.trace.meta) for i in inputs]
-    delta, how = compare(sides[0], sides[1], reps, seed, probes_ok, keep)
-    if not how["resampling"]["requests"]["paired"]:
-        warnings.append("requests resampled independently (" + how["resampling"]["requests"]["why"]
-                        + "): serving intervals include the workload's own spread")
-    return {
-        "a": reps_[0],
-        "b": reps_[1],
-        "delta": _plain(delta),
-        "warnings": warnings,
-        "bootstrap": {"resamples": reps, "seed": seed, "level": LEVEL, **how,
-                      "covers": "noise within these two runs (their rounds and requests resampled), "
-                                "not run-to-run variation"},
-    }
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, Delta):
-        return asdict(x)
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
-
+from viewer.render.text import pct, trace_heading
 
 # Which way is better, for colouring significant deltas: +1 higher, -1 lower, 0 neither.
 _BETTER = {"raw_ms_per_cycle": -1, "device_share": -1, "hidden": +1, "host_share": -1, "cycle_ms": -1, "device_idle": -1,
@@ -89,7 +40,7 @@ def _fmt(x: float | None, kind: str, signed: bool = False) -> str:
         return "—"
     sign = "+" if signed else ""
     if kind == "pct":  # shares: values in %, deltas in percentage points
-        return f"{100 * x:{sign}.1f} pp" if signed else f"{100 * x:.1f}%"
+        return f"{100 * x:{sign}.1f} pp" if signed else pct(x)
     if kind == "rate":
         return f"{x:{sign}.1f}" if abs(x) >= 10 else f"{x:{sign}.2f}"
     return f"{x:{sign}.3f}"
@@ -109,38 +60,38 @@ class Row:
     group: str | None = None  # a heading printed above this row (the boundary)
 
 
-def _row(label: str, d: dict[str, Any], kind: str, better: int, group: str | None = None) -> Row:
+def _row(label: str, d: Delta, kind: str, better: int, group: str | None = None) -> Row:
     colour = None
-    if d["significant"]:
-        good = better * (d["delta"] or 0)
+    if d.significant:
+        good = better * (d.delta or 0)
         colour = ("green" if good > 0 else "red") if good else None
-    ci = "—" if d["ci_low"] is None else f"[{_fmt(d['ci_low'], kind, True)}, {_fmt(d['ci_high'], kind, True)}]"
-    return Row(label, _fmt(d["a"], kind), _fmt(d["b"], kind), _fmt(d["delta"], kind, signed=True), ci,
-               _MARK if d["significant"] else "", colour, group)
+    ci = "—" if d.ci_low is None else f"[{_fmt(d.ci_low, kind, True)}, {_fmt(d.ci_high, kind, True)}]"
+    return Row(label, _fmt(d.a, kind), _fmt(d.b, kind), _fmt(d.delta, kind, signed=True), ci,
+               _MARK if d.significant else "", colour, group)
 
 
-def sections(dl: dict[str, Any]) -> list[tuple[str, list[Row]]]:
+def sections(dl: Deltas) -> list[tuple[str, list[Row]]]:
     """The deltas as the text prints them (labels, units, pp for shares): also the HTML page's."""
     cost: list[Row] = []
-    for name, m in dl["boundaries"].items():
+    for name, m in dl.boundaries.items():
         first = True
         for key, d in m.items():
-            if d["a"] is None and d["b"] is None:
+            if d.a is None and d.b is None:
                 continue
             label, kind = _LABEL[key]
             better = 0 if name in _NEUTRAL else _BETTER[key]
             cost.append(_row("  " + label, d, kind, better, name if first else None))
             first = False
-    cost.append(_row("  ms/cycle", dl["cycle_ms"], "ms", _BETTER["cycle_ms"], "cycle"))
-    di = dl["device_idle"]
-    if di["a"] is not None or di["b"] is not None:
+    cost.append(_row("  ms/cycle", dl.cycle_ms, "ms", _BETTER["cycle_ms"], "cycle"))
+    di = dl.device_idle
+    if di.a is not None or di.b is not None:
         cost.append(_row("device idle", di, "pct", _BETTER["device_idle"], ""))
-    serving = [_row(label, dl["throughput"][key], "rate", _BETTER[key])
+    serving = [_row(label, dl.throughput[key], "rate", _BETTER[key])
                for key, label in (("output_tok_per_s", "output tok/s"), ("input_tok_per_s", "input tok/s"),
                                   ("request_per_s", "req/s"))]
     for lat in LATENCIES:
         for i, k in enumerate(("mean", *(f"p{q}" for q in QUANTILES))):
-            serving.append(_row(f"  {k} ms", dl["latency"][lat][k], "ms", _BETTER[lat],
+            serving.append(_row(f"  {k} ms", dl.latency[lat][k], "ms", _BETTER[lat],
                                 lat[:-3].upper() if i == 0 else None))
     return [("sync cost per boundary", cost), ("serving (bench_serving definitions)", serving)]
 
@@ -208,14 +159,14 @@ def _stacked(console: Console, title: str, rows: list[Row]) -> None:
         console.print(out, highlight=False, soft_wrap=True)
 
 
-def render_diff(console: Console, d: dict[str, Any]) -> None:
-    a, b, dl, bs = d["a"], d["b"], d["delta"], d["bootstrap"]
-    la, lb = f"A {a['mode']}", f"B {b['mode']}"
+def render_diff(console: Console, d: DiffResult) -> None:
+    a, b, dl, bs = d.a, d.b, d.delta, d.bootstrap
+    la, lb = f"A {a.mode}", f"B {b.mode}"
     # Warnings first: a truncated, stalled or interrupted side is the first thing to know.
-    for w in d["warnings"]:
+    for w in d.warnings:
         console.print(f"[yellow]warning: {escape(w)}[/]", highlight=False, soft_wrap=True)
     for side, r in (("A", a), ("B", b)):
-        trace_heading(console, r["trace"], f" (mode {r['mode']}, model {r['model']})", lead=f"{side} ")
+        trace_heading(console, r.trace, f" (mode {r.mode}, model {r.model})", lead=f"{side} ")
     parts = sections(dl)
     # the widest layout that fits: a table, a table with each interval under its row,
     # or every field stacked (all sections alike, so they read alike)
@@ -231,8 +182,8 @@ def render_diff(console: Console, d: dict[str, Any]) -> None:
     console.print(_footnote(bs), highlight=False)
 
 
-def _footnote(bs: dict[str, Any]) -> str:
-    rs = bs.get("resampling", {})
+def _footnote(bs: Bootstrap) -> str:
+    rs = bs.resampling
     cyc, req = rs.get("cycles", {}), rs.get("requests", {})
     ca, cb = cyc.get("a", {}), cyc.get("b", {})
     if req.get("paired"):
@@ -240,10 +191,10 @@ def _footnote(bs: dict[str, Any]) -> str:
     else:
         how = f"requests drawn independently for A and B ({req.get('why', 'not paired')})"
     how += ", their times scaled by each run's resampled rounds"
-    fd = bs.get("fdr", {"q": FDR_Q, "rows": 0})
-    return (f"{_MARK} = significant: Benjamini-Hochberg, false discovery rate {fd['q']} over the {fd['rows']} rows "
+    fd = bs.fdr
+    return (f"{_MARK} = significant: Benjamini-Hochberg, false discovery rate {fd.q} over the {fd.rows} rows "
             f"with an interval (two-sided bootstrap p-values); green = better, red = worse.\n"
-            f"The {bs['level']:.0%} intervals ({bs['resamples']} resamples) cover the noise within these two runs, "
+            f"The {bs.level:.0%} intervals ({bs.resamples} resamples) cover the noise within these two runs, "
             f"not run-to-run variation: cycles and rounds resampled in circular blocks (A: {ca.get('n', 0)} "
             f"cycles, blocks of {ca.get('block', 1)}; B: {cb.get('n', 0)}, blocks of {cb.get('block', 1)}), "
             f"{how}. A rerun of the same command can differ by more; alternated pairs (bench/) say whether a "

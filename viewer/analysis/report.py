@@ -1,0 +1,264 @@
+"""`mstrace report`: the analyses of one trace assembled into one result (what --json prints).
+
+The result is typed (ReportResult and the dataclasses under it); its JSON is derived from
+it field by field (viewer/analysis/records.py), and docs/json.md is checked against it.
+The text renders in viewer/render/report.py, the page in viewer/export/html.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from tracing.run_status import RunStatus
+from viewer.analysis.advice import Backend, backend, worth_attacking
+from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
+from viewer.analysis.collectives import StragglerView, straggler_view
+from viewer.analysis.cost import BoundaryCost, CostTable, cost_table
+from viewer.analysis.kv import KvUsage, kv_usage
+from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
+from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
+
+# Only what the analyses read: a long trace's requests table is mostly token lists.
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
+# Boundaries with rows on the scheduling thread and on a device stream (defrag: the host's
+# pause and the device's copy): only then is `stream` read, to tell the host view's rows
+# apart. A column chunk per row group costs ~10 us to decode: on a long uncompacted trace a
+# column read for nothing is 0.1-0.2 s.
+BOTH_SIDES = ("defrag",)
+STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
+REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
+                   "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs", "delivered_ns"]
+
+
+@dataclass(slots=True)
+class ReportInputs:
+    """The tables one trace's report reads, from one consistent snapshot."""
+
+    trace: Trace
+    probes: pa.Table
+    steps: pa.Table
+    requests: pa.Table
+    collectives: pa.Table | None
+
+
+@dataclass(slots=True)
+class BoundaryRow:
+    """A cost-table row, each number named for its view and unit (docs/json.md): the two views'
+    ms per cycle are exactly the text table's (share x mean cycle); the rows' own time is
+    apart, per cycle and per row, since it is in neither view (it overlaps, it hides)."""
+
+    boundary: str
+    device_ms_per_cycle: float | None
+    device_share: float | None
+    host_ms_per_cycle: float | None
+    host_share: float | None
+    count: int
+    raw_ms_per_cycle: float | None
+    mean_row_ms: float | None
+    hidden: float | None
+    removable: str
+
+
+@dataclass(slots=True)
+class CostView:
+    """The sync-cost table of one rank. host_share_sum None: the rank has no scheduling
+    thread (not rank 0), and its rows' host columns are None too."""
+
+    cycles: int
+    cycle_ms: float
+    cycle_total_s: float
+    idle_s: float
+    wall_s: float
+    device_busy: float
+    device_share_sum: float
+    host_share_sum: float | None
+    negative: list[str]
+    boundaries: list[BoundaryRow]
+
+    def row(self, boundary: str) -> BoundaryRow | None:
+        return next((b for b in self.boundaries if b.boundary == boundary), None)
+
+
+@dataclass(slots=True)
+class Throughput:
+    requests: int
+    completed: int
+    submitted: int | None
+    finish_reasons: dict[str, int]
+    duration_s: float
+    request_per_s: float
+    input_tok_per_s: float
+    output_tok_per_s: float
+    input_tokens: int
+    output_tokens: int
+    preemptions: int
+
+
+@dataclass(slots=True)
+class DistStats:
+    """A latency distribution's summary; None where it has no values."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    count: int
+
+    @classmethod
+    def of(cls, d: Dist) -> DistStats:
+        def num(v: float) -> float | None:
+            return None if isinstance(v, float) and math.isnan(v) else v
+
+        return cls(num(d.mean), num(d.p50), num(d.p90), num(d.p99), d.count)
+
+
+@dataclass(slots=True)
+class Latency:
+    ttft_ms: DistStats
+    tpot_ms: DistStats
+    itl_ms: DistStats
+    e2e_ms: DistStats
+    # What the client saw, from the sender's side (only a trace that records deliveries): a
+    # slow client's requests end long after the engine finished them (arrival -> delivery,
+    # and finish -> delivery).
+    delivered_e2e_ms: DistStats | Omitted = OMITTED
+    delivery_lag_ms: DistStats | Omitted = OMITTED
+
+    def items(self) -> Iterator[tuple[str, DistStats]]:
+        """(name, distribution) of each latency this trace has, in order."""
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "delivered_e2e_ms", "delivery_lag_ms"):
+            d = getattr(self, name)
+            if d is not OMITTED:
+                yield name, d
+
+
+@dataclass(slots=True)
+class ReportResult(JsonRecord):
+    """Everything `report` shows. `cost` prints inline: its keys are the top level's."""
+
+    trace: str
+    status: RunStatus
+    model: str | None
+    mode: str | None
+    dtype: str | None  # what ran (older traces: unknown)
+    workload_digest: str | None
+    probes: bool
+    backend: Backend
+    cost: CostView = field(metadata=INLINE)
+    worth_attacking: list[str]
+    throughput: Throughput
+    latency: Latency
+    kv: KvUsage
+    # several ranks: every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
+    per_rank: dict[str, CostView] | Omitted = OMITTED
+    stragglers: StragglerView | None | Omitted = OMITTED  # only with a collectives table
+
+
+def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) -> ReportInputs:
+    trace = Trace.open(root)
+    ranks = trace.meta.get("ranks")
+    # A long trace's probes are most of its bytes: skip the rank column when the run had one rank.
+    probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
+    want: dict[str, list[str] | None] = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
+    t = read_consistent(trace, want)
+    names = {n for c in t["probes"]["boundary"].chunks for n in c.dictionary.to_pylist()}
+    if names & set(BOTH_SIDES):
+        t["probes"] = read_consistent(trace, {"probes": [*probe_cols, "stream"]})["probes"]
+    return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
+
+
+def build_report(root: str | Path | ReportInputs) -> ReportResult:
+    """Everything `report` shows (its to_json() is what --json prints)."""
+    inp = root if isinstance(root, ReportInputs) else load_inputs(root)
+    meta, probes, steps, requests, colls = inp.trace.meta, inp.probes, inp.steps, inp.requests, inp.collectives
+    # The cost table runs beside the request metrics: both are numpy passes that release the GIL.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        cost_job = pool.submit(cost_table, probes, steps, collectives=colls)
+        # ITL from token runs and round collect times: exact, and a long trace's tens
+        # of millions of per-token gaps never have to be read
+        itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
+        serving = serving_metrics(requests, itl)
+        kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
+        cost = cost_job.result()
+    config = meta.get("config", {})
+    rep = ReportResult(
+        trace=str(inp.trace.root),
+        status=inp.trace.status,
+        model=meta.get("model", {}).get("name"),
+        mode=config.get("mode"),
+        dtype=meta.get("model", {}).get("dtype"),
+        workload_digest=meta.get("workload", {}).get("digest"),
+        probes=config.get("probes", True),
+        backend=backend(meta, probes),
+        cost=cost_view(cost),
+        worth_attacking=worth_attacking(cost, config.get("mode"), config),
+        throughput=Throughput(
+            requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
+            finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,
+            request_per_s=serving.request_per_s, input_tok_per_s=serving.input_tok_per_s,
+            output_tok_per_s=serving.output_tok_per_s, input_tokens=serving.input_tokens,
+            output_tokens=serving.output_tokens, preemptions=serving.preemptions),
+        latency=Latency(*(DistStats.of(getattr(serving, k)) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")),
+                        *_delivery(requests)),
+        kv=kv,
+    )
+    ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows and "rank" in probes.column_names else []
+    if len(ranks) > 1:
+        rep.per_rank = {str(r): cost_view(cost_table(probes, steps, rank=r, collectives=colls), host_view=r == 0)
+                        for r in sorted(ranks)}
+    if colls is not None:
+        rep.stragglers = straggler_view(colls)
+    return rep
+
+
+def read_collectives(trace: Trace) -> pa.Table | None:
+    """The collectives table (TP runs), or None: traces from before it existed have no folder."""
+    if not trace.has_table("collectives"):
+        return None
+    t = trace.table("collectives", COLLECTIVE_COLUMNS)
+    return t if t.num_rows else None
+
+
+def cost_view(c: CostTable, host_view: bool = True) -> CostView:
+    """`host_view`: the rank has a scheduling thread (rank 0); another rank's host columns are
+    None, not a table of time no probe covered."""
+    rows = [_boundary_row(b, c) for b in c.boundaries]
+    if not host_view:
+        for r in rows:
+            r.host_ms_per_cycle = r.host_share = None
+    return CostView(cycles=c.cycles, cycle_ms=c.cycle_ms, cycle_total_s=c.cycle_total_s, idle_s=c.idle_s,
+                    wall_s=c.wall_s, device_busy=c.device_busy, device_share_sum=c.share_sum,
+                    host_share_sum=c.host_share_sum if host_view else None, negative=c.negative, boundaries=rows)
+
+
+def _boundary_row(b: BoundaryCost, c: CostTable) -> BoundaryRow:
+    cyc = c.cycle_ms
+    return BoundaryRow(
+        boundary=b.boundary,
+        device_ms_per_cycle=None if b.share is None else b.share * cyc, device_share=b.share,
+        host_ms_per_cycle=None if b.host_share is None else b.host_share * cyc, host_share=b.host_share,
+        count=b.count,
+        raw_ms_per_cycle=b.raw_ms_per_cycle if b.count else None,
+        mean_row_ms=b.raw_ms_per_cycle * c.cycles / b.count if b.count else None,
+        hidden=b.hidden, removable=b.removable)
+
+
+def _delivery(requests: pa.Table) -> tuple[DistStats, DistStats] | tuple[()]:
+    """Delivery latencies (delivered_e2e_ms, delivery_lag_ms) of the served requests whose
+    delivery was recorded (none in a trace from before requests.delivered_ns existed)."""
+    delivered, first = requests["delivered_ns"].to_numpy(), requests["first_token_ns"].to_numpy()
+    m = (delivered > 0) & (first > 0)
+    if not m.any():
+        return ()
+    arrival, finish = requests["arrival_ns"].to_numpy()[m], requests["finish_ns"].to_numpy()[m]
+    return (DistStats.of(Dist.of((delivered[m] - arrival) / 1e6)),
+            DistStats.of(Dist.of((delivered[m] - finish) / 1e6)))

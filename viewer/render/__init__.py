@@ -1,0 +1,1 @@
+"""The front ends' drawing: each function takes a typed result of viewer/analysis and draws it."""

@@ -1,0 +1,124 @@
+"""`mstrace report` as text: the sync-cost table, throughput and latency, KV usage."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from viewer.analysis.collectives import StragglerView
+from viewer.analysis.report import CostView, ReportResult
+from viewer.render.text import ms, pct, status_line, trace_heading
+
+LATENCY_ROWS = (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms"),
+                ("delivered_e2e_ms", "E2E delivered ms"), ("delivery_lag_ms", "delivery lag ms"))
+
+
+def render_cost(console: Console, c: CostView, title: str, whose: str = "the device") -> None:
+    """Both views side by side, in ms per cycle and shares; each view's column sums to the cycle.
+    A table without a host view (a rank with no scheduling thread) has the device's only.
+    Simple box and short headers: the table fits 80 columns."""
+    host = c.host_share_sum is not None
+    t = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("boundary", no_wrap=True)
+    heads = ("device\nms/cyc", "device\nshare", *(("host\nms/cyc", "host\nshare") if host else ()), "count", "hidden")
+    for head in heads:
+        t.add_column(head, justify="right", no_wrap=True)
+    cyc = c.cycle_ms
+    for b in c.boundaries:
+        hv = (ms(b.host_ms_per_cycle), pct(b.host_share)) if host else ()
+        t.add_row(b.boundary, ms(b.device_ms_per_cycle), pct(b.device_share), *hv,
+                  str(b.count) if b.count else "", pct(b.hidden) if b.hidden is not None else "")
+    t.add_section()
+    hv = (ms(cyc * c.host_share_sum), pct(c.host_share_sum)) if c.host_share_sum is not None else ()
+    t.add_row("cycle", ms(cyc * c.device_share_sum), pct(c.device_share_sum), *hv, str(c.cycles), "")
+    console.print(t)
+    barrier = c.row("scheduler_barrier")
+    waits = f"; the scheduling thread waits for the device {pct(barrier.host_share)} of it" \
+        if barrier and barrier.host_share is not None else ""
+    console.print(
+        f"cycle {ms(cyc)} ms: {whose} computes {pct(c.device_busy)} of it{waits}.\n"
+        f"wall {c.wall_s:.2f} s = {c.cycle_total_s:.2f} s in {c.cycles} cycles "
+        f"+ {c.idle_s:.2f} s idle (no work)",
+        highlight=False,
+    )
+    if c.negative:
+        console.print(f"[bold red]negative rows: {escape(', '.join(c.negative))}: probes overlap there, "
+                      "so these shares double-count[/]", highlight=False)
+
+
+def render_report(console: Console, rep: ReportResult) -> None:
+    status_line(console, rep.status, rep.trace)
+    dtype = f"  dtype={rep.dtype}" if rep.dtype else ""
+    trace_heading(console, rep.trace, f"  model={rep.model}  mode={rep.mode}{dtype}")
+    if not rep.probes:
+        console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
+    else:
+        render_cost(console, rep.cost, "sync-cost table: each cycle in the device's and the host's view")
+        for line in rep.worth_attacking:
+            console.print(f"worth attacking: {escape(line)}", highlight=False)
+        be = rep.backend
+        for note in be.notes:
+            console.print(f"[dim]{be.name} backend (emulated): {escape(note)}[/]", highlight=False)
+    per_rank = rep.per_rank if isinstance(rep.per_rank, dict) else {}
+    for r, c in per_rank.items():
+        if r != "0":  # rank 0's is the table above: the scheduler's rank
+            render_cost(console, c, f"rank {r} (against rank 0's cycles; no scheduling thread, so the device's view "
+                                    "only)", whose=f"rank {r}'s device")
+    if per_rank:
+        render_comm(console, rep, per_rank)
+
+    tp = rep.throughput
+    t = Table(title="throughput and latency", header_style="bold", title_justify="left")
+    t.add_column("metric")
+    for col in ("mean", "p50", "p90", "p99"):
+        t.add_column(col, justify="right")
+    have = dict(rep.latency.items())
+    for name, label in LATENCY_ROWS:
+        d = have.get(name)
+        if d is not None:
+            t.add_row(label, ms(d.mean), ms(d.p50), ms(d.p90), ms(d.p99))
+    console.print(t)
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(tp.finish_reasons.items()))
+    submitted = f", {tp.submitted} submitted" if rep.status.state == "interrupted" else ""
+    console.print(
+        f"{tp.completed}/{tp.requests} requests{submitted} ({reasons}) in {tp.duration_s:.2f} s: "
+        f"{tp.input_tok_per_s:.1f} input tok/s, {tp.output_tok_per_s:.1f} output tok/s, "
+        f"{tp.request_per_s:.2f} req/s; {tp.preemptions} preemptions",
+        highlight=False,
+    )
+    kv = rep.kv
+    console.print(
+        f"KV: peak {kv.peak_blocks}/{kv.num_blocks} blocks ({pct(kv.peak_occupancy)}), "
+        f"mean occupancy {pct(kv.mean_occupancy)}, prefix-sharing hit rate {pct(kv.prefix_hit_rate)} "
+        f"({kv.prefix_hit_tokens} of {kv.prompt_tokens} prompt tokens)",
+        highlight=False,
+    )
+
+
+def render_comm(console: Console, rep: ReportResult, per_rank: dict[str, CostView]) -> None:
+    """TP/PP: all_reduce exposed vs hidden per rank (HTA's comm/compute overlap), then stragglers."""
+    t = Table(title="all_reduce per rank: exposed (host wait) vs hidden (rank computing)",
+              header_style="bold", title_justify="left")
+    for col in ("rank", "collectives", "raw ms/cyc", "exposed", "hidden", "pp_bubble exposed"):
+        t.add_column(col, justify="right")
+    for r, c in per_rank.items():
+        ar, pb = c.row("all_reduce"), c.row("pp_bubble")
+        t.add_row(r, str(ar.count) if ar else "0", ms(ar.raw_ms_per_cycle) if ar else "—",
+                  pct(ar.device_share) if ar else "—", pct(ar.hidden) if ar else "—",
+                  pct(pb.device_share) if pb else "—")
+    console.print(t)
+    sv = rep.stragglers
+    if not isinstance(sv, StragglerView):  # none, or the trace has no collectives table
+        return
+    st = Table(title=f"stragglers: which rank issued each collective last ({sv.collectives} collectives; "
+                     f"lateness p50 {sv.lateness_p50_ms:.3f} ms, p99 {sv.lateness_p99_ms:.3f} ms)",
+               header_style="bold", title_justify="left")
+    for col in ("rank", "last", "share", "mean late ms", "max late ms"):
+        st.add_column(col, justify="right")
+    for x in sv.ranks:
+        st.add_row(str(x.rank), str(x.last), pct(x.share), f"{x.mean_ms:.3f}", f"{x.max_ms:.3f}")
+    console.print(st)
+    worst = ", ".join(f"{w.group} #{w.seq} (step {w.step}): rank {w.rank} +{w.late_ms:.2f} ms" for w in sv.worst)
+    console.print(f"latest arrivals: {worst}", highlight=False)
