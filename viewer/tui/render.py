@@ -11,6 +11,7 @@ from rich.text import Text
 from probes import boundaries as B
 from viewer.analysis.cycle_views import UNATTRIBUTED
 from viewer.live.state import Lane, TopView
+from viewer.render.text import ms, pct
 
 # One colour per boundary, the same in every panel; the letter stands in where colour is lost.
 COLOURS: dict[str, tuple[str, str]] = {
@@ -35,10 +36,6 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 def colour(boundary: str) -> str:
     return COLOURS.get(boundary, ("white", "?"))[0]
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else (f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}")
 
 
 def header(v: TopView, paused: bool = False) -> Text:
@@ -178,16 +175,12 @@ def cost(v: TopView, width: int = 80) -> Text:
             continue
         name = b.boundary if len(b.boundary) <= name_w - 1 else b.boundary[: name_w - 2] + "…"
         t.append(f"{name:<{name_w}}", style="bold reverse" if b.boundary == v.worst else colour(b.boundary))
-        dev_ms = "-" if b.share is None else f"{b.share * c.cycle_ms:.2f}"  # device ms/cycle, as `report` prints it
-        t.append(f"{dev_ms:>8}{_pct(b.share):>9}{_pct(b.host_share):>9}"
-                 + (f"{_pct(b.hidden):>9}" if hidden else "") + "\n")
+        dev_ms = ms(None if b.share is None else b.share * c.cycle_ms, missing="-")  # device ms/cycle, as `report` prints it
+        t.append(f"{dev_ms:>8}{pct(b.share, '-'):>9}{pct(b.host_share, '-'):>9}"
+                 + (f"{pct(b.hidden, '-'):>9}" if hidden else "") + "\n")
     t.append(f"{'cycle':<{name_w}}", style="bold")
     t.append(f"{c.cycle_ms:>8.2f}{'100%':>9}{'100%':>9}")
     return t
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def sparkline(series: list[float], width: int) -> str:
@@ -204,7 +197,7 @@ def latency(v: TopView, width: int) -> Text:
     t.append("latency, ms\n", style="bold")
     spark_w = width - 29  # one line a metric: the sparkline fills what the numbers leave
     for lat in v.latency:
-        t.append(f"{lat.name:<5} p50 {_ms(lat.p50_ms):>6} p99 {_ms(lat.p99_ms):>6} ")
+        t.append(f"{lat.name:<5} p50 {ms(lat.p50_ms, None, '-'):>6} p99 {ms(lat.p99_ms, None, '-'):>6} ")
         if spark_w >= 4:
             t.append(sparkline(lat.series, spark_w), style="cyan")
         t.append("\n")
