@@ -1,15 +1,22 @@
-"""docs/json.md names exactly the keys `report`, `diff`, `stalls` and `leaks` print with --json."""
+"""docs/json.md names exactly the keys `report`, `diff`, `stalls` and `leaks` print with --json,
+and exactly the fields of their result dataclasses (the JSON is derived from them)."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.cli import REPO, mstrace
+from viewer.analysis.diff import DiffResult
+from viewer.analysis.leaks import LeaksResult
+from viewer.analysis.records import KEY, OPAQUE, json_paths
+from viewer.analysis.report import ReportResult
+from viewer.analysis.stalls import StallsResult
 
 DOC = REPO / "docs" / "json.md"
 
@@ -74,3 +81,44 @@ def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
     assert undocumented == [], f"{cmd} --json prints keys docs/json.md does not describe"
     missing = sorted(k for k, optional in docs.items() if not optional and not any(under(k, g) for g in got))
     assert missing == [], f"docs/json.md describes {cmd} keys it does not print"
+
+
+RESULTS: dict[str, type] = {"report": ReportResult, "diff": DiffResult, "stalls": StallsResult, "leaks": LeaksResult}
+
+
+def _segments(path: str) -> list[str]:
+    return [KEY if s.startswith("<") else s for s in path.split(".")]
+
+
+def _covers(doc: list[str], field: list[str]) -> bool:
+    """The doc's key names the field's path, or an object holding it (`per_rank.<rank>`), or a
+    key inside a field whose shape the type leaves open (a dict of Any: `stalls[].kv.free`)."""
+    def prefix(short: list[str], long: list[str]) -> bool:
+        return len(short) <= len(long) and all(a == b or KEY in (a, b) for a, b in zip(short, long, strict=False))
+
+    return prefix(doc, field) or (field[-1] == OPAQUE and prefix(field[:-1], doc))
+
+
+def undocumented_and_stale(cls: type, cmd: str) -> tuple[list[str], list[str]]:
+    docs = [_segments(k) for k in documented()[cmd]]
+    fields = [_segments(p) for p in json_paths(cls)]
+    undocumented = sorted(".".join(f) for f in fields if not any(_covers(d, f) for d in docs))
+    stale = sorted(".".join(d) for d in docs if not any(_covers(d, f) for f in fields))
+    return undocumented, stale
+
+
+@pytest.mark.parametrize("cmd", sorted(RESULTS))
+def test_documented_keys_are_exactly_the_result_fields(cmd):
+    """No trace needed: a field added to a result without its line in docs/json.md fails here,
+    whichever traces the test above happens to make."""
+    undocumented, stale = undocumented_and_stale(RESULTS[cmd], cmd)
+    assert undocumented == [], f"{cmd}: fields of {RESULTS[cmd].__name__} docs/json.md does not describe"
+    assert stale == [], f"docs/json.md describes {cmd} keys {RESULTS[cmd].__name__} has no field for"
+
+
+def test_a_field_added_without_a_doc_is_caught():
+    @dataclass(slots=True)
+    class Grown(LeaksResult):
+        oops: int = 0
+
+    assert undocumented_and_stale(Grown, "leaks") == (["oops"], [])
