@@ -20,7 +20,7 @@ from scheduler.config import EngineConfig
 from scheduler.harness.run_options import RunOptions
 from tracing.run_status import first_line
 from viewer.analysis.report import build_report
-from viewer.render.report import render_report
+from viewer.render.report import render_modes, render_report
 
 
 class Fail(Protocol):
@@ -127,7 +127,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         outs[mode] = out / mode
         _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made)
         made = None  # a later mode's failure leaves the earlier modes' traces
-    render_modes(console, {m: build_report(o).to_json() for m, o in outs.items()})
+    render_modes(console, {m: build_report(o) for m, o in outs.items()})
     console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
 
@@ -269,34 +269,3 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
     except KeyboardInterrupt:  # typer exits 130 without a word; say where the evidence is
         print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)
         raise
-
-
-def render_modes(console: Console, reps: dict[str, dict[str, Any]]) -> None:
-    """The three-way control-group table: one column per mode."""
-    from rich.table import Table
-
-    t = Table(title="same workload, three modes", header_style="bold", title_justify="left")
-    t.add_column("metric")
-    for m in reps:
-        t.add_column(m, justify="right")
-
-    def row(label: str, f: Callable[[dict[str, Any]], float | None], fmt: str) -> None:
-        t.add_row(label, *("—" if (v := f(r)) is None else format(v, fmt) for r in reps.values()))
-
-    def bshare(name: str) -> Callable[[dict[str, Any]], float | None]:
-        return lambda r: next((100 * (b["device_share"] or 0) for b in r["boundaries"] if b["boundary"] == name), None)
-
-    row("output tok/s", lambda r: r["throughput"]["output_tok_per_s"], ".1f")
-    row("cycle ms", lambda r: r["cycle_ms"], ".2f")
-    row("device busy %", lambda r: 100 * r["device_busy"], ".1f")
-    row("barrier exposed %", bshare("scheduler_barrier"), ".1f")
-    row("bookkeeping exposed %", bshare("bookkeeping"), ".1f")
-    row("batch_prepare exposed %", bshare("batch_prepare"), ".1f")
-
-    def latency(k: str, q: str) -> Callable[[dict[str, Any]], float | None]:
-        return lambda r: r["latency"][k][q]
-
-    for k, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
-        row(f"{label} p50 ms", latency(k, "p50"), ".1f")
-        row(f"{label} p99 ms", latency(k, "p99"), ".1f")
-    console.print(t)

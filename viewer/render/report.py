@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rich import box
 from rich.console import Console
 from rich.markup import escape
@@ -122,3 +124,31 @@ def render_comm(console: Console, rep: ReportResult, per_rank: dict[str, CostVie
     console.print(st)
     worst = ", ".join(f"{w.group} #{w.seq} (step {w.step}): rank {w.rank} +{w.late_ms:.2f} ms" for w in sv.worst)
     console.print(f"latest arrivals: {worst}", highlight=False)
+
+
+def render_modes(console: Console, reps: dict[str, ReportResult]) -> None:
+    """`run --mode all`'s control-group table: one column per mode."""
+    t = Table(title="same workload, three modes", header_style="bold", title_justify="left")
+    t.add_column("metric")
+    for m in reps:
+        t.add_column(m, justify="right")
+
+    def row(label: str, f: Callable[[ReportResult], float | None], fmt: str) -> None:
+        t.add_row(label, *("—" if (v := f(r)) is None else format(v, fmt) for r in reps.values()))
+
+    def exposed(name: str) -> Callable[[ReportResult], float | None]:
+        return lambda r: next((100 * (b.device_share or 0) for b in r.cost.boundaries if b.boundary == name), None)
+
+    row("output tok/s", lambda r: r.throughput.output_tok_per_s, ".1f")
+    row("cycle ms", lambda r: r.cost.cycle_ms, ".2f")
+    row("device busy %", lambda r: 100 * r.cost.device_busy, ".1f")
+    row("barrier exposed %", exposed("scheduler_barrier"), ".1f")
+    row("bookkeeping exposed %", exposed("bookkeeping"), ".1f")
+    row("batch_prepare exposed %", exposed("batch_prepare"), ".1f")
+    def quantile(k: str, q: str) -> Callable[[ReportResult], float | None]:
+        return lambda r: getattr(getattr(r.latency, k), q)
+
+    for k, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        row(f"{label} p50 ms", quantile(k, "p50"), ".1f")
+        row(f"{label} p99 ms", quantile(k, "p99"), ".1f")
+    console.print(t)
