@@ -156,3 +156,31 @@ def test_pages_cut_nothing_off_narrow_or_wide(traces: tuple[Path, Path], tmp_pat
     assert mstrace("diff", str(a), str(b), "--html", str(diff)).returncode == 0
     cut = {(page.name, width): _cut_at(page, width) for page in (report, diff) for width in (640, 1600)}
     assert not any(cut.values()), cut
+
+
+def test_the_timeline_clips_rows_to_its_window() -> None:
+    """A wait that began long before the window's first round is drawn from the window's
+    start (its hover keeps its own start): the axis never stretches left of 0 for it
+    (a loaded machine made such rows, and the page's axis ran from -4.3 ms)."""
+    import pyarrow as pa
+
+    from tracing.schema import TABLES
+    from viewer.export import html_charts as charts
+
+    ms = 1_000_000
+    steps = TABLES["steps"].empty_table().to_pylist()
+    for i in range(3):
+        steps.append({c: 0 for c in TABLES["steps"].names} | {"step": i, "mode": "serial", "ts_ns": 100 * ms + 10 * ms * i,
+                                                               "dur_ns": 10 * ms})
+    probes = [{"ts_ns": 50 * ms, "dur_ns": 60 * ms, "boundary": "idle", "stream": "host", "rank": 0, "step": -1},
+              {"ts_ns": 125 * ms, "dur_ns": 40 * ms, "boundary": "device_compute", "stream": "main", "rank": 0,
+               "step": 2}]
+    inp = charts.ChartInputs(pa.Table.from_pylist(probes, TABLES["probes"]),
+                             pa.Table.from_pylist(steps, TABLES["steps"]), TABLES["requests"].empty_table())
+    fig = charts.timeline(inp)
+    x0, x1 = fig.layout.xaxis.range
+    assert -0.5 < x0 <= 0 and 30 <= x1 < 30.5
+    bars = {t.name: t for t in fig.data}
+    assert list(bars["idle"].base) == [0.0] and list(bars["idle"].x) == [10.0]
+    assert list(bars["idle"].customdata[0]) == [-50.0, 60.0]
+    assert list(bars["device_compute"].base) == [25.0] and list(bars["device_compute"].x) == [5.0]

@@ -72,17 +72,22 @@ def timeline(inp: ChartInputs) -> Any:
     bnd = np.array(p["boundary"].cast(pa.string()).to_pylist(), dtype=object)
     start = (p["ts_ns"].to_numpy() - t0) / 1e6
     length = p["dur_ns"].to_numpy() / 1e6
+    # A row that began before the window's first round (a long wait, an idle gap) or ends
+    # after its last is drawn clipped to the window; its hover gives its own start and length.
+    span = (t1 - t0) / 1e6
+    shown0 = np.clip(start, 0.0, span)
+    shown = np.clip(start + length, 0.0, span) - shown0
     for b in sorted(set(bnd.tolist())):
         m = bnd == b
-        fig.add_trace(go.Bar(x=length[m], base=start[m], y=lane[m], orientation="h", name=b,
-                             marker={"color": colour(b)}, hovertemplate=f"{b}<br>%{{base:.3f}} ms"
-                             "+ %{x:.3f} ms<extra></extra>"))
+        fig.add_trace(go.Bar(x=shown[m], base=shown0[m], y=lane[m], orientation="h", name=b,
+                             customdata=np.stack([start[m], length[m]], axis=1),
+                             marker={"color": colour(b)}, hovertemplate=f"{b}<br>%{{customdata[0]:.3f}} ms"
+                             "+ %{customdata[1]:.3f} ms<extra></extra>"))
     w0, w1 = (ts[worst] - t0) / 1e6, (ts[worst] + dur[worst] - t0) / 1e6
-    # The x range is the bars' own: autorange also fits the shaded round's label, which on a
-    # narrow page stretched the axis far left of 0 (640 px: -50 ms to 60, half of it empty).
+    # The x range is the window's own: autorange also fits the shaded round's label, which on
+    # a narrow page stretched the axis far left of 0 (640 px: -50 ms to 60, half of it empty).
     # The label runs from the round's edge into the window's wider side.
-    x0 = min(0.0, float(start.min())) if len(start) else 0.0
-    x1 = max((t1 - t0) / 1e6, float((start + length).max()) if len(start) else 0.0)
+    x0, x1 = 0.0, span
     pad = 0.01 * (x1 - x0)
     fig.add_vrect(x0=w0, x1=w1, fillcolor="red", opacity=0.12, line_width=0,
                   annotation_position="top left" if w0 - x0 < x1 - w1 else "top right",
