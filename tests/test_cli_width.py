@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.support.cli import REPO, mstrace
+from tests.support.cli import REPO
+from tests.support.tiny_runs import TinyRuns
 
 
 def at(columns: int, *args: str) -> str:
@@ -35,11 +36,8 @@ def test_run_help_fits_80_columns_whole():
 
 
 @pytest.fixture(scope="module")
-def modes(tmp_path_factory: pytest.TempPathFactory):
-    out = tmp_path_factory.mktemp("w") / "modes"
-    p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", "all", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def modes(tiny_runs: TinyRuns):
+    return tiny_runs("--requests", "24", "--mode", "all", "-q").out
 
 
 def _widest(out: str, modes) -> int:

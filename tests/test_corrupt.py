@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.cli import cli, mstrace
+from tests.support.cli import cli
+from tests.support.tiny_runs import TinyRuns
 from tracing.schema import TABLES
 
 # Corruptions after which the trace is still what was committed: commands must
@@ -31,12 +32,10 @@ COMMANDS = ("report", "stalls", "leaks")
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("corrupt") / "clean"
-    p = mstrace("run", "--model", "tiny", "--requests", "6", "--output-len", "4-12", "--snapshot-every", "3",
-                "--cpu-device", "thread", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def clean(tiny_runs: TinyRuns) -> Path:
+    """Read only: each example corrupts a copy of it."""
+    return tiny_runs("--requests", "6", "--output-len", "4-12", "--snapshot-every", "3", "--cpu-device", "thread",
+                     "-q").out
 
 
 @pytest.fixture(scope="module")

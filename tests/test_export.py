@@ -12,17 +12,14 @@ import pytest
 
 from tests.support.cli import mstrace
 from tests.support.otlp_receiver import Receiver, receiver
+from tests.support.tiny_runs import TinyRuns
 from tracing.reader import read_table
 from viewer.export import wire
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "tp2"
-    p = mstrace("run", "--model", "tiny", "--tp", "2", "--requests", "12", "--shared-prefix", "0.5",
-                "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def tp2(tiny_runs: TinyRuns) -> Path:
+    return tiny_runs("--tp", "2", "--requests", "12", "--shared-prefix", "0.5", "-q").out
 
 
 def _parse(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import mstrace
+from tests.support.tiny_runs import TinyRuns
 
 CHROMIUM = shutil.which("chromium-headless-shell") or shutil.which("chromium")
 # no network at view time: every host resolves to nothing, and no proxy is tried
@@ -19,12 +20,8 @@ NO_NET = ["--no-sandbox", "--disable-gpu", "--host-resolver-rules=MAP * ~NOTFOUN
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("html")
-    for mode in ("serial", "overlap"):
-        p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", mode, "--out", str(root / mode), "-q")
-        assert p.returncode == 0, p.stderr
-    return root / "serial", root / "overlap"
+def traces(tiny_runs: TinyRuns, overlap_trace: Path) -> tuple[Path, Path]:
+    return tiny_runs("--requests", "24", "--mode", "serial", "-q").out, overlap_trace
 
 
 def _open(page: Path, png: Path) -> str:

@@ -132,15 +132,7 @@ def test_capacity_inferred_without_meta():
     assert rep.capacity == 7 and rep.capacity_inferred and rep.final_free == 7
 
 
-# ---------------------------------------------------------------- the CLI
-@pytest.fixture(scope="module")
-def tiny_trace(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lk") / "t"
-    p = mstrace("run", "--model", "tiny", "--requests", "8", "-q", "--out", str(out), "--snapshot-every", "5")
-    assert p.returncode == 0, p.stderr
-    return out
-
-
+# ---------------------------------------------------------------- the CLI (tiny_trace: tests/conftest.py)
 def test_leaks_on_a_tiny_run_finds_none(tiny_trace):
     p = mstrace("leaks", str(tiny_trace), "--json")
     assert p.returncode == 0, p.stderr

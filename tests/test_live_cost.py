@@ -11,18 +11,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from tests.support.cli import mstrace
+from tests.support.tiny_runs import TinyRuns
 from tracing.reader import Trace
 from viewer.analysis.cycle_views import per_cycle
 from viewer.commands.live_cost import HOLD, LiveCost
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("live") / "t"
-    p = mstrace("run", "--model", "tiny", "--requests", "24", "--rate", "40", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def trace(tiny_runs: TinyRuns) -> Path:
+    return tiny_runs("--requests", "24", "--rate", "40", "-q").out
 
 
 def _batches(t: pa.Table, cuts: list[int]) -> list[pa.Table]:

@@ -30,15 +30,6 @@ def rows(rep):
     return {b["boundary"]: b for b in rep["boundaries"]}
 
 
-@pytest.fixture(scope="module")
-def tiny_trace(tmp_path_factory):
-    out = tmp_path_factory.mktemp("r") / "t"
-    p = mstrace("run", "--model", "tiny", "--requests", "32", "--out", str(out), "-q", "--snapshot-every", "5")
-    assert p.returncode == 0, p.stderr
-    assert "sync-cost table" in p.stdout  # run prints the report
-    return out
-
-
 def test_every_table_written_and_non_empty(tiny_trace):
     for t in ("requests", "timeline", "steps", "probes", "memory", "spans"):
         try:
@@ -66,12 +57,9 @@ def test_report_lists_core_boundaries_in_both_views(tiny_trace):
     assert rep["throughput"]["output_tok_per_s"] > 0 and rep["kv"]["peak_blocks"] > 0
 
 
-def test_overlap_with_split_streams_records_kv_fences(tmp_path):
+def test_overlap_with_split_streams_records_kv_fences(overlap_trace):
     """kv_fence exists only where a free must wait for another stream: split streams."""
-    out = tmp_path / "ov"
-    p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", "overlap", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    got = rows(report_json(out))
+    got = rows(report_json(overlap_trace))
     assert got["kv_fence"]["count"] > 0
     assert got["kv_fence"]["host_share"] > 0  # nested in bookkeeping, charged to the fence
 

@@ -10,21 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.cli import mstrace
-from tests.support.serve_proc import Served, serving, sse_events
+from tests.support.serve_proc import Served, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    with serving(tmp_path_factory.mktemp("serve") / "trace") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: Served):
-    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0)
 
 
 def test_completions_streamed_and_not_agree_and_count_their_tokens(client) -> None:

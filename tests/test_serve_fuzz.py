@@ -58,7 +58,8 @@ _raw = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), s
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def own_server(tmp_path_factory: pytest.TempPathFactory):
+    """Not the session's server (tests/conftest.py): the last test stops this one."""
     s = Served(tmp_path_factory.mktemp("fuzz") / "trace")
     yield s
     if s.proc.poll() is None:
@@ -78,10 +79,10 @@ def _send(server: Served, path: str, body: bytes) -> tuple[int, bytes]:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.one_of(_good, _good, _completion, _chat, _raw))
-def test_generated_requests_never_get_a_5xx(server: Served, case) -> None:
+def test_generated_requests_never_get_a_5xx(own_server: Served, case) -> None:
     path, body = case
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    status, reply = _send(server, path, data)
+    status, reply = _send(own_server, path, data)
     STATUSES[status] = STATUSES.get(status, 0) + 1
     assert status < 500, reply[:300]
     if status >= 400:
@@ -93,10 +94,10 @@ def test_generated_requests_never_get_a_5xx(server: Served, case) -> None:
         assert json.loads(reply)["choices"]
 
 
-def test_after_the_fuzz_nothing_is_held(server: Served, tmp_path: Path) -> None:
+def test_after_the_fuzz_nothing_is_held(own_server: Served, tmp_path: Path) -> None:
     print("statuses:", dict(sorted(STATUSES.items())))
     assert sum(STATUSES.values()) >= EXAMPLES and STATUSES.get(200, 0) >= EXAMPLES // 20  # some were served
-    rc, _, err = server.stop()
+    rc, _, err = own_server.stop()
     assert rc == 0, err
-    leaks = mstrace("leaks", str(server.out))
+    leaks = mstrace("leaks", str(own_server.out))
     assert leaks.returncode == 0 and "no leaks" in leaks.stdout, leaks.stdout + leaks.stderr

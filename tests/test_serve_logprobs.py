@@ -8,22 +8,11 @@ import json
 import pytest
 import torch
 
-from tests.support.serve_proc import Served, serving, sse_events
+from tests.support.serve_proc import Served, sse_events
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    with serving(tmp_path_factory.mktemp("serve-lp") / "trace") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: Served):
-    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

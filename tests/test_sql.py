@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import REPO, mstrace
+from tests.support.tiny_runs import TinyRuns
 from viewer.analysis.report import build_report
 from viewer.export.sql import SqlError, TraceDb
 
@@ -17,11 +18,8 @@ QUERIES = re.findall(r"```sql\n(.*?)```", (REPO / "docs" / "sql.md").read_text()
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sql") / "run"
-    p = mstrace("run", "--model", "tiny", "--requests", "48", "--shared-prefix", "0.5", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def trace(tiny_runs: TinyRuns) -> Path:
+    return tiny_runs("--requests", "48", "--shared-prefix", "0.5", "-q").out
 
 
 def test_the_page_has_ten_queries() -> None:

@@ -16,6 +16,7 @@ from textual.widgets import DataTable
 from probes import boundaries as B
 from tests.support.cli import mstrace
 from tests.support.store import SMALL, probe_row
+from tests.support.tiny_runs import TinyRuns
 from tests.support.tui_trace import MS, T0, synthetic_trace
 from tracing.reader import Trace, read_table
 from tracing.writer import TraceWriter
@@ -30,11 +31,8 @@ from viewer.tui.view_app import ViewApp
 
 
 @pytest.fixture(scope="module")
-def run_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tui") / "run"
-    p = mstrace("run", "--model", "tiny", "--requests", "16", "--snapshot-every", "8", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    return out
+def run_trace(tiny_runs: TinyRuns) -> Path:
+    return tiny_runs("--requests", "16", "--snapshot-every", "8", "-q").out
 
 
 # ---- the tail -------------------------------------------------------------------------

@@ -82,7 +82,7 @@ class Served:
 
 @contextmanager
 def serving(out: Path, *flags: str) -> Iterator[Served]:
-    """A server for a test module: it must stop cleanly (exit 0) when the module is done."""
+    """A server for the tests that share it: it must stop cleanly (exit 0) when they are done."""
     s = Served(out, *flags)
     yield s
     rc, _, err = s.stop()

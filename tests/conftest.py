@@ -1,0 +1,56 @@
+"""What several test modules share, made once per session: the tiny traces they read
+(tests/support/tiny_runs.py, one per set of flags, shared by the xdist workers) and a
+running `mstrace serve`. The helpers themselves are in tests/support/."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.serve_proc import Served, serving
+from tests.support.tiny_runs import TinyRuns, session_root
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with slow tests first, in their own order: `--dist loadscope` hands out
+    whole modules in collection order, and a long one handed out last is the suite's tail."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: modules stay whole
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory: pytest.TempPathFactory) -> TinyRuns:
+    return TinyRuns(session_root(tmp_path_factory))
+
+
+@pytest.fixture(scope="session")
+def tiny_trace(tiny_runs: TinyRuns) -> Path:
+    """A serial run with memory snapshots: what the analyses of one clean trace read."""
+    run = tiny_runs("--requests", "32", "-q", "--snapshot-every", "5")
+    assert "sync-cost table" in run.stdout  # run prints the report
+    return run.out
+
+
+@pytest.fixture(scope="session")
+def overlap_trace(tiny_runs: TinyRuns) -> Path:
+    """An overlap run (split streams: kv fences)."""
+    return tiny_runs("--requests", "24", "--mode", "overlap", "-q").out
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`mstrace serve --model tiny` with the default flags, for the worker's whole session;
+    it must stop cleanly (exit 0) at the end. A test that stops or breaks its server starts
+    its own."""
+    with serving(tmp_path_factory.mktemp("serve") / "trace") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def client(server: Served) -> Any:
+    """The official openai client on the session's server."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0)
