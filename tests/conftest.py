@@ -1,6 +1,6 @@
 """What several test modules share, made once per session: the tiny traces they read
-(tests/support/tiny_runs.py, one per set of flags, shared by the xdist workers) and a
-running `mstrace serve`. The helpers themselves are in tests/support/."""
+(tests/support/tiny_runs.py, one per set of flags, shared by the xdist workers), a llama
+checkpoint and a running `mstrace serve`. The helpers themselves are in tests/support/."""
 
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def tiny_trace(tiny_runs: TinyRuns) -> Path:
 def overlap_trace(tiny_runs: TinyRuns) -> Path:
     """An overlap run (split streams: kv fences)."""
     return tiny_runs("--requests", "24", "--mode", "overlap", "-q").out
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """build_llama's checkpoint (tests/support/checkpoints.py), read-only: a test that
+    changes a checkpoint changes a copy."""
+    from tests.support.checkpoints import build_llama  # transformers: only where it is asked for
+
+    return build_llama(tmp_path_factory.mktemp("ckpt") / "llama")
 
 
 @pytest.fixture(scope="session")

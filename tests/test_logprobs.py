@@ -13,7 +13,6 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import SamplingParams, TokenLogprob
 from scheduler.engine import Engine
 from scheduler.parallel.coordinator import Coordinator
-from tests.support.checkpoints import build_llama
 from tests.support.engines import drive
 
 TOL = 1e-4
@@ -41,11 +40,6 @@ class Capture:
 
     def on_finish(self, record: object, text: str) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_llama(tmp_path_factory.mktemp("lp") / "llama")
 
 
 @pytest.fixture(scope="module")

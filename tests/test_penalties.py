@@ -19,7 +19,6 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from scheduler.model.penalties import apply
-from tests.support.checkpoints import build_llama
 from tests.support.engines import drive
 
 V = 300
@@ -73,11 +72,6 @@ def test_device_pass_equals_the_reference(logits, prompt, outs, rep, freq, pres,
     assert got[0].tolist() == [0.0] * 20
     assert torch.allclose(got[1], torch.tensor(want, dtype=torch.float32), atol=1e-4, equal_nan=False)
     assert x[1].tolist() == pytest.approx(logits)  # the raw logits stay for logprobs
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_llama(tmp_path_factory.mktemp("pen") / "llama")
 
 
 def finished(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], **kw: object) -> dict:

@@ -30,7 +30,6 @@ from scheduler.config import ConfigError, EngineConfig
 from scheduler.model.forward_batch import SeqChunk
 from scheduler.parallel.batch_wire import RUN, WireBatch, decode, encode
 from scheduler.parallel.launch import STOP_GRACE_S
-from tests.support.checkpoints import build_llama
 from tests.support.cli import REPO, TAG, mstrace, tagged_pids
 from tests.support.oracle import teacher_forced_mismatches
 from tracing.reader import read_meta, read_table
@@ -81,12 +80,8 @@ def _check_greedy(model_dir: Path, out: Path, lines: list[dict[str, object]]) ->
     assert checked >= 0.95 * sum(len(o) for o in req["output_ids"])
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Not a preset: GQA 6 / 2 (one KV head per TP rank), tied embeddings, 3 layers (PP2: 2 + 1).
-    return build_llama(tmp_path_factory.mktemp("tp_run") / "llama")
-
-
+# ckpt (tests/conftest.py), not a preset: GQA 6 / 2 (one KV head per TP rank), tied embeddings,
+# 3 layers (PP2: 2 + 1).
 ARGS = ("--block-size", "4", "--prefill-chunk", "16", "--kv-blocks", "200", "-q")
 
 
