@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from tests.support.cli import mstrace, one_line_error
+from tests.support.tiny_runs import TinyRuns
 
 
 def test_missing_model_folder(tmp_path):
@@ -160,17 +161,14 @@ def test_rejections_are_counted_on_stderr_when_others_ran(tmp_path):
 
 
 # ---------------------------------------------------------------- issue 12, point 8
-def test_leaks_cannot_judge_a_trace_without_probes(tmp_path):
-    out = tmp_path / "np"
-    assert mstrace("run", "--model", "tiny", "--requests", "2", "--no-probes", "--out", str(out), "-q").returncode == 0
+def test_leaks_cannot_judge_a_trace_without_probes(tiny_runs: TinyRuns):
+    out = tiny_runs("--requests", "16", "-q", "--no-probes").out  # test_diff's np trace
     line = one_line_error(mstrace("leaks", str(out)))
     assert "--no-probes" in line and "cannot be known" in line
 
 
-def test_report_on_a_folder_of_traces_names_them(tmp_path):
-    out = tmp_path / "modes"
-    p = mstrace("run", "--model", "tiny", "--requests", "2", "--mode", "all", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
+def test_report_on_a_folder_of_traces_names_them(tiny_runs: TinyRuns):
+    out = tiny_runs("--requests", "24", "--mode", "all", "-q").out  # test_cli_width's modes
     line = one_line_error(mstrace("report", str(out)))
     assert all(str(out / m) in line for m in ("serial", "timeslice", "overlap"))
 
