@@ -251,17 +251,14 @@ def test_otlp_replay_sends_every_requests_span_tree(tp2: Path) -> None:
         assert r.start_time_unix_nano > 1_600_000_000 * 10**9  # on the wall clock
 
 
-def test_leaked_blocks_are_instants_naming_the_requests_mstrace_leaks_names(tmp_path: Path) -> None:
+def test_leaked_blocks_are_instants_naming_the_requests_mstrace_leaks_names(tmp_path: Path, tiny_runs: TinyRuns) -> None:
     """...and `mstrace top` names them too, though snapshots after the leak do not list them."""
     import json
 
     from viewer.live.state import LiveState
     from viewer.live.tail import TraceTail
 
-    out = tmp_path / "leak"
-    p = mstrace("run", "--model", "tiny", "--requests", "16", "--inject", "leak", "--no-gc", "--snapshot-every", "4",
-                "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
+    out = tiny_runs("--requests", "16", "--inject", "leak", "--no-gc", "--snapshot-every", "4", "-q").out  # test_stalls'
     leaks = json.loads(mstrace("leaks", str(out), "--json").stdout)
     want = {h["request_id"]: len(h["block_ids"]) for h in leaks["leaks"]}
     assert want

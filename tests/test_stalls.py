@@ -13,6 +13,7 @@ from scheduler.engine import Engine
 from scheduler.harness.runner import run_workload
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.support.cli import mstrace
+from tests.support.tiny_runs import TinyRuns
 from tracing.reader import read_table
 
 
@@ -63,10 +64,8 @@ def test_injected_deadlock_is_caught_and_named(tmp_path, device):
     assert barrier["raw_ms_per_cycle"] < 1000, barrier
 
 
-def test_leak_report_lists_exactly_the_injected_blocks(tmp_path):
-    out = tmp_path / "lk"
-    p = mstrace("run", "--model", "tiny", "--requests", "12", "--inject", "leak", "--no-gc", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
+def test_leak_report_lists_exactly_the_injected_blocks(tmp_path, tiny_runs: TinyRuns):
+    out = tiny_runs("--requests", "16", "--inject", "leak", "--no-gc", "--snapshot-every", "4", "-q").out  # test_export's
     lk = mstrace("leaks", str(out), "--json")
     assert lk.returncode == 1, lk.stderr  # findings: leaks (README, exit codes)
     rep = json.loads(lk.stdout)
