@@ -59,10 +59,6 @@ JOB_TIMEOUT_S = 90.0  # the whole spawn, start to join
 # ----------------------------------------------------------------------------- the oracle's loop
 
 
-def make_reqs(vocab: int, seed: int = 7) -> list[Req]:
-    return oracle.make_reqs(vocab, seed, LENGTHS, CHUNKS, MAX_NEW)  # test_model_oracle's prompts
-
-
 def oracle_check(
     ckpt: Path, prompts: list[list[int]], out: list[list[int]], logits: list[Any]
 ) -> None:
@@ -123,7 +119,7 @@ def _run(job: Job, state: ParallelState, overlap: bool) -> dict[str, Any]:
     sm = ShardedModel.load(
         job.ckpt, state, overlap=overlap, probe_buf=buf, timeout_s=RANK_TIMEOUT_S
     )
-    reqs = make_reqs(sm.full_cfg.vocab_size)
+    reqs = oracle.make_reqs(sm.full_cfg.vocab_size, 7, LENGTHS, CHUNKS, MAX_NEW)  # test_model_oracle's prompts
     got: list[bool] = []
     kvs: list[PagedKVCache] = []
 
