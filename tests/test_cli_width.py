@@ -42,7 +42,7 @@ def modes(tiny_runs: TinyRuns):
 
 def _widest(out: str, modes) -> int:
     # A line naming a trace holds its path, which no width can promise to fit: it is left
-    # whole to the terminal's own wrap (viewer.report.trace_heading), so it still pastes.
+    # whole to the terminal's own wrap (viewer.render.text.trace_heading), so it still pastes.
     return max(len(line) for line in out.splitlines() if str(modes) not in line)
 
 

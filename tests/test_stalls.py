@@ -13,18 +13,16 @@ from scheduler.engine import Engine
 from scheduler.harness.runner import run_workload
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.support.cli import mstrace
-from tests.support.tiny_runs import TinyRuns
+from tests.support.tiny_runs import DEADLOCK, TinyRuns
 from tracing.reader import read_table
 
 
 @pytest.mark.parametrize("device", ["thread", "process"])
-def test_injected_deadlock_is_caught_and_named(tmp_path, device):
-    out = tmp_path / "dl"
+def test_injected_deadlock_is_caught_and_named(tiny_runs: TinyRuns, device):
     # the subprocess timeout is the hang guard; how soon the stall was caught is read from the
     # trace, not from a wall clock that counts a loaded machine's start-up
-    p = mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2",
-                "--cpu-device", device, "--out", str(out), "-q", timeout=120)
-    assert p.returncode == 3, p.stderr
+    p = tiny_runs(*DEADLOCK, "--cpu-device", device, "-q", exit_code=3, timeout=120)  # test_json_docs reads "process"
+    out = p.out
     assert "engine stalled" in p.stderr
     # stderr gets a summary; the stacks (hundreds of lines) are in the trace
     assert len(p.stderr.splitlines()) < 60 and "mstrace stalls" in p.stderr and "Traceback" not in p.stderr

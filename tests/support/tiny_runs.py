@@ -21,6 +21,9 @@ import pytest
 
 from tests.support.cli import mstrace
 
+# The injected wait cycle (overlap's two streams), caught past a 2 s wait timeout: exit 3.
+DEADLOCK = ("--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2")
+
 
 @dataclass(slots=True, frozen=True)
 class TinyRun:
