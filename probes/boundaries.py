@@ -20,11 +20,14 @@ PREFILL_STAGGER: Final = "prefill_stagger"  # deliberate delay before prefill wo
 DEFRAG: Final = "defrag"  # scheduling paused while live KV blocks move to the low end
 IDLE: Final = "idle"  # the engine has nothing to run and waits for arrivals (not a cycle cost)
 PP_BUBBLE: Final = "pp_bubble"  # a pipeline stage waits for its input hidden states from the previous stage
+# Imported profiler traces (importers/): a device stream busy with non-compute work.
+DEVICE_COMM: Final = "device_comm"  # a communication kernel (NCCL/RCCL) runs on a device stream
+DEVICE_COPY: Final = "device_copy"  # a memcpy or memset runs on a device stream
 
 ALL: Final = (
     SCHEDULER_BARRIER, DEVICE_COMPUTE, ALL_REDUCE, BOOKKEEPING, RESPONSE_SEND,
     BATCH_BROADCAST, KV_FENCE, RESPONSE_DELIVER, TOKENIZE, BATCH_PREPARE, STREAM_WAIT, PREFILL_STAGGER, DEFRAG, IDLE,
-    PP_BUBBLE,
+    PP_BUBBLE, DEVICE_COMM, DEVICE_COPY,
 )
 
 # How far each boundary's cost can be removed (the report's `removable` column).
@@ -44,4 +47,6 @@ REMOVABLE: Final[dict[str, str]] = {
     DEFRAG: "rare (free > 30%, no run fits)",
     IDLE: "not a cost",
     PP_BUBBLE: "shrinks with more micro-batches in flight",
+    DEVICE_COMM: "overlap with compute",
+    DEVICE_COPY: "overlap, or avoid the copy",
 }

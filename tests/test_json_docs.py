@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.cli import REPO, mstrace
+from tests.support.tiny_runs import DEADLOCK, TinyRuns
 from viewer.analysis.diff import DiffResult
 from viewer.analysis.leaks import LeaksResult
 from viewer.analysis.records import KEY, OPAQUE, json_paths
@@ -52,20 +53,18 @@ def produced(obj: Any, maps: list[str], path: str = "") -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("json")
-    leak, dl = root / "leak", root / "dl"
-    p = mstrace("run", "--model", "tiny", "--requests", "8", "--inject", "leak", "--no-gc", "--snapshot-every", "5",
-                "--out", str(leak), "-q")
+def traces(tiny_runs: TinyRuns, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    # the session's leak run (test_stalls, test_export) and deadlock run (test_stalls)
+    leak = tiny_runs("--requests", "16", "--inject", "leak", "--no-gc", "--snapshot-every", "4", "-q").out
+    dl = tiny_runs(*DEADLOCK, "--cpu-device", "process", "-q", exit_code=3, timeout=120).out
+    imported = tmp_path_factory.mktemp("json") / "imported"
+    p = mstrace("import", str(REPO / "tests" / "data" / "kineto" / "hta_nccl_data.json.gz"), "--out", str(imported))
     assert p.returncode == 0, p.stderr
-    p = mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2",
-                "--out", str(dl), "-q", timeout=120)
-    assert p.returncode == 3, p.stderr
-    return {"leak": leak, "deadlock": dl}
+    return {"leak": leak, "deadlock": dl, "imported": imported}
 
 
 @pytest.mark.parametrize("cmd,trace", [("report", "leak"), ("leaks", "leak"), ("stalls", "deadlock"),
-                                       ("diff", "leak")])
+                                       ("diff", "leak"), ("report", "imported")])
 def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
     docs = documented()[cmd]
     maps = [k for k in docs if "<" in k]
@@ -79,7 +78,9 @@ def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
 
     undocumented = sorted(g for g in got if not any(under(k, g) for k in docs))
     assert undocumented == [], f"{cmd} --json prints keys docs/json.md does not describe"
-    missing = sorted(k for k, optional in docs.items() if not optional and not any(under(k, g) for g in got))
+    # a key under an optional one (`imported.format` under `imported`) is as optional as it
+    optional = {k for k, opt in docs.items() if opt}
+    missing = sorted(k for k in docs if not any(under(k, o) for o in optional) and not any(under(k, g) for g in got))
     assert missing == [], f"docs/json.md describes {cmd} keys it does not print"
 
 

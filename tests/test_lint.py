@@ -11,7 +11,7 @@ import sys
 
 from tests.support.cli import REPO
 
-PACKAGES = ["scheduler", "probes", "tracing", "viewer"]  # every package: `mypy scheduler probes tracing viewer`
+PACKAGES = ["scheduler", "probes", "tracing", "importers", "viewer"]  # every package: `mypy scheduler probes tracing importers viewer`
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:

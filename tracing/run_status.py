@@ -35,6 +35,8 @@ class RunStatus:
         """The one line every command prints first for an incomplete trace (None when complete)."""
         if self.state == "complete":
             line = None
+        elif self.state == "truncated" and self.detail:  # an imported file cut off mid-write
+            line = f"TRUNCATED: {self.detail}"
         elif self.state == "truncated":
             line = ("TRUNCATED: the run is still being written; showing its committed flushes so far"
                     if self.live else
@@ -61,8 +63,8 @@ def run_status(root: Path, meta: dict[str, Any]) -> RunStatus:
     if not isinstance(run, dict):
         return RunStatus("truncated", live=bool(live_ranks(root)), workload=workload)
     state = run.get("status", "complete")  # records from before `status` existed were clean finishes
-    if state not in STATES or state == "truncated":
-        state = "error"
+    if state not in STATES or (state == "truncated" and "import" not in meta):
+        state = "error"  # only an import records `truncated` (its source file was cut off)
     return RunStatus(state, str(run.get("detail") or ""), submitted=run.get("submitted"), workload=workload)
 
 

@@ -148,6 +148,34 @@ COLLECTIVES = pa.schema([
     ("dur_wait_ns", pa.int64()),  # the host blocked in wait() (exposed); -1: never waited out
 ])
 
+# One row per device activity of an imported profiler trace (importers/, `mstrace import`):
+# kernels, copies, memsets, and the device side of synchronisations (kind `sync`).
+KERNELS = pa.schema([
+    ("rank", pa.int32()),
+    ("device", pa.int32()),
+    ("stream", pa.int64()),  # the profiler's stream id (-1: on no stream)
+    ("kind", _str),  # compute, comm, memcpy, memset, other (HTA's classes), sync
+    ("name", _str),
+    ("ts_ns", pa.int64()),
+    ("dur_ns", pa.int64()),
+    ("step", pa.int64()),  # the round the launch (or, without one, the start) falls in; -1: none
+    ("correlation", pa.int64()),  # the profiler's link to the runtime call that launched it (-1: none)
+    ("launch_ns", pa.int64()),  # that call's start (0: no launch in the trace)
+    ("dur_launch_ns", pa.int64()),  # that call's own duration
+    ("dur_launch_delay_ns", pa.int64()),  # HTA's launch delay: start - the call's end, clipped at 0
+])
+
+# One row per wait of an imported trace's scheduling thread on the device (the runtime's
+# synchronous calls, a polling loop, a sync-forcing op) and per cudaStreamWaitEvent call.
+WAITS = pa.schema([
+    ("rank", pa.int32()),
+    ("ts_ns", pa.int64()),
+    ("dur_ns", pa.int64()),
+    ("step", pa.int64()),
+    ("what", _str),  # the call or op (cudaStreamSynchronize, aten::item, ...)
+    ("caller", _str),  # the innermost operator or annotation open around it ("" at top level)
+])
+
 # Columns added since SCHEMA_VERSION 1, by table: a part written before one of them existed
 # reads it as this value, so older traces stay readable.
 ADDED: dict[str, dict[str, Any]] = {"requests": {"delivered_ns": 0, "preempt_reasons": []},
@@ -162,6 +190,8 @@ TABLES: dict[str, pa.Schema] = {
     "spans": SPANS,
     "stalls": STALLS,
     "collectives": COLLECTIVES,
+    "kernels": KERNELS,
+    "waits": WAITS,
 }
 
 # Point-in-time columns per table (durations excluded): a rank other than 0 writes them
@@ -177,6 +207,8 @@ TIMESTAMPS: dict[str, tuple[str, ...]] = {
     "spans": ("start_ns", "end_ns"),
     "stalls": ("ts_ns",),
     "collectives": ("issue_ns", "start_ns", "end_ns"),
+    "kernels": ("ts_ns", "launch_ns"),
+    "waits": ("ts_ns",),
 }
 
 # The order a flush drains the producers' buffers in. Rows are appended with no lock,
@@ -191,5 +223,5 @@ TIMESTAMPS: dict[str, tuple[str, ...]] = {
 #   steps -> timeline, memory, probes   a round's own rows precede its steps row; what they
 #                            hold of the next round is clipped by readers of an unfinished trace
 DRAIN_ORDER: tuple[str, ...] = ("spans", "requests", "stalls", "collectives", "steps", "timeline", "memory",
-                                "probes")
+                                "probes", "kernels", "waits")
 assert set(DRAIN_ORDER) == set(TABLES)

@@ -342,6 +342,25 @@ class TraceWriter:
                     rows.clear()
                     cpu[name] += _cpu() - c0
 
+    def commit_tables(self, tables: dict[str, pa.Table]) -> None:
+        """Write whole tables (an importer's, built column by column) as one commit: a part
+        per table, all named by one manifest write, as a flush commits its rows."""
+        with self._flush_lock:
+            added = {}
+            try:
+                for name, t in tables.items():
+                    if t.num_rows:
+                        added[name] = [self._store.write_part(name, t.cast(self.schemas[name]))]
+                if added:
+                    self._store.commit(added)
+            except BaseException:
+                for name, entries in added.items():
+                    self._store.forget(name, [e.file for e in entries])
+                raise
+            self._flushes += bool(added)
+            for name, t in tables.items():
+                self._rows_written[name] += t.num_rows
+
     def close(self, meta: dict[str, Any] | None = None) -> None:
         """Last flush, then compact what is left (a finished run's trace has few parts),
         then `meta` (the end-of-run record), all before the lock is let go: a reader

@@ -182,6 +182,9 @@ def stalls(
 
     try:
         tr = Trace.open(trace)
+        if "import" in tr.meta:
+            fail(f"{trace} is an imported profiler trace: no watchdog ran, so no stall was caught or ruled out; "
+                 f"its longest waits on the device are in `mstrace report {trace}` (waits by caller)")
         res = build_stalls(tr, str(trace))
     except TraceError as e:
         fail(str(e))
@@ -209,6 +212,9 @@ def leaks(
 
     try:
         tr = Trace.open(trace)
+        if "import" in tr.meta:
+            fail(f"{trace} is an imported profiler trace: a profiler sees no engine's KV block table, so its "
+                 "leaks cannot be known")
         if not tr.meta.get("config", {}).get("probes", True):
             fail(f"{trace} was recorded with --no-probes: it has no memory table, so its leaks cannot be known")
         res = build_leaks(tr, str(trace))
@@ -259,6 +265,42 @@ def view(
     if not sys.stdout.isatty():
         fail("view draws in a terminal, and stdout is not one (the same tables as text: mstrace report)")
     app_.run()
+
+
+@app.command("import")
+def import_(
+    profiles: Annotated[list[Path], typer.Argument(help="torch.profiler (Kineto) trace files, .json or .json.gz, "
+                                                   "one per rank, or folders of them.")],
+    out: Annotated[Path, typer.Option("--out", help="The trace directory to write (new or empty).")],
+    preset: Annotated[str, typer.Option("--preset", help="Whose rounds: profiler (ProfilerStep#N), vllm, sglang.")]
+    = "profiler",
+    round_re: Annotated[str | None, typer.Option("--round", help="A regex naming the rounds' ranges instead of "
+                                                 "the preset's.")] = None,
+    maps: Annotated[list[str] | None, typer.Option("--map", help="BOUNDARY=REGEX: host ranges whose name matches "
+                                                   "are that boundary's rows (repeatable).")] = None,
+) -> None:
+    """Import a torch.profiler trace of any PyTorch engine as an mstrace trace (report, diff, sql, export...)."""
+    from importers.kineto_import import ImportOptions, import_kineto
+    from importers.kineto_stream import KinetoError
+
+    pairs: list[tuple[str, str]] = []
+    for m in maps or []:
+        b, sep, rx = m.partition("=")
+        if not sep or not b or not rx:
+            fail(f"--map {m!r}: expected BOUNDARY=REGEX")
+        pairs.append((b, rx))
+    try:
+        res = import_kineto(profiles, out, ImportOptions(round_re, preset, pairs))
+    except KinetoError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {out}: {e.strerror or e}")
+    ranks = ",".join(map(str, res.ranks))
+    console.print(f"{escape(str(res.out))}: {res.events} events from rank {ranks}: {res.rounds} rounds, "
+                  f"{res.kernels} device activities", highlight=False, soft_wrap=True)
+    for t in res.truncated:
+        console.print(f"[bold yellow]TRUNCATED[/] {escape(t)}", highlight=False, soft_wrap=True)
+    console.print(f"next: mstrace report {escape(str(res.out))}", highlight=False, soft_wrap=True)
 
 
 @app.command()

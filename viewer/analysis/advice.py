@@ -24,8 +24,20 @@ HOP_ROWS = 1 << 18
 _HOST_WORK = (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND)
 
 
+# An imported profiler trace's rows, in words that hold for any engine.
+_IMPORTED = {
+    B.SCHEDULER_BARRIER: "the scheduling thread blocks on the device (a synchronising call: see `waits` by "
+                         "caller); queue the next round before it syncs",
+    B.DEVICE_COMM: "communication not under compute: overlap it with the other micro-batch or layer",
+    B.DEVICE_COPY: "copies not under compute: pinned memory and non_blocking copies on a side stream",
+    UNATTRIBUTED: "host time no mapped range covers: name the engine's phases with `--map BOUNDARY=REGEX`",
+}
+
+
 def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
     overlapped = mode == "overlap"
+    if mode == "imported" and name in _IMPORTED:
+        return _IMPORTED[name]
     if name in _HOST_WORK:
         return ("already overlapped: this host work outlasts the device's round; make it cheaper"
                 if overlapped else "`--mode overlap` runs it under the device's work")
@@ -83,6 +95,11 @@ class Backend:
 def backend(meta: dict[str, Any], probes: pa.Table | None) -> Backend:
     """The device backend the run used and, on the CPU, what its emulation adds to which row."""
     cfg = meta.get("config", {})
+    imp = meta.get("import")
+    if isinstance(imp, dict):
+        return Backend(f"imported {imp.get('format')}", False, None, None, [
+            "the device view is the profiler's kernels, copies and collectives; the host view is the thread "
+            "with the rounds: its waits on the device and the ranges --map names"])
     dev = meta.get("host", {}).get("device") or cfg.get("device", "cpu")
     if dev == "cuda":
         return Backend("cuda", False, None, None, [])

@@ -28,7 +28,7 @@ from probes import boundaries as B
 from viewer.analysis.cycle_views import CONCURRENT, HOST_VIEW, UNATTRIBUTED, per_cycle
 
 # Device-view rows (`share`), then the informational rows off the scheduling thread.
-ORDER = (B.DEVICE_COMPUTE, B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.PP_BUBBLE, B.BATCH_BROADCAST, B.BOOKKEEPING,
+ORDER = (B.DEVICE_COMPUTE, B.DEVICE_COMM, B.DEVICE_COPY, B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.PP_BUBBLE, B.BATCH_BROADCAST, B.BOOKKEEPING,
          B.BATCH_PREPARE, B.RESPONSE_SEND, B.KV_FENCE, B.DEFRAG, B.PREFILL_STAGGER, UNATTRIBUTED, *CONCURRENT)
 # Host-view rows (`host_share`): the scheduling thread's probes.
 HOST_ORDER = (*HOST_VIEW, UNATTRIBUTED)

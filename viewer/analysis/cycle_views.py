@@ -42,7 +42,9 @@ HOST_VIEW = (*HOST_OUTER, *HOST_INNER)
 # Device-side reasons for the device to sit idle: they take precedence over whatever the
 # host is doing meanwhile (rank 0's scheduler waits in the barrier during an all_reduce).
 COMM_WAITS = (B.ALL_REDUCE, B.PP_BUBBLE, B.BATCH_BROADCAST)
-DEVICE_REASONS = (*COMM_WAITS, B.PREFILL_STAGGER)
+# An imported trace's communication kernels and copies keep the device busy with work that
+# is not compute: where compute runs beside them they are hidden, and compute stays busy.
+DEVICE_REASONS = (*COMM_WAITS, B.PREFILL_STAGGER, B.DEVICE_COMM, B.DEVICE_COPY)
 # Off the scheduling thread (tokenizer pool, sender, a stream's wait): raw time only.
 CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 HOST_STREAM = "host"

@@ -23,6 +23,7 @@ from viewer.analysis.advice import Backend, backend, worth_attacking
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import StragglerView, straggler_view
 from viewer.analysis.cost import BoundaryCost, CostTable, cost_table
+from viewer.analysis.imported import ImportedView, imported_view
 from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
@@ -161,6 +162,7 @@ class ReportResult(JsonRecord):
     # several ranks: every rank's rows against rank 0's cycles (TP/PP: docs/report.md)
     per_rank: dict[str, CostView] | Omitted = OMITTED
     stragglers: StragglerView | None | Omitted = OMITTED  # only with a collectives table
+    imported: ImportedView | Omitted = OMITTED  # only a trace `mstrace import` wrote
 
 
 def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) -> ReportInputs:
@@ -217,6 +219,9 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
                         for r in sorted(ranks)}
     if colls is not None:
         rep.stragglers = straggler_view(colls)
+    imp = imported_view(inp.trace, steps)
+    if imp is not None:
+        rep.imported = imp
     return rep
 
 

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from viewer.analysis.collectives import StragglerView
+from viewer.analysis.imported import ImportedView
 from viewer.analysis.report import CostView, ReportResult
 from viewer.render.text import ms, pct, status_line, trace_heading
 
@@ -62,7 +63,8 @@ def render_report(console: Console, rep: ReportResult) -> None:
             console.print(f"worth attacking: {escape(line)}", highlight=False)
         be = rep.backend
         for note in be.notes:
-            console.print(f"[dim]{be.name} backend (emulated): {escape(note)}[/]", highlight=False)
+            how = " (emulated)" if be.emulated else ""
+            console.print(f"[dim]{be.name}{how}: {escape(note)}[/]", highlight=False)
     per_rank = rep.per_rank if isinstance(rep.per_rank, dict) else {}
     for r, c in per_rank.items():
         if r != "0":  # rank 0's is the table above: the scheduler's rank
@@ -70,6 +72,10 @@ def render_report(console: Console, rep: ReportResult) -> None:
                                     "only)", whose=f"rank {r}'s device")
     if per_rank:
         render_comm(console, rep, per_rank)
+    if isinstance(rep.imported, ImportedView):
+        render_imported(console, rep.imported)
+        if not rep.throughput.requests:  # a profiler trace has no requests: no latency, no KV
+            return
 
     tp = rep.throughput
     t = Table(title="throughput and latency", header_style="bold", title_justify="left")
@@ -152,3 +158,40 @@ def render_modes(console: Console, reps: dict[str, ReportResult]) -> None:
         row(f"{label} p50 ms", quantile(k, "p50"), ".1f")
         row(f"{label} p99 ms", quantile(k, "p99"), ".1f")
     console.print(t)
+
+
+def render_imported(console: Console, v: ImportedView) -> None:
+    """What an imported profiler trace adds: its batches, launch lead, HTA's breakdown, waits, collectives."""
+    devices = ", ".join(v.devices) or "no device named"
+    console.print(f"imported {v.format} ({v.files} file(s), {devices}); rounds: {escape(v.round)} "
+                  f"(preset {v.preset})", highlight=False, soft_wrap=True)
+    for b in v.batches:
+        parts = ([f"extend {b.prefill_reqs} with {b.prefill_tokens:,} tokens"] if b.prefill_reqs else []) + \
+            ([f"decode {b.decode_reqs}"] if b.decode_reqs else [])
+        console.print(f"batch: {' + '.join(parts)} ({b.rounds} rounds)", highlight=False)
+    la = v.launch
+    if la is not None and la.launched:
+        console.print(f"launch: the host runs {la.host_lead_ms_p50:.3f} ms ahead of the device (median launch -> "
+                      f"start; p90 {la.host_lead_ms_p90:.3f} ms); HTA's launch delay p50 {la.launch_delay_us_p50:.1f} us, "
+                      f"p90 {la.launch_delay_us_p90:.1f} us ({la.launched} launches)", highlight=False)
+    if v.temporal_breakdown:
+        t = Table(title="device time, HTA's temporal breakdown", header_style="bold", title_justify="left")
+        for col in ("rank", "kernels", "busy ms", "span ms", "idle", "compute", "non-compute"):
+            t.add_column(col, justify="right")
+        for r in v.temporal_breakdown:
+            t.add_row(str(r.rank), str(r.kernels), f"{r.kernel_busy_us / 1e3:.2f}", f"{r.kernel_time_us / 1e3:.2f}",
+                      f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%")
+        console.print(t)
+    if v.waits:
+        t = Table(title="the scheduling thread's waits on the device, by caller", header_style="bold",
+                  title_justify="left")
+        for col, j in (("wait", "left"), ("caller", "left"), ("count", "right"), ("total ms", "right")):
+            t.add_column(col, justify=j)  # type: ignore[arg-type]
+        for w in v.waits:
+            t.add_row(escape(w.what), escape(w.caller or "(top level)"), str(w.count), f"{w.total_ms:.3f}")
+        console.print(t)
+    if v.collectives:
+        console.print("collectives: " + ", ".join(f"{c.collective} x{c.count} {c.total_ms:.3f} ms"
+                                                  for c in v.collectives), highlight=False)
+    for line in v.truncated:
+        console.print(f"[bold yellow]TRUNCATED[/] {escape(line)}", highlight=False, soft_wrap=True)
