@@ -109,6 +109,7 @@ class Engine:
         self.trace = trace
         self.probes = Probes(trace.buffer if trace is not None and config.probes else None, rank=0)
         self._pb = self.probes.buffer()  # the scheduling thread's own probe buffer
+        self._round_clock: Callable[[], RoundClock] = RoundClock  # trace_ranges swaps it
         self._mem_buf = self.probes.table_buffer("memory")
         self.registry = WaitRegistry()
         self.backend.open(num_blocks, config.block_size, self.probes, self.registry)
@@ -228,6 +229,11 @@ class Engine:
                 on_round(stats)
         self.finish_run()
 
+    def trace_ranges(self, clock: Callable[[], RoundClock]) -> None:
+        """Stamp each round with `clock`: one that also opens a profiler's ranges
+        (scheduler/harness/torch_profile.py)."""
+        self._round_clock = clock
+
     def step(self) -> StepStats | None:
         """One scheduling round. Returns None when there was nothing to run or collect.
 
@@ -235,7 +241,7 @@ class Engine:
         overlap (a): schedule and launch round N, then wait for and collect
         round N-1, so the host's work for N runs under the device's work for N-1.
         """
-        clock = RoundClock()
+        clock = self._round_clock()
         step = self._intake()
         batch = self.policy.schedule(step)  # steps 1-3
         clock.scheduled = now_ns()

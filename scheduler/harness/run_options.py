@@ -51,6 +51,9 @@ class RunOptions:
     quiet: bool = option(False, "No progress bar.", OUTPUT, flag="quiet", short="-q")
     live: bool = option(False, "Watch the run in `mstrace top` instead of a progress bar (the run goes on in its "
                         "own process; q leaves the view and stops the run).", OUTPUT)
+    torch_profile: Path | None = option(None, "Also record the run with torch.profiler (CPU activities) into this "
+                                        "folder, every boundary also a record_function range; `mstrace import` reads "
+                                        "it (docs/import.md).", OUTPUT, parse=parse_path)
     otlp_endpoint: str | None = option(None, "Also send request spans to this OTLP/HTTP collector (e.g. "
                                        "http://localhost:4318); needs mstrace\\[otlp].", OUTPUT)
 

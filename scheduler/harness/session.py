@@ -71,6 +71,7 @@ class TracedSession:
         self._span: tuple[int | None, int | None, int, dict[str, Any] | None] = (None, None, 0, None)
         self._requests: int | None = None
         self._closers: list[Callable[[bool], None]] = []
+        self._extra: dict[str, Any] = {}  # more of the end record (run --torch-profile's cost)
 
     def start(self, sinks: list[OutputSink], parallel: Callable[[], Coordinator] | None = None) -> Engine:
         """The engine, after `parallel()` has started a TP/PP run's other ranks."""
@@ -110,6 +111,10 @@ class TracedSession:
         self._span = (start_ns, end_ns, rounds, cpu)
         self._requests = requests
 
+    def record(self, key: str, value: Any) -> None:
+        """One more entry of the end record (meta.json `run.<key>`)."""
+        self._extra[key] = value
+
     def __enter__(self) -> TracedSession:
         return self
 
@@ -144,7 +149,7 @@ class TracedSession:
         submitted = engine.submitted if engine is not None else 0
         if self._requests is not None:
             meta["workload"]["requests"] = self._requests
-        meta["run"] = end_record(self.state, self.detail, submitted, *self._span)
+        meta["run"] = {**end_record(self.state, self.detail, submitted, *self._span), **self._extra}
         try:
             self.writer.close(meta)  # the end record comes after the last commit
         except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so

@@ -232,6 +232,23 @@ def check_device(device: str) -> None:
                           "use --device cpu or auto")
 
 
+def _torch_profile(opts: RunOptions, engine: Any) -> Any:
+    if opts.torch_profile is None:
+        return None
+    from scheduler.harness.torch_profile import TorchProfile
+
+    profile = TorchProfile(opts.torch_profile)
+    profile.start(engine)
+    return profile
+
+
+def _say_profile_cost(cost: dict[str, Any], run_ns: int) -> None:
+    share = f", {100 * cost['ranges_cost_ns'] / run_ns:.1f}% of the run" if run_ns > 0 else ""
+    print(f"torch.profiler: wrote {cost['file']}; its {cost['ranges']} mstrace ranges cost "
+          f"{cost['ranges_cost_ns'] / 1e6:.1f} ms ({cost['range_ns']:.0f} ns each, measured under the profiler)"
+          f"{share}; `mstrace import {cost['file']} --round '^mstrace::round$'` reads it", file=sys.stderr, flush=True)
+
+
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
              fail: Callable[[str], NoReturn], made: Path | None = None) -> None:
     """`made`: the folder this run created, removed again if the engine never starts."""
@@ -260,11 +277,16 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
             engine = session.start([TraceRequestsSink(session.writer), span_sink, _ProgressSink(progress, task)],
                                    parallel)
             say_dtype(engine)
+            profile = _torch_profile(opts, engine)
             try:
                 with progress:
                     run_workload(engine, items, result=result)
             finally:  # `result` knows how far a run that failed got
                 session.timing(result.start_ns or None, result.end_ns or None, result.steps, result.cpu)
+                if profile is not None:
+                    cost = profile.stop()
+                    session.record("torch_profile", cost)
+                    _say_profile_cost(cost, result.end_ns - result.start_ns)
             session.ended("complete")
     except KeyboardInterrupt:  # typer exits 130 without a word; say where the evidence is
         print(f"interrupted: trace flushed to {out}", file=sys.stderr, flush=True)

@@ -1,0 +1,40 @@
+"""Two instruments, one run: `mstrace run --torch-profile DIR` records the run with torch.profiler
+as well as with the probes, and `mstrace import DIR` gives a host view whose rows agree with
+the probe report's (docs/import.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.cli import mstrace
+
+# The acceptance's bound: each host-view row within 2 percentage points of the probe report's.
+BOUND_PP = 2.0
+
+
+def host_shares(report: dict) -> dict[str, float]:
+    return {b["boundary"]: b["host_share"] for b in report["boundaries"] if b["host_share"] is not None}
+
+
+@pytest.mark.parametrize("mode,device", [("serial", "thread"), ("overlap", "thread"), ("serial", "process"),
+                                         ("overlap", "process")])
+def test_the_profilers_host_view_agrees_with_the_probes(tmp_path, mode, device):
+    run, prof, imp = tmp_path / "run", tmp_path / "prof", tmp_path / "imp"
+    p = mstrace("run", "--model", "tiny", "--requests", "24", "--mode", mode, "--cpu-device", device, "-q",
+                "--out", str(run), "--torch-profile", str(prof))
+    assert p.returncode == 0, p.stderr
+    assert "torch.profiler: wrote" in p.stderr and "% of the run" in p.stderr  # its cost is said, not hidden
+    cost = json.loads((run / "meta.json").read_text())["run"]["torch_profile"]
+    assert cost["ranges"] > 0 and cost["range_ns"] > 0
+    p = mstrace("import", str(prof), "--round", "^mstrace::round$", "--out", str(imp))
+    assert p.returncode == 0, p.stderr
+    probe = json.loads(mstrace("report", str(run), "--json").stdout)
+    prof_rep = json.loads(mstrace("report", str(imp), "--json").stdout)
+    a, b = host_shares(probe), host_shares(prof_rep)
+    assert {"scheduler_barrier", "batch_prepare", "bookkeeping", "response_send", "unattributed"} <= set(b)
+    for row in set(a) | set(b):
+        assert abs(100 * (a.get(row, 0.0) - b.get(row, 0.0))) <= BOUND_PP, (row, a, b)
+    # the same rounds: every probe-report round, plus at most the ones that had nothing to do
+    assert 0 <= prof_rep["cycles"] - probe["cycles"] <= 3
