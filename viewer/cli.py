@@ -304,6 +304,39 @@ def import_(
 
 
 @app.command()
+def collect(
+    out: Annotated[Path, typer.Option("--out", help="The trace directory to write (new or empty).")],
+    otlp_port: Annotated[int, typer.Option("--otlp-port", help="Port of the OTLP/HTTP receiver (0: any free one).")]
+    = 4318,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+) -> None:
+    """Receive vLLM's or SGLang's OpenTelemetry request spans over OTLP/HTTP into a trace, until Ctrl-C."""
+    from importers.otlp_collect import Collector
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        fail(f"{out} exists and is not an empty folder; choose a new --out")
+    try:
+        c = Collector(out, host, otlp_port)
+    except OSError as e:
+        fail(f"cannot collect on {host}:{otlp_port} into {out}: {e.strerror or e}")
+    err_console.print(f"collecting OTLP traces on http://{host}:{c.port}/v1/traces into {escape(str(out))}; "
+                      "Ctrl-C stops", highlight=False, soft_wrap=True)
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # a service manager's SIGTERM ends it as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        c.serve()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a collection ends: serve() committed the rows and the end record
+    console.print(f"{escape(str(out))}: {c.received} spans, {c.requests} requests"
+                  + (f", {c.rejected} bodies refused" if c.rejected else "")
+                  + f"; next: mstrace report {escape(str(out))}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def compact(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run`.")],
 ) -> None:

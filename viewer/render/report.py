@@ -55,7 +55,10 @@ def render_report(console: Console, rep: ReportResult) -> None:
     status_line(console, rep.status, rep.trace)
     dtype = f"  dtype={rep.dtype}" if rep.dtype else ""
     trace_heading(console, rep.trace, f"  model={rep.model}  mode={rep.mode}{dtype}")
-    if not rep.probes:
+    imp = rep.imported if isinstance(rep.imported, ImportedView) else None
+    if imp is not None and imp.format == "otlp":
+        console.print("request spans received over OTLP: latencies and tokens per request; no rounds, no device")
+    elif not rep.probes:
         console.print("[yellow]this trace was recorded with --no-probes: no cost table[/]")
     else:
         render_cost(console, rep.cost, "sync-cost table: each cycle in the device's and the host's view")
@@ -72,8 +75,8 @@ def render_report(console: Console, rep: ReportResult) -> None:
                                     "only)", whose=f"rank {r}'s device")
     if per_rank:
         render_comm(console, rep, per_rank)
-    if isinstance(rep.imported, ImportedView):
-        render_imported(console, rep.imported)
+    if imp is not None and imp.format != "otlp":
+        render_imported(console, imp)
         if not rep.throughput.requests:  # a profiler trace has no requests: no latency, no KV
             return
 
@@ -97,6 +100,8 @@ def render_report(console: Console, rep: ReportResult) -> None:
         highlight=False,
     )
     kv = rep.kv
+    if imp is not None:  # no engine's block table in another engine's spans
+        return
     console.print(
         f"KV: peak {kv.peak_blocks}/{kv.num_blocks} blocks ({pct(kv.peak_occupancy)}), "
         f"mean occupancy {pct(kv.mean_occupancy)}, prefix-sharing hit rate {pct(kv.prefix_hit_rate)} "
