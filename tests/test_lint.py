@@ -11,7 +11,7 @@ import sys
 
 from tests.support.cli import REPO
 
-PACKAGES = ["scheduler", "probes", "tracing", "importers", "viewer"]  # every package: `mypy scheduler probes tracing importers viewer`
+PACKAGES = ["scheduler", "probes", "tracing", "importers", "viewer", "mstrace"]  # every package: `mypy scheduler probes tracing importers viewer mstrace`
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:

@@ -34,10 +34,18 @@ _IMPORTED = {
 }
 
 
+# Another engine's (an import or the probes API): no mstrace flag applies to it.
+_FOREIGN_HOST_WORK = "host work the device waits for: overlap it with the device's (prepare round N+1 while N computes)"
+
+
 def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
     overlapped = mode == "overlap"
     if mode == "imported" and name in _IMPORTED:
         return _IMPORTED[name]
+    if (mode == "imported" or "api" in config) and name in _HOST_WORK:
+        return _FOREIGN_HOST_WORK
+    if "api" in config and name == B.SCHEDULER_BARRIER:
+        return "the scheduling thread waits for the device: queue the next round before it waits"
     if name in _HOST_WORK:
         return ("already overlapped: this host work outlasts the device's round; make it cheaper"
                 if overlapped else "`--mode overlap` runs it under the device's work")
@@ -95,6 +103,9 @@ class Backend:
 def backend(meta: dict[str, Any], probes: pa.Table | None) -> Backend:
     """The device backend the run used and, on the CPU, what its emulation adds to which row."""
     cfg = meta.get("config", {})
+    api = meta.get("api")
+    if isinstance(api, dict):
+        return Backend(f"{api.get('engine')} (mstrace probes API v{api.get('version')})", False, None, None, [])
     imp = meta.get("import")
     if isinstance(imp, dict):
         return Backend(f"imported {imp.get('format')}", False, None, None, [
