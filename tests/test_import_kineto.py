@@ -141,3 +141,14 @@ def test_stalls_and_leaks_say_what_a_profiler_trace_cannot_tell(tmp_path):
     for cmd, why in (("stalls", "no watchdog ran"), ("leaks", "no engine's KV block table")):
         p = mstrace(cmd, str(out))
         assert p.returncode == 2 and why in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_the_other_commands_read_an_imported_trace(tmp_path):
+    """`export --perfetto`, `sql` and `report --html` read it unchanged (no requests, no pool)."""
+    out = imported(tmp_path, DATA / "hta_nccl_data.json.gz")
+    p = mstrace("export", str(out), "--perfetto", str(tmp_path / "t.pftrace"))
+    assert p.returncode == 0 and (tmp_path / "t.pftrace").stat().st_size > 0, p.stderr
+    p = mstrace("sql", str(out), "select kind, count(*) as n from kernels group by kind order by kind")
+    assert p.returncode == 0 and "comm" in p.stdout and "memcpy" in p.stdout, p.stderr
+    p = mstrace("report", str(out), "--html", str(tmp_path / "r.html"))
+    assert p.returncode == 0 and (tmp_path / "r.html").stat().st_size > 0, p.stderr

@@ -106,6 +106,8 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
 def _match(a1: np.ndarray, e1: np.ndarray, a2: np.ndarray, e2: np.ndarray) -> np.ndarray:
     """For each pair (a1, e1), the index of an equal pair (a2, e2), each used once; -1 for none."""
     n1 = len(a1)
+    if not n1 or not len(a2):  # no pairs to match (an imported trace has no requests, no tokenizer pool)
+        return np.full(n1, -1, dtype=np.int64)
     side = np.concatenate([np.zeros(n1, np.int64), np.ones(len(a2), np.int64)])
     a, e = np.concatenate([a1, a2]), np.concatenate([e1, e2])
     order = np.lexsort((side, e, a))  # equal pairs together, the first side's first
