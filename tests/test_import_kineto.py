@@ -93,10 +93,13 @@ def test_sglang_rounds_are_its_step_annotations(tmp_path, name, batch):
     assert ("decode 32" if batch[2] else "extend 15 with 15,360 tokens") in text
 
 
-def test_vllm_rounds_are_its_execute_annotations(tmp_path):
-    out = imported(tmp_path, DATA / "tracelens" / "vllm_graph_execution.json.gz", args=("--preset", "vllm"))
+@pytest.mark.parametrize("name,batch", [("vllm_graph_execution", (0, 0, 32, 32)),
+                                        ("vllm_prefilldecode_graph_execution", (9, 8155, 37, 37))])
+def test_vllm_rounds_are_its_execute_annotations(tmp_path, name, batch):
+    out = imported(tmp_path, DATA / "tracelens" / f"{name}.json.gz", args=("--preset", "vllm"))
     s = read_table(out, "steps").to_pylist()
-    assert [(x["num_prefill_reqs"], x["num_decode_reqs"], x["num_decode_tokens"]) for x in s] == [(0, 32, 32)]
+    assert [(x["num_prefill_reqs"], x["num_prefill_tokens"], x["num_decode_reqs"], x["num_decode_tokens"])
+            for x in s] == [batch]
 
 
 def test_a_cut_off_file_imports_up_to_its_last_event(tmp_path):
