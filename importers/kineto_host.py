@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -164,30 +165,57 @@ def _pop(stack: list[list[int]], spans: list[tuple[int, int, str]], out: HostRow
 
 def _cut(spans: list[tuple[int, int, str]], out: HostRows) -> None:
     """Rows that nest are cut so each instant belongs to the innermost one."""
+    for a, b, lab in innermost(spans):
+        out.ts.append(a)
+        out.dur.append(b - a)
+        out.boundary.append(lab)
+
+
+def innermost(spans: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]]:
+    """Nested intervals as disjoint segments, each instant the innermost interval's label."""
     spans.sort(key=lambda x: (x[0], -x[1]))
-    stack: list[tuple[int, str]] = []
+    out: list[tuple[int, int, Any]] = []
+    stack: list[tuple[int, Any]] = []
     pos = 0
-
-    def emit(a: int, b: int, lab: str) -> None:
-        if b > a:
-            out.ts.append(a)
-            out.dur.append(b - a)
-            out.boundary.append(lab)
-
     for s, e, lab in spans:
         while stack and stack[-1][0] <= s:
             end, top = stack.pop()
-            emit(pos, end, top)
-            pos = end
+            if end > pos:
+                out.append((pos, end, top))
+            pos = max(pos, end)
         if stack:
-            emit(pos, s, stack[-1][1])
+            if s > pos:
+                out.append((pos, s, stack[-1][1]))
             e = min(e, stack[-1][0])  # a row never outlives the one it sits in
         stack.append((e, lab))
         pos = s
     while stack:
         end, top = stack.pop()
-        emit(pos, end, top)
-        pos = end
+        if end > pos:
+            out.append((pos, end, top))
+        pos = max(pos, end)
+    return out
+
+
+def idle_by_range(h: HostArrays, names: Names, tid: int, busy_s: np.ndarray, busy_e: np.ndarray, lo: int,
+                  hi: int) -> tuple[dict[str, int], int]:
+    """The device's idle time in [lo, hi) charged to the scheduling thread's innermost open
+    operator or annotation at each instant; and the idle time no range covered."""
+    from viewer.analysis.intervals import Coverage
+
+    m = (h.tid == tid) & (h.cat != RUNTIME) & (h.end > lo) & (h.ts < hi)
+    segs = innermost([(max(int(a), lo), min(int(b), hi), int(n))
+                      for a, b, n in zip(h.ts[m].tolist(), h.end[m].tolist(), h.name[m].tolist(), strict=True)])
+    busy = Coverage(busy_s, busy_e)
+    total_idle = (hi - lo) - int(busy.covered(np.array([lo]), np.array([hi]))[0])
+    if not segs:
+        return {}, total_idle
+    a = np.array([x[0] for x in segs], np.int64)
+    b = np.array([x[1] for x in segs], np.int64)
+    idle = (b - a) - busy.covered(a, b)
+    by = np.bincount(np.array([x[2] for x in segs], np.int64), weights=idle, minlength=len(names.names))
+    out = {names.names[i]: int(v) for i, v in enumerate(by) if v > 0}
+    return out, total_idle - int(idle.sum())
 
 
 def _labels(names: Names, maps: list[tuple[str, re.Pattern[str]]]) -> dict[int, str]:

@@ -26,13 +26,14 @@ import numpy as np
 import pyarrow as pa
 
 from importers.kineto_events import COMM, COMPUTE, KINDS, MEMCPY, MEMSET, OTHER, SYNC, RankEvents
-from importers.kineto_host import Rounds, find_rounds, host_rows, scheduling_thread
+from importers.kineto_host import Rounds, find_rounds, host_rows, idle_by_range, scheduling_thread
 from importers.kineto_stream import KinetoError, KinetoFile
 from probes import boundaries as B
 from tracing.run_status import end_record
 from tracing.schema import TABLES
 from viewer.analysis.intervals import Coverage, subtract
 
+IDLE_RANGES = 10  # the host ranges the import keeps, by the device idle time charged to each
 WHOLE_TRACE = "(whole trace: no range matched the round pattern)"
 PROBE_OF_KIND = {COMPUTE: B.DEVICE_COMPUTE, OTHER: B.DEVICE_COMPUTE, COMM: B.DEVICE_COMM, MEMCPY: B.DEVICE_COPY,
                  MEMSET: B.DEVICE_COPY}
@@ -156,6 +157,7 @@ class _Built:
     kernels: pa.Table
     waits: pa.Table
     busy: tuple[np.ndarray, np.ndarray]  # device activity (not syncs), for each round's device time
+    idle: dict[str, Any]  # the device's idle time over the rounds, by the host range open meanwhile
 
 
 def _build(rank: int, kf: KinetoFile, ev: RankEvents, round_re: re.Pattern[str], maps: list[tuple[str, re.Pattern[str]]],
@@ -228,7 +230,13 @@ def _build(rank: int, kf: KinetoFile, ev: RankEvents, round_re: re.Pattern[str],
         "what": pa.array([x[2] for x in w], pa.string()).dictionary_encode(),
         "caller": pa.array([x[3] for x in w], pa.string()).dictionary_encode(),
     })
-    return _Built(rounds, probes, kernels, waits, (d.ts[dev], d.ts[dev] + d.dur[dev]))
+    lo, hi = int(rounds.ts[0]), int(rounds.end[-1])
+    by, uncovered = idle_by_range(h, names, tid, d.ts[dev], d.ts[dev] + d.dur[dev], lo, hi)
+    top = sorted(by.items(), key=lambda x: -x[1])[:IDLE_RANGES]
+    idle = {"span_ns": hi - lo, "idle_ns": sum(by.values()) + uncovered, "no_range_ns": uncovered,
+            "ranges": [{"range": n, "idle_ns": v} for n, v in top], "other_ranges_ns": sum(by.values()) -
+            sum(v for _, v in top)}
+    return _Built(rounds, probes, kernels, waits, (d.ts[dev], d.ts[dev] + d.dur[dev]), idle)
 
 
 def _merged(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +272,7 @@ def _write(out: Path, files: list[Path], ranks: dict[int, tuple[Path, KinetoFile
     shutil.rmtree(tmp, ignore_errors=True)
     w = TraceWriter(tmp, flush_interval_s=3600)
     try:
-        src = {str(r): _source(p, kf) for r, (p, kf, _) in sorted(ranks.items())}
+        src = {str(r): {**_source(p, kf), "device_idle": built[r].idle} for r, (p, kf, _) in sorted(ranks.items())}
         truncated = [f"{p.name}: {kf.truncated}" for p, kf, _ in ranks.values() if kf.truncated]
         meta: dict[str, Any] = {
             "config": {"mode": "imported"},

@@ -91,6 +91,12 @@ def test_sglang_rounds_are_its_step_annotations(tmp_path, name, batch):
     assert rep["imported"]["devices"] == ["AMD Instinct MI300X"]  # ROCm: hip* runtime calls read alike
     text = mstrace("report", str(out)).stdout
     assert ("decode 32" if batch[2] else "extend 15 with 15,360 tokens") in text
+    # the device's idle time, charged to the host range open meanwhile, is the device view's idle rows
+    idle = rep["imported"]["idle_by_range"]
+    assert sum(x["idle_share"] for x in idle) == pytest.approx(1.0)
+    busy = {"device_compute", "device_comm", "device_copy"}
+    view_idle = sum(b["device_ms_per_cycle"] or 0 for b in rep["boundaries"] if b["boundary"] not in busy)
+    assert sum(x["idle_ms"] for x in idle) == pytest.approx(view_idle * rep["cycles"], rel=1e-3)
 
 
 @pytest.mark.parametrize("name,batch", [("vllm_graph_execution", (0, 0, 32, 32)),

@@ -82,6 +82,17 @@ class BatchRow:
 
 
 @dataclass(slots=True)
+class IdleRange:
+    """Device idle time over the rounds, charged to the scheduling thread's innermost operator or
+    annotation open at each idle instant (range "" : none was open)."""
+
+    rank: int
+    range: str
+    idle_ms: float
+    idle_share: float  # of the rank's device idle time over the rounds
+
+
+@dataclass(slots=True)
 class ImportedView(JsonRecord):
     format: str
     preset: str
@@ -94,6 +105,7 @@ class ImportedView(JsonRecord):
     waits: list[WaitRow] = field(default_factory=list)  # the longest first (at most 8)
     collectives: list[CollectiveRow] = field(default_factory=list)
     batches: list[BatchRow] = field(default_factory=list)
+    idle_by_range: list[IdleRange] = field(default_factory=list)
 
 
 def imported_view(trace: Trace, steps: pa.Table) -> ImportedView | None:
@@ -116,7 +128,19 @@ def imported_view(trace: Trace, steps: pa.Table) -> ImportedView | None:
     if trace.has_table("waits"):
         view.waits = _waits(trace.table("waits"))
     view.batches = _batches(trace.table("steps"))
+    view.idle_by_range = _idle_ranges(src)
     return view
+
+
+def _idle_ranges(src: dict[str, Any]) -> list[IdleRange]:
+    out = []
+    for r, s in sorted(src.items(), key=lambda x: int(x[0])):
+        idle = s.get("device_idle") or {}
+        total = idle.get("idle_ns") or 0
+        rows = [(x["range"], x["idle_ns"]) for x in idle.get("ranges", [])]
+        rows += [("(other ranges)", idle.get("other_ranges_ns", 0)), ("", idle.get("no_range_ns", 0))]
+        out += [IdleRange(int(r), n, v / 1e6, v / total if total else 0.0) for n, v in rows if v > 0]
+    return out
 
 
 def temporal_breakdown(k: pa.Table, rank: int, last_profiler_step_ns: int | None) -> TemporalBreakdown:

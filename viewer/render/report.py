@@ -187,6 +187,14 @@ def render_imported(console: Console, v: ImportedView) -> None:
             t.add_row(str(r.rank), str(r.kernels), f"{r.kernel_busy_us / 1e3:.2f}", f"{r.kernel_time_us / 1e3:.2f}",
                       f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%")
         console.print(t)
+    if v.idle_by_range:
+        t = Table(title="device idle by the host range open at the time (innermost op or annotation of the "
+                        "scheduling thread)", header_style="bold", title_justify="left")
+        for col, j in (("rank", "right"), ("range", "left"), ("idle ms", "right"), ("of idle", "right")):
+            t.add_column(col, justify=j)  # type: ignore[arg-type]
+        for x in v.idle_by_range:
+            t.add_row(str(x.rank), escape(x.range or "(no range open)")[:60], f"{x.idle_ms:.3f}", pct(x.idle_share))
+        console.print(t)
     if v.waits:
         t = Table(title="the scheduling thread's waits on the device, by caller", header_style="bold",
                   title_justify="left")
