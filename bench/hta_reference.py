@@ -32,6 +32,11 @@ def reference(path: Path) -> dict:
         ta = TraceAnalysis(trace_dir=d)
         load_s = time.perf_counter() - t0
         df = ta.get_temporal_breakdown(visualize=False)
+        idle = {}
+        for rank in ta.t.traces:
+            b = ta.get_idle_time_breakdown(ranks=[rank], visualize=False)[0]
+            idle[int(rank)] = {c: float(b[b["idle_category"] == c]["idle_time"].sum())
+                               for c in ("host_wait", "kernel_wait", "other")}
         out = {"load_s": round(load_s, 3), "ranks": {}}
         for _, row in df.iterrows():
             rank = int(row["rank"])
@@ -43,6 +48,9 @@ def reference(path: Path) -> dict:
                 "idle_pct": float(row["idle_time_pctg"]),
                 "compute_pct": float(row["compute_time_pctg"]),
                 "non_compute_pct": float(row["non_compute_time_pctg"]),
+                "host_wait_us": idle[rank]["host_wait"],
+                "kernel_wait_us": idle[rank]["kernel_wait"],
+                "other_idle_us": idle[rank]["other"],
             }
         return out
 

@@ -34,7 +34,8 @@ def report(trace: Path) -> dict:
 @pytest.mark.parametrize("name", sorted(HTA["traces"]))
 def test_device_time_is_htas_on_public_gpu_traces(tmp_path, name):
     """Per rank: HTA's device-event count and busy time exactly, its idle/compute/non-compute
-    shares within 0.5 percentage points (the acceptance's bound; they agree to 0.01 here)."""
+    shares within 0.5 percentage points (the acceptance's bound; they agree to 0.01 here), and
+    its idle time breakdown (host wait, kernel wait, other) exactly."""
     rep = report(imported(tmp_path, DATA / name))
     got = {str(r["rank"]): r for r in rep["imported"]["temporal_breakdown"]}
     for rank, want in HTA["traces"][name]["ranks"].items():
@@ -44,6 +45,8 @@ def test_device_time_is_htas_on_public_gpu_traces(tmp_path, name):
         assert g["kernel_time_us"] == pytest.approx(want["kernel_time_us"], abs=0.5)
         for k in ("idle_pct", "compute_pct", "non_compute_pct"):
             assert abs(g[k] - want[k]) <= 0.5, (k, g[k], want[k])
+        for k in ("host_wait_us", "kernel_wait_us", "other_idle_us"):  # HTA's idle time breakdown
+            assert g[k] == pytest.approx(want[k], abs=0.5), (k, g[k], want[k])
 
 
 def test_syncs_become_barrier_rows_naming_their_callers(tmp_path):

@@ -28,6 +28,7 @@ from viewer.analysis.intervals import Coverage
 from viewer.analysis.records import JsonRecord
 
 KERNEL_COLUMNS = ["rank", "stream", "kind", "name", "ts_ns", "dur_ns", "launch_ns", "dur_launch_delay_ns"]
+CONSECUTIVE_KERNEL_DELAY_US = 30  # HTA's default `consecutive_kernel_delay`
 _COLLECTIVE = re.compile(r"(?:nccl|rccl)\w*?(?:Kernel|DevKernel)_([A-Za-z]+)", re.I)
 
 
@@ -42,6 +43,12 @@ class TemporalBreakdown:
     idle_pct: float
     compute_pct: float
     non_compute_pct: float
+    # HTA's idle time breakdown, summed over the rank's streams: each gap between consecutive
+    # kernels on a stream is host wait (the next one's launch came after the gap began),
+    # kernel wait (shorter than 30 us: back-to-back launch overhead) or other
+    host_wait_us: float = 0.0
+    kernel_wait_us: float = 0.0
+    other_idle_us: float = 0.0
 
 
 @dataclass(slots=True)
@@ -162,8 +169,30 @@ def temporal_breakdown(k: pa.Table, rank: int, last_profiler_step_ns: int | None
     comp = kind == "compute"
     comp_ns = float(Coverage(s[comp], e[comp]).len.sum()) if comp.any() else 0.0
     idle = span - busy_ns
-    return TemporalBreakdown(rank, int(m.sum()), busy_ns / 1e3, span / 1e3, _pct(idle, span), _pct(comp_ns, span),
-                             _pct(busy_ns - comp_ns, span))
+    tb = TemporalBreakdown(rank, int(m.sum()), busy_ns / 1e3, span / 1e3, _pct(idle, span), _pct(comp_ns, span),
+                           _pct(busy_ns - comp_ns, span))
+    launch = k["launch_ns"].to_numpy()[m]
+    launch_us = np.where(launch != 0, -(-launch // 1000), -1)  # rounded as HTA rounds a start
+    _idle_breakdown(tb, stream[m][kind != "sync"], s[kind != "sync"] // 1000, e[kind != "sync"] // 1000,
+                    launch_us[kind != "sync"])
+    return tb
+
+
+def _idle_breakdown(tb: TemporalBreakdown, stream: np.ndarray, s: np.ndarray, e: np.ndarray,
+                    launch: np.ndarray) -> None:
+    """HTA's get_idle_time_breakdown (its `_analyze_idle_time_for_stream`), in whole us."""
+    o = np.lexsort((s, stream))
+    stream, s, e, launch = stream[o], s[o], e[o], launch[o]
+    same = np.zeros(len(s), bool)
+    same[1:] = stream[1:] == stream[:-1]  # a kernel after another on its stream: the gap before it
+    gap = np.zeros(len(s), np.int64)
+    gap[1:] = s[1:] - e[:-1]
+    prev_end = np.zeros(len(s), np.int64)
+    prev_end[1:] = e[:-1]
+    host = same & (launch > prev_end) & (launch >= 0)
+    kernel = same & ~host & (gap < CONSECUTIVE_KERNEL_DELAY_US)
+    other = same & ~host & ~kernel
+    tb.host_wait_us, tb.kernel_wait_us, tb.other_idle_us = (float(gap[x].sum()) for x in (host, kernel, other))
 
 
 def _pct(x: float, of: float) -> float:

@@ -181,11 +181,13 @@ def render_imported(console: Console, v: ImportedView) -> None:
                       f"p90 {la.launch_delay_us_p90:.1f} us ({la.launched} launches)", highlight=False)
     if v.temporal_breakdown:
         t = Table(title="device time, HTA's temporal breakdown", header_style="bold", title_justify="left")
-        for col in ("rank", "kernels", "busy ms", "span ms", "idle", "compute", "non-compute"):
+        for col in ("rank", "kernels", "busy ms", "span ms", "idle", "compute", "non-compute", "host wait ms",
+                    "kernel wait ms", "other idle ms"):
             t.add_column(col, justify="right")
         for r in v.temporal_breakdown:
             t.add_row(str(r.rank), str(r.kernels), f"{r.kernel_busy_us / 1e3:.2f}", f"{r.kernel_time_us / 1e3:.2f}",
-                      f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%")
+                      f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%",
+                      f"{r.host_wait_us / 1e3:.2f}", f"{r.kernel_wait_us / 1e3:.2f}", f"{r.other_idle_us / 1e3:.2f}")
         console.print(t)
     if v.idle_by_range:
         t = Table(title="device idle by the host range open at the time (innermost op or annotation of the "
