@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.support.cli import REPO
 
-PACKAGES = ("scheduler", "probes", "tracing", "viewer")
+PACKAGES = ("scheduler", "probes", "tracing", "importers", "viewer", "mstrace")
 CLASS_ATTR = re.compile(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z_0-9]*)(?:\(\))?`")
 DOTTED = re.compile(r"`((?:" + "|".join(PACKAGES) + r")(?:\.[a-z_][a-z_0-9]*)+)(?:\(\))?`")
 
@@ -42,6 +42,8 @@ def _defines(module: Path, name: str) -> bool:
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
             return True
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
+            return True  # a package's re-export is its public name (mstrace/__init__.py)
         if isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
@@ -55,6 +57,8 @@ def _resolves(dotted: str) -> bool:
     if path.is_dir() or path.with_suffix(".py").exists():
         return True  # a package or a module
     module = REPO.joinpath(*parts[:-1]).with_suffix(".py")
+    if REPO.joinpath(*parts[:-1]).is_dir():
+        module = REPO.joinpath(*parts[:-1], "__init__.py")
     return module.exists() and _defines(module, parts[-1])
 
 
