@@ -15,7 +15,8 @@ What each row is (transformers 5.x, generation/continuous_batching/continuous_ap
     tokens back). On the CPU the scheduling thread computes the forward itself, so the same
     interval is the device's compute and the host's wait for it; on a GPU you would time the
     device side with CUDA events and wait through `Tracer.wait`.
-The model is a small Llama with random weights, built here (nothing is downloaded).
+The model is mstrace's `tiny` preset by default (a Llama with random weights, generated here:
+nothing is downloaded), or any local Llama-family folder (`--model PATH`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from typing import Any
 import mstrace
 
 
-def tiny_llama(seed: int) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def load_model(model: str) -> Any:
+    """An mstrace preset (`tiny`, `default`: generated here, nothing downloaded) or a local
+    Llama-family folder, in float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval()
+    path = Path(model)
+    if not path.is_dir():
+        from scheduler.model.presets import ensure_preset
+
+        path = ensure_preset(model)
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
 
 
 @contextmanager
@@ -120,17 +124,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny", help="an mstrace preset name or a local model folder")
     args = ap.parse_args(argv)
-    model = tiny_llama(args.seed)
+    model = load_model(args.model)
     rng = np.random.default_rng(args.seed)
-    inputs = [rng.integers(1, 512, int(rng.integers(8, 64))).tolist() for _ in range(args.requests)]
+    vocab = model.config.vocab_size
+    inputs = [rng.integers(1, vocab, int(rng.integers(8, 64))).tolist() for _ in range(args.requests)]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     # GenerationOutput's times are time.perf_counter(): CLOCK_MONOTONIC on Linux, as mstrace's clock
     offset = mstrace.now_ns() - time.perf_counter_ns()
     with mstrace.Tracer(args.out, engine=f"transformers {transformers.__version__} generate_batch",
                         config={"mode": "continuous batching", "max_new_tokens": args.max_new_tokens}) as tr, \
             instrumented(tr):
-        outputs = model.generate_batch(inputs, generation_config=gen, record_timestamps=True, progress_bar=False)
+        outputs = model.generate_batch(inputs, generation_config=gen, record_timestamps=True, progress_bar=False,
+                                      warmup=False)  # warmup captures CUDA graphs: nothing to capture here
         for rid, o in outputs.items():
             ts = [offset + int(t * 1e9) for t in (o.timestamps or [])]
             tr.request(rid, arrival_ns=offset + int(o.created_time * 1e9), first_token_ns=ts[0] if ts else 0,

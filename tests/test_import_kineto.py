@@ -164,3 +164,16 @@ def test_the_other_commands_read_an_imported_trace(tmp_path):
     assert p.returncode == 0 and "comm" in p.stdout and "memcpy" in p.stdout, p.stderr
     p = mstrace("report", str(out), "--html", str(tmp_path / "r.html"))
     assert p.returncode == 0 and (tmp_path / "r.html").stat().st_size > 0, p.stderr
+
+
+def test_map_turns_annotations_into_boundary_rows(tmp_path):
+    src = DATA / "hta_nccl_data.json.gz"
+    fwd = [e for e in json.load(gzip.open(src))["traceEvents"] if e.get("name") == "## forward ##"
+           and e.get("cat") == "user_annotation"]
+    out = imported(tmp_path, src, args=("--map", "batch_prepare=^## forward ##$"))
+    rows = [p for p in read_table(out, "probes").to_pylist() if p["boundary"] == "batch_prepare"]
+    assert rows and all(r["stream"] == "host" for r in rows)
+    # the ranges' time, less the waits nested in them (each instant is the innermost row's)
+    assert sum(r["dur_ns"] for r in rows) <= sum(round(e["dur"] * 1000) for e in fwd)
+    p = mstrace("import", str(src), "--out", str(tmp_path / "bad"), "--map", "forward=^## forward ##$")
+    assert p.returncode == 2 and "not a boundary" in p.stderr and not (tmp_path / "bad").exists()
