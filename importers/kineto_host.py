@@ -28,7 +28,6 @@ SYNC_CALL = re.compile(rf"^{_RT}(StreamSynchronize|EventSynchronize|DeviceSynchr
                        rf"|MemcpyWithStream|MemcpyDtoH|MemcpyDtoH_v2|Memcpy2D|Memset)$")
 POLL_CALL = re.compile(rf"^{_RT}EventQuery$")
 STREAM_WAIT_CALL = re.compile(rf"^{_RT}StreamWaitEvent$")
-LAUNCH_CALL = re.compile(rf"^{_RT}.*(LaunchKernel|LaunchKernelExC|GraphLaunch|MemcpyAsync|MemsetAsync)")
 SYNC_OPS = re.compile(r"^aten::(item|_local_scalar_dense)$")
 OWN_RANGE = re.compile(r"^mstrace::(\w+)$")  # `mstrace run --torch-profile`: every boundary also a range
 # A gap this long between two polls ends a polling loop: the thread went on to other work.
