@@ -156,7 +156,7 @@ def test_stalls_and_leaks_say_what_a_profiler_trace_cannot_tell(tmp_path):
 
 
 def test_the_other_commands_read_an_imported_trace(tmp_path):
-    """`export --perfetto`, `sql` and `report --html` read it unchanged (no requests, no pool)."""
+    """`export --perfetto`, `sql`, `report --html` and `view` read it unchanged (no requests, no pool)."""
     out = imported(tmp_path, DATA / "hta_nccl_data.json.gz")
     p = mstrace("export", str(out), "--perfetto", str(tmp_path / "t.pftrace"))
     assert p.returncode == 0 and (tmp_path / "t.pftrace").stat().st_size > 0, p.stderr
@@ -164,6 +164,20 @@ def test_the_other_commands_read_an_imported_trace(tmp_path):
     assert p.returncode == 0 and "comm" in p.stdout and "memcpy" in p.stdout, p.stderr
     p = mstrace("report", str(out), "--html", str(tmp_path / "r.html"))
     assert p.returncode == 0 and (tmp_path / "r.html").stat().st_size > 0, p.stderr
+    import asyncio
+
+    from viewer.tui.round_screen import RoundScreen
+    from viewer.tui.view_app import ViewApp
+
+    async def view() -> None:  # `mstrace view`: its rounds table, and a round opened
+        app = ViewApp(out)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause(0.3)
+            await pilot.press("down", "enter")
+            await pilot.pause(0.3)
+            assert isinstance(app.screen, RoundScreen)
+
+    asyncio.run(view())
 
 
 def test_map_turns_annotations_into_boundary_rows(tmp_path):
