@@ -20,11 +20,12 @@ Traces from before manifests existed (meta.json without `store`) have none: ever
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tracing.durable import fsync_dir, replace_durably
 
 STORE = "manifest-v1"  # meta.json["store"] of traces whose parts are committed by manifests
 MANIFEST_FORMAT = 1
@@ -106,11 +107,14 @@ def manifest_path(root: Path, rank: int) -> Path:
 
 
 def write_manifest(root: Path, m: Manifest) -> None:
-    """The commit point: an atomic replace, so a reader sees the old or the new record whole."""
+    """The commit point: an atomic replace, so a reader sees the old or the new record whole;
+    its data fsynced before the rename and the folder after it, so a crash of the machine
+    keeps the old record or the new (tracing/durable.py)."""
     path = manifest_path(root, m.rank)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(m.to_json(), separators=(",", ":")))
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
+    fsync_dir(root)
 
 
 def read_manifests(root: Path) -> list[Manifest]:

@@ -29,7 +29,6 @@ bench/bench_probe_cpu.py).
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tracing.compaction import Merge, Targets, plan_full, plan_tiered, read_parts
+from tracing.durable import fsync_dir, replace_durably
 from tracing.manifest import SEALED, STORE, Manifest, ManifestError, PartEntry, write_manifest
 from tracing.schema import DRAIN_ORDER, SCHEMA_VERSION, TABLES, TIMESTAMPS
 from tracing.store_lock import WriterLock
@@ -71,16 +71,18 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
 
 
 def write_parquet_atomic(table: pa.Table, final: Path, row_group_size: int | None = None) -> None:
-    """Write under a temporary name, then rename: no file ever holds half a part."""
+    """Write under a temporary name, fsync, then rename: no file ever holds half a part, and
+    the part's data is on disk before any manifest can name it (tracing/durable.py)."""
     tmp = final.with_name(f".{final.name}.tmp")
     pq.write_table(table, tmp, row_group_size=row_group_size, **parquet_options(table.schema))
-    os.replace(tmp, final)
+    replace_durably(tmp, final)
 
 
 def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
+    fsync_dir(path.parent)
 
 
 _cpu = time.thread_time_ns  # the calling thread's own CPU clock (CLOCK_THREAD_CPUTIME_ID)
@@ -177,6 +179,9 @@ class PartStore:
         return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
     def commit(self, added: dict[str, list[PartEntry]]) -> None:
+        """The parts' names on disk, then the manifest naming them (tracing/durable.py's order)."""
+        for name in added:
+            fsync_dir(self.root / name)
         for name, entries in added.items():
             self.manifest.tables.setdefault(name, []).extend(entries)
         self.manifest.epoch += 1
@@ -218,6 +223,7 @@ class PartStore:
         # only after it are the old files removed (a kill in between leaves
         # unreferenced files, which readers ignore and `compact` removes).
         entries[m.start:m.stop] = [new]
+        fsync_dir(self.root / name)  # the merged part's name on disk before the manifest names it
         self.commit({})
         for e in old:
             (self.root / name / e.file).unlink(missing_ok=True)
