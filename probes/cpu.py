@@ -7,8 +7,8 @@ time cannot resolve a cost of 1% on a shared machine, CPU time can.
 
 Three readings, each for a reason:
   * this process, all threads (time.process_time_ns: CLOCK_PROCESS_CPUTIME_ID);
-  * each live child process (the CPU device process, TP/PP ranks) from
-    /proc/<pid>/stat: a child's CPU reaches getrusage(RUSAGE_CHILDREN) only once it
+  * each live descendant process (the CPU device process, the TP/PP ranks started
+    with subprocess.Popen, their children) from /proc/<pid>/stat: a child's CPU reaches getrusage(RUSAGE_CHILDREN) only once it
     is reaped, i.e. after the run, together with its model load;
   * each live thread of this process (its pthread CPU clock), so a report can say
     which thread spent the time (the scheduling thread, the writer, the sender ...),
@@ -82,9 +82,34 @@ def thread_cpu_ns() -> tuple[dict[str, int], dict[str, int]]:
     return cpu, switches
 
 
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live process below `pid` (this one by default), however it was started:
+    multiprocessing, subprocess.Popen (TP/PP ranks), their own children. From /proc's
+    parent links; where there is no /proc, multiprocessing's children only."""
+    root = os.getpid() if pid is None else pid
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+    parent: dict[int, list[int]] = {}
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended while we looked
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # field 4
+        parent.setdefault(ppid, []).append(p)
+    out, todo = [], list(parent.get(root, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += parent.get(p, [])
+    return out
+
+
 def sample_cpu() -> CpuSample:
-    children = {p.pid: ns for p in multiprocessing.active_children()
-                if p.pid is not None and (ns := child_cpu_ns(p.pid)) is not None}
+    children = {pid: ns for pid in descendants() if (ns := child_cpu_ns(pid)) is not None}
     return CpuSample(time.process_time_ns(), children, *thread_cpu_ns())
 
 

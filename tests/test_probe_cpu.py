@@ -96,6 +96,7 @@ def test_a_run_records_its_cpu_time_and_the_writers_rows_match_the_trace(tmp_pat
     cpu = run["cpu"]
     assert cpu["process_ns"] > 0 and cpu["total_ns"] == cpu["process_ns"] + cpu["children_ns"]
     if meta["host"]["device"] == "cpu" and meta["config"]["cpu_device"] == "process":
-        assert cpu["children"] == 1 and cpu["children_ns"] > 0  # the CPU device process
+        # the CPU device process (and multiprocessing's resource tracker: every process of the run counts)
+        assert cpu["children"] >= 1 and cpu["children_ns"] > 0
     assert {"MainThread", "trace-writer", "sender"} <= set(cpu["threads_ns"])
     assert set(cpu["threads_switches"]) <= set(cpu["threads_ns"]) and min(cpu["threads_switches"].values()) >= 0

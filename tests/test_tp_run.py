@@ -100,6 +100,9 @@ def test_tp2_run_matches_transformers_and_traces_every_rank(ckpt: Path, tmp_path
 
     meta = read_meta(out)
     assert meta["parallel"]["tp"] == 2 and meta["parallel"]["world"] == 2
+    # rank 1 is a subprocess.Popen child (not multiprocessing's): its CPU is in the run's
+    cpu = meta["run"]["cpu"]
+    assert cpu["children"] >= 1 and cpu["children_ns"] > 0 and cpu["total_ns"] == cpu["process_ns"] + cpu["children_ns"]
     assert meta["ranks"]["1"]["same_clock"] and meta["ranks"]["1"]["offset_ns"] == 0
     assert abs(meta["ranks"]["1"]["measured_ns"]) <= meta["ranks"]["1"]["rtt_ns"]
     assert any(f.name.startswith("part-r1-") for f in (out / "probes").iterdir())
