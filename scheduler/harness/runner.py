@@ -154,10 +154,6 @@ def start_meta(
 def run_meta(
     engine: Engine, items: list[WorkloadItem], workload_source: str, anchor: tuple[int, int] | None = None
 ) -> dict[str, Any]:
-    import tokenizers
-    import torch
-    import transformers
-
     mc = engine.model_config
     # ranks (clock offsets) and parallel (sizes, backend) of a TP/PP run
     par = engine.parallel.meta() if engine.parallel is not None else {"ranks": {"0": {"offset_ns": 0}}}
@@ -179,9 +175,8 @@ def run_meta(
         "versions": {
             "mstrace": _version(),
             "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__,
+            # from the installed packages' metadata: importing transformers to ask would cost a second
+            **{pkg: _version(pkg) for pkg in ("torch", "transformers", "tokenizers")},
         },
         "host": {
             "hostname": socket.gethostname(),
@@ -195,10 +190,10 @@ def run_meta(
     }
 
 
-def _version() -> str:
+def _version(package: str = "mstrace") -> str:
     try:
         from importlib.metadata import version
 
-        return version("mstrace")
-    except Exception:  # noqa: BLE001 - running from a source tree
+        return version(package)
+    except Exception:  # noqa: BLE001 - running from a source tree, or the package is absent
         return "0+unknown"
