@@ -4,14 +4,47 @@ A writer holds an exclusive flock on `.writer-r<rank>.lock` for its lifetime.
 The kernel drops it when the process dies, however it dies, so a reader can tell
 a trace still being written (the lock is held) from one whose writer was killed
 (the file is there, unlocked), and `mstrace compact` refuses to touch a live one.
+
+POSIX: flock. Windows: msvcrt's byte-range lock on the file's first byte, which the
+system also drops with the process; it has no shared mode, so a reader's probe takes it
+exclusively for microseconds, and a writer retries past it as it does past flock's.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
+import sys
 import time
 from pathlib import Path
+
+if sys.platform == "win32":
+    import msvcrt
+
+    def _try_lock(fd: int, exclusive: bool) -> bool:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+
+    def _unlock(fd: int) -> None:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        except OSError:
+            pass
+else:
+    import fcntl
+
+    def _try_lock(fd: int, exclusive: bool) -> bool:
+        """The lock taken without blocking; False when another process holds it."""
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _unlock(fd: int) -> None:
+        pass  # closing the descriptor drops the flock
 
 
 def lock_path(root: Path, rank: int) -> Path:
@@ -27,17 +60,16 @@ class WriterLock:
         fd = os.open(lock_path(root, rank), os.O_RDWR | os.O_CREAT, 0o644)
         # A reader's probe (`live_ranks`) holds the lock shared for microseconds: retry past it.
         for _ in range(100):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _try_lock(fd, exclusive=True):
                 return cls(fd)
-            except BlockingIOError:
-                time.sleep(0.01)
+            time.sleep(0.01)
         os.close(fd)
         raise RuntimeError(f"trace {root} is being written by another process (rank {rank})")
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
+            _unlock(self._fd)
+            os.close(self._fd)
             self._fd = None
 
 
@@ -47,13 +79,14 @@ def live_ranks(root: Path) -> list[int]:
     for p in sorted(root.glob(".writer-r*.lock")):
         try:
             rank = int(p.name[len(".writer-r"):-len(".lock")])
-            fd = os.open(p, os.O_RDONLY)
+            fd = os.open(p, os.O_RDWR if sys.platform == "win32" else os.O_RDONLY)
         except (ValueError, OSError):
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            out.append(rank)
+            if _try_lock(fd, exclusive=False):
+                _unlock(fd)
+            else:
+                out.append(rank)
         finally:
-            os.close(fd)  # also drops the shared lock, if it was taken
+            os.close(fd)
     return out
