@@ -181,14 +181,17 @@ def render_imported(console: Console, v: ImportedView) -> None:
                       f"p90 {la.launch_delay_us_p90:.1f} us ({la.launched} launches)", highlight=False)
     if v.temporal_breakdown:
         t = Table(title="device time, HTA's temporal breakdown", header_style="bold", title_justify="left")
-        for col in ("rank", "kernels", "busy ms", "span ms", "idle", "compute", "non-compute", "host wait ms",
-                    "kernel wait ms", "other idle ms"):
+        # HTA's own unit (us), as --json has them: one number, one meaning
+        for col in ("rank", "kernels", "busy us", "span us", "idle", "compute", "non-compute"):
             t.add_column(col, justify="right")
         for r in v.temporal_breakdown:
-            t.add_row(str(r.rank), str(r.kernels), f"{r.kernel_busy_us / 1e3:.2f}", f"{r.kernel_time_us / 1e3:.2f}",
-                      f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%",
-                      f"{r.host_wait_us / 1e3:.2f}", f"{r.kernel_wait_us / 1e3:.2f}", f"{r.other_idle_us / 1e3:.2f}")
+            t.add_row(str(r.rank), str(r.kernels), f"{r.kernel_busy_us:.0f}", f"{r.kernel_time_us:.0f}",
+                      f"{r.idle_pct:.2f}%", f"{r.compute_pct:.2f}%", f"{r.non_compute_pct:.2f}%")
         console.print(t)
+        for r in v.temporal_breakdown:
+            console.print(f"rank {r.rank}, HTA's idle time breakdown over its streams: host wait "
+                          f"{r.host_wait_us:.0f} us, kernel wait {r.kernel_wait_us:.0f} us, other "
+                          f"{r.other_idle_us:.0f} us", highlight=False)
     if v.idle_by_range:
         t = Table(title="device idle by the host range open at the time (innermost op or annotation of the "
                         "scheduling thread)", header_style="bold", title_justify="left")
