@@ -25,7 +25,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from importers.kineto_events import COMM, COMPUTE, KINDS, MEMCPY, MEMSET, OTHER, SYNC, RankEvents
+from importers.kineto_events import (
+    COMM,
+    COMPUTE,
+    KINDS,
+    MEMCPY,
+    MEMSET,
+    OTHER,
+    RUNTIME,
+    SYNC,
+    RankEvents,
+)
 from importers.kineto_host import Rounds, find_rounds, host_rows, idle_by_range, scheduling_thread
 from importers.kineto_stream import KinetoError, KinetoFile
 from probes import boundaries as B
@@ -172,15 +182,14 @@ def _build(rank: int, kf: KinetoFile, ev: RankEvents, round_re: re.Pattern[str],
         rounds = Rounds(np.array([lo]), np.array([hi]), np.array([0]), [WHOLE_TRACE])
     rows = host_rows(h, names, tid, maps)
     # each device activity's launch: the runtime call with its correlation id
-    rt = (h.cat == 2) & (h.corr >= 0)
-    rc, rts, rend = h.corr[rt], h.ts[rt], h.end[rt]
-    o = np.argsort(rc, kind="stable")
-    rc, rts, rend = rc[o], rts[o], rend[o]
-    k = np.searchsorted(rc, d.corr)
-    k = np.minimum(k, max(len(rc) - 1, 0))
-    found = (d.corr >= 0) & (len(rc) > 0) & (rc[k] == d.corr) if len(rc) else np.zeros(len(d.corr), bool)
-    launch = np.where(found, rts[k] if len(rc) else 0, 0)
-    launch_dur = np.where(found, (rend[k] - rts[k]) if len(rc) else 0, 0)
+    rt = (h.cat == RUNTIME) & (h.corr >= 0)
+    o = np.argsort(h.corr[rt], kind="stable")
+    # a sentinel call past every id (it matches none) keeps the lookup total, and sorted
+    rc, rts, rend = (np.append(a[rt][o], v) for a, v in ((h.corr, np.iinfo(np.int64).max), (h.ts, 0), (h.end, 0)))
+    k = np.minimum(np.searchsorted(rc, d.corr), len(rc) - 1)
+    found = (d.corr >= 0) & (rc[k] == d.corr)
+    launch = np.where(found, rts[k], 0)
+    launch_dur = np.where(found, rend[k] - rts[k], 0)
     delay = np.where(found, np.maximum(d.ts - (launch + launch_dur), 0), 0)
     step = rounds.step_of(np.where(found, launch, d.ts))
     kind_names = np.array(KINDS, dtype=object)
