@@ -11,9 +11,10 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def collector(out: Path) -> Iterator[str]:
         assert "requests" in out_s
 
 
-def export(url: str, send: object) -> None:
+def export(url: str, send: Callable[[Any], None]) -> None:
     """Spans through the OpenTelemetry SDK and its OTLP/HTTP (protobuf) exporter, as an engine sends them."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
@@ -50,7 +51,7 @@ def export(url: str, send: object) -> None:
 
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
-    send(provider.get_tracer("engine"))  # type: ignore[operator]
+    send(provider.get_tracer("engine"))
     provider.shutdown()  # flushes every span before it returns
 
 
@@ -67,11 +68,11 @@ def workload(n: int, seed: int) -> list[dict]:
     return out
 
 
-def vllm_spans(reqs: list[dict]) -> object:
+def vllm_spans(reqs: list[dict]) -> Callable[[Any], None]:
     """vLLM's llm_request span (vllm/v1/engine/output_processor.py do_tracing)."""
     from opentelemetry.trace import SpanKind
 
-    def send(tracer) -> None:  # type: ignore[no-untyped-def]
+    def send(tracer: Any) -> None:
         for r in reqs:
             s = tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=r["arrival"], attributes={
                 "gen_ai.request.id": r["rid"], "gen_ai.usage.prompt_tokens": r["prompt"],
@@ -85,12 +86,12 @@ def vllm_spans(reqs: list[dict]) -> object:
     return send
 
 
-def sglang_spans(reqs: list[dict]) -> object:
+def sglang_spans(reqs: list[dict]) -> Callable[[Any], None]:
     """SGLang's request tree (python/sglang/srt/observability/trace.py): a root `Req <rid8>` with
     `rid` and gen_ai.* (no e2e: the root's length is it), a thread span, stage spans."""
     from opentelemetry import trace
 
-    def send(tracer) -> None:  # type: ignore[no-untyped-def]
+    def send(tracer: Any) -> None:
         for r in reqs:
             end = r["arrival"] + int(r["e2e"] * S)
             root = tracer.start_span(f" Req {r['rid'][-8:]}", start_time=r["arrival"], attributes={
