@@ -123,14 +123,25 @@ def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
     raise typer.Exit(code)
 
 
+def require(what: str, *extras: str) -> None:
+    """Exit 2 with one line if an extra that `what` needs is not installed (viewer/extras.py)."""
+    from viewer.extras import message, missing
+
+    gap = missing(*extras)
+    if gap is not None:
+        fail(message(what, *gap))
+
+
 def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
     """`fail`: this module's, naming a value from --config by the file's key (commands/flags.py)."""
+    require("mstrace run", "engine", *(("otlp",) if opts.otlp_endpoint else ()), *(("tui",) if opts.live else ()))
     from viewer.commands.run import execute_run
 
     execute_run(cfg, opts, console, fail)
 
 
 def _serve(cfg: EngineConfig, opts: ServeOptions, fail: Any = fail) -> None:
+    require("mstrace serve", "engine", "serve")
     from viewer.commands.serve import execute_serve
 
     execute_serve(cfg, opts, console, fail)
@@ -145,6 +156,9 @@ def report(
 ) -> None:
     """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage."""
     import json
+
+    if html_out is not None:
+        require("--html", "html")
 
     from tracing.reader import TraceError
     from viewer.analysis.report import build_report
@@ -242,6 +256,7 @@ def top(
         fail("--window and --rounds must be positive")
     if not sys.stdout.isatty():
         fail("top draws in a terminal, and stdout is not one (for a finished trace: mstrace report)")
+    require("mstrace top", "tui")
     from viewer.tui.top_app import TopApp
 
     TopApp(trace, lane_s=window, rounds=rounds).run()
@@ -253,6 +268,8 @@ def view(
 ) -> None:
     """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks."""
     import sys
+
+    require("mstrace view", "tui")
 
     from tracing.reader import TraceError
 
@@ -280,6 +297,7 @@ def import_(
                                                    "are that boundary's rows (repeatable).")] = None,
 ) -> None:
     """Import a torch.profiler trace of any PyTorch engine as an mstrace trace (report, diff, sql, export...)."""
+    require("mstrace import", "import")
     from importers.kineto_import import ImportOptions, import_kineto
     from importers.kineto_stream import KinetoError
 
@@ -365,6 +383,9 @@ def diff(
     """Did a change pay? B - A for per-boundary cost, device idle and serving metrics, with 95% bootstrap intervals."""
     import json
 
+    if html_out is not None:
+        require("--html", "html")
+
     from tracing.reader import TraceError
     from viewer.analysis.diff import build_diff
     from viewer.render.diff import render_diff
@@ -405,6 +426,7 @@ def export(
 
     if perfetto is None and otlp is None:
         fail("say where to: --perfetto OUT.pftrace and/or --otlp URL")
+    require("mstrace export", *(("perfetto",) if perfetto else ()), *(("otlp",) if otlp else ()))
     try:
         if perfetto is not None:
             from viewer.export.perfetto import export_perfetto
@@ -434,6 +456,8 @@ def sql(
     """Ask a trace anything in SQL (DuckDB, read-only): every table as a view, plus cycles, cycle_cost, request_latency."""
     import sys
 
+    require("mstrace sql", "sql")
+
     from tracing.reader import TraceError
     from viewer.export.sql import SqlError, TraceDb, render
 
@@ -455,6 +479,16 @@ def sql(
 def main() -> None:
     try:
         app()  # typer turns Ctrl-C into exit code 130
+    except ModuleNotFoundError as e:
+        # an optional module that no command's `require` foresaw: the same one line
+        from viewer.extras import for_module, message
+
+        extra = for_module(e.name)
+        if extra is None:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(message('this command', extra, e.name or '?'))}",
+                          highlight=False, soft_wrap=True)
+        sys.exit(BAD_INPUT)
     finally:
         # The interpreter's last collection walks every object a run left (its requests,
         # its buffers, torch's modules): over a second, which a stopped run's user would wait.

@@ -59,12 +59,11 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    try:  # first: without its client nothing else is worth loading
-        from viewer.bench_serve.http_client import Endpoint
-    except ImportError as e:
-        if (e.name or "").split(".")[0] in ("viewer", "scheduler", "tracing", "probes"):
-            raise
-        fail(f"bench-serve needs aiohttp ({e}): pip install 'mstrace[bench]'")
+    from viewer.extras import message, missing
+
+    gap = missing("bench")  # first: without its client nothing else is worth loading
+    if gap is not None:
+        fail(message("mstrace bench-serve", *gap))
     from viewer.bench_serve import results, runner
     from viewer.bench_serve.datasets import (
         DatasetError,
@@ -72,6 +71,7 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         sharegpt_prompts,
         workload_prompts,
     )
+    from viewer.bench_serve.http_client import Endpoint
 
     if a["num_prompts"] < 1:
         fail("--num-prompts must be at least 1")
