@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# One-step set-up: a virtual environment in .venv with mstrace installed.
-#   bash setup.sh          runtime only
-#   bash setup.sh --test   runtime + test tools
-# torch is installed first and pinned, because an unpinned torch pulled in as a
-# dependency resolves to a multi-GB CUDA build even on machines without a GPU.
+# One-step set-up: a virtual environment with mstrace and every extra (mstrace[all]) installed.
+#   bash setup.sh                    runtime only
+#   bash setup.sh --test             runtime + test tools
+#   bash setup.sh --test --upgrade   the newest releases instead of the lock (scripts/upgrade_lock.sh)
+# Versions come from constraints.txt, the lock the suite last passed on, so CI installs what the
+# tests were written against. torch is installed first and pinned (MSTRACE_TORCH_VERSION),
+# because an unpinned torch pulled in as a dependency resolves to a multi-GB CUDA build even
+# on machines without a GPU. MSTRACE_VENV names the environment's folder (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")"
-extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+extras="all"
+lock=(-c constraints.txt)
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="all,test" ;;
+    --upgrade) lock=() ;;  # into a fresh venv: what is installed already is kept
+    *) echo "setup.sh: unknown option $arg (--test, --upgrade)" >&2; exit 2 ;;
+  esac
+done
+VENV=${MSTRACE_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_VERSION=${MSTRACE_TORCH_VERSION:-2.13.0}
 
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if nvidia-smi -L >/dev/null 2>&1; then
   has_gpu=1
@@ -22,7 +33,7 @@ else
   has_gpu=0
 fi
 
-if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   if [ "$has_gpu" = 1 ]; then
     "${pip[@]}" install "torch==${TORCH_VERSION}"
   elif [ -n "${MSTRACE_TORCH_INDEX:-}" ]; then
@@ -35,10 +46,10 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-"${pip[@]}" install -e ".${extra}"
+"${pip[@]}" install "${lock[@]}" -e ".[${extras}]"
 
 # The HTML report's test opens the page in a headless Chromium: Debian's package, where missing.
-if [ -n "$extra" ] && ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
+if [ "$extras" != all ] && ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -q --no-install-recommends chromium-headless-shell >/dev/null \
       || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium-headless-shell >/dev/null; }
@@ -49,7 +60,7 @@ fi
 
 # tests/test_prometheus.py scrapes `mstrace serve` with a real Prometheus: Debian's package,
 # where missing (the test starts the binary itself; the package's service is not used).
-if [ -n "$extra" ] && ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
+if [ "$extras" != all ] && ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -q --no-install-recommends prometheus >/dev/null \
       || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
@@ -59,11 +70,11 @@ if [ -n "$extra" ] && ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin
 fi
 
 if [ "$has_gpu" = 0 ]; then
-  .venv/bin/python - <<'PY'
+  "$VENV/bin/python" - <<'PY'
 import torch, sys
 if torch.version.cuda is not None:
     print(f"setup.sh: warning: no GPU here but torch {torch.__version__} is a CUDA build; "
           "set MSTRACE_TORCH_INDEX to a CPU wheel index to avoid the large download", file=sys.stderr)
 PY
 fi
-echo "setup.sh: ready (.venv, torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'))"
+echo "setup.sh: ready ($VENV, torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
