@@ -18,6 +18,7 @@ from viewer.analysis.leaks import LeaksResult
 from viewer.analysis.records import KEY, OPAQUE, json_paths
 from viewer.analysis.report import ReportResult
 from viewer.analysis.stalls import StallsResult
+from viewer.analysis.whatif import WhatIfResult
 
 DOC = REPO / "docs" / "json.md"
 
@@ -64,7 +65,7 @@ def traces(tiny_runs: TinyRuns, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 @pytest.mark.parametrize("cmd,trace", [("report", "leak"), ("leaks", "leak"), ("stalls", "deadlock"),
-                                       ("diff", "leak"), ("report", "imported")])
+                                       ("diff", "leak"), ("report", "imported"), ("whatif", "leak")])
 def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
     docs = documented()[cmd]
     maps = [k for k in docs if "<" in k]
@@ -84,7 +85,8 @@ def test_documented_keys_are_exactly_the_printed_ones(traces, cmd, trace):
     assert missing == [], f"docs/json.md describes {cmd} keys it does not print"
 
 
-RESULTS: dict[str, type] = {"report": ReportResult, "diff": DiffResult, "stalls": StallsResult, "leaks": LeaksResult}
+RESULTS: dict[str, type] = {"report": ReportResult, "diff": DiffResult, "stalls": StallsResult, "leaks": LeaksResult,
+                            "whatif": WhatIfResult}
 
 
 def _segments(path: str) -> list[str]:

@@ -407,6 +407,34 @@ def diff(
     _wrote_html(html_out)
 
 
+@app.command()
+def whatif(
+    trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
+    mode: Annotated[str | None, typer.Option("--mode", help="Predict the run in this mode (serial, overlap; "
+                                             "timeslice from a timeslice trace).")] = None,
+    speedup: Annotated[list[str] | None, typer.Option("--speedup", help="BOUNDARY=FACTOR (device_compute=0.8) or "
+                                                      "BOUNDARY=+-MSms per round, as if that boundary were "
+                                                      "faster; repeatable.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
+) -> None:
+    """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone."""
+    import json
+
+    from tracing.reader import TraceError
+    from viewer.analysis.whatif import Speedup, WhatIfError
+    from viewer.analysis.whatif import whatif as predict
+    from viewer.render.whatif import render_whatif
+
+    try:
+        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []])
+    except (TraceError, WhatIfError) as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        render_whatif(console, res)
+
+
 def _wrote_html(path: Path | None) -> None:
     """Where the page went: on stderr, so `--json` output stays one JSON document."""
     if path is not None:

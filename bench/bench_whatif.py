@@ -1,0 +1,116 @@
+"""`mstrace whatif` checked against the runs it predicts.
+
+    python bench/bench_whatif.py modes --model tiny --requests 128 --runs 5 --cpu-device thread
+    python bench/bench_whatif.py truth --model tiny --requests 64 --delay-ms 5 --mode serial
+
+modes: each run is a serial and an overlap run of one workload (same seed; the order alternates
+run by run); whatif predicts each from the other. Prints, per run and direction, the predicted
+and measured output tok/s, ITL p50 and cycle, the errors, and whether the measured value lies
+in the stated 95% interval; then the median absolute errors and the interval's hit count.
+
+truth: the truth harness's known delays (--debug-delay-ms PLACE=D, scheduler/harness/debug_delay.py).
+For each place, a run with the delay and one without; whatif predicts the one without from
+the delayed one (--speedup BOUNDARY=-Dms) and the delayed one from the one without
+(BOUNDARY=+Dms). The error is in units of D (the acceptance: within 0.10 D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from common import OUT, REPO, load, mstrace_run
+
+sys.path.insert(0, str(REPO))
+from viewer.analysis.whatif import Speedup, WhatIfResult, whatif  # noqa: E402
+
+# The truth harness's places, and the boundary each is charged to (tests/test_truth.py).
+PLACE_BOUNDARY = {"device_compute": "device_compute", "bookkeeping": "bookkeeping",
+                  "batch_prepare": "batch_prepare", "response_send": "response_send",
+                  "between_rounds": "unattributed"}
+FIGS = (("output_tok_per_s", "tok/s", 0), ("itl_ms_p50", "ITL p50 ms", 2), ("cycle_ms", "cycle ms", 2))
+
+
+def _row(label: str, r: WhatIfResult, measured: WhatIfResult) -> dict[str, float]:
+    """One prediction against the run it predicts: relative errors and interval hits."""
+    out: dict[str, float] = {}
+    cells = []
+    for name, short, places in FIGS:
+        p, m = getattr(r.predicted, name), getattr(measured.measured, name)
+        lo, hi = getattr(r.predicted_low, name), getattr(r.predicted_high, name)
+        err = p / m - 1
+        hit = lo <= m <= hi
+        out[name], out[name + "_hit"] = err, float(hit)
+        cells.append(f"{short} {p:.{places}f} vs {m:.{places}f} ({100 * err:+.1f}%, {'in' if hit else 'out'})")
+    print(f"  {label:<18} " + "; ".join(cells), flush=True)
+    return out
+
+
+def modes(a: argparse.Namespace) -> None:
+    flags = ["--model", a.model, "--requests", str(a.requests), "--seed", "0", "--cpu-device", a.cpu_device,
+             *a.extra.split()]
+    print(f"load before: {load()}; {' '.join(flags)}")
+    rows: dict[str, list[dict[str, float]]] = {"overlap from serial": [], "serial from overlap": []}
+    for i in range(a.runs):
+        order = ("serial", "overlap") if i % 2 == 0 else ("overlap", "serial")
+        out = {m: OUT / "whatif" / f"{a.model}-{a.cpu_device}" / f"{m}-{i}" for m in order}
+        for m in order:
+            mstrace_run(out[m], *flags, "--mode", m)
+        own = {m: whatif(out[m]) for m in order}
+        print(f"run {i}:")
+        rows["overlap from serial"].append(_row("overlap from serial", whatif(out["serial"], "overlap"),
+                                                own["overlap"]))
+        rows["serial from overlap"].append(_row("serial from overlap", whatif(out["overlap"], "serial"),
+                                                own["serial"]))
+    print(f"load after: {load()}")
+    print(f"\n{a.model} {a.cpu_device}, {a.requests} requests, {a.runs} runs: median |error|, measured in interval")
+    for label, rs in rows.items():
+        cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "
+                 f"({int(sum(r[name + '_hit'] for r in rs))}/{len(rs)} in)" for name, short, _ in FIGS]
+        print(f"  {label:<20} " + "; ".join(cells))
+
+
+def truth(a: argparse.Namespace) -> None:
+    flags = ["--model", a.model, "--requests", str(a.requests), "--seed", "0", "--cpu-device", a.cpu_device,
+             "--mode", a.mode, *a.extra.split()]
+    print(f"load before: {load()}; {' '.join(flags)}; D = {a.delay_ms} ms")
+    base = OUT / "whatif" / "truth" / f"{a.mode}-base"
+    mstrace_run(base, *flags)
+    b = whatif(base)
+    for place in a.places.split(","):
+        held = OUT / "whatif" / "truth" / f"{a.mode}-{place}"
+        mstrace_run(held, *flags, "--debug-delay-ms", f"{place}={a.delay_ms}")
+        h = whatif(held)
+        bnd = PLACE_BOUNDARY[place]
+        down = whatif(held, speedups=[Speedup.parse(f"{bnd}=-{a.delay_ms}ms")])
+        up = whatif(base, speedups=[Speedup.parse(f"{bnd}=+{a.delay_ms}ms")])
+        e_down = (down.predicted.cycle_ms - b.measured.cycle_ms) / a.delay_ms
+        e_up = (up.predicted.cycle_ms - h.measured.cycle_ms) / a.delay_ms
+        print(f"  {place:<15} cycle ms: base {b.measured.cycle_ms:.2f}, held {h.measured.cycle_ms:.2f}; "
+              f"base from held {down.predicted.cycle_ms:.2f} ({e_down:+.2f} D); "
+              f"held from base {up.predicted.cycle_ms:.2f} ({e_up:+.2f} D)", flush=True)
+    print(f"load after: {load()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="what", required=True)
+    for name in ("modes", "truth"):
+        p = sub.add_parser(name)
+        p.add_argument("--model", default="tiny")
+        p.add_argument("--requests", type=int, default=128)
+        p.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
+        p.add_argument("--extra", default="", help="extra `mstrace run` flags, space separated")
+        if name == "modes":
+            p.add_argument("--runs", type=int, default=5)
+        else:
+            p.add_argument("--mode", default="serial", choices=("serial", "overlap"))
+            p.add_argument("--delay-ms", type=float, default=5.0)
+            p.add_argument("--places", default=",".join(PLACE_BOUNDARY))
+    a = ap.parse_args()
+    (modes if a.what == "modes" else truth)(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""`mstrace whatif`: the round model (viewer/analysis/whatif_model.py) on batches built by hand,
+its fit on the sample traces, and its virtual speedups checked against the truth harness's
+known delays."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.cli import REPO, cli, mstrace
+from viewer.analysis.whatif import Speedup, WhatIfError, whatif
+from viewer.analysis.whatif_model import COMPONENTS, Batches, critical_path, simulate
+
+SAMPLES = REPO / "traces"
+MS = 1e6
+
+
+def batches(n: int, **ms: float) -> Batches:
+    """n alike batches, each component in ms (0 unless given)."""
+    arr = {c: np.full(n, ms.get(c, 0.0) * MS) for c in COMPONENTS}
+    return Batches(**arr, not_before=np.zeros(n), head_Q=ms.get("head_Q", 0.0) * MS,
+                   tail_P=ms.get("tail_P", 0.0) * MS)
+
+
+def test_serial_is_the_sum_of_its_parts():
+    b = batches(10, P_prep=1, L=0.1, D=3, C=0.2, Q_book=0.5, G=0.2)
+    tl = simulate(b, overlap=False)
+    assert tl.end == pytest.approx(10 * (1 + 0.1 + 3 + 0.2 + 0.5 + 0.2) * MS)
+
+
+def test_overlap_hides_the_host_under_a_longer_device():
+    # the host's round (prepare 1 + post 0.7) is shorter than the device's 3 ms: after the
+    # first batch the device never waits, so the run is the device's time plus the ends
+    b = batches(50, P_prep=1, D=3, Q_book=0.5, G=0.2, T=0.0)
+    tl = simulate(b, overlap=True)
+    assert tl.end == pytest.approx(50 * 3 * MS + 1 * MS + 0.7 * MS, rel=1e-9)
+    assert np.allclose(tl.dev_start[1:], tl.dev_end[:-1])  # back to back
+
+
+def test_overlap_waits_on_the_host_when_it_is_longer():
+    # host round 4 ms, device 1 ms: the device idles 3 ms of every 4
+    b = batches(50, P_prep=3, D=1, Q_book=1)
+    tl = simulate(b, overlap=True)
+    assert np.diff(tl.dev_start[1:]) == pytest.approx(np.full(48, 4 * MS))  # the first round collects nothing
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 12), st.booleans(), st.data())
+def test_the_critical_path_is_the_whole_run(n, overlap, data):
+    """Whatever the durations, the critical path walked back from the end adds up to the run's
+    length: every nanosecond of the run is on it exactly once."""
+    comp = st.floats(0, 5, allow_nan=False)
+    arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
+    t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
+    arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))  # as load() bounds it
+    arrivals = np.sort(np.array(data.draw(st.lists(st.floats(0, 30), min_size=n, max_size=n)))) * MS
+    b = Batches(**arr, not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
+    tl = simulate(b, overlap)
+    path = critical_path(b, tl, overlap)
+    assert sum(path.values()) == pytest.approx(tl.end, rel=1e-9, abs=1.0)
+    assert all(v >= -1e-6 for v in path.values())
+
+
+def test_a_speedup_scales_its_components_only():
+    b = batches(4, P_book=1, Q_book=3, D=2)
+    s = b.sped_up("bookkeeping", None, -2 * MS)  # shared 1:3 between the two bookkeeping rows
+    assert s.P_book == pytest.approx(np.full(4, 0.5 * MS)) and s.Q_book == pytest.approx(np.full(4, 1.5 * MS))
+    assert s.D is b.D
+    assert b.sped_up("device_compute", 0.5, None).D == pytest.approx(np.full(4, 1 * MS))
+
+
+@pytest.mark.parametrize("spec", ["nope=1", "device_compute", "device_compute=-1", "device_compute=fast",
+                                  "device_compute=inf", "batch_prepare=2s"])
+def test_bad_speedups_are_one_line(spec):
+    with pytest.raises(WhatIfError) as e:
+        Speedup.parse(spec)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap"])
+def test_the_fit_replays_the_sample_as_it_ran(sample):
+    """Replayed in its own mode, the model reproduces the trace's own numbers: the components
+    are cut so that they add up to the rounds (1%: the fit's only freedom is L/T where the
+    trace saw just one of them)."""
+    r = whatif(SAMPLES / sample)
+    for name in ("cycle_ms", "output_tok_per_s", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p90"):
+        assert getattr(r.replayed, name) == pytest.approx(getattr(r.measured, name), rel=0.01), name
+    assert r.predicted == r.replayed  # nothing asked: the prediction is the fit
+    lo, hi = r.predicted_low, r.predicted_high
+    assert lo.cycle_ms <= r.predicted.cycle_ms <= hi.cycle_ms
+
+
+def test_overlap_from_serial_beats_serial_and_says_why():
+    r = whatif(SAMPLES / "sample-serial", "overlap")
+    assert r.predicted.cycle_ms < r.replayed.cycle_ms
+    on_path = {row.boundary: row for row in r.critical_path}
+    # the sample's device computes most of each round: overlap leaves it on the path and the
+    # host's prepare mostly off it
+    assert on_path["device_compute"].on_path_ms_per_round > 0.9 * on_path["device_compute"].ms_per_round
+    assert on_path["batch_prepare"].slack_ms_per_round > 0
+    serial = whatif(SAMPLES / "sample-serial")
+    assert serial.host_bound_batches == serial.batches  # serial: the device waits for every launch
+
+
+def test_cli_text_and_json():
+    rc, out, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--speedup",
+                       "batch_prepare=0.5")
+    assert rc == 0, err
+    assert "predicted with --mode overlap, batch_prepare=0.5" in out and "critical path" in out
+    rc, out, err = cli("whatif", str(SAMPLES / "sample-overlap"), "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["mode"] == d["target_mode"] == "overlap" and d["status"]["state"] == "complete"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--mode", "timeslice"], "--mode timeslice"),
+    (["--mode", "fast"], "--mode must be one of"),
+    (["--speedup", "x=1"], "--speedup takes"),
+])
+def test_cli_refuses_in_one_line(args, msg):
+    rc, out, err = cli("whatif", str(SAMPLES / "sample-serial"), *args)
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_imported_trace_is_refused(tmp_path):
+    out = tmp_path / "imported"
+    p = mstrace("import", str(REPO / "tests" / "data" / "kineto" / "hta_nccl_data.json.gz"), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    rc, _, err = cli("whatif", str(out))
+    assert rc == 2 and "imported profiler trace" in err
+
+
+# The truth harness: a run with a known delay D at one place, and one without. Predicting
+# each from the other by removing (adding) D at that boundary must land within 10% of D of
+# the other run's measured cycle. The machine is shared: a pair that misses is run again,
+# at most twice (3 pairs in all), and the last pair's error is reported.
+DELAY_MS = 20.0
+TOL = 0.10
+TRIES = 3
+COMMON = ["run", "--model", "tiny", "--requests", "16", "--prompt-len", "32-32", "--output-len", "24-24",
+          "--shared-prefix", "0", "-q"]
+
+
+@pytest.mark.parametrize("mode,place,boundary", [("serial", "batch_prepare", "batch_prepare"),
+                                                 ("overlap", "between_rounds", "unattributed")])
+def test_a_virtual_speedup_predicts_the_run_without_the_delay(tmp_path, mode, place, boundary):
+    errors = []
+    for i in range(TRIES):
+        base, held = tmp_path / f"base{i}", tmp_path / f"held{i}"
+        for out, extra in ((base, []), (held, ["--debug-delay-ms", f"{place}={DELAY_MS}"])):
+            p = mstrace(*COMMON, "--mode", mode, "--out", str(out), *extra)
+            assert p.returncode == 0, p.stderr
+        b, h = whatif(base), whatif(held)
+        down = whatif(held, speedups=[Speedup.parse(f"{boundary}=-{DELAY_MS}ms")])
+        up = whatif(base, speedups=[Speedup.parse(f"{boundary}=+{DELAY_MS}ms")])
+        errors = [(down.predicted.cycle_ms - b.measured.cycle_ms) / DELAY_MS,
+                  (up.predicted.cycle_ms - h.measured.cycle_ms) / DELAY_MS]
+        if all(abs(e) <= TOL for e in errors):
+            return
+    pytest.fail(f"{mode} {place}: predicted cycle off by {errors[0]:+.2f} D (without the delay) and "
+                f"{errors[1]:+.2f} D (with it) after {TRIES} pairs")

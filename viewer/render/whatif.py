@@ -1,0 +1,44 @@
+"""`mstrace whatif` as text: measured, the model's fit, the prediction, and the critical path."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from viewer.analysis.whatif import WhatIfResult
+from viewer.render.text import ms, status_line, trace_heading
+
+# (field, label, places): the report's names and units
+_ROWS = (("cycle_ms", "cycle_ms", 2), ("output_tok_per_s", "output_tok_per_s", 0), ("ttft_ms_p50", "ttft_ms p50", 2),
+         ("ttft_ms_p90", "ttft_ms p90", 2), ("itl_ms_p50", "itl_ms p50", 2), ("itl_ms_p90", "itl_ms p90", 2))
+
+
+def _change(pred: float | None, fit: float | None) -> str:
+    return "—" if not fit or pred is None else f"{100 * (pred / fit - 1):+.1f}%"
+
+
+def render_whatif(console: Console, r: WhatIfResult) -> None:
+    asked = ", ".join([*([f"--mode {r.target_mode}"] if r.target_mode != r.mode else []), *r.speedups]) or "nothing"
+    status_line(console, r.status, r.trace)
+    trace_heading(console, r.trace, f"  {r.mode} run, {r.batches} batches; predicted with {asked}")
+    t = Table(header_style="bold", title_justify="left")
+    for col in ("", "measured", "model fit", "predicted", "95% interval", "vs fit"):
+        t.add_column(col, justify="left" if not col else "right")
+    for name, label, places in _ROWS:
+        m, f, p, lo, hi = (getattr(o, name) for o in (r.measured, r.replayed, r.predicted, r.predicted_low,
+                                                      r.predicted_high))
+        t.add_row(label, ms(m, places), ms(f, places), ms(p, places), f"{ms(lo, places)}-{ms(hi, places)}",
+                  _change(p, f))
+    console.print(t)
+    target = r.target_mode
+    console.print(f"critical path of the predicted {target} run, ms per round (slack: how much a row could grow "
+                  "before the run does)", highlight=False)
+    c = Table(header_style="bold")
+    for col in ("boundary", "ms_per_round", "on_path_ms_per_round", "slack_ms_per_round"):
+        c.add_column(col, justify="left" if col == "boundary" else "right")
+    for row in r.critical_path:
+        c.add_row(row.boundary, ms(row.ms_per_round, 3), ms(row.on_path_ms_per_round, 3),
+                  ms(row.slack_ms_per_round, 3))
+    console.print(c)
+    console.print(f"the device waits for the host's launch before {r.host_bound_batches} of {r.batches} predicted "
+                  f"batches and runs {r.device_bound_batches} straight after the batch before", highlight=False)
