@@ -23,6 +23,7 @@ import sys
 from common import OUT, REPO, load, mstrace_run
 
 sys.path.insert(0, str(REPO))
+from tracing.reader import Trace  # noqa: E402
 from viewer.analysis.whatif import Speedup, WhatIfResult, whatif  # noqa: E402
 
 # The truth harness's places, and the boundary each is charged to (tests/test_truth.py).
@@ -59,12 +60,14 @@ def modes(a: argparse.Namespace) -> None:
             mstrace_run(out[m], *flags, "--mode", m)
         own = {m: whatif(out[m]) for m in order}
         print(f"run {i}:")
-        rows["overlap from serial"].append(_row("overlap from serial", whatif(out["serial"], "overlap"),
+        k = a.contention
+        rows["overlap from serial"].append(_row("overlap from serial", whatif(out["serial"], "overlap", contention=k),
                                                 own["overlap"]))
-        rows["serial from overlap"].append(_row("serial from overlap", whatif(out["overlap"], "serial"),
+        rows["serial from overlap"].append(_row("serial from overlap", whatif(out["overlap"], "serial", contention=k),
                                                 own["serial"]))
     print(f"load after: {load()}")
-    print(f"\n{a.model} {a.cpu_device}, {a.requests} requests, {a.runs} runs: median |error|, measured in interval")
+    print(f"\n{a.model} {a.cpu_device}, {a.requests} requests, {a.runs} runs, --contention {a.contention:g}: "
+          "median |error|, measured in interval")
     for label, rs in rows.items():
         cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "
                  f"({int(sum(r[name + '_hit'] for r in rs))}/{len(rs)} in)" for name, short, _ in FIGS]
@@ -81,14 +84,19 @@ def truth(a: argparse.Namespace) -> None:
     for place in a.places.split(","):
         held = OUT / "whatif" / "truth" / f"{a.mode}-{place}"
         mstrace_run(held, *flags, "--debug-delay-ms", f"{place}={a.delay_ms}")
-        h = whatif(held)
+        k = a.contention
+        h = whatif(held, contention=k)
         bnd = PLACE_BOUNDARY[place]
-        down = whatif(held, speedups=[Speedup.parse(f"{bnd}=-{a.delay_ms}ms")])
-        up = whatif(base, speedups=[Speedup.parse(f"{bnd}=+{a.delay_ms}ms")])
-        e_down = (down.predicted.cycle_ms - b.measured.cycle_ms) / a.delay_ms
-        e_up = (up.predicted.cycle_ms - h.measured.cycle_ms) / a.delay_ms
-        print(f"  {place:<15} cycle ms: base {b.measured.cycle_ms:.2f}, held {h.measured.cycle_ms:.2f}; "
-              f"base from held {down.predicted.cycle_ms:.2f} ({e_down:+.2f} D); "
+        # what the engine actually held per batch (a device hold is per forward: a round with a
+        # prefill stream beside its decodes holds twice)
+        rec = Trace.open(held).meta["debug_delays"][place]
+        d = rec["held_ns"] / 1e6 / h.batches
+        down = whatif(held, speedups=[Speedup.parse(f"{bnd}=-{d}ms")], contention=k)
+        up = whatif(base, speedups=[Speedup.parse(f"{bnd}=+{d}ms")], contention=k)
+        e_down = (down.predicted.cycle_ms - b.measured.cycle_ms) / d
+        e_up = (up.predicted.cycle_ms - h.measured.cycle_ms) / d
+        print(f"  {place:<15} held {d:.2f} ms/batch; cycle ms: base {b.measured.cycle_ms:.2f}, "
+              f"held {h.measured.cycle_ms:.2f}; base from held {down.predicted.cycle_ms:.2f} ({e_down:+.2f} D); "
               f"held from base {up.predicted.cycle_ms:.2f} ({e_up:+.2f} D)", flush=True)
     print(f"load after: {load()}")
 
@@ -102,6 +110,7 @@ def main() -> None:
         p.add_argument("--requests", type=int, default=128)
         p.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
         p.add_argument("--extra", default="", help="extra `mstrace run` flags, space separated")
+        p.add_argument("--contention", type=float, default=0.0, help="whatif --contention")
         if name == "modes":
             p.add_argument("--runs", type=int, default=5)
         else:

@@ -22,7 +22,7 @@ MS = 1e6
 def batches(n: int, **ms: float) -> Batches:
     """n alike batches, each component in ms (0 unless given)."""
     arr = {c: np.full(n, ms.get(c, 0.0) * MS) for c in COMPONENTS}
-    return Batches(**arr, not_before=np.zeros(n), head_Q=ms.get("head_Q", 0.0) * MS,
+    return Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=ms.get("head_Q", 0.0) * MS,
                    tail_P=ms.get("tail_P", 0.0) * MS)
 
 
@@ -48,6 +48,17 @@ def test_overlap_waits_on_the_host_when_it_is_longer():
     assert np.diff(tl.dev_start[1:]) == pytest.approx(np.full(48, 4 * MS))  # the first round collects nothing
 
 
+def test_contention_stretches_the_device_by_the_host_work_inside_it():
+    # device 3 ms, host 1.7 ms a round: with contention 1 (one core for both) the device takes
+    # the host's work on top of its own, and overlap gains nothing over the sum
+    b = batches(50, P_prep=1, D=3, Q_book=0.5, G=0.2)
+    free, shared = simulate(b, overlap=True), simulate(b, overlap=True, contention=1.0)
+    assert np.diff(free.dev_end[2:-2]) == pytest.approx(np.full(45, 3 * MS))
+    assert np.diff(shared.dev_end[2:-2]) == pytest.approx(np.full(45, 4.7 * MS))
+    half = simulate(b, overlap=True, contention=0.5)
+    assert np.diff(half.dev_end[2:-2]) == pytest.approx(np.full(45, 3.85 * MS))
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 12), st.booleans(), st.data())
 def test_the_critical_path_is_the_whole_run(n, overlap, data):
@@ -58,8 +69,8 @@ def test_the_critical_path_is_the_whole_run(n, overlap, data):
     t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))  # as load() bounds it
     arrivals = np.sort(np.array(data.draw(st.lists(st.floats(0, 30), min_size=n, max_size=n)))) * MS
-    b = Batches(**arr, not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
-    tl = simulate(b, overlap)
+    b = Batches(**arr, H=np.zeros(n), not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
+    tl = simulate(b, overlap, data.draw(st.sampled_from([0.0, 0.3, 1.0])))
     path = critical_path(b, tl, overlap)
     assert sum(path.values()) == pytest.approx(tl.end, rel=1e-9, abs=1.0)
     assert all(v >= -1e-6 for v in path.values())

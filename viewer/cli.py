@@ -415,6 +415,9 @@ def whatif(
     speedup: Annotated[list[str] | None, typer.Option("--speedup", help="BOUNDARY=FACTOR (device_compute=0.8) or "
                                                       "BOUNDARY=+-MSms per round, as if that boundary were "
                                                       "faster; repeatable.")] = None,
+    contention: Annotated[float, typer.Option("--contention", help="Share (0-1) of the host's work the device "
+                                              "cannot overlap: 0 on a GPU; the CPU emulation's cores and GIL "
+                                              "(docs/whatif.md).")] = 0.0,
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
 ) -> None:
     """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone."""
@@ -426,7 +429,7 @@ def whatif(
     from viewer.render.whatif import render_whatif
 
     try:
-        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []])
+        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention)
     except (TraceError, WhatIfError) as e:
         fail(str(e))
     if json_out:

@@ -62,6 +62,7 @@ class Batches:
     Q_send: np.ndarray
     Q_defrag: np.ndarray
     G: np.ndarray
+    H: np.ndarray  # host work the trace shows while the device ran the batch (what contention stretched)
     not_before: np.ndarray  # the latest arrival among the requests the batch admits (0: none)
     head_Q: float  # overlap's first round: hand-off and gap, with nothing collected
     tail_P: float  # overlap's draining round: intake, with nothing launched
@@ -142,9 +143,13 @@ class Timeline:
         return len(self.start)
 
 
-def simulate(b: Batches, overlap: bool) -> Timeline:
+def simulate(b: Batches, overlap: bool, contention: float = 0.0) -> Timeline:
+    """`contention` k: each ns of host work done while the device runs a batch delays that
+    batch by k ns (0: a GPU's independent processors; 1: one core or one lock for both)."""
     n = b.n
     P, Q = b.P, b.Q
+    # overlap: the host's work while batch i runs: round i's collect of i-1, and the prepare of i+1
+    after = np.concatenate([[b.head_Q], (b.W + Q + b.G)[:-1]]) + np.append(P[1:], b.tail_P)
     rounds = n + 1 if overlap else n
     start, launched = np.zeros(rounds), np.zeros(rounds)
     dev_start, dev_end, synced = np.zeros(n), np.zeros(n), np.zeros(n)
@@ -155,7 +160,11 @@ def simulate(b: Batches, overlap: bool) -> Timeline:
         launched[i] = t + (P[i] if i < n else b.tail_P)
         if i < n:
             dev_start[i] = max(launched[i] + b.L[i], dev_end[i - 1] + b.T[i] if i else 0.0)
-            dev_end[i] = dev_start[i] + b.D[i]
+            d = b.D[i]
+            if overlap and contention:  # stretched by the host's work inside it (all of it, if it fits)
+                h = after[i]
+                d = d + contention * h if contention >= 1 or h <= d / (1 - contention) else d / (1 - contention)
+            dev_end[i] = dev_start[i] + d
         j = i - 1 if overlap else i  # the batch this round collects
         if j < 0:
             t = launched[i] + b.head_Q  # overlap's first round: nothing to collect yet
@@ -163,6 +172,14 @@ def simulate(b: Batches, overlap: bool) -> Timeline:
         synced[j] = max(launched[i] + b.W[j], dev_end[j] + b.C[j])
         t = synced[j] + Q[j] + b.G[j]
     return Timeline(start, launched, dev_start, dev_end, synced, t)
+
+
+def busy_ns(b: Batches, tl: Timeline) -> float:
+    """The run's length less its waits for arrivals (the report's cycles exclude them too)."""
+    post = tl.synced + b.Q + b.G  # when each round handed off, so the next could start
+    ends = post if tl.rounds == b.n else np.concatenate([[tl.launched[0] + b.head_Q], post])
+    idle = tl.start - np.concatenate([[0.0], ends[:-1]])
+    return tl.end - float(np.maximum(idle, 0).sum())
 
 
 COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
@@ -173,6 +190,7 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
     whichever input each max() took. `idle`: waiting for requests to arrive. The values
     sum to the run's length; whatever is not on the path is slack."""
     on = dict.fromkeys((*COMPONENTS, "idle"), 0.0)
+    D = tl.dev_end - tl.dev_start  # as simulated: stretched by contention
 
     def post(j: int) -> None:
         for k in ("Q_book", "Q_send", "Q_defrag", "G"):
@@ -188,11 +206,11 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
             on["C"] += b.C[j]
             k, cut = j, 0.0
             while k > 0 and tl.dev_end[k - 1] + b.T[k] > tl.launched[k] + b.L[k]:
-                on["D"] += b.D[k] + cut
+                on["D"] += D[k] + cut
                 on["T"] += max(b.T[k], 0.0)
                 cut = min(b.T[k], 0.0)  # k began before k-1 ended: only k-1's time until then is on the path
                 k -= 1
-            on["D"] += b.D[k] + cut
+            on["D"] += D[k] + cut
             on["L"] += b.L[k]
             i = k  # the device chain began with round k's launch
         else:

@@ -30,6 +30,11 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
         t.add_row(label, ms(m, places), ms(f, places), ms(p, places), f"{ms(lo, places)}-{ms(hi, places)}",
                   _change(p, f))
     console.print(t)
+    if r.backend.startswith("cpu") and r.target_mode != r.mode:
+        console.print(f"[yellow]{r.backend}: the host and the emulated device share this machine's cores"
+                      f"{' and the GIL' if r.backend == 'cpu-thread' else ''}; this prediction lets the host's work "
+                      f"delay the device by {r.contention:g} of it (--contention; docs/whatif.md has the errors "
+                      "measured here)[/]", highlight=False)
     target = r.target_mode
     console.print(f"critical path of the predicted {target} run, ms per round (slack: how much a row could grow "
                   "before the run does)", highlight=False)
