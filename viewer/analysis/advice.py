@@ -12,6 +12,7 @@ import pyarrow as pa
 from probes import boundaries as B
 from viewer.analysis.cost import CostTable
 from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
+from viewer.analysis.whatif_gains import OVERLAP
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
 WORTH = 0.02
@@ -70,10 +71,14 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
     return B.REMOVABLE.get(name, "")
 
 
-def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any]) -> list[str]:
-    """One or two sentences: the largest device-idle rows, each with the option that addresses it."""
+def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
+                    gains: dict[str, float] | None = None) -> list[str]:
+    """One or two sentences: the largest device-idle rows, each with the option that addresses
+    it and, where the round model could replay the trace (`gains`, viewer/analysis/whatif_gains.py),
+    what halving it would do to the cycle."""
     if not c.cycles:
         return []
+    gains = gains or {}
     lines = []
     if c.device_busy >= DEVICE_BOUND:
         lines.append(f"the device computes {100 * c.device_busy:.1f}% of each cycle: the host is not the "
@@ -81,8 +86,13 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any]) -> l
     rows = [(b.boundary, b.share) for b in c.boundaries
             if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
     for name, share in rows[:2]:
-        lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle; "
+        predicted = (f"; halved, the cycle would change {100 * gains[name]:+.1f}% "
+                     f"(`mstrace whatif --speedup {name}=0.5`)" if name in gains else "")
+        lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle{predicted}; "
                      f"{_remedy(name, mode, config)}")
+    if OVERLAP in gains and gains[OVERLAP] <= -WORTH:
+        lines.append(f"`--mode overlap`: the cycle would change {100 * gains[OVERLAP]:+.1f}% by the round model "
+                     "(`mstrace whatif --mode overlap`, docs/whatif.md)")
     if not lines:
         lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
     return lines

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,7 +20,7 @@ import pyarrow.compute as pc
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from viewer.analysis.advice import Backend, backend, worth_attacking
+from viewer.analysis.advice import WORTH, Backend, backend, worth_attacking
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import StragglerView, straggler_view
 from viewer.analysis.cost import BoundaryCost, CostTable, cost_table
@@ -27,6 +28,7 @@ from viewer.analysis.imported import ImportedView, imported_view
 from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
+from viewer.analysis.whatif_gains import cycle_gains
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
@@ -178,6 +180,14 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) 
     return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
 
 
+def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
+    """The round model's predictions for the rows worth attacking (none for another engine's trace)."""
+    if "import" in inp.trace.meta or "api" in config or not cost.cycles:
+        return {}
+    names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
+    return cycle_gains(inp.trace.root, names, config.get("mode"), inp.steps.num_rows)
+
+
 def build_report(root: str | Path | ReportInputs) -> ReportResult:
     """Everything `report` shows (its to_json() is what --json prints)."""
     inp = root if isinstance(root, ReportInputs) else load_inputs(root)
@@ -202,7 +212,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         probes=config.get("probes", True),
         backend=backend(meta, probes),
         cost=cost_view(cost),
-        worth_attacking=worth_attacking(cost, config.get("mode"), config),
+        worth_attacking=worth_attacking(cost, config.get("mode"), config, _gains(inp, cost, config)),
         throughput=Throughput(
             requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
             finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,

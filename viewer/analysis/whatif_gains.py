@@ -1,0 +1,38 @@
+"""What the report's "worth attacking" lines predict: the cycle had a row been halved, or the
+run overlapped, from the round model (docs/whatif.md) without its intervals, so the report
+stays one pass. Bounded: a trace of more rounds than GAINS_MAX_ROUNDS gets none (the model
+replays round by round in Python); `mstrace whatif` answers for any length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from viewer.analysis.whatif_fit import WhatIfError, load
+from viewer.analysis.whatif_model import SCALES, busy_ns, simulate
+
+GAINS_MAX_ROUNDS = 20_000
+OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
+
+
+def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, rounds: int) -> dict[str, float]:
+    """Relative change of the mean cycle (-0.2: 20% shorter) with each boundary halved, and for a
+    serial run under overlap. Empty when the model cannot read the trace or it is too long."""
+    if rounds > GAINS_MAX_ROUNDS or mode not in ("serial", "overlap", "timeslice"):
+        return {}
+    try:
+        run = load(root)
+    except WhatIfError:
+        return {}
+    b, overlap = run.batches, mode == "overlap"
+    tl = simulate(b, overlap)
+    base = busy_ns(b, tl) / tl.rounds
+    out = {}
+    for name in boundaries:
+        if name in SCALES:
+            fast = b.sped_up(name, 0.5, None)
+            t = simulate(fast, overlap)
+            out[name] = busy_ns(fast, t) / t.rounds / base - 1
+    if mode == "serial":
+        t = simulate(b, True)
+        out[OVERLAP] = busy_ns(b, t) / t.rounds / base - 1
+    return out
