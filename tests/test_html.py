@@ -54,7 +54,8 @@ def test_a_report_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) 
     assert p.returncode == 0, p.stderr
     assert "device_compute" in page.read_text() and "sync-cost table" in p.stdout
     assert p.stderr.strip() == f"HTML written to {page.resolve()}", p.stderr  # where it went (issue 25, 8)
-    _check(page, tmp_path, 4)
+    assert "critical path of the overlap run" in page.read_text()  # the round model's picture (docs/whatif.md)
+    _check(page, tmp_path, 5)
 
 
 def test_a_diff_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.support.cli import REPO, cli, mstrace
 from viewer.analysis.whatif import Speedup, WhatIfError, whatif
-from viewer.analysis.whatif_model import COMPONENTS, Batches, critical_path, simulate
+from viewer.analysis.whatif_model import COMPONENTS, SCALES, Batches, critical_path, simulate
 
 SAMPLES = REPO / "traces"
 MS = 1e6
@@ -74,6 +74,20 @@ def test_the_critical_path_is_the_whole_run(n, overlap, data):
     path = critical_path(b, tl, overlap)
     assert sum(path.values()) == pytest.approx(tl.end, rel=1e-9, abs=1.0)
     assert all(v >= -1e-6 for v in path.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 10), st.booleans(), st.sampled_from(sorted(SCALES)), st.data())
+def test_a_faster_boundary_never_makes_the_run_longer(n, overlap, boundary, data):
+    comp = st.floats(0, 5, allow_nan=False)
+    arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
+    t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
+    arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))
+    b = Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=0.0, tail_P=0.0)
+    k = data.draw(st.sampled_from([0.0, 0.3]))
+    slow = simulate(b, overlap, k).end
+    assert simulate(b.sped_up(boundary, 0.5, None), overlap, k).end <= slow + 1e-3
+    assert simulate(b.sped_up(boundary, None, -1 * MS), overlap, k).end <= slow + 1e-3
 
 
 def test_a_speedup_scales_its_components_only():

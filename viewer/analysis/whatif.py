@@ -183,6 +183,21 @@ def _backend(tr: Trace) -> str:
     return backend(tr.meta, None).name
 
 
+def replayed_path(root: str | Path) -> list[PathRow] | None:
+    """The critical path of the run as it ran (the model's fit; no intervals), for the HTML
+    report; None where the model cannot read the trace or it is too long to replay there."""
+    from viewer.analysis.whatif_gains import GAINS_MAX_ROUNDS
+
+    try:
+        run = load(root)
+    except WhatIfError:
+        return None
+    if len(run.steps) > GAINS_MAX_ROUNDS:
+        return None
+    overlap = run.trace.meta.get("config", {}).get("mode") == "overlap"
+    return _path_table(run.batches, simulate(run.batches, overlap), overlap)
+
+
 def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
     """The critical path per boundary, ms per round, largest first."""
     path = critical_path(b, tl, overlap)

@@ -83,16 +83,17 @@ class Batches:
 
     def sped_up(self, boundary: str, factor: float | None, delta_ns: float | None) -> Batches:
         """`boundary` times `factor`, or plus `delta_ns` per batch (floor 0), shared among
-        its components in proportion to their size."""
+        its components in proportion to their size. A negative T (a batch begun beside the one
+        before) is overlap, not cost: it stays as it is."""
         parts = {name: getattr(self, name) for name in SCALES[boundary]}
         if factor is not None:
-            return replace(self, **{k: v * factor for k, v in parts.items()})
-        total = sum(parts.values())
+            return replace(self, **{k: np.where(v > 0, v * factor, v) for k, v in parts.items()})
+        total = sum(np.maximum(v, 0) for v in parts.values())
         safe = np.where(total > 0, total, 1.0)
         out = {}
         for k, v in parts.items():
-            share = np.where(total > 0, v / safe, 1.0 / len(parts))
-            out[k] = np.maximum(v + float(delta_ns or 0) * share, 0.0)
+            share = np.where(total > 0, np.maximum(v, 0) / safe, 1.0 / len(parts))
+            out[k] = np.where(v >= 0, np.maximum(v + float(delta_ns or 0) * share, 0.0), v)
         return replace(self, **out)
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from viewer.analysis.records import JsonView
+from viewer.analysis.whatif import replayed_path
 from viewer.export import html_charts as charts
 from viewer.render.text import ms, pct
 
@@ -62,6 +63,9 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
     inp = chart_inputs(root)
     figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
+    path = replayed_path(root)  # None for an imported or a TP/PP trace
+    if path:
+        figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced"))
     body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep), "<h2>Sync cost</h2>",
             _cost_table(rep.cost), *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep.latency)]
     _write(out, f"mstrace report {rep.trace}", body, figs)

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 
 if TYPE_CHECKING:
     from viewer.analysis.report import CostView
+    from viewer.analysis.whatif import PathRow
 
 
 @dataclass(slots=True)
@@ -115,6 +116,23 @@ def cost_bars(tables: list[tuple[str, CostView]]) -> Any:
                                  hovertemplate=f"{b}: %{{y:.1f}}%<extra></extra>"))
     return fig.update_layout(**_layout("where the cycle goes (share of cycle time)", barmode="stack",
                                        yaxis_title="% of cycle"))
+
+
+def critical_path_bars(rows: list[PathRow], mode: str) -> Any:
+    """Each boundary's time per round, split into what lies on the run's critical path and its
+    slack (docs/whatif.md): the rows worth making faster are the long solid bars."""
+    go = _go()
+    fig = go.Figure()
+    names = [r.boundary for r in rows][::-1]  # the longest on-path row on top
+    on = [r.on_path_ms_per_round for r in rows][::-1]
+    slack = [r.slack_ms_per_round for r in rows][::-1]
+    fig.add_trace(go.Bar(y=names, x=on, orientation="h", name="on the critical path",
+                         marker={"color": [colour(n) for n in names]},
+                         hovertemplate="%{y}: %{x:.3f} ms/round on the path<extra></extra>"))
+    fig.add_trace(go.Bar(y=names, x=slack, orientation="h", name="slack", marker={"color": "rgba(0,0,0,0.12)"},
+                         hovertemplate="%{y}: %{x:.3f} ms/round of slack<extra></extra>"))
+    return fig.update_layout(**_layout(f"critical path of the {mode} run as the round model replays it "
+                                       "(ms per round)", barmode="stack", xaxis_title="ms per round"))
 
 
 def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
