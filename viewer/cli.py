@@ -344,7 +344,10 @@ def collect(
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # a service manager's SIGTERM ends it as Ctrl-C does
 
+    # SIGINT too, explicitly: a shell that starts a command in the background without job
+    # control has it ignore SIGINT, and Python then never turns Ctrl-C into KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         c.serve()
     except KeyboardInterrupt:

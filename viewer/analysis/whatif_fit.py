@@ -27,7 +27,6 @@ class Run:
     t0: int  # the first round's start, ns
     collect_round: np.ndarray  # per batch: the step number of the round that collected it
     steps: np.ndarray  # every round's step number
-    collect_ns: np.ndarray  # every round's collect moment (0: none)
     requests: pa.Table
     trace: Trace
     first_idx: np.ndarray  # per served request: the index (into steps) of its first token's round
@@ -99,7 +98,7 @@ def load(root: str | Path) -> Run:
     cfg = tr.meta.get("config", {})
     if int(cfg.get("tp", 1) or 1) * int(cfg.get("pp", 1) or 1) > 1:
         raise WhatIfError(f"{root} is a TP/PP trace: the model has no collectives yet (docs/whatif.md)")
-    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_prefill_reqs", "num_decode_reqs"])
+    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
     order = pc.sort_indices(s, [("step", "ascending")])
@@ -180,8 +179,7 @@ def load(root: str | Path) -> Run:
     waited = _covered(ws[order], we[order], dev_e) - _covered(ws[order], we[order], dev_s)
     H = np.maximum(dev_e - dev_s - waited, 0)
     # arrivals: a batch cannot start before the requests it admits arrived
-    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "output_len",
-                               "prompt_len", "token_runs"])
+    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs"])
     t0 = int(start[0])
     not_before = np.zeros(len(b_idx))
     fs = rq["first_scheduled_ns"].to_numpy()
@@ -203,6 +201,6 @@ def load(root: str | Path) -> Run:
     first_round, last_round = flat[ends - lens[served]], flat[ends - 2] + flat[ends - 1] - 1
     if not served.any():
         raise WhatIfError(f"{root} served no tokens: nothing to predict")
-    return Run(bt, t0, steps[col], steps, collect, rq, tr, np.searchsorted(steps, first_round),
+    return Run(bt, t0, steps[col], steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
                 int(rq["output_len"].to_numpy()[served].sum()))
