@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from probes import boundaries as B
-from tracing.reader import Trace, TraceError
+from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
@@ -33,10 +33,8 @@ from viewer.analysis.whatif_model import (
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
-# Which boundary each component is, for the critical-path table.
-COMPONENT_BOUNDARY = {"P_book": B.BOOKKEEPING, "P_prep": B.BATCH_PREPARE, "L": B.SCHEDULER_BARRIER, "T": B.SCHEDULER_BARRIER,
-                      "D": B.DEVICE_COMPUTE, "C": B.SCHEDULER_BARRIER, "W": B.SCHEDULER_BARRIER, "Q_book": B.BOOKKEEPING,
-                      "Q_send": B.RESPONSE_SEND, "Q_defrag": B.DEFRAG, "G": "unattributed", "idle": B.IDLE}
+# Which boundary each component is, for the critical-path table: SCALES read backwards.
+COMPONENT_BOUNDARY = {c: boundary for boundary, comps in SCALES.items() for c in comps} | {"idle": B.IDLE}
 
 
 @dataclass(slots=True)
@@ -213,5 +211,5 @@ def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
             for k, (total, on) in sorted(rows.items(), key=lambda kv: -kv[1][1]) if total > 0]
 
 
-__all__ = ["MODES", "Speedup", "TraceError", "WhatIfError", "WhatIfResult", "whatif"]
+__all__ = ["MODES", "Speedup", "WhatIfError", "WhatIfResult", "whatif"]
 

@@ -125,7 +125,7 @@ def load(root: str | Path) -> Run:
     launched_any = prep > 0
     launched = np.where(launched_any, prep_end, start + pre_book)
     # idle waits for arrivals between one round's hand-off and the next round
-    it_step, it_ts, it_end = rows[B.IDLE]
+    _, it_ts, it_end = rows[B.IDLE]
     idle_between = np.zeros(len(steps))
     if len(it_ts):
         k = np.searchsorted(start, it_ts, side="right") - 1  # the round before the wait
