@@ -161,3 +161,20 @@ def test_the_sender_decodes_each_request_after_its_own_prompt(tok: Tokenizer) ->
         want = tok.decode(prompts[r] + o)[len(tok.decode(prompts[r])):]
         assert "".join(sink.text[r]) == want == sink.final[r]
         assert len(sink.text[r]) == len(o)  # one text per token
+
+
+def test_a_preset_is_read_as_autotokenizer_builds_it_without_importing_transformers() -> None:
+    """A preset's tokenizer.json is read directly (scheduler/hops/tokenizer.py): it must be
+    exactly the Rust tokenizer AutoTokenizer builds from the folder, added tokens included."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    folder = resolve_model("tiny")
+    ours = Tokenizer(folder)
+    built = AutoTokenizer.from_pretrained(str(folder), local_files_only=True).backend_tokenizer
+    assert ours._tok.to_str() == built.to_str()  # noqa: SLF001 - the object it encodes with
+    code = (f"import sys; from scheduler.hops.tokenizer import Tokenizer; Tokenizer({str(folder)!r}); "
+            "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], timeout=120).returncode == 0

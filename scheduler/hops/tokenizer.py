@@ -20,6 +20,12 @@ from typing import Any
 PROMPT_CONTEXT_MIN = 4
 PROMPT_CONTEXT_MAX = 32
 
+# Written last into a folder mstrace built (scheduler/model/presets.py). Such a folder's
+# tokenizer.json is written for PreTrainedTokenizerFast, which AutoTokenizer loads as it is
+# (tests/test_tokenizer.py compares the two), so it is read directly: importing transformers
+# is about 2 s of every run's start-up.
+PRESET_MANIFEST = "mstrace_preset.json"
+
 
 class TokenizerError(ValueError):
     pass
@@ -36,6 +42,12 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
         self._tok: Any
+        if (d / PRESET_MANIFEST).is_file() and (d / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as FastTokenizer
+
+            self._tok, self._fast = FastTokenizer.from_file(str(d / "tokenizer.json")), True
+            self._special = self._special_of_fast()
+            return
         try:
             from transformers import AutoTokenizer
 
@@ -51,9 +63,12 @@ class Tokenizer:
             self._tok = getattr(hf, "backend_tokenizer", None) or hf
         self._fast = hf is None or self._tok is not hf
         if self._fast:
-            self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+            self._special = self._special_of_fast()
         else:
             self._special = frozenset(int(i) for i in self._tok.all_special_ids)
+
+    def _special_of_fast(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, what the folder's tokenizer adds

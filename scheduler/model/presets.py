@@ -36,6 +36,7 @@ import tokenizers
 import torch
 from safetensors.torch import save_file
 
+from scheduler.hops.tokenizer import PRESET_MANIFEST
 from scheduler.model import tokenizer_build
 
 # Bump when anything about how a preset folder is produced changes (weight
@@ -44,7 +45,7 @@ GENERATOR_VERSION = 1
 
 CACHE_ENV_VAR = "MSTRACE_CACHE_DIR"
 # Written last in a build: what built the folder, and its files' hashes.
-MANIFEST_NAME = "mstrace_preset.json"
+MANIFEST_NAME = PRESET_MANIFEST
 REQUIRED_FILES: tuple[str, ...] = (
     "config.json",
     "model.safetensors",
