@@ -167,18 +167,22 @@ class SyntheticSpec:
     ignore_eos: bool = True  # random weights hit EOS at random; fixed lengths make runs comparable
     seed: int = 0
 
+    def check(self) -> None:
+        """WorkloadError with the first flag out of range (said before a model is loaded for it)."""
+        if self.requests < 1:
+            raise WorkloadError("--requests must be >= 1")
+        for name, (lo, hi) in (("prompt", self.prompt_len), ("output", self.output_len)):
+            if lo < 1 or hi < lo:
+                raise WorkloadError(f"--{name}-len range must satisfy 1 <= min <= max, got {lo}-{hi}")
+        if not 0 <= self.shared_prefix_frac <= 1:
+            raise WorkloadError("--shared-prefix must be in [0, 1]")
+        if not (math.isfinite(self.rate) and self.rate >= 0):
+            raise WorkloadError(f"--rate must be a finite number of requests/s >= 0 (0: all at t=0), got {self.rate}")
+
 
 def synthetic_workload(spec: SyntheticSpec, vocab_size: int, special_ids: set[int]) -> list[WorkloadItem]:
     """Random-token prompts with exact lengths, drawn from a seeded RNG."""
-    if spec.requests < 1:
-        raise WorkloadError("--requests must be >= 1")
-    for name, (lo, hi) in (("prompt", spec.prompt_len), ("output", spec.output_len)):
-        if lo < 1 or hi < lo:
-            raise WorkloadError(f"--{name}-len range must satisfy 1 <= min <= max, got {lo}-{hi}")
-    if not 0 <= spec.shared_prefix_frac <= 1:
-        raise WorkloadError("--shared-prefix must be in [0, 1]")
-    if not (math.isfinite(spec.rate) and spec.rate >= 0):
-        raise WorkloadError(f"--rate must be a finite number of requests/s >= 0 (0: all at t=0), got {spec.rate}")
+    spec.check()
     rng = random.Random(spec.seed)
     vocab = [t for t in range(vocab_size) if t not in special_ids]
     prefix = [rng.choice(vocab) for _ in range(spec.shared_prefix_len)]

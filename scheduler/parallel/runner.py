@@ -22,8 +22,15 @@ from scheduler.model.transformer import CausalLM
 
 from .comm import COMM_TIMEOUT_S, AllReduce
 from .group import ParallelState
-from .pp import PipelineStage, stage_part
-from .tp import TPRunner, slice_batch, split_row, tp_config, tp_shard_fn
+from .pp import PipelineStage, stage_layers, stage_part
+from .tp import TPRunner, slice_batch, split_row, tp_config, tp_shard_fn, validate_tp
+
+
+def check_shardable(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """ModelLoadError if --tp/--pp cannot split this model: said before any rank is started
+    (each rank would load the model, then fail on the same check)."""
+    validate_tp(cfg, tp)
+    stage_layers(cfg.num_hidden_layers, pp, 0)
 
 
 @dataclass(slots=True)

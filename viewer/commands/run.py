@@ -49,15 +49,20 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         save_workload,
         synthetic_workload,
     )
-    from scheduler.model.config import ModelLoadError
-    from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
 
     all_modes = cfg.mode == "all"
+    spec = SyntheticSpec(opts.requests, opts.prompt_len, opts.output_len, opts.shared_prefix, rate=opts.rate,
+                         seed=cfg.seed)
     try:
         cfg = checked(cfg, opts)
-    except ConfigError as e:
-        fail(str(e))
+        if opts.workload is None:
+            spec.check()
+    except (ConfigError, WorkloadError) as e:
+        fail(str(e))  # before torch is imported: a mistyped flag is said at once
+    from scheduler.model.config import ModelLoadError
+    from scheduler.model.presets import resolve_model
+
     out = opts.out or Path("traces") / datetime.now().strftime("run-%Y%m%d-%H%M%S")
     if opts.live:
         if all_modes:
@@ -86,6 +91,10 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
 
     try:
         mc = ModelConfig.from_file(model_dir / "config.json")
+        if cfg.world_size > 1:
+            from scheduler.parallel.runner import check_shardable
+
+            check_shardable(mc, cfg.tp, cfg.pp)
         safetensors_files(model_dir)  # a folder without weights fails here, before anything is made
         check_device(cfg.device)
         if opts.workload is not None:
@@ -93,8 +102,6 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
             source = str(opts.workload)
             _check_prompts_have_a_tokenizer(items, model_dir, opts.workload)
         else:
-            spec = SyntheticSpec(opts.requests, opts.prompt_len, opts.output_len, opts.shared_prefix,
-                                 rate=opts.rate, seed=cfg.seed)
             specials = set(mc.eos_token_id) | ({mc.bos_token_id} if mc.bos_token_id is not None else set())
             items = synthetic_workload(spec, mc.vocab_size, specials)
             source = f"synthetic:{spec}"
