@@ -71,6 +71,16 @@ def plan_tiered(entries: list[PartEntry], t: Targets) -> Iterator[Merge | int]:
         i = j
 
 
+def groups_allowed(e: PartEntry, t: Targets) -> int:
+    """The row groups a part may hold before it is rewritten alone (a part left by one flush
+    per row group holds thousands). A merge writes groups of max_rows rows where they fit in
+    max_bytes (one group per max_rows), or, streamed (`mstrace compact`), cuts one where
+    the next batch would pass either target: two neighbours then hold more than one target's
+    worth, so at most 2 * (rows / max_rows + nbytes / max_bytes) + 2 groups, and a part
+    rewritten once is never rewritten again."""
+    return 2 * (-(-e.rows // t.max_rows) + -(-e.nbytes // t.max_bytes)) + 2
+
+
 def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
     """At the end: pack each run of consecutive parts below the targets into parts within
     them (and rewrite a part alone whose row groups are smaller than its rows need)."""
@@ -80,7 +90,7 @@ def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
         return t.sealed(e.rows, e.nbytes)
 
     while i < n:
-        if full(entries[i]) and entries[i].row_groups <= max(1, -(-entries[i].rows // t.max_rows)):
+        if full(entries[i]) and entries[i].row_groups <= groups_allowed(entries[i], t):
             i += 1
             continue
         j, rows, nbytes = i, 0, 0
@@ -88,7 +98,7 @@ def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
                and (j == i or (rows + entries[j].rows <= t.max_rows and nbytes + entries[j].nbytes <= t.max_bytes))):
             rows, nbytes = rows + entries[j].rows, nbytes + entries[j].nbytes
             j += 1
-        if j - i >= 2 or entries[i].row_groups > max(1, -(-entries[i].rows // t.max_rows)):
+        if j - i >= 2 or entries[i].row_groups > groups_allowed(entries[i], t):
             # (a part alone is rewritten when it holds more row groups than its rows need)
             yield Merge(i, j, SEALED if t.sealed(rows, nbytes) else max(e.level for e in entries[i:j]) + 1)
         i = j

@@ -9,6 +9,7 @@ cut short by a kill) are ignored. A trace from before manifests reads every part
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,11 @@ _REOPEN_TRIES = 5
 # uncopied), and long enough that a loop over chunks costs nothing beside the numpy
 # passes inside it.
 CHUNK_ROWS = 1 << 19
+# A batch when a part is checked or rewritten as a stream (`mstrace compact`): at most this
+# many rows, and about this much uncompressed data (a requests row, with its token lists,
+# is a few kB; a probes row 36 bytes).
+STREAM_BATCH_ROWS = 1 << 16
+STREAM_BATCH_BYTES = 8 << 20
 
 
 class TraceError(Exception):
@@ -139,6 +145,49 @@ class Trace:
         return t
 
 
+    def verify(self, name: str) -> None:
+        """TraceError unless every committed part of `name` reads whole, with the manifest's
+        row count: what `table` checks, read as a stream (part_batches), so a part of any
+        size is checked in bounded memory (`mstrace compact` checks before it rewrites)."""
+        for p in self.parts.get(name, []):
+            try:
+                rows = 0
+                for b in part_batches(p, TABLES[name]):
+                    b.validate(full=True)
+                    rows += b.num_rows
+            except _PartSchemaError as e:
+                raise TraceError(f"corrupt {name}/ table in {self.root}: {e}") from None
+            except FileNotFoundError:
+                raise TraceError(f"corrupt {name}/ table in {self.root}: the manifest names "
+                                 f"{p.path.name}, which is missing") from None
+            except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+                raise TraceError(f"corrupt {name}/ table in {self.root}: {_first_line(e)}") from None
+            if p.rows is not None and rows != p.rows:
+                raise TraceError(f"corrupt {name}/ table in {self.root}: {p.path.name} holds {rows} rows, "
+                                 f"the manifest committed {p.rows}")
+
+
+def part_batches(p: Part, schema: pa.Schema) -> Iterator[pa.Table]:
+    """One part's rows a batch at a time (STREAM_BATCH_ROWS, STREAM_BATCH_BYTES), as `schema`'s
+    columns (one added since the part was written holds its default, as `Trace.table` gives
+    it): a part of any size in bounded memory. _PartSchemaError, or Arrow's errors, for a bad part."""
+    added = _added(schema)
+    pf, older = _open_part(p, schema, added, stream=True)
+    md = pf.metadata
+    row_bytes = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups)) / max(1, md.num_rows)
+    rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / max(row_bytes, 1.0))))
+    for b in pf.iter_batches(rows, columns=[n for n in schema.names if n not in older], use_threads=False):
+        t = pa.Table.from_batches([b])
+        for name in older:
+            t = t.append_column(schema.field(name), pa.array([added[name]] * t.num_rows, schema.field(name).type))
+        yield t.select(schema.names)
+
+
+def _added(schema: pa.Schema) -> dict[str, Any]:
+    """The columns added to this table since version 1, with the value older parts hold."""
+    return next((cols for t, cols in ADDED.items() if TABLES[t] is schema), {})
+
+
 def _rows_by_rank(parts: list[Part]) -> dict[int, int]:
     out: dict[int, int] = {}
     for p in parts:
@@ -190,7 +239,7 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     loop over thousands of chunks. A compacted part is already one chunk of more than
     CHUNK_ROWS and is not copied again (10 M probe rows: 200 MB of copy saved)."""
     names = columns if columns is not None else schema.names
-    added = next((cols for t, cols in ADDED.items() if TABLES[t] is schema), {})
+    added = _added(schema)
     dictionary = tuple(c for c in dictionary if c in names)
     as_dict = pa.dictionary(pa.int32(), pa.string())
     want = pa.schema([schema.field(c).with_type(as_dict) if c in dictionary else schema.field(c) for c in names])
@@ -198,22 +247,7 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
         return want.empty_table()
 
     def one(p: Part) -> pa.Table:
-        try:
-            pf = pq.ParquetFile(p.path, read_dictionary=dictionary or None)
-        except KeyError as e:  # a dictionary column the part lacks
-            name = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
-            raise _PartSchemaError(f"{p.path.name} has no column {name!r}") from None
-        got = pf.schema_arrow
-        older: list[str] = []  # columns added after this part was written
-        for f in want:
-            i = got.get_field_index(f.name)
-            if i < 0 and f.name in added:
-                older.append(f.name)
-                continue
-            if i < 0:
-                raise _PartSchemaError(f"{p.path.name} has no column {f.name!r}")
-            if got.field(i).type != f.type and not (f.name in dictionary and got.field(i).type == pa.string()):
-                raise _PartSchemaError(f"{p.path.name} column {f.name!r} is {got.field(i).type}, not {f.type}")
+        pf, older = _open_part(p, want, added, dictionary)
         t = pf.read(columns=[n for n in names if n not in older], use_threads=False)
         for name in older:
             t = t.append_column(want.field(name), pa.array([added[name]] * t.num_rows, want.field(name).type))
@@ -232,6 +266,32 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     # surface later, in an analysis, as a traceback. (10 M probe rows: a few ms.)
     t.validate(full=True)
     return t
+
+
+def _open_part(p: Part, want: pa.Schema, added: dict[str, Any], dictionary: tuple[str, ...] = (),
+               stream: bool = False) -> tuple[pq.ParquetFile, list[str]]:
+    """The part opened, and the columns of `want` it predates (added since it was written);
+    _PartSchemaError if it lacks another or holds one of another type. `stream`: column
+    chunks are read through a small buffer as batches need them, not all at once (pre-buffered,
+    a requests part of 12 k row groups held 1.3 GB while 4 k-row batches were read from it)."""
+    how: dict[str, Any] = {"pre_buffer": False, "buffer_size": 1 << 20} if stream else {}
+    try:
+        pf = pq.ParquetFile(p.path, read_dictionary=dictionary or None, **how)
+    except KeyError as e:  # a dictionary column the part lacks
+        name = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise _PartSchemaError(f"{p.path.name} has no column {name!r}") from None
+    got = pf.schema_arrow
+    older: list[str] = []
+    for f in want:
+        i = got.get_field_index(f.name)
+        if i < 0 and f.name in added:
+            older.append(f.name)
+            continue
+        if i < 0:
+            raise _PartSchemaError(f"{p.path.name} has no column {f.name!r}")
+        if got.field(i).type != f.type and not (f.name in dictionary and got.field(i).type == pa.string()):
+            raise _PartSchemaError(f"{p.path.name} column {f.name!r} is {got.field(i).type}, not {f.type}")
+    return pf, older
 
 
 def _coalesce(t: pa.Table, sizes: list[int]) -> pa.Table:

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ import pyarrow.parquet as pq
 from tracing.compaction import Merge, Targets, plan_full, plan_tiered, read_parts
 from tracing.durable import fsync_dir, replace_durably
 from tracing.manifest import SEALED, STORE, Manifest, ManifestError, PartEntry, write_manifest
+from tracing.reader import Part, part_batches
 from tracing.schema import DRAIN_ORDER, SCHEMA_VERSION, TABLES, TIMESTAMPS
 from tracing.store_lock import WriterLock
 
@@ -168,6 +170,29 @@ class PartStore:
             for f in files:
                 self.cache.take(name, f)
 
+    def _merge_streaming(self, name: str, files: list[str], level: int) -> PartEntry:
+        """The parts' rows into one new part, read STREAM_BATCH_ROWS at a time and written in
+        row groups of up to `max_rows` rows and `max_bytes` of Arrow memory: no part is ever
+        whole in memory (a 2.7 GB requests part was, and compact was OOM-killed)."""
+        schema, t = self.schemas[name], self.targets
+        file = self.manifest.new_name()
+        final = self.root / name / file
+        tmp = final.with_name(f".{final.name}.tmp")
+        buf: list[pa.Table] = []
+        rows = nbytes = groups = total_rows = total_bytes = 0
+        batches = chain.from_iterable(part_batches(Part(self.root / name / f, None), schema) for f in files)
+        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
+            for b in chain(batches, [None]):  # None: the end, where the last group is written
+                if buf and (b is None or rows + b.num_rows > t.max_rows or nbytes + b.nbytes > t.max_bytes):
+                    w.write_table(pa.concat_tables(buf).unify_dictionaries().combine_chunks(), row_group_size=rows)
+                    buf, rows, nbytes, groups = [], 0, 0, groups + 1
+                if b is not None:
+                    buf.append(b)
+                    rows, nbytes = rows + b.num_rows, nbytes + b.nbytes
+                    total_rows, total_bytes = total_rows + b.num_rows, total_bytes + b.nbytes
+        replace_durably(tmp, final)
+        return PartEntry(file, total_rows, total_bytes, level, max(1, groups))
+
     def _read(self, name: str, files: list[str]) -> pa.Table:
         if self.cache is None:
             return read_parts(self.root / name, files, self.schemas[name])
@@ -213,12 +238,17 @@ class PartStore:
     def _merge(self, name: str, m: Merge) -> None:
         entries = self.manifest.tables[name]
         old = entries[m.start:m.stop]
-        table = self._read(name, [e.file for e in old])
-        if table.num_rows != sum(e.rows for e in old):
-            raise ManifestError(f"{name}/ parts {old[0].file}..{old[-1].file} hold {table.num_rows} rows, "
+        if self.cache is None:  # `mstrace compact`: parts of any size, in bounded memory
+            new = self._merge_streaming(name, [e.file for e in old], m.level)
+            rows = new.rows
+        else:  # a run's merges stay within the targets, mostly from the cache: one table is faster
+            table = self._read(name, [e.file for e in old])
+            rows = table.num_rows
+            new = self.write_part(name, table, m.level)
+            del table
+        if rows != sum(e.rows for e in old):
+            raise ManifestError(f"{name}/ parts {old[0].file}..{old[-1].file} hold {rows} rows, "
                                 f"the manifest committed {sum(e.rows for e in old)}")
-        new = self.write_part(name, table, m.level)
-        del table
         # The commit swaps the new part in for the old ones in one manifest write;
         # only after it are the old files removed (a kill in between leaves
         # unreferenced files, which readers ignore and `compact` removes).
