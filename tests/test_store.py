@@ -313,3 +313,32 @@ def test_compact_holds_a_batch_of_rows_not_a_part(tmp_path: Path) -> None:
     first, second = m.tables["probes"]
     assert (first.rows, first.row_groups, second.rows, second.row_groups) == (n, n // 50_000, n, 1)
     assert steps_of(tmp_path) == list(range(2 * n))
+
+
+@pytest.mark.parametrize("error", ["disk full", "out of memory"])
+def test_compact_that_runs_out_of_disk_or_memory_says_which_in_one_line_and_keeps_every_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    import errno
+
+    import pyarrow.parquet as pq
+
+    from tests.support.cli import cli
+
+    write_flushes(tmp_path / "killed", flushes=6, rows=5, targets=Targets(fan_in=100), close=False)
+    shutil.copytree(tmp_path / "killed", tmp_path / "t")  # a killed run's parts, no writer
+    tmp_path = tmp_path / "t"
+    want = steps_of(tmp_path)
+
+    def failing(self: object, *a: object, **kw: object) -> None:
+        if error == "disk full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise pa.ArrowMemoryError("malloc of size 268435456 failed")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", failing)
+    code, out, err = cli("compact", str(tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert ("No space left on device" if error == "disk full" else "out of memory") in err
+    assert "corrupt" not in err
+    monkeypatch.undo()
+    assert steps_of(tmp_path) == want  # the manifest still names the parts it did
+    assert cli("compact", str(tmp_path))[0] == 0 and steps_of(tmp_path) == want

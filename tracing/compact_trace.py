@@ -73,7 +73,14 @@ def compact_trace(root: str | Path, targets: Targets | None = None) -> CompactRe
             try:
                 merges += PartStore(r, m, TABLES, targets or Targets()).compact(final=True)
             except (pa.ArrowException, OSError, ManifestError) as e:
-                raise TraceError(f"corrupt trace {r}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+                # Every part read whole in _verify: an error now is the machine's, not the trace's
+                # (the CLI names a full disk or a read-only folder; the commits kept every row).
+                if isinstance(e, OSError) and e.errno is not None:
+                    raise
+                why = str(e).splitlines()[0] if str(e) else repr(e)
+                if isinstance(e, pa.ArrowMemoryError):
+                    raise TraceError(f"cannot compact {r}: out of memory ({why}); no row was lost") from None
+                raise TraceError(f"corrupt trace {r}: {why}") from None
         after = sum(len(es) for m in manifests for es in m.tables.values())
         removed = _remove_uncommitted(r, manifests)
     finally:
