@@ -9,6 +9,8 @@ layouts, both committed through the store's own code (tracing/writer.py PartStor
                of about 1 M rows (`--flush-files`: one part file per flush window, the
                layout the writer of older versions left)
   compacted    that trace after `mstrace compact` (parts of up to ~1 M-row row groups)
+  single       one part file per table, a row group per flush window: an older writer's
+               trace adopted whole (`mstrace compact` must stream it: a part can be GBs)
 
     python bench/gen_big_trace.py SRC_TRACE OUT_TRACE --probe-rows 10000000 --layout uncompacted
     python bench/gen_big_trace.py SRC_TRACE OUT_TRACE --layout compacted   # = uncompacted, then compact
@@ -76,11 +78,12 @@ def replicate(src: Path, probe_rows: int) -> tuple[dict[str, pa.Table], dict[str
 
 
 def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, object], files: bool,
-                      rows_per_group: int = 0) -> int:
+                      rows_per_group: int = 0, single: bool = False) -> int:
     """One row group per table per flush window (`files`: one part file per flush
     window, as the writer of older versions left them), committed in one manifest.
     `rows_per_group`: instead, one row group per that many rows of every table (the
-    replication the issue measured). Returns the number of row groups of probes."""
+    replication the issue measured). `single`: one part per table, however large.
+    Returns the number of row groups of probes."""
     for name in TABLES:
         (out / name).mkdir(parents=True)
     store = PartStore(out, Manifest(0), TABLES, Targets())
@@ -101,22 +104,23 @@ def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, ob
         if files:
             entries = [store.write_part(name, t.slice(a, b - a)) for a, b in bounds]
         else:
-            entries = _row_group_parts(store, name, t, bounds)
+            entries = _row_group_parts(store, name, t, bounds, single)
         store.commit({name: entries})
     write_json_atomic(out / "meta.json", {**meta, "store": "manifest-v1"})
     return windows
 
 
-def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]]) -> list[PartEntry]:
+def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]],
+                     single: bool = False) -> list[PartEntry]:
     """Parts of up to MAX_ROWS rows and MAX_BYTES of Arrow memory (as the writer's
-    merges bound them), each flush window its own row group."""
+    merges bound them; `single`: one part), each flush window its own row group."""
     entries: list[PartEntry] = []
     per_row = t.nbytes / max(t.num_rows, 1)
     i = 0
     while i < len(bounds):
         j, start = i, bounds[i][0]
-        while (j < len(bounds) and bounds[j][1] - start <= MAX_ROWS
-               and (bounds[j][1] - start) * per_row <= MAX_BYTES):
+        while j < len(bounds) and (single or (bounds[j][1] - start <= MAX_ROWS
+                                              and (bounds[j][1] - start) * per_row <= MAX_BYTES)):
             j += 1
         j = max(j, i + 1)
         file = store.manifest.new_name()
@@ -137,7 +141,7 @@ def main() -> None:
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--probe-rows", type=int, default=10_000_000)
-    ap.add_argument("--layout", choices=("uncompacted", "compacted"), default="uncompacted")
+    ap.add_argument("--layout", choices=("uncompacted", "compacted", "single"), default="uncompacted")
     ap.add_argument("--rows-per-group", type=int, default=0,
                     help="uncompacted: one row group per this many rows of each table, not per flush")
     ap.add_argument("--flush-files", action="store_true",
@@ -147,7 +151,7 @@ def main() -> None:
     meta = {**meta, "replicated": {"from": str(a.src), "copies": k}}
     if a.out.exists():
         shutil.rmtree(a.out)
-    groups = write_uncompacted(a.out, tables, meta, a.flush_files, a.rows_per_group)
+    groups = write_uncompacted(a.out, tables, meta, a.flush_files, a.rows_per_group, a.layout == "single")
     what = "part files" if a.flush_files else "row groups"
     per = f"{a.rows_per_group} rows each" if a.rows_per_group else f"one per {FLUSH_S} s flush"
     print(f"{k} copies -> {tables['probes'].num_rows} probe rows, {groups} {what} in probes/ ({per}) "
