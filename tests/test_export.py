@@ -222,6 +222,82 @@ def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
 
 
+# ---- windows --------------------------------------------------------------------------------
+def _overlapping(tp2: Path, lo: int, hi: int) -> Counter[tuple[int, str, str, int, int]]:
+    """Probe rows whose [start, end] meets [lo, hi], as the trace holds them (read here, not
+    through the export's own reader)."""
+    p = read_table(tp2, "probes")
+    ts, dur = np.asarray(p["ts_ns"]), np.maximum(np.asarray(p["dur_ns"]), 0)
+    keep = (ts <= hi) & (ts + dur >= lo) & (np.asarray(p["boundary"].cast("string")) != "tokenize")
+    return Counter(zip(np.asarray(p["rank"])[keep].tolist(), np.asarray(p["stream"].cast("string"))[keep].tolist(),
+                       np.asarray(p["boundary"].cast("string"))[keep].tolist(), ts[keep].tolist(),
+                       (ts + dur)[keep].tolist(), strict=True))
+
+
+def test_a_rounds_window_holds_exactly_what_overlaps_those_rounds(tp2: Path, tmp_path: Path) -> None:
+    from viewer.export.perfetto_bulk import ROUNDS
+
+    steps = read_table(tp2, "steps").to_pydict()
+    a, b = 4, 9
+    sel = [i for i, s in enumerate(steps["step"]) if a <= s <= b]
+    lo, hi = min(steps["ts_ns"][i] for i in sel), max(steps["ts_ns"][i] + steps["dur_ns"][i] for i in sel)
+    out = tmp_path / "w.pftrace"
+    p = mstrace("export", str(tp2), "--perfetto", str(out), "--rounds", f"{a}-{b}")
+    assert p.returncode == 0, p.stderr
+    got = _parse(out)
+    assert got["unpaired"] == 0
+    rounds = sorted(next(x.int_value for x in e.debug_annotations if x.name_iid == 1)
+                    for u, _, _, _, e in got["slices"] if u == ROUNDS)
+    assert rounds == list(range(a, b + 1))
+    tracks = got["tracks"]
+    have = Counter((*k, n, t0, t1) for u, n, t0, t1, _ in got["slices"]
+                   if (k := _thread_key(tracks, u)) is not None and n != "tokenize")
+    want = _overlapping(tp2, lo, hi)
+    assert have == want and sum(want.values()) < read_table(tp2, "probes").num_rows
+    # every flow that starts at a request ends at one of the window's rounds
+    starts = {f for _, n, _, _, e in got["slices"] if n == "request" for f in e.flow_ids}
+    ends = {f for u, _, _, _, e in got["slices"] if u == ROUNDS for f in e.terminating_flow_ids}
+    assert starts == ends and starts
+    total = read_table(tp2, "probes").num_rows
+    assert f"window: rounds {a}-{b}; left out {total - sum(want.values())} of {total} probe rows" in p.stdout
+
+
+def test_worst_rounds_and_one_request_windows(tp2: Path, tmp_path: Path) -> None:
+    from viewer.export.perfetto_bulk import ROUNDS
+
+    steps = read_table(tp2, "steps").to_pydict()
+    slowest = sorted(range(len(steps["step"])), key=lambda i: -steps["dur_ns"][i])[:2]
+    out = tmp_path / "w.pftrace"
+    assert mstrace("export", str(tp2), "--perfetto", str(out), "--worst", "2").returncode == 0
+    got = _parse(out)
+    rounds = {next(x.int_value for x in e.debug_annotations if x.name_iid == 1)
+              for u, _, _, _, e in got["slices"] if u == ROUNDS}
+    assert {steps["step"][i] for i in slowest} <= rounds and len(rounds) <= 6 and got["unpaired"] == 0
+    rid = read_table(tp2, "requests")["request_id"][3].as_py()
+    assert mstrace("export", str(tp2), "--perfetto", str(out), "--request", rid).returncode == 0
+    got = _parse(out)
+    on_requests = {got["tracks"][u].name for u, *_ in got["slices"]
+                   if got["tracks"][u].parent_uuid and
+                   got["tracks"][got["tracks"][u].parent_uuid].process.process_name == "requests"}
+    assert on_requests == {rid}
+
+
+@pytest.mark.parametrize("args,needle", [(("--rounds", "3-1"), "START-END"), (("--time", "x-2"), "START-END"),
+                                         (("--rounds", "900-901"), "the trace has rounds"),
+                                         (("--request", "nobody"), "no such request"),
+                                         (("--worst", "2", "--rounds", "1-2"), "give one window"),
+                                         (("--worst", "0"), "--worst must be >= 1")])
+def test_a_bad_window_is_one_line(tp2: Path, tmp_path: Path, args: tuple[str, ...], needle: str) -> None:
+    from tests.support.cli import cli
+
+    out = tmp_path / "w.pftrace"
+    code, _, err = cli("export", str(tp2), "--perfetto", str(out), *args)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    code, _, err = cli("export", str(tp2), "--otlp", "http://127.0.0.1:9", "--rounds", "1-2")
+    assert code == 2 and "add --perfetto" in err
+
+
 # ---- OTLP ---------------------------------------------------------------------------------
 def test_otlp_replay_sends_every_requests_span_tree(tp2: Path) -> None:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest

@@ -454,21 +454,39 @@ def export(
                                                   "here, for ui.perfetto.dev.")] = None,
     otlp: Annotated[str | None, typer.Option("--otlp", help="Replay the request spans to this OTLP/HTTP collector "
                                              "(e.g. http://127.0.0.1:4318).")] = None,
+    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="--perfetto: only rounds A to B "
+                                               "(and whatever overlaps them in time).")] = None,
+    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="--perfetto: only this "
+                                                    "stretch, in seconds from the run's start.")] = None,
+    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="--perfetto: only this request's "
+                                                "life, with everything else that ran meanwhile.")] = None,
+    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="--perfetto: only the N slowest rounds, "
+                                              "each with its neighbours.")] = None,
 ) -> None:
     """Take a trace where users already look: Perfetto's timeline, or an OTLP collector (Jaeger, Tempo)."""
     from tracing.reader import TraceError
 
     if perfetto is None and otlp is None:
         fail("say where to: --perfetto OUT.pftrace and/or --otlp URL")
+    windowing = any(v is not None for v in (rounds, time_window, request, worst))
+    if windowing and perfetto is None:
+        fail("--rounds, --time, --request and --worst choose what --perfetto writes: add --perfetto OUT.pftrace")
     require("mstrace export", *(("perfetto",) if perfetto else ()), *(("otlp",) if otlp else ()))
     try:
         if perfetto is not None:
+            from tracing.reader import Trace
             from viewer.export.perfetto import export_perfetto
+            from viewer.export.window import parse_window
 
-            st = export_perfetto(trace, perfetto)
+            window = parse_window(Trace.open(trace), rounds, time_window, request, worst) if windowing else None
+            st = export_perfetto(trace, perfetto, window)
             console.print(f"{escape(str(perfetto))}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
                           f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",
                           highlight=False, soft_wrap=True)  # soft: a long path is never broken
+            if window is not None:
+                console.print(f"window: {escape(window.what)}; left out {st.trace_probe_rows - st.probe_rows} of "
+                              f"{st.trace_probe_rows} probe rows and {st.trace_rounds - st.rounds} of "
+                              f"{st.trace_rounds} rounds", highlight=False, soft_wrap=True)
         if otlp is not None:
             from viewer.export.otlp import replay_spans
 

@@ -51,6 +51,7 @@ from viewer.export.perfetto_bulk import (
     THREAD,
 )
 from viewer.export.perfetto_rounds import instants, requests, rounds
+from viewer.export.window import Window, windowed
 from viewer.live.state import STREAM_ORDER
 
 BATCH = 200_000  # probe rows encoded at once
@@ -64,14 +65,18 @@ class ExportStats:
     rounds: int = 0
     requests: int = 0
     flows: int = 0
+    trace_probe_rows: int = 0  # the whole trace's, as committed: what a window left out is the difference
+    trace_rounds: int = 0
 
 
-def export_perfetto(root: str | Path, out: str | Path) -> ExportStats:
+def export_perfetto(root: str | Path, out: str | Path, window: Window | None = None) -> ExportStats:
+    """The trace, or the part of it in `window` (viewer/export/window.py), as a Perfetto file."""
     trace = Trace.open(root)
-    stats = ExportStats()
+    stats = ExportStats(trace_probe_rows=sum(p.rows or 0 for p in trace.parts.get("probes", [])),
+                        trace_rounds=sum(p.rows or 0 for p in trace.parts.get("steps", [])))
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     try:
-        _write(trace, tmp, stats)
+        _write(trace, tmp, stats, window)
     except BaseException:
         tmp.unlink(missing_ok=True)  # no half-written file where the user looks
         raise
@@ -79,20 +84,20 @@ def export_perfetto(root: str | Path, out: str | Path) -> ExportStats:
     return stats
 
 
-def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
+def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -> None:
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
     with open(tmp, "wb") as f:
         b = StreamingTraceProtoBuilder(f)
-        names, threads = _header(trace, b, stats)
+        names, threads = _header(trace, b, stats, window)
         lanes = _Lanes(threads)
         pool = _Pool(trace.meta.get("config", {}).get("tokenizer_threads"))
-        for chunk in _probe_chunks(trace):
+        for chunk in _probe_chunks(trace, window=window):
             body = _probe_packets(pool.take(chunk), names, lanes, stats)
             for uuid, (pid, tid, name) in lanes.new():  # a lane's track before its first slice
                 _track(b, stats, uuid, name, thread=(pid, tid, name))
             f.write(body)
-        steps = trace.table("steps") if trace.has_table("steps") else TABLES["steps"].empty_table()
+        steps = _table(trace, "steps", window)
         steps = steps.take(pc.sort_indices(steps, [("ts_ns", "ascending")]))
         for k, (col, _) in enumerate(COUNTERS):
             if col in steps.column_names:
@@ -100,8 +105,8 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
                 stats.packets += steps.num_rows
         # a held row's wait goes on its request's track; the row of no request stays whole
         a, s, e = pool.split()
-        flows, waited = requests(trace, f, names, steps, stats, (a, s, e)) if trace.has_table("requests") else \
-            (None, np.zeros(len(a), dtype=bool))
+        flows, waited = requests(trace, f, names, steps, stats, (a, s, e), window) \
+            if trace.has_table("requests") else (None, np.zeros(len(a), dtype=bool))
         held = pool.rows(np.where(waited, s, a), e)
         if held is not None:
             body = _probe_packets(held, names, lanes, stats)
@@ -109,16 +114,26 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats) -> None:
                 _track(b, stats, uuid, name, thread=(pid, tid, name))
             f.write(body)
         rounds(f, steps, flows, names, stats)
-        instants(trace, b, names, steps, stats)
+        instants(trace, b, names, steps, stats, window)
+
+
+def _table(trace: Trace, name: str, window: Window | None) -> pa.Table:
+    if not trace.has_table(name):
+        return TABLES[name].empty_table()
+    if window is None:
+        return trace.table(name)
+    got = list(windowed(trace, name, TABLES[name].names, window))
+    return pa.concat_tables(got).unify_dictionaries() if got else TABLES[name].empty_table()
 
 
 # ---- the header: tracks and interned names --------------------------------------------
-def _header(trace: Trace, b: Any, stats: ExportStats) -> tuple[dict[str, int], dict[tuple[int, str], int]]:
+def _header(trace: Trace, b: Any, stats: ExportStats,
+            window: Window | None) -> tuple[dict[str, int], dict[tuple[int, str], int]]:
     from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket
 
     pairs: set[tuple[int, str]] = set()
     boundaries: set[str] = set()
-    for chunk in _probe_chunks(trace, ["rank", "stream", "boundary"]):
+    for chunk in _probe_chunks(trace, ["rank", "stream", "boundary"], window):
         r, st, bd = chunk["rank"].to_numpy(), _strings(chunk["stream"]), _strings(chunk["boundary"])
         pairs |= set(zip(r.tolist(), st, strict=True))
         boundaries |= set(bd)
@@ -168,10 +183,11 @@ def _track(b: Any, stats: ExportStats, uuid: int, name: str, parent: int | None 
 
 
 # ---- probe rows: the bulk, encoded column-wise ------------------------------------------
-def _probe_chunks(trace: Trace, cols: list[str] | None = None) -> Iterator[pa.Table]:
+def _probe_chunks(trace: Trace, cols: list[str] | None = None, window: Window | None = None) -> Iterator[pa.Table]:
     cols = cols or ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"]
-    for part in trace.parts.get("probes", []):
-        t = read_parts([part], TABLES["probes"], cols)
+    parts = (read_parts([part], TABLES["probes"], cols) for part in trace.parts.get("probes", [])) \
+        if window is None else windowed(trace, "probes", cols, window)
+    for t in parts:
         for at in range(0, t.num_rows, BATCH):
             yield t.slice(at, BATCH)
 
@@ -345,7 +361,7 @@ def _probe_packets(t: pa.Table, names: dict[str, int], lanes: _Lanes, stats: Exp
     for k in np.unique(key).tolist():
         idx = np.flatnonzero(key == k)
         track[idx] = lanes.assign(int(rank[idx[0]]), s_names[s_code[idx[0]]], ts[idx], end[idx])
-    name = np.array([names[x] for x in b_names], dtype=np.uint64)[b_code]
+    name = np.array([names.get(x, 0) for x in b_names], dtype=np.uint64)[b_code]  # (0: a value no row of a window uses)
     stats.probe_rows += n
     stats.packets += 2 * n
     return bulk.slices([(ts, end, track, name, bulk.int_arg(ARGS["round"], t["step"].to_numpy()))])

@@ -20,6 +20,7 @@ from viewer.analysis.holders import fold_holders
 from viewer.export import perfetto_bulk as bulk
 from viewer.export import wire
 from viewer.export.perfetto_bulk import ARGS, REQUEST, REQUESTS, ROUNDS
+from viewer.export.window import Window, last_end, windowed
 
 BATCH = 25_000  # requests or rounds per column-wise batch
 REQUEST_COLS = ["request_id", "arrival_ns", "tokenized_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
@@ -28,18 +29,18 @@ Flows = tuple[np.ndarray, np.ndarray]  # (round, flow id), sorted by round
 
 
 def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table, stats: Any,
-             pool: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[Flows, np.ndarray]:
+             pool: tuple[np.ndarray, np.ndarray, np.ndarray], window: Window | None = None) -> tuple[Flows, np.ndarray]:
     """An async track per request under `requests`, with its stages; returns the flows,
     and which of the tokenizer pool's rows, (arrival, the thread's start, end) each, put
     their wait (arrival to the thread's start) on a request's track as `tokenize wait`:
     those whose arrival and end are a request's arrival_ns and tokenized_ns."""
-    q = trace.table("requests", REQUEST_COLS)
+    q = _requests(trace, window)
     n = q.num_rows
     pa_, ps, pe = pool
     who = _match(pa_, pe, q["arrival_ns"].to_numpy().astype(np.int64), q["tokenized_ns"].to_numpy().astype(np.int64))
     waited = (who >= 0) & (ps > pa_)
     w_req, w_a, w_s = who[waited], pa_[waited], ps[waited]
-    chunks = _timeline(trace, q["request_id"], ("prefill_chunk", "preempted"))
+    chunks = _timeline(trace, q["request_id"], ("prefill_chunk", "preempted"), window)
     a = q["arrival_ns"].to_numpy().astype(np.int64)
     s = np.maximum(a, q["first_scheduled_ns"].to_numpy())
     e = np.maximum(s, q["finish_ns"].to_numpy())
@@ -59,6 +60,9 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
     span = int(rnd.max()) + 2 if len(rnd) else 1
     key = np.unique(req.astype(np.int64) * span + (rnd.astype(np.int64) + 1))  # sorted by request, then round
     req, rnd = key // span, key % span - 1
+    if window is not None:  # a flow needs both ends: only to the window's rounds
+        keep = np.isin(rnd, steps["step"].to_numpy())
+        req, rnd = req[keep], rnd[keep]
     fid = np.arange(1, len(req) + 1, dtype=np.int64)
     counts = np.bincount(req, minlength=n)
     first = np.concatenate([[0], np.cumsum(counts)])
@@ -140,9 +144,11 @@ def rounds(f: IO[bytes], steps: pa.Table, flows: Flows | None, names: dict[str, 
     stats.packets += 2 * steps.num_rows
 
 
-def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats: Any) -> None:
+def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats: Any,
+             window: Window | None = None) -> None:
     """Stalls (with their wait cycle) and leaked blocks, on rank 0's `rounds` track: few,
-    so through the protobuf classes."""
+    so through the protobuf classes. In a window: its stalls, and the leaked blocks only when
+    it holds the last round (they are counted from every memory event of the run)."""
     from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
     def put(t: int, name: str, args: dict[str, Any]) -> None:
@@ -160,9 +166,13 @@ def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats
 
     if trace.has_table("stalls"):
         for r in trace.table("stalls").to_pylist():
+            if window is not None and not window.reaches(int(r["ts_ns"]), int(r["ts_ns"])):
+                continue
             put(int(r["ts_ns"]), "stall", {k: r[k] for k in ("rank", "step", "waiter", "what", "signaller",
                                                              "boundary", "waited_ns", "cycle") if k in r})
-    if trace.has_table("memory") and trace.has_table("requests"):
+    last = last_end(trace, "steps") if window is not None else None
+    if trace.has_table("memory") and trace.has_table("requests") and (last is None or window is None
+                                                                      or window.reaches(last, last)):
         # counts only, every event from the start (viewer/analysis/holders.py); `mstrace leaks` names the blocks
         held: dict[str, int] = {}
         for part in trace.parts.get("memory", []):
@@ -174,12 +184,16 @@ def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats
                 put(end, "leaked blocks", {"request_id": rid, "blocks": n})
 
 
-def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...],
+              window: Window | None = None) -> dict[str, np.ndarray]:
     """The timeline rows of these stages, part by part (a long run's timeline is large),
     with each row's request as an index into `ids`."""
     keep: list[pa.Table] = []
-    for part in trace.parts.get("timeline", []) if trace.has_table("timeline") else []:
-        t = read_parts([part], TABLES["timeline"], ["ts_ns", "request_id", "stage", "step", "value"])
+    cols = ["ts_ns", "request_id", "stage", "step", "value"]
+    parts = [] if not trace.has_table("timeline") else \
+        (read_parts([p], TABLES["timeline"], cols) for p in trace.parts.get("timeline", [])) if window is None \
+        else windowed(trace, "timeline", cols, window)
+    for t in parts:
         keep.append(t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(stages)))))
     t = pa.concat_tables(keep) if keep else TABLES["timeline"].empty_table().select(
         ["ts_ns", "request_id", "stage", "step", "value"])
@@ -188,6 +202,16 @@ def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...]) -> di
     return {"req": req[ok], "ts": t["ts_ns"].to_numpy()[ok], "step": t["step"].to_numpy()[ok],
             "value": t["value"].to_numpy()[ok], "stage": np.asarray(t["stage"].cast(pa.string()).to_pylist(),
                                                                      dtype=object)[ok]}
+
+
+def _requests(trace: Trace, window: Window | None) -> pa.Table:
+    if window is None:
+        return trace.table("requests", REQUEST_COLS)
+    got = list(windowed(trace, "requests", REQUEST_COLS, window))
+    q = pa.concat_tables(got).unify_dictionaries() if got else TABLES["requests"].empty_table().select(REQUEST_COLS)
+    return q.filter(pc.equal(q["request_id"], window.request)) if window.request is not None else q
+
+
 
 
 def _round_bounds(steps: pa.Table) -> Any:

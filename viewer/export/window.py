@@ -1,0 +1,206 @@
+"""The part of a trace an export shows: `--rounds A-B`, `--time START-END`, `--request ID` or
+`--worst N`, each turned into time spans on the trace's clock.
+
+A windowed table is read row group by row group: a group whose timestamps (the Parquet
+statistics the writer stores for every group) cannot reach a span is never read, so a
+window costs time in proportion to the window and the number of groups, not to the rows
+of the trace. Rows are kept when their interval overlaps a span (a slice that starts before
+the window and ends inside it is kept whole, as Perfetto would draw it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tracing.reader import Trace, TraceError, read_parts
+from tracing.schema import TABLES
+
+# Each table's interval columns: (start, duration) or (start, end); None: an instant.
+INTERVAL: dict[str, tuple[str, str | None, bool]] = {
+    "probes": ("ts_ns", "dur_ns", True),  # (start, other, other is a duration)
+    "steps": ("ts_ns", "dur_ns", True),
+    "timeline": ("ts_ns", None, False),
+    "requests": ("arrival_ns", "finish_ns", False),
+}
+WORST_NEIGHBOURS = 1  # rounds kept on each side of a worst round
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    spans: tuple[tuple[int, int], ...]  # disjoint, sorted, inclusive [lo, hi] ns
+    what: str  # what the output says it shows
+    request: str | None = None  # --request: the only request on the requests track
+
+    def mask(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Rows whose [start, end] overlaps a span."""
+        lo = np.array([s[0] for s in self.spans], dtype=np.int64)
+        hi = np.array([s[1] for s in self.spans], dtype=np.int64)
+        k = np.searchsorted(hi, start, side="left")  # the first span that ends at or after the row's start
+        inside = k < len(hi)
+        return inside & (lo[np.minimum(k, len(lo) - 1)] <= end)
+
+    def reaches(self, lo: int, hi: int) -> bool:
+        return bool(self.mask(np.array([lo], np.int64), np.array([hi], np.int64))[0])
+
+
+def parse_window(trace: Trace, rounds: str | None = None, time: str | None = None, request: str | None = None,
+                 worst: int | None = None) -> Window | None:
+    """The window the flags ask for (at most one of them), or None for the whole trace;
+    TraceError with one line for a window the trace does not have."""
+    given = [f for f, v in (("--rounds", rounds), ("--time", time), ("--request", request), ("--worst", worst))
+             if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise TraceError(f"give one window, not {' and '.join(given)}")
+    steps = _steps(trace)
+    if rounds is not None:
+        a, b = _range(rounds, "--rounds", int)
+        sel = (steps["step"] >= a) & (steps["step"] <= b)
+        if not sel.any():
+            raise TraceError(f"--rounds {rounds}: the trace has rounds {_span_of(steps['step'])}")
+        spans = [(int(steps["ts"][sel].min()), int(steps["end"][sel].max()))]
+        return Window(tuple(spans), f"rounds {a}-{b}")
+    if time is not None:
+        s, e = _range(time, "--time", float)
+        t0 = _run_start(trace, steps)
+        return Window(((t0 + int(s * 1e9), t0 + int(e * 1e9)),), f"t = {s:g}-{e:g} s from the run's start")
+    if request is not None:
+        q = trace.table("requests", ["request_id", "arrival_ns", "finish_ns"]) if trace.has_table("requests") \
+            else TABLES["requests"].empty_table()
+        hit = q.filter(pc.equal(q["request_id"], request))
+        if not hit.num_rows:
+            raise TraceError(f"--request {request}: no such request in {trace.root}")
+        a, f = int(hit["arrival_ns"][0].as_py()), int(hit["finish_ns"][0].as_py())
+        end = f if f > 0 else int(steps["end"].max()) if len(steps["end"]) else a
+        return Window(((a, max(a, end)),), f"request {request}", request=request)
+    assert worst is not None
+    if worst < 1:
+        raise TraceError(f"--worst must be >= 1, got {worst}")
+    if not len(steps["step"]):
+        raise TraceError(f"--worst {worst}: the trace has no rounds")
+    dur = steps["end"] - steps["ts"]
+    top = np.argsort(-dur, kind="stable")[:worst]
+    order = np.argsort(steps["step"], kind="stable")
+    pos = np.searchsorted(steps["step"][order], steps["step"][top])
+    near = np.unique(np.clip(np.concatenate([pos + d for d in range(-WORST_NEIGHBOURS, WORST_NEIGHBOURS + 1)]),
+                             0, len(order) - 1))
+    idx = order[near]
+    spans = _merged(sorted(zip(steps["ts"][idx].tolist(), steps["end"][idx].tolist(), strict=True)))
+    return Window(tuple(spans), f"the {len(top)} slowest rounds, each with {WORST_NEIGHBOURS} round(s) on "
+                                f"either side ({len(spans)} span(s))")
+
+
+def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Iterator[pa.Table]:
+    """The table's rows in the window, part by part, reading only the row groups that can
+    reach it (by their statistics)."""
+    start, other, is_dur = INTERVAL[name]
+    cols = list(dict.fromkeys([*columns, start, *([other] if other else [])]))
+    for part in trace.parts.get(name, []):
+        try:
+            pf = pq.ParquetFile(part.path)
+            n = pf.metadata.num_row_groups
+            groups = np.flatnonzero(window.mask(*_group_reach(pf.metadata, start, other, is_dur))).tolist()
+            if not groups:
+                continue
+            if len(groups) == n:
+                t = read_parts([part], TABLES[name], cols)
+            else:
+                t = pf.read_row_groups(groups, columns=cols, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise TraceError(f"corrupt {name}/ table in {trace.root}: {str(e).splitlines()[0]}") from None
+        a = t[start].to_numpy().astype(np.int64)
+        if other is None:
+            z = a
+        elif is_dur:
+            z = a + np.maximum(t[other].to_numpy().astype(np.int64), 0)
+        else:  # an end; 0 means not yet (a request still running when the trace ends)
+            z = t[other].to_numpy().astype(np.int64)
+            z = np.where(z > 0, np.maximum(z, a), np.iinfo(np.int64).max)
+        keep = window.mask(a, z)
+        if keep.any():
+            yield t.select(columns).filter(pa.array(keep))
+
+
+def last_end(trace: Trace, name: str) -> int | None:
+    """The latest end of the table's rows, from its row groups' statistics (none is read)."""
+    start, other, is_dur = INTERVAL[name]
+    ends = []
+    for part in trace.parts.get(name, []) if trace.has_table(name) else []:
+        try:
+            ends.append(int(_group_reach(pq.ParquetFile(part.path).metadata, start, other, is_dur)[1].max(initial=0)))
+        except (pa.ArrowException, OSError) as e:
+            raise TraceError(f"corrupt {name}/ table in {trace.root}: {str(e).splitlines()[0]}") from None
+    return max(ends) if ends else None
+
+
+def _group_reach(md: pq.FileMetaData, start: str, other: str | None, is_dur: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per row group, the earliest start and the latest end its rows can have, from the
+    statistics (a group without them reaches everything: it is read and filtered)."""
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    si = names.index(start)
+    oi = names.index(other) if other in names else None
+    big = np.iinfo(np.int64).max
+    lo, hi = np.zeros(md.num_row_groups, np.int64), np.full(md.num_row_groups, big, np.int64)
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        s = rg.column(si).statistics
+        if s is None or not s.has_min_max:
+            continue
+        lo[g] = s.min
+        o = rg.column(oi).statistics if oi is not None else None
+        if other is None:
+            hi[g] = s.max
+        elif o is not None and o.has_min_max:
+            hi[g] = s.max + max(o.max, 0) if is_dur else (big if o.min <= 0 else o.max)
+    return lo, hi
+
+
+def _steps(trace: Trace) -> dict[str, np.ndarray]:
+    t = trace.table("steps", ["step", "ts_ns", "dur_ns"]) if trace.has_table("steps") else \
+        TABLES["steps"].empty_table().select(["step", "ts_ns", "dur_ns"])
+    ts = t["ts_ns"].to_numpy().astype(np.int64)
+    return {"step": t["step"].to_numpy().astype(np.int64), "ts": ts,
+            "end": ts + np.maximum(t["dur_ns"].to_numpy().astype(np.int64), 0)}
+
+
+def _run_start(trace: Trace, steps: dict[str, np.ndarray]) -> int:
+    run = trace.meta.get("run") if isinstance(trace.meta.get("run"), dict) else {}
+    start = run.get("start_ns") if isinstance(run, dict) else None
+    if isinstance(start, int) and start > 0:
+        return start
+    if len(steps["ts"]):
+        return int(steps["ts"].min())
+    raise TraceError(f"--time: {trace.root} records no run start and no rounds")
+
+
+def _range(text: str, flag: str, kind: type[int] | type[float]) -> tuple[float, float]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = kind(lo), kind(hi)
+    except ValueError:
+        a = b = math.nan
+    if not sep or not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < a:
+        raise TraceError(f"{flag} wants START-END with 0 <= START <= END, got {text!r}")
+    return a, b
+
+
+def _span_of(x: np.ndarray) -> str:
+    return f"{int(x.min())}-{int(x.max())}" if len(x) else "none"
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
