@@ -18,10 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from tracing.manifest import SEALED, PartEntry
 
@@ -102,10 +98,3 @@ def plan_full(entries: list[PartEntry], t: Targets) -> Iterator[Merge]:
             # (a part alone is rewritten when it holds more row groups than its rows need)
             yield Merge(i, j, SEALED if t.sealed(rows, nbytes) else max(e.level for e in entries[i:j]) + 1)
         i = j
-
-
-def read_parts(folder: Path, files: list[str], schema: pa.Schema) -> pa.Table:
-    """The parts' rows in order, one dictionary per string column (a merged part
-    must not carry one dictionary per source file)."""
-    tables = [pq.read_table(folder / f, schema=schema) for f in files]
-    return pa.concat_tables(tables).unify_dictionaries().combine_chunks()

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.compaction import Merge, Targets, plan_full, plan_tiered, read_parts
+from tracing.compaction import Merge, Targets, plan_full, plan_tiered
 from tracing.durable import fsync_dir, replace_durably
 from tracing.manifest import SEALED, STORE, Manifest, ManifestError, PartEntry, write_manifest
 from tracing.reader import Part, part_batches
@@ -171,9 +171,10 @@ class PartStore:
                 self.cache.take(name, f)
 
     def _merge_streaming(self, name: str, files: list[str], level: int) -> PartEntry:
-        """The parts' rows into one new part, read STREAM_BATCH_ROWS at a time and written in
-        row groups of up to `max_rows` rows and `max_bytes` of Arrow memory: no part is ever
-        whole in memory (a 2.7 GB requests part was, and compact was OOM-killed)."""
+        """The parts' rows into one new part, read a batch at a time (tracing/reader.py
+        part_batches) and written in row groups of up to `max_rows` rows and `max_bytes` of
+        Arrow memory: no part is ever whole in memory (a 2.7 GB requests part was, and
+        compact was OOM-killed)."""
         schema, t = self.schemas[name], self.targets
         file = self.manifest.new_name()
         final = self.root / name / file
@@ -193,13 +194,11 @@ class PartStore:
         replace_durably(tmp, final)
         return PartEntry(file, total_rows, total_bytes, level, max(1, groups))
 
-    def _read(self, name: str, files: list[str]) -> pa.Table:
-        if self.cache is None:
-            return read_parts(self.root / name, files, self.schemas[name])
+    def _read(self, name: str, files: list[str], cache: PartCache) -> pa.Table:
         schema = self.schemas[name]
         # A part not in the cache is read on this thread (no Arrow thread pool), so that
         # all of the writer's work shows on its own CPU clock (run.writer).
-        tables = [t if (t := self.cache.take(name, f)) is not None
+        tables = [t if (t := cache.take(name, f)) is not None
                   else pq.read_table(self.root / name / f, schema=schema, use_threads=False) for f in files]
         return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
@@ -242,7 +241,7 @@ class PartStore:
             new = self._merge_streaming(name, [e.file for e in old], m.level)
             rows = new.rows
         else:  # a run's merges stay within the targets, mostly from the cache: one table is faster
-            table = self._read(name, [e.file for e in old])
+            table = self._read(name, [e.file for e in old], self.cache)
             rows = table.num_rows
             new = self.write_part(name, table, m.level)
             del table
