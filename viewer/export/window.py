@@ -22,9 +22,10 @@ import pyarrow.parquet as pq
 from tracing.reader import Trace, TraceError, read_parts
 from tracing.schema import TABLES
 
-# Each table's interval columns: (start, duration) or (start, end); None: an instant.
+# Each table's row interval: (its start column, the column that ends it or None for an
+# instant, whether that column is a duration rather than an end time).
 INTERVAL: dict[str, tuple[str, str | None, bool]] = {
-    "probes": ("ts_ns", "dur_ns", True),  # (start, other, other is a duration)
+    "probes": ("ts_ns", "dur_ns", True),
     "steps": ("ts_ns", "dur_ns", True),
     "timeline": ("ts_ns", None, False),
     "requests": ("arrival_ns", "finish_ns", False),
