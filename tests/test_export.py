@@ -224,11 +224,12 @@ def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
 
 # ---- windows --------------------------------------------------------------------------------
 def _overlapping(tp2: Path, lo: int, hi: int) -> Counter[tuple[int, str, str, int, int]]:
-    """Probe rows whose [start, end] meets [lo, hi], as the trace holds them (read here, not
-    through the export's own reader)."""
+    """Probe rows that share some time with [lo, hi] (an instant: inside it or on its edge),
+    as the trace holds them (read here, not through the export's own reader)."""
     p = read_table(tp2, "probes")
     ts, dur = np.asarray(p["ts_ns"]), np.maximum(np.asarray(p["dur_ns"]), 0)
-    keep = (ts <= hi) & (ts + dur >= lo) & (np.asarray(p["boundary"].cast("string")) != "tokenize")
+    meets = np.where(dur > 0, (ts < hi) & (ts + dur > lo), (ts >= lo) & (ts <= hi))
+    keep = meets & (np.asarray(p["boundary"].cast("string")) != "tokenize")
     return Counter(zip(np.asarray(p["rank"])[keep].tolist(), np.asarray(p["stream"].cast("string"))[keep].tolist(),
                        np.asarray(p["boundary"].cast("string"))[keep].tolist(), ts[keep].tolist(),
                        (ts + dur)[keep].tolist(), strict=True))
@@ -238,7 +239,12 @@ def test_a_rounds_window_holds_exactly_what_overlaps_those_rounds(tp2: Path, tmp
     from viewer.export.perfetto_bulk import ROUNDS
 
     steps = read_table(tp2, "steps").to_pydict()
-    a, b = 4, 9
+    tl = read_table(tp2, "timeline")
+    # rounds that hold some request's prefill chunk, so the window has flows to check
+    # (which rounds do depends on how the run batched)
+    a = max(s for s, g in zip(tl["step"].to_pylist(), tl["stage"].cast("string").to_pylist(), strict=True)
+            if g == "prefill_chunk")
+    a, b = max(min(steps["step"]), a - 2), a + 3
     sel = [i for i, s in enumerate(steps["step"]) if a <= s <= b]
     lo, hi = min(steps["ts_ns"][i] for i in sel), max(steps["ts_ns"][i] + steps["dur_ns"][i] for i in sel)
     out = tmp_path / "w.pftrace"
@@ -346,6 +352,13 @@ def test_leaked_blocks_are_instants_naming_the_requests_mstrace_leaks_names(tmp_
             args = {a.name: a for a in e.debug_annotations}
             got[args["request_id"].string_value] = args["blocks"].int_value
     assert got == want
+    # a window that holds the last round shows them; one that does not, not
+    last = max(read_table(out, "steps")["step"].to_pylist())
+    for rounds, shown in ((f"{last}-{last}", want), ("1-2", {})):
+        assert mstrace("export", str(out), "--perfetto", str(pf), "--rounds", rounds).returncode == 0
+        got = {next(a.string_value for a in e.debug_annotations if a.name == "request_id")
+               for _, name, _, e in _parse(pf)["instants"] if name == "leaked blocks"}
+        assert got == set(shown), rounds
     st = LiveState()
     st.update(TraceTail(out).poll())  # type: ignore[arg-type]
     assert dict(st.snapshot().leaks) == want

@@ -339,6 +339,7 @@ def test_compact_that_runs_out_of_disk_or_memory_says_which_in_one_line_and_keep
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert ("No space left on device" if error == "disk full" else "out of memory") in err
     assert "corrupt" not in err
+    assert not list((tmp_path / "probes").glob(".*.tmp"))  # the half-written part is gone, not left to fill a disk
     monkeypatch.undo()
     assert steps_of(tmp_path) == want  # the manifest still names the parts it did
     assert cli("compact", str(tmp_path))[0] == 0 and steps_of(tmp_path) == want

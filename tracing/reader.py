@@ -183,6 +183,20 @@ def part_batches(p: Part, schema: pa.Schema) -> Iterator[pa.Table]:
         yield t.select(schema.names)
 
 
+def read_row_groups(p: Part, schema: pa.Schema, columns: list[str], groups: list[int]) -> pa.Table:
+    """Some row groups of one part, as `columns` of `schema` (a column added since the part
+    was written holds its default); TraceError for a part of another shape."""
+    added = _added(schema)
+    try:
+        pf, older = _open_part(p, pa.schema([schema.field(c) for c in columns]), added)
+    except _PartSchemaError as e:
+        raise TraceError(f"corrupt part: {e}") from None
+    t = pf.read_row_groups(groups, columns=[c for c in columns if c not in older], use_threads=False)
+    for name in older:
+        t = t.append_column(schema.field(name), pa.array([added[name]] * t.num_rows, schema.field(name).type))
+    return t.select(columns)
+
+
 def _added(schema: pa.Schema) -> dict[str, Any]:
     """The columns added to this table since version 1, with the value older parts hold."""
     return next((cols for t, cols in ADDED.items() if TABLES[t] is schema), {})

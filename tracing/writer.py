@@ -182,15 +182,20 @@ class PartStore:
         buf: list[pa.Table] = []
         rows = nbytes = groups = total_rows = total_bytes = 0
         batches = chain.from_iterable(part_batches(Part(self.root / name / f, None), schema) for f in files)
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
-            for b in chain(batches, [None]):  # None: the end, where the last group is written
-                if buf and (b is None or rows + b.num_rows > t.max_rows or nbytes + b.nbytes > t.max_bytes):
-                    w.write_table(pa.concat_tables(buf).unify_dictionaries().combine_chunks(), row_group_size=rows)
-                    buf, rows, nbytes, groups = [], 0, 0, groups + 1
-                if b is not None:
-                    buf.append(b)
-                    rows, nbytes = rows + b.num_rows, nbytes + b.nbytes
-                    total_rows, total_bytes = total_rows + b.num_rows, total_bytes + b.nbytes
+        try:
+            with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
+                for b in chain(batches, [None]):  # None: the end, where the last group is written
+                    if buf and (b is None or rows + b.num_rows > t.max_rows or nbytes + b.nbytes > t.max_bytes):
+                        w.write_table(pa.concat_tables(buf).unify_dictionaries().combine_chunks(),
+                                      row_group_size=rows)
+                        buf, rows, nbytes, groups = [], 0, 0, groups + 1
+                    if b is not None:
+                        buf.append(b)
+                        rows, nbytes = rows + b.num_rows, nbytes + b.nbytes
+                        total_rows, total_bytes = total_rows + b.num_rows, total_bytes + b.nbytes
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk must not stay full of half a part
+            raise
         replace_durably(tmp, final)
         return PartEntry(file, total_rows, total_bytes, level, max(1, groups))
 

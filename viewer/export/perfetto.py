@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from probes import boundaries as B
 from tracing.reader import Trace, read_parts
@@ -72,8 +73,7 @@ class ExportStats:
 def export_perfetto(root: str | Path, out: str | Path, window: Window | None = None) -> ExportStats:
     """The trace, or the part of it in `window` (viewer/export/window.py), as a Perfetto file."""
     trace = Trace.open(root)
-    stats = ExportStats(trace_probe_rows=sum(p.rows or 0 for p in trace.parts.get("probes", [])),
-                        trace_rounds=sum(p.rows or 0 for p in trace.parts.get("steps", [])))
+    stats = ExportStats(trace_probe_rows=_committed_rows(trace, "probes"), trace_rounds=_committed_rows(trace, "steps"))
     tmp = Path(out).with_name(Path(out).name + ".tmp")
     try:
         _write(trace, tmp, stats, window)
@@ -82,6 +82,11 @@ def export_perfetto(root: str | Path, out: str | Path, window: Window | None = N
         raise
     tmp.replace(out)
     return stats
+
+
+def _committed_rows(trace: Trace, name: str) -> int:
+    """A table's rows, from the manifest (a legacy trace's parts: their footers), none read."""
+    return sum(p.rows if p.rows is not None else pq.read_metadata(p.path).num_rows for p in trace.parts.get(name, []))
 
 
 def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -> None:

@@ -20,7 +20,7 @@ from viewer.analysis.holders import fold_holders
 from viewer.export import perfetto_bulk as bulk
 from viewer.export import wire
 from viewer.export.perfetto_bulk import ARGS, REQUEST, REQUESTS, ROUNDS
-from viewer.export.window import Window, last_end, windowed
+from viewer.export.window import Window, windowed
 
 BATCH = 25_000  # requests or rounds per column-wise batch
 REQUEST_COLS = ["request_id", "arrival_ns", "tokenized_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
@@ -170,9 +170,7 @@ def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats
                 continue
             put(int(r["ts_ns"]), "stall", {k: r[k] for k in ("rank", "step", "waiter", "what", "signaller",
                                                              "boundary", "waited_ns", "cycle") if k in r})
-    last = last_end(trace, "steps") if window is not None else None
-    if trace.has_table("memory") and trace.has_table("requests") and (last is None or window is None
-                                                                      or window.reaches(last, last)):
+    if trace.has_table("memory") and trace.has_table("requests") and (window is None or window.holds_last_round):
         # counts only, every event from the start (viewer/analysis/holders.py); `mstrace leaks` names the blocks
         held: dict[str, int] = {}
         for part in trace.parts.get("memory", []):

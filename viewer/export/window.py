@@ -4,22 +4,23 @@
 A windowed table is read row group by row group: a group whose timestamps (the Parquet
 statistics the writer stores for every group) cannot reach a span is never read, so a
 window costs time in proportion to the window and the number of groups, not to the rows
-of the trace. Rows are kept when their interval overlaps a span (a slice that starts before
-the window and ends inside it is kept whole, as Perfetto would draw it).
+of the trace. Rows are kept when their interval overlaps a span for some time (a slice that
+starts before the window and ends inside it is kept whole, as Perfetto would draw it).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.reader import Trace, TraceError, read_parts
+from tracing.reader import Trace, TraceError, read_parts, read_row_groups
+from tracing.run_status import first_line
 from tracing.schema import TABLES
 
 # Each table's row interval: (its start column, the column that ends it or None for an
@@ -38,14 +39,19 @@ class Window:
     spans: tuple[tuple[int, int], ...]  # disjoint, sorted, inclusive [lo, hi] ns
     what: str  # what the output says it shows
     request: str | None = None  # --request: the only request on the requests track
+    holds_last_round: bool = False  # it reaches the end of the run's last round
 
     def mask(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Rows whose [start, end] overlaps a span."""
+        """Rows that overlap a span for some time (a row that only touches one, ending where it
+        starts, does not: the round before a `--rounds` window often ends at the nanosecond
+        the window's first round starts); an instant (start == end) inside one or on its edge."""
         lo = np.array([s[0] for s in self.spans], dtype=np.int64)
         hi = np.array([s[1] for s in self.spans], dtype=np.int64)
-        k = np.searchsorted(hi, start, side="left")  # the first span that ends at or after the row's start
-        inside = k < len(hi)
-        return inside & (lo[np.minimum(k, len(lo) - 1)] <= end)
+        point = start >= end
+        # the first span ending after the row's start (at or after it, for an instant)
+        k = np.where(point, np.searchsorted(hi, start, side="left"), np.searchsorted(hi, start, side="right"))
+        first = lo[np.minimum(k, len(lo) - 1)]
+        return (k < len(hi)) & np.where(point, first <= start, first < end)
 
     def reaches(self, lo: int, hi: int) -> bool:
         return bool(self.mask(np.array([lo], np.int64), np.array([hi], np.int64))[0])
@@ -55,13 +61,22 @@ def parse_window(trace: Trace, rounds: str | None = None, time: str | None = Non
                  worst: int | None = None) -> Window | None:
     """The window the flags ask for (at most one of them), or None for the whole trace;
     TraceError with one line for a window the trace does not have."""
+    steps = _steps(trace)
+    w = _window(trace, steps, rounds, time, request, worst)
+    if w is None or not len(steps["end"]):
+        return w
+    last = int(steps["end"].max())
+    return replace(w, holds_last_round=w.reaches(last, last))
+
+
+def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time: str | None, request: str | None,
+            worst: int | None) -> Window | None:
     given = [f for f, v in (("--rounds", rounds), ("--time", time), ("--request", request), ("--worst", worst))
              if v is not None]
     if not given:
         return None
     if len(given) > 1:
         raise TraceError(f"give one window, not {' and '.join(given)}")
-    steps = _steps(trace)
     if rounds is not None:
         a, b = _range(rounds, "--rounds", int)
         sel = (steps["step"] >= a) & (steps["step"] <= b)
@@ -108,15 +123,15 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
         try:
             pf = pq.ParquetFile(part.path)
             n = pf.metadata.num_row_groups
-            groups = np.flatnonzero(window.mask(*_group_reach(pf.metadata, start, other, is_dur))).tolist()
+            lo, hi = _group_reach(pf.metadata, start, other, is_dur)
+            # (a group that only touches a span may hold an instant on its edge)
+            groups = np.flatnonzero(window.mask(lo, hi) | window.mask(lo, lo) | window.mask(hi, hi)).tolist()
             if not groups:
                 continue
-            if len(groups) == n:
-                t = read_parts([part], TABLES[name], cols)
-            else:
-                t = pf.read_row_groups(groups, columns=cols, use_threads=False)
+            t = read_parts([part], TABLES[name], cols) if len(groups) == n else \
+                read_row_groups(part, TABLES[name], cols, groups)
         except (pa.ArrowException, OSError) as e:
-            raise TraceError(f"corrupt {name}/ table in {trace.root}: {str(e).splitlines()[0]}") from None
+            raise TraceError(f"corrupt {name}/ table in {trace.root}: {first_line(e)}") from None
         a = t[start].to_numpy().astype(np.int64)
         if other is None:
             z = a
@@ -128,18 +143,6 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
         keep = window.mask(a, z)
         if keep.any():
             yield t.select(columns).filter(pa.array(keep))
-
-
-def last_end(trace: Trace, name: str) -> int | None:
-    """The latest end of the table's rows, from its row groups' statistics (none is read)."""
-    start, other, is_dur = INTERVAL[name]
-    ends = []
-    for part in trace.parts.get(name, []) if trace.has_table(name) else []:
-        try:
-            ends.append(int(_group_reach(pq.ParquetFile(part.path).metadata, start, other, is_dur)[1].max(initial=0)))
-        except (pa.ArrowException, OSError) as e:
-            raise TraceError(f"corrupt {name}/ table in {trace.root}: {str(e).splitlines()[0]}") from None
-    return max(ends) if ends else None
 
 
 def _group_reach(md: pq.FileMetaData, start: str, other: str | None, is_dur: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +163,7 @@ def _group_reach(md: pq.FileMetaData, start: str, other: str | None, is_dur: boo
         if other is None:
             hi[g] = s.max
         elif o is not None and o.has_min_max:
-            hi[g] = s.max + max(o.max, 0) if is_dur else (big if o.min <= 0 else o.max)
+            hi[g] = s.max + max(o.max, 0) if is_dur else (big if o.min <= 0 else max(s.max, o.max))
     return lo, hi
 
 
