@@ -177,10 +177,7 @@ def part_batches(p: Part, schema: pa.Schema) -> Iterator[pa.Table]:
     row_bytes = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups)) / max(1, md.num_rows)
     rows = max(1, min(STREAM_BATCH_ROWS, int(STREAM_BATCH_BYTES / max(row_bytes, 1.0))))
     for b in pf.iter_batches(rows, columns=[n for n in schema.names if n not in older], use_threads=False):
-        t = pa.Table.from_batches([b])
-        for name in older:
-            t = t.append_column(schema.field(name), pa.array([added[name]] * t.num_rows, schema.field(name).type))
-        yield t.select(schema.names)
+        yield _with_added(pa.Table.from_batches([b]), schema, older, added).select(schema.names)
 
 
 def read_row_groups(p: Part, schema: pa.Schema, columns: list[str], groups: list[int]) -> pa.Table:
@@ -192,9 +189,14 @@ def read_row_groups(p: Part, schema: pa.Schema, columns: list[str], groups: list
     except _PartSchemaError as e:
         raise TraceError(f"corrupt part: {e}") from None
     t = pf.read_row_groups(groups, columns=[c for c in columns if c not in older], use_threads=False)
+    return _with_added(t, schema, older, added).select(columns)
+
+
+def _with_added(t: pa.Table, schema: pa.Schema, older: list[str], added: dict[str, Any]) -> pa.Table:
+    """t with the columns its part predates, each holding its default (schema.ADDED)."""
     for name in older:
         t = t.append_column(schema.field(name), pa.array([added[name]] * t.num_rows, schema.field(name).type))
-    return t.select(columns)
+    return t
 
 
 def _added(schema: pa.Schema) -> dict[str, Any]:
@@ -263,9 +265,7 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     def one(p: Part) -> pa.Table:
         pf, older = _open_part(p, want, added, dictionary)
         t = pf.read(columns=[n for n in names if n not in older], use_threads=False)
-        for name in older:
-            t = t.append_column(want.field(name), pa.array([added[name]] * t.num_rows, want.field(name).type))
-        t = t.select(names)
+        t = _with_added(t, want, older, added).select(names)
         return t.unify_dictionaries().combine_chunks() if any(c.num_chunks > 1 for c in t.columns) else t
 
     if len(parts) == 1:
