@@ -52,7 +52,7 @@ from viewer.export.perfetto_bulk import (
     THREAD,
 )
 from viewer.export.perfetto_rounds import instants, requests, rounds
-from viewer.export.window import Window, windowed
+from viewer.export.window import Window, table_in, windowed
 from viewer.live.state import STREAM_ORDER
 
 BATCH = 200_000  # probe rows encoded at once
@@ -102,7 +102,7 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
             for uuid, (pid, tid, name) in lanes.new():  # a lane's track before its first slice
                 _track(b, stats, uuid, name, thread=(pid, tid, name))
             f.write(body)
-        steps = _table(trace, "steps", window)
+        steps = table_in(trace, "steps", TABLES["steps"].names, window)
         steps = steps.take(pc.sort_indices(steps, [("ts_ns", "ascending")]))
         for k, (col, _) in enumerate(COUNTERS):
             if col in steps.column_names:
@@ -120,15 +120,6 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
             f.write(body)
         rounds(f, steps, flows, names, stats)
         instants(trace, b, names, steps, stats, window)
-
-
-def _table(trace: Trace, name: str, window: Window | None) -> pa.Table:
-    if not trace.has_table(name):
-        return TABLES[name].empty_table()
-    if window is None:
-        return trace.table(name)
-    got = list(windowed(trace, name, TABLES[name].names, window))
-    return pa.concat_tables(got).unify_dictionaries() if got else TABLES[name].empty_table()
 
 
 # ---- the header: tracks and interned names --------------------------------------------

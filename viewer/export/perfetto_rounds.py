@@ -20,7 +20,7 @@ from viewer.analysis.holders import fold_holders
 from viewer.export import perfetto_bulk as bulk
 from viewer.export import wire
 from viewer.export.perfetto_bulk import ARGS, REQUEST, REQUESTS, ROUNDS
-from viewer.export.window import Window, windowed
+from viewer.export.window import Window, table_in, windowed
 
 BATCH = 25_000  # requests or rounds per column-wise batch
 REQUEST_COLS = ["request_id", "arrival_ns", "tokenized_ns", "first_scheduled_ns", "first_token_ns", "finish_ns", "token_runs",
@@ -203,11 +203,8 @@ def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...],
 
 
 def _requests(trace: Trace, window: Window | None) -> pa.Table:
-    if window is None:
-        return trace.table("requests", REQUEST_COLS)
-    got = list(windowed(trace, "requests", REQUEST_COLS, window))
-    q = pa.concat_tables(got).unify_dictionaries() if got else TABLES["requests"].empty_table().select(REQUEST_COLS)
-    return q.filter(pc.equal(q["request_id"], window.request)) if window.request is not None else q
+    q = table_in(trace, "requests", REQUEST_COLS, window)
+    return q.filter(pc.equal(q["request_id"], window.request)) if window is not None and window.request is not None else q
 
 
 

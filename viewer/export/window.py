@@ -145,6 +145,16 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
             yield t.select(columns).filter(pa.array(keep))
 
 
+def table_in(trace: Trace, name: str, columns: list[str], window: Window | None) -> pa.Table:
+    """The table's columns, whole (no window) or only the rows in the window."""
+    if not trace.has_table(name):
+        return TABLES[name].empty_table().select(columns)
+    if window is None:
+        return trace.table(name, columns)
+    got = list(windowed(trace, name, columns, window))
+    return pa.concat_tables(got).unify_dictionaries() if got else TABLES[name].empty_table().select(columns)
+
+
 def _group_reach(md: pq.FileMetaData, start: str, other: str | None, is_dur: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per row group, the earliest start and the latest end its rows can have, from the
     statistics (a group without them reaches everything: it is read and filtered)."""
