@@ -1,4 +1,5 @@
-"""Run the mstrace CLI the way a user does: a separate process."""
+"""Run the mstrace CLI the way a user does: a separate process (forked from a pre-imported
+interpreter where that changes nothing: tests/support/zygote.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ REPO = Path(__file__).resolve().parents[2]
 def mstrace(*args: str, timeout: float = 600, check_views: bool = True) -> subprocess.CompletedProcess[str]:
     """A successful `mstrace run` also has its trace's cost views checked (tests/support/views.py):
     every trace the suite makes, not only the ones a test looks at."""
-    p = subprocess.run(
-        [sys.executable, "-m", "viewer.cli", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )
+    from tests.support.zygote import zygote  # a fork of a pre-imported interpreter, where it can
+
+    z = zygote(REPO)
+    if z is not None:
+        p = z.run(list(args), REPO, timeout)
+    else:
+        p = subprocess.run([sys.executable, "-m", "viewer.cli", *args], cwd=REPO, capture_output=True, text=True,
+                           timeout=timeout)
     if check_views and args and args[0] == "run" and p.returncode == 0 and "--out" in args:
         from tests.support.views import assert_views_hold
 
