@@ -1,0 +1,360 @@
+"""Roofline of the engine's forward: how far each part is from its own limit on this machine.
+
+Input: the forward batches of a real engine run (bench_engine_vs_hf.py's workload by
+default: the default preset, 128 requests, prompts 16-512, outputs 16-256, everything
+arriving at once), captured as the engine hands them to the model. Every captured batch
+is then run again through a mirror of `CausalLM.forward` that times each part, and the
+mirror's logits are checked bit-equal to the model's own on every batch, so the parts are
+the forward's and nothing else.
+
+Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (both of each
+layer), qkv, rope, kv_write, attention, o_proj, gate_up, act (SiLU and gating), down,
+residual (the two adds of each layer), logits (the final norm and the LM head over the
+sampled rows), sample. What the parts' timers do not cover of the whole forward's own
+time (the loop, attribute look-ups) is shown as `unattributed`.
+
+Limits, measured here before the replay, at the same thread count. Each part's limit is
+a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square float32
+GEMMs of 512-2048 with torch, `peak_gflops`) and the bytes it must read and write at the
+memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
+padding, attention over its causal keys only, each tensor once. A decode round's GEMMs
+are bound by reading their weights, a prefill round's by their FLOPs. Beside the GEMM
+parts, the same-shape GEMM alone (`shape ms`: the part with no neighbours, at its own
+shapes, random inputs, best of `--reps`).
+
+Output: a table of the parts sorted by the time they lose against their limit, for the
+whole run and for its prefill-heavy and decode-heavy rounds; JSON to bench/out/.
+
+    .venv/bin/python bench/bench_forward.py                 # the default workload, 1 thread
+    .venv/bin/python bench/bench_forward.py --requests 16   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_engine_vs_hf import make_workload, parse_range  # noqa: E402
+from common import OUT, load  # noqa: E402
+
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.harness.runner import run_workload  # noqa: E402
+from scheduler.harness.workload import SyntheticSpec  # noqa: E402
+from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
+from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
+from scheduler.model.layers import apply_rope, paged_attention, rms_norm  # noqa: E402
+from scheduler.model.presets import resolve_model  # noqa: E402
+from scheduler.model.transformer import CausalLM  # noqa: E402
+
+GEMMS = ("qkv", "o_proj", "gate_up", "down", "logits")
+BYTES_PARTS = ("embed", "norm", "rope", "kv_write", "act", "residual", "sample")
+PARTS = ("embed", "plan", "norm", "qkv", "rope", "kv_write", "attention", "o_proj", "gate_up", "act", "down",
+         "residual", "logits", "sample")
+F32 = 4
+
+
+# --------------------------------------------------------------------------- machine limits
+def _best_s(fn: Any, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peak_gflops() -> dict[str, float]:
+    """The best float32 GEMM rate over squares of 512-2048 (what "GEMM peak" means here)."""
+    out = {}
+    for n in (512, 1024, 1536, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out[str(n)] = 2 * n ** 3 / _best_s(lambda a=a, b=b: torch.mm(a, b), 5) / 1e9
+    return out
+
+
+def bandwidth_gbs() -> float:
+    """The best of large copies (read + write), GB/s: the elementwise parts' limit."""
+    src = torch.randn(32 * 1024 * 1024)  # 128 MB: out of every cache
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * F32 / _best_s(lambda: dst.copy_(src), 7) / 1e9
+
+
+# --------------------------------------------------------------------------- capture
+def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+            seed: int) -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
+    """Run the engine on the workload and keep every batch its model is given (the thread
+    backend: the model runs in this process). Returns the batches, the model, its KV pool
+    and the run's forward time as the engine saw it."""
+    batches: list[ForwardBatch] = []
+    seen: dict[str, Any] = {}
+    fwd_ns = [0]
+    inner = CausalLM.forward
+
+    def recording(self: CausalLM, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        t = time.perf_counter_ns()
+        out = inner(self, batch, kv)
+        fwd_ns[0] += time.perf_counter_ns() - t
+        if seen.get("on"):
+            batches.append(batch)
+            seen["model"], seen["kv"] = self, kv
+        return out
+
+    model_dir = resolve_model(model_name)
+    spec = SyntheticSpec(requests=requests, prompt_len=prompt_len, output_len=output_len, shared_prefix_frac=0.0,
+                         rate=0.0, ignore_eos=True, seed=seed)
+    items, _ = make_workload(model_dir, spec)
+    warm, _ = make_workload(model_dir, SyntheticSpec(requests=4, prompt_len=(16, 128), output_len=(4, 8),
+                                                     shared_prefix_frac=0.0, rate=0.0, seed=seed + 1000))
+    warm = [type(w)(f"warm-{i}", w.prompt, w.input_ids, w.params, w.arrival_s) for i, w in enumerate(warm)]
+    CausalLM.forward = recording  # type: ignore[method-assign]
+    engine = Engine(EngineConfig(cpu_device="thread", model=model_name, device_threads=torch.get_num_threads()),
+                    sinks=[], trace=None)
+    try:
+        run_workload(engine, warm)
+        seen["on"] = True
+        fwd_ns[0] = 0
+        run_workload(engine, items)
+    finally:
+        CausalLM.forward = inner  # type: ignore[method-assign]
+        engine.close()
+    return batches, seen["model"], seen["kv"], fwd_ns[0] / 1e9
+
+
+# --------------------------------------------------------------------------- the timed mirror
+class Clock:
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        t = time.perf_counter_ns()
+        yield
+        self.ns[name] += time.perf_counter_ns() - t
+
+
+def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock) -> tuple[torch.Tensor, torch.Tensor]:
+    """`CausalLM.forward` (one rank, DecoderLayer.forward's fused-bias branch) and greedy
+    sampling, part by part. Returns the logits and the tokens."""
+    with c.part("embed"):
+        x = model.embed(fb)
+    with c.part("plan"):
+        cos, sin, plan = model.attention_inputs(fb)
+    for i, layer in enumerate(model.layers):
+        kc, vc = kv.k[i], kv.v[i]
+        t = x.shape[0]
+        with c.part("norm"):
+            h = rms_norm(x, layer.input_layernorm, layer.eps)
+        with c.part("qkv"):
+            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        with c.part("rope"):
+            qk = apply_rope(qkv[:, : layer.q_size + layer.kv_size].view(t, -1, layer.head_dim), cos, sin)
+        q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads:]
+        v = qkv[:, layer.q_size + layer.kv_size:].view(t, layer.num_kv_heads, layer.head_dim)
+        with c.part("kv_write"):
+            kc.index_copy_(0, fb.slot_mapping, k)
+            vc.index_copy_(0, fb.slot_mapping, v)
+        with c.part("attention"):
+            a = paged_attention(q, k, v, kc, vc, fb, plan)
+        with c.part("o_proj"):
+            o = F.linear(a, layer.o_proj, layer.o_bias)
+        with c.part("residual"):
+            x = x + o
+        with c.part("norm"):
+            h = rms_norm(x, layer.post_attention_layernorm, layer.eps)
+        with c.part("gate_up"):
+            gu = F.linear(h, layer.gate_up_proj, layer.gate_up_bias)
+        with c.part("act"):
+            gate, up = gu.chunk(2, dim=-1)
+            m = F.silu(gate) * up
+        with c.part("down"):
+            d = F.linear(m, layer.down_proj, layer.down_bias)
+        with c.part("residual"):
+            x = x + d
+    with c.part("logits"):
+        logits = model.compute_logits(x, fb)
+    with c.part("sample"):
+        tokens = logits[: fb.num_sampled].argmax(dim=-1)
+    return logits, tokens
+
+
+# --------------------------------------------------------------------------- work per part
+def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
+    """(FLOPs, bytes) each part must do for this batch, at the least: no padding, each
+    tensor read and written once."""
+    cfg = model.cfg
+    t, hs, inter, v = fb.num_tokens, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qs, kvs = h * d, kvh * d
+    n_layers = len(model.layers)
+    rows = fb.num_sampled + fb.num_scored
+    keys = 0  # query-key pairs attended (useful, causal)
+    kv_read = 0  # context tokens whose K/V a sequence reads
+    if fb.num_decode:
+        ctx = fb.positions[: fb.num_decode] + 1
+        keys += int(ctx.sum())
+        kv_read += int(ctx.sum())
+    for p in fb.prefills:
+        n = p.row_end - p.row_start
+        keys += n * p.start_pos + n * (n + 1) // 2
+        kv_read += p.start_pos + n
+    gemm = {"qkv": (hs, qs + 2 * kvs), "o_proj": (qs, hs), "gate_up": (hs, 2 * inter), "down": (inter, hs)}
+    out: dict[str, tuple[float, float]] = {}
+    for name, (k_in, n_out) in gemm.items():
+        out[name] = (2.0 * t * k_in * n_out * n_layers, F32 * (t * k_in + k_in * n_out + t * n_out) * n_layers)
+    out["logits"] = (2.0 * rows * hs * v, F32 * (rows * hs + hs * v + rows * v))
+    out["attention"] = (4.0 * keys * h * d * n_layers, F32 * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
+    out["embed"] = (0.0, F32 * 2 * t * hs)
+    out["norm"] = (0.0, F32 * 2 * 2 * t * hs * n_layers)
+    out["rope"] = (0.0, F32 * 2 * t * (qs + kvs) * n_layers)
+    out["kv_write"] = (0.0, F32 * 2 * 2 * t * kvs * n_layers)
+    out["act"] = (0.0, F32 * 3 * t * inter * n_layers)
+    out["residual"] = (0.0, F32 * 2 * 3 * t * hs * n_layers)
+    out["sample"] = (0.0, F32 * fb.num_sampled * v)
+    out["plan"] = (0.0, 0.0)
+    return out
+
+
+def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[str, float]:
+    """Each GEMM part alone at the batches' own shapes (random inputs, the real weights),
+    best of `reps` per batch, summed: what the part costs with no neighbours."""
+    lay = model.layers[0]
+    n_layers = len(model.layers)
+    total: dict[str, float] = defaultdict(float)
+    for fb in fbs:
+        t = fb.num_tokens
+        for name, w, b in (("qkv", lay.qkv_proj, lay.qkv_bias), ("o_proj", lay.o_proj, lay.o_bias),
+                           ("gate_up", lay.gate_up_proj, lay.gate_up_bias), ("down", lay.down_proj, lay.down_bias)):
+            x = torch.randn(t, w.shape[1])
+            total[name] += n_layers * _best_s(lambda x=x, w=w, b=b: F.linear(x, w, b), reps)
+        rows = fb.num_sampled + fb.num_scored
+        if rows:
+            assert model.lm_head is not None
+            x = torch.randn(rows, model.cfg.hidden_size)
+            total["logits"] += _best_s(lambda x=x: F.linear(x, model.lm_head), reps)
+    return dict(total)
+
+
+# --------------------------------------------------------------------------- report
+def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: int) -> dict[str, Any]:
+    """Per part: seconds in the mirror, FLOPs and bytes of its least work, and its GEMM alone
+    at the batches' shapes; and the whole forward's own seconds."""
+    c = Clock()
+    whole_ns = 0
+    with torch.inference_mode():
+        for fb in fbs:
+            t0 = time.perf_counter_ns()
+            ref = model.forward(fb, kv)
+            ref[: fb.num_sampled].argmax(dim=-1)
+            whole_ns += time.perf_counter_ns() - t0
+            logits, _ = timed_forward(model, fb, kv, c)
+            assert torch.equal(logits, ref), "the timed mirror drifted from CausalLM.forward"
+        shape = shape_gemm_s(model, fbs, reps)
+    per_batch = [work(model, fb) for fb in fbs]
+    return {"batches": len(fbs), "tokens": sum(fb.num_tokens for fb in fbs),
+            "decode_rows": sum(fb.num_decode for fb in fbs), "whole_s": whole_ns / 1e9,
+            "s": {p: c.ns.get(p, 0) / 1e9 for p in PARTS},
+            "flops": {p: sum(w[p][0] for w in per_batch) for p in PARTS},
+            "bytes": {p: sum(w[p][1] for w in per_batch) for p in PARTS},
+            "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
+
+
+def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s")}
+    return out | {k: {p: a[k][p] + b[k][p] for p in PARTS} for k in ("s", "flops", "bytes", "shape_s")}
+
+
+def table(name: str, m: dict[str, Any], peak: float, bw: float) -> dict[str, Any]:
+    """The roofline rows of one set of batches, sorted by the time each part loses."""
+    whole_s = m["whole_s"]
+    rows = []
+    for p in PARTS:
+        s, flops, nbytes = m["s"][p], m["flops"][p], m["bytes"][p]
+        # a roofline: the part can go no faster than its FLOPs at the GEMM peak, nor than
+        # its bytes at the memory bandwidth (small GEMMs read more weight than they compute)
+        limit = max(flops / (peak * 1e9), nbytes / (bw * 1e9))
+        rows.append({"part": p, "ms": s * 1e3, "share": s / whole_s if whole_s else 0.0,
+                     "limit_ms": limit * 1e3, "of_limit": limit / s if s else None, "lost_ms": (s - limit) * 1e3,
+                     "gflops": flops / s / 1e9 if s and flops else None,
+                     "gbs": nbytes / s / 1e9 if s and p in BYTES_PARTS else None,
+                     "shape_ms": m["shape_s"][p] * 1e3 if p in GEMMS else None})
+    rows.sort(key=lambda r: -r["lost_ms"])
+    total_flops = sum(m["flops"].values())
+    timed_s = sum(m["s"].values())
+    return {"name": name, "batches": m["batches"], "tokens": m["tokens"], "decode_rows": m["decode_rows"],
+            "forward_ms": whole_s * 1e3, "parts_ms": timed_s * 1e3, "unattributed_ms": (whole_s - timed_s) * 1e3,
+            "gflops": total_flops / whole_s / 1e9 if whole_s else 0.0,
+            "of_peak": total_flops / whole_s / 1e9 / peak if whole_s else 0.0, "parts": rows}
+
+
+def print_table(t: dict[str, Any]) -> None:
+    print(f"\n{t['name']}: {t['batches']} batches, {t['tokens']} tokens ({t['decode_rows']} decode rows); "
+          f"forward {t['forward_ms']:.1f} ms, {t['gflops']:.1f} GFLOP/s = {t['of_peak']:.1%} of the GEMM peak")
+    print(f"{'part':<10} {'ms':>9} {'share':>6} {'limit ms':>9} {'of limit':>8} {'lost ms':>9} "
+          f"{'GFLOP/s':>8} {'GB/s':>6} {'shape ms':>9}")
+    for r in t["parts"]:
+        def f(v: float | None, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+        print(f"{r['part']:<10} {r['ms']:9.1f} {r['share']:6.1%} {r['limit_ms']:9.1f} {f(r['of_limit'], '8.1%')} "
+              f"{r['lost_ms']:9.1f} {f(r['gflops'], '8.1f')} {f(r['gbs'], '6.1f')} {f(r['shape_ms'], '9.1f')}")
+    print(f"{'unattributed':<10} {t['unattributed_ms']:9.1f} {t['unattributed_ms'] / t['forward_ms']:6.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--prompt-len", type=parse_range, default=(16, 512), metavar="MIN-MAX")
+    ap.add_argument("--output-len", type=parse_range, default=(16, 256), metavar="MIN-MAX")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3, help="best of this many for each same-shape GEMM")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = datetime.now(UTC)
+    load_before = load()
+    peaks = peak_gflops()
+    peak = max(peaks.values())
+    bw = bandwidth_gbs()
+    print(f"{args.threads} thread(s): GEMM peak {peak:.1f} GFLOP/s ({', '.join(f'{k}: {v:.0f}' for k, v in peaks.items())}),"
+          f" copy bandwidth {bw:.1f} GB/s; load {load_before}")
+    fbs, model, kv, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed)
+    print(f"captured {len(fbs)} batches; the engine's forward took {run_fwd_s:.2f} s in the run")
+    prefill_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode >= fb.num_decode]
+    decode_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode < fb.num_decode]
+    pre, dec = measure(model, prefill_heavy, kv, args.reps), measure(model, decode_heavy, kv, args.reps)
+    tables = [table("whole run", combined(pre, dec), peak, bw), table("prefill-heavy rounds", pre, peak, bw),
+              table("decode-heavy rounds", dec, peak, bw)]
+    for t in tables:
+        print_table(t)
+    print(f"\nmedian batch: {statistics.median(fb.num_tokens for fb in fbs)} tokens; load {load()}")
+    out = args.out or OUT / f"forward-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "forward", "command": " ".join(["bench/bench_forward.py", *sys.argv[1:]]),
+                               "started_utc": started.isoformat(timespec="seconds"), "threads": args.threads,
+                               "peak_gflops": peaks, "bandwidth_gbs": bw, "load_before": load_before,
+                               "run_forward_s": run_fwd_s, "tables": tables}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
