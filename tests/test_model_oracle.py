@@ -257,9 +257,13 @@ def test_presets_match_transformers(name: str, preset_cache: Path) -> None:
 
 
 def test_length_grouped_decode_attention_matches_one_group(monkeypatch) -> None:
-    """Decode rows attended in several length groups give the same logits as one padded group."""
+    """Decode rows attended in several length groups give the same logits as one padded group
+    (the gather path: without the C decode attention, tests/test_native_attention.py)."""
     import scheduler.model.forward_batch as fbm
+    from scheduler.model import native_attention
     from scheduler.model.presets import ensure_preset
+
+    monkeypatch.setattr(native_attention, "_LIB", None)
 
     model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
     kv = model.make_kv_cache(400, 4)

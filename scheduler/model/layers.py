@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native_attention
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 
@@ -79,6 +80,8 @@ class AttnPlan:
 
     decode_mask: torch.Tensor | None
     prefill_masks: list[torch.Tensor | None]
+    decode_ctx: torch.Tensor | None = None  # [D] int64 context lengths of the decode rows
+    window: int | None = None  # the sliding window, where some context exceeds it
 
 
 def plan_attention(
@@ -86,8 +89,9 @@ def plan_attention(
 ) -> AttnPlan:
     """Masks from the batch, narrowed by the sliding window only when some context exceeds it,
     as additive float masks: CPU SDPA ran ~1.6x faster with them than with bool masks."""
+    ctx = batch.positions[: batch.num_decode] + 1 if batch.num_decode else None
     if sliding_window is None or batch.max_context_len <= sliding_window:
-        return AttnPlan(_additive(batch.decode_mask, dtype), [_additive(p.mask, dtype) for p in batch.prefills])
+        return AttnPlan(_additive(batch.decode_mask, dtype), [_additive(p.mask, dtype) for p in batch.prefills], ctx)
     w = sliding_window
     dmask = batch.decode_mask
     if dmask is not None and batch.decode_blocks is not None:
@@ -105,7 +109,7 @@ def plan_attention(
         k_pos = torch.arange(nkeys, device=q_pos.device)
         diff = q_pos[:, None] - k_pos[None, :]
         pmasks.append((diff >= 0) & (diff < w))
-    return AttnPlan(_additive(dmask, dtype), [_additive(m, dtype) for m in pmasks])
+    return AttnPlan(_additive(dmask, dtype), [_additive(m, dtype) for m in pmasks], ctx, w)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -132,7 +136,15 @@ def paged_attention(
     # Block view of the cache: a gather index is a whole block (bs * KVH * hd values).
     kb = k_cache.view(-1, bs * kvh * d)
     vb = v_cache.view(-1, bs * kvh * d)
+    native = None
     if nd:
+        assert batch.decode_blocks is not None and plan.decode_ctx is not None
+        # each row's context read once where it lies (C, float32 on the CPU), else gathered
+        native = native_attention.decode(q[:nd], k_cache, v_cache, batch.decode_blocks, plan.decode_ctx, bs,
+                                         plan.window)
+    if native is not None:
+        outs.append(native)
+    elif nd:
         assert batch.decode_blocks is not None and plan.decode_mask is not None
         # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
         # attends against [D, KVH, L, hd] with no K/V head replication.

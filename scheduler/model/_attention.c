@@ -1,0 +1,180 @@
+/* Decode attention straight from the paged KV cache, on the CPU (float32).
+ *
+ * Why: torch has no paged attention on the CPU, so the engine gathered every decode
+ * row's context blocks into a padded copy (index_select) and ran SDPA on the copy:
+ * the K/V bytes crossed memory three times (read, write the copy, read it again),
+ * plus the padding. On the default preset that was 60% of a decode round's forward
+ * (bench/bench_forward.py). Here each row reads its context once, block by block
+ * through its block table, where it lies in the cache.
+ *
+ * Layout (scheduler/model/kv_cache.py): a layer's cache is [slots, kv_heads, head_dim],
+ * slot = block * block_size + offset. Query heads are grouped: head h attends with
+ * kv head h / group. Per row, one pass over its tokens computes every head's scores
+ * (each token's K row for all kv heads is contiguous), a softmax per head, and one pass
+ * accumulates V; the scores fit a per-thread buffer of heads * context floats.
+ *
+ * Rows are split over `threads` pthreads (the intra-op thread count the engine runs
+ * torch with), in contiguous runs of about equal context. Called through ctypes, which
+ * releases the GIL: the scheduler thread runs meanwhile, as it does during a torch op.
+ *
+ * The dot products and the V accumulation keep 8 independent lanes, so the compiler
+ * vectorises them without reassociating a sum (no -ffast-math); on x86-64 a clone for
+ * AVX2 + FMA of the whole row loop (the helpers inlined) is picked at run time where the
+ * CPU has them.
+ *
+ * No Python API is used: the module init only exists so setuptools can build this as an
+ * extension and pip can install it like one.
+ */
+#include <Python.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MULTI_TARGET __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MULTI_TARGET
+#endif
+
+#define LANES 8
+
+typedef struct {
+    const float *q;          /* [rows, q_stride]: row r's heads at q + r * q_stride */
+    int64_t q_stride;
+    const float *k, *v;      /* [slots, kv_heads, head_dim] */
+    const int64_t *blocks;   /* [rows, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *ctx;      /* [rows] context length (the new token included) */
+    float *out;              /* [rows, heads, head_dim] */
+    int64_t heads, kv_heads, head_dim, block_size, window;
+    float scale;
+    int64_t row0, row1;
+    int status;
+} Job;
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < LANES; j++) s += lane[j];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D] */
+static inline __attribute__((always_inline)) void accumulate_d(float *y, const float *p, const float *x,
+                                                                int64_t count, int64_t stride, int64_t D) {
+    float acc[256];
+    for (int64_t d = 0; d < D; d++) acc[d] = y[d];
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t d = 0; d < D; d++) acc[d] += p[i] * x[i * stride + d];
+    for (int64_t d = 0; d < D; d++) y[d] = acc[d];
+}
+
+/* the common head sizes as constants, so the accumulator lives in registers */
+static inline void accumulate(float *y, const float *p, const float *x, int64_t count, int64_t stride, int64_t D) {
+    switch (D) {
+    case 64: accumulate_d(y, p, x, count, stride, 64); break;
+    case 128: accumulate_d(y, p, x, count, stride, 128); break;
+    default: accumulate_d(y, p, x, count, stride, D);
+    }
+}
+
+MULTI_TARGET
+static void *run(void *arg) {
+    Job *j = (Job *)arg;
+    const int64_t H = j->heads, KVH = j->kv_heads, D = j->head_dim, BS = j->block_size;
+    const int64_t G = H / KVH, tok = KVH * D;
+    int64_t longest = 0;
+    for (int64_t r = j->row0; r < j->row1; r++)
+        if (j->ctx[r] > longest) longest = j->ctx[r];
+    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1)));
+    if (!scores) {
+        j->status = -1;
+        return NULL;
+    }
+    for (int64_t r = j->row0; r < j->row1; r++) {
+        const int64_t L = j->ctx[r];
+        const int64_t first = (j->window > 0 && L > j->window) ? L - j->window : 0;
+        const int64_t n = L - first;
+        const float *q = j->q + r * j->q_stride;
+        const int64_t *bt = j->blocks + r * j->max_blocks;
+        float *o = j->out + r * H * D;
+        memset(o, 0, sizeof(float) * (size_t)(H * D));
+        if (n <= 0) continue;
+        for (int64_t t = first; t < L; t++) {
+            const float *kt = j->k + (bt[t / BS] * BS + t % BS) * tok;
+            for (int64_t h = 0; h < H; h++)
+                scores[h * n + (t - first)] = dot(q + h * D, kt + (h / G) * D, D) * j->scale;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *s = scores + h * n, m = s[0], sum = 0.0f;
+            for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+            for (int64_t t = 0; t < n; t++) {
+                s[t] = expf(s[t] - m);
+                sum += s[t];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < n; t++) s[t] *= inv;
+        }
+        /* V a block at a time, each head's accumulator held across the block's tokens
+         * (in registers where D is a constant: see accumulate) instead of reloaded per token */
+        for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
+            const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
+            const float *vb = j->v + (bt[t0 / BS] * BS + t0 % BS) * tok;
+            for (int64_t h = 0; h < H; h++)
+                accumulate(o + h * D, scores + h * n + (t0 - first), vb + (h / G) * D, t1 - t0, tok, D);
+        }
+    }
+    free(scores);
+    return NULL;
+}
+
+/* out[r, h] = softmax(q[r, h] . K[ctx of r, h / G] * scale) . V[...] for every decode row r.
+ * Returns 0, or -1 where a buffer could not be allocated or a thread not started (the
+ * caller then falls back to the gather), as for a head size over 256. */
+int decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                     const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                     int64_t window, float scale, float *out, int64_t threads) {
+    if (head_dim > 256 || heads % kv_heads) return -1; /* accumulate_d's buffer; whole groups */
+    if (threads < 1) threads = 1;
+    if (threads > rows) threads = rows > 0 ? rows : 1;
+    Job jobs[64];
+    pthread_t tid[64];
+    if (threads > 64) threads = 64;
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++) total += ctx[r];
+    /* contiguous runs of rows with about total / threads context each */
+    int64_t r = 0, acc = 0;
+    for (int64_t i = 0; i < threads; i++) {
+        Job *j = &jobs[i];
+        *j = (Job){q, q_stride, k, v, blocks, max_blocks, ctx, out, heads, kv_heads, head_dim, block_size,
+                   window, scale, r, r, 0};
+        const int64_t goal = total * (i + 1) / threads;
+        while (r < rows && (acc < goal || i == threads - 1)) acc += ctx[r++];
+        j->row1 = r;
+    }
+    int started[64] = {0};
+    for (int64_t i = 1; i < threads; i++)
+        started[i] = pthread_create(&tid[i], NULL, run, &jobs[i]) == 0;
+    run(&jobs[0]);
+    int status = jobs[0].status;
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i]) {
+            pthread_join(tid[i], NULL);
+            status |= jobs[i].status;
+        } else {
+            status = -1;
+        }
+    }
+    return status;
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__attention(void) { return PyModule_Create(&module); }

@@ -1,0 +1,55 @@
+"""Decode attention on the paged KV cache in C (`_attention.c`), loaded with ctypes
+where the install built it.
+
+`decode` reads each decode row's context once, through its block table, where it lies
+in the cache: no gathered copy (see the C file for why). It takes float32 tensors on the
+CPU only; anything else, or an install without a C compiler, returns None and
+`layers.paged_attention` gathers and runs SDPA as before, which gives the same values
+up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from pathlib import Path
+
+import torch
+
+_P = ctypes.c_void_p
+_N = ctypes.c_int64
+
+
+def _load() -> ctypes.CDLL | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = here / f"_attention{suffix}"
+        if p.is_file():
+            lib = ctypes.CDLL(str(p))
+            lib.decode_attention.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
+            lib.decode_attention.restype = ctypes.c_int
+            return lib
+    return None
+
+
+_LIB = _load()
+AVAILABLE = _LIB is not None
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+           ctx_lens: torch.Tensor, block_size: int, window: int | None) -> torch.Tensor | None:
+    """q [rows, H, D] (rows may be strided), caches [slots, KVH, D], blocks [rows, nblk] int64,
+    ctx_lens [rows] int64 (the new token included) -> [rows, H * D]; None where the C path
+    does not apply."""
+    if (_LIB is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or q.stride(2) != 1 or q.stride(1) != q.shape[2] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    rows, heads, d = q.shape
+    kvh = k_cache.shape[1]
+    blocks = blocks.contiguous()
+    ctx_lens = ctx_lens.contiguous()
+    out = torch.empty(rows, heads * d, dtype=torch.float32)
+    status = _LIB.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   blocks.data_ptr(), blocks.shape[1], ctx_lens.data_ptr(), rows, heads, kvh, d,
+                                   block_size, window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None

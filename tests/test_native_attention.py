@@ -1,0 +1,89 @@
+"""Decode attention in C on the paged cache (scheduler/model/native_attention.py) against
+a plain softmax over each row's own context, and the forward with and without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.model import native_attention
+from scheduler.model.forward_batch import SeqChunk, build_forward_batch
+from scheduler.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not native_attention.AVAILABLE, reason="built without a C compiler")
+
+
+def _reference(q, k_cache, v_cache, blocks, ctx, bs, window):
+    rows, heads, d = q.shape
+    g = heads // k_cache.shape[1]
+    out = []
+    for r in range(rows):
+        n = int(ctx[r])
+        first = max(0, n - window) if window else 0
+        slots = torch.tensor([int(blocks[r, t // bs]) * bs + t % bs for t in range(first, n)])
+        k = k_cache[slots].repeat_interleave(g, dim=1)  # [n, H, D]
+        v = v_cache[slots].repeat_interleave(g, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * d ** -0.5, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", p, v.double()).reshape(-1))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
+    g = torch.Generator().manual_seed(heads * d + (window or 0))
+    bs, nblocks = 16, 64
+    k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g)
+    ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
+    nblk = int(ctx.max() + bs - 1) // bs
+    # scattered, shuffled blocks; a row's unused table entries point anywhere (block 0)
+    blocks = torch.stack([torch.randperm(nblocks, generator=g)[:nblk] for _ in ctx])
+    for r, n in enumerate(ctx.tolist()):
+        blocks[r, (n + bs - 1) // bs:] = 0
+    qk = torch.randn(len(ctx), heads + kv_heads, d, generator=g)  # q as the forward has it: a strided view
+    q = qk[:, :heads]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, window)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None and out.shape == (len(ctx), heads * d)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, ctx, bs, window), atol=2e-5, rtol=1e-5)
+
+
+def test_what_it_does_not_take_falls_back():
+    q = torch.randn(2, 4, 8, dtype=torch.float64)
+    kc = torch.randn(32, 2, 8, dtype=torch.float64)
+    ctx = torch.tensor([3, 5])
+    blocks = torch.zeros(2, 1, dtype=torch.int64)
+    assert native_attention.decode(q, kc, kc, blocks, ctx, 16, None) is None  # float64
+    q32, kc32 = q.float(), torch.randn(32, 2, 300)
+    assert native_attention.decode(torch.randn(2, 4, 300), kc32, kc32, blocks, ctx, 16, None) is None  # head 300
+    assert native_attention.decode(q32.transpose(1, 2).contiguous().transpose(1, 2), kc.float(), kc.float(), blocks,
+                                   ctx, 16, None) is None  # heads not row-major
+
+
+def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
+    """Decode rows of many lengths (several length groups on the gather path) in one batch
+    with a prefill chunk: the C path and the gather + SDPA path agree."""
+    from scheduler.model.presets import ensure_preset
+
+    model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
+    kv = model.make_kv_cache(400, 4)
+    g = torch.Generator().manual_seed(0)
+    chunks, used = [], 0
+    for ctx in [3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]:
+        nblk = ctx // 4 + 1
+        table = list(range(used, used + nblk))
+        used += nblk
+        prompt = torch.randint(5, 500, (ctx,), generator=g).tolist()
+        model(build_forward_batch([SeqChunk(prompt, 0, table, False)], 4, "cpu"), kv)  # fill its KV
+        chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+    chunks.append(SeqChunk(torch.randint(5, 500, (30,), generator=g).tolist(), 0, list(range(used, used + 8)), True))
+    native = model(build_forward_batch(chunks, 4, "cpu"), kv)
+    monkeypatch.setattr(native_attention, "_LIB", None)
+    gathered = model(build_forward_batch(chunks, 4, "cpu"), kv)
+    torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
