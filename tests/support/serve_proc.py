@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.cli import REPO
+from tests.support.zygote import Child, zygote
 
 
 class Served:
@@ -26,12 +27,16 @@ class Served:
         out.parent.mkdir(parents=True, exist_ok=True)
         self._err_path = out.parent / f"{out.name}.serve-stderr.txt"
         self._err = self._err_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "viewer.cli", "serve", "--model", "tiny", "--port", "0", "--out", str(out),
-             *flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=self._err, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        argv = ["serve", "--model", "tiny", "--port", "0", "--out", str(out), *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        z = zygote(REPO, env)  # a fork of a pre-imported interpreter (tests/support/zygote.py)
+        if z is not None:
+            stdout = out.parent / f"{out.name}.serve-stdout.txt"
+            stdout.touch()
+            self.proc: subprocess.Popen[str] | Child = z.start(argv, REPO, env, str(stdout), str(self._err_path))
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "viewer.cli", *argv], cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=self._err, text=True, env=env)
         assert self.proc.stdout is not None
         deadline = time.monotonic() + start_timeout
         line = ""

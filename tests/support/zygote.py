@@ -25,6 +25,7 @@ kills what still runs, when its stdin closes (the pytest worker went away).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -100,9 +101,14 @@ def _become(req: dict[str, Any]) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(fd, target)
         os.close(fd)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the interpreter's own, as at start-up)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    # as the interpreter makes them at start-up (PYTHONUNBUFFERED: written through)
+    unbuffered = bool(req["env"].get("PYTHONUNBUFFERED"))
+    enc = sys.stdout.encoding
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
+                                  encoding=enc, write_through=unbuffered)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
+                                  encoding=enc, errors="backslashreplace", line_buffering=True)
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
@@ -127,13 +133,14 @@ class Zygote:
         self._next = 0
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
 
-    def can_run(self) -> bool:
-        """False where the current environment differs from the zygote's in a variable its
-        preloaded libraries read at import, or where the zygote died."""
-        if self._proc.poll() is not None or os.environ.get(DISABLE_ENV) == "1":
+    def can_run(self, env: dict[str, str]) -> bool:
+        """False where `env` differs from the zygote's in a variable its preloaded libraries
+        read at import (PYTHONUNBUFFERED aside: the child sets up its own streams), or where
+        the zygote died."""
+        if self._proc.poll() is not None or env.get(DISABLE_ENV) == "1":
             return False
-        keys = set(self.env) | set(os.environ)
-        return all(self.env.get(k) == os.environ.get(k) for k in keys if k.startswith(IMPORT_TIME_ENV))
+        keys = (set(self.env) | set(env)) - {"PYTHONUNBUFFERED"}
+        return all(self.env.get(k) == env.get(k) for k in keys if k.startswith(IMPORT_TIME_ENV))
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
@@ -150,50 +157,129 @@ class Zygote:
         self._proc.stdin.write((json.dumps(msg) + "\n").encode())
         self._proc.stdin.flush()
 
+    def start(self, argv: list[str], cwd: Path, env: dict[str, str], stdout: str, stderr: str) -> Child:
+        """`python -m viewer.cli *argv` forked from the zygote, its output to the two files
+        (which must exist)."""
+        with self._cond:
+            rid = f"{os.getpid()}-{self._next}"
+            self._next += 1
+            self._send({"op": "run", "id": rid, "argv": argv, "cwd": str(cwd), "env": env,
+                        "stdout": stdout, "stderr": stderr})
+            while "started" not in self._answers.get(rid, {}):
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"the test zygote died (exit {self._proc.returncode})")
+                self._cond.wait(1.0)
+            return Child(self, rid, self._answers[rid]["started"], [sys.executable, "-m", "viewer.cli", *argv],
+                         stdout)
+
+    def exit_code(self, rid: str, timeout: float | None) -> int | None:
+        """The child's return code, waiting up to `timeout` (None: until it exits; 0: not
+        at all); None if it still runs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while "exited" not in self._answers.get(rid, {}):
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"the test zygote died (exit {self._proc.returncode})")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
+            return int(self._answers[rid]["exited"])
+
     def run(self, argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
         """`subprocess.run([python, -m, viewer.cli, *argv], capture_output=True, text=True)`."""
         with tempfile.TemporaryDirectory(prefix="zygote-") as d:
-            paths = {name: os.path.join(d, name) for name in ("stdout", "stderr")}
-            for p in paths.values():
+            out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
+            for p in (out, err):
                 Path(p).touch()
-            with self._cond:
-                rid = f"{os.getpid()}-{self._next}"
-                self._next += 1
-                self._send({"op": "run", "id": rid, "argv": argv, "cwd": str(cwd), "env": dict(os.environ),
-                            **paths})
-                deadline = time.monotonic() + timeout
-                while "exited" not in self._answers.get(rid, {}):
-                    left = deadline - time.monotonic()
-                    if self._proc.poll() is not None:
-                        raise RuntimeError(f"the test zygote died (exit {self._proc.returncode})")
-                    if left <= 0:
-                        self._send({"op": "kill", "id": rid})
-                        while "exited" not in self._answers.get(rid, {}) and self._proc.poll() is None:
-                            self._cond.wait(1.0)
-                        self._answers.pop(rid, None)
-                        raise subprocess.TimeoutExpired([sys.executable, "-m", "viewer.cli", *argv], timeout,
-                                                        Path(paths["stdout"]).read_text(errors="replace"),
-                                                        Path(paths["stderr"]).read_text(errors="replace"))
-                    self._cond.wait(min(left, 1.0))
-                code = self._answers.pop(rid)["exited"]
-            out, err = (Path(paths[n]).read_bytes().decode() for n in ("stdout", "stderr"))
-        return subprocess.CompletedProcess([sys.executable, "-m", "viewer.cli", *argv], code, out, err)
+            child = self.start(argv, cwd, dict(os.environ), out, err)
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(child.args, timeout, Path(out).read_text(errors="replace"),
+                                                Path(err).read_text(errors="replace")) from None
+            return subprocess.CompletedProcess(child.args, code, Path(out).read_bytes().decode(),
+                                               Path(err).read_bytes().decode())
+
+
+class Child:
+    """A forked command, as much of `subprocess.Popen` as the tests use: `stdout` reads the
+    output file as a pipe reads (a line, or "" once the command has ended)."""
+
+    def __init__(self, z: Zygote, rid: str, pid: int, args: list[str], stdout: str) -> None:
+        self._z, self._rid, self.pid, self.args = z, rid, pid, args
+        self.returncode: int | None = None
+        self.stdout = _Tail(stdout, self)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._z.exit_code(self._rid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._z.exit_code(self._rid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # the zygote reaps it: a pid it reported ended is not ours to signal
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.stdout.read(), None
+
+
+class _Tail:
+    """A growing output file read like the read end of a pipe."""
+
+    def __init__(self, path: str, child: Child) -> None:
+        self._f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed with the test's tmp)
+        self._child = child
+        self._buf = ""
+
+    def readline(self) -> str:
+        while "\n" not in self._buf:
+            ended = self._child.poll() is not None  # before the read: nothing is written after it
+            more = self._f.read()
+            self._buf += more
+            if ended and not more:
+                break
+            if not more:
+                time.sleep(0.01)
+        line, sep, rest = self._buf.partition("\n")
+        self._buf = rest
+        return line + sep
+
+    def read(self) -> str:
+        out, self._buf = self._buf + self._f.read(), ""
+        return out
 
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
-def zygote(cwd: Path) -> Zygote | None:
-    """This process's zygote (started on first use), or None where a command must get a
-    fresh interpreter (see `Zygote.can_run`)."""
+def zygote(cwd: Path, env: dict[str, str] | None = None) -> Zygote | None:
+    """This process's zygote (started on first use), or None where a command with this
+    environment (default: ours) must get a fresh interpreter (see `Zygote.can_run`)."""
     global _zygote
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     with _zygote_lock:
         if _zygote is None or _zygote._proc.poll() is not None:
             _zygote = Zygote(cwd)
-    return _zygote if _zygote.can_run() else None
+    return _zygote if _zygote.can_run(env or dict(os.environ)) else None
 
 
 if __name__ == "__main__":
