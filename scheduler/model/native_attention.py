@@ -41,8 +41,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     """q [rows, H, D] (rows may be strided), caches [slots, KVH, D], blocks [rows, nblk] int64,
     ctx_lens [rows] int64 (the new token included) -> [rows, H * D]; None where the C path
     does not apply."""
-    if (_LIB is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
-            or q.stride(2) != 1 or q.stride(1) != q.shape[2] or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    tensors_fit = (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                   and blocks.dtype == ctx_lens.dtype == torch.int64 and q.stride(2) == 1
+                   and q.stride(1) == q.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous())
+    if _LIB is None or not tensors_fit:
         return None
     rows, heads, d = q.shape
     kvh = k_cache.shape[1]
