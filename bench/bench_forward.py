@@ -327,8 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="best of this many for each same-shape GEMM")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--gather", action="store_true",
+                    help="decode attention by gather + SDPA, as without the C extension (an A/B of it)")
+    ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gather:
+        from scheduler.model import native_attention
+
+        native_attention._LIB = None  # what an install without a C compiler runs
+    if args.capture_only:
+        *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed)
+        print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({'gather' if args.gather else 'default'})")
+        return 0
     started = datetime.now(UTC)
     load_before = load()
     peaks = peak_gflops()
