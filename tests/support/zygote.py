@@ -11,16 +11,25 @@ What a fork shares that a fresh interpreter would not, and why it is safe here:
 - the three libraries' import-time state, read from the environment when they loaded:
   a command whose environment differs from the zygote's in a variable they read
   (OMP_*, MKL_*, TORCH_*, ...) runs as a plain subprocess instead (`Zygote.can_run`);
-- no thread: the zygote never starts one (it polls, single-threaded), and importing the
-  three starts none that a child could inherit mid-lock; OpenMP's team is made by the
-  child's first parallel region, not the zygote's;
+- no Python thread: the zygote never starts one (it polls, single-threaded) and checks
+  that the imports started none; the native threads they start (OpenBLAS's pool,
+  jemalloc's background thread) are rebuilt by those libraries' fork handlers; OpenMP's
+  team is made by the child's first parallel region, not the zygote's;
 - nothing of ours: mstrace's own modules (and typer/rich, which read the terminal's
   environment at import) are imported by each child, as a fresh process does;
 - the random state: each child reseeds `random` and numpy's global generator.
 
-Protocol: JSON lines on the zygote's stdin (`run`, `kill`), answers on its stdout
-(`started` with the pid, `exited` with a subprocess-style return code). It exits, and
-kills what still runs, when its stdin closes (the pytest worker went away).
+Protocol: JSON lines on the zygote's stdin (a command to run), answers on its stdout
+(`started` with the pid, `exited` with a subprocess-style return code), which nothing
+else writes to: the zygote's own output goes to its stderr. Signals go to the child's
+pid directly. It exits, and kills what still runs, when its stdin closes (the pytest
+worker went away) or its loop fails.
+
+What a child cannot get back: its own hash seed (the children share the zygote's, so a
+check of ordering across runs wants `MSTRACE_TEST_NO_ZYGOTE=1`), warnings the preloaded
+libraries print once at import (printed by the zygote), and an environment in
+/proc/<pid>/environ (it shows the zygote's): a command tagged for `tagged_pids` runs as a
+plain subprocess.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.cli import TAG
+
 PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute")
 # environment variables the preloaded libraries (and the OpenMP/BLAS runtimes they load)
 # read at import: a command that sets one of them differently needs its own interpreter
@@ -46,35 +57,42 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTOR
 DISABLE_ENV = "MSTRACE_TEST_NO_ZYGOTE"  # =1: every command in its own interpreter
 
 
-def _serve() -> dict[str, Any] | None:
-    """The zygote's loop. Returns the request in a forked child (which then runs it);
-    returns None in the zygote when its stdin closes."""
+def _serve(answers: int) -> dict[str, Any] | None:
+    """The zygote's loop, answering on fd `answers`. Returns the request in a forked child
+    (which then runs it); returns None in the zygote when its stdin closes, having killed
+    what still runs (as it does when the loop itself fails)."""
     children: dict[int, str] = {}  # pid -> request id
+    try:
+        return _loop(answers, children)
+    finally:
+        if children and os.getpid() == _ZYGOTE_PID:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _answer(fd: int, msg: dict[str, Any]) -> None:
+    os.write(fd, (json.dumps(msg) + "\n").encode())
+
+
+def _loop(answers: int, children: dict[int, str]) -> dict[str, Any] | None:
     buf = b""
-    out = sys.stdout
     while True:
         ready, _, _ = select.select([0], [], [], 0.01)
         if ready:
             chunk = os.read(0, 1 << 16)
             if not chunk:
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
                 return None
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 req = json.loads(line)
-                if req["op"] == "kill":
-                    for pid, rid in children.items():
-                        if rid == req["id"]:
-                            os.kill(pid, signal.SIGKILL)
-                    continue
                 pid = os.fork()
                 if pid == 0:
+                    children.clear()  # the child's: not its to kill
+                    os.close(answers)
                     return req
                 children[pid] = req["id"]
-                out.write(json.dumps({"id": req["id"], "started": pid}) + "\n")
-                out.flush()
+                _answer(answers, {"id": req["id"], "started": pid})
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -82,9 +100,7 @@ def _serve() -> dict[str, Any] | None:
                 break
             if pid == 0:
                 break
-            rid = children.pop(pid)
-            out.write(json.dumps({"id": rid, "exited": os.waitstatus_to_exitcode(status)}) + "\n")
-            out.flush()
+            _answer(answers, {"id": children.pop(pid), "exited": os.waitstatus_to_exitcode(status)})
 
 
 def _become(req: dict[str, Any]) -> None:
@@ -108,7 +124,8 @@ def _become(req: dict[str, Any]) -> None:
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
                                   encoding=enc, write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
-                                  encoding=enc, errors="backslashreplace", line_buffering=True)
+                                  encoding=enc, errors="backslashreplace", write_through=unbuffered,
+                                  line_buffering=not unbuffered)
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
@@ -131,26 +148,36 @@ class Zygote:
         self._answers: dict[str, dict[str, Any]] = {}
         self._cond = threading.Condition(self._lock)
         self._next = 0
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+        self.pid = os.getpid()  # a forked pytest process has no reader thread: it starts its own
 
     def can_run(self, env: dict[str, str]) -> bool:
         """False where `env` differs from the zygote's in a variable its preloaded libraries
         read at import (PYTHONUNBUFFERED aside: the child sets up its own streams), or where
         the zygote died."""
-        if self._proc.poll() is not None or env.get(DISABLE_ENV) == "1":
+        if self._proc.poll() is not None or not self._reader.is_alive() or env.get(DISABLE_ENV) == "1":
+            return False
+        if TAG in env:  # tagged_pids reads /proc/<pid>/environ, which shows the zygote's
             return False
         keys = (set(self.env) | set(env)) - {"PYTHONUNBUFFERED"}
         return all(self.env.get(k) == env.get(k) for k in keys if k.startswith(IMPORT_TIME_ENV))
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            msg = json.loads(line)
+        try:
+            for line in self._proc.stdout:
+                msg = json.loads(line)
+                with self._cond:
+                    self._answers.setdefault(msg["id"], {}).update(msg)
+                    self._cond.notify_all()
+        finally:
             with self._cond:
-                self._answers.setdefault(msg["id"], {}).update(msg)
                 self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
+
+    def _check_alive(self) -> None:
+        if self._proc.poll() is not None or not self._reader.is_alive():
+            raise RuntimeError(f"the test zygote is gone (exit {self._proc.poll()}); its children are killed with it")
 
     def _send(self, msg: dict[str, Any]) -> None:
         assert self._proc.stdin is not None
@@ -166,8 +193,7 @@ class Zygote:
             self._send({"op": "run", "id": rid, "argv": argv, "cwd": str(cwd), "env": env,
                         "stdout": stdout, "stderr": stderr})
             while "started" not in self._answers.get(rid, {}):
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"the test zygote died (exit {self._proc.returncode})")
+                self._check_alive()
                 self._cond.wait(1.0)
             return Child(self, rid, self._answers[rid]["started"], [sys.executable, "-m", "viewer.cli", *argv],
                          stdout)
@@ -178,8 +204,7 @@ class Zygote:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while "exited" not in self._answers.get(rid, {}):
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"the test zygote died (exit {self._proc.returncode})")
+                self._check_alive()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -198,10 +223,11 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+                child.stdout.close()
                 raise subprocess.TimeoutExpired(child.args, timeout, Path(out).read_text(errors="replace"),
                                                 Path(err).read_text(errors="replace")) from None
-            return subprocess.CompletedProcess(child.args, code, Path(out).read_bytes().decode(),
-                                               Path(err).read_bytes().decode())
+            child.stdout.close()
+            return subprocess.CompletedProcess(child.args, code, Path(out).read_text(), Path(err).read_text())
 
 
 class Child:
@@ -227,7 +253,10 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # the zygote reaps it: a pid it reported ended is not ours to signal
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended and reaped, its answer not read yet (as Popen ignores)
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -237,14 +266,16 @@ class Child:
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         self.wait(timeout)
-        return self.stdout.read(), None
+        out = self.stdout.read()
+        self.stdout.close()
+        return out, None
 
 
 class _Tail:
     """A growing output file read like the read end of a pipe."""
 
     def __init__(self, path: str, child: Child) -> None:
-        self._f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed with the test's tmp)
+        self._f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed by the owner's communicate)
         self._child = child
         self._buf = ""
 
@@ -265,6 +296,9 @@ class _Tail:
         out, self._buf = self._buf + self._f.read(), ""
         return out
 
+    def close(self) -> None:
+        self._f.close()
+
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
@@ -277,15 +311,23 @@ def zygote(cwd: Path, env: dict[str, str] | None = None) -> Zygote | None:
     if os.environ.get(DISABLE_ENV) == "1":
         return None
     with _zygote_lock:
-        if _zygote is None or _zygote._proc.poll() is not None:
+        if _zygote is None or _zygote._proc.poll() is not None or _zygote.pid != os.getpid():
             _zygote = Zygote(cwd)
     return _zygote if _zygote.can_run(env or dict(os.environ)) else None
 
 
+_ZYGOTE_PID = os.getpid()
+
 if __name__ == "__main__":
+    answers_fd = os.dup(1)
+    os.dup2(2, 1)  # anything the zygote itself prints goes to stderr, not into the protocol
     for name in PRELOAD:
         __import__(name)
-    request = _serve()
+    # A Python thread would be forked mid-lock. The native ones the imports start (OpenBLAS's
+    # pool, jemalloc's background thread in pyarrow) have fork handlers that rebuild them.
+    if threading.active_count() != 1:
+        sys.exit("test zygote: a preloaded library started a Python thread; commands run as subprocesses")
+    request = _serve(answers_fd)
     if request is None:
         sys.exit(0)
     _become(request)
