@@ -125,8 +125,10 @@ def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_
                                                      shared_prefix_frac=0.0, rate=0.0, seed=seed + 1000))
     warm = [type(w)(f"warm-{i}", w.prompt, w.input_ids, w.params, w.arrival_s) for i, w in enumerate(warm)]
     CausalLM.forward = recording  # type: ignore[method-assign]
-    engine = Engine(EngineConfig(cpu_device="thread", model=model_name, device_threads=torch.get_num_threads()),
-                    sinks=[], trace=None)
+    # the CPU in float32 whatever the machine has: the limits and byte counts are the CPU's
+    cfg = EngineConfig(cpu_device="thread", device="cpu", dtype="float32", model=model_name,
+                       device_threads=torch.get_num_threads())
+    engine = Engine(cfg, sinks=[], trace=None)
     try:
         run_workload(engine, warm)
         seen["on"] = True

@@ -141,7 +141,8 @@ int decode_attention(const float *q, int64_t q_stride, const float *k, const flo
                      const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t window, float scale, float *out, int64_t threads) {
-    if (head_dim > 256 || heads % kv_heads) return -1; /* accumulate_d's buffer; whole groups */
+    if (head_dim > 256 || kv_heads < 1 || block_size < 1 || heads % kv_heads)
+        return -1; /* accumulate_d's buffer; whole groups */
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? rows : 1;
     Job jobs[64];
@@ -156,7 +157,8 @@ int decode_attention(const float *q, int64_t q_stride, const float *k, const flo
         *j = (Job){q, q_stride, k, v, blocks, max_blocks, ctx, out, heads, kv_heads, head_dim, block_size,
                    window, scale, r, r, 0};
         const int64_t goal = total * (i + 1) / threads;
-        while (r < rows && (acc < goal || i == threads - 1)) acc += ctx[r++];
+        /* a row goes to the run its middle falls in: no run overshoots by a whole row */
+        while (r < rows && (acc + ctx[r] / 2 <= goal || i == threads - 1)) acc += ctx[r++];
         j->row1 = r;
     }
     int started[64] = {0};

@@ -25,7 +25,10 @@ def _load() -> ctypes.CDLL | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = here / f"_attention{suffix}"
         if p.is_file():
-            lib = ctypes.CDLL(str(p))
+            try:
+                lib = ctypes.CDLL(str(p))
+            except OSError:  # a stale or foreign build: the gather path, not a failed import
+                return None
             lib.decode_attention.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
             lib.decode_attention.restype = ctypes.c_int
             return lib
@@ -40,13 +43,20 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
            ctx_lens: torch.Tensor, block_size: int, window: int | None) -> torch.Tensor | None:
     """q [rows, H, D] (rows may be strided), caches [slots, KVH, D], blocks [rows, nblk] int64,
     ctx_lens [rows] int64 (the new token included) -> [rows, H * D]; None where the C path
-    does not apply."""
-    tensors_fit = (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-                   and blocks.dtype == ctx_lens.dtype == torch.int64 and q.stride(2) == 1
-                   and q.stride(1) == q.shape[2] and k_cache.is_contiguous() and v_cache.is_contiguous())
+    does not apply. The tables are trusted to cover each row's context with blocks of the
+    cache, as `build_forward_batch` checks when it makes them."""
+    rows = q.shape[0]
+    tensors_fit = (all(t.device.type == "cpu" for t in (q, k_cache, v_cache, blocks, ctx_lens))
+                   and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                   and blocks.dtype == ctx_lens.dtype == torch.int64
+                   and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape
+                   and k_cache.shape[2] == q.shape[2] and k_cache.shape[1] > 0
+                   and blocks.dim() == 2 and blocks.shape[0] >= rows and ctx_lens.numel() >= rows
+                   and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+                   and k_cache.is_contiguous() and v_cache.is_contiguous())
     if _LIB is None or not tensors_fit:
         return None
-    rows, heads, d = q.shape
+    _, heads, d = q.shape
     kvh = k_cache.shape[1]
     blocks = blocks.contiguous()
     ctx_lens = ctx_lens.contiguous()
