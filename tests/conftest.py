@@ -4,6 +4,7 @@ checkpoint and a running `mstrace serve`. The helpers themselves are in tests/su
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,13 @@ import pytest
 
 from tests.support.serve_proc import Served, serving
 from tests.support.tiny_runs import TinyRuns, session_root
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker more than the cores. Most of a test's time is a command it waits
+    for (a run, a server, a device process), so one worker per core left a core idle
+    about a sixth of the suite; the tests must pass on a loaded machine anyway."""
+    return (os.cpu_count() or 1) + 1
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
