@@ -27,7 +27,15 @@ from scheduler.model import (
     load_model,
 )
 from tests.support.checkpoints import BUILDERS, build_llama
-from tests.support.oracle import BLOCK, Req, generate, load_hf, make_reqs, teacher_forced_check
+from tests.support.oracle import (
+    BLOCK,
+    Req,
+    generate,
+    load_hf,
+    make_reqs,
+    mixed_decode_chunks,
+    teacher_forced_check,
+)
 
 
 def run_model(model: CausalLM, reqs: list[Req], seed: int = 0) -> None:
@@ -267,15 +275,7 @@ def test_length_grouped_decode_attention_matches_one_group(monkeypatch) -> None:
 
     model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
     kv = model.make_kv_cache(400, 4)
-    g = torch.Generator().manual_seed(0)
-    chunks, used = [], 0
-    for ctx in [3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]:
-        nblk = ctx // 4 + 1
-        table = list(range(used, used + nblk))
-        used += nblk
-        prompt = torch.randint(5, 500, (ctx,), generator=g).tolist()
-        model(build_forward_batch([SeqChunk(prompt, 0, table, False)], 4, "cpu"), kv)  # fill its KV
-        chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+    chunks, _ = mixed_decode_chunks(model, kv, 4)
     batch = build_forward_batch(chunks, 4, "cpu")
     assert batch.decode_groups is not None and len(batch.decode_groups) > 1
     grouped = model(batch, kv)

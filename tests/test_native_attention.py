@@ -9,6 +9,7 @@ import torch
 from scheduler.model import native_attention
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
 from scheduler.model.loader import load_model
+from tests.support.oracle import mixed_decode_chunks
 
 pytestmark = pytest.mark.skipif(not native_attention.AVAILABLE, reason="built without a C compiler")
 
@@ -73,15 +74,8 @@ def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
 
     model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
     kv = model.make_kv_cache(400, 4)
-    g = torch.Generator().manual_seed(0)
-    chunks, used = [], 0
-    for ctx in [3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]:
-        nblk = ctx // 4 + 1
-        table = list(range(used, used + nblk))
-        used += nblk
-        prompt = torch.randint(5, 500, (ctx,), generator=g).tolist()
-        model(build_forward_batch([SeqChunk(prompt, 0, table, False)], 4, "cpu"), kv)  # fill its KV
-        chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+    chunks, used = mixed_decode_chunks(model, kv, 4)
+    g = torch.Generator().manual_seed(1)
     chunks.append(SeqChunk(torch.randint(5, 500, (30,), generator=g).tolist(), 0, list(range(used, used + 8)), True))
     native = model(build_forward_batch(chunks, 4, "cpu"), kv)
     monkeypatch.setattr(native_attention, "_LIB", None)

@@ -11,11 +11,15 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from scheduler.model.transformer import CausalLM
 
 BLOCK = 16
 NEAR_TIE = 1e-3
@@ -128,3 +132,18 @@ def teacher_forced_mismatches(model_dir: Path, prompt: list[int], output: list[i
             continue
         bad += int(top2.indices[0].item() != tok)
     return bad, ties
+
+
+def mixed_decode_chunks(model: CausalLM, kv: PagedKVCache, block_size: int) -> tuple[list[SeqChunk], int]:
+    """16 decode rows whose contexts (2-150 tokens, prefilled into `kv` first) span several
+    length groups; returns them and the number of blocks they hold (blocks [0, used))."""
+    g = torch.Generator().manual_seed(0)
+    chunks, used = [], 0
+    for ctx in [3, 70, 9, 41, 41, 120, 5, 88, 17, 64, 33, 2, 99, 12, 7, 150]:
+        nblk = ctx // block_size + 1
+        table = list(range(used, used + nblk))
+        used += nblk
+        prompt = torch.randint(5, 500, (ctx,), generator=g).tolist()
+        model(build_forward_batch([SeqChunk(prompt, 0, table, False)], block_size, "cpu"), kv)  # fill its KV
+        chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+    return chunks, used
