@@ -22,6 +22,7 @@ from scheduler.device.device_server import DeviceSpec
 from scheduler.device.local_device import LocalDevice
 from scheduler.device.streams import make_streams
 from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Stream
+from scheduler.model.auto_dtype import DtypeChoice, choose_dtype
 from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache
@@ -38,6 +39,7 @@ class Backend(Protocol):
     name: str  # cpu-thread, cuda, cpu-process, parallel
     device: torch.device
     dtype: torch.dtype
+    dtype_why: str  # how --dtype chose it
     model_config: ModelConfig
     streams: dict[str, Stream]
     ops: DeviceOps
@@ -57,8 +59,7 @@ class Backend(Protocol):
 def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_delay_ns: int,
                    parallel: Coordinator | None) -> Backend:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    args = (model_dir, device, dtype, cfg.hard_wait_timeout_s, device_delay_ns)
+    args = (model_dir, device, choose_dtype(device, dtype), cfg.hard_wait_timeout_s, device_delay_ns)
     if parallel is not None:
         return ParallelBackend(*args, parallel)
     if device.type == "cpu" and cfg.resolved_cpu_device() == "process":
@@ -67,9 +68,10 @@ def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_
 
 
 class _Common:
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, timeout_s: float,
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
                  delay_ns: int) -> None:
-        self.model_dir, self.device, self.dtype = model_dir, device, dtype
+        self.model_dir, self.device = model_dir, device
+        self.dtype, self.dtype_why = dtype.dtype, dtype.why
         self._timeout_s, self._delay_ns = timeout_s, delay_ns
         self.streams: dict[str, Stream] = {}
         self.ops: DeviceOps
@@ -94,11 +96,11 @@ class LocalBackend(_Common):
     """The model in this process: stream threads on the CPU, CUDA streams on a GPU. The
     weights load here, before the pool's size is known."""
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, timeout_s: float,
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
                  delay_ns: int) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
         self.name = "cuda" if device.type == "cuda" else "cpu-thread"
-        self.model, self.model_config = load_model(model_dir, device, dtype)
+        self.model, self.model_config = load_model(model_dir, device, self.dtype)
 
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         mc = self.model_config
@@ -113,7 +115,7 @@ class ProcessBackend(_Common):
 
     name = "cpu-process"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, timeout_s: float,
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
                  delay_ns: int, threads: int) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
         self._threads = threads
@@ -139,7 +141,7 @@ class ParallelBackend(_Common):
 
     name = "parallel"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype, timeout_s: float,
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
                  delay_ns: int, parallel: Coordinator) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
         self.parallel = parallel

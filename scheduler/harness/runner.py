@@ -169,6 +169,7 @@ def run_meta(
             "kv_blocks": engine.mm.num_blocks,
             "block_size": engine.mm.block_size,
             "dtype": name_of(engine.backend.dtype),  # what ran, which may differ from the checkpoint's
+            "dtype_choice": engine.backend.dtype_why,
             "checkpoint_dtype": name_of(mc.torch_dtype),
             "max_position_embeddings": mc.max_position_embeddings,
         },

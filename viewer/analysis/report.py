@@ -153,6 +153,7 @@ class ReportResult(JsonRecord):
     model: str | None
     mode: str | None
     dtype: str | None  # what ran (older traces: unknown)
+    dtype_choice: str | None  # how --dtype chose it (older traces: unknown)
     workload_digest: str | None
     probes: bool
     backend: Backend
@@ -208,6 +209,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         model=meta.get("model", {}).get("name"),
         mode=config.get("mode"),
         dtype=meta.get("model", {}).get("dtype"),
+        dtype_choice=meta.get("model", {}).get("dtype_choice"),
         workload_digest=meta.get("workload", {}).get("digest"),
         probes=config.get("probes", True),
         backend=backend(meta, probes),

@@ -226,7 +226,7 @@ def say_dtype(engine: Any) -> None:
     ran, own = engine.backend.dtype, engine.model_config.torch_dtype
     if ran != own:
         print(f"note: the checkpoint is {name_of(own)}; it runs in {name_of(ran)} on {engine.device.type} "
-              f"(--dtype {name_of(own)} keeps it)", file=sys.stderr, flush=True)
+              f"({engine.backend.dtype_why}; --dtype {name_of(own)} keeps it)", file=sys.stderr, flush=True)
 
 
 def check_device(device: str) -> None:

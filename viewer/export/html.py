@@ -121,7 +121,8 @@ def _wide(table: str) -> str:
 
 def _facts(rep: ReportResult) -> str:
     t, c = rep.throughput, rep.cost
-    return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}, {_e(rep.status.state)}; "
+    dtype = f", dtype {_e(rep.dtype)} ({_e(rep.dtype_choice)})" if rep.dtype and rep.dtype_choice else ""
+    return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}{dtype}, {_e(rep.status.state)}; "
             f"{c.cycles} cycles of {ms(c.cycle_ms)} ms; the device computes "
             f"{pct(c.device_busy)} of it. {t.completed}/{t.requests} requests in "
             f"{t.duration_s:.2f} s: {t.output_tok_per_s:.1f} output tok/s.</p>")

@@ -1,0 +1,91 @@
+"""What `--dtype auto` runs in: bfloat16 where the device computes it natively, else float32.
+
+bfloat16 halves the bytes every weight and KV read moves, but a CPU without bfloat16 matrix
+instructions (AVX512-BF16, AMX) widens it to float32 inside the GEMM and is slower than float32
+itself. The CPU's flags say what the ISA has, not what torch's kernels use on it (oneDNN may
+skip an instruction set, a VM may hide one), so the choice times a decode-shaped GEMM in both
+dtypes and records the flags beside the measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# A default-preset decode round (64 rows) through the gate/up projection (512 -> 1536).
+SHAPE = (64, 512, 1536)
+# Native bfloat16 GEMMs measured 2.3-4x float32 (AVX512-BF16, AMX) and emulated ones 0.1-1x:
+# anything between is neither, and float32 is the exact choice.
+MIN_SPEEDUP = 1.5
+# An emulated bfloat16 GEMM of SHAPE takes a quarter second (0.5 GFLOP/s on an AVX2 machine),
+# which every run would pay: a small GEMM first, and the decode shape only where bfloat16 is
+# not plainly emulated there.
+SCREEN, SCREEN_BELOW = (16, 256, 256), 0.5
+_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86; aarch64 says "bf16"
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    why: str  # the trace's meta and the report header say it
+
+
+def pick(bf16_speedup: float) -> torch.dtype:
+    return torch.bfloat16 if bf16_speedup >= MIN_SPEEDUP else torch.float32
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The bfloat16 matrix flags the CPU reports ([] where /proc/cpuinfo does not exist)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            have = set(line.partition(":")[2].split())
+            return [f for f in _FLAGS if f in have]
+    return []
+
+
+def gemm_seconds(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 3) -> float:
+    """The best of `reps` timed GEMMs after one warm-up (the best: what the kernel can do,
+    not what a busy machine let it do)."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice:
+    """The dtype to run in: what was asked, else bfloat16 on CUDA, else the CPU's measured choice."""
+    if asked is not None:
+        return DtypeChoice(asked, "asked")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA")
+    # One thread: the ratio is the instruction set's, and the pool's size is not decided yet.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shape = SCREEN
+        speedup = gemm_seconds(torch.float32, shape) / gemm_seconds(torch.bfloat16, shape)
+        if speedup >= SCREEN_BELOW:
+            shape = SHAPE
+            speedup = gemm_seconds(torch.float32, shape) / gemm_seconds(torch.bfloat16, shape)
+    finally:
+        torch.set_num_threads(threads)
+    dtype = pick(speedup)
+    flags = ", ".join(cpu_flags()) or "none of " + ", ".join(_FLAGS)
+    m, k, n = shape
+    return DtypeChoice(dtype, f"auto: {'bfloat16' if dtype == torch.bfloat16 else 'float32'}, a {m}x{k}x{n} "
+                              f"bfloat16 GEMM measured {speedup:.2f}x float32's speed on this CPU "
+                              f"(CPU flags: {flags})")
