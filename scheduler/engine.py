@@ -375,7 +375,7 @@ class Engine:
         """Step 4: prepare and enqueue the batch, one launch per stream; does not wait."""
         for c in batch.prefills:
             c.req.num_prefill_chunks += 1
-            self.rm.mark(c.req, "prefill_chunk", c.num_tokens)
+            c.req.progress_ns = self.rm.mark(c.req, "prefill_chunk", c.num_tokens)
             if not c.req.first_scheduled_ns:
                 c.req.first_scheduled_ns = self.rm.mark(c.req, "first_scheduled")
         if self.cfg.split_on:

@@ -3,7 +3,7 @@
 Periodically reconcile the Memory Manager's holders against live requests:
   * a holder that is no longer a running request (it died on a path that
     skipped its free) is an orphan; after `gc_after_s` its blocks are reclaimed;
-  * a running request with no progress (no new token, no prefill chunk) for
+  * a running request with no progress (no admission, prefill chunk or token) for
     `gc_after_s` is aborted and its blocks are reclaimed.
 Every reclaim is a `reclaim` row in the memory table and a `reclaimed`
 timeline event, so `mstrace leaks` can tell reclaimed blocks from leaked ones.
@@ -64,4 +64,4 @@ class Reclaimer:
 
 
 def _last_progress(req: Request) -> int:
-    return max(req.token_ns[-1] if req.token_ns else 0, req.admitted_ns, req.first_scheduled_ns)
+    return max(req.token_ns[-1] if req.token_ns else 0, req.progress_ns)

@@ -155,6 +155,10 @@ class Request:
     wait_since_ns: int = 0  # entered the waiting queue (again, after a preemption)
     admitted_ns: int = 0
     first_scheduled_ns: int = 0
+    # the last time it moved while running: each admission, each prefill chunk launched (a
+    # token collected is token_ns); the GC's "no progress" clock, which time spent waiting
+    # after a preemption must not run
+    progress_ns: int = 0
     first_token_ns: int = 0
     finish_ns: int = 0
     num_preemptions: int = 0

@@ -49,6 +49,7 @@ class RequestManager:
         t = self.mark(req, "got_blocks", len(req.block_table))
         # The request-level timestamp keeps the first admission; the timeline keeps every one.
         req.admitted_ns = req.admitted_ns or t
+        req.progress_ns = t
         self.running.append(req)
 
     def preempt(self, req: Request, why: str = "", behind: Request | None = None) -> None:
