@@ -162,10 +162,15 @@ def test_an_imported_trace_is_refused(tmp_path):
 
 # The truth harness: a run with a known delay D at one place, and one without. Predicting
 # each from the other by removing (adding) D at that boundary must land within 10% of D of
-# the other run's measured cycle. D is what the engine actually held per batch (meta.json),
-# and long against a round (50 ms against 3-6 ms), so that a loaded machine's drift of the
-# baseline between two runs stays inside the tolerance. A pair that misses is run again, at
-# most twice (3 pairs in all), and the last pair's error is reported.
+# the other run's measured cycle, plus however far the model's other inputs moved between
+# the two runs. D is what the engine actually held per batch (meta.json), and long against
+# a round (50 ms against 3-6 ms). The model's premise is that the delay changes nothing else;
+# on a loaded machine it does: beside a CPU hog a process that sleeps 50 ms a round wakes to
+# cold caches and a queue for the core, and the held run's device compute, prepare and
+# wake-up latency measured 1.5-3x the unheld run's (ci36). That movement is the runs', not
+# the model's, so it is added to the tolerance (the sum over the other components of their
+# per-round change); a pair whose other components moved by half of D or more tells nothing
+# and counts as a miss. A missed pair is run again, at most twice (3 pairs in all).
 DELAY_MS = 50.0
 TOL = 0.10
 TRIES = 3
@@ -189,7 +194,15 @@ def test_a_virtual_speedup_predicts_the_run_without_the_delay(tmp_path, mode, pl
         down = whatif(held, speedups=[Speedup.parse(f"{boundary}=-{d}ms")])
         up = whatif(base, speedups=[Speedup.parse(f"{boundary}=+{d}ms")])
         errors = [(down.predicted.cycle_ms - b.measured.cycle_ms) / d, (up.predicted.cycle_ms - h.measured.cycle_ms) / d]
-        if all(abs(e) <= TOL for e in errors):
+        moved = _moved_ms(b, h, boundary) / d
+        if moved < 0.5 and all(abs(e) <= TOL + moved for e in errors):
             return
     pytest.fail(f"{mode} {place}: predicted cycle off by {errors[0]:+.2f} D (without the delay) and "
-                f"{errors[1]:+.2f} D (with it) after {TRIES} pairs")
+                f"{errors[1]:+.2f} D (with it), the other components moved {moved:.2f} D, after {TRIES} pairs")
+
+
+def _moved_ms(a, b, boundary: str) -> float:
+    """How far the model's inputs other than `boundary` moved between two runs, ms per round."""
+    ma = {p.boundary: p.ms_per_round for p in a.critical_path}
+    mb = {p.boundary: p.ms_per_round for p in b.critical_path}
+    return sum(abs(ma.get(k, 0.0) - mb.get(k, 0.0)) for k in ma.keys() | mb.keys() if k != boundary)
