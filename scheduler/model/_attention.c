@@ -26,6 +26,8 @@
  * extension and pip can install it like one.
  */
 #include <Python.h>
+/* v8 helpers are always inlined: the AVX argument ABI note does not apply */
+#pragma GCC diagnostic ignored "-Wpsabi"
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -54,40 +56,103 @@ typedef struct {
     int status;
 } Job;
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float lane[LANES] = {0};
+/* GCC/clang vector extensions: 8 floats, SSE pairs in the default clone and one AVX
+ * register in the x86-64-v3 one; no intrinsics, so other architectures build too */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store8(float *p, const v8 *v) { memcpy(p, v, sizeof *v); }
+
+/* a fixed tree over the lanes: three dependent adds, not eight, and the same order every time */
+static inline __attribute__((always_inline)) float lane_sum(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* a . b over D floats: two accumulators (two dependency chains), then the lanes' tree */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t D) {
+    v8 s0 = {0}, s1 = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) lane[j] += a[i + j] * b[i + j];
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += lane[j];
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i + 16 <= D; i += 16) {
+        s0 += load8(a + i) * load8(b + i);
+        s1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= D; i += 8) s0 += load8(a + i) * load8(b + i);
+    s0 += s1;
+    float lanes[LANES];
+    memcpy(lanes, &s0, sizeof lanes);
+    float s = lane_sum(lanes);
+    for (; i < D; i++) s += a[i] * b[i];
     return s;
 }
 
-/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D] */
-static inline __attribute__((always_inline)) void accumulate_d(float *y, const float *p, const float *x,
-                                                                int64_t count, int64_t stride, int64_t D) {
-    float acc[256];
-    for (int64_t d = 0; d < D; d++) acc[d] = y[d];
-    for (int64_t i = 0; i < count; i++)
-        for (int64_t d = 0; d < D; d++) acc[d] += p[i] * x[i * stride + d];
-    for (int64_t d = 0; d < D; d++) y[d] = acc[d];
+/* e^x for x <= 0 (a score minus its row's maximum), in plain float arithmetic the compiler
+ * vectorises: libm's expf is a call per score, which cost as much as the dot products.
+ * Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n by
+ * the exponent bits; about 1 ulp. Below -87 the result is 0, as expf's underflow is. */
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = (float)(int)(x * 1.44269504088896341f - 0.5f); /* round half down: x <= 0 */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
 }
 
-/* the common head sizes as constants, so the accumulator lives in registers */
-static inline void accumulate(float *y, const float *p, const float *x, int64_t count, int64_t stride, int64_t D) {
-    switch (D) {
-    case 64: accumulate_d(y, p, x, count, stride, 64); break;
-    case 128: accumulate_d(y, p, x, count, stride, 128); break;
-    default: accumulate_d(y, p, x, count, stride, D);
+/* s[0:n] = softmax(s[0:n]), in lanes whose order does not depend on the compiler */
+static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
+    float lane[LANES];
+    for (int j = 0; j < LANES; j++) lane[j] = s[0];
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES)
+        for (int j = 0; j < LANES; j++) lane[j] = s[t + j] > lane[j] ? s[t + j] : lane[j];
+    float m = lane[0];
+    for (int j = 1; j < LANES; j++) m = lane[j] > m ? lane[j] : m;
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    for (int j = 0; j < LANES; j++) lane[j] = 0.0f;
+    for (t = 0; t + LANES <= n; t += LANES)
+        for (int j = 0; j < LANES; j++) {
+            s[t + j] = exp_nonpositive(s[t + j] - m);
+            lane[j] += s[t + j];
+        }
+    float sum = lane_sum(lane);
+    for (; t < n; t++) {
+        s[t] = exp_nonpositive(s[t] - m);
+        sum += s[t];
     }
+    const float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) s[t] *= inv;
 }
 
-MULTI_TARGET
-static void *run(void *arg) {
-    Job *j = (Job *)arg;
-    const int64_t H = j->heads, KVH = j->kv_heads, D = j->head_dim, BS = j->block_size;
+/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D]; where D is a
+ * constant (see run) the accumulators live in registers across the block's tokens */
+static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const float *x,
+                                                              int64_t count, int64_t stride, int64_t D) {
+    enum { MAXV = 256 / LANES };
+    v8 acc[MAXV];
+    const int64_t nv = D / LANES;
+    for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
+    for (int64_t i = 0; i < count; i++) {
+        const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+        for (int64_t k = 0; k < nv; k++) acc[k] += w * load8(x + i * stride + k * LANES);
+    }
+    for (int64_t k = 0; k < nv; k++) store8(y + k * LANES, &acc[k]);
+    for (int64_t d = nv * LANES; d < D; d++)
+        for (int64_t i = 0; i < count; i++) y[d] += p[i] * x[i * stride + d];
+}
+
+static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D) {
+    const int64_t H = j->heads, KVH = j->kv_heads, BS = j->block_size;
     const int64_t G = H / KVH, tok = KVH * D;
     int64_t longest = 0;
     for (int64_t r = j->row0; r < j->row1; r++)
@@ -95,7 +160,7 @@ static void *run(void *arg) {
     float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1)));
     if (!scores) {
         j->status = -1;
-        return NULL;
+        return;
     }
     for (int64_t r = j->row0; r < j->row1; r++) {
         const int64_t L = j->ctx[r];
@@ -111,16 +176,7 @@ static void *run(void *arg) {
             for (int64_t h = 0; h < H; h++)
                 scores[h * n + (t - first)] = dot(q + h * D, kt + (h / G) * D, D) * j->scale;
         }
-        for (int64_t h = 0; h < H; h++) {
-            float *s = scores + h * n, m = s[0], sum = 0.0f;
-            for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-            for (int64_t t = 0; t < n; t++) {
-                s[t] = expf(s[t] - m);
-                sum += s[t];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t t = 0; t < n; t++) s[t] *= inv;
-        }
+        for (int64_t h = 0; h < H; h++) softmax(scores + h * n, n);
         /* V a block at a time, each head's accumulator held across the block's tokens
          * (in registers where D is a constant: see accumulate) instead of reloaded per token */
         for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
@@ -131,6 +187,17 @@ static void *run(void *arg) {
         }
     }
     free(scores);
+}
+
+/* the common head sizes as constants: the loops over D unroll and keep their vectors in registers */
+MULTI_TARGET
+static void *run(void *arg) {
+    Job *j = (Job *)arg;
+    switch (j->head_dim) {
+    case 64: rows(j, 64); break;
+    case 128: rows(j, 128); break;
+    default: rows(j, j->head_dim);
+    }
     return NULL;
 }
 
