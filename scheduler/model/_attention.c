@@ -17,8 +17,9 @@
  * torch with), in contiguous runs of about equal context. Called through ctypes, which
  * releases the GIL: the scheduler thread runs meanwhile, as it does during a torch op.
  *
- * The dot products and the V accumulation keep 8 independent lanes, so the compiler
- * vectorises them without reassociating a sum (no -ffast-math); on x86-64 a clone for
+ * The dot products, the softmax (its exp included) and the V accumulation work on 8-float
+ * vectors (GCC/clang vector extensions) and sum their lanes in a fixed order, so nothing
+ * depends on the compiler reassociating a sum (no -ffast-math); on x86-64 a clone for
  * AVX2 + FMA of the whole row loop (the helpers inlined) is picked at run time where the
  * CPU has them.
  *
