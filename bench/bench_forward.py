@@ -331,16 +331,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--gather", action="store_true",
                     help="decode attention by gather + SDPA, as without the C extension (an A/B of it)")
+    ap.add_argument("--attention-lib", type=Path, default=None,
+                    help="decode attention from this build of _attention.c (an A/B of two builds)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.gather:
-        from scheduler.model import native_attention
+    from scheduler.model import native_attention
 
+    if args.gather:
         native_attention._LIB = None  # what an install without a C compiler runs
+    elif args.attention_lib is not None:
+        native_attention._LIB = native_attention.load_library(args.attention_lib)
+        if native_attention._LIB is None:
+            ap.error(f"--attention-lib {args.attention_lib}: not a loadable build")
     if args.capture_only:
         *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed)
-        print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({'gather' if args.gather else 'default'})")
+        label = "gather" if args.gather else str(args.attention_lib or "default")
+        print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label})")
         return 0
     started = datetime.now(UTC)
     load_before = load()

@@ -20,10 +20,11 @@ _P = ctypes.c_void_p
 _N = ctypes.c_int64
 
 
-def _load() -> ctypes.CDLL | None:
+def load_library(path: Path | None = None) -> ctypes.CDLL | None:
+    """The installed build, or the one at `path` (bench/bench_forward.py's A/B of two builds)."""
     here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_attention{suffix}"
+    paths = [path] if path is not None else [here / f"_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
+    for p in paths:
         if p.is_file():
             try:
                 lib = ctypes.CDLL(str(p))
@@ -35,7 +36,7 @@ def _load() -> ctypes.CDLL | None:
     return None
 
 
-_LIB = _load()
+_LIB = load_library()
 AVAILABLE = _LIB is not None
 
 
