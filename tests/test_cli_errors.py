@@ -61,22 +61,6 @@ def test_non_finite_workload_numbers_are_refused(tmp_path, field, value):
     assert not (tmp_path / "o").exists()
 
 
-def test_prompt_longer_than_kv_capacity_is_rejected_and_run_continues(tmp_path):
-    wl = tmp_path / "w.jsonl"
-    wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 105)), "max_new_tokens": 2}) + "\n"
-                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
-    out = tmp_path / "o"
-    p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "4", "--out", str(out), "-q")
-    assert p.returncode == 0, p.stderr
-    from tracing.reader import read_table
-
-    req = read_table(out, "requests").to_pydict()
-    got = dict(zip(req["request_id"], req["finish_reason"], strict=True))
-    assert got == {"big": "rejected", "ok": "length"}
-    detail = req["finish_detail"][req["request_id"].index("big")]
-    assert "100 tokens" in detail and "KV pool has 4" in detail
-
-
 # ---------------------------------------------------------------- issue 12, point 4
 def test_a_folder_without_weights_is_one_line_and_leaves_nothing(tmp_path):
     from scheduler.model.presets import ensure_preset
@@ -134,32 +118,6 @@ def test_force_replaces_a_trace_and_only_a_trace(tmp_path):
     assert "holds other files" in line and (other / "thesis.tex").read_text() == "keep me"
 
 
-# ---------------------------------------------------------------- issue 12, point 2
-@pytest.mark.parametrize("kind", ["pool", "max_new_tokens"])
-def test_a_run_whose_every_request_is_rejected_says_why_and_fails(tmp_path, kind):
-    out = tmp_path / "o"
-    if kind == "pool":
-        p = mstrace("run", "--model", "tiny", "--requests", "4", "--kv-blocks", "1", "--out", str(out), "-q")
-    else:
-        wl = tmp_path / "w.jsonl"
-        wl.write_text(json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 10**9}) + "\n")
-        p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--out", str(out), "-q")
-    assert p.returncode == 2
-    line = one_line_error(p)
-    assert "every request was rejected" in line
-    assert ("the KV pool has" if kind == "pool" else "exceeds the model's context") in line
-    assert (out / "meta.json").exists()  # the run happened: its trace stays
-
-
-def test_rejections_are_counted_on_stderr_when_others_ran(tmp_path):
-    wl = tmp_path / "w.jsonl"
-    wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 205)), "max_new_tokens": 2}) + "\n"
-                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
-    p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(tmp_path / "o"), "-q")
-    assert p.returncode == 0, p.stderr
-    assert '1 of 2 requests rejected: 1 like "prompt of 200 tokens needs 13 blocks' in p.stderr
-
-
 # ---------------------------------------------------------------- issue 12, point 8
 def test_leaks_cannot_judge_a_trace_without_probes(tiny_runs: TinyRuns):
     out = tiny_runs("--requests", "16", "-q", "--no-probes").out  # test_diff's np trace
@@ -199,50 +157,6 @@ def test_overlap_with_tp_is_refused_not_relabelled(tmp_path):
     line = one_line_error(mstrace("run", "--model", "tiny", "--tp", "2", "--mode", "overlap", "--out", str(out), "-q"))
     assert "--mode overlap" in line and "--mode serial or timeslice" in line
     assert not out.exists()
-
-
-def test_the_dtype_that_ran_is_recorded_and_said(tmp_path):
-    import json as _json
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.checkpoints import build_llama
-
-    ckpt = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(build_llama(tmp_path / "f32")).to(torch.bfloat16).save_pretrained(ckpt)
-    cfg = _json.loads((ckpt / "config.json").read_text())
-    assert (cfg.get("torch_dtype") or cfg.get("dtype")) == "bfloat16"
-    wl = tmp_path / "w.jsonl"
-    wl.write_text('{"input_ids": [5, 6, 7], "max_new_tokens": 2}\n')
-    out = tmp_path / "o"
-    p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
-    assert p.returncode == 0, p.stderr
-    meta = _json.loads((out / "meta.json").read_text())["model"]
-    ran = meta["dtype"]  # auto: float32 unless this CPU computes bfloat16 natively (test_auto_dtype.py)
-    assert meta["checkpoint_dtype"] == "bfloat16" and meta["dtype_choice"].startswith(f"auto: {ran}, ")
-    if ran == "float32":
-        assert "the checkpoint is bfloat16; it runs in float32 on cpu (auto: float32, " in p.stderr
-    assert f"dtype={ran}" in (text := mstrace("report", str(out)).stdout) and "dtype auto: " in text
-    rep = _json.loads(mstrace("report", str(out), "--json").stdout)
-    assert (rep["dtype"], rep["dtype_choice"]) == (ran, meta["dtype_choice"])
-
-
-def test_a_request_longer_than_the_models_context_is_rejected(tmp_path):
-    from tests.support.checkpoints import build_llama
-
-    ckpt = build_llama(tmp_path / "short", max_position_embeddings=64)
-    wl = tmp_path / "w.jsonl"
-    wl.write_text(json.dumps({"id": "long", "input_ids": list(range(5, 65)), "max_new_tokens": 8}) + "\n"
-                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
-    out = tmp_path / "o"
-    p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "exceeds the model's context of 64" in p.stderr
-    from tracing.reader import read_table
-
-    req = read_table(out, "requests", ["request_id", "finish_reason"]).to_pydict()
-    assert dict(zip(req["request_id"], req["finish_reason"], strict=True)) == {"long": "rejected", "ok": "length"}
 
 
 # ---------------------------------------------------------------- issue 12, point 7
