@@ -68,12 +68,17 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--dtype", default="auto", help="both servers' dtype (auto: the folder's, float32 here)")
+    ap.add_argument("--dtype", default=None, help="both servers' dtype (default: the folder's config.json)")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from scheduler.model.presets import resolve_model
 
     folder = resolve_model(a.model)
+    # one dtype for both: mstrace's own auto measures the CPU and may pick bfloat16 where
+    # transformers' auto takes the folder's
+    if a.dtype is None:
+        cfg = json.loads((folder / "config.json").read_text())
+        a.dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     out = OUT / "serve_peer"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

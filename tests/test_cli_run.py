@@ -61,8 +61,9 @@ def test_run_matches_transformers_greedy(tmp_path, builder, mode):
     wl.write_text("\n".join(json.dumps(x) for x in lines))
     out = tmp_path / "trace"
     # Small blocks and chunks so prompts span several blocks and several rounds.
+    # float32: compared with transformers in float32 (auto may pick bfloat16 where the CPU computes it natively)
     p = mstrace("run", "--model", str(model_dir), "--workload", str(wl), "--out", str(out), "--mode", mode,
-                "--block-size", "4", "--prefill-chunk", "16", "--timeslice-chunk", "16", "--kv-blocks", "200", "-q")
+                "--dtype", "float32", "--block-size", "4", "--prefill-chunk", "16", "--timeslice-chunk", "16", "--kv-blocks", "200", "-q")
     assert p.returncode == 0, p.stderr
     req = read_table(out, "requests").to_pydict()
     assert sorted(req["request_id"]) == [f"r{i}" for i in range(6)]

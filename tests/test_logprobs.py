@@ -50,7 +50,7 @@ def hf(ckpt: Path) -> torch.nn.Module:
 def run(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], trace_dir: Path,
         **kw: object) -> tuple[Engine, Capture]:
     sink = Capture()
-    cfg = EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, **kw)  # type: ignore[arg-type]
+    cfg = EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, dtype="float32", **kw)  # type: ignore[arg-type]
     # TP: rank 0 samples from the logits it gathers, the other ranks are spawned as `run` spawns them
     coord = Coordinator.start(cfg, trace_dir) if cfg.world_size > 1 else None
     eng = Engine(cfg, sinks=[sink], parallel=coord)
@@ -122,7 +122,8 @@ def test_prompt_logprobs_skip_the_prefix_cache(ckpt: Path, hf: torch.nn.Module) 
     prompt = list(range(10, 50))
     first = {"warm": (prompt, SamplingParams(2, ignore_eos=True))}
     sink = Capture()
-    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, cpu_device="thread"), sinks=[sink])
+    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, cpu_device="thread", dtype="float32"),
+                 sinks=[sink])
     try:
         for reqs in (first, {"scored": (prompt, SamplingParams(2, ignore_eos=True, prompt_logprobs=1)),
                              "cached": (prompt, SamplingParams(2, ignore_eos=True))}):

@@ -77,7 +77,7 @@ def test_device_pass_equals_the_reference(logits, prompt, outs, rep, freq, pres,
 def finished(ckpt: Path, reqs: dict[str, tuple[list[int], SamplingParams]], **kw: object) -> dict:
     """The requests run to the end on a new engine: each finished one, by id."""
     kw.setdefault("cpu_device", "thread")
-    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, **kw))  # type: ignore[arg-type]
+    eng = Engine(EngineConfig(model=str(ckpt), block_size=4, kv_blocks=256, dtype="float32", **kw))  # type: ignore[arg-type]
     try:
         for rid, (p, sp) in reqs.items():
             eng.submit(p, sp, rid)

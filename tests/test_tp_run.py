@@ -82,7 +82,8 @@ def _check_greedy(model_dir: Path, out: Path, lines: list[dict[str, object]]) ->
 
 # ckpt (tests/conftest.py), not a preset: GQA 6 / 2 (one KV head per TP rank), tied embeddings,
 # 3 layers (PP2: 2 + 1).
-ARGS = ("--block-size", "4", "--prefill-chunk", "16", "--kv-blocks", "200", "-q")
+# float32: these runs are compared with transformers in float32 (auto may pick bfloat16 on a GPU or an AMX CPU)
+ARGS = ("--block-size", "4", "--prefill-chunk", "16", "--kv-blocks", "200", "--dtype", "float32", "-q")
 
 
 # ----------------------------------------------------------------------------- slow: real ranks
