@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.model.auto_dtype import MIN_SPEEDUP, choose_dtype, cpu_flags, pick
+from scheduler.model.auto_dtype import (
+    MIN_SPEEDUP,
+    SCREEN,
+    SCREEN_BELOW,
+    SHAPE,
+    choose_dtype,
+    cpu_flags,
+    gemm_seconds,
+    pick,
+)
 from tests.support.cli import mstrace
 
 
@@ -48,6 +57,18 @@ def test_this_cpu_is_measured_and_the_choice_follows_the_measurement() -> None:
     speedup = float(m.group(2))
     if abs(speedup - MIN_SPEEDUP) > 0.01:  # the message rounds to two places
         assert pick(speedup) == c.dtype
+    # and a measurement of its own: where bfloat16 is plainly emulated or plainly native, the
+    # choice must say so (between 0.75x and 3x a busy machine could tip either measurement)
+    torch.set_num_threads(1)
+    try:
+        own = gemm_seconds(torch.float32, SCREEN) / gemm_seconds(torch.bfloat16, SCREEN)
+        big = gemm_seconds(torch.float32, SHAPE) / gemm_seconds(torch.bfloat16, SHAPE) if own >= SCREEN_BELOW else 0
+    finally:
+        torch.set_num_threads(before)
+    if own < 0.75 * SCREEN_BELOW:
+        assert c.dtype == torch.float32, (own, c.why)
+    elif big > 3.0:
+        assert c.dtype == torch.bfloat16, (big, c.why)
 
 
 def test_the_dtype_that_ran_is_recorded_and_said(tmp_path: Path) -> None:
@@ -69,7 +90,7 @@ def test_the_dtype_that_ran_is_recorded_and_said(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     meta = _json.loads((out / "meta.json").read_text())["model"]
     ran = meta["dtype"]  # auto: float32 unless this CPU computes bfloat16 natively (test_auto_dtype.py)
-    assert meta["checkpoint_dtype"] == "bfloat16" and meta["dtype_choice"].startswith(f"auto: {ran}, ")
+    assert meta["checkpoint_dtype"] == "bfloat16" and meta["dtype_choice"].startswith(f"auto: {ran}")  # CUDA: bfloat16
     if ran == "float32":
         assert "the checkpoint is bfloat16; it runs in float32 on cpu (auto: float32, " in p.stderr
     assert f"dtype={ran}" in (text := mstrace("report", str(out)).stdout) and "dtype auto: " in text

@@ -1,4 +1,4 @@
-"""What `--dtype auto` runs in: bfloat16 where the device computes it natively, else float32.
+"""What `--dtype auto` runs in: bfloat16 where the device computes it fast, else float32.
 
 bfloat16 halves the bytes every weight and KV read moves, but a CPU without bfloat16 matrix
 instructions (AVX512-BF16, AMX) widens it to float32 inside the GEMM and is slower than float32
@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-# A default-preset decode round (64 rows) through the gate/up projection (512 -> 1536).
+from scheduler.model.dtypes import name_of
+
+# A default-preset decode round (64 rows) through a 512 -> 1536 projection (the fused
+# gate/up is 512 -> 3072; the ratio, not the time, decides).
 SHAPE = (64, 512, 1536)
-# Native bfloat16 GEMMs measured 2.3-4x float32 (AVX512-BF16, AMX) and emulated ones 0.1-1x:
-# anything between is neither, and float32 is the exact choice.
+# Native bfloat16 GEMMs measured 2.3-4x float32 (AVX512-BF16, AMX); emulated ones far below
+# 1x (0.04-0.07x on an AVX2 EPYC). Between the two is neither, and float32 is the exact choice.
 MIN_SPEEDUP = 1.5
 # An emulated bfloat16 GEMM of SHAPE takes a quarter second (0.5 GFLOP/s on an AVX2 machine),
 # which every run would pay: a small GEMM first, and the decode shape only where bfloat16 is
@@ -55,13 +59,13 @@ def gemm_seconds(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 3)
     not what a busy machine let it do)."""
     m, k, n = shape
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=g).to(dtype)
-    b = torch.randn(k, n, generator=g).to(dtype)
-    torch.mm(a, b)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)  # as the model holds its weights: F.linear's kernel
+    F.linear(x, w)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        F.linear(x, w)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -73,6 +77,8 @@ def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice
     if device.type == "cuda":
         return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA")
     # One thread: the ratio is the instruction set's, and the pool's size is not decided yet.
+    # The setting is the process's; this runs as the engine is built, before anything of it
+    # runs torch.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -86,6 +92,6 @@ def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice
     dtype = pick(speedup)
     flags = ", ".join(cpu_flags()) or "none of " + ", ".join(_FLAGS)
     m, k, n = shape
-    return DtypeChoice(dtype, f"auto: {'bfloat16' if dtype == torch.bfloat16 else 'float32'}, a {m}x{k}x{n} "
+    return DtypeChoice(dtype, f"auto: {name_of(dtype)}, a {m}x{k}x{n} "
                               f"bfloat16 GEMM measured {speedup:.2f}x float32's speed on this CPU "
                               f"(CPU flags: {flags})")

@@ -121,7 +121,9 @@ def _wide(table: str) -> str:
 
 def _facts(rep: ReportResult) -> str:
     t, c = rep.throughput, rep.cost
-    dtype = f", dtype {_e(rep.dtype)} ({_e(rep.dtype_choice)})" if rep.dtype and rep.dtype_choice else ""
+    # as the text report: the choice is said where auto made it
+    why = f" ({_e(rep.dtype_choice)})" if rep.dtype_choice and rep.dtype_choice != "asked" else ""
+    dtype = f", dtype {_e(rep.dtype)}{why}" if rep.dtype else ""
     return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}{dtype}, {_e(rep.status.state)}; "
             f"{c.cycles} cycles of {ms(c.cycle_ms)} ms; the device computes "
             f"{pct(c.device_busy)} of it. {t.completed}/{t.requests} requests in "
