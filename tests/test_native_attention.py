@@ -29,7 +29,8 @@ def _reference(q, k_cache, v_cache, blocks, ctx, bs, window):
     return torch.stack(out).float()
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64)])
+# 20: the scalar tails of the 8-float loops; 256: the largest head size the kernel takes
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64), (4, 2, 20), (2, 1, 256)])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
@@ -53,6 +54,26 @@ def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
         torch.set_num_threads(before)
     assert out is not None and out.shape == (len(ctx), heads * d)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, ctx, bs, window), atol=2e-5, rtol=1e-5)
+
+
+def test_scores_far_below_the_maximum_weigh_nothing():
+    """One key scores 100 above the others: their exp underflows (the kernel clamps its
+    argument at -87: e^-87 ~ 1.6e-38 against a sum of at least 1), so every head returns that
+    key's V."""
+    g = torch.Generator().manual_seed(5)
+    bs, heads, kv_heads, d = 16, 4, 2, 64
+    k_cache = torch.randn(64, kv_heads, d, generator=g) * 0.01
+    v_cache = torch.randn(64, kv_heads, d, generator=g)
+    one = torch.randn(kv_heads, d, generator=g)
+    q = one.repeat_interleave(heads // kv_heads, dim=0).expand(3, -1, -1).contiguous()  # a group shares its q
+    hot = 21
+    k_cache[hot] = one * (100 * d ** 0.5 / one.pow(2).sum(-1, keepdim=True))  # q . k * d^-0.5 = 100
+    blocks = torch.tensor([[0, 1, 2, 3]] * 3, dtype=torch.int64)
+    ctx = torch.tensor([30, 40, 64], dtype=torch.int64)
+    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    assert out is not None
+    want = v_cache[hot].repeat_interleave(heads // kv_heads, dim=0).reshape(-1).expand(3, -1)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
 
 
 def test_what_it_does_not_take_falls_back():

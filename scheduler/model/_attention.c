@@ -94,9 +94,12 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 /* e^x for x <= 0 (a score minus its row's maximum), in plain float arithmetic the compiler
  * vectorises: libm's expf is a call per score, which cost as much as the dot products.
  * Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n by
- * the exponent bits; about 1 ulp. Below -87 the result is 0, as expf's underflow is. */
+ * the exponent bits; about 1 ulp. The argument is clamped at -87 (e^-87 ~ 1.6e-38, which a
+ * softmax's sum of at least 1 makes nothing); a NaN stays NaN, as in torch's softmax, without
+ * converting a NaN to an integer (undefined in C). */
 static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    const float nan = x != x ? x : 0.0f;
+    x = x < -87.0f ? -87.0f : (x != x ? 0.0f : x);
     const float n = (float)(int)(x * 1.44269504088896341f - 0.5f); /* round half down: x <= 0 */
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -107,7 +110,7 @@ static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
+    return p * two_n.f + nan;
 }
 
 /* s[0:n] = softmax(s[0:n]), in lanes whose order does not depend on the compiler */
@@ -210,7 +213,7 @@ int decode_attention(const float *q, int64_t q_stride, const float *k, const flo
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t window, float scale, float *out, int64_t threads) {
     if (head_dim > 256 || kv_heads < 1 || block_size < 1 || heads % kv_heads)
-        return -1; /* accumulate_d's buffer; whole groups */
+        return -1; /* accumulate's 32 vectors; whole groups */
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? rows : 1;
     Job jobs[64];
