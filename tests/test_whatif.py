@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from probes.boundaries import IDLE
 from tests.support.cli import REPO, cli, mstrace
 from viewer.analysis.whatif import Speedup, WhatIfError, whatif
 from viewer.analysis.whatif_model import COMPONENTS, SCALES, Batches, critical_path, simulate
@@ -168,9 +169,11 @@ def test_an_imported_trace_is_refused(tmp_path):
 # on a loaded machine it does: beside a CPU hog a process that sleeps 50 ms a round wakes to
 # cold caches and a queue for the core, and the held run's device compute, prepare and
 # wake-up latency measured 1.5-3x the unheld run's (ci36). That movement is the runs', not
-# the model's, so it is added to the tolerance (the sum over the other components of their
-# per-round change); a pair whose other components moved by half of D or more tells nothing
-# and counts as a miss. A missed pair is run again, at most twice (3 pairs in all).
+# the model's, so it is added to the tolerance (the sum over the other measured components
+# of their per-round change; `idle`, the model's own output, is not one); a pair whose other
+# components moved by a quarter of D or more tells too little and counts as a miss, so the
+# tolerance never passes 0.35 D, against the ~1 D of a model that ignored the speedup. A
+# missed pair is run again, at most twice (3 pairs in all).
 DELAY_MS = 50.0
 TOL = 0.10
 TRIES = 3
@@ -195,14 +198,14 @@ def test_a_virtual_speedup_predicts_the_run_without_the_delay(tmp_path, mode, pl
         up = whatif(base, speedups=[Speedup.parse(f"{boundary}=+{d}ms")])
         errors = [(down.predicted.cycle_ms - b.measured.cycle_ms) / d, (up.predicted.cycle_ms - h.measured.cycle_ms) / d]
         moved = _moved_ms(b, h, boundary) / d
-        if moved < 0.5 and all(abs(e) <= TOL + moved for e in errors):
+        if moved < 0.25 and all(abs(e) <= TOL + moved for e in errors):
             return
     pytest.fail(f"{mode} {place}: predicted cycle off by {errors[0]:+.2f} D (without the delay) and "
                 f"{errors[1]:+.2f} D (with it), the other components moved {moved:.2f} D, after {TRIES} pairs")
 
 
 def _moved_ms(a, b, boundary: str) -> float:
-    """How far the model's inputs other than `boundary` moved between two runs, ms per round."""
+    """How far the model's measured inputs other than `boundary` moved between two runs, ms per round."""
     ma = {p.boundary: p.ms_per_round for p in a.critical_path}
     mb = {p.boundary: p.ms_per_round for p in b.critical_path}
-    return sum(abs(ma.get(k, 0.0) - mb.get(k, 0.0)) for k in ma.keys() | mb.keys() if k != boundary)
+    return sum(abs(ma.get(k, 0.0) - mb.get(k, 0.0)) for k in ma.keys() | mb.keys() if k not in (boundary, IDLE))
