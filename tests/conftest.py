@@ -24,7 +24,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules with slow tests first, in their own order: `--dist loadscope` hands out
-    whole modules in collection order, and a long one handed out last is the suite's tail."""
+    whole modules in collection order, and a long one handed out last is the suite's tail.
+    pyproject's `--no-loadscope-reorder` keeps that order: by default xdist re-sorts the
+    modules by their number of tests, which handed test_kill.py's two tests (two and a half
+    minutes) out near the end (ci41)."""
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: modules stay whole
 

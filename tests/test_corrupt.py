@@ -136,6 +136,7 @@ def check_outcome(cmd: tuple[str, ...], code: int, out: str, err: str, kind: str
             assert out == clean_out, (kind, cmd)
 
 
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("MSTRACE_CORRUPT_EXAMPLES", "200")), deadline=None,
           derandomize="MSTRACE_CORRUPT_EXAMPLES" not in os.environ, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])

@@ -126,6 +126,7 @@ def test_starve_injection_completes_through_preemption(tmp_path):
     assert starved and all(w.split()[0] in req["request_id"] for w in starved), req["preempt_reasons"]
 
 
+@pytest.mark.slow
 def test_starve_preempts_on_the_default_pool_and_says_what_it_added(tmp_path):
     """No --kv-blocks, no --prefill-max-wait-ms: the injection sizes its pins to the pool
     and the model's context itself (issue 12, point 6)."""

@@ -140,6 +140,7 @@ def _cut_at(page: Path, width: int) -> str:
     return attrs["cut"]
 
 
+@pytest.mark.slow
 def test_pages_cut_nothing_off_narrow_or_wide(traces: tuple[Path, Path], tmp_path: Path) -> None:
     """At a 640 px and a 1600 px window, a report page and a diff page fit: the long trace
     path in the heading wraps, the tables fit or scroll on their own, each value stays on

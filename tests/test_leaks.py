@@ -280,6 +280,7 @@ def _requests(done: dict, dict_rid: bool = False) -> pa.Table:
                     schema=pa.schema([("request_id", rid), REQUESTS.field("finish_reason")]))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(-1, 3), st.booleans(), st.lists(st.integers(0, 200), max_size=3),
        st.booleans(), st.booleans(), st.integers(1, 40))

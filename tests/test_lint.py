@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.cli import REPO
 
 PACKAGES = ["scheduler", "probes", "tracing", "importers", "viewer", "mstrace"]  # every package: `mypy scheduler probes tracing importers viewer mstrace`
@@ -23,6 +25,7 @@ def test_ruff():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_mypy():
     p = _run("mypy", *PACKAGES)
     assert p.returncode == 0 and "Success: no issues found" in p.stdout, p.stdout + p.stderr
