@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -72,27 +73,24 @@ def test_this_cpu_is_measured_and_the_choice_follows_the_measurement() -> None:
 
 
 def test_the_dtype_that_ran_is_recorded_and_said(tmp_path: Path) -> None:
-    import json as _json
-
-    import torch
     from transformers import AutoModelForCausalLM
 
     from tests.support.checkpoints import build_llama
 
     ckpt = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(build_llama(tmp_path / "f32")).to(torch.bfloat16).save_pretrained(ckpt)
-    cfg = _json.loads((ckpt / "config.json").read_text())
+    cfg = json.loads((ckpt / "config.json").read_text())
     assert (cfg.get("torch_dtype") or cfg.get("dtype")) == "bfloat16"
     wl = tmp_path / "w.jsonl"
     wl.write_text('{"input_ids": [5, 6, 7], "max_new_tokens": 2}\n')
     out = tmp_path / "o"
     p = mstrace("run", "--model", str(ckpt), "--workload", str(wl), "--out", str(out), "-q", timeout=120)
     assert p.returncode == 0, p.stderr
-    meta = _json.loads((out / "meta.json").read_text())["model"]
+    meta = json.loads((out / "meta.json").read_text())["model"]
     ran = meta["dtype"]  # auto: float32 unless this CPU computes bfloat16 natively (test_auto_dtype.py)
     assert meta["checkpoint_dtype"] == "bfloat16" and meta["dtype_choice"].startswith(f"auto: {ran}")  # CUDA: bfloat16
     if ran == "float32":
         assert "the checkpoint is bfloat16; it runs in float32 on cpu (auto: float32, " in p.stderr
     assert f"dtype={ran}" in (text := mstrace("report", str(out)).stdout) and "dtype auto: " in text
-    rep = _json.loads(mstrace("report", str(out), "--json").stdout)
+    rep = json.loads(mstrace("report", str(out), "--json").stdout)
     assert (rep["dtype"], rep["dtype_choice"]) == (ran, meta["dtype_choice"])
