@@ -205,14 +205,53 @@ def test_the_column_wise_packets_equal_the_protobuf_classes_own() -> None:
     rng = np.random.default_rng(0)
     ts = rng.integers(0, 1 << 62, 1000, dtype=np.uint64)
     uuid = rng.integers(0, 1 << 40, 1000, dtype=np.uint64)
-    pieces = [b"\x40", ts, b"\x50", np.full(1000, 1, np.uint64), b"\x5a",
-              wire.lengths([b"\x48\x02", b"\x58", uuid], 1000).astype(np.uint64), b"\x48\x02", b"\x58", uuid]
-    buf, start = wire.encode(pieces, 1000)
-    size = wire.lengths(pieces, 1000)
+    pieces = [b"\x40", ts, b"\x50", np.full(1000, 1, np.uint64), wire.Sub(b"\x5a", [b"\x48\x02", b"\x58", uuid], 1000)]
+    buf, start, size = wire.encode(pieces, 1000)
     for i in (0, 1, 500, 999):
         want = TracePacket(timestamp=int(ts[i]), trusted_packet_sequence_id=1,
                            track_event=TrackEvent(type=TrackEvent.TYPE_SLICE_END, track_uuid=int(uuid[i])))
         assert bytes(buf[start[i]:start[i] + size[i]]) == want.SerializeToString()
+
+
+def test_the_c_encoder_writes_numpys_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kind of piece, submessages two deep, varints of 1-10 bytes (0 and 2^64 - 1
+    among them), raw runs of 0-8 bytes, and a gather that drops and reorders messages."""
+    assert wire.AVAILABLE, "setup.sh's install should have built viewer/export/_wire.c"
+    rng = np.random.default_rng(1)
+    n = 2000
+    big = rng.integers(0, 1 << 63, n, dtype=np.uint64) >> rng.integers(0, 64, n).astype(np.uint64)
+    big[:2] = [0, np.iinfo(np.uint64).max]
+    small = rng.integers(0, 300, n, dtype=np.uint64)
+    runs = rng.integers(0, 9, n)
+    raw = wire.Raw(runs, rng.integers(0, 256, int(runs.sum()), dtype=np.uint8))
+    order = rng.permutation(n)[:1500]
+
+    def encoded() -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
+        inner = wire.Sub(b"\x22", [b"\x08", small, raw, wire.Sub(b"\x12", [b"\x18", big], n)], n)
+        pieces = [b"\x40", big, b"\x50\x01", raw, inner, b"\x28", small]
+        buf, start, size = wire.encode(pieces, n)
+        assert np.array_equal(size, wire.lengths(pieces, n))
+        return buf, start, size, wire.gather(buf, start, size, order)
+
+    c = encoded()
+    monkeypatch.setattr(wire, "_LIB", None)
+    py = encoded()
+    for a, b in zip(c[:3], py[:3], strict=True):
+        assert np.array_equal(a, b)
+    assert c[3] == py[3] and len(c[3]) == int(c[2][order].sum())
+
+
+def test_packets_are_ordered_as_lexsort_orders_them() -> None:
+    """perfetto_bulk._order against np.lexsort on keys with many ties (at one timestamp,
+    of one kind, and on all three keys), and on times too far apart for one integer."""
+    from viewer.export.perfetto_bulk import _order
+
+    rng = np.random.default_rng(2)
+    for span in (5, 1000, 1 << 62):
+        times = rng.integers(0, span, 5000, dtype=np.int64) + (1 << 60 if span < 1 << 62 else -(1 << 61))
+        kinds = rng.integers(0, 3, 5000)
+        inners = rng.integers(-3, 3, 5000)
+        assert np.array_equal(_order(times, kinds, inners), np.lexsort((inners, kinds, times)))
 
 
 def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:

@@ -33,32 +33,25 @@ FLOW_OUT = b"\xf9\x02"  # TrackEvent.flow_ids (47, fixed64)
 FLOW_END = b"\x81\x03"  # TrackEvent.terminating_flow_ids (48, fixed64)
 
 
-def _sub(tag: bytes, pieces: list[Piece], n: int) -> list[Piece]:
-    """A length-delimited submessage: its tag, its length, its pieces."""
-    return [tag, wire.lengths(pieces, n).astype(U), *pieces]
-
-
 def int_arg(name_iid: int, values: np.ndarray) -> list[Piece]:
     """TrackEvent.debug_annotations (4): {name_iid (1), int_value (4)}; values >= 0."""
     n = len(values)
-    return _sub(b"\x22", [b"\x08", np.full(n, name_iid, U), b"\x20", np.maximum(values, 0).astype(U)], n)
+    return [wire.Sub(b"\x22", [b"\x08", np.full(n, name_iid, U), b"\x20", np.maximum(values, 0).astype(U)], n)]
 
 
 def str_arg(name_iid: int, values: pa.Array) -> list[Piece]:
     """TrackEvent.debug_annotations (4): {name_iid (1), string_value (6)}."""
     s = _raw_strings(values)
     n = len(values)
-    return _sub(b"\x22", [b"\x08", np.full(n, name_iid, U), b"\x32", s.lengths.astype(U), s], n)
+    return [wire.Sub(b"\x22", [b"\x08", np.full(n, name_iid, U), b"\x32", s.lengths.astype(U), s], n)]
 
 
 def _packets(ts: np.ndarray, event: list[Piece], n: int, interned: bool = True) -> tuple[np.ndarray, np.ndarray,
                                                                                           np.ndarray]:
-    body = [b"\x40", ts.astype(U), b"\x50", np.full(n, SEQ, U), *_sub(b"\x5a", event, n)]
+    body: list[Piece] = [b"\x40", ts.astype(U), b"\x50", np.full(n, SEQ, U), wire.Sub(b"\x5a", event, n)]
     if interned:
         body.append(b"\x68\x02")  # sequence_flags: SEQ_NEEDS_INCREMENTAL_STATE (the interned names)
-    whole = _sub(b"\x0a", body, n)  # Trace.packet
-    buf, start = wire.encode(whole, n)
-    return buf, start, wire.lengths(whole, n)
+    return wire.encode([wire.Sub(b"\x0a", body, n)], n)  # Trace.packet
 
 
 def slices(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int | np.ndarray, list[Piece]]]) -> bytes:
@@ -90,8 +83,27 @@ def slices(groups: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int | np.n
         inners += [-dur, -start]  # begins: the longer first; ends: the later-started first
     if not bufs:
         return b""
-    order = np.lexsort((np.concatenate(inners), np.concatenate(kinds), np.concatenate(times)))
+    order = _order(np.concatenate(times), np.concatenate(kinds), np.concatenate(inners))
     return wire.gather(np.concatenate(bufs), np.concatenate(firsts), np.concatenate(sizes), order)
+
+
+def _order(times: np.ndarray, kinds: np.ndarray, inners: np.ndarray) -> np.ndarray:
+    """np.lexsort((inners, kinds, times)), kinds in [0, 3): one sort of (time, kind) as one
+    integer, then the few runs that tie on it sorted by `inners` (6x faster than lexsort's
+    three passes on 400 k packets; the same order, ties kept in input order)."""
+    lo = int(times.min())
+    if int(times.max()) - lo >= 1 << 61:  # (time, kind) would not fit one int64
+        return np.lexsort((inners, kinds, times))
+    key = (times - lo) * 4 + kinds
+    order = np.argsort(key, kind="stable")
+    k = key[order]
+    tie = np.flatnonzero(k[1:] == k[:-1])
+    if len(tie):
+        run = np.zeros(len(order), dtype=bool)
+        run[tie] = run[tie + 1] = True  # every member of every run of equal keys
+        at = np.flatnonzero(run)
+        order[at] = order[at][np.lexsort((inners[order[at]], k[at]))]
+    return order
 
 
 def instants(ts: np.ndarray, track: np.ndarray | int, name_iid: int, args: list[Piece] | None = None) -> bytes:
@@ -119,7 +131,7 @@ def named_tracks(uuid: np.ndarray, names: pa.Array, parent: int) -> bytes:
         return b""
     s = _raw_strings(names)
     desc: list[Piece] = [b"\x08", uuid.astype(U), b"\x12", s.lengths.astype(U), s, b"\x28", np.full(n, parent, U)]
-    whole = _sub(b"\x0a", _sub(b"\xe2\x03", desc, n), n)
+    whole: list[Piece] = [wire.Sub(b"\x0a", [wire.Sub(b"\xe2\x03", desc, n)], n)]
     return wire.encode(whole, n)[0].tobytes()
 
 
