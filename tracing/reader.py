@@ -230,11 +230,13 @@ class _PartSchemaError(Exception):
     pass
 
 
-def read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+def read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None = None,
+               dictionary: tuple[str, ...] = ()) -> pa.Table:
     """The rows of some committed parts, in order: a live tail's newest flushes
-    (viewer/live/tail.py). FileNotFoundError: a live compaction removed one meanwhile."""
+    (viewer/live/tail.py). FileNotFoundError: a live compaction removed one meanwhile.
+    `dictionary`: as `Trace.table`'s."""
     try:
-        return _read_parts(parts, schema, columns)
+        return _read_parts(parts, schema, columns, dictionary)
     except _PartSchemaError as e:
         raise TraceError(f"corrupt part: {e}") from None
     except FileNotFoundError:

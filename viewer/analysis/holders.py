@@ -18,36 +18,37 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-_PLUS = pa.array(["alloc", "ref"])
-_MINUS = pa.array(["free", "unref", "reclaim"])
+from viewer.analysis.cycle_views import codes
+
+_PLUS = ("alloc", "ref")
+_MINUS = ("free", "unref", "reclaim")
 
 
 def fold_holders(mem: pa.Table, held: dict[str, int], restart: bool = False) -> tuple[pa.Table, bool]:
     """Fold `mem`'s events into `held` (request id -> blocks; a request at 0 is dropped).
     `restart`: start from the last snapshot in `mem`, if any (the rows before it are
-    then not returned). Returns the rows folded and whether a snapshot restarted."""
-    kind = mem["kind"].cast(pa.string())
-    begin = (np.flatnonzero(pc.equal(kind, "snapshot_begin").to_numpy(zero_copy_only=False)) if restart
+    then not returned). Returns the rows folded and whether a snapshot restarted.
+    Both columns are read as dictionary codes: a row costs an integer, not a string."""
+    kind, kinds = codes(mem["kind"])
+    begin = (np.flatnonzero(kind == kinds.index("snapshot_begin")) if restart and "snapshot_begin" in kinds
              else np.zeros(0, np.intp))
     restarted = bool(len(begin))
-    plus_kinds = _PLUS
+    plus_kinds: tuple[str, ...] = _PLUS
     if restarted:
         cut = int(begin[-1]) + 1
-        mem, kind = mem.slice(cut), kind.slice(cut)
+        mem, kind = mem.slice(cut), kind[cut:]
         held.clear()
-        plus_kinds = pa.array(["alloc", "ref", "snapshot"])  # the listing gives the counts to start from
+        plus_kinds = (*_PLUS, "snapshot")  # the listing gives the counts to start from
     if not mem.num_rows:
         return mem, restarted
-    plus = pc.is_in(kind, plus_kinds).to_numpy(zero_copy_only=False)
-    minus = pc.is_in(kind, _MINUS).to_numpy(zero_copy_only=False)
-    sign = plus.astype(np.int64) - minus.astype(np.int64)
-    rid = pc.dictionary_encode(mem["request_id"].cast(pa.string())).combine_chunks()
-    delta = np.bincount(rid.indices.to_numpy(zero_copy_only=False), weights=sign, minlength=len(rid.dictionary))
-    for name, d in zip(rid.dictionary.to_pylist(), delta.astype(np.int64).tolist(), strict=True):
-        if d and name:
-            n = held.get(name, 0) + d
+    sign = np.array([1 if k in plus_kinds else -1 if k in _MINUS else 0 for k in kinds], dtype=np.int64)[kind]
+    rid, names = codes(mem["request_id"])
+    delta = np.bincount(rid, weights=sign, minlength=len(names)).astype(np.int64)
+    for i in np.flatnonzero(delta).tolist():
+        name = names[i]
+        if name:
+            n = held.get(name, 0) + int(delta[i])
             if n > 0:
                 held[name] = n
             else:

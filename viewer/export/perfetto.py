@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from viewer.export.perfetto_bulk import (
     ROUNDS,
     THREAD,
 )
-from viewer.export.perfetto_rounds import instants, requests, rounds
+from viewer.export.perfetto_rounds import instants, leak_counts, requests, rounds
 from viewer.export.window import Window, table_in, windowed
 from viewer.live.state import STREAM_ORDER
 
@@ -92,7 +93,8 @@ def _committed_rows(trace: Trace, name: str) -> int:
 def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -> None:
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, ThreadPoolExecutor(1) as side:
+        leaks = side.submit(leak_counts, trace, window)  # its own tables: on the other core meanwhile
         b = StreamingTraceProtoBuilder(f)
         names, threads = _header(trace, b, stats, window)
         lanes = _Lanes(threads)
@@ -119,7 +121,7 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
                 _track(b, stats, uuid, name, thread=(pid, tid, name))
             f.write(body)
         rounds(f, steps, flows, names, stats)
-        instants(trace, b, names, steps, stats, window)
+        instants(trace, b, names, steps, stats, leaks.result(), window)
 
 
 # ---- the header: tracks and interned names --------------------------------------------
@@ -130,9 +132,12 @@ def _header(trace: Trace, b: Any, stats: ExportStats,
     pairs: set[tuple[int, str]] = set()
     boundaries: set[str] = set()
     for chunk in _probe_chunks(trace, ["rank", "stream", "boundary"], window):
-        r, st, bd = chunk["rank"].to_numpy(), _strings(chunk["stream"]), _strings(chunk["boundary"])
-        pairs |= set(zip(r.tolist(), st, strict=True))
-        boundaries |= set(bd)
+        if not chunk.num_rows:
+            continue
+        (s_code, s_names), (b_code, b_names) = codes(chunk["stream"]), codes(chunk["boundary"])
+        key = chunk["rank"].to_numpy().astype(np.int64) * len(s_names) + s_code  # (a dictionary may hold unused names)
+        pairs |= {(k // len(s_names), s_names[k % len(s_names)]) for k in np.flatnonzero(np.bincount(key)).tolist()}
+        boundaries |= {b_names[c] for c in np.flatnonzero(np.bincount(b_code)).tolist()}
     ranks = sorted({r for r, _ in pairs} | {0})
     for r in ranks:
         _track(b, stats, PROCESS + r, f"rank {r}", process=(r + 1, f"rank {r}"))
@@ -183,9 +188,20 @@ def _probe_chunks(trace: Trace, cols: list[str] | None = None, window: Window | 
     cols = cols or ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"]
     parts = (read_parts([part], TABLES["probes"], cols) for part in trace.parts.get("probes", [])) \
         if window is None else windowed(trace, "probes", cols, window)
-    for t in parts:
+    for t in _read_ahead(parts):
         for at in range(0, t.num_rows, BATCH):
             yield t.slice(at, BATCH)
+
+
+def _read_ahead(parts: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """The parts, the next one read on a thread while this one is encoded: Parquet's
+    decoding, numpy's passes and the C encoder release the GIL, so on two cores the
+    reads mostly vanish. At most two parts are held."""
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(next, parts, None)
+        while (t := pending.result()) is not None:
+            pending = pool.submit(next, parts, None)
+            yield t
 
 
 def pool_starts(start: np.ndarray, end: np.ndarray, threads: int) -> np.ndarray:
@@ -297,8 +313,9 @@ class _Lanes:
         acc = np.flatnonzero(ok)
         lane = np.zeros(len(st), dtype=np.int64)
         synced = -1
-        stl, enl = st.tolist(), en.tolist()
-        for v in np.flatnonzero(~ok).tolist():
+        bad = np.flatnonzero(~ok).tolist()
+        stl, enl = (st.tolist(), en.tolist()) if bad else (st, en)  # Python ints only where the loop needs them
+        for v in bad:
             j = int(np.searchsorted(acc, v)) - 1
             if j >= 0 and j != synced:  # accepted rows up to acc[j]: all closed but acc[j]
                 hwm0[0] = max([hwm0[0], *(z for _, z in stack0), enl[acc[j - 1]] if j else hwm0[0]])
@@ -307,10 +324,10 @@ class _Lanes:
             lane[v] = self._place(lanes, stl[v], enl[v])
         if len(acc) and synced != len(acc) - 1:
             j = len(acc) - 1
-            hwm0[0] = max([hwm0[0], *(z for _, z in stack0), enl[acc[j - 1]] if j else hwm0[0]])
-            stack0[:] = [(stl[acc[j]], enl[acc[j]])]
+            hwm0[0] = max([hwm0[0], *(z for _, z in stack0), int(enl[acc[j - 1]]) if j else hwm0[0]])
+            stack0[:] = [(int(stl[acc[j]]), int(enl[acc[j]]))]
         out = np.empty(len(st), dtype=np.uint64)
-        for k in np.unique(lane).tolist():
+        for k in np.flatnonzero(np.bincount(lane)).tolist():
             out[lane == k] = self._track(rank, stream, k)
         res = np.empty_like(out)
         res[order] = out
@@ -354,18 +371,13 @@ def _probe_packets(t: pa.Table, names: dict[str, int], lanes: _Lanes, stats: Exp
     rank = t["rank"].to_numpy().astype(np.int64)
     key = rank * (len(s_names) + 1) + s_code
     track = np.empty(n, dtype=np.uint64)
-    for k in np.unique(key).tolist():
+    for k in np.flatnonzero(np.bincount(key)).tolist():
         idx = np.flatnonzero(key == k)
         track[idx] = lanes.assign(int(rank[idx[0]]), s_names[s_code[idx[0]]], ts[idx], end[idx])
     name = np.array([names.get(x, 0) for x in b_names], dtype=np.uint64)[b_code]  # (0: a value no row of a window uses)
     stats.probe_rows += n
     stats.packets += 2 * n
     return bulk.slices([(ts, end, track, name, bulk.int_arg(ARGS["round"], t["step"].to_numpy()))])
-
-
-def _strings(col: pa.ChunkedArray | pa.Array) -> list[str]:
-    out: list[str] = col.cast(pa.string()).to_pylist() if pa.types.is_dictionary(col.type) else col.to_pylist()
-    return out
 
 
 def _stream_rank(s: str) -> int:

@@ -58,7 +58,10 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
     req = np.concatenate([chunks["req"][ck], np.flatnonzero(has)])
     rnd = np.concatenate([chunks["step"][ck], last[has]])
     span = int(rnd.max()) + 2 if len(rnd) else 1
-    key = np.unique(req.astype(np.int64) * span + (rnd.astype(np.int64) + 1))  # sorted by request, then round
+    key = np.sort(req.astype(np.int64) * span + (rnd.astype(np.int64) + 1))  # by request, then round
+    once = np.ones(len(key), dtype=bool)
+    once[1:] = key[1:] != key[:-1]
+    key = key[once]  # each pair once (np.unique, which hashes, took 30x as long on 2 M pairs)
     req, rnd = key // span, key % span - 1
     if window is not None:  # a flow needs both ends: only to the window's rounds
         keep = np.isin(rnd, steps["step"].to_numpy())
@@ -144,11 +147,25 @@ def rounds(f: IO[bytes], steps: pa.Table, flows: Flows | None, names: dict[str, 
     stats.packets += 2 * steps.num_rows
 
 
-def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats: Any,
+def leak_counts(trace: Trace, window: Window | None = None) -> dict[str, int] | None:
+    """Blocks still held at the end by each finished request, counted from every memory
+    event of the run (viewer/analysis/holders.py; `mstrace leaks` names the blocks); None
+    where the trace cannot say or the window does not hold the last round. It reads its
+    own tables only, so the export runs it on a thread beside the probe rows."""
+    if not (trace.has_table("memory") and trace.has_table("requests")) or \
+            (window is not None and not window.holds_last_round):
+        return None
+    held: dict[str, int] = {}
+    for part in trace.parts.get("memory", []):
+        fold_holders(read_parts([part], TABLES["memory"], ["kind", "request_id"], ("kind", "request_id")), held)
+    finished = set(trace.table("requests", ["request_id"])["request_id"].to_pylist())
+    return {rid: n for rid, n in sorted(held.items()) if rid in finished}
+
+
+def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats: Any, leaks: dict[str, int] | None,
              window: Window | None = None) -> None:
-    """Stalls (with their wait cycle) and leaked blocks, on rank 0's `rounds` track: few,
-    so through the protobuf classes. In a window: its stalls, and the leaked blocks only when
-    it holds the last round (they are counted from every memory event of the run)."""
+    """Stalls (with their wait cycle) and leaked blocks (`leak_counts`), on rank 0's
+    `rounds` track: few, so through the protobuf classes; in a window, its stalls."""
     from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 
     def put(t: int, name: str, args: dict[str, Any]) -> None:
@@ -170,16 +187,10 @@ def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats
                 continue
             put(int(r["ts_ns"]), "stall", {k: r[k] for k in ("rank", "step", "waiter", "what", "signaller",
                                                              "boundary", "waited_ns", "cycle") if k in r})
-    if trace.has_table("memory") and trace.has_table("requests") and (window is None or window.holds_last_round):
-        # counts only, every event from the start (viewer/analysis/holders.py); `mstrace leaks` names the blocks
-        held: dict[str, int] = {}
-        for part in trace.parts.get("memory", []):
-            fold_holders(read_parts([part], TABLES["memory"], ["kind", "request_id"]), held)
-        finished = set(trace.table("requests", ["request_id"])["request_id"].to_pylist())
+    if leaks:
         end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py() or 0) if steps.num_rows else 0
-        for rid, n in sorted(held.items()):
-            if rid in finished:
-                put(end, "leaked blocks", {"request_id": rid, "blocks": n})
+        for rid, n in leaks.items():
+            put(end, "leaked blocks", {"request_id": rid, "blocks": n})
 
 
 def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...],
