@@ -4,17 +4,19 @@
 
 The input is a real `mstrace run --model tiny --requests 64` trace replicated to
 `--probe-rows` probe rows by bench/gen_big_trace.py (compacted, as a finished run
-leaves it). The export runs as the CLI, in a process of its own; its peak RSS is the
-child's ru_maxrss.
+leaves it). The export runs as the CLI, in a process of its own; its peak RSS is that
+process's own ru_maxrss (os.wait4: not the run's or the generator's, which may have run
+before it in this process).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,14 +38,19 @@ def main() -> None:
                         str(a.probe_rows), "--layout", "compacted"], cwd=REPO, check=True)
     out = OUT / "big.pftrace"
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "viewer.cli", "export", str(big), "--perfetto", str(out)], cwd=REPO,
-                       capture_output=True, text=True)
-    wall = time.monotonic() - t0
+    with tempfile.TemporaryFile("w+") as said_f, tempfile.TemporaryFile("w+") as err_f:
+        p = subprocess.Popen([sys.executable, "-m", "viewer.cli", "export", str(big), "--perfetto", str(out)],
+                             cwd=REPO, stdout=said_f, stderr=err_f)
+        _, status, usage = os.wait4(p.pid, 0)  # reaped here, with its own rusage
+        wall = time.monotonic() - t0
+        said_f.seek(0)
+        err_f.seek(0)
+        said, err = said_f.read(), err_f.read()
+    p.returncode = os.waitstatus_to_exitcode(status)  # so Popen does not wait for it again
     if p.returncode:
-        raise SystemExit(p.stderr)
-    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    res = {"probe_rows": a.probe_rows, "wall_s": round(wall, 1), "peak_rss_mb": round(rss_mb), "file_mb":
-           round(out.stat().st_size / 2**20), "said": p.stdout.strip()}
+        raise SystemExit(err)
+    res = {"probe_rows": a.probe_rows, "wall_s": round(wall, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024),
+           "file_mb": round(out.stat().st_size / 2**20), "said": said.strip()}
     print(json.dumps(res, indent=2))
     (OUT / "result.json").write_text(json.dumps(res, indent=2))
 
