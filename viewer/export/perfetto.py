@@ -52,7 +52,7 @@ from viewer.export.perfetto_bulk import (
     ROUNDS,
     THREAD,
 )
-from viewer.export.perfetto_rounds import instants, leak_counts, requests, rounds
+from viewer.export.perfetto_rounds import instants, leak_counts, requests, rounds, timeline_rows
 from viewer.export.window import Window, table_in, windowed
 from viewer.live.state import STREAM_ORDER
 
@@ -94,7 +94,8 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
     with open(tmp, "wb") as f, ThreadPoolExecutor(1) as side:
-        leaks = side.submit(leak_counts, trace, window)  # its own tables: on the other core meanwhile
+        leaks = side.submit(leak_counts, trace, window)  # their own tables: on the other core meanwhile
+        timeline = side.submit(timeline_rows, trace, window)
         b = StreamingTraceProtoBuilder(f)
         names, threads = _header(trace, b, stats, window)
         lanes = _Lanes(threads)
@@ -112,7 +113,7 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
                 stats.packets += steps.num_rows
         # a held row's wait goes on its request's track; the row of no request stays whole
         a, s, e = pool.split()
-        flows, waited = requests(trace, f, names, steps, stats, (a, s, e), window) \
+        flows, waited = requests(trace, f, names, steps, stats, (a, s, e), timeline.result(), window) \
             if trace.has_table("requests") else (None, np.zeros(len(a), dtype=bool))
         held = pool.rows(np.where(waited, s, a), e)
         if held is not None:

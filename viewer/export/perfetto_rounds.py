@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from tracing.reader import Trace, read_parts
 from tracing.schema import TABLES
+from viewer.analysis.cycle_views import codes
 from viewer.analysis.holders import fold_holders
 from viewer.export import perfetto_bulk as bulk
 from viewer.export import wire
@@ -29,8 +30,10 @@ Flows = tuple[np.ndarray, np.ndarray]  # (round, flow id), sorted by round
 
 
 def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table, stats: Any,
-             pool: tuple[np.ndarray, np.ndarray, np.ndarray], window: Window | None = None) -> tuple[Flows, np.ndarray]:
-    """An async track per request under `requests`, with its stages; returns the flows,
+             pool: tuple[np.ndarray, np.ndarray, np.ndarray], timeline: pa.Table,
+             window: Window | None = None) -> tuple[Flows, np.ndarray]:
+    """An async track per request under `requests`, with its stages (`timeline`: the
+    trace's `timeline_rows`); returns the flows,
     and which of the tokenizer pool's rows, (arrival, the thread's start, end) each, put
     their wait (arrival to the thread's start) on a request's track as `tokenize wait`:
     those whose arrival and end are a request's arrival_ns and tokenized_ns."""
@@ -40,7 +43,7 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
     who = _match(pa_, pe, q["arrival_ns"].to_numpy().astype(np.int64), q["tokenized_ns"].to_numpy().astype(np.int64))
     waited = (who >= 0) & (ps > pa_)
     w_req, w_a, w_s = who[waited], pa_[waited], ps[waited]
-    chunks = _timeline(trace, q["request_id"], ("prefill_chunk", "preempted"), window)
+    chunks = _by_request(timeline, q["request_id"])
     a = q["arrival_ns"].to_numpy().astype(np.int64)
     s = np.maximum(a, q["first_scheduled_ns"].to_numpy())
     e = np.maximum(s, q["finish_ns"].to_numpy())
@@ -193,24 +196,30 @@ def instants(trace: Trace, b: Any, names: dict[str, int], steps: pa.Table, stats
             put(end, "leaked blocks", {"request_id": rid, "blocks": n})
 
 
-def _timeline(trace: Trace, ids: pa.ChunkedArray, stages: tuple[str, ...],
-              window: Window | None = None) -> dict[str, np.ndarray]:
-    """The timeline rows of these stages, part by part (a long run's timeline is large),
-    with each row's request as an index into `ids`."""
+STAGES = ("prefill_chunk", "preempted")  # the timeline rows the requests' tracks show
+
+
+def timeline_rows(trace: Trace, window: Window | None = None) -> pa.Table:
+    """The timeline rows of `STAGES`, part by part (a long run's timeline is large). It
+    reads its own table only, so the export runs it on a thread beside the probe rows."""
     keep: list[pa.Table] = []
     cols = ["ts_ns", "request_id", "stage", "step", "value"]
     parts = [] if not trace.has_table("timeline") else \
         (read_parts([p], TABLES["timeline"], cols) for p in trace.parts.get("timeline", [])) if window is None \
         else windowed(trace, "timeline", cols, window)
     for t in parts:
-        keep.append(t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(stages)))))
-    t = pa.concat_tables(keep) if keep else TABLES["timeline"].empty_table().select(
-        ["ts_ns", "request_id", "stage", "step", "value"])
+        keep.append(t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(STAGES)))))
+    return pa.concat_tables(keep) if keep else TABLES["timeline"].empty_table().select(cols)
+
+
+def _by_request(t: pa.Table, ids: pa.ChunkedArray) -> dict[str, np.ndarray]:
+    """`timeline_rows`' rows with each row's request as an index into `ids` (rows of no
+    request in `ids` left out)."""
     req = pc.index_in(t["request_id"], value_set=ids.combine_chunks()).fill_null(-1).to_numpy().astype(np.int64)
     ok = req >= 0
+    stage, names = codes(t["stage"])
     return {"req": req[ok], "ts": t["ts_ns"].to_numpy()[ok], "step": t["step"].to_numpy()[ok],
-            "value": t["value"].to_numpy()[ok], "stage": np.asarray(t["stage"].cast(pa.string()).to_pylist(),
-                                                                     dtype=object)[ok]}
+            "value": t["value"].to_numpy()[ok], "stage": np.asarray(names, dtype=object)[stage][ok]}
 
 
 def _requests(trace: Trace, window: Window | None) -> pa.Table:
