@@ -59,7 +59,7 @@ from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
-from scheduler.model.layers import apply_rope, paged_attention, rms_norm  # noqa: E402
+from scheduler.model.layers import paged_attention, rms_norm, rope_qk  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
@@ -167,7 +167,7 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
         with c.part("qkv"):
             qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         with c.part("rope"):
-            qk = apply_rope(qkv[:, : layer.q_size + layer.kv_size].view(t, -1, layer.head_dim), cos, sin)
+            qk = rope_qk(qkv, layer.q_size + layer.kv_size, layer.head_dim, cos, sin)
         q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads:]
         v = qkv[:, layer.q_size + layer.kv_size:].view(t, layer.num_kv_heads, layer.head_dim)
         with c.part("kv_write"):

@@ -27,21 +27,13 @@
  * extension and pip can install it like one.
  */
 #include <Python.h>
-/* v8 helpers are always inlined: the AVX argument ABI note does not apply */
-#pragma GCC diagnostic ignored "-Wpsabi"
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MULTI_TARGET __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MULTI_TARGET
-#endif
-
-#define LANES 8
+#include "_vec.h"
 
 typedef struct {
     const float *q;          /* [rows, q_stride]: row r's heads at q + r * q_stride */
@@ -56,23 +48,6 @@ typedef struct {
     int64_t row0, row1;
     int status;
 } Job;
-
-/* GCC/clang vector extensions: 8 floats, SSE pairs in the default clone and one AVX
- * register in the x86-64-v3 one; no intrinsics, so other architectures build too */
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline __attribute__((always_inline)) void store8(float *p, const v8 *v) { memcpy(p, v, sizeof *v); }
-
-/* a fixed tree over the lanes: three dependent adds, not eight, and the same order every time */
-static inline __attribute__((always_inline)) float lane_sum(const float *l) {
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-}
 
 /* a . b over D floats: two accumulators (two dependency chains), then the lanes' tree */
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t D) {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native_attention
+from . import native_attention, native_elementwise
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 
@@ -26,7 +26,8 @@ from .forward_batch import ForwardBatch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as transformers (fp32 statistics, cast back, then scale) so logits match.
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        out = native_elementwise.rms_norm(x, weight, eps)  # one pass in C on the CPU
+        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -72,6 +73,14 @@ class RotaryTable:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rope_qk(qkv: torch.Tensor, q_kv_size: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the q and k heads of a qkv GEMM's output, [T, heads + kv_heads, head_dim]:
+    in place in one C pass on the CPU (the same values: the products and the sum round as
+    torch's do), else `apply_rope` on q and k together (one expression, not two)."""
+    qk = qkv[:, :q_kv_size].view(qkv.shape[0], -1, head_dim)
+    return qk if native_elementwise.rope_(qk, cos, sin) else apply_rope(qk, cos, sin)
 
 
 @dataclass(slots=True)
@@ -223,8 +232,7 @@ class DecoderLayer(nn.Module):
         """Norm, q/k/v, RoPE, KV write and attention: ``[T, q_size]``, the input of ``o_proj``."""
         t = x.shape[0]
         qkv = F.linear(rms_norm(x, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
-        # RoPE on q and k heads together: one elementwise pass instead of two.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        qk = rope_qk(qkv, self.q_size + self.kv_size, self.head_dim, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         k_cache.index_copy_(0, batch.slot_mapping, k)

@@ -1,0 +1,69 @@
+/* RMSNorm and RoPE in one pass each, on the CPU (float32)
+ * (scheduler/model/native_elementwise.py).
+ *
+ * Why: torch runs each as several passes with a tensor between them (RMSNorm: square,
+ * mean, rsqrt, two products; RoPE: a rolled copy, two products, a sum). On the default
+ * preset they ran at 2-7 GB/s against a copy bandwidth of 10-17 GB/s
+ * (bench/bench_forward.py: 19-22% of their limits). Here each reads its input once and
+ * writes its output once; RoPE rotates q and k in place, in the GEMM's output.
+ * SiLU-gating is not here: a one-pass version (a vectorised exp) timed no faster than
+ * torch's two passes on this machine, where that exp, not memory, bounds it.
+ *
+ * The arithmetic is torch's, operation for operation (compiled without FMA contraction),
+ * except the order of RMSNorm's sum of squares (lanes in a fixed tree); the tests compare
+ * each with torch's (tests/test_native_elementwise.py). One thread: these are a few
+ * percent of the forward; called through ctypes, which releases the GIL.
+ *
+ * No Python API is used: the module init only exists so setuptools can build this as an
+ * extension and pip can install it like one.
+ */
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_vec.h"
+
+/* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n floats (x's rows x_stride apart) */
+MULTI_TARGET
+void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * n;
+        v8 acc = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            v8 v = load8(xr + i);
+            acc += v * v;
+        }
+        float lanes[LANES];
+        memcpy(lanes, &acc, sizeof lanes);
+        float ss = lane_sum(lanes);
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) o[i] = (xr[i] * inv) * w[i];
+    }
+}
+
+/* x[t, h, :] = x * cos[t] + roll(x, D / 2) * sin[t] in place, for `heads` heads of D floats
+ * per row (rows x_stride apart); cos and sin [T, D], sin signed as RotaryTable keeps it */
+MULTI_TARGET
+void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * x_stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                const float lo = a * c[i], lo_r = b * s[i];
+                const float hi = b * c[i + half], hi_r = a * s[i + half];
+                v[i] = lo + lo_r;
+                v[i + half] = hi + hi_r;
+            }
+        }
+    }
+}
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit__elementwise(void) { return PyModule_Create(&module); }

@@ -1,0 +1,35 @@
+/* What the engine's C kernels share (_attention.c, _elementwise.c): 8-float vectors, a
+ * lane sum in a fixed order, and the run-time choice of the AVX2 + FMA clone. */
+#ifndef MSTRACE_VEC_H
+#define MSTRACE_VEC_H
+/* v8 helpers are always inlined: the AVX argument ABI note does not apply */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MULTI_TARGET __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MULTI_TARGET
+#endif
+
+#define LANES 8
+
+/* GCC/clang vector extensions: 8 floats, SSE pairs in the default clone and one AVX
+ * register in the x86-64-v3 one; no intrinsics, so other architectures build too */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store8(float *p, const v8 *v) { memcpy(p, v, sizeof *v); }
+
+/* a fixed tree over the lanes: three dependent adds, not eight, and the same order every time */
+static inline __attribute__((always_inline)) float lane_sum(const float *l) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+#endif
