@@ -247,11 +247,20 @@ def test_packets_are_ordered_as_lexsort_orders_them() -> None:
     from viewer.export.perfetto_bulk import _order
 
     rng = np.random.default_rng(2)
-    for span in (5, 1000, 1 << 62):
-        times = rng.integers(0, span, 5000, dtype=np.int64) + (1 << 60 if span < 1 << 62 else -(1 << 61))
+    # one integer: near-equal times, negative ones, a span just under 2^61; then lexsort's fallback
+    for lo, span in ((1 << 60, 5), (-(1 << 40), 1000), (-(1 << 60), (1 << 61) - 1), (-(1 << 61), 1 << 62)):
+        times = lo + rng.integers(0, span, 5000, dtype=np.int64)
         kinds = rng.integers(0, 3, 5000)
         inners = rng.integers(-3, 3, 5000)
         assert np.array_equal(_order(times, kinds, inners), np.lexsort((inners, kinds, times)))
+
+
+def test_a_short_piece_is_refused_before_c_reads_past_it() -> None:
+    n = 10
+    for pieces in ([b"\x08", np.zeros(n - 1, np.uint64)], [wire.Raw(np.ones(n - 1, np.int64), np.zeros(9, np.uint8))],
+                   [wire.Raw(np.full(n, 2, np.int64), np.zeros(5, np.uint8))]):
+        with pytest.raises(ValueError):
+            wire.encode(pieces, n)
 
 
 def test_export_refuses_bad_input_in_one_line(tmp_path: Path) -> None:

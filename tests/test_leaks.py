@@ -336,3 +336,25 @@ def test_counts_too_large_for_int16_cells():
     mem, req = memory(rows), _requests({"r0": "eos"})
     got, want = leak_report(mem, req, CAP, True), oracle_leak_report(mem, req, CAP, True)
     assert got == want and got.fragmentation[0].free_blocks == CAP - 1 and got.num_anomalies == 0
+
+
+def test_holder_counts_fold_kinds_as_dictionary_codes_and_skip_nulls() -> None:
+    """viewer/analysis/holders.py (the export's leak count and `mstrace top`'s): +1 for
+    alloc/ref, -1 for free/unref/reclaim, a request at 0 dropped; a null kind or request id
+    counts for nobody; with `restart`, the last snapshot's listing starts the counts over."""
+    from viewer.analysis.holders import fold_holders
+
+    kinds = ["alloc", "alloc", "ref", None, "free", "alloc", "unref", "reclaim", "alloc", "alloc"]
+    rids = ["a", "a", "b", "a", "a", "c", "b", "c", None, "d"]
+    for as_dict in (False, True):
+        k, r = pa.array(kinds), pa.array(rids)
+        mem = pa.table({"kind": k.dictionary_encode() if as_dict else k, "request_id": r.dictionary_encode() if as_dict
+                        else r})
+        held: dict[str, int] = {"d": 1}
+        fold_holders(mem, held)
+        assert held == {"a": 1, "d": 2}
+    mem = pa.table({"kind": ["alloc", "snapshot_begin", "snapshot", "snapshot", "alloc"],
+                    "request_id": ["x", "", "y", "y", "z"]})
+    held = {"x": 5}
+    rows, restarted = fold_holders(mem, held, restart=True)
+    assert restarted and rows.num_rows == 3 and held == {"y": 2, "z": 1}

@@ -51,8 +51,8 @@ HOST_STREAM = "host"
 
 
 def chunk_codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
-    """Each chunk's dictionary codes (int32, zero-copy) over one list of names: grouping a
-    probes column on its codes costs a fraction of a string per row."""
+    """Each chunk's dictionary codes (int32, zero-copy where no row is null) over one list of
+    names: grouping a probes column on its codes costs a fraction of a string per row."""
     if isinstance(col, pa.Array):
         col = pa.chunked_array([col])
     if not pa.types.is_dictionary(col.type):
@@ -61,7 +61,9 @@ def chunk_codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list
         col = pa.table({"c": col}).unify_dictionaries()["c"]
     chunks = [c for c in col.chunks if len(c)]
     names = chunks[0].dictionary.to_pylist() if chunks else []
-    return [c.indices.to_numpy(zero_copy_only=False) for c in chunks], names
+    # a null row's code is -1 (its index slot holds no value; read as is it would be a float NaN)
+    return [(c.indices.fill_null(-1) if c.null_count else c.indices).to_numpy(zero_copy_only=False)
+            for c in chunks], names
 
 
 def codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:

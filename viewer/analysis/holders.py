@@ -42,9 +42,12 @@ def fold_holders(mem: pa.Table, held: dict[str, int], restart: bool = False) -> 
         plus_kinds = (*_PLUS, "snapshot")  # the listing gives the counts to start from
     if not mem.num_rows:
         return mem, restarted
-    sign = np.array([1 if k in plus_kinds else -1 if k in _MINUS else 0 for k in kinds], dtype=np.int64)[kind]
+    # a null kind or request id (code -1; the engine writes none) counts for nobody
+    sign = np.array([1 if k in plus_kinds else -1 if k in _MINUS else 0 for k in kinds] + [0], dtype=np.int64)
+    sign = sign[np.where(kind < 0, len(kinds), kind)]
     rid, names = codes(mem["request_id"])
-    delta = np.bincount(rid, weights=sign, minlength=len(names)).astype(np.int64)
+    ok = rid >= 0
+    delta = np.bincount(rid[ok], weights=sign[ok], minlength=len(names)).astype(np.int64)
     for i in np.flatnonzero(delta).tolist():
         name = names[i]
         if name:

@@ -26,7 +26,10 @@ def _load() -> ctypes.CDLL | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = here / f"_kernels{suffix}"
         if p.is_file():
-            lib = ctypes.CDLL(str(p))
+            try:
+                lib = ctypes.CDLL(str(p))
+            except OSError:  # a stale or foreign build: the numpy path, not a failed import
+                return None
             lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
             lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
             lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]

@@ -91,11 +91,22 @@ def _committed_rows(trace: Trace, name: str) -> int:
 
 
 def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -> None:
+    # The leak count and the requests' timeline rows read their own tables: on the other core
+    # while the probe rows are encoded (the timeline rows are held meanwhile). On an error,
+    # what has not started does not start.
+    side = ThreadPoolExecutor(1)
+    try:
+        _write_with(trace, tmp, stats, window, side)
+    finally:
+        side.shutdown(cancel_futures=True)
+
+
+def _write_with(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None, side: ThreadPoolExecutor) -> None:
     from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
-    with open(tmp, "wb") as f, ThreadPoolExecutor(1) as side:
-        leaks = side.submit(leak_counts, trace, window)  # their own tables: on the other core meanwhile
-        timeline = side.submit(timeline_rows, trace, window)
+    with open(tmp, "wb") as f:
+        leaks = side.submit(leak_counts, trace, window)
+        timeline = side.submit(timeline_rows, trace, window) if trace.has_table("requests") else None
         b = StreamingTraceProtoBuilder(f)
         names, threads = _header(trace, b, stats, window)
         lanes = _Lanes(threads)
@@ -114,7 +125,7 @@ def _write(trace: Trace, tmp: Path, stats: ExportStats, window: Window | None) -
         # a held row's wait goes on its request's track; the row of no request stays whole
         a, s, e = pool.split()
         flows, waited = requests(trace, f, names, steps, stats, (a, s, e), timeline.result(), window) \
-            if trace.has_table("requests") else (None, np.zeros(len(a), dtype=bool))
+            if timeline is not None else (None, np.zeros(len(a), dtype=bool))
         held = pool.rows(np.where(waited, s, a), e)
         if held is not None:
             body = _probe_packets(held, names, lanes, stats)
@@ -133,8 +144,6 @@ def _header(trace: Trace, b: Any, stats: ExportStats,
     pairs: set[tuple[int, str]] = set()
     boundaries: set[str] = set()
     for chunk in _probe_chunks(trace, ["rank", "stream", "boundary"], window):
-        if not chunk.num_rows:
-            continue
         (s_code, s_names), (b_code, b_names) = codes(chunk["stream"]), codes(chunk["boundary"])
         key = chunk["rank"].to_numpy().astype(np.int64) * len(s_names) + s_code  # (a dictionary may hold unused names)
         pairs |= {(k // len(s_names), s_names[k % len(s_names)]) for k in np.flatnonzero(np.bincount(key)).tolist()}
@@ -197,7 +206,8 @@ def _probe_chunks(trace: Trace, cols: list[str] | None = None, window: Window | 
 def _read_ahead(parts: Iterator[pa.Table]) -> Iterator[pa.Table]:
     """The parts, the next one read on a thread while this one is encoded: Parquet's
     decoding, numpy's passes and the C encoder release the GIL, so on two cores the
-    reads mostly vanish. At most two parts are held."""
+    reads mostly vanish. At most three parts are held (the one encoded, the next, and
+    for a moment the one after it)."""
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(next, parts, None)
         while (t := pending.result()) is not None:

@@ -60,7 +60,10 @@ def _load() -> ctypes.CDLL | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         p = Path(__file__).with_name(f"_wire{suffix}")
         if p.is_file():
-            lib = ctypes.CDLL(str(p))
+            try:
+                lib = ctypes.CDLL(str(p))
+            except OSError:  # a stale or foreign build: the numpy path, not a failed import
+                return None
             v, n = ctypes.c_void_p, ctypes.c_int64
             lib.wire_sizes.argtypes = [n, n, v, v]
             lib.wire_write.argtypes = [n, n, v, v, v]
@@ -87,7 +90,9 @@ def _flat(pieces: list[Piece]) -> list[bytes | np.ndarray | Raw]:
 
 def _c_pieces(pieces: Sequence[Piece], n: int) -> tuple[ctypes.Array[_Piece], list[np.ndarray]]:
     """The pieces as _wire.c reads them, and the arrays that must outlive the call. A
-    submessage is one piece of known size (kind 3) here: `_flat` spells it out to write it."""
+    submessage is one piece of known size (kind 3) here: `_flat` spells it out to write it.
+    C reads n values of each array without looking: a short one is an error here, not a
+    read past its end there."""
     keep: list[np.ndarray] = []
     arr = (_Piece * max(len(pieces), 1))()
     for q, p in zip(arr, pieces, strict=False):
@@ -98,15 +103,16 @@ def _c_pieces(pieces: Sequence[Piece], n: int) -> tuple[ctypes.Array[_Piece], li
         elif isinstance(p, Raw):
             ln = np.ascontiguousarray(p.lengths[:n], dtype=np.int64)
             data = np.ascontiguousarray(p.data)
+            if len(ln) < n or int(ln.sum()) > len(data) or (len(ln) and int(ln.min()) < 0):
+                raise ValueError(f"a Raw piece holds {len(ln)} lengths and {len(data)} bytes for {n} messages")
             q.kind, q.bytes, q.lengths = 2, data.ctypes.data, ln.ctypes.data
             keep += [ln, data]
-        elif isinstance(p, Sub):
-            v = np.ascontiguousarray(p.sizes[:n], dtype=np.uint64)
-            q.kind, q.nbytes, q.values = 3, len(p.tag), v.ctypes.data
-            keep.append(v)
         else:
-            v = np.ascontiguousarray(p[:n], dtype=np.uint64)
-            q.kind, q.values = 1, v.ctypes.data
+            v = np.ascontiguousarray((p.sizes if isinstance(p, Sub) else p)[:n], dtype=np.uint64)
+            if len(v) < n:
+                raise ValueError(f"a piece holds {len(v)} values for {n} messages")
+            sub = isinstance(p, Sub)
+            q.kind, q.nbytes, q.values = (3 if sub else 1), (len(p.tag) if sub else 0), v.ctypes.data
             keep.append(v)
     return arr, keep
 
