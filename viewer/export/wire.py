@@ -111,8 +111,7 @@ def _c_pieces(pieces: Sequence[Piece], n: int) -> tuple[ctypes.Array[_Piece], li
             v = np.ascontiguousarray((p.sizes if isinstance(p, Sub) else p)[:n], dtype=np.uint64)
             if len(v) < n:
                 raise ValueError(f"a piece holds {len(v)} values for {n} messages")
-            sub = isinstance(p, Sub)
-            q.kind, q.nbytes, q.values = (3 if sub else 1), (len(p.tag) if sub else 0), v.ctypes.data
+            q.kind, q.nbytes, q.values = (3, len(p.tag), v.ctypes.data) if isinstance(p, Sub) else (1, 0, v.ctypes.data)
             keep.append(v)
     return arr, keep
 
