@@ -20,20 +20,28 @@ _P = ctypes.c_void_p
 _N = ctypes.c_int64
 
 
-def load_library(path: Path | None = None) -> ctypes.CDLL | None:
-    """The installed build, or the one at `path` (bench/bench_forward.py's A/B of two builds)."""
+def open_library(stem: str, path: Path | None = None) -> ctypes.CDLL | None:
+    """The model's extension `stem` as the install built it next to this file, or the build
+    at `path`, opened with ctypes; None where there is none, or a stale or foreign one (the
+    torch path then, not a failed import)."""
     here = Path(__file__).parent
-    paths = [path] if path is not None else [here / f"_attention{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
+    paths = [path] if path is not None else [here / f"{stem}{s}" for s in importlib.machinery.EXTENSION_SUFFIXES]
     for p in paths:
         if p.is_file():
             try:
-                lib = ctypes.CDLL(str(p))
-            except OSError:  # a stale or foreign build: the gather path, not a failed import
+                return ctypes.CDLL(str(p))
+            except OSError:
                 return None
-            lib.decode_attention.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
-            lib.decode_attention.restype = ctypes.c_int
-            return lib
     return None
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL | None:
+    """The installed build, or the one at `path` (bench/bench_forward.py's A/B of two builds)."""
+    lib = open_library("_attention", path)
+    if lib is not None:
+        lib.decode_attention.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
+        lib.decode_attention.restype = ctypes.c_int
+    return lib
 
 
 _LIB = load_library()

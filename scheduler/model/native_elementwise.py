@@ -10,28 +10,22 @@ torch expression, which gives the same values up to float32 rounding
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-from pathlib import Path
 
 import torch
+
+from scheduler.model.native_attention import open_library
 
 _P = ctypes.c_void_p
 _N = ctypes.c_int64
 
 
 def _load() -> ctypes.CDLL | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = Path(__file__).with_name(f"_elementwise{suffix}")
-        if p.is_file():
-            try:
-                lib = ctypes.CDLL(str(p))
-            except OSError:  # a stale or foreign build: the torch path, not a failed import
-                return None
-            lib.rms_norm.argtypes = [_P, _N, _P, _P, _N, _N, ctypes.c_float]
-            lib.rope.argtypes = [_P, _N, _P, _P, _N, _N, _N]
-            lib.rms_norm.restype = lib.rope.restype = None
-            return lib
-    return None
+    lib = open_library("_elementwise")
+    if lib is not None:
+        lib.rms_norm.argtypes = [_P, _N, _P, _P, _N, _N, ctypes.c_float]
+        lib.rope.argtypes = [_P, _N, _P, _P, _N, _N, _N]
+        lib.rms_norm.restype = lib.rope.restype = None
+    return lib
 
 
 _LIB = _load()

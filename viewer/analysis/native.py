@@ -21,23 +21,30 @@ _I64P = ctypes.POINTER(ctypes.c_int64)
 _N = ctypes.c_int64
 
 
-def _load() -> ctypes.CDLL | None:
-    here = Path(__file__).parent
+def open_library(folder: Path, stem: str) -> ctypes.CDLL | None:
+    """The extension `stem` built in `folder`, opened with ctypes (no Python API is used);
+    None where the install built none, or built a stale or foreign one (the numpy path
+    then, not a failed import)."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_kernels{suffix}"
+        p = folder / f"{stem}{suffix}"
         if p.is_file():
             try:
-                lib = ctypes.CDLL(str(p))
-            except OSError:  # a stale or foreign build: the numpy path, not a failed import
+                return ctypes.CDLL(str(p))
+            except OSError:
                 return None
-            lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
-            lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
-            lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
-            lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
-            lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
-            lib.count_keys.restype = ctypes.c_int64
-            return lib
     return None
+
+
+def _load() -> ctypes.CDLL | None:
+    lib = open_library(Path(__file__).parent, "_kernels")
+    if lib is not None:
+        lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
+        lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
+        lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
+        lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
+        lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
+        lib.count_keys.restype = ctypes.c_int64
+    return lib
 
 
 _LIB = _load()

@@ -17,11 +17,12 @@ same column by column (tests/test_export.py checks that the two write the same b
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from viewer.analysis.native import open_library
 
 
 class Raw:
@@ -57,20 +58,14 @@ class _Piece(ctypes.Structure):
 
 
 def _load() -> ctypes.CDLL | None:
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = Path(__file__).with_name(f"_wire{suffix}")
-        if p.is_file():
-            try:
-                lib = ctypes.CDLL(str(p))
-            except OSError:  # a stale or foreign build: the numpy path, not a failed import
-                return None
-            v, n = ctypes.c_void_p, ctypes.c_int64
-            lib.wire_sizes.argtypes = [n, n, v, v]
-            lib.wire_write.argtypes = [n, n, v, v, v]
-            lib.wire_gather.argtypes = [v, v, v, v, n, v]
-            lib.wire_sizes.restype = lib.wire_write.restype = lib.wire_gather.restype = None
-            return lib
-    return None
+    lib = open_library(Path(__file__).parent, "_wire")
+    if lib is not None:
+        v, n = ctypes.c_void_p, ctypes.c_int64
+        lib.wire_sizes.argtypes = [n, n, v, v]
+        lib.wire_write.argtypes = [n, n, v, v, v]
+        lib.wire_gather.argtypes = [v, v, v, v, n, v]
+        lib.wire_sizes.restype = lib.wire_write.restype = lib.wire_gather.restype = None
+    return lib
 
 
 _LIB = _load()
