@@ -214,6 +214,10 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     assert side["matched"] == side["of"] == 12
     # the client's clock starts before the server's and stops after it: the hop cannot be negative
     assert side["hop_ttft_min_ms"] >= 0 and side["hop_e2el_ms"]["median"] >= 0
+    # and each leg alone neither: the client's send comes before the route's submit and the
+    # token's collection before the client reads it (one machine: the two clocks are one)
+    assert side["hop_in_min_ms"] >= 0 and side["hop_out_min_ms"] >= 0
+    assert side["hop_in_ms"]["mean"] + side["hop_out_ms"]["mean"] == pytest.approx(side["hop_ttft_ms"]["mean"])
 
 
 def test_bench_serve_random_prompts_are_as_long_as_the_server_counts_them(server: Served, tmp_path: Path) -> None:

@@ -113,7 +113,14 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
     the client's minus the server's: the network and HTTP hop, which must be >= 0.
 
     The server's clock starts when its route submits the request, the client's when it
-    sends; both end at the first token (server: collected; client: its chunk read)."""
+    sends; both end at the first token (server: collected; client: its chunk read).
+
+    The TTFT hop is cut in its two legs, in (the client's send to the route's submit:
+    connect, accept, parse, validation) and out (the token's collection to the client's
+    read of its chunk: the sender thread, the event loop, the write, the client's own
+    loop). That reads the server's times against the client's, so it holds only where
+    both run on one machine, as `--trace` needs anyway (both clocks are CLOCK_MONOTONIC:
+    perf_counter_ns there, monotonic_ns here)."""
     import time
 
     from tracing.reader import Trace, TraceError
@@ -131,7 +138,7 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         if len(rows) == len(want) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    s_ttft, s_e2e, hop_ttft, hop_e2e = [], [], [], []
+    s_ttft, s_e2e, hop_ttft, hop_e2e, hop_in, hop_out = [], [], [], [], [], []
     for rid, row in rows.items():
         c = want[rid]
         st = (row["first_token_ns"] - row["arrival_ns"]) * MS
@@ -140,15 +147,21 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         s_e2e.append(se)
         hop_ttft.append((c.chunk_ns[0] - c.sent_ns) * MS - st)
         hop_e2e.append((c.done_ns - c.sent_ns) * MS - se)
+        hop_in.append((row["arrival_ns"] - c.sent_ns) * MS)
+        hop_out.append((c.chunk_ns[0] - row["first_token_ns"]) * MS)
     return {"matched": len(rows), "of": len(want), "server_ttft_ms": _dist(s_ttft), "server_e2el_ms": _dist(s_e2e),
             "hop_ttft_ms": _dist(hop_ttft), "hop_e2el_ms": _dist(hop_e2e),
-            "hop_ttft_min_ms": min(hop_ttft) if hop_ttft else float("nan")}
+            "hop_ttft_min_ms": min(hop_ttft) if hop_ttft else float("nan"),
+            "hop_in_ms": _dist(hop_in), "hop_out_ms": _dist(hop_out),
+            "hop_in_min_ms": min(hop_in) if hop_in else float("nan"),
+            "hop_out_min_ms": min(hop_out) if hop_out else float("nan")}
 
 
 def render_server_side(s: dict[str, Any]) -> str:
     w = 50
     lines = [f"{' Server side (mstrace trace) ':=^{w}}", f"{'Requests matched in the trace:':<40}{s['matched']}/{s['of']}"]
     for key, label in (("server_ttft_ms", "server TTFT"), ("hop_ttft_ms", "client - server TTFT"),
+                       ("hop_in_ms", "hop in: send -> submit"), ("hop_out_ms", "hop out: token -> read"),
                        ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             lines.append(f"{f'{name} {label} (ms):':<40}{s[key][stat]:<10.3f}")
