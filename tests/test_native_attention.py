@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from scheduler.model import native_attention
-from scheduler.model.forward_batch import SeqChunk, build_forward_batch
-from scheduler.model.loader import load_model
-from tests.support.oracle import mixed_decode_chunks
+from tests.support.oracle import logits_with_and_without
 
 pytestmark = pytest.mark.skipif(not native_attention.AVAILABLE, reason="built without a C compiler")
 
@@ -91,14 +89,5 @@ def test_what_it_does_not_take_falls_back():
 def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
     """Decode rows of many lengths (several length groups on the gather path) in one batch
     with a prefill chunk: the C path and the gather + SDPA path agree."""
-    from scheduler.model.presets import ensure_preset
-
-    model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
-    kv = model.make_kv_cache(400, 4)
-    chunks, used = mixed_decode_chunks(model, kv, 4)
-    g = torch.Generator().manual_seed(1)
-    chunks.append(SeqChunk(torch.randint(5, 500, (30,), generator=g).tolist(), 0, list(range(used, used + 8)), True))
-    native = model(build_forward_batch(chunks, 4, "cpu"), kv)
-    monkeypatch.setattr(native_attention, "_LIB", None)
-    gathered = model(build_forward_batch(chunks, 4, "cpu"), kv)
-    torch.testing.assert_close(native, gathered, atol=1e-5, rtol=1e-5)
+    native, plain = logits_with_and_without(native_attention, monkeypatch)
+    torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)

@@ -11,12 +11,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from scheduler.model.kv_cache import PagedKVCache
+from scheduler.model.loader import load_model
 
 if TYPE_CHECKING:
     from scheduler.model.transformer import CausalLM
@@ -147,3 +148,18 @@ def mixed_decode_chunks(model: CausalLM, kv: PagedKVCache, block_size: int) -> t
         model(build_forward_batch([SeqChunk(prompt, 0, table, False)], block_size, "cpu"), kv)  # fill its KV
         chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
     return chunks, used
+
+
+def logits_with_and_without(library_owner: Any, monkeypatch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tiny preset's logits for `mixed_decode_chunks` and a 30-token prefill chunk in one
+    batch: with `library_owner`'s C library (a native_* module's `_LIB`) and without it."""
+    from scheduler.model.presets import ensure_preset
+
+    model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
+    kv = model.make_kv_cache(400, 4)
+    chunks, used = mixed_decode_chunks(model, kv, 4)
+    g = torch.Generator().manual_seed(1)
+    chunks.append(SeqChunk(torch.randint(5, 500, (30,), generator=g).tolist(), 0, list(range(used, used + 8)), True))
+    native = model(build_forward_batch(chunks, 4, "cpu"), kv)
+    monkeypatch.setattr(library_owner, "_LIB", None)
+    return native, model(build_forward_batch(chunks, 4, "cpu"), kv)
