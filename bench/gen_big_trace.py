@@ -38,6 +38,7 @@ from tracing.schema import TABLES
 from tracing.writer import FLUSH_INTERVAL_S, PartStore, parquet_options, write_json_atomic
 
 FLUSH_S = FLUSH_INTERVAL_S  # the layout the writer leaves
+BATCH_ROWS = 10_000_000  # probe rows built in memory at a time
 # the column whose time decides which flush a row left in
 FLUSH_TIME = {"probes": "ts_ns", "steps": "ts_ns", "requests": "finish_ns", "timeline": "ts_ns", "memory": "ts_ns"}
 
@@ -62,65 +63,96 @@ def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
     return pa.table(cols, schema=t.schema)
 
 
-def replicate(src: Path, probe_rows: int) -> tuple[dict[str, pa.Table], dict[str, object], int]:
-    tr = Trace.open(src)
-    tables = {n: tr.table(n) for n in FLUSH_TIME}
-    probes, steps = tables["probes"], tables["steps"]
-    k = max(1, math.ceil(probe_rows / probes.num_rows))
-    t0 = min(pc.min(probes["ts_ns"]).as_py(), pc.min(steps["ts_ns"]).as_py())
-    t1 = max(pc.max(pc.add(probes["ts_ns"], probes["dur_ns"])).as_py(),
-             pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
-    span = t1 - t0 + 1000
-    nstep = pc.max(steps["step"]).as_py() + 1
-    big = {name: pa.concat_tables([shifted(t, i * span, i * nstep, f"#{i}" if i else None) for i in range(k)])
-           for name, t in tables.items()}
-    return big, tr.meta, k
+class Source:
+    """A trace to replicate: its tables, and the time and round span one copy shifts by."""
+
+    def __init__(self, src: Path) -> None:
+        tr = Trace.open(src)
+        self.meta = tr.meta
+        self.tables = {n: tr.table(n) for n in FLUSH_TIME}
+        probes, steps = self.tables["probes"], self.tables["steps"]
+        t0 = min(pc.min(probes["ts_ns"]).as_py(), pc.min(steps["ts_ns"]).as_py())
+        t1 = max(pc.max(pc.add(probes["ts_ns"], probes["dur_ns"])).as_py(),
+                 pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
+        self.span = t1 - t0 + 1000
+        self.nstep = pc.max(steps["step"]).as_py() + 1
+        firsts = (pc.min(pc.filter(t[FLUSH_TIME[n]], pc.greater(t[FLUSH_TIME[n]], 0))).as_py()
+                  for n, t in self.tables.items())
+        self.t_min = min(int(x) for x in firsts if x is not None)
+
+    def copies(self, lo: int, hi: int) -> dict[str, pa.Table]:
+        """Copies lo..hi-1 as one run's tables (copy i shifted by i spans and i rounds)."""
+        return {name: pa.concat_tables([shifted(t, i * self.span, i * self.nstep, f"#{i}" if i else None)
+                                        for i in range(lo, hi)])
+                for name, t in self.tables.items()}
 
 
-def write_uncompacted(out: Path, tables: dict[str, pa.Table], meta: dict[str, object], files: bool,
-                      rows_per_group: int = 0, single: bool = False) -> int:
-    """One row group per table per flush window (`files`: one part file per flush
-    window, as the writer of older versions left them), committed in one manifest.
-    `rows_per_group`: instead, one row group per that many rows of every table (the
-    replication the issue measured). `single`: one part per table, however large.
-    Returns the number of row groups of probes."""
+def write_uncompacted(out: Path, src: Source, k: int, files: bool, rows_per_group: int = 0,
+                      single: bool = False, batch_rows: int = BATCH_ROWS) -> int:
+    """K copies of `src`, one row group per table per flush window (`files`: one part file
+    per flush window, as the writer of older versions left them). `rows_per_group`: instead,
+    one row group per that many rows of every table (the replication the issue measured).
+    `single`: one part per table, however large. Copies are built and written about
+    `batch_rows` probe rows at a time and committed batch by batch, as a long run commits
+    its flushes, so a 100 M-row trace never has to fit in memory. Returns the number of
+    row groups (or part files) of probes."""
     for name in TABLES:
         (out / name).mkdir(parents=True)
     store = PartStore(out, Manifest(0), TABLES, Targets())
-    t_min = min(int(pc.min(pc.filter(t[c], pc.greater(t[c], 0))).as_py()) for c, t in
-                ((FLUSH_TIME[n], tables[n]) for n in tables))
-    windows = 0
-    for name, t in tables.items():
-        if rows_per_group:
-            cuts = np.arange(rows_per_group, t.num_rows, rows_per_group)
-        else:
-            ts = t[FLUSH_TIME[name]].to_numpy()
-            window = (np.maximum(ts - t_min, 0) // int(FLUSH_S * 1e9)).astype(np.int64)
-            order = np.argsort(window, kind="stable")  # a flush keeps its producers' append order
-            t, window = t.take(pa.array(order)), window[order]
-            cuts = np.flatnonzero(np.diff(window)) + 1
-        bounds = list(zip([0, *cuts.tolist()], [*cuts.tolist(), t.num_rows], strict=True))
-        windows = windows or len(bounds)
-        if files:
-            entries = [store.write_part(name, t.slice(a, b - a)) for a, b in bounds]
-        else:
-            entries = _row_group_parts(store, name, t, bounds, single)
-        store.commit({name: entries})
-    write_json_atomic(out / "meta.json", {**meta, "store": "manifest-v1"})
-    return windows
+    per_batch = max(1, batch_rows // max(1, src.tables["probes"].num_rows))
+    singles: dict[str, tuple[pq.ParquetWriter, str, Path, list[int]]] = {}
+    groups = 0
+    for lo in range(0, k, per_batch):
+        tables = src.copies(lo, min(k, lo + per_batch))
+        added: dict[str, list[PartEntry]] = {}
+        for name, t in tables.items():
+            if not t.num_rows:
+                continue
+            if rows_per_group:
+                cuts = np.arange(rows_per_group, t.num_rows, rows_per_group)
+            else:
+                ts = t[FLUSH_TIME[name]].to_numpy()
+                window = (np.maximum(ts - src.t_min, 0) // int(FLUSH_S * 1e9)).astype(np.int64)
+                order = np.argsort(window, kind="stable")  # a flush keeps its producers' append order
+                t, window = t.take(pa.array(order)), window[order]
+                cuts = np.flatnonzero(np.diff(window)) + 1
+            bounds = list(zip([0, *cuts.tolist()], [*cuts.tolist(), t.num_rows], strict=True))
+            if name == "probes":
+                groups += len(bounds)
+            if single:
+                if name not in singles:
+                    file = store.manifest.new_name()
+                    tmp = store.root / name / f".{file}.tmp"
+                    singles[name] = (pq.ParquetWriter(tmp, t.schema, **parquet_options(t.schema)), file, tmp, [0, 0, 0])
+                w, _, _, count = singles[name]
+                for a, b in bounds:
+                    w.write_table(t.slice(a, b - a).combine_chunks(), row_group_size=b - a)
+                count[0] += t.num_rows
+                count[1] += t.nbytes
+                count[2] += len(bounds)
+            elif files:
+                added[name] = [store.write_part(name, t.slice(a, b - a)) for a, b in bounds]
+            else:
+                added[name] = _row_group_parts(store, name, t, bounds)
+        if added:
+            store.commit(added)
+    for name, (w, file, tmp, (rows, nbytes, n)) in singles.items():
+        w.close()
+        tmp.rename(store.root / name / file)
+        store.commit({name: [PartEntry(file, rows, nbytes, 0, n)]})
+    return groups
 
 
-def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]],
-                     single: bool = False) -> list[PartEntry]:
+def _row_group_parts(store: PartStore, name: str, t: pa.Table, bounds: list[tuple[int, int]]) -> list[PartEntry]:
     """Parts of up to MAX_ROWS rows and MAX_BYTES of Arrow memory (as the writer's
-    merges bound them; `single`: one part), each flush window its own row group."""
+    merges bound them), each flush window its own row group."""
     entries: list[PartEntry] = []
     per_row = t.nbytes / max(t.num_rows, 1)
     i = 0
     while i < len(bounds):
         j, start = i, bounds[i][0]
-        while j < len(bounds) and (single or (bounds[j][1] - start <= MAX_ROWS
-                                              and (bounds[j][1] - start) * per_row <= MAX_BYTES)):
+        while j < len(bounds) and (bounds[j][1] - start <= MAX_ROWS
+                                   and (bounds[j][1] - start) * per_row <= MAX_BYTES):
             j += 1
         j = max(j, i + 1)
         file = store.manifest.new_name()
@@ -146,15 +178,19 @@ def main() -> None:
                     help="uncompacted: one row group per this many rows of each table, not per flush")
     ap.add_argument("--flush-files", action="store_true",
                     help="uncompacted: one part file per flush (not one row group per flush)")
+    ap.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
+                    help="build and commit the copies about this many probe rows at a time")
     a = ap.parse_args()
-    tables, meta, k = replicate(a.src, a.probe_rows)
-    meta = {**meta, "replicated": {"from": str(a.src), "copies": k}}
+    src = Source(a.src)
+    k = max(1, math.ceil(a.probe_rows / src.tables["probes"].num_rows))
     if a.out.exists():
         shutil.rmtree(a.out)
-    groups = write_uncompacted(a.out, tables, meta, a.flush_files, a.rows_per_group, a.layout == "single")
+    groups = write_uncompacted(a.out, src, k, a.flush_files, a.rows_per_group, a.layout == "single", a.batch_rows)
+    write_json_atomic(a.out / "meta.json", {**src.meta, "store": "manifest-v1",
+                                            "replicated": {"from": str(a.src), "copies": k}})
     what = "part files" if a.flush_files else "row groups"
     per = f"{a.rows_per_group} rows each" if a.rows_per_group else f"one per {FLUSH_S} s flush"
-    print(f"{k} copies -> {tables['probes'].num_rows} probe rows, {groups} {what} in probes/ ({per}) "
+    print(f"{k} copies -> {k * src.tables['probes'].num_rows} probe rows, {groups} {what} in probes/ ({per}) "
           f"in {a.out}")
     if a.layout == "compacted":
         t = time.perf_counter()
