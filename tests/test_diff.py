@@ -107,8 +107,7 @@ def test_request_bootstrap_sees_a_ttft_shift_and_not_noise():
 
 
 def test_point_estimates_are_the_reports():
-    side = diff_synth.run(200, seed=4)
-    p, s, r = side.probes, side.steps, side.requests
+    p, s, r, _ = diff_synth.tables(200, seed=4)
     ct, sv = cost_table(p, s), serving_metrics(r)
     d, dr = D.diff_cycles(p, s, p, s), D.diff_requests(r, r)
     itl = D.diff_itl(r, s, r, s)["itl_ms"]

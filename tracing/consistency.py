@@ -15,6 +15,7 @@ charged to the last round that did finish.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,19 +27,19 @@ from tracing.reader import Trace, TraceError
 STEP_TABLES = ("probes", "timeline", "memory")
 
 
+STEP_NEED = ["step", "collect_ns", "ts_ns", "dur_ns"]  # what the references and clipping read
+
+
 def read_consistent(trace: Trace, want: dict[str, list[str] | None],
-                    dictionary: dict[str, tuple[str, ...]] | None = None) -> dict[str, pa.Table]:
+                    dictionary: dict[str, tuple[str, ...]] | None = None,
+                    steps: pa.Table | None = None) -> dict[str, pa.Table]:
     """The wanted tables (name -> columns, None for all), references checked or clipped;
     `dictionary`: per table, string columns to read dictionary-encoded.
 
-    `steps` is always read (what the references point at); it is returned when wanted."""
-    need = ["step", "collect_ns", "ts_ns", "dur_ns"]
-    step_cols: list[str] | None = need
-    if "steps" in want:
-        wanted = want["steps"]
-        step_cols = None if wanted is None else list(dict.fromkeys([*wanted, *need]))
-    steps = trace.table("steps", step_cols)
-    _check_unique_steps(trace, steps)
+    `steps` is always read (what the references point at), unless given (as `read_steps`
+    returns it); it is returned when wanted."""
+    if steps is None:
+        steps = read_steps(trace, want["steps"] if "steps" in want else STEP_NEED)
     last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
     # when the last committed round handed off its tokens
     last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) if steps.num_rows else None
@@ -62,6 +63,27 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None],
     if "steps" in want:
         out["steps"] = steps if want["steps"] is None else steps.select(want["steps"])
     return out
+
+
+def read_steps(trace: Trace, columns: list[str] | None) -> pa.Table:
+    """The steps table with `columns` and what the references need, its rounds checked unique."""
+    steps = trace.table("steps", None if columns is None else list(dict.fromkeys([*columns, *STEP_NEED])))
+    _check_unique_steps(trace, steps)
+    return steps
+
+
+def probe_clip(trace: Trace, steps: pa.Table) -> Callable[[pa.Table], pa.Table] | None:
+    """What `read_consistent` does to the probes of an unfinished run, for a table read in
+    pieces (tracing/sweep.py): each piece, read with its `step` column, clipped as the whole
+    would be and returned without it (None: a complete run)."""
+    if trace.status.complete:
+        return None
+    last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
+    last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) if steps.num_rows else None
+
+    def clip(t: pa.Table) -> pa.Table:
+        return _clip_past(trace, "probes", t, last, last_end).drop_columns(["step"])
+    return clip
 
 
 def _check_unique_steps(trace: Trace, steps: pa.Table) -> None:

@@ -180,16 +180,25 @@ def part_batches(p: Part, schema: pa.Schema) -> Iterator[pa.Table]:
         yield _with_added(pa.Table.from_batches([b]), schema, older, added).select(schema.names)
 
 
-def read_row_groups(p: Part, schema: pa.Schema, columns: list[str], groups: list[int]) -> pa.Table:
+def read_row_groups(p: Part, schema: pa.Schema, columns: list[str], groups: list[int],
+                    dictionary: tuple[str, ...] = ()) -> pa.Table:
     """Some row groups of one part, as `columns` of `schema` (a column added since the part
-    was written holds its default); TraceError for a part of another shape."""
+    was written holds its default); TraceError for a part of another shape. `dictionary`:
+    as `Trace.table`'s. FileNotFoundError: a live compaction removed the part."""
     added = _added(schema)
+    as_dict = pa.dictionary(pa.int32(), pa.string())
+    want = pa.schema([schema.field(c).with_type(as_dict) if c in dictionary else schema.field(c) for c in columns])
     try:
-        pf, older = _open_part(p, pa.schema([schema.field(c) for c in columns]), added)
+        pf, older = _open_part(p, want, added, dictionary)
+        t = pf.read_row_groups(groups, columns=[c for c in columns if c not in older], use_threads=False)
+        t.validate(full=True)
     except _PartSchemaError as e:
         raise TraceError(f"corrupt part: {e}") from None
-    t = pf.read_row_groups(groups, columns=[c for c in columns if c not in older], use_threads=False)
-    return _with_added(t, schema, older, added).select(columns)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise TraceError(f"corrupt part: {_first_line(e)}") from None
+    return _with_added(t, want, older, added).select(columns)
 
 
 def _with_added(t: pa.Table, schema: pa.Schema, older: list[str], added: dict[str, Any]) -> pa.Table:

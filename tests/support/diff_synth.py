@@ -12,6 +12,8 @@ workload" share request ids and structure and differ only in timing noise.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -32,8 +34,16 @@ def ar1(n: int, phi: float, rng: np.random.Generator) -> np.ndarray:
 
 def run(rounds: int = 400, seed: int = 0, workload: int = 0, phi: float = 0.8, requests: int = 160,
         shift_ms: dict[str, float] | None = None, burst: bool = False, noise: float = 1.0) -> Side:
-    """One synthetic trace. shift_ms: a constant added to a boundary's per-round cost;
-    noise: a factor on every duration's random part."""
+    """One synthetic trace as `diff` sees it (`tables`)."""
+    probes, steps, reqs, meta = tables(rounds, seed, workload, phi, requests, shift_ms, burst, noise)
+    return Side.of(probes, steps, reqs, meta=meta)
+
+
+def tables(rounds: int = 400, seed: int = 0, workload: int = 0, phi: float = 0.8, requests: int = 160,
+           shift_ms: dict[str, float] | None = None, burst: bool = False,
+           noise: float = 1.0) -> tuple[pa.Table, pa.Table, pa.Table, dict[str, Any]]:
+    """One synthetic trace's probes, steps, requests and meta. shift_ms: a constant added to
+    a boundary's per-round cost; noise: a factor on every duration's random part."""
     rng = np.random.default_rng([seed, 1])
     shift = {k: v * MS for k, v in (shift_ms or {}).items()}
     common = ar1(rounds, phi, rng)
@@ -60,8 +70,8 @@ def run(rounds: int = 400, seed: int = 0, workload: int = 0, phi: float = 0.8, r
     steps = pa.table({"step": np.arange(rounds), "mode": pa.array(["serial"] * rounds).dictionary_encode(),
                       "ts_ns": start, "dur_ns": length, "blocks_used": np.zeros(rounds, np.int32),
                       "collect_ns": collect})
-    return Side(probes, steps, workload_requests(requests, rounds, workload, start, collect, burst),
-                meta={"workload": {"digest": f"w{workload}"}})
+    return (probes, steps, workload_requests(requests, rounds, workload, start, collect, burst),
+            {"workload": {"digest": f"w{workload}"}})
 
 
 def workload_requests(n: int, rounds: int, workload: int, start: np.ndarray, collect: np.ndarray,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from probes import boundaries as B
@@ -83,7 +84,11 @@ _NO_HIDDEN = (B.SCHEDULER_BARRIER, B.DEVICE_COMPUTE, UNATTRIBUTED)
 def cost_table(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
                collectives: pa.Table | None = None) -> CostTable:
     """Pure function from the probes and steps tables to the cost table (sums of `per_cycle`)."""
-    pcy = per_cycle(probes, steps, rank, collectives, totals=True)
+    return table_of(per_cycle(probes, steps, rank, collectives, totals=True))
+
+
+def table_of(pcy: dict[str, np.ndarray]) -> CostTable:
+    """The cost table of `per_cycle`'s arrays, per cycle or summed (`totals`): sums of them."""
     if not pcy:
         return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
     n = len(pcy["start_ns"])

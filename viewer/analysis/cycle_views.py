@@ -48,6 +48,8 @@ DEVICE_REASONS = (*COMM_WAITS, B.PREFILL_STAGGER, B.DEVICE_COMM, B.DEVICE_COPY)
 # Off the scheduling thread (tokenizer pool, sender, a stream's wait): raw time only.
 CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 HOST_STREAM = "host"
+# `window_views`' own rows when the window is the whole trace
+EVERY_ROW = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 
 
 def chunk_codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
@@ -152,16 +154,45 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     Boundaries appear only when they have rows, except scheduler_barrier, device_compute
     and unattributed. Empty dict when there are no steps.
     """
+    S, E = cycle_bounds(steps)
+    if not len(S):
+        return {}
+    return window_views(probes, S, E, rank, collectives, totals, EVERY_ROW)
+
+
+def cycle_bounds(steps: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Each cycle's start and end, in time order: a cycle ends where the next starts (the
+    last where its round ends)."""
     S, D = steps["ts_ns"].to_numpy(), steps["dur_ns"].to_numpy()
     n = len(S)
-    if n == 0:
-        return {}
-    if not bool(np.all(S[1:] >= S[:-1])):  # one rank's rounds are written in order
+    if n and not bool(np.all(S[1:] >= S[:-1])):  # one rank's rounds are written in order
         order = np.argsort(S, kind="stable")
         S, D = S[order], D[order]
     E = np.empty(n, dtype=np.int64)
     E[:-1] = S[1:]
-    E[-1] = S[-1] + D[-1]
+    if n:
+        E[-1] = S[-1] + D[-1]
+    return S, E
+
+
+def _own(ts: np.ndarray, dur: np.ndarray, own: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (in start order) that start inside `own`."""
+    if own == EVERY_ROW:
+        return ts, dur
+    i, j = np.searchsorted(ts, own[0], "left"), np.searchsorted(ts, own[1], "left")
+    return ts[i:j], dur[i:j]
+
+
+def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | None,
+                 collectives: pa.Table | None, totals: bool, own: tuple[int, int]) -> dict[str, np.ndarray]:
+    """`per_cycle` for the cycles S, E (a window of a trace's cycles, time-ordered), from
+    the rows in `probes` that start inside `own`; the other rows only tell when the
+    device was busy or blocked, and which outer row a nested one sits in. Summed over
+    windows that partition the cycles, with `own` partitioning time (the first window's
+    from INT64_MIN, the last's to INT64_MAX) and every row that overlaps a window's own
+    rows present in it, the totals equal the whole trace's exactly (integer-valued
+    float sums): viewer/analysis/cycle_stream.py reads a trace of any length that way."""
+    n = len(S)
     first, end = int(S[0]), int(E[-1])
     bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S)
 
@@ -192,7 +223,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
 
     def attribute(job: tuple[str, str]) -> dict[str, np.ndarray]:
         name, kind = job
-        a_all, d_all = reasons[name] if kind == "reason" else rows.get(name, host_only=kind == "host")
+        a_all, d_all = _own(*(reasons[name] if kind == "reason" else rows.get(name, host_only=kind == "host")), own)
         if not len(a_all) and name != B.SCHEDULER_BARRIER:
             return {}
         raw, hid, cnt = bins.zeros(), bins.zeros(), bins.zeros()
@@ -233,12 +264,13 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
             out.update(res)
     _take_out_nested(out, rows, blocked, bins, first, end)
     if collectives is not None and collectives.num_rows:
-        _collective_times(out, collectives, rank, busy, bins)
+        _collective_times(out, collectives, rank, busy, bins, own)
     out[f"raw_ns:{B.DEVICE_COMPUTE}"] = dev_per
     out[f"exposed_ns:{B.DEVICE_COMPUTE}"] = dev_per
     dev_count = bins.zeros()
-    for blk in blocks(len(dev_ts)):
-        bins.add(dev_count, bins.cycle_of(dev_ts[blk]))
+    dev_own = _own(dev_ts, dev_dur, own)[0]
+    for blk in blocks(len(dev_own)):
+        bins.add(dev_count, bins.cycle_of(dev_own[blk]))
     out[f"count:{B.DEVICE_COMPUTE}"] = dev_count
     for view in ("exposed_ns", "host_ns"):
         claimed = sum((v for k, v in out.items() if k.startswith(f"{view}:")), bins.zeros())
@@ -294,14 +326,14 @@ def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage,
 
 
 def _collective_times(out: dict[str, np.ndarray], colls: pa.Table, rank: int | None, cov: Coverage,
-                      bins: CycleSums | CycleTotals) -> None:
+                      bins: CycleSums | CycleTotals, own: tuple[int, int]) -> None:
     """all_reduce's raw, hidden and count from the collectives table (HTA's comm/compute overlap):
     raw = issue -> completion of each completed collective, hidden = the part of it during which
     the rank's device computed. The exposed share stays the host waits' (the probe rows)."""
     if rank is not None:
         colls = colls.filter(pc.equal(colls["rank"], rank))
     issue, end = colls["issue_ns"].to_numpy(), colls["end_ns"].to_numpy()
-    done = end >= issue  # in flight at the end (end -1): no duration
+    done = (end >= issue) & (issue >= own[0]) & (issue < own[1])  # in flight at the end (end -1): no duration
     issue, end = issue[done], end[done]
     if not len(issue):
         return

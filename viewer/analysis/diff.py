@@ -53,13 +53,18 @@ __all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "
 
 @dataclass(slots=True)
 class Side:
-    """One trace's tables, as `diff` reads them."""
+    """One trace as `diff` reads it: each cycle's views (`per_cycle`), its steps and requests."""
 
-    probes: pa.Table
+    cycles: dict[str, np.ndarray]
     steps: pa.Table
     requests: pa.Table
-    collectives: pa.Table | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, probes: pa.Table, steps: pa.Table, requests: pa.Table, collectives: pa.Table | None = None,
+           meta: dict[str, Any] | None = None) -> Side:
+        """A side from whole tables (`diff` itself streams the probe rows: `load_inputs`)."""
+        return cls(per_cycle(probes, steps, collectives=collectives), steps, requests, meta or {})
 
 
 def _none(reps: int) -> np.ndarray:
@@ -107,13 +112,12 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
     return out
 
 
-def cycle_boot(probes: pa.Table, steps: pa.Table, reps: int, rng: np.random.Generator,
-               collectives: pa.Table | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def cycle_boot(pcy: dict[str, np.ndarray], reps: int,
+               rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """`cycle_stats` over [sample, reps resamples] of one trace's cycles, in circular blocks
     (Politis-White length from its cycle-length series); plus round_scale, each resample's
     mean round length (idle included) over the sample's: what the run's duration would
     have been, relative to what it was, with those rounds. And how it resampled."""
-    pcy = per_cycle(probes, steps, collectives=collectives)
     n = len(pcy.get("cycle_ns", ()))
     if not n:
         return {}, {"unit": "cycles", "n": 0, "block": 1, "widen": 1.0}
@@ -152,7 +156,7 @@ def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps
     """cycle_ms, device_idle and per-boundary {raw_ms_per_cycle, device_share, hidden, host_share} deltas, resampling
     each trace's cycles (`cycle_boot`); ``colls_*``: the collectives tables of TP runs
     (all_reduce's raw/hidden, see cost.per_cycle). "resampling" says how, per side."""
-    (sa, ia), (sb, ib) = (cycle_boot(p, s, reps, np.random.default_rng([seed, i]), c)
+    (sa, ia), (sb, ib) = (cycle_boot(per_cycle(p, s, collectives=c), reps, np.random.default_rng([seed, i]))
                           for i, (p, s, c) in enumerate(((probes_a, steps_a, colls_a), (probes_b, steps_b, colls_b))))
     out = cycle_deltas(sa, sb, reps)
     fdr(out)
@@ -205,8 +209,9 @@ def diff_itl(req_a: pa.Table, steps_a: pa.Table, req_b: pa.Table, steps_b: pa.Ta
 def same_run(a: Side, b: Side) -> bool:
     """Whether both sides are one run (a trace diffed against itself): identical rounds."""
     sa, sb = a.steps, b.steps
-    return (sa.num_rows == sb.num_rows and a.probes.num_rows == b.probes.num_rows
-            and all(np.array_equal(sa[c].to_numpy(), sb[c].to_numpy()) for c in ("ts_ns", "dur_ns")))
+    return (sa.num_rows == sb.num_rows and a.cycles.keys() == b.cycles.keys()
+            and all(np.array_equal(sa[c].to_numpy(), sb[c].to_numpy()) for c in ("ts_ns", "dur_ns"))
+            and all(np.array_equal(v, b.cycles[k]) for k, v in a.cycles.items()))
 
 
 def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: bool = True,
@@ -218,8 +223,8 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
     # the same run on both sides: its noise is one realisation, so both get the same draws
     # and every interval has zero width (otherwise two runs' rounds are never paired)
     same = same_run(a, b)
-    (ca, ia), (cb, ib) = (cycle_boot(x.probes, x.steps, reps, np.random.default_rng([seed, 0 if same else i]),
-                                     x.collectives) for i, x in enumerate((a, b)))
+    (ca, ia), (cb, ib) = (cycle_boot(x.cycles, reps, np.random.default_rng([seed, 0 if same else i]))
+                          for i, x in enumerate((a, b)))
     cyc = cycle_deltas(ca, cb, reps)
     cyc["resampling"] = {"a": ia, "b": ib}
     if not probes:
@@ -312,7 +317,7 @@ class DiffResult(JsonRecord):
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> DiffResult:
     """Both traces' reports, and every delta between them with its interval."""
     # Both traces open first: a bad trace fails before any work.
-    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])))
+    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])), per_cycle=True)
               for r in (a_root, b_root)]
     reports = [build_report(inp) for inp in inputs]
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
@@ -329,7 +334,7 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
     # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
     keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
             if getattr(row, m) is not None}
-    tables = [Side(i.probes, i.steps, i.requests, i.collectives, i.trace.meta) for i in inputs]
+    tables = [Side(i.main_rank, i.steps, i.requests, i.trace.meta) for i in inputs]
     delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep)
     if not how["resampling"]["requests"]["paired"]:
         warnings.append("requests resampled independently (" + how["resampling"]["requests"]["why"]

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from tracing.consistency import read_consistent
+from tracing.consistency import read_consistent, read_steps
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from viewer.analysis.advice import WORTH, Backend, backend, worth_attacking
+from viewer.analysis.advice import HOP_ROWS, WORTH, Backend, backend, worth_attacking
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import StragglerView, straggler_view
-from viewer.analysis.cost import BoundaryCost, CostTable, cost_table
+from viewer.analysis.cost import BoundaryCost, CostTable, table_of
+from viewer.analysis.cycle_stream import CycleViews, stream_views
 from viewer.analysis.imported import ImportedView, imported_view
 from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
@@ -31,12 +32,7 @@ from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 from viewer.analysis.whatif_gains import cycle_gains
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
-PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "rank"]  # rank: only read when the run had several
-# Boundaries with rows on the scheduling thread and on a device stream (defrag: the host's
-# pause and the device's copy): only then is `stream` read, to tell the host view's rows
-# apart. A column chunk per row group costs ~10 us to decode: on a long uncompacted trace a
-# column read for nothing is 0.1-0.2 s.
-BOTH_SIDES = ("defrag",)
+# (The probe rows are read a window at a time: viewer/analysis/cycle_stream.py.)
 STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs", "delivered_ns"]
@@ -47,10 +43,16 @@ class ReportInputs:
     """The tables one trace's report reads, from one consistent snapshot."""
 
     trace: Trace
-    probes: pa.Table
+    cycles: CycleViews  # the cost table's sums (with `per_cycle`: each cycle's)
     steps: pa.Table
     requests: pa.Table
     collectives: pa.Table | None
+
+    @property
+    def main_rank(self) -> dict[str, np.ndarray]:
+        """The views of the rank whose cycles they are (rank 0; a one-rank trace's only one)."""
+        c = self.cycles
+        return c.by_rank.get(0 if len(c.ranks) > 1 else (c.ranks or [0])[0], {})
 
 
 @dataclass(slots=True)
@@ -168,17 +170,20 @@ class ReportResult(JsonRecord):
     imported: ImportedView | Omitted = OMITTED  # only a trace `mstrace import` wrote
 
 
-def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS) -> ReportInputs:
+def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
+                per_cycle: bool = False) -> ReportInputs:
+    """One snapshot's steps and requests whole, its probe rows a window at a time
+    (`per_cycle`: keep each cycle's views, what `diff` resamples, not only their sums)."""
     trace = Trace.open(root)
-    ranks = trace.meta.get("ranks")
-    # A long trace's probes are most of its bytes: skip the rank column when the run had one rank.
-    probe_cols = PROBE_COLUMNS if not isinstance(ranks, dict) or len(ranks) > 1 else PROBE_COLUMNS[:-1]
-    want: dict[str, list[str] | None] = {"probes": probe_cols, "steps": STEP_COLUMNS, "requests": request_columns}
-    t = read_consistent(trace, want)
-    names = {n for c in t["probes"]["boundary"].chunks for n in c.dictionary.to_pylist()}
-    if names & set(BOTH_SIDES):
-        t["probes"] = read_consistent(trace, {"probes": [*probe_cols, "stream"]})["probes"]
-    return ReportInputs(trace, t["probes"], t["steps"], t["requests"], read_collectives(trace))
+    steps = read_steps(trace, STEP_COLUMNS)
+    colls = read_collectives(trace)
+    # The probe rows stream beside the requests' read and checks: both mostly decode and
+    # numpy, which release the GIL.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        job = pool.submit(stream_views, trace, steps, colls, not per_cycle, head_rows=HOP_ROWS)
+        requests = read_consistent(trace, {"requests": request_columns}, steps=steps)["requests"]
+        cycles = job.result()
+    return ReportInputs(trace, cycles, steps.select(STEP_COLUMNS), requests, colls)
 
 
 def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
@@ -192,16 +197,13 @@ def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[s
 def build_report(root: str | Path | ReportInputs) -> ReportResult:
     """Everything `report` shows (its to_json() is what --json prints)."""
     inp = root if isinstance(root, ReportInputs) else load_inputs(root)
-    meta, probes, steps, requests, colls = inp.trace.meta, inp.probes, inp.steps, inp.requests, inp.collectives
-    # The cost table runs beside the request metrics: both are numpy passes that release the GIL.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        cost_job = pool.submit(cost_table, probes, steps, collectives=colls)
-        # ITL from token runs and round collect times: exact, and a long trace's tens
-        # of millions of per-token gaps never have to be read
-        itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
-        serving = serving_metrics(requests, itl)
-        kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
-        cost = cost_job.result()
+    meta, steps, requests, colls = inp.trace.meta, inp.steps, inp.requests, inp.collectives
+    # ITL from token runs and round collect times: exact, and a long trace's tens
+    # of millions of per-token gaps never have to be read
+    itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
+    serving = serving_metrics(requests, itl)
+    kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
+    cost = table_of(inp.main_rank)
     config = meta.get("config", {})
     rep = ReportResult(
         trace=str(inp.trace.root),
@@ -212,7 +214,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         dtype_choice=meta.get("model", {}).get("dtype_choice"),
         workload_digest=meta.get("workload", {}).get("digest"),
         probes=config.get("probes", True),
-        backend=backend(meta, probes),
+        backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),
         worth_attacking=worth_attacking(cost, config.get("mode"), config, _gains(inp, cost, config)),
         throughput=Throughput(
@@ -225,10 +227,9 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
                         *_delivery(requests)),
         kv=kv,
     )
-    ranks = pc.unique(probes["rank"]).to_pylist() if probes.num_rows and "rank" in probes.column_names else []
-    if len(ranks) > 1:
-        rep.per_rank = {str(r): cost_view(cost_table(probes, steps, rank=r, collectives=colls), host_view=r == 0)
-                        for r in sorted(ranks)}
+    if len(inp.cycles.ranks) > 1:
+        rep.per_rank = {str(r): cost_view(table_of(inp.cycles.by_rank[r]), host_view=r == 0)
+                        for r in inp.cycles.ranks}
     if colls is not None:
         rep.stragglers = straggler_view(colls)
     imp = imported_view(inp.trace, steps)

@@ -1,0 +1,111 @@
+"""The cost table's views read a window of probe rows at a time (viewer/analysis/cycle_stream.py):
+the same sums as the whole-table computation, exactly, whatever the windows; memory that
+follows the window, not the trace."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from tests.support.tiny_runs import TinyRuns
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from tracing.schema import PROBES
+from tracing.writer import parquet_options
+from viewer.analysis.cycle_stream import stream_views
+from viewer.analysis.cycle_views import per_cycle
+from viewer.analysis.report import read_collectives
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "traces"
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_runs: TinyRuns) -> Path:
+    return tiny_runs("--tp", "2", "--requests", "12", "--shared-prefix", "0.5", "-q").out
+
+
+def _small_groups(src: Path, dst: Path, rows: int) -> Path:
+    """A copy of a trace whose probes parts are rewritten in row groups of `rows` rows (the
+    manifest's counts still hold): many windows from a small trace."""
+    shutil.copytree(src, dst)
+    for part in (dst / "probes").glob("*.parquet"):
+        t = pq.read_table(part)
+        pq.write_table(t, part, row_group_size=rows, **parquet_options(t.schema))
+    return dst
+
+
+def _assert_same_views(root: Path) -> None:
+    whole_trace = Trace.open(root)
+    t = read_consistent(whole_trace, {"probes": ["ts_ns", "dur_ns", "boundary", "stream", "rank"],
+                                      "steps": ["step", "ts_ns", "dur_ns", "collect_ns"]})
+    colls = read_collectives(whole_trace)
+    ranks = sorted(pc.unique(t["probes"]["rank"]).to_pylist())
+    for totals in (True, False):
+        for window in (1, 7, 50, 1 << 21):
+            trace = Trace.open(root)
+            got = stream_views(trace, t["steps"], colls, totals, window)
+            assert got.ranks == ranks
+            assert got.rows == t["probes"].num_rows
+            assert trace.status.clipped == whole_trace.status.clipped
+            for r in ranks:
+                want = per_cycle(t["probes"], t["steps"], r if len(ranks) > 1 else 0, colls, totals)
+                assert want.keys() == got.by_rank[r].keys()
+                for k, v in want.items():  # integer-valued float sums: equal, not close
+                    assert np.array_equal(v, got.by_rank[r][k]), (root.name, totals, window, r, k)
+
+
+@pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap", "sample-deadlock"])
+def test_windows_of_any_size_give_the_whole_traces_views(sample: str, tmp_path: Path) -> None:
+    """Serial and overlap runs (kv fences nested in bookkeeping, two device streams) and a
+    deadlocked one (an unfinished run: its last round's rows clipped as a whole read clips them),
+    each in row groups of 3 rows, so a window holds from one row group to all of them."""
+    _assert_same_views(_small_groups(SAMPLES / sample, tmp_path / sample, 3))
+
+
+def test_tp2_windows_give_every_ranks_views(tp2: Path, tmp_path: Path) -> None:
+    """Two ranks (each rank's rows against rank 0's cycles, all_reduce from the collectives
+    table), in row groups of 7 rows interleaved across the ranks' parts."""
+    _assert_same_views(_small_groups(tp2, tmp_path / "tp2", 7))
+
+
+def test_a_window_holds_a_windows_rows_not_the_traces(tmp_path: Path) -> None:
+    """2 M probe rows in 2,000 row groups, read in windows of 20 k rows: Arrow's memory peaks
+    at a small fraction of the probes table (the whole read holds all of it), and the views
+    still count every row."""
+    rounds, per = 200_000, 10
+    n = rounds * per
+    start = np.arange(rounds, dtype=np.int64) * 1_000_000 + 10**9
+    ts = (start[:, None] + np.arange(per, dtype=np.int64) * 90_000).ravel()
+    names = ["device_compute", "scheduler_barrier", "bookkeeping", "batch_prepare", "response_send"]
+    code = np.tile(np.arange(per, dtype=np.int32) % len(names), rounds)
+    probes = pa.table([pa.array(ts), pa.array(np.full(n, 80_000, np.int64)),
+                       pa.DictionaryArray.from_arrays(pa.array(code), names),
+                       pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), ["host"]),
+                       pa.array(np.zeros(n, np.int32)), pa.array(np.repeat(np.arange(rounds), per))], schema=PROBES)
+    (tmp_path / "probes").mkdir()
+    half = n // 2
+    for i in range(2):
+        pq.write_table(probes.slice(i * half, half), tmp_path / "probes" / f"part-{i:06d}.parquet",
+                       row_group_size=1000, **parquet_options(PROBES))
+    (tmp_path / "meta.json").write_text(json.dumps({"schema_version": 1, "run": {"steps": rounds}}))
+    code_ = ("import numpy as np, pyarrow as pa; from tracing.reader import Trace; "
+             "from viewer.analysis.cycle_stream import stream_views; "
+             f"s = np.arange({rounds}, dtype=np.int64) * 1_000_000 + 10**9; "
+             "steps = pa.table({'ts_ns': s, 'dur_ns': np.full(len(s), 1_000_000)}); "
+             f"v = stream_views(Trace.open({str(tmp_path)!r}), steps, window_rows=20_000); "
+             "print(v.rows, int(v.by_rank[0]['count:bookkeeping'][0]), pa.default_memory_pool().max_memory())")
+    p = subprocess.run([sys.executable, "-c", code_], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows, bookkeeping, peak = map(int, p.stdout.split())
+    assert (rows, bookkeeping) == (n, rounds * 2)
+    assert peak < probes.nbytes / 10, (peak, probes.nbytes)

@@ -1,0 +1,117 @@
+"""One table of a trace read in time order, a bounded number of rows at a time.
+
+A long run's table is millions of row groups' worth of rows: an analysis that holds
+them all holds gigabytes (`report` on 100 M probe rows: 7.2 GB). Every row group's
+footer statistics give the earliest start time in it, so the groups sorted by that
+can be read in windows: after `read_until(t)`, every row that starts before t has
+been read, and only the groups that can hold one were. The caller keeps what it
+still needs of the earlier rows (viewer/analysis/cycle_stream.py keeps the rows
+that overlap its next window).
+
+Rows are read as the committed snapshot `Trace.open` took. A part that a live
+compaction removed meanwhile raises `Vanished`: the caller reopens the trace and
+starts over (rows only ever append and merges keep their order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tracing.reader import Part, Trace, TraceError, read_row_groups
+from tracing.schema import TABLES
+
+NEVER = np.iinfo(np.int64).max
+EARLIEST = np.iinfo(np.int64).min
+
+
+class Vanished(Exception):
+    """A committed part is gone: a live compaction replaced it after the snapshot."""
+
+
+@dataclass(slots=True)
+class Group:
+    part: Part
+    index: int  # the row group's index in its part
+    rows: int
+    first_ns: int  # the earliest start in it; EARLIEST without statistics (read first)
+    ranges: list[tuple[int, int] | None]  # (min, max) of each `ranges` column; None without statistics
+
+
+class Sweep:
+    """`name`'s row groups in order of their earliest `time` value, read on demand.
+
+    `clip`: applied to every read (an unfinished run's rows past its last round).
+    `dictionary`: string columns read dictionary-encoded, as Parquet stores them.
+    `ranges`: integer columns whose range in each group is kept from its statistics."""
+
+    def __init__(self, trace: Trace, name: str, columns: list[str], time: str = "ts_ns",
+                 clip: Callable[[pa.Table], pa.Table] | None = None, dictionary: tuple[str, ...] = (),
+                 ranges: tuple[str, ...] = ()) -> None:
+        self.trace, self.name, self.columns, self.clip = trace, name, columns, clip
+        self.dictionary = tuple(c for c in dictionary if c in columns)
+        self.groups = sorted(_groups(trace, name, time, ranges), key=lambda g: g.first_ns)
+        self.rows = sum(g.rows for g in self.groups)
+        self.at = 0  # the next group to read
+
+    def next_first(self) -> int:
+        """The earliest start any unread row can have (NEVER when every group is read)."""
+        return self.groups[self.at].first_ns if self.at < len(self.groups) else NEVER
+
+    def read_until(self, t: int | None) -> list[pa.Table]:
+        """Every unread group that can hold a row starting before `t` (None: every one),
+        consecutive groups of one part in one read."""
+        stop = len(self.groups) if t is None else self.at
+        while t is not None and stop < len(self.groups) and self.groups[stop].first_ns < t:
+            stop += 1
+        out: list[pa.Table] = []
+        k = self.at
+        while k < stop:
+            j = k + 1
+            while j < stop and self.groups[j].part is self.groups[k].part:
+                j += 1
+            out.append(self._read(self.groups[k].part, [g.index for g in self.groups[k:j]]))
+            k = j
+        self.at = stop
+        return out
+
+    def _read(self, part: Part, groups: list[int]) -> pa.Table:
+        try:
+            t = read_row_groups(part, TABLES[self.name], self.columns, groups, self.dictionary)
+        except FileNotFoundError:
+            raise Vanished(part.path.name) from None
+        except TraceError as e:
+            raise TraceError(f"corrupt {self.name}/ table in {self.trace.root}: {e}") from None
+        return self.clip(t) if self.clip is not None else t
+
+
+def _groups(trace: Trace, name: str, time: str, ranges: tuple[str, ...]) -> list[Group]:
+    """Every committed part's row groups from its footer (the manifest's row count checked)."""
+    out: list[Group] = []
+    for p in trace.parts.get(name, []):
+        try:
+            md = pq.ParquetFile(p.path, pre_buffer=False).metadata
+        except FileNotFoundError:
+            raise Vanished(p.path.name) from None
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise TraceError(f"corrupt {name}/ table in {trace.root}: {p.path.name}: {e}") from None
+        if p.rows is not None and md.num_rows != p.rows:
+            raise TraceError(f"corrupt {name}/ table in {trace.root}: {p.path.name} holds {md.num_rows} rows, "
+                             f"the manifest committed {p.rows}")
+        names = md.schema.to_arrow_schema()
+        col, extra = names.get_field_index(time), [names.get_field_index(c) for c in ranges]
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            first = _min_max(rg, col)
+            out.append(Group(p, g, rg.num_rows, first[0] if first is not None else EARLIEST,
+                             [_min_max(rg, c) for c in extra]))
+    return out
+
+
+def _min_max(rg: pq.RowGroupMetaData, col: int) -> tuple[int, int] | None:
+    st = rg.column(col).statistics if col >= 0 else None
+    return (int(st.min), int(st.max)) if st is not None and st.has_min_max else None

@@ -1,0 +1,153 @@
+"""Both views of every cycle, from a trace of any length in bounded memory.
+
+The probe rows are read a window of cycles at a time (tracing/sweep.py: row groups in
+order of their earliest start). A window attributes the rows that start inside it
+(`cycle_views.window_views`) and holds besides them every earlier row that is still
+open at its start (a device row that runs into it, the outer row a nested one sits
+in) and every later row that starts before its own rows end (the device work those
+rows overlap). What it keeps for the next window is what is still open at its end.
+So memory grows with a window (WINDOW_ROWS rows) and with the longest row, not with
+the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_stream.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from probes import boundaries as B
+from tracing.consistency import probe_clip
+from tracing.reader import Trace, TraceError
+from tracing.schema import TABLES
+from tracing.sweep import EARLIEST, NEVER, Sweep, Vanished
+from viewer.analysis.cycle_views import chunk_codes, cycle_bounds, window_views
+
+# Probe rows a window reads: about 60 MB of columns and as much again in their split by boundary.
+WINDOW_ROWS = 1 << 21
+_TRIES = 5  # a live compaction can replace a part mid-read: start over on a new snapshot
+
+
+@dataclass(slots=True)
+class CycleViews:
+    """Per rank, `per_cycle`'s arrays (summed to one entry with `totals`)."""
+
+    by_rank: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    ranks: list[int] = field(default_factory=list)  # the ranks with probe rows
+    head: pa.Table | None = None  # the trace's first probe rows, in time order of their row groups
+    rows: int = 0  # probe rows read (clipped rows not counted)
+
+
+def stream_views(trace: Trace, steps: pa.Table, collectives: pa.Table | None = None, totals: bool = True,
+                 window_rows: int = WINDOW_ROWS, head_rows: int = 0) -> CycleViews:
+    """Every rank's views of rank 0's cycles (`steps`), the probe rows read a window at a time;
+    `head_rows`: that many of the first rows kept (`CycleViews.head`)."""
+    clipped = trace.status.clipped.get("probes", 0)
+    for attempt in range(_TRIES):
+        try:
+            return _stream(trace, steps, collectives, totals, window_rows, head_rows)
+        except Vanished as e:
+            if trace.legacy or attempt == _TRIES - 1:
+                raise TraceError(f"corrupt probes/ table in {trace.root}: the manifest names {e}, "
+                                 "which is missing") from None
+            trace.parts = Trace.open(trace.root).parts
+            trace.status.clipped["probes"] = clipped
+    raise AssertionError  # pragma: no cover - the loop returns or raises
+
+
+def _stream(trace: Trace, steps: pa.Table, collectives: pa.Table | None, totals: bool,
+            window_rows: int, head_rows: int) -> CycleViews:
+    S, E = cycle_bounds(steps)
+    n = len(S)
+    clip = probe_clip(trace, steps)
+    columns = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
+    sweep = Sweep(trace, "probes", columns, clip=clip, dictionary=("boundary", "stream"), ranges=("rank",))
+    ranks = _ranks(trace, sweep)
+    if len(ranks) <= 1:  # one rank: its column is read for nothing
+        columns.remove("rank")
+    sweep.columns = [*columns, "step"] if clip is not None else columns
+    out = CycleViews(ranks=ranks)
+    if not n:
+        out.rows = sum(t.num_rows for t in sweep.read_until(None))
+        return out
+    parts: dict[int, list[dict[str, np.ndarray]]] = {r: [] for r in (ranks or [0])}
+    sizes: list[int] = []
+    starts = np.fromiter((g.first_ns for g in sweep.groups), np.int64, len(sweep.groups))
+    cum = np.cumsum([g.rows for g in sweep.groups])
+    buf: pa.Table | None = None
+    i0, read = 0, 0
+    while i0 < n:
+        # the window ends at the last cycle start before the group that brings it past window_rows
+        k = int(np.searchsorted(cum, read + window_rows, "left")) + 1
+        t_next = int(starts[k]) if k < len(starts) else NEVER
+        i1 = max(i0 + 1, int(np.searchsorted(S, t_next, "right")) - 1) if t_next != NEVER else n
+        own = (int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER)
+        got = sweep.read_until(None if i1 == n else own[1])
+        reach = _reach(got, buf, own)
+        if reach > own[1]:  # its rows end later: the device rows they overlap
+            got += sweep.read_until(reach)
+        read = int(cum[sweep.at - 1]) if sweep.at else 0
+        buf = _concat(buf, got, columns)
+        out.rows += sum(t.num_rows for t in got)
+        if out.head is None:
+            out.head = buf.slice(0, head_rows).combine_chunks()
+        for r in parts:
+            parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own))
+        sizes.append(i1 - i0)
+        if i1 < n:
+            ts, dur = buf["ts_ns"], buf["dur_ns"]
+            buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
+        i0 = i1
+    out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
+    return out
+
+
+def _ranks(trace: Trace, sweep: Sweep) -> list[int]:
+    """The ranks with probe rows, from the row groups' statistics where each group holds one
+    rank (every writer's do); else from the column."""
+    if not sweep.groups:
+        return []
+    if all(g.ranges[0] is not None and g.ranges[0][0] == g.ranges[0][1] for g in sweep.groups):
+        return sorted({g.ranges[0][0] for g in sweep.groups if g.ranges[0] is not None})
+    return sorted(pc.unique(trace.table("probes", ["rank"])["rank"]).to_pylist())
+
+
+def _reach(got: list[pa.Table], buf: pa.Table | None, own: tuple[int, int]) -> int:
+    """Where the window's own rows end: the latest end of a row starting inside `own` (an idle
+    row only counts where it starts: it needs no device rows)."""
+    reach = own[1]
+    for t in [*([buf] if buf is not None else []), *got]:
+        if not t.num_rows:
+            continue
+        ts, dur = t["ts_ns"].to_numpy(), t["dur_ns"].to_numpy()
+        codes, names = chunk_codes(t["boundary"])
+        m = (ts >= own[0]) & (ts < own[1])
+        if B.IDLE in names:
+            m &= np.concatenate(codes) != names.index(B.IDLE)
+        if m.any():
+            reach = max(reach, int((ts[m] + dur[m]).max()))
+    return reach
+
+
+def _concat(buf: pa.Table | None, got: list[pa.Table], columns: list[str]) -> pa.Table:
+    tables = [t.select(columns) for t in ([buf] if buf is not None else []) + got]
+    if not tables:
+        return TABLES["probes"].empty_table().select(columns)
+    # one chunk: a read's columns need not be chunked alike, and `_Rows` pairs their chunks
+    return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
+
+
+def _join(windows: list[dict[str, np.ndarray]], sizes: list[int], totals: bool,
+          S: np.ndarray, E: np.ndarray) -> dict[str, np.ndarray]:
+    """The windows' views as one trace's: totals summed, per-cycle arrays end to end (a
+    boundary with no rows in a window is zero in its cycles)."""
+    keys = list(dict.fromkeys(k for w in windows for k in w if k not in ("start_ns", "end_ns")))
+    out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E}
+    for k in keys:
+        if totals:
+            out[k] = np.array([sum(float(w[k][0]) for w in windows if k in w)])
+        else:
+            out[k] = np.concatenate([w[k] if k in w else np.zeros(m) for w, m in zip(windows, sizes, strict=True)])
+    return out
