@@ -15,11 +15,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracing.consistency import read_consistent
+from tracing.consistency import probe_clip, read_consistent
 from tracing.reader import Trace
+from tracing.schema import TABLES
 from viewer.analysis.records import JsonView
 from viewer.analysis.whatif import replayed_path
 from viewer.export import html_charts as charts
+from viewer.export.window import Window, table_in
 from viewer.render.text import ms, pct
 
 if TYPE_CHECKING:
@@ -48,12 +50,24 @@ ERRORS = ("window.__errors=[];window.addEventListener('error',function(e){window
           "document.body&&(document.body.dataset.errors=window.__errors.join(' | '));});")
 
 
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
+
+
 def chart_inputs(root: str | Path) -> charts.ChartInputs:
-    t = read_consistent(Trace.open(root), {
-        "probes": ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"],
+    """The steps and requests, and only the probe rows the timeline draws: a long trace's
+    probe rows are never all read (their row groups' statistics skip the rest)."""
+    trace = Trace.open(root)
+    t = read_consistent(trace, {
         "steps": ["step", "ts_ns", "dur_ns", "blocks_used", "blocks_fenced", "num_waiting", "num_running"],
         "requests": ["arrival_ns", "first_token_ns", "finish_ns", "dur_itl_ns"]})
-    return charts.ChartInputs(t["probes"], t["steps"], t["requests"])
+    span = charts.timeline_span(t["steps"])
+    clip = probe_clip(trace, t["steps"])
+    cols = [*PROBE_COLUMNS, "step"] if clip is not None else PROBE_COLUMNS
+    probes = TABLES["probes"].empty_table().select(PROBE_COLUMNS)
+    if span is not None and trace.has_table("probes"):
+        probes = table_in(trace, "probes", cols, Window(((span.t0, span.t1),), "the timeline's rounds"))
+        probes = clip(probes) if clip is not None else probes
+    return charts.ChartInputs(probes, t["steps"], t["requests"])
 
 
 def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = None) -> None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 class ChartInputs:
     """What the pictures read from one trace (viewer/export/html.py loads it)."""
 
-    probes: pa.Table  # ts_ns, dur_ns, boundary, stream, rank
+    probes: pa.Table  # ts_ns, dur_ns, boundary, stream, rank: the rows that overlap `timeline_span`
     steps: pa.Table  # step, ts_ns, dur_ns, blocks_used, blocks_fenced, num_waiting, num_running
     requests: pa.Table  # arrival_ns, first_token_ns, finish_ns, dur_itl_ns
 
@@ -54,18 +54,45 @@ def _layout(title: str, **kw: Any) -> dict[str, Any]:
             "template": "plotly_white", **kw}
 
 
-def timeline(inp: ChartInputs) -> Any:
-    """Stream lanes over a window of rounds around the longest one, which is shaded."""
-    go = _go()
-    steps, probes = inp.steps, inp.probes
-    fig = go.Figure()
-    if not steps.num_rows or not probes.num_rows:
-        return fig.update_layout(**_layout("timeline: no rounds"))
+@dataclass(slots=True)
+class Span:
+    """The timeline's rounds: WINDOW on each side of the longest (indices in time order)."""
+
+    ts: np.ndarray
+    dur: np.ndarray
+    step: np.ndarray
+    worst: int
+    lo: int
+    hi: int
+
+    @property
+    def t0(self) -> int:
+        return int(self.ts[self.lo])
+
+    @property
+    def t1(self) -> int:
+        return int(self.ts[self.hi] + self.dur[self.hi])
+
+
+def timeline_span(steps: pa.Table) -> Span | None:
+    """The rounds the timeline draws (None: no rounds); only its probe rows are read."""
+    if not steps.num_rows:
+        return None
     order = np.argsort(steps["ts_ns"].to_numpy(), kind="stable")
     ts, dur, step = (steps[c].to_numpy()[order] for c in ("ts_ns", "dur_ns", "step"))
     worst = int(np.argmax(dur))
-    lo, hi = max(0, worst - WINDOW), min(len(ts) - 1, worst + WINDOW)
-    t0, t1 = int(ts[lo]), int(ts[hi] + dur[hi])
+    return Span(ts, dur, step, worst, max(0, worst - WINDOW), min(len(ts) - 1, worst + WINDOW))
+
+
+def timeline(inp: ChartInputs) -> Any:
+    """Stream lanes over a window of rounds around the longest one, which is shaded."""
+    go = _go()
+    rounds, probes = timeline_span(inp.steps), inp.probes
+    fig = go.Figure()
+    if rounds is None or not probes.num_rows:
+        return fig.update_layout(**_layout("timeline: no rounds"))
+    ts, dur, step, worst, lo, hi = rounds.ts, rounds.dur, rounds.step, rounds.worst, rounds.lo, rounds.hi
+    t0, t1 = rounds.t0, rounds.t1
     p = probes.filter(pc.and_(pc.less(probes["ts_ns"], t1), pc.greater(pc.add(probes["ts_ns"], probes["dur_ns"]), t0)))
     rank = p["rank"].to_numpy() if "rank" in p.column_names else np.zeros(p.num_rows, np.int64)
     stream = p["stream"].cast(pa.string()).to_pylist() if "stream" in p.column_names else ["?"] * p.num_rows
