@@ -1,6 +1,6 @@
 """`mstrace report` on a ~10 M probe-row trace, in both layouts: wall time and peak memory.
 
-    python bench/bench_report_scale.py [--probe-rows 10000000] [--repeats 3] [--flush-files]
+    python bench/bench_report_scale.py [--probe-rows 10000000] [--repeats 3] [--flush-files] [--diff] [--reuse]
 
 Builds a real tiny-model trace, replicates it (bench/gen_big_trace.py) with shifted
 times and steps into the uncompacted layout a long run leaves (one row group per
@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from common import OUT, REPO, load, mstrace_run
 
@@ -33,10 +32,10 @@ def timed(cmd: list[str]) -> tuple[float, float]:
     return int(m.group(1)) * 60 + float(m.group(2)), int(r.group(1)) / 1e6
 
 
-def bench(trace: Path, repeats: int, label: str) -> None:
-    runs = [timed(["report", str(trace)]) for _ in range(repeats)]
+def bench(cmd: list[str], repeats: int, label: str) -> None:
+    runs = [timed(cmd) for _ in range(repeats)]
     walls = [w for w, _ in runs]
-    print(f"{label}: report wall median {statistics.median(walls):.2f} s "
+    print(f"{label}: {cmd[0]} wall median {statistics.median(walls):.2f} s "
           f"(runs {', '.join(f'{w:.2f}' for w in walls)}), peak RSS max {max(r for _, r in runs):.2f} GB",
           flush=True)
 
@@ -48,22 +47,30 @@ def main() -> None:
     ap.add_argument("--flush-files", action="store_true", help="uncompacted: one part file per flush")
     ap.add_argument("--rows-per-group", type=int, default=0,
                     help="uncompacted: one row group per this many rows of each table, not per flush")
+    ap.add_argument("--reuse", action="store_true",
+                    help="time the traces the last run of this bench built (same --probe-rows) instead of building them")
+    ap.add_argument("--diff", action="store_true", help="also time `mstrace diff` of the two layouts")
     a = ap.parse_args()
-    src, unc, cmp_ = OUT / "scale_src", OUT / "scale_uncompacted", OUT / "scale_compacted"
-    mstrace_run(src, "--model", "tiny", "--requests", "64", "--seed", "0")
-    gen = [sys.executable, str(REPO / "bench" / "gen_big_trace.py"), str(src), str(unc),
-           "--probe-rows", str(a.probe_rows), "--rows-per-group", str(a.rows_per_group),
-           *(["--flush-files"] if a.flush_files else [])]
-    subprocess.run(gen, check=True, cwd=REPO)
-    if cmp_.exists():
-        shutil.rmtree(cmp_)
-    shutil.copytree(unc, cmp_)
+    tag = f"{a.probe_rows // 1_000_000}m"
+    src, unc, cmp_ = OUT / "scale_src", OUT / f"scale_uncompacted_{tag}", OUT / f"scale_compacted_{tag}"
     t = time.perf_counter()
-    w, rss = timed(["compact", str(cmp_)])
-    print(f"mstrace compact: {w:.1f} s wall, peak RSS {rss:.2f} GB", flush=True)
+    if not (a.reuse and (unc / "meta.json").exists() and (cmp_ / "meta.json").exists()):
+        mstrace_run(src, "--model", "tiny", "--requests", "64", "--seed", "0")
+        gen = [sys.executable, str(REPO / "bench" / "gen_big_trace.py"), str(src), str(unc),
+               "--probe-rows", str(a.probe_rows), "--rows-per-group", str(a.rows_per_group),
+               *(["--flush-files"] if a.flush_files else [])]
+        subprocess.run(gen, check=True, cwd=REPO)
+        if cmp_.exists():
+            shutil.rmtree(cmp_)
+        shutil.copytree(unc, cmp_)
+        t = time.perf_counter()
+        w, rss = timed(["compact", str(cmp_)])
+        print(f"mstrace compact: {w:.1f} s wall, peak RSS {rss:.2f} GB", flush=True)
     print(f"load before: {load()}", flush=True)
-    bench(unc, a.repeats, "uncompacted")
-    bench(cmp_, a.repeats, "compacted")
+    bench(["report", str(unc)], a.repeats, "uncompacted")
+    bench(["report", str(cmp_)], a.repeats, "compacted")
+    if a.diff:
+        bench(["diff", str(unc), str(cmp_)], a.repeats, "uncompacted vs compacted")
     print(f"load after: {load()}; total {time.perf_counter() - t:.0f} s")
 
 
