@@ -12,6 +12,7 @@ the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,35 +74,53 @@ def _stream(trace: Trace, steps: pa.Table, collectives: pa.Table | None, totals:
         out.rows = sum(t.num_rows for t in sweep.read_until(None))
         return out
     parts: dict[int, list[dict[str, np.ndarray]]] = {r: [] for r in (ranks or [0])}
-    sizes: list[int] = []
-    starts = np.fromiter((g.first_ns for g in sweep.groups), np.int64, len(sweep.groups))
-    cum = np.cumsum([g.rows for g in sweep.groups])
+    cuts = _plan(S, sweep, window_rows)
+    owns = [(int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER) for i0, i1 in cuts]
     buf: pa.Table | None = None
-    i0, read = 0, 0
-    while i0 < n:
-        # the window ends at the last cycle start before the group that brings it past window_rows
-        k = int(np.searchsorted(cum, read + window_rows, "left")) + 1
-        t_next = int(starts[k]) if k < len(starts) else NEVER
-        i1 = max(i0 + 1, int(np.searchsorted(S, t_next, "right")) - 1) if t_next != NEVER else n
-        own = (int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER)
-        got = sweep.read_until(None if i1 == n else own[1])
-        reach = _reach(got, buf, own)
-        if reach > own[1]:  # its rows end later: the device rows they overlap
-            got += sweep.read_until(reach)
-        read = int(cum[sweep.at - 1]) if sweep.at else 0
-        buf = _concat(buf, got, columns)
-        out.rows += sum(t.num_rows for t in got)
-        if out.head is None:
-            out.head = buf.slice(0, head_rows).combine_chunks()
-        for r in parts:
-            parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own))
-        sizes.append(i1 - i0)
-        if i1 < n:
-            ts, dur = buf["ts_ns"], buf["dur_ns"]
-            buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
-        i0 = i1
+    # The next window's rows are read (mostly decoding, which releases the GIL) while this one's are attributed.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ahead = pool.submit(sweep.read_until, _until(owns[0]))
+        for w, ((i0, i1), own) in enumerate(zip(cuts, owns, strict=True)):
+            got = ahead.result()
+            reach = _reach(got, buf, own)
+            if reach > own[1]:  # its rows end later: the device rows they overlap
+                got += sweep.read_until(reach)
+            if w + 1 < len(cuts):
+                ahead = pool.submit(sweep.read_until, _until(owns[w + 1]))
+            buf = _concat(buf, got, columns)
+            out.rows += sum(t.num_rows for t in got)
+            if out.head is None:
+                out.head = buf.slice(0, head_rows).combine_chunks()
+            for r in parts:
+                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own))
+            if i1 < n:  # what is still open at the next window's start
+                ts, dur = buf["ts_ns"], buf["dur_ns"]
+                buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
+    sizes = [i1 - i0 for i0, i1 in cuts]
     out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
     return out
+
+
+def _plan(S: np.ndarray, sweep: Sweep, window_rows: int) -> list[tuple[int, int]]:
+    """Windows of cycles [i0, i1), each ending at the last cycle start before the row group
+    that would take it past `window_rows` rows (at least one cycle each)."""
+    starts = np.fromiter((g.first_ns for g in sweep.groups), np.int64, len(sweep.groups))
+    cum = np.cumsum([g.rows for g in sweep.groups])
+    n, i0, target = len(S), 0, window_rows
+    cuts: list[tuple[int, int]] = []
+    while i0 < n:
+        k = int(np.searchsorted(cum, target, "left")) + 1
+        i1 = n if k >= len(starts) else min(n, max(i0 + 1, int(np.searchsorted(S, starts[k], "right")) - 1))
+        cuts.append((i0, i1))
+        if i1 < n:  # the rows before the next window's start, and a window's worth more
+            before = int(np.searchsorted(starts, S[i1], "left"))
+            target = (int(cum[before - 1]) if before else 0) + window_rows
+        i0 = i1
+    return cuts
+
+
+def _until(own: tuple[int, int]) -> int | None:
+    return None if own[1] == NEVER else own[1]
 
 
 def _ranks(trace: Trace, sweep: Sweep) -> list[int]:
