@@ -152,6 +152,28 @@ def test_pooled_percentiles_match_materialised_resamples(step, weighted):
                 assert got[k][r] == pytest.approx(getattr(want, k), rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("shift", [0, -20, 56])  # packed; negative values; too wide to pack
+def test_weighted_integer_values_equal_the_expanded_multiset(shift):
+    """Dist.weighted of integer values (sorted packed with their weights where both fit) is
+    Dist.of of the repeats, converted as values * scale."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        n = int(rng.integers(1, 400))
+        vals = rng.integers(0, 50, n).astype(np.int64)  # ties on purpose
+        vals = vals << shift if shift > 0 else vals + shift
+        w = rng.integers(0, 6, n)
+        got = Dist.weighted(vals, w, 1e-6)
+        xs = np.repeat(vals.astype(np.float64) * 1e-6, w)
+        if not len(xs):
+            assert got.count == 0
+            continue
+        want = Dist.of(xs)
+        assert got.count == want.count
+        for k in ("p50", "p90", "p99"):
+            assert getattr(got, k) == getattr(want, k)
+        assert got.mean == pytest.approx(want.mean, rel=1e-12)
+
+
 def test_blocks_do_not_change_the_answer(monkeypatch):
     a, b = cycles(300, 1.0, 1), cycles(300, 3.0, 2)
     whole = D.diff_cycles(*a, *b)["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
