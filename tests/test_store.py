@@ -343,3 +343,20 @@ def test_compact_that_runs_out_of_disk_or_memory_says_which_in_one_line_and_keep
     monkeypatch.undo()
     assert steps_of(tmp_path) == want  # the manifest still names the parts it did
     assert cli("compact", str(tmp_path))[0] == 0 and steps_of(tmp_path) == want
+
+
+def test_parts_coalesce_into_chunks_without_copying_large_ones(monkeypatch):
+    """Runs of small parts are combined into chunks of at least CHUNK_ROWS rows; a part of
+    CHUNK_ROWS or more stays its own chunk, its buffers not copied; the rows keep their order."""
+    import tracing.reader as R
+
+    monkeypatch.setattr(R, "CHUNK_ROWS", 10)
+    sizes = [3, 4, 5, 12, 2, 2, 30, 1]
+    start = [sum(sizes[:k]) for k in range(len(sizes))]
+    pieces = [pa.table({"x": pa.array(range(s, s + n), pa.int64())}) for s, n in zip(start, sizes, strict=True)]
+    big = {n: p["x"].chunk(0).buffers()[1].address for n, p in zip(sizes, pieces, strict=True) if n >= 10}
+    t = R._coalesce(list(pieces))
+    assert t["x"].to_pylist() == list(range(sum(sizes)))
+    chunks = t["x"].chunks
+    assert [len(c) for c in chunks] == [12, 12, 4, 30, 1]
+    assert {len(c): c.buffers()[1].address for c in chunks if len(c) in big} == big

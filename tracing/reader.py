@@ -12,6 +12,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +257,8 @@ def read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None =
 
 def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
                 dictionary: tuple[str, ...] = ()) -> pa.Table:
-    """The parts' rows in order, in chunks of at least CHUNK_ROWS rows (but the last).
+    """The parts' rows in order, in chunks of at least CHUNK_ROWS rows (but where a run of
+    small parts ends: before a large part, and at the end).
 
     Each part is read with ParquetFile, not the dataset scanner: on a trace of
     thousands of small row groups the scanner's per-row-group overhead was 3x the
@@ -284,9 +286,13 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     else:
         with ThreadPoolExecutor(max_workers=2) as pool:
             tables = list(pool.map(one, parts))
+    sizes = [x.num_rows for x in tables]
     t = pa.concat_tables(tables).select(names)
+    del tables
     t = t.unify_dictionaries() if t.num_rows else t
-    t = _coalesce(t, [x.num_rows for x in tables])
+    pieces = [t.slice(at - n, n) for at, n in zip(accumulate(sizes), sizes, strict=True)]
+    del t  # each piece's buffers go as soon as it is combined: the peak is the rows plus one chunk
+    t = _coalesce(pieces)
     # Parquet checks neither UTF-8 nor dictionary indices: garbage in a data page would
     # surface later, in an analysis, as a traceback. (10 M probe rows: a few ms.)
     t.validate(full=True)
@@ -322,20 +328,29 @@ def _open_part(p: Part, want: pa.Schema, added: dict[str, Any], dictionary: tupl
     return pf, older
 
 
-def _coalesce(t: pa.Table, sizes: list[int]) -> pa.Table:
-    """t, whose rows come in pieces of these sizes (one chunk each), with runs of small
-    pieces combined into chunks of at least CHUNK_ROWS rows; large pieces stay as they are."""
-    if len(sizes) <= 1:
-        return t
-    groups: list[pa.Table] = []
-    at, start = 0, 0
-    for k, size in enumerate(sizes):
-        at += size
-        if at - start >= CHUNK_ROWS or k == len(sizes) - 1:
-            g = t.slice(start, at - start)
-            groups.append(g.combine_chunks() if any(c.num_chunks > 1 for c in g.columns) else g)
-            start = at
-    return pa.concat_tables(groups)
+def _coalesce(pieces: list[pa.Table]) -> pa.Table:
+    """The pieces (taken from the list) in order, runs of pieces under CHUNK_ROWS rows each
+    combined into chunks of at least CHUNK_ROWS rows; a larger piece is not copied."""
+    out: list[pa.Table] = []
+    run: list[pa.Table] = []
+
+    def flush() -> None:
+        if run:
+            g = pa.concat_tables(run)
+            out.append(g.combine_chunks() if any(c.num_chunks > 1 for c in g.columns) else g)
+            run.clear()
+    pieces.reverse()
+    while pieces:
+        p = pieces.pop()
+        if p.num_rows >= CHUNK_ROWS:
+            flush()
+            out.append(p)
+            continue
+        run.append(p)
+        if sum(r.num_rows for r in run) >= CHUNK_ROWS:
+            flush()
+    flush()
+    return pa.concat_tables(out)
 
 
 def _committed(root: Path, legacy: bool) -> dict[str, list[Part]]:
