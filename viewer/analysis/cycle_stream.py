@@ -140,13 +140,17 @@ def _reach(got: list[pa.Table], buf: pa.Table | None, own: tuple[int, int]) -> i
     for t in [*([buf] if buf is not None else []), *got]:
         if not t.num_rows:
             continue
-        ts, dur = t["ts_ns"].to_numpy(), t["dur_ns"].to_numpy()
+        ts = t["ts_ns"].to_numpy()
+        end = ts + t["dur_ns"].to_numpy()
+        past = np.flatnonzero(end > reach)  # few: the rows still open at the window's end
+        if not len(past):
+            continue
+        m = (ts[past] >= own[0]) & (ts[past] < own[1])
         codes, names = chunk_codes(t["boundary"])
-        m = (ts >= own[0]) & (ts < own[1])
         if B.IDLE in names:
-            m &= np.concatenate(codes) != names.index(B.IDLE)
+            m &= np.concatenate(codes)[past] != names.index(B.IDLE)
         if m.any():
-            reach = max(reach, int((ts[m] + dur[m]).max()))
+            reach = max(reach, int(end[past][m].max()))
     return reach
 
 
