@@ -209,6 +209,23 @@ def test_broken_references_fail_a_complete_trace_and_are_clipped_in_an_unfinishe
     assert st.state == "stalled" and (st.headline() or "").startswith("STALLED: the run ended in a stall")
 
 
+def test_broken_token_runs_are_found_in_every_chunk(tmp_path: Path) -> None:
+    """The check walks the requests a chunk at a time: a broken run in a later chunk clips
+    that request, not its chunk's first."""
+    from tracing.consistency import _check_token_runs
+
+    _trace_with_requests(tmp_path, [1, 2], [1, 2, 3], None)
+    tr = Trace.open(tmp_path)
+    steps = pa.table({"step": [1, 2, 3], "collect_ns": [10, 20, 30]})
+    runs = pa.list_(pa.int64())
+    req = pa.Table.from_batches([
+        pa.record_batch({"request_id": ["a", "b"], "token_runs": pa.array([[1, 2], [2, 1]], runs)}),
+        pa.record_batch({"request_id": ["c", "d", "e"], "token_runs": pa.array([[1, 1], [1, 1, 3, 2], [2, 2]], runs)}),
+    ])
+    got = _check_token_runs(tr, req, steps)
+    assert got["request_id"].to_pylist() == ["a", "b", "c", "e"] and tr.status.clipped == {"requests": 1}
+
+
 def test_duplicate_steps_are_a_corrupt_trace(tmp_path: Path) -> None:
     _trace_with_requests(tmp_path, [1, 2], [1, 2], "complete")
     m = json.loads((tmp_path / "manifest.json").read_text())

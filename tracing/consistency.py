@@ -120,33 +120,39 @@ def _clip_past(trace: Trace, name: str, t: pa.Table, last: int | None, last_end:
 
 
 def _check_token_runs(trace: Trace, req: pa.Table, steps: pa.Table) -> pa.Table:
-    runs = req["token_runs"].combine_chunks() if req.num_rows else None
-    if runs is None or not len(runs):
+    if not req.num_rows:
         return req
-    flat = pc.list_flatten(runs).to_numpy()
-    lens = pc.list_value_length(runs).fill_null(0).to_numpy()
-    if len(flat) % 2 or (lens % 2).any():
-        raise TraceError(f"corrupt requests/ table in {trace.root}: a token_runs list has an odd length")
-    s0, cnt = flat[0::2], flat[1::2]
     st, col = steps["step"].to_numpy(), steps["collect_ns"].to_numpy()
     st = st[col > 0]
-    if len(s0) == 0:
-        return req
     # rounds outside the steps table's range (or a garbled count) are broken at once;
     # the rest are checked against a prefix count over that range only
     lo, hi = (int(st.min()), int(st.max()) + 1) if len(st) else (0, 0)
-    inside = (cnt > 0) & (s0 >= lo) & (s0 + cnt <= hi)
-    have = np.zeros(hi - lo + 1, np.int64)
+    have = np.zeros(hi - lo + 1, np.int8)
     have[st - lo] = 1
-    cum = np.concatenate([[0], np.cumsum(have)])
-    a = np.where(inside, s0 - lo, 0)
-    b = np.where(inside, s0 + cnt - lo, 0)
-    ok_run = inside & (cum[b] - cum[a] == cnt)
-    if bool(ok_run.all()):
+    cum = np.zeros(hi - lo + 2, np.int32 if hi - lo < 2**31 else np.int64)
+    np.cumsum(have, out=cum[1:])
+    del have
+    bad_rows: list[np.ndarray] = []
+    first = 0
+    for runs in req["token_runs"].chunks:  # a chunk at a time: no copy of the whole column
+        flat = pc.list_flatten(runs).to_numpy()
+        lens = pc.list_value_length(runs).fill_null(0).to_numpy()
+        if len(flat) % 2 or (lens % 2).any():
+            raise TraceError(f"corrupt requests/ table in {trace.root}: a token_runs list has an odd length")
+        if len(flat):
+            s0, cnt = flat[0::2], flat[1::2]
+            inside = (cnt > 0) & (s0 >= lo) & (s0 + cnt <= hi)
+            a = np.where(inside, s0 - lo, 0)
+            b = np.where(inside, s0 + cnt - lo, 0)
+            ok_run = inside & (cum[b] - cum[a] == cnt)
+            if not bool(ok_run.all()):
+                owner = np.repeat(np.arange(len(runs)), lens // 2)
+                bad_rows.append(owner[~ok_run] + first)
+        first += len(runs)
+    if not bad_rows:
         return req
-    owner = np.repeat(np.arange(len(runs)), lens // 2)
-    bad = np.zeros(len(runs), bool)
-    bad[owner[~ok_run]] = True
+    bad = np.zeros(req.num_rows, bool)
+    bad[np.concatenate(bad_rows)] = True
     if trace.status.complete:
         i = int(np.flatnonzero(bad)[0])
         rid = req["request_id"][i].as_py() if "request_id" in req.column_names else f"row {i}"
