@@ -44,7 +44,8 @@ class Dist:
             v, w = v[order], w[order]
         else:
             v, w = _sort_pairs(v, w)
-            v = v.astype(np.float64) * scale
+            v = v.astype(np.float64)
+            v *= scale
         cw = np.cumsum(w)
 
         def at(k: int) -> float:  # the k-th smallest of the expanded multiset
@@ -81,8 +82,13 @@ def _sort_pairs(v: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo, hi, wmax = int(v.min()), int(v.max()), int(w.max())
     wbits = max(wmax.bit_length(), 1)
     if lo >= 0 and hi.bit_length() + wbits <= 63:
-        key = np.sort((v.astype(np.int64) << wbits) | w.astype(np.int64))
-        return key >> wbits, key & ((1 << wbits) - 1)
+        key = v.astype(np.int64)  # a copy: packed in place (a long trace's rounds: 100 MB each)
+        key <<= wbits
+        key |= w
+        key.sort()
+        w = key & ((1 << wbits) - 1)
+        key >>= wbits
+        return key, w
     order = np.argsort(v)
     return v[order], w[order]
 
@@ -192,14 +198,18 @@ def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np
 
 def itl_rounds(runs: Iterable[pa.ListArray], step: np.ndarray,
                collect_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`itl_gaps_ns` with the gaps in ms."""
-    gaps, weights, rounds = itl_gaps_ns(runs, step, collect_ns)
+    """`itl_gaps_ns` with the gaps in ms and the round each ends in (a step number)."""
+    gaps, weights, extra_rounds = itl_gaps_ns(runs, step, collect_ns)
+    base = int(step.min()) if len(step) else 0
+    rounds = np.concatenate([np.arange(len(gaps) - len(extra_rounds), dtype=np.int64) + base, extra_rounds])
     return gaps.astype(np.float64) * 1e-6, weights, rounds
 
 
 def itl_gaps_ns(runs: Iterable[pa.ListArray], step: np.ndarray,
                 collect_ns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every inter-token gap, as (value ns, how many gaps have it, the round it ends in).
+    """Every inter-token gap, as (value ns, how many gaps have it), one per round from the
+    first (the gap its collect time ends), then the gaps between two runs of one request,
+    and those gaps' rounds (step numbers).
 
     Every token of a run [s0, s0 + n) was collected at the end of consecutive
     rounds, so the run's gaps are the collect-time intervals of rounds
@@ -241,12 +251,12 @@ def itl_gaps_ns(runs: Iterable[pa.ListArray], step: np.ndarray,
     # one bincount over every chunk's runs (not np.add.at, nor a round-sized count per chunk)
     cover = np.zeros(len(c) + 1, dtype=np.int64)
     if opens:
-        cover = (np.bincount(np.concatenate(opens), minlength=len(cover))
-                 - np.bincount(np.concatenate(closes), minlength=len(cover)))
-    w = np.cumsum(cover)[: len(c)]
+        cover = np.bincount(np.concatenate(opens), minlength=len(cover))
+        cover -= np.bincount(np.concatenate(closes), minlength=len(cover))
+    w = np.cumsum(cover, out=cover)[: len(c)]
     d = np.zeros(len(c), dtype=np.int64)
-    d[1:] = c[1:] - c[:-1]
-    vals = np.concatenate([d, *extra])
-    weights = np.concatenate([w, *(np.ones(len(e), np.int64) for e in extra)])
-    rounds = np.concatenate([np.arange(len(c), dtype=np.int64) + base, *extra_round])
-    return vals, weights, rounds
+    np.subtract(c[1:], c[:-1], out=d[1:])
+    del c
+    vals = np.concatenate([d, *extra]) if extra else d
+    weights = np.concatenate([w, *(np.ones(len(e), np.int64) for e in extra)]) if extra else w
+    return vals, weights, np.concatenate([np.zeros(0, np.int64), *extra_round])
