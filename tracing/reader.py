@@ -293,6 +293,9 @@ def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
     pieces = [t.slice(at - n, n) for at, n in zip(accumulate(sizes), sizes, strict=True)]
     del t  # each piece's buffers go as soon as it is combined: the peak is the rows plus one chunk
     t = _coalesce(pieces)
+    # Freed here, allocated on the readers' threads: mimalloc keeps such memory until asked
+    # (the requests of a 100 M-row trace: 880 -> 540 MB resident for 461 MB of rows).
+    pa.default_memory_pool().release_unused()
     # Parquet checks neither UTF-8 nor dictionary indices: garbage in a data page would
     # surface later, in an analysis, as a traceback. (10 M probe rows: a few ms.)
     t.validate(full=True)

@@ -96,6 +96,9 @@ def _stream(trace: Trace, steps: pa.Table, collectives: pa.Table | None, totals:
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]
                 buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
+            del got
+            # read on the other thread, freed on this one: mimalloc keeps it until asked
+            pa.default_memory_pool().release_unused()
     sizes = [i1 - i0 for i0, i1 in cuts]
     out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
     return out
