@@ -90,14 +90,28 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
     """
     if not pcy:
         return {}
+    return stats_of_sums(*_sums(stat_columns(pcy), w))
+
+
+def stat_columns(pcy: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> tuple[list[str], np.ndarray]:
+    """The per-cycle columns `cycle_stats` sums (and `extra` ones), as one (cycles, columns)
+    matrix: built once for every resample (a million cycles' matrix is hundreds of MB)."""
     cols = {"cycle": pcy["cycle_ns"], "device": pcy["device_ns"]}
     for k in pcy:  # every view's columns, whatever cost.per_cycle currently emits
         if k.startswith(("raw_ns:", "hidden_ns:", "exposed_ns:", "host_ns:")):
             cols[k] = pcy[k]
-    names = list(cols)
-    sums = w @ np.column_stack([cols[k] for k in names])  # one product for every statistic
-    s = {k: sums[:, i] for i, k in enumerate(names)}
-    ncyc = w.sum(axis=1)
+    cols.update(extra or {})
+    return list(cols), np.column_stack(list(cols.values())).astype(np.float64, copy=False)
+
+
+def _sums(columns: tuple[list[str], np.ndarray], w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    names, m = columns
+    sums = w @ m  # one product for every statistic
+    return {k: sums[:, i] for i, k in enumerate(names)}, w.sum(axis=1)
+
+
+def stats_of_sums(s: dict[str, np.ndarray], ncyc: np.ndarray) -> dict[str, np.ndarray]:
+    """`cycle_stats` from each resample's column sums and cycle count."""
     out = {"cycle_ms": s["cycle"] / ncyc / 1e6, "device_idle": 1 - _ratio(s["device"], s["cycle"])}
     for b in boundaries_of(s):
         raw = s.get(f"raw_ns:{b}", s.get(f"host_ns:{b}"))
@@ -123,9 +137,11 @@ def cycle_boot(pcy: dict[str, np.ndarray], reps: int,
         return {}, {"unit": "cycles", "n": 0, "block": 1, "widen": 1.0}
     bl = blocks(pcy["cycle_ns"])
     wall = pcy["cycle_ns"] + pcy["idle_ns"]
+    columns = stat_columns(pcy, {"round": wall})
 
     def stat(w: np.ndarray) -> dict[str, np.ndarray]:
-        return {**cycle_stats(pcy, w), "round_ns": (w @ wall) / w.sum(axis=1)}
+        s, ncyc = _sums(columns, w)
+        return {**stats_of_sums(s, ncyc), "round_ns": s["round"] / ncyc}
 
     out = widen(bootstrap(n, reps, rng, [(stat, None)], bl.length)[0], bl.widen)
     out["round_scale"] = _ratio(out.pop("round_ns"), np.full(reps + 1, wall.mean()))
