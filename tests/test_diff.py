@@ -183,6 +183,35 @@ def test_blocks_do_not_change_the_answer(monkeypatch):
     assert blocked.ci_low == pytest.approx(whole.ci_low, abs=0.05)
 
 
+def test_long_series_are_drawn_in_runs_with_the_same_answer(monkeypatch):
+    """Past GROUPS_MAX items, runs of consecutive cycles, rounds and requests are drawn whole:
+    the point estimates are the same sums, and the intervals those of the circular draws."""
+    a, b = cycles(3000, 1.0, 1), cycles(3000, 1.3, 2)
+    ra, rb = requests(2000, 20.0, 1), requests(2000, 22.0, 2)
+    sa, sb = diff_synth.run(600, seed=1), diff_synth.run(600, seed=2)
+
+    def run() -> tuple[dict, dict, dict]:
+        return (D.diff_cycles(*a, *b), D.diff_requests(ra, rb),
+                D.diff_itl(sa.requests, sa.steps, sb.requests, sb.steps))
+    whole = run()
+    # (fewer runs coarsen a resample's first arrival and last finish: with 100, throughput's
+    # interval was 1.7x as wide; the real limit leaves 1 / 20,000 of the run's span)
+    monkeypatch.setattr(BS, "GROUPS_MAX", 400)
+    runs = run()
+    assert "runs" not in whole[0]["resampling"]["a"]
+    assert runs[0]["resampling"]["a"]["runs"] <= 400 and runs[1]["resampling"]["a"]["runs"] <= 400
+    assert runs[2]["resampling"]["a"]["runs"] <= 400
+    pairs = [(whole[0]["boundaries"]["bookkeeping"]["raw_ms_per_cycle"], runs[0]["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]),
+             (whole[0]["cycle_ms"], runs[0]["cycle_ms"]),
+             (whole[1]["latency"]["ttft_ms"]["mean"], runs[1]["latency"]["ttft_ms"]["mean"]),
+             (whole[1]["throughput"]["output_tok_per_s"], runs[1]["throughput"]["output_tok_per_s"]),
+             (whole[2]["itl_ms"]["p50"], runs[2]["itl_ms"]["p50"])]
+    for w, r in pairs:
+        assert r.delta == pytest.approx(w.delta, rel=1e-9, abs=1e-12) and r.significant == w.significant
+        # the same spread, within what 1000 resamples and another block scheme leave
+        assert (r.ci_high - r.ci_low) == pytest.approx(w.ci_high - w.ci_low, rel=0.25)
+
+
 def test_paired_draws_are_the_same_requests():
     """Same workload: B's request with A's id gets A's draw count, whatever the row order."""
     side = diff_synth.run(200, seed=1, requests=60)

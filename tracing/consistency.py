@@ -129,7 +129,7 @@ def _check_token_runs(trace: Trace, req: pa.Table, steps: pa.Table) -> pa.Table:
     lo, hi = (int(st.min()), int(st.max()) + 1) if len(st) else (0, 0)
     have = np.zeros(hi - lo + 1, np.int8)
     have[st - lo] = 1
-    cum = np.zeros(hi - lo + 2, np.int32 if hi - lo < 2**31 else np.int64)
+    cum: np.ndarray = np.zeros(hi - lo + 2, np.int32 if hi - lo < 2**31 else np.int64)
     np.cumsum(have, out=cum[1:])
     del have
     bad_rows: list[np.ndarray] = []

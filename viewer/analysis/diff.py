@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from viewer.analysis import cost
-from viewer.analysis.bootstrap import blocks, bootstrap, widen
+from viewer.analysis.bootstrap import blocks, bootstrap, group_along, shortest_block, widen
 from viewer.analysis.cycle_views import CONCURRENT, per_cycle
 from viewer.analysis.delta import FDR_Q, LEVEL, Delta, delta, fdr
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
@@ -93,21 +93,28 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
     return stats_of_sums(*_sums(stat_columns(pcy), w))
 
 
-def stat_columns(pcy: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None) -> tuple[list[str], np.ndarray]:
+def stat_columns(pcy: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None,
+                 runs: int = 1) -> tuple[list[str], np.ndarray]:
     """The per-cycle columns `cycle_stats` sums (and `extra` ones), as one (cycles, columns)
-    matrix: built once for every resample (a million cycles' matrix is hundreds of MB)."""
+    matrix, built once for every resample; `runs` > 1: a row per run of that many cycles,
+    their sums (a million cycles' whole matrix is hundreds of MB)."""
     cols = {"cycle": pcy["cycle_ns"], "device": pcy["device_ns"]}
     for k in pcy:  # every view's columns, whatever cost.per_cycle currently emits
         if k.startswith(("raw_ns:", "hidden_ns:", "exposed_ns:", "host_ns:")):
             cols[k] = pcy[k]
     cols.update(extra or {})
+    cols["n"] = np.ones(len(cols["cycle"]))  # cycles drawn (a row of a grouped matrix holds several)
+    if runs > 1:
+        edges = np.arange(0, len(cols["n"]), runs)
+        cols = {k: np.add.reduceat(v.astype(np.float64, copy=False), edges) for k, v in cols.items()}
     return list(cols), np.column_stack(list(cols.values())).astype(np.float64, copy=False)
 
 
 def _sums(columns: tuple[list[str], np.ndarray], w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
     names, m = columns
     sums = w @ m  # one product for every statistic
-    return {k: sums[:, i] for i, k in enumerate(names)}, w.sum(axis=1)
+    s = {k: sums[:, i] for i, k in enumerate(names)}
+    return s, s["n"]
 
 
 def stats_of_sums(s: dict[str, np.ndarray], ncyc: np.ndarray) -> dict[str, np.ndarray]:
@@ -135,17 +142,23 @@ def cycle_boot(pcy: dict[str, np.ndarray], reps: int,
     n = len(pcy.get("cycle_ns", ()))
     if not n:
         return {}, {"unit": "cycles", "n": 0, "block": 1, "widen": 1.0}
-    bl = blocks(pcy["cycle_ns"])
+    bl = blocks(pcy["cycle_ns"], shortest_block(n))
     wall = pcy["cycle_ns"] + pcy["idle_ns"]
-    columns = stat_columns(pcy, {"round": wall})
+    info: dict[str, Any] = {"unit": "cycles", "n": n}
+    items, block, run = n, bl.length, 1
+    grouped = group_along(n, bl.length)
+    if grouped is not None:  # runs of consecutive cycles, each drawn whole
+        items, block, run = grouped[1], 1, bl.length
+        info["runs"] = items
+    names, m = stat_columns(pcy, {"round": wall}, run)
 
     def stat(w: np.ndarray) -> dict[str, np.ndarray]:
-        s, ncyc = _sums(columns, w)
+        s, ncyc = _sums((names, m), w)
         return {**stats_of_sums(s, ncyc), "round_ns": s["round"] / ncyc}
 
-    out = widen(bootstrap(n, reps, rng, [(stat, None)], bl.length)[0], bl.widen)
+    out = widen(bootstrap(items, reps, rng, [(stat, None)], block)[0], bl.widen)
     out["round_scale"] = _ratio(out.pop("round_ns"), np.full(reps + 1, wall.mean()))
-    return out, {"unit": "cycles", "n": n, "block": bl.length, "widen": round(bl.widen, 3)}
+    return out, {**info, "block": bl.length, "widen": round(bl.widen, 3)}
 
 
 def cycle_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int) -> dict[str, Any]:
@@ -208,11 +221,17 @@ def diff_itl(req_a: pa.Table, steps_a: pa.Table, req_b: pa.Table, steps_b: pa.Ta
             info["ab"[i]] = {"unit": "rounds", "n": 0, "block": 1, "widen": 1.0}
             continue
         vals, mult, owner, series = round_gaps(r, s)
-        dist = PooledDist(vals, owner, n, mult=mult)
-        bl = blocks(series)
-        info["ab"[i]] = {"unit": "rounds", "n": n, "block": bl.length, "widen": round(bl.widen, 3)}
+        bl = blocks(series, shortest_block(n))
+        info["ab"[i]] = {"unit": "rounds", "n": n}
+        items, block = n, bl.length
+        grouped = group_along(n, bl.length)
+        if grouped is not None:  # runs of consecutive rounds, each drawn whole
+            owner, items, block = owner // bl.length, grouped[1], 1
+            info["ab"[i]]["runs"] = items
+        info["ab"[i]].update(block=bl.length, widen=round(bl.widen, 3))
+        dist = PooledDist(vals, owner, items, mult=mult)
         rng = np.random.default_rng([seed, 4 + (0 if same else i)])
-        stats.append(widen(bootstrap(n, reps, rng, [(dist, None)], bl.length)[0], bl.widen))
+        stats.append(widen(bootstrap(items, reps, rng, [(dist, None)], block)[0], bl.widen))
     none = _none(reps)
     sa, sb = stats
     out: dict[str, Any] = {"itl_ms": {k: delta(sa.get(k, none), sb.get(k, none))

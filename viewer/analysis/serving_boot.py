@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from viewer.analysis.bootstrap import blocks, bootstrap, widen
+from viewer.analysis.bootstrap import blocks, bootstrap, group_along, shortest_block, widen
 from viewer.analysis.delta import delta, fdr
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
 from viewer.analysis.serving import RequestTimes
@@ -33,26 +33,30 @@ class RequestStats:
     request_per_s and <ttft_ms|tpot_ms|e2e_ms>:<mean|p50|p90|p99>, one value per row.
     """
 
-    def __init__(self, requests: pa.Table) -> None:
-        self.n = requests.num_rows
+    def __init__(self, requests: pa.Table, group: np.ndarray | None = None, groups: int = 0) -> None:
+        """`group`: each request's run of requests, drawn whole (`bootstrap.group_along`),
+        `groups` of them; the draws are then of runs."""
         rt = RequestTimes.of(requests)
         served, arrival = rt.served, rt.arrival
-        self.arrival, self.finish = arrival.astype(np.float64), rt.finish.astype(np.float64)
-        self.tokens = np.column_stack([np.where(served, rt.out_len, 0), np.where(served, rt.in_len, 0),
-                                       served]).astype(np.float64)
-        rows = np.arange(self.n)
-        self.e2e = np.where(served, (rt.finish - arrival) / 1e6, np.nan)
+        rows = np.arange(requests.num_rows)
+        self.order, self.e2e = sequence(rt)
+        self.n: int = requests.num_rows if group is None else groups
+        owner = rows if group is None else group
+        self.arrival, self.finish = np.full(self.n, np.inf), np.full(self.n, -np.inf)
+        np.minimum.at(self.arrival, owner, arrival.astype(np.float64))
+        np.maximum.at(self.finish, owner, rt.finish.astype(np.float64))
+        self.tokens = np.column_stack([np.bincount(owner, weights=x, minlength=self.n)
+                                       for x in (np.where(served, rt.out_len, 0), np.where(served, rt.in_len, 0),
+                                                 served)]).astype(np.float64)
         self.series = {  # serving_metrics' own definitions, so row 0 reproduces the report
-            "ttft_ms": PooledDist(rt.ttft_ms(), rows[served], self.n),
-            "tpot_ms": PooledDist(rt.tpot_ms(), rows[rt.multi], self.n),
-            "e2e_ms": PooledDist(rt.e2e_ms(), rows[served], self.n),
+            "ttft_ms": PooledDist(rt.ttft_ms(), owner[served], self.n),
+            "tpot_ms": PooledDist(rt.tpot_ms(), owner[rt.multi], self.n),
+            "e2e_ms": PooledDist(rt.e2e_ms(), owner[served], self.n),
         }
         # one matrix product per block for everything: on a busy machine each BLAS call
         # costs milliseconds of thread hand-off whatever its size
         self.columns = np.column_stack([self.tokens, *(d.columns for d in self.series.values())])
         self.cuts = np.cumsum([self.tokens.shape[1], *(d.columns.shape[1] for d in self.series.values())])
-        # arrival order, ties (a burst at t = 0) by row: the sequence blocks run along
-        self.order = np.lexsort((rows, arrival))
 
     def __call__(self, w: np.ndarray) -> dict[str, np.ndarray]:
         drawn = w > 0
@@ -66,6 +70,13 @@ class RequestStats:
             for k, arr in dist(w, s, wi).items():
                 out[f"{name}:{k}"] = arr
         return out
+
+
+def sequence(rt: RequestTimes) -> tuple[np.ndarray, np.ndarray]:
+    """The requests' arrival order (ties, a burst at t = 0, by row: the sequence blocks run
+    along) and each one's E2E in ms (NaN where never served)."""
+    return (np.lexsort((np.arange(len(rt.arrival)), rt.arrival)),
+            np.where(rt.served, (rt.finish - rt.arrival) / 1e6, np.nan))
 
 
 def pairing(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
@@ -99,23 +110,45 @@ def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | Non
     is divided by its side's factor and its latencies multiplied by it, adding that noise.
     """
     pair, why = pairing(req_a, req_b, meta_a, meta_b)
-    ra, rb = RequestStats(req_a), RequestStats(req_b)
+    (oa, ea), (ob, eb) = (sequence(RequestTimes.of(r)) for r in (req_a, req_b))
     info: dict[str, Any]
     if pair is not None:
         # the block length of what is left after pairing: B's E2E minus A's, request by request
-        bl = blocks((rb.e2e - ra.e2e[pair])[np.argsort(pair)][ra.order])
-        sa, sb = (widen(x, bl.widen) for x in bootstrap(ra.n, reps, np.random.default_rng([seed, 2]),
-                                                        [(ra, None), (rb, pair)], bl.length, ra.order))
-        info = {"unit": "requests", "paired": True, "why": why, "n": ra.n, "block": bl.length,
-                "widen": round(bl.widen, 3)}
+        series = (eb - ea[pair])[np.argsort(pair)][oa]
+        n = req_a.num_rows
+        bl = blocks(series, shortest_block(n))
+        grouped = group_along(n, bl.length, oa)
+        info = {"unit": "requests", "paired": True, "why": why, "n": n}
+        stats: list[tuple[RequestStats, np.ndarray | None]]
+        along: np.ndarray | None
+        if grouped is None:
+            items, block, along = n, bl.length, oa
+            stats = [(RequestStats(req_a), None), (RequestStats(req_b), pair)]
+        else:  # runs of A's arrival order, each drawn whole, B's requests in their A twin's run
+            group, items = grouped
+            block, along = 1, None
+            stats = [(RequestStats(req_a, group, items), None), (RequestStats(req_b, group[pair], items), None)]
+            info["runs"] = items
+        sa, sb = (widen(x, bl.widen) for x in bootstrap(items, reps, np.random.default_rng([seed, 2]),
+                                                        stats, block, along))
+        info.update(block=bl.length, widen=round(bl.widen, 3))
     else:
         sides, info = [], {"unit": "requests", "paired": False, "why": why}
-        for i, r in enumerate((ra, rb)):
-            bl = blocks(r.e2e[r.order])
-            info["ab"[i]] = {"n": r.n, "block": bl.length, "widen": round(bl.widen, 3)}
+        for i, (req, order, e2e) in enumerate(((req_a, oa, ea), (req_b, ob, eb))):
+            n = req.num_rows
+            bl = blocks(e2e[order], shortest_block(n))
+            info["ab"[i]] = {"n": n}
+            grouped = group_along(n, bl.length, order)
+            if grouped is None:
+                r, items, block, along = RequestStats(req), n, bl.length, order
+            else:
+                items = grouped[1]
+                r, block, along = RequestStats(req, grouped[0], items), 1, None
+                info["ab"[i]]["runs"] = items
+            info["ab"[i]].update(block=bl.length, widen=round(bl.widen, 3))
             rng = np.random.default_rng([seed, 2 + i])
-            sides.append({} if not r.n else
-                         widen(bootstrap(r.n, reps, rng, [(r, None)], bl.length, r.order)[0], bl.widen))
+            sides.append({} if not n else
+                         widen(bootstrap(items, reps, rng, [(r, None)], block, along)[0], bl.widen))
         sa, sb = sides
     for side, scale in zip((sa, sb), round_scale, strict=True):
         if scale is None or not side:
