@@ -56,8 +56,11 @@ class Pane:
 
 
 def _round(screen: str) -> int:
+    """The header's round number; 0 while it shows "-" (attached before the first round: a
+    pane can show the ranks' rows first, as one of ci46's did)."""
     head = next(line for line in screen.splitlines() if " round " in line)
-    return int(head.split(" round ", 1)[1].split()[0])
+    word = head.split(" round ", 1)[1].split()[0]
+    return int(word) if word.isdigit() else 0
 
 
 def _run_process_alive(out: Path) -> bool:
