@@ -100,7 +100,14 @@ def modes(model: str, requests: int, device: str) -> str:
 
 
 def live_rows(model: str, requests: int, device: str) -> str:
-    from tracing.reader import Trace
+    from tracing.reader import Trace, TraceError
+
+    def committed_rounds() -> int:
+        # the run writes its manifest before its meta.json: until both are there it is no trace yet
+        try:
+            return Trace.open(out).table("steps", ["step"]).num_rows
+        except TraceError:
+            return 0
 
     out = OUT / "live"
     shutil.rmtree(out, ignore_errors=True)
@@ -111,7 +118,7 @@ def live_rows(model: str, requests: int, device: str) -> str:
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "manifest.json").exists() or not Trace.open(out).table("steps", ["step"]).num_rows:
+        while not committed_rounds():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the run ended or hung before its first committed round")
             time.sleep(0.1)
@@ -151,7 +158,10 @@ def deadlock(model: str, device: str) -> str:
             "deadlock", "--wait-timeout", "2", "-q", "--out", str(out))
     if p.returncode != 3:
         raise RuntimeError(f"--inject deadlock exited {p.returncode}, not 3 (stalled)")
-    st = json.loads(must(cli("stalls", str(out), "--json"), "mstrace stalls").stdout)
+    p = cli("stalls", str(out), "--json")
+    if p.returncode != 1:  # 1: stalls found (FINDINGS), as the command documents
+        raise RuntimeError(f"mstrace stalls exited {p.returncode}, not 1 (stalls found): {p.stderr.strip()[-200:]}")
+    st = json.loads(p.stdout)
     cycles = [s for s in st["stalls"] if s.get("cycle")]
     if not cycles:
         raise RuntimeError(f"mstrace stalls found {st['count']} stalls but no wait cycle")
