@@ -33,7 +33,7 @@ class ActiveWait:
     signaller: str  # who is expected to complete it
     boundary: str
     since_ns: int
-    thread_id: int  # DEVICE_THREAD: a wait inside the CPU device process, no host thread
+    thread_id: int  # DEVICE_THREAD: a wait on the device (a GPU stream, the CPU device process), no host thread
 
 
 DEVICE_THREAD = 0
@@ -43,6 +43,11 @@ class WaitRegistry:
     def __init__(self) -> None:
         self._active: dict[int, ActiveWait] = {}
         self._ids = count()
+        # Waits nobody blocks a host thread for (a GPU stream's wait for another stream's
+        # event): each source says which of its waits are waiting now, when asked. A source
+        # returns the same ActiveWait object for as long as one wait lasts (the watchdog
+        # reports each object once).
+        self._sources: list[Callable[[], list[ActiveWait]]] = []
 
     def begin(self, w: ActiveWait) -> int:
         k = next(self._ids)  # itertools.count is atomic under the GIL
@@ -52,8 +57,14 @@ class WaitRegistry:
     def end(self, k: int) -> None:
         self._active.pop(k, None)
 
+    def add_source(self, source: Callable[[], list[ActiveWait]]) -> None:
+        self._sources.append(source)
+
     def snapshot(self) -> list[ActiveWait]:
-        return list(self._active.values())
+        waits = list(self._active.values())
+        for source in self._sources:
+            waits += source()
+        return waits
 
 
 def timed_wait(

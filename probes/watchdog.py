@@ -181,7 +181,7 @@ class StallReport:
         for x in sorted(self.waits, key=lambda x: x.since_ns):
             lines.append(f"  {x.waiter} -> {x.what} -> {x.signaller}  "
                          f"({(self.ts_ns - x.since_ns) / 1e9:.2f} s, "
-                         f"{'thread ' + str(x.thread_id) if x.thread_id != DEVICE_THREAD else 'device process'})")
+                         f"{'thread ' + str(x.thread_id) if x.thread_id != DEVICE_THREAD else 'on the device'})")
         return lines
 
     def render_text(self) -> str:

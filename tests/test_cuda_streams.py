@@ -5,11 +5,13 @@ nor outlive their timeout."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
 
 from probes.recorder import Probes
+from probes.waits import DEVICE_THREAD, WaitRegistry
 from scheduler.device.cuda_streams import CudaStream, make_cuda_streams
 from tests.support.fake_cuda import FakeCuda
 
@@ -59,7 +61,8 @@ def test_the_clock_stays_precise_over_hours():
     0.25 ms."""
     cuda, rows = FakeCuda(), []
     s = _stream(cuda, rows)
-    anchor_t, anchor_ns = s.clock._ev.t, s.clock._ns
+    anchor_ev, anchor_ns = s.clock._anchor
+    anchor_t = anchor_ev.t
     step = 36 * MS
     for k in range(100_000):  # 3,600 s
         cuda.skew += step
@@ -115,7 +118,7 @@ def test_a_launch_starts_after_the_copies_its_batch_was_prepared_with():
     the launch's stream must start after them, on the device, without the host waiting."""
     cuda, rows = FakeCuda(), []
     s = _stream(cuda, rows)
-    anchor_ns = s.clock._ns
+    anchor_ns = s.clock._anchor[1]
     host_stream = cuda.current_stream()
     with cuda.stream(host_stream):
         cuda.kernel(HOUR)  # a slow H2D copy on the caller's stream
@@ -127,3 +130,82 @@ def test_a_launch_starts_after_the_copies_its_batch_was_prepared_with():
     assert end.wait(5.0)  # ... and runs after it
     s.close()
     assert rows[0][0] - anchor_ns >= HOUR - 1_000  # its device row starts when the copy ended
+
+
+def test_a_wait_for_another_streams_event_is_listed_while_the_stream_waits():
+    """A GPU stream's wait blocks no host thread, so no timed_wait sees it: the stream lists it
+    for the watchdog, from when its earlier work is done until the awaited event completes."""
+    cuda, rows, registry = FakeCuda(), [], WaitRegistry()
+    streams = make_cuda_streams(None, Probes(lambda table: rows), ("main", "prefill"), cuda=cuda, registry=registry)
+    main, prefill = streams["main"], streams["prefill"]
+    main.submit(lambda: cuda.kernel(HOUR), "decode#1", 1)
+    done = main.record()
+    prefill.submit(lambda: cuda.kernel(10 * MS), "prefill#0", 0)
+    prefill.wait_event(done)
+    assert registry.snapshot() == []  # prefill's own work is still running: not waiting yet
+    cuda.skew += 20 * MS
+    (w,) = registry.snapshot()
+    assert (w.waiter, w.what, w.signaller, w.boundary, w.thread_id) == (
+        "prefill-stream", f"event {done.label}", "main-stream", "stream_wait", DEVICE_THREAD)
+    assert registry.snapshot()[0] is w  # one object per wait: the watchdog reports it once
+    prefill.drain()
+    assert abs(w.since_ns - prefill.completed[-1].end_ns) < 1_000  # since its own work ended, on the device clock
+    cuda.skew += 2 * HOUR
+    assert registry.snapshot() == []  # the event completed: the wait is over
+    for s in streams.values():
+        s.close()
+    assert not prefill._waits  # and a later launch's drain() forgot it
+
+
+def test_host_work_on_a_stream_runs_after_its_earlier_work_and_holds_its_later_work():
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    ran, release = [], threading.Event()
+    s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)
+    s.submit_host(lambda: (ran.append(cuda.now()), release.wait(5.0)), "host#1", 1)
+    s.submit(lambda: cuda.kernel(1 * MS), "forward#2", 2)
+    end = s.record()
+    time.sleep(0.05)
+    assert not ran  # the forward before it is still running
+    cuda.skew += 2 * HOUR
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran and ran[0] >= HOUR  # ran once the stream reached it, on another thread
+    time.sleep(0.05)
+    assert not end.query()  # the stream's later work waits for the host function
+    release.set()
+    assert end.wait(5.0)
+    s.submit_host(lambda: 1 / 0, "host#2", 2)
+    assert s.record().wait(5.0) and isinstance(s.error, ZeroDivisionError)  # surfaced at the barrier
+    s.close()
+
+
+def test_the_injected_deadlock_on_gpu_streams_is_one_cycle_the_watchdog_names():
+    """faults._deadlock on CUDA streams: main's host function waits for blocks the prefill
+    stream would free, and prefill waits on the device for an event main records after it.
+    Neither blocks the scheduling thread; the watchdog's graph holds the whole cycle."""
+    from types import SimpleNamespace
+
+    from probes.watchdog import Watchdog
+    from scheduler.harness.faults import _deadlock
+
+    cuda, rows, registry = FakeCuda(), [], WaitRegistry()
+    streams = make_cuda_streams(None, Probes(lambda table: rows), ("main", "prefill"), cuda=cuda, registry=registry)
+    engine = SimpleNamespace(streams=streams, registry=registry, device_proc=None)
+    batch = SimpleNamespace(prefills=[SimpleNamespace(req=SimpleNamespace(request_id="req-1"))])
+    reports = []
+    t = time.monotonic()
+    with Watchdog(registry, 0.3, interval_s=0.02, on_stall=reports.append):
+        _deadlock(engine, batch, 5, timeout_s=1.0)
+        assert time.monotonic() - t < 0.2  # the launching thread went on
+        blocked = streams["main"].record()  # what the barrier would wait for
+        assert not blocked.wait(0.6)
+    cycles = {r.cycle_name for r in reports if r.cycle}
+    assert cycles, [r.wait for r in reports]
+    name = next(iter(cycles))
+    assert "blocks held by req req-1" in name and "event main#" in name
+    assert {"main-stream", "prefill-stream"} <= {e.src for r in reports for e in r.cycle or []}
+    assert blocked.wait(5.0) and streams["main"].error is not None  # the host function gave up at its timeout
+    for s in streams.values():
+        s.close()

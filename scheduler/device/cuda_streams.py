@@ -18,19 +18,32 @@ Waits: an event is created with blocking sync, and a stream's waits are made by 
 sync thread (cudaEventSynchronize, which sleeps in the driver), which sets a host event;
 the caller waits on that with its timeout. No polling, and the timeout still holds.
 
+A stream's wait for another stream's event is the device's, not a host thread's, so no
+timed_wait sees it; the stream lists it for the wait registry instead (`device_waits`, read
+by the stall watchdog): waiting from the moment the stream's earlier work is done (its last
+event before the wait completes) until the awaited event completes. That costs no sync and
+no extra event: two queries per wait, when the watchdog looks.
+
+Host work on a stream (`submit_host`: the fault injector's "wait for free blocks") runs as a
+host function (cuLaunchHostFunc): on a driver thread once the stream's earlier work is
+done, with the stream's later work held behind it, as a CPU stream thread would run it.
+
 `cuda` is the torch.cuda module, or a stand-in with its semantics (tests/support/fake_cuda.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from probes.boundaries import DEVICE_COMPUTE
+from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes
+from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from scheduler.device.work import Event, OpRecord, Work
 
 
@@ -41,16 +54,18 @@ class DeviceClock:
         base = cuda.Event(enable_timing=True)
         base.record(stream)
         base.synchronize()  # the one sync: it ties the device's timeline to the host clock
-        self._ev, self._ns = base, now_ns()
+        # one tuple, swapped whole: the watchdog's thread reads it while the launching one advances it
+        self._anchor: tuple[Any, int] = (base, now_ns())
 
     def ts(self, ev: Any) -> int:
         """A completed event's time."""
-        ms: float = self._ev.elapsed_time(ev)  # torch.cuda.Event.elapsed_time: milliseconds
-        return self._ns + round(ms * 1e6)
+        base, ns = self._anchor
+        ms: float = base.elapsed_time(ev)  # torch.cuda.Event.elapsed_time: milliseconds
+        return ns + round(ms * 1e6)
 
     def advance(self, ev: Any, ts: int) -> None:
         """Later readings measure from `ev` (complete, at `ts`): short spans stay precise."""
-        self._ev, self._ns = ev, ts
+        self._anchor = (ev, ts)
 
 
 class _Syncer:
@@ -108,9 +123,22 @@ class CudaEvent:
         return self._ts
 
 
+class _DeviceWait:
+    """A stream's wait for another stream's event, as the wait registry lists it."""
+
+    __slots__ = ("reached", "awaited", "since_ns", "what", "signaller", "active")
+
+    def __init__(self, reached: Any, awaited: CudaEvent, since_ns: int) -> None:
+        self.reached = reached  # the stream's last event before the wait (None: it was idle)
+        self.awaited = awaited
+        self.since_ns = since_ns
+        self.what, self.signaller = f"event {awaited.label}", f"{awaited.stream}-stream"
+        self.active: ActiveWait | None = None  # made once, when first seen waiting
+
+
 class CudaStream:
     def __init__(self, name: str, probes: Probes, device: Any, priority: int = 0, cuda: Any = None,
-                 clock: DeviceClock | None = None) -> None:
+                 clock: DeviceClock | None = None, registry: WaitRegistry | None = None) -> None:
         if cuda is None:
             import torch
 
@@ -126,10 +154,16 @@ class CudaStream:
         self._syncer = _Syncer(name)
         self._pending: deque[tuple[Any, Any, str, int, str]] = deque()
         self.completed: deque[OpRecord] = deque(maxlen=32)
+        self._last: Any = None  # the newest event recorded on the stream
+        self._waits: deque[_DeviceWait] = deque()
+        self._host_fns: set[Any] = set()  # host functions queued, kept alive until they have run
+        if registry is not None:
+            registry.add_source(self.device_waits)
 
     def _event(self) -> Any:
         ev = self._cuda.Event(enable_timing=True, blocking=True)
         ev.record(self.stream)
+        self._last = ev
         return ev
 
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
@@ -147,9 +181,43 @@ class CudaStream:
             self.error = e
         self._pending.append((start, self._event(), label, step, boundary))
 
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+        """`fn` on a host thread once the stream's earlier work is done; the stream's later work
+        waits for it to return. Its exception becomes the stream's error."""
+        self.drain()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - surfaced by the barrier through `error`
+                self.error = self.error or e
+
+        launch = getattr(self._cuda, "launch_host_func", None)  # the test stand-in's
+        if launch is not None:
+            launch(self.stream, run)
+        else:
+            self._host_fns.add(_launch_host_func(self.stream, run, self._host_fns.discard))
+        self._event()  # completes when the function returns: where a later wait is reached
+
+    def device_waits(self) -> list[ActiveWait]:
+        """The wait registry's source (any thread): this stream's waits for other streams'
+        events that it has reached and that are not over."""
+        out = []
+        for w in tuple(self._waits):
+            if w.awaited.query() or (w.reached is not None and not w.reached.query()):
+                continue
+            if w.active is None:
+                since = w.since_ns if w.reached is None else self.clock.ts(w.reached)
+                w.active = ActiveWait(f"{self.name}-stream", w.what, w.signaller, STREAM_WAIT, since,
+                                      DEVICE_THREAD)
+            out.append(w.active)
+        return out
+
     def drain(self) -> None:
         """Probe rows for the launches already complete. They complete in stream order, so
         the first one still running ends the scan; a query each, never a sync."""
+        while self._waits and self._waits[0].awaited.query():
+            self._waits.popleft()
         clock = self.clock
         while self._pending and self._pending[0][1].query():
             start, end, label, step, boundary = self._pending.popleft()
@@ -165,6 +233,7 @@ class CudaStream:
 
     def wait_event(self, ev: Event) -> None:
         assert isinstance(ev, CudaEvent)
+        self._waits.append(_DeviceWait(self._last, ev, now_ns()))
         self.stream.wait_event(ev.ev)
 
     def state(self) -> dict[str, Any]:
@@ -183,10 +252,37 @@ class CudaStream:
         self._syncer.close()
 
 
-def make_cuda_streams(device: Any, probes: Probes, names: tuple[str, ...], cuda: Any = None) -> dict[str, CudaStream]:
+def make_cuda_streams(device: Any, probes: Probes, names: tuple[str, ...], cuda: Any = None,
+                      registry: WaitRegistry | None = None) -> dict[str, CudaStream]:
     """One clock for all of a device's streams; lower number = higher priority: decode's main
     stream goes first."""
-    first = CudaStream(names[0], probes, device, priority=-1 if names[0] == "main" else 0, cuda=cuda)
-    rest = {n: CudaStream(n, probes, device, priority=-1 if n == "main" else 0, cuda=cuda, clock=first.clock)
+    first = CudaStream(names[0], probes, device, priority=-1 if names[0] == "main" else 0, cuda=cuda,
+                       registry=registry)
+    rest = {n: CudaStream(n, probes, device, priority=-1 if n == "main" else 0, cuda=cuda, clock=first.clock,
+                          registry=registry)
             for n in names[1:]}
     return {names[0]: first, **rest}
+
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _launch_host_func(stream: Any, fn: Callable[[], None], ran: Callable[[Any], None]) -> Any:
+    """cuLaunchHostFunc on a torch stream (torch has no binding for it). Returns the C callback,
+    which the caller keeps alive until `ran` gets it back from the driver's thread."""
+    lib = ctypes.CDLL("libcuda.so.1")  # the driver torch has loaded already
+    launch = lib.cuLaunchHostFunc
+    launch.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+    launch.restype = ctypes.c_int
+
+    def call(_: Any) -> None:
+        try:
+            fn()
+        finally:
+            ran(cb)
+
+    cb = _HOST_FN(call)
+    rc = launch(ctypes.c_void_p(stream.cuda_stream), cb, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
+    return cb

@@ -227,6 +227,9 @@ class ProcStream:
             raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
         self._enqueue(_Pending("op", label, step, boundary, fn.on_result), wire.Op(self.name, fn.kind, fn.payload))
 
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+        raise TypeError(f"{label}: the device process runs no host Python work on its streams")
+
     def reserve(self) -> ProcEvent:
         """An event of this stream that a later record(ev) completes (others may wait on it first)."""
         self._events += 1

@@ -88,6 +88,9 @@ class CpuStream:
         self._queued += 1
         self._q.put((fn, label, step, boundary))
 
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+        self.submit(fn, label, step)  # the stream's thread is a host thread
+
     def record(self) -> CpuEvent:
         self._events += 1
         ev = CpuEvent(f"{self.name}#{self._events}", self.name)
@@ -156,5 +159,5 @@ def make_streams(
     if getattr(device, "type", str(device)) == "cuda":
         from scheduler.device.cuda_streams import make_cuda_streams
 
-        return dict(make_cuda_streams(device, probes, names))
+        return dict(make_cuda_streams(device, probes, names, registry=registry))
     return {n: CpuStream(n, probes, registry, timeout_s) for n in names}

@@ -229,7 +229,8 @@ def _deadlock(engine: FaultTarget, batch: ScheduleBatch, step: int, timeout_s: f
         return
     blocks_freed = threading.Event()  # the prefill stream would set it; it never gets to
     main = engine.streams[MAIN]
-    main.submit(lambda: timed_wait(
+    # host work on the stream (a GPU's host function): the stream, not the scheduling thread, waits
+    main.submit_host(lambda: timed_wait(
         blocks_freed.wait, registry=engine.registry, waiter="main-stream",
         what=f"blocks held by req {victim.request_id}", signaller="prefill-stream", boundary=KV_FENCE,
         timeout_s=timeout_s, step=step), f"injected: wait for free blocks#{step}", step)

@@ -73,7 +73,7 @@ def render_stalls(console: Console, trace: str, meta: dict[str, Any], recs: list
         for w in sorted(r.waits, key=lambda w: -int(w.get("waited_ns", 0))):
             waits.add_row(str(w.get("waiter")), str(w.get("what")), str(w.get("signaller")),
                           f"{int(w.get('waited_ns', 0)) / 1e9:.2f}",
-                          "device process" if w.get("thread_id") == DEVICE_THREAD
+                          "on the device" if w.get("thread_id") == DEVICE_THREAD
                           else thread_names.get(w.get("thread_id"), str(w.get("thread_id"))))
         console.print(waits)
         extra = r.graph[len(r.waits):]
