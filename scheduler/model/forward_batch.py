@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler.model.h2d import host_to_device
+
 
 @dataclass(slots=True)
 class SeqChunk:
@@ -202,11 +204,11 @@ def build_forward_batch(
         *ctx_pieces,
         *([torch.tensor(targets, dtype=torch.int64)] if targets else []),  # last: most batches have none
     ]
-    ints = _to_device(torch.cat(int_parts), device)
+    ints = host_to_device(torch.cat(int_parts), device)
     bool_parts = ([decode_mask_host.reshape(-1)] if decode_mask_host is not None else []) + [
         m.reshape(-1) for m in masks_host
     ]
-    bools = _to_device(torch.cat(bool_parts), device) if bool_parts else None
+    bools = host_to_device(torch.cat(bool_parts), device) if bool_parts else None
 
     sizes = [p.numel() for p in int_parts]
     views = list(torch.split(ints, sizes))
@@ -263,13 +265,6 @@ def _length_groups(nblks: list[int], max_groups: int = 16, min_rows: int = 4) ->
     drops = sorted(range(1, n), key=lambda r: nblks[r - 1] - nblks[r], reverse=True)[: k - 1]
     cuts = [0, *sorted(d for d in drops if nblks[d - 1] > nblks[d]), n]
     return [(a, b, nblks[a]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    # Pinned memory makes the copy asynchronous with respect to the host thread.
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def resolve_placeholders(fb: ForwardBatch, future: torch.Tensor) -> None:

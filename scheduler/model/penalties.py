@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from scheduler.model.h2d import to_device
+
 
 class LogitsAdjust(NamedTuple):
     """A batch's logit changes; `row` indexes the batch's sampled rows."""
@@ -43,11 +45,13 @@ def apply(logits: torch.Tensor, adj: LogitsAdjust, future: torch.Tensor | None) 
     dev = logits.device
 
     def t(xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=dev)
+        return to_device(xs, torch.long, dev)
+
+    def f(xs: list[float]) -> torch.Tensor:
+        return to_device(xs, out.dtype, dev)
 
     if adj.bias_rows:
-        out.index_put_((t(adj.bias_rows), t(adj.bias_ids)),
-                       torch.tensor(adj.bias_values, dtype=out.dtype, device=dev), accumulate=True)
+        out.index_put_((t(adj.bias_rows), t(adj.bias_ids)), f(adj.bias_values), accumulate=True)
     if adj.ban_rows:
         out[t(adj.ban_rows), t(adj.ban_ids)] = float("-inf")
     if adj.pen_rows:
@@ -59,17 +63,19 @@ def apply(logits: torch.Tensor, adj: LogitsAdjust, future: torch.Tensor | None) 
             raise ValueError("placeholder tokens in a penalty history, with no future ring to resolve them")
         n = len(adj.pen_rows)
         flat = t(adj.hist_pen) * vocab + ids
-        outputs = torch.tensor(adj.hist_output, dtype=torch.bool, device=dev)
+        # the output tokens' places, from the host's list: a boolean mask on the device would
+        # make the host wait for it (its count sizes the result)
+        outputs = [i for i, o in enumerate(adj.hist_output) if o]
         counts = torch.zeros(n * vocab, dtype=out.dtype, device=dev)
-        counts.index_put_((flat[outputs],), torch.ones(int(outputs.sum()), dtype=out.dtype, device=dev),
+        counts.index_put_((flat.index_select(0, t(outputs)),), torch.ones(len(outputs), dtype=out.dtype, device=dev),
                           accumulate=True)
         seen = torch.zeros(n * vocab, dtype=torch.bool, device=dev)
         seen[flat] = True
         counts, seen = counts.view(n, vocab), seen.view(n, vocab)
         x = out.index_select(0, rows)
-        rep = torch.tensor(adj.repetition, dtype=out.dtype, device=dev)[:, None]
+        rep = f(adj.repetition)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)  # prompt and output tokens
-        x = x - torch.tensor(adj.frequency, dtype=out.dtype, device=dev)[:, None] * counts
-        x = x - torch.tensor(adj.presence, dtype=out.dtype, device=dev)[:, None] * (counts > 0).to(out.dtype)
+        x = x - f(adj.frequency)[:, None] * counts
+        x = x - f(adj.presence)[:, None] * (counts > 0).to(out.dtype)
         out[rows] = x
     return out

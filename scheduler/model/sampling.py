@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from scheduler.model.h2d import to_device
 from scheduler.model.penalties import LogitsAdjust
 from scheduler.model.penalties import apply as apply_adjust
 
@@ -45,20 +46,18 @@ def sample_on_device(
     greedy = [i for i, t in enumerate(temperatures) if t < GREEDY_BELOW]
     if len(greedy) == n:
         return logits.argmax(dim=-1) if n else torch.zeros(0, dtype=torch.long, device=logits.device)
-    out = torch.zeros(n, dtype=torch.long, device=logits.device)
+    dev = logits.device
+    out = torch.zeros(n, dtype=torch.long, device=dev)
     if greedy:
-        out[greedy] = logits[greedy].argmax(dim=-1)
+        g = to_device(greedy, torch.long, dev)
+        out[g] = logits.index_select(0, g).argmax(dim=-1)
     idx = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]
-    temps = torch.tensor([temperatures[i] for i in idx], dtype=torch.float32, device=logits.device)
-    probs = torch.softmax(logits[idx].float() / temps[:, None], dim=-1)
+    temps = to_device([temperatures[i] for i in idx], torch.float32, dev)
+    probs = torch.softmax(logits.index_select(0, to_device(idx, torch.long, dev)).float() / temps[:, None], dim=-1)
     # Always sort (even for top_p == 1) so a seeded row draws from the same vector whatever
     # else is in the batch.
     probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    thr = torch.tensor(
-        [top_ps[i] if 0.0 < top_ps[i] < 1.0 else float("inf") for i in idx],
-        dtype=torch.float32,
-        device=logits.device,
-    )
+    thr = to_device([top_ps[i] if 0.0 < top_ps[i] < 1.0 else float("inf") for i in idx], torch.float32, dev)
     # Drop a token when the mass strictly before it already reaches top_p; the top token has
     # zero mass before it, so it always survives.
     drop = probs.cumsum(dim=-1) - probs >= thr[:, None]
@@ -67,7 +66,7 @@ def sample_on_device(
     # multinomial takes one generator per call, so the draw is per row; everything above is
     # batched across rows.
     for j, i in enumerate(idx):
-        pick = torch.multinomial(probs[j], 1, generator=_check(generators[i], logits.device))
+        pick = torch.multinomial(probs[j], 1, generator=_check(generators[i], dev))
         out[i:i + 1] = order[j].gather(0, pick)
     return out
 
@@ -108,10 +107,10 @@ def sample_rows(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Seq
     return sample_on_device(logits, temperatures, top_ps, row_generators(seeds, logits.device))
 
 
-def publish(future: torch.Tensor, slots: Sequence[int], tokens: torch.Tensor | Sequence[int]) -> None:
+def publish(future: torch.Tensor, slots: Sequence[int], tokens: torch.Tensor) -> None:
     """Write sampled tokens into the device's future-token ring at their slots, where the
     next round's placeholders (overlap scheduling) read them on the device."""
-    future[torch.tensor(slots, device=future.device)] = torch.as_tensor(tokens, device=future.device)
+    future[to_device(slots, torch.long, future.device)] = tokens
 
 
 @dataclass(slots=True)
@@ -169,7 +168,7 @@ def sample_batch(
     if not want and score_targets is None:
         return Sampled(tokens)
     dev = logits.device
-    rows = torch.tensor(want, dtype=torch.long, device=dev)
+    rows = to_device(want, torch.long, dev)
     targets = tokens.index_select(0, rows)
     k = max((logprobs[i] for i in want), default=0)
     if score_targets is not None:
