@@ -10,7 +10,8 @@ model returns no logits (a pipeline stage before the last).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.model.forward_batch import resolve_placeholders
@@ -39,6 +40,23 @@ class SamplingArgs(NamedTuple):
     adjust: LogitsAdjust | None = None  # penalties, biases, min_tokens
 
 
+@contextmanager
+def _gpu_attention() -> Iterator[None]:
+    """SDPA without cuDNN's backend. torch 2.11 tries cuDNN first for a masked SDPA on Hopper
+    and later, and cuDNN builds an execution plan for every new shape (tens of milliseconds
+    each, on the launching thread); the engine's attention shapes change every round (decode
+    length groups, context lengths, prefill chunks). Flash and memory-efficient kernels take
+    any shape at no such cost. (The switch is the process's; it is set back after the model.)"""
+    import torch
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def forward_step(model: ModelStep, fb: ForwardBatch, kv: PagedKVCache, sampling: SamplingArgs,
                  future: torch.Tensor | None = None, slots: Sequence[int] = (), has_placeholders: bool = False,
                  receive: Callable[[], torch.Tensor] | None = None) -> Sampled | None:
@@ -47,7 +65,11 @@ def forward_step(model: ModelStep, fb: ForwardBatch, kv: PagedKVCache, sampling:
     if has_placeholders:
         assert future is not None, "placeholders resolve from the future ring"
         resolve_placeholders(fb, future)
-    logits = model(fb, kv)
+    if fb.input_ids.device.type == "cuda":
+        with _gpu_attention():
+            logits = model(fb, kv)
+    else:
+        logits = model(fb, kv)
     if logits is not None:
         s = sampling
         out = sample_batch(logits, fb.num_sampled, s.temperatures, s.top_ps, s.seeds, s.logprobs, fb.score_targets,
