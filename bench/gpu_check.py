@@ -5,6 +5,8 @@
 
 1. greedy parity with transformers, on the device: a preset and a test-built checkpoint;
 2. the three modes on the default preset (tiny with --cpu): overlap / serial throughput;
+   on a GPU also what a new attention shape costs the launch (torch's SDPA backends against
+   the engine's) and a serial run under torch's sync debug mode (no wait in the launch);
 3. device rows reach the trace during the run (read 2 s after its first committed round,
    before the run ends);
 4. probe overhead: output tok/s with probes against --no-probes (one pair: a sanity
@@ -151,6 +153,77 @@ def probe_overhead(model: str, requests: int, device: str) -> str:
     return f"with/without probes {ratio:.3f} (one pair; bench/bench_probe_cpu.py measures it properly)"
 
 
+def attention_shapes() -> str:
+    """What a new attention shape costs the launching thread: torch's default SDPA backends
+    against the engine's (forward_step's, without cuDNN), eight decode-shaped masked calls of
+    shapes not seen before, bfloat16, as the engine's length groups make them every round."""
+    import torch
+    import torch.nn.functional as F
+
+    from scheduler.model.forward_step import _gpu_attention
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+
+    def call(rows: int, keys: int) -> tuple[float, float]:
+        q = torch.randn(rows, 4, 2, 64, device=dev, dtype=dt)
+        k, v = (torch.randn(rows, 4, keys, 64, device=dev, dtype=dt) for _ in range(2))
+        mask = torch.zeros(rows, 1, 1, keys + 16, device=dev, dtype=dt)[..., :keys]
+        times = []
+        for _ in range(2):  # first sight, then the same shape again
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            times.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        return times[0], times[1]
+
+    q0 = torch.randn(8, 4, 2, 64, device=dev, dtype=dt)
+    kv0 = torch.randn(8, 4, 160, 64, device=dev, dtype=dt)
+    m0 = torch.zeros(8, 1, 1, 160, device=dev, dtype=dt)
+    choice = int(torch._fused_sdp_choice(q0, kv0, kv0, attn_mask=m0))  # 0 math, 1 flash, 2 efficient, 3 cudnn
+    with _gpu_attention():
+        ours = int(torch._fused_sdp_choice(q0, kv0, kv0, attn_mask=m0))
+    default = [call(5 + i, 144 + 16 * i) for i in range(8)]
+    with _gpu_attention():
+        engine = [call(40 + i, 144 + 16 * i) for i in range(8)]
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return (f"backend {choice} by default, {ours} in the engine (3 = cuDNN); host ms per call, new shape / seen: "
+            f"default {med([a for a, _ in default]):.2f} / {med([b for _, b in default]):.2f}, "
+            f"engine {med([a for a, _ in engine]):.2f} / {med([b for _, b in engine]):.2f} (medians of 8)")
+
+
+def no_sync_in_launch(requests: int) -> str:
+    """A serial run in this process with torch's sync debug mode on: an operation in the
+    launch that makes the host wait for the device warns, and the check fails."""
+    import warnings
+
+    import torch
+
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.harness.runner import run_workload
+    from scheduler.harness.workload import SyntheticSpec, synthetic_workload
+
+    eng = Engine(EngineConfig(model="default", device="cuda", mode="serial"))
+    try:
+        mc = eng.model_config
+        items = synthetic_workload(SyntheticSpec(requests), mc.vocab_size, set(eng.eos_ids))  # `run`'s lengths
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                res = run_workload(eng, items)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        eng.close()
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    if syncs:
+        raise RuntimeError(f"{len(syncs)} synchronising operations in {res.steps} rounds, first: "
+                           f"{syncs[0].filename}:{syncs[0].lineno}: {str(syncs[0].message)[:80]}")
+    return f"{res.steps} rounds, no synchronising operation"
+
+
 def deadlock(model: str, device: str) -> str:
     out = OUT / "deadlock"
     shutil.rmtree(out, ignore_errors=True)
@@ -183,6 +256,8 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     checks: list[tuple[str, Callable[[], str]]] = [
         ("greedy parity vs transformers", lambda: parity(device)),
+        *([("attention on a new shape", attention_shapes),
+           ("no sync in the launch", lambda: no_sync_in_launch(32))] if device == "cuda" else []),
         ("three modes", lambda: modes(model, requests, device)),
         ("device rows during the run", lambda: live_rows(model, 300, device)),
         ("probe overhead", lambda: probe_overhead(model, requests, device)),
