@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,14 +181,23 @@ def attention_shapes() -> str:
     q0 = torch.randn(8, 4, 2, 64, device=dev, dtype=dt)
     kv0 = torch.randn(8, 4, 160, 64, device=dev, dtype=dt)
     m0 = torch.zeros(8, 1, 1, 160, device=dev, dtype=dt)
-    choice = int(torch._fused_sdp_choice(q0, kv0, kv0, attn_mask=m0))  # 0 math, 1 flash, 2 efficient, 3 cudnn
+    # a prefill chunk with context: [1, heads, rows, hd] against [1, kv heads, keys, hd], GQA, a mask
+    qp, kp = torch.randn(1, 8, 100, 64, device=dev, dtype=dt), torch.randn(1, 4, 160, 64, device=dev, dtype=dt)
+    mp = torch.zeros(100, 160, device=dev, dtype=dt)
+
+    def choices() -> str:  # 0 math, 1 flash, 2 efficient, 3 cudnn
+        return (f"decode {int(torch._fused_sdp_choice(q0, kv0, kv0, attn_mask=m0))}, "
+                f"prefill {int(torch._fused_sdp_choice(qp, kp, kp, attn_mask=mp, enable_gqa=True))}")
+
+    choice = choices()
     with _gpu_attention():
-        ours = int(torch._fused_sdp_choice(q0, kv0, kv0, attn_mask=m0))
+        ours = choices()
     default = [call(5 + i, 144 + 16 * i) for i in range(8)]
     with _gpu_attention():
         engine = [call(40 + i, 144 + 16 * i) for i in range(8)]
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return (f"backend {choice} by default, {ours} in the engine (3 = cuDNN); host ms per call, new shape / seen: "
+    return (f"backends {choice} by default, {ours} in the engine (0 math, 2 efficient, 3 cuDNN); "
+            f"host ms per decode call, new shape / seen: "
             f"default {med([a for a, _ in default]):.2f} / {med([b for _, b in default]):.2f}, "
             f"engine {med([a for a, _ in engine]):.2f} / {med([b for _, b in engine]):.2f} (medians of 8)")
 
@@ -208,6 +218,10 @@ def no_sync_in_launch(requests: int) -> str:
     try:
         mc = eng.model_config
         items = synthetic_workload(SyntheticSpec(requests), mc.vocab_size, set(eng.eos_ids))  # `run`'s lengths
+        # every other request samples, with penalties and a bias: those paths copy host values too
+        items = [it if i % 2 else replace(it, params=replace(
+            it.params, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.5, frequency_penalty=0.2,
+            repetition_penalty=1.1, logit_bias=((5, 1.0),))) for i, it in enumerate(items)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")

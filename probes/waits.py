@@ -63,7 +63,10 @@ class WaitRegistry:
     def snapshot(self) -> list[ActiveWait]:
         waits = list(self._active.values())
         for source in self._sources:
-            waits += source()
+            try:
+                waits += source()
+            except Exception:  # noqa: BLE001 - a broken device (a sticky CUDA error) must not hide the host's waits
+                continue
         return waits
 
 

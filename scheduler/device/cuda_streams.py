@@ -34,6 +34,8 @@ done, with the stream's later work held behind it, as a CPU stream thread would 
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 import queue
 import threading
 from collections import deque
@@ -156,7 +158,6 @@ class CudaStream:
         self.completed: deque[OpRecord] = deque(maxlen=32)
         self._last: Any = None  # the newest event recorded on the stream
         self._waits: deque[_DeviceWait] = deque()
-        self._host_fns: set[Any] = set()  # host functions queued, kept alive until they have run
         if registry is not None:
             registry.add_source(self.device_waits)
 
@@ -183,21 +184,21 @@ class CudaStream:
 
     def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
         """`fn` on a host thread once the stream's earlier work is done; the stream's later work
-        waits for it to return. Its exception becomes the stream's error."""
+        waits for it to return. Its exception becomes the stream's error. `fn` must not call
+        CUDA (a host function may not)."""
         self.drain()
 
         def run() -> None:
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - surfaced by the barrier through `error`
-                self.error = self.error or e
+                self.error = e
 
+        start = self._event()
         launch = getattr(self._cuda, "launch_host_func", None)  # the test stand-in's
-        if launch is not None:
-            launch(self.stream, run)
-        else:
-            self._host_fns.add(_launch_host_func(self.stream, run, self._host_fns.discard))
-        self._event()  # completes when the function returns: where a later wait is reached
+        (launch or _launch_host_func)(self.stream, run)
+        # its end completes when the function returns: the stall dump shows it in progress till then
+        self._pending.append((start, self._event(), label, step, DEVICE_COMPUTE))
 
     def device_waits(self) -> list[ActiveWait]:
         """The wait registry's source (any thread): this stream's waits for other streams'
@@ -265,24 +266,31 @@ def make_cuda_streams(device: Any, probes: Probes, names: tuple[str, ...], cuda:
 
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_host_fns: dict[int, Callable[[], None]] = {}  # queued host functions by key, until they run
+_host_keys = itertools.count(1)
 
 
-def _launch_host_func(stream: Any, fn: Callable[[], None], ran: Callable[[Any], None]) -> Any:
-    """cuLaunchHostFunc on a torch stream (torch has no binding for it). Returns the C callback,
-    which the caller keeps alive until `ran` gets it back from the driver's thread."""
+@_HOST_FN
+def _run_host_fn(key: Any) -> None:
+    fn = _host_fns.pop(int(key))  # user data: the key, as a pointer-sized integer
+    fn()
+
+
+@functools.cache
+def _cu_launch_host_func() -> Any:
     lib = ctypes.CDLL("libcuda.so.1")  # the driver torch has loaded already
     launch = lib.cuLaunchHostFunc
     launch.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
     launch.restype = ctypes.c_int
+    return launch
 
-    def call(_: Any) -> None:
-        try:
-            fn()
-        finally:
-            ran(cb)
 
-    cb = _HOST_FN(call)
-    rc = launch(ctypes.c_void_p(stream.cuda_stream), cb, None)
+def _launch_host_func(stream: Any, fn: Callable[[], None]) -> None:
+    """cuLaunchHostFunc on a torch stream (torch has no binding for it). `fn` is registered
+    before the launch: on an idle stream the driver may run it before the call returns."""
+    key = next(_host_keys)
+    _host_fns[key] = fn
+    rc = _cu_launch_host_func()(ctypes.c_void_p(stream.cuda_stream), _run_host_fn, ctypes.c_void_p(key))
     if rc != 0:
+        _host_fns.pop(key, None)
         raise RuntimeError(f"cuLaunchHostFunc failed: CUresult {rc}")
-    return cb

@@ -45,8 +45,10 @@ def _gpu_attention() -> Iterator[None]:
     """SDPA without cuDNN's backend. torch 2.11 tries cuDNN first for a masked SDPA on Hopper
     and later, and cuDNN builds an execution plan for every new shape (tens of milliseconds
     each, on the launching thread); the engine's attention shapes change every round (decode
-    length groups, context lengths, prefill chunks). Flash and memory-efficient kernels take
-    any shape at no such cost. (The switch is the process's; it is set back after the model.)"""
+    length groups, context lengths, prefill chunks). The memory-efficient kernel takes any
+    shape and mask at no such cost; a masked prefill that also asks for GQA may fall to the
+    math kernel (bench/gpu_check.py reports both choices). The switch is the process's; it is
+    set back after the model."""
     import torch
 
     was = torch.backends.cuda.cudnn_sdp_enabled()  # type: ignore[no-untyped-call]  # torch leaves it unannotated

@@ -47,11 +47,18 @@ class _T(NamedTuple):
             return self.lo
         return None if self.gate.at is None else max(self.lo, self.gate.at + self.off)
 
+    def known(self) -> _T:
+        """Behind a host function that has returned, a plain moment."""
+        v = self.value()
+        return _T(None, v, 0) if self.gate is not None and v is not None else self
+
     def after(self, ns: int, now: int) -> _T:
         """The end of `ns` of work queued behind this time at host moment `now`."""
-        return _T(self.gate, max(now, self.lo) + ns, self.off + ns)
+        t = self.known()
+        return _T(t.gate, max(now, t.lo) + ns, t.off + ns)
 
     def later(self, o: _T) -> _T:
+        self, o = self.known(), o.known()
         if o.gate is None or o.gate is self.gate:
             return _T(self.gate, max(self.lo, o.lo), max(self.off, o.off) if o.gate else self.off)
         if self.gate is None:
