@@ -270,10 +270,12 @@ _host_fns: dict[int, Callable[[], None]] = {}  # queued host functions by key, u
 _host_keys = itertools.count(1)
 
 
-@_HOST_FN
-def _run_host_fn(key: Any) -> None:
+def _run_host_fn_py(key: Any) -> None:
     fn = _host_fns.pop(int(key))  # user data: the key, as a pointer-sized integer
     fn()
+
+
+_run_host_fn = _HOST_FN(_run_host_fn_py)  # one C callback for every host function, alive for good
 
 
 @functools.cache
