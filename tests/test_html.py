@@ -183,3 +183,46 @@ def test_the_timeline_clips_rows_to_its_window() -> None:
     assert list(bars["idle"].base) == [0.0] and list(bars["idle"].x) == [10.0]
     assert list(bars["idle"].customdata[0]) == [-50.0, 60.0]
     assert list(bars["device_compute"].base) == [25.0] and list(bars["device_compute"].x) == [5.0]
+
+
+def test_a_windowed_report_draws_its_rounds_and_says_what_it_left_out(traces: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    page = tmp_path / "window.html"
+    p = mstrace("report", str(traces[0]), "--html", str(page), "--rounds", "3-6")
+    assert p.returncode == 0, p.stderr
+    text = page.read_text()
+    assert "Timeline window: rounds 3-6: rounds 3-6 drawn (4 rounds" in text
+    assert "timeline: rounds 3-6" in text  # the chart's own title
+    _check(page, tmp_path, 5)
+    p = mstrace("report", str(traces[0]), "--html", str(page), "--worst", "2")
+    assert p.returncode == 0 and "the 2 slowest rounds" in page.read_text(), p.stderr
+    for args, says in ((["--rounds", "3-6"], "add --html"),
+                       (["--html", str(tmp_path / "x.html"), "--rounds", "90000-90001"], "the trace has rounds"),
+                       (["--html", str(tmp_path / "x.html"), "--rounds", "1-2", "--worst", "1"], "give one window")):
+        p = mstrace("report", str(traces[0]), *args)
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_a_long_window_draws_at_most_its_share_around_its_longest_round() -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from viewer.export import html_charts as charts
+    from viewer.export.window import Window
+
+    n, ms = 1000, 1_000_000
+    dur = np.full(n, 10 * ms)
+    dur[700] = 50 * ms  # the longest round of the trace, outside the window below
+    dur[400] = 30 * ms  # the window's longest
+    ts = np.concatenate([[0], np.cumsum(dur)[:-1]])
+    steps = pa.table({"step": np.arange(n), "ts_ns": ts, "dur_ns": dur})
+    w = Window(((int(ts[100]), int(ts[599] + dur[599])),), "t")
+    span = charts.timeline_span(steps, w)
+    assert span is not None and span.in_window == 500
+    assert span.hi - span.lo + 1 == charts.TIMELINE_ROUNDS and span.lo <= 400 <= span.hi
+    assert span.worst == 400 and 100 <= span.lo and span.hi <= 599
+    near_end = Window(((int(ts[590]), int(ts[599] + dur[599])),), "t")
+    s2 = charts.timeline_span(steps, near_end)
+    assert s2 is not None and (s2.lo, s2.hi, s2.in_window) == (590, 599, 10)
+    assert charts.timeline_span(steps, Window(((int(ts[-1]) + 10**12, int(ts[-1]) + 2 * 10**12),), "t")) is None

@@ -154,23 +154,41 @@ def report(
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write the report, with pictures, as one "
                                                   "self-contained HTML file.")] = None,
+    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="--html: the timeline draws "
+                                               "rounds A to B.")] = None,
+    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="--html: the timeline "
+                                                    "draws the rounds in this time, in seconds from the run's "
+                                                    "start.")] = None,
+    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="--html: the timeline draws this "
+                                                "request's lifetime.")] = None,
+    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="--html: the timeline draws around "
+                                              "the slowest of the N slowest rounds and their neighbours.")] = None,
 ) -> None:
     """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage."""
     import json
 
+    windowing = any(v is not None for v in (rounds, time_window, request, worst))
+    if windowing and html_out is None:
+        fail("--rounds, --time, --request and --worst choose what the --html page's timeline draws: "
+             "add --html OUT.html")
     if html_out is not None:
         require("--html", "html")
 
-    from tracing.reader import TraceError
+    from tracing.reader import Trace, TraceError
     from viewer.analysis.report import build_report
     from viewer.render.report import render_report
 
     try:
+        window = None
+        if windowing:
+            from viewer.export.window import parse_window
+
+            window = parse_window(Trace.open(trace), rounds, time_window, request, worst)
         rep = build_report(trace)
         if html_out is not None:
             from viewer.export.html import report_html
 
-            report_html(trace, html_out, rep)
+            report_html(trace, html_out, rep, window)
     except TraceError as e:
         fail(str(e))
     except OSError as e:

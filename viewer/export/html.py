@@ -53,36 +53,55 @@ ERRORS = ("window.__errors=[];window.addEventListener('error',function(e){window
 PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
 
 
-def chart_inputs(root: str | Path) -> charts.ChartInputs:
+def chart_inputs(root: str | Path, window: Window | None = None) -> charts.ChartInputs:
     """The steps and requests, and only the probe rows the timeline draws: a long trace's
     probe rows are never all read (their row groups' statistics skip the rest)."""
     trace = Trace.open(root)
     t = read_consistent(trace, {
         "steps": ["step", "ts_ns", "dur_ns", "blocks_used", "blocks_fenced", "num_waiting", "num_running"],
         "requests": ["arrival_ns", "first_token_ns", "finish_ns", "dur_itl_ns"]})
-    span = charts.timeline_span(t["steps"])
+    span = charts.timeline_span(t["steps"], window)
     clip = probe_clip(trace, t["steps"])
     cols = [*PROBE_COLUMNS, "step"] if clip is not None else PROBE_COLUMNS
     probes = TABLES["probes"].empty_table().select(PROBE_COLUMNS)
     if span is not None and trace.has_table("probes"):
         probes = table_in(trace, "probes", cols, Window(((span.t0, span.t1),), "the timeline's rounds"))
         probes = clip(probes) if clip is not None else probes
-    return charts.ChartInputs(probes, t["steps"], t["requests"])
+    return charts.ChartInputs(probes, t["steps"], t["requests"], span)
 
 
-def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = None) -> None:
+def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = None,
+                window: Window | None = None) -> None:
+    """`window` (`report --rounds/--time/--request/--worst`) chooses the rounds the timeline
+    draws; the tables and the other pictures are the whole trace's."""
     from viewer.analysis.report import build_report
 
     rep = rep if rep is not None else build_report(root)
-    inp = chart_inputs(root)
+    inp = chart_inputs(root, window)
     figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
     path = replayed_path(root)  # None for an imported or a TP/PP trace
     if path:
         figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced"))
-    body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep), "<h2>Sync cost</h2>",
-            _cost_table(rep.cost), *_worth(rep), "<h2>Throughput and latency</h2>", _latency_table(rep.latency)]
+    body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep),
+            *([f"<p class=note>{_e(timeline_note(window, inp))}</p>"] if window is not None else []),
+            "<h2>Sync cost</h2>", _cost_table(rep.cost), *_worth(rep), "<h2>Throughput and latency</h2>",
+            _latency_table(rep.latency)]
     _write(out, f"mstrace report {rep.trace}", body, figs)
+
+
+def timeline_note(window: Window, inp: charts.ChartInputs) -> str:
+    """What a windowed page's timeline shows and what it leaves out."""
+    span, rounds = inp.span, inp.steps.num_rows
+    if span is None:
+        return f"Timeline window: {window.what}: no round of the trace's {rounds} is in it; the timeline is empty."
+    drawn = span.hi - span.lo + 1
+    cut = (f"; {span.in_window - drawn} of the window's rounds left out (a timeline draws at most "
+           f"{charts.TIMELINE_ROUNDS}: `mstrace export --perfetto` with the same window has them all)"
+           if span.in_window > drawn else "")
+    return (f"Timeline window: {window.what}: rounds {int(span.step[span.lo])}-{int(span.step[span.hi])} drawn "
+            f"({drawn} rounds, {inp.probes.num_rows} probe rows; the window holds {span.in_window} of the trace's "
+            f"{rounds} rounds){cut}. The tables and the other pictures are the whole trace's.")
 
 
 def diff_html(a: str | Path, b: str | Path, out: str | Path, d: DiffResult | None = None) -> None:

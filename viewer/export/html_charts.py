@@ -19,18 +19,21 @@ import pyarrow.compute as pc
 if TYPE_CHECKING:
     from viewer.analysis.report import CostView
     from viewer.analysis.whatif import PathRow
+    from viewer.export.window import Window
 
 
 @dataclass(slots=True)
 class ChartInputs:
     """What the pictures read from one trace (viewer/export/html.py loads it)."""
 
-    probes: pa.Table  # ts_ns, dur_ns, boundary, stream, rank: the rows that overlap `timeline_span`
+    probes: pa.Table  # ts_ns, dur_ns, boundary, stream, rank: the rows that overlap `span`
     steps: pa.Table  # step, ts_ns, dur_ns, blocks_used, blocks_fenced, num_waiting, num_running
     requests: pa.Table  # arrival_ns, first_token_ns, finish_ns, dur_itl_ns
+    span: Span | None = None  # the timeline's rounds (None: `timeline_span(steps)`)
 
 POINTS = 1500  # at most this many points a series
 WINDOW = 8  # rounds on each side of the worst one in the timeline
+TIMELINE_ROUNDS = 200  # the most rounds a windowed timeline draws: a browser holds every bar
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd")
 AB = ("#1f77b4", "#d62728")
@@ -64,6 +67,7 @@ class Span:
     worst: int
     lo: int
     hi: int
+    in_window: int = 0  # with a window: its rounds (the timeline draws lo..hi, maybe fewer)
 
     @property
     def t0(self) -> int:
@@ -74,20 +78,31 @@ class Span:
         return int(self.ts[self.hi] + self.dur[self.hi])
 
 
-def timeline_span(steps: pa.Table) -> Span | None:
-    """The rounds the timeline draws (None: no rounds); only its probe rows are read."""
+def timeline_span(steps: pa.Table, window: Window | None = None) -> Span | None:
+    """The rounds the timeline draws (None: no rounds, or none in `window`); only their probe
+    rows are read. Without a window, WINDOW rounds on each side of the longest; with one, the
+    rounds from its first to its last, or where that is more than TIMELINE_ROUNDS (a long
+    window, `--worst`'s rounds far apart), the TIMELINE_ROUNDS around its longest round."""
     if not steps.num_rows:
         return None
     order = np.argsort(steps["ts_ns"].to_numpy(), kind="stable")
     ts, dur, step = (steps[c].to_numpy()[order] for c in ("ts_ns", "dur_ns", "step"))
-    worst = int(np.argmax(dur))
-    return Span(ts, dur, step, worst, max(0, worst - WINDOW), min(len(ts) - 1, worst + WINDOW))
+    if window is None:
+        worst = int(np.argmax(dur))
+        return Span(ts, dur, step, worst, max(0, worst - WINDOW), min(len(ts) - 1, worst + WINDOW))
+    inside = np.flatnonzero(window.mask(ts, ts + dur))
+    if not len(inside):
+        return None
+    worst = int(inside[np.argmax(dur[inside])])
+    lo = max(int(inside[0]), min(worst - TIMELINE_ROUNDS // 2, int(inside[-1]) - TIMELINE_ROUNDS + 1))
+    hi = min(int(inside[-1]), lo + TIMELINE_ROUNDS - 1)
+    return Span(ts, dur, step, worst, lo, hi, int(len(inside)))
 
 
 def timeline(inp: ChartInputs) -> Any:
     """Stream lanes over a window of rounds around the longest one, which is shaded."""
     go = _go()
-    rounds, probes = timeline_span(inp.steps), inp.probes
+    rounds, probes = inp.span or timeline_span(inp.steps), inp.probes
     fig = go.Figure()
     if rounds is None or not probes.num_rows:
         return fig.update_layout(**_layout("timeline: no rounds"))
