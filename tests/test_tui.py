@@ -418,3 +418,33 @@ def test_the_vectorized_block_replay_equals_a_plain_one(run_trace: Path) -> None
         else:
             listed.get(rid, set()).discard(b)
     assert st._held == {r: len(x) for r, x in listed.items() if x}
+
+
+def test_view_of_a_window_reads_only_its_rounds_and_requests(run_trace: Path) -> None:
+    from viewer.export.window import parse_window
+
+    tr = Trace.open(run_trace)
+    steps = tr.table("steps", ["step", "ts_ns", "dur_ns"])
+    q = tr.table("requests", ["request_id", "arrival_ns", "finish_ns"])
+    last = pc.max(steps["step"]).as_py()
+    want = list(range(last - 3, last + 1))  # the last rounds: the requests that finished before are left out
+    mine = steps.filter(pc.is_in(steps["step"], pa.array(want)))
+    lo = pc.min(mine["ts_ns"]).as_py()
+    hi = max(a + b for a, b in zip(mine["ts_ns"].to_pylist(), mine["dur_ns"].to_pylist(), strict=True))
+    overlapping = {r for r, a, f in zip(*(q[c].to_pylist() for c in ("request_id", "arrival_ns", "finish_ns")),
+                                        strict=True) if a < hi and f > lo}
+    assert overlapping and len(overlapping) < q.num_rows  # the window leaves requests out
+
+    async def go() -> None:
+        app = ViewApp(run_trace, parse_window(tr, rounds=f"{want[0]}-{want[-1]}"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            assert sorted(r[0] for r in app.listings["rounds"].rows()) == want
+            assert {r[0] for r in app.listings["requests"].rows()} == overlapping
+            assert f"window: rounds {want[0]}-{want[-1]}" in str(app.query_one("#status").render())
+            assert "mstrace leaks" in app.browser.leaks_text(100).plain  # leaks need the whole run
+            await pilot.press("q")
+
+    asyncio.run(go())
+    p = mstrace("view", str(run_trace), "--rounds", "90000-90001")
+    assert p.returncode == 2 and "the trace has rounds" in p.stderr and p.stderr.strip().count("\n") == 0

@@ -284,18 +284,30 @@ def top(
 @app.command()
 def view(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
+    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="Only rounds A to B and the "
+                                               "requests they overlap.")] = None,
+    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="Only this time, in "
+                                                    "seconds from the run's start.")] = None,
+    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="Only this request's "
+                                                "lifetime.")] = None,
+    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="Only the N slowest rounds, each with "
+                                              "a round on either side.")] = None,
 ) -> None:
     """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks."""
     import sys
 
     require("mstrace view", "tui")
 
-    from tracing.reader import TraceError
+    from tracing.reader import Trace, TraceError
 
     try:
+        from viewer.export.window import parse_window
         from viewer.tui.view_app import ViewApp
 
-        app_ = ViewApp(trace)
+        window = None
+        if any(v is not None for v in (rounds, time_window, request, worst)):
+            window = parse_window(Trace.open(trace), rounds, time_window, request, worst)
+        app_ = ViewApp(trace, window)
     except TraceError as e:
         fail(str(e))
     if not sys.stdout.isatty():

@@ -30,6 +30,7 @@ INTERVAL: dict[str, tuple[str, str | None, bool]] = {
     "steps": ("ts_ns", "dur_ns", True),
     "timeline": ("ts_ns", None, False),
     "requests": ("arrival_ns", "finish_ns", False),
+    "memory": ("ts_ns", None, False),
 }
 WORST_NEIGHBOURS = 1  # rounds kept on each side of a worst round
 

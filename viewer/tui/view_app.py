@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -23,6 +23,9 @@ from textual.widgets import DataTable, Footer, Input, Static, TabbedContent, Tab
 from viewer.tui.round_screen import RequestScreen, RoundScreen
 from viewer.tui.sort_picker import SortPicker
 from viewer.tui.view_data import REQUEST_COLS, TraceBrowser
+
+if TYPE_CHECKING:
+    from viewer.export.window import Window
 
 SHOWN = 2000
 _FILTER = re.compile(r"^\s*(.+?)\s*(>=|<=|>|<|=)\s*(-?[\d.]+)\s*$")
@@ -88,9 +91,9 @@ class ViewApp(App[None]):
         Binding("4", "tab('leaks')", "leaks"),
     ]
 
-    def __init__(self, trace: str | Path) -> None:
+    def __init__(self, trace: str | Path, window: Window | None = None) -> None:
         super().__init__()
-        self.browser = TraceBrowser(trace)
+        self.browser = TraceBrowser(trace, window)
         r = self.browser.rounds()
         self.listings = {
             "rounds": Listing(r.columns, r.rows, sort=1),  # slowest rounds first
@@ -101,9 +104,11 @@ class ViewApp(App[None]):
         st = self.browser.trace.status
         head = st.headline() or "complete"
         # Text, not markup: a path or the status in brackets is shown as it is
+        w = self.browser.window
         yield Static(Text(f"{self.browser.root}  {self.browser.meta.get('model', {}).get('name', '?')}  "
                           f"{len(self.listings['rounds'].all):,} rounds  {len(self.listings['requests'].all):,} requests  "
-                          f"[{head}]"), id="status")
+                          f"[{head}]" + (f"  window: {w.what} (the rounds and requests it overlaps)" if w else "")),
+                     id="status")
         with TabbedContent(initial="rounds", id="tabs"):
             with TabPane("rounds", id="rounds"):
                 yield Input(placeholder="filter, e.g. ms>50 (enter applies, empty clears)", id="rounds-filter")

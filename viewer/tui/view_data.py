@@ -21,8 +21,10 @@ from rich.text import Text
 from probes import boundaries as B
 from tracing.consistency import read_consistent
 from tracing.reader import Trace
+from tracing.schema import TABLES
 from viewer.analysis.cycle_views import per_cycle
 from viewer.analysis.order import natural_key
+from viewer.export.window import Window, table_in
 from viewer.tui.round_screen import RequestDetail, RoundDetail
 
 ROUND_COLS = ("step", "ms", "prefill", "prefill tok", "decode", "blocks", "waiting")
@@ -36,15 +38,22 @@ class Rounds:
 
 
 class TraceBrowser:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, window: Window | None = None) -> None:
+        """`window` (`view --rounds/--time/--request/--worst`): only the rounds, requests and
+        rows it overlaps are read (row group by row group, as `export --perfetto`'s window),
+        and the leaks view, which needs every memory event of the run, is left out."""
         self.root = Path(root)
         self.trace = Trace.open(self.root)
+        self.window = window
         want: dict[str, list[str] | None] = {"steps": None, "probes": None, "timeline": None, "requests": [
             "request_id", "prompt_len", "output_len", "cached_prefix_len", "finish_reason", "arrival_ns",
             "first_token_ns", "finish_ns", "num_preemptions", "dur_itl_ns", "token_runs"]}
         if self.trace.has_table("memory"):  # not in a --no-probes trace
             want["memory"] = None
-        t = read_consistent(self.trace, want)
+        if window is None:
+            t = read_consistent(self.trace, want)
+        else:  # a finished trace's window: each table read on its own, its row groups skipped by their statistics
+            t = {name: table_in(self.trace, name, cols or TABLES[name].names, window) for name, cols in want.items()}
         self.steps = t["steps"].take(pc.sort_indices(t["steps"]["ts_ns"]))
         self.probes = t["probes"]
         self.timeline = t["timeline"]
@@ -140,6 +149,9 @@ class TraceBrowser:
 
         if self.memory is None:
             return Text("this trace has no memory table (recorded with --no-probes)")
+        if self.window is not None:
+            return Text(f"a window ({self.window.what}) holds part of the run's memory events, and a leak is "
+                        f"a block the whole run left held: `mstrace leaks {self.root}` reads them all")
         rep = leak_report(self.memory, self.requests.select(["request_id", "finish_reason"]),
                           int(self.meta.get("model", {}).get("kv_blocks") or 0), run_ended=self.trace.status.complete)
         return _rendered(width, lambda c: render_leaks(c, str(self.root), rep))
