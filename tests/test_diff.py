@@ -278,7 +278,11 @@ def test_diff_sees_injected_bookkeeping(traces):
     held = Trace.open(traces / "b").meta["debug_delays"]["bookkeeping"]
     held_ms = held["held_ns"] / 1e6 / d["b"]["cycles"]
     assert held_ms >= 2.0
-    assert held_ms * 0.9 <= bk["delta"] <= held_ms * 1.1, (bk, held_ms)
+    # B - A is the hold plus the change in the rest of the rounds' bookkeeping, which load moves
+    # (a CI run beside other work: A 0.47 ms, B 0.82 ms of its own, 2.90 held). Allow that part
+    # to triple, or 10% of the hold, whichever is more: behaviour, not the machine's quiet.
+    slack = max(0.1 * held_ms, 2 * bk["a"])
+    assert held_ms - slack <= bk["delta"] <= held_ms + slack, (bk, held_ms)
     assert bk["significant"] and bk["ci_low"] > 0
     assert bk["a"] == pytest.approx(next(x["raw_ms_per_cycle"] for x in d["a"]["boundaries"] if x["boundary"] == "bookkeeping"))
     assert d["a"]["mode"] == "serial" and d["a"]["device_idle"] == pytest.approx(1 - d["a"]["device_busy"])
