@@ -133,6 +133,30 @@ def require(what: str, *extras: str) -> None:
         fail(message(what, *gap))
 
 
+# The window of `export --perfetto`, `report --html` and `view` (viewer/export/window.py): one
+# definition, so the three commands take the same flags with the same meaning.
+Rounds = Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="Window: rounds A to B (and whatever "
+                                           "overlaps them in time).")]
+TimeWindow = Annotated[str | None, typer.Option("--time", metavar="START-END", help="Window: this stretch, in "
+                                                "seconds from the run's start.")]
+Request = Annotated[str | None, typer.Option("--request", metavar="ID", help="Window: this request's life, with "
+                                             "everything else that ran meanwhile.")]
+Worst = Annotated[int | None, typer.Option("--worst", metavar="N", help="Window: the N slowest rounds, each with "
+                                           "a round on either side.")]
+
+
+def _window(trace: Path, rounds: str | None, time_window: str | None, request: str | None,
+            worst: int | None) -> Any:
+    """The window the flags name (a viewer.export.window.Window), None for none; TraceError for
+    a window the trace does not have."""
+    if all(v is None for v in (rounds, time_window, request, worst)):
+        return None
+    from tracing.reader import Trace
+    from viewer.export.window import parse_window
+
+    return parse_window(Trace.open(trace), rounds, time_window, request, worst)
+
+
 def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
     """`fail`: this module's, naming a value from --config by the file's key (commands/flags.py)."""
     require("mstrace run", "engine", *(("otlp",) if opts.otlp_endpoint else ()), *(("tui",) if opts.live else ()))
@@ -154,17 +178,13 @@ def report(
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
     html_out: Annotated[Path | None, typer.Option("--html", help="Also write the report, with pictures, as one "
                                                   "self-contained HTML file.")] = None,
-    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="--html: the timeline draws "
-                                               "rounds A to B.")] = None,
-    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="--html: the timeline "
-                                                    "draws the rounds in this time, in seconds from the run's "
-                                                    "start.")] = None,
-    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="--html: the timeline draws this "
-                                                "request's lifetime.")] = None,
-    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="--html: the timeline draws around "
-                                              "the slowest of the N slowest rounds and their neighbours.")] = None,
+    rounds: Rounds = None,
+    time_window: TimeWindow = None,
+    request: Request = None,
+    worst: Worst = None,
 ) -> None:
-    """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage."""
+    """Where each scheduling cycle's time goes: sync-cost table, throughput and latency, KV usage.
+    A window (--rounds, --time, --request, --worst) chooses the rounds the --html timeline draws."""
     import json
 
     windowing = any(v is not None for v in (rounds, time_window, request, worst))
@@ -174,16 +194,12 @@ def report(
     if html_out is not None:
         require("--html", "html")
 
-    from tracing.reader import Trace, TraceError
+    from tracing.reader import TraceError
     from viewer.analysis.report import build_report
     from viewer.render.report import render_report
 
     try:
-        window = None
-        if windowing:
-            from viewer.export.window import parse_window
-
-            window = parse_window(Trace.open(trace), rounds, time_window, request, worst)
+        window = _window(trace, rounds, time_window, request, worst)
         rep = build_report(trace)
         if html_out is not None:
             from viewer.export.html import report_html
@@ -284,30 +300,23 @@ def top(
 @app.command()
 def view(
     trace: Annotated[Path, typer.Argument(help="Trace directory written by `mstrace run` or `mstrace serve`.")],
-    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="Only rounds A to B and the "
-                                               "requests they overlap.")] = None,
-    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="Only this time, in "
-                                                    "seconds from the run's start.")] = None,
-    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="Only this request's "
-                                                "lifetime.")] = None,
-    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="Only the N slowest rounds, each with "
-                                              "a round on either side.")] = None,
+    rounds: Rounds = None,
+    time_window: TimeWindow = None,
+    request: Request = None,
+    worst: Worst = None,
 ) -> None:
-    """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks."""
+    """Browse a finished or truncated trace: rounds and requests, sortable, with their details; stalls; leaks.
+    A window (--rounds, --time, --request, --worst) reads only what it overlaps."""
     import sys
 
     require("mstrace view", "tui")
 
-    from tracing.reader import Trace, TraceError
+    from tracing.reader import TraceError
 
     try:
-        from viewer.export.window import parse_window
         from viewer.tui.view_app import ViewApp
 
-        window = None
-        if any(v is not None for v in (rounds, time_window, request, worst)):
-            window = parse_window(Trace.open(trace), rounds, time_window, request, worst)
-        app_ = ViewApp(trace, window)
+        app_ = ViewApp(trace, _window(trace, rounds, time_window, request, worst))
     except TraceError as e:
         fail(str(e))
     if not sys.stdout.isatty():
@@ -485,16 +494,13 @@ def export(
                                                   "here, for ui.perfetto.dev.")] = None,
     otlp: Annotated[str | None, typer.Option("--otlp", help="Replay the request spans to this OTLP/HTTP collector "
                                              "(e.g. http://127.0.0.1:4318).")] = None,
-    rounds: Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="--perfetto: only rounds A to B "
-                                               "(and whatever overlaps them in time).")] = None,
-    time_window: Annotated[str | None, typer.Option("--time", metavar="START-END", help="--perfetto: only this "
-                                                    "stretch, in seconds from the run's start.")] = None,
-    request: Annotated[str | None, typer.Option("--request", metavar="ID", help="--perfetto: only this request's "
-                                                "life, with everything else that ran meanwhile.")] = None,
-    worst: Annotated[int | None, typer.Option("--worst", metavar="N", help="--perfetto: only the N slowest rounds, "
-                                              "each with its neighbours.")] = None,
+    rounds: Rounds = None,
+    time_window: TimeWindow = None,
+    request: Request = None,
+    worst: Worst = None,
 ) -> None:
-    """Take a trace where users already look: Perfetto's timeline, or an OTLP collector (Jaeger, Tempo)."""
+    """Take a trace where users already look: Perfetto's timeline, or an OTLP collector (Jaeger, Tempo).
+    A window (--rounds, --time, --request, --worst) chooses what --perfetto writes."""
     from tracing.reader import TraceError
 
     if perfetto is None and otlp is None:
@@ -505,11 +511,9 @@ def export(
     require("mstrace export", *(("perfetto",) if perfetto else ()), *(("otlp",) if otlp else ()))
     try:
         if perfetto is not None:
-            from tracing.reader import Trace
             from viewer.export.perfetto import export_perfetto
-            from viewer.export.window import parse_window
 
-            window = parse_window(Trace.open(trace), rounds, time_window, request, worst) if windowing else None
+            window = _window(trace, rounds, time_window, request, worst)
             st = export_perfetto(trace, perfetto, window)
             console.print(f"{escape(str(perfetto))}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
                           f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",
