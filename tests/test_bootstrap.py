@@ -37,6 +37,25 @@ def test_block_length_grows_with_autocorrelation_as_the_theory_says() -> None:
     assert got[0.0] <= 3 < got[0.3] < got[0.6] < got[0.9]  # white noise needs (almost) no blocks
 
 
+def test_autocovariances_are_the_direct_sums_at_every_lag() -> None:
+    """The FFT pads only to n + lags (a 5-smooth length): no lag may pick up a wrapped-around term."""
+    rng = np.random.default_rng(3)
+    for n, lags in ((97, 96), (1000, 40), (1537, 1536), (4099, 200)):
+        e = rng.standard_normal(n)
+        e -= e.mean()
+        want = np.array([e[: n - k] @ e[k:] for k in range(lags + 1)]) / n
+        np.testing.assert_allclose(BS._autocov(e, lags), want, rtol=1e-9, atol=1e-12)
+    for at_least in (1, 2, 7, 97, 4097, 1_342_600):
+        got = BS._smooth_length(at_least)
+        assert got >= at_least and got < 2 * at_least + 1
+        m = got
+        for d in (2, 3, 5):
+            while m % d == 0:
+                m //= d
+        assert m == 1, got
+    assert BS._smooth_length(1_342_600) == 1_350_000  # not the power of two past 2n (4,194,304)
+
+
 def test_block_length_edge_cases() -> None:
     assert BS.block_length(np.ones(500)) == 1  # no variation: nothing to preserve
     assert BS.block_length(np.arange(5.0)) == 1  # too short to estimate anything

@@ -70,9 +70,24 @@ def _autocov(e: np.ndarray, lags: int) -> np.ndarray:
     """R(0..lags) of a centred series, the biased (1/n) estimator, by FFT: a million
     cycles' autocovariances in milliseconds instead of a dot product per lag."""
     n = len(e)
-    size = 1 << int(np.ceil(np.log2(2 * n)))  # zero padding: no circular wrap-around
+    # zero padding to n + lags leaves lags 0..lags free of circular wrap-around; a 5-smooth
+    # length keeps the FFT fast (a power of two past 2n was 3.6x the work at 1.3 M cycles)
+    size = _smooth_length(n + lags)
     f = np.fft.rfft(e, size)
     return np.fft.irfft(f * np.conj(f), size)[: lags + 1] / n
+
+
+def _smooth_length(at_least: int) -> int:
+    """The smallest 2^a 3^b 5^c >= at_least: lengths the FFT splits into small radices."""
+    best = 1 << max(at_least - 1, 0).bit_length()
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            best = min(best, p35 << max(-(-at_least // p35) - 1, 0).bit_length())
+            p35 *= 3
+        p5 *= 5
+    return best
 
 
 @dataclass(slots=True)
