@@ -24,6 +24,7 @@ different batches once their timings differ.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -258,8 +259,17 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
     # the same run on both sides: its noise is one realisation, so both get the same draws
     # and every interval has zero width (otherwise two runs' rounds are never paired)
     same = same_run(a, b)
-    (ca, ia), (cb, ib) = (cycle_boot(x.cycles, reps, np.random.default_rng([seed, 0 if same else i]))
-                          for i, x in enumerate((a, b)))
+    # The units are independent (each draws from its own seeded generator, so the answer
+    # does not depend on the order they run in) and mostly numpy, which releases the GIL:
+    # ITL's rounds and B's cycles run beside A's cycles; the requests need both cycles'.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        itl_job = pool.submit(diff_itl, a.requests, a.steps, b.requests, b.steps, reps, seed, same)
+        b_job = pool.submit(cycle_boot, b.cycles, reps, np.random.default_rng([seed, 0 if same else 1]))
+        ca, ia = cycle_boot(a.cycles, reps, np.random.default_rng([seed, 0]))
+        cb, ib = b_job.result()
+        req = diff_requests(a.requests, b.requests, a.meta, b.meta, reps, seed,
+                            (ca.get("round_scale"), cb.get("round_scale")))
+        itl = itl_job.result()
     cyc = cycle_deltas(ca, cb, reps)
     cyc["resampling"] = {"a": ia, "b": ib}
     if not probes:
@@ -269,9 +279,6 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
         cyc["boundaries"] = {bd: {m: d for m, d in row.items() if (bd, m) in keep}
                              for bd, row in cyc["boundaries"].items()}
         cyc["boundaries"] = {bd: row for bd, row in cyc["boundaries"].items() if row}
-    req = diff_requests(a.requests, b.requests, a.meta, b.meta, reps, seed,
-                        (ca.get("round_scale"), cb.get("round_scale")))
-    itl = diff_itl(a.requests, a.steps, b.requests, b.steps, reps, seed, same)
     resampling = {"cycles": cyc.pop("resampling"), "rounds": itl.pop("resampling"),
                   "requests": req.pop("resampling")}
     lat = req.pop("latency")
@@ -351,7 +358,8 @@ class DiffResult(JsonRecord):
 
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> DiffResult:
     """Both traces' reports, and every delta between them with its interval."""
-    # Both traces open first: a bad trace fails before any work.
+    # Both traces open first: a bad trace fails before any work. (Read one after the other:
+    # a read keeps both cores busy already; two beside each other took as long, with more memory.)
     inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])), per_cycle=True)
               for r in (a_root, b_root)]
     reports = [build_report(inp) for inp in inputs]
