@@ -121,7 +121,7 @@ def _wall_misses(rep: dict, out, t0: int, t1: int, place: str) -> list[str]:
 
 
 @pytest.mark.slow
-# A hang detector, not a speed bound: at worst 1 + 5 x 2 x TRIES - 4 = 27 runs (every place
+# A hang detector, not a speed bound: at worst 1 + 5 x (2 x TRIES - 1) = 26 runs (every place
 # on its third pair), about 12 s each beside a CPU hog with three workers on two cores, where
 # the suite's 300 s cut this test off in its 24th run (ci54).
 @pytest.mark.timeout(900)
