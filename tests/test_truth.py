@@ -13,7 +13,9 @@ a third of it. Expected rows:
   response_send    response_send      response_send
   between_rounds   unattributed       unattributed (no probe covers it)
 In overlap mode the device may compute another round during a host delay, so the device
-view's row rises by the delay less up to the baseline's device time per cycle.
+view's row rises by the delay less up to the baseline's device time per cycle; and the
+host, busy with the delay while the device computes, waits less at the barrier: the host
+view's scheduler_barrier may fall by up to the baseline's barrier time per cycle.
 
 The machine is shared: one baseline serves every place; a place whose pair misses is
 run again as a fresh pair, at most twice (3 pairs in all), and the last pair's misses
@@ -75,17 +77,23 @@ def _held_ms(slow: dict, out, place: str) -> float:
 def _misses(base: dict, slow: dict, place: str, mode: str, held: float) -> list[str]:
     want_dev, want_host = EXPECT[place]
     (bd, bh), (sd, sh) = _views(base), _views(slow)
-    hide = bd.get(B.DEVICE_COMPUTE, 0.0) if mode == "overlap" and place != dd.DEVICE_COMPUTE else 0.0
+    host_place = mode == "overlap" and place != dd.DEVICE_COMPUTE
+    hide = bd.get(B.DEVICE_COMPUTE, 0.0) if host_place else 0.0
+    # The host's side of the same overlap: host work added under a computing device shortens
+    # the host's wait at the barrier, by at most the wait the baseline had (a loaded machine
+    # slows the device, and that wait grows past a third of the delay: ci55).
+    absorbed = min(bh.get(B.SCHEDULER_BARRIER, 0.0), held) if host_place else 0.0
     misses = []
     for view, b, s, want, lo in (("device", bd, sd, want_dev, held * (1 - TOL) - hide),
                                  ("host", bh, sh, want_host, held * (1 - TOL))):
         for row in sorted(set(b) | set(s)):
             d = s.get(row, 0.0) - b.get(row, 0.0)
+            floor = -OTHERS * DELAY_MS - (absorbed if view == "host" and row == B.SCHEDULER_BARRIER else 0.0)
             if row == want and not lo <= d <= held * (1 + TOL):
                 misses.append(f"{view} view {row} rose {d:+.2f} ms, want {lo:.2f}..{held * (1 + TOL):.2f} "
                               f"(held {held:.2f} ms per cycle)")
-            elif row != want and abs(d) > OTHERS * DELAY_MS:
-                misses.append(f"{view} view {row} moved {d:+.2f} ms (> {OTHERS * DELAY_MS:.2f})")
+            elif row != want and not floor <= d <= OTHERS * DELAY_MS:
+                misses.append(f"{view} view {row} moved {d:+.2f} ms (want {floor:.2f}..{OTHERS * DELAY_MS:.2f})")
     return misses
 
 
