@@ -59,6 +59,7 @@ from scheduler.stall_guard import StallGuard
 from tracing.writer import TraceWriter
 
 if TYPE_CHECKING:
+    from scheduler.device.device_process import DeviceSeed
     from scheduler.parallel.coordinator import Coordinator
 
 
@@ -84,6 +85,7 @@ class Engine:
         sinks: Sequence[OutputSink] = (),
         trace: TraceWriter | None = None,
         parallel: Coordinator | None = None,
+        device_seed: DeviceSeed | None = None,
     ) -> None:
         config.validate()
         self.cfg = config
@@ -94,7 +96,8 @@ class Engine:
         self.settings = ProcessSettings()  # restored by close()
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
-        self.backend = choose_backend(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel)
+        self.backend = choose_backend(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel,
+                                      device_seed)
         self.device = self.backend.device
         if self.device.type == "cpu":
             self.settings.set_threads(config.resolved_device_threads())

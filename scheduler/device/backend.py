@@ -17,7 +17,7 @@ import torch
 
 from probes.recorder import Probes
 from probes.waits import WaitRegistry
-from scheduler.device.device_process import DeviceProcess, RemoteDevice
+from scheduler.device.device_process import DeviceProcess, DeviceSeed, RemoteDevice
 from scheduler.device.device_server import DeviceSpec
 from scheduler.device.local_device import LocalDevice
 from scheduler.device.streams import make_streams
@@ -56,14 +56,24 @@ class Backend(Protocol):
         None where there were none or the host could not time them (a GPU's)."""
 
 
+def device_of(cfg: Any) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+
+
+def runs_device_process(cfg: Any) -> bool:
+    """Whether an engine of `cfg` puts its model in a CPU device process (ProcessBackend)."""
+    return cfg.world_size == 1 and device_of(cfg).type == "cpu" and cfg.resolved_cpu_device() == "process"
+
+
 def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_delay_ns: int,
-                   parallel: Coordinator | None) -> Backend:
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+                   parallel: Coordinator | None, seed: DeviceSeed | None = None) -> Backend:
+    """`seed`: the device process forked early for this engine, if any (DeviceSeed)."""
+    device = device_of(cfg)
     args = (model_dir, device, choose_dtype(device, dtype), cfg.hard_wait_timeout_s, device_delay_ns)
     if parallel is not None:
         return ParallelBackend(*args, parallel)
-    if device.type == "cpu" and cfg.resolved_cpu_device() == "process":
-        return ProcessBackend(*args, cfg.resolved_device_threads())
+    if runs_device_process(cfg):
+        return ProcessBackend(*args, cfg.resolved_device_threads(), seed)
     return LocalBackend(*args)
 
 
@@ -116,14 +126,14 @@ class ProcessBackend(_Common):
     name = "cpu-process"
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
-                 delay_ns: int, threads: int) -> None:
+                 delay_ns: int, threads: int, seed: DeviceSeed | None) -> None:
         super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
-        self._threads = threads
+        self._threads, self._seed = threads, seed
 
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         self.device_proc = DeviceProcess(DeviceSpec(
             str(self.model_dir), name_of(self.dtype), num_blocks, block_size, self._threads,
-            self._timeout_s, FUTURE_SLOTS, self._delay_ns), probes, registry)
+            self._timeout_s, FUTURE_SLOTS, self._delay_ns), probes, registry, self._seed)
         self.streams = dict(self.device_proc.streams)
         self.ops = RemoteDevice()
 

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import signal
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
@@ -100,19 +104,104 @@ class _Pending:
     key: int | None = None  # wait: its entry in the wait registry while it heads the queue
 
 
-class DeviceProcess:
-    """The host's handle on the device process: spawn, send, read answers, stop."""
+class DeviceSeed:
+    """A device process forked before the host has started a thread or run a torch op,
+    waiting for its DeviceSpec; `DeviceProcess` hands it the spec instead of spawning one.
 
-    def __init__(self, spec: DeviceSpec, probes: Probes, registry: WaitRegistry) -> None:
+    Why: a spawned device process is a fresh interpreter that imports torch (and, as spawn
+    does, the host's `__main__`): about 3 s of CPU and of the run's start-up wall here,
+    more than a short run's rounds. A fork shares the host's import. It is safe only from
+    that early point: a fork copies another thread's locks mid-state, and a child of a
+    process whose OpenMP team exists hangs in its first parallel region (libgomp has no
+    fork handler; a preset's first build runs one, so the seed comes before the model is
+    resolved). Where the host already has a Python thread, or on a platform without a
+    plain fork, `fork` returns None and the device process is spawned as before."""
+
+    def __init__(self, conn: Connection, proc: BaseProcess) -> None:
+        self._conn = conn
+        self._taken: tuple[Connection, BaseProcess] | None = (conn, proc)
+
+    @classmethod
+    def fork(cls, n: int) -> list[DeviceSeed] | None:
+        """`n` seeds, or None where a fork is not safe here."""
+        if sys.platform != "linux" or threading.active_count() > 1:
+            return None
+        # what the device imports, imported once for both processes
+        import torch  # noqa: F401
+
+        import scheduler.model.kv_cache  # noqa: F401
+        import scheduler.model.loader  # noqa: F401
+
+        ctx = mp.get_context("fork")
+        sys.stdout.flush()  # or a child's exit would write the host's buffered output again
+        sys.stderr.flush()
+        seeds: list[DeviceSeed] = []
+        # Ctrl-C reaches the whole process group: a seed ignores it from its first instruction
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for _ in range(n):
+                conn, child = ctx.Pipe(duplex=True)
+                # a fork inherits every fd: the host's ends, closed there, so that the host's
+                # exit is each device's end of file
+                host_ends = [conn, *(s._conn for s in seeds)]
+                proc = ctx.Process(target=_seed_main, args=(child, host_ends), name="mstrace-device",
+                                   daemon=True)
+                proc.start()
+                child.close()
+                seeds.append(cls(conn, proc))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return seeds
+
+    def take(self) -> tuple[Connection, BaseProcess] | None:
+        taken, self._taken = self._taken, None
+        return taken
+
+    def close(self) -> None:
+        """An unused seed: the pipe's end is its cue to exit."""
+        taken = self.take()
+        if taken is not None:
+            taken[0].close()
+            taken[1].join(5)
+
+
+def _seed_main(conn: Connection, host_ends: list[Connection]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    for c in host_ends:
+        c.close()
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):
+        return  # the host ended without a device
+    device_main(conn, spec)
+
+
+class DeviceProcess:
+    """The host's handle on the device process: fork (a DeviceSeed) or spawn, send, read
+    answers, stop."""
+
+    def __init__(self, spec: DeviceSpec, probes: Probes, registry: WaitRegistry,
+                 seed: DeviceSeed | None = None) -> None:
         self.spec = spec
         self.probes = probes
         self.registry = registry
         self.streams: dict[str, ProcStream] = {}
-        ctx = mp.get_context("spawn")  # fork would copy the host's threads' locks mid-state
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=device_main, args=(child, self.spec), name="mstrace-device", daemon=True)
-        self._proc.start()
-        child.close()
+        seeded = seed.take() if seed is not None else None
+        self._proc: BaseProcess
+        if seeded is not None:
+            self._conn, self._proc = seeded
+            try:
+                self._conn.send(spec)
+            except OSError:
+                pass  # a seed that died: the start-up below reads its end and says so
+        else:
+            ctx = mp.get_context("spawn")  # this late the host has threads: see DeviceSeed
+            self._conn, child = ctx.Pipe(duplex=True)
+            self._proc = ctx.Process(target=device_main, args=(child, self.spec), name="mstrace-device",
+                                     daemon=True)
+            self._proc.start()
+            child.close()
         self._send_lock = threading.Lock()
         self._events = 0
         self.device_held: tuple[int, int] | None = None  # the truth harness's holds, told at Stopped

@@ -22,6 +22,7 @@ from tracing.run_status import end_record, first_line
 
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
+    from scheduler.device.device_process import DeviceSeed
     from scheduler.engine import Engine
     from scheduler.harness.workload import WorkloadItem
     from scheduler.hops.sender import OutputSink
@@ -53,6 +54,17 @@ def remove_unstarted(made: Path | None, out: Path) -> None:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
+def fork_device_seeds(cfg: EngineConfig, runs: int) -> list[DeviceSeed | None]:
+    """The device processes that `runs` sessions of `cfg` will hand their engines, forked
+    now: a command calls it before it runs a torch op or starts a thread (DeviceSeed says
+    why); None for each where the engine has no device process, or where it is spawned."""
+    from scheduler.device.backend import runs_device_process
+    from scheduler.device.device_process import DeviceSeed
+
+    seeds = DeviceSeed.fork(runs) if runs_device_process(cfg) else None
+    return list(seeds) if seeds is not None else [None] * runs
+
+
 class TracedSession:
     """`with TracedSession(...) as s: engine = s.start(sinks); ...; s.timing(...); s.ended("complete")`.
 
@@ -61,8 +73,9 @@ class TracedSession:
     `stalled`, anything else `error` with its first line."""
 
     def __init__(self, cfg: EngineConfig, out: Path, made: Path | None, items: list[WorkloadItem], source: str,
-                 fail: Fail) -> None:
+                 fail: Fail, device_seed: DeviceSeed | None = None) -> None:
         self.cfg, self.out, self.made, self.items, self.source, self.fail = cfg, out, made, items, source, fail
+        self.device_seed = device_seed  # the engine's device process, forked early (DeviceSeed)
         self.anchor = wall_anchor()  # one anchor for meta.json and the spans, so they agree exactly
         self.writer = open_trace(out, made, fail)
         self.writer.write_meta(start_meta(cfg, items, source, self.anchor))
@@ -83,7 +96,7 @@ class TracedSession:
             coord = parallel() if parallel is not None else None
             if coord is not None:
                 self.on_close(coord.close)  # STOP on success; else terminate, then kill: no rank outlives it
-            engine = Engine(self.cfg, sinks=sinks, trace=self.writer, parallel=coord)
+            engine = Engine(self.cfg, sinks=sinks, trace=self.writer, parallel=coord, device_seed=self.device_seed)
         except (ModelLoadError, ConfigError, ValueError) as e:
             self.detail = str(e)
             self.fail(self.detail)
@@ -141,6 +154,8 @@ class TracedSession:
         finally:
             for close in self._closers:
                 close(self.state == "complete")
+            if self.device_seed is not None:  # one no engine took
+                self.device_seed.close()
             self._commit_end(engine)
 
     def _commit_end(self, engine: Engine | None) -> None:

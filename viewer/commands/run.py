@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import typer
 from rich.console import Console
@@ -21,6 +21,9 @@ from scheduler.harness.run_options import RunOptions
 from tracing.run_status import first_line
 from viewer.analysis.report import build_report
 from viewer.render.report import render_modes, render_report
+
+if TYPE_CHECKING:
+    from scheduler.device.device_process import DeviceSeed
 
 
 class Fail(Protocol):
@@ -74,6 +77,9 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         claim_out(out, opts.force, fail)
         run_live(out)
         return
+    from scheduler.harness.session import fork_device_seeds
+
+    seeds = fork_device_seeds(cfg, 3 if all_modes else 1)  # before a preset's first build runs a torch op
     try:
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
@@ -115,7 +121,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     made = None if out.exists() else out  # what to remove if no run ever starts
     if not all_modes:
         try:
-            _run_one(opts, cfg, items, source, out, console, fail, made)
+            _run_one(opts, cfg, items, source, out, console, fail, made, seeds[0])
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
@@ -130,9 +136,9 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         return
     # The control group: the same workload through all three modes.
     outs = {}
-    for mode in ("serial", "timeslice", "overlap"):
+    for mode, seed in zip(("serial", "timeslice", "overlap"), seeds, strict=True):
         outs[mode] = out / mode
-        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made)
+        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made, seed)
         made = None  # a later mode's failure leaves the earlier modes' traces
     render_modes(console, {m: build_report(o) for m, o in outs.items()})
     console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
@@ -257,8 +263,9 @@ def _say_profile_cost(cost: dict[str, Any], run_ns: int) -> None:
 
 
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
-             fail: Callable[[str], NoReturn], made: Path | None = None) -> None:
-    """`made`: the folder this run created, removed again if the engine never starts."""
+             fail: Callable[[str], NoReturn], made: Path | None, seed: DeviceSeed | None) -> None:
+    """`made`: the folder this run created, removed again if the engine never starts;
+    `seed`: its device process, forked early (DeviceSeed)."""
     from scheduler.harness.runner import RunResult, TraceRequestsSink, run_workload
     from scheduler.harness.session import TracedSession
     from tracing.otel import SpanSink
@@ -271,7 +278,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
     task = progress.add_task(f"{cfg.mode} run", total=len(items))
     result = RunResult(0, 0, 0, len(items))
     try:
-        with TracedSession(cfg, out, made, items, source, fail) as session:
+        with TracedSession(cfg, out, made, items, source, fail, seed) as session:
             span_sink = SpanSink(session.writer, session.anchor, opts.otlp_endpoint)
             # after the engine (its sender is drained), before the writer's last flush
             session.on_close(lambda ok: span_sink.close())

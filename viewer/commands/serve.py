@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
@@ -24,8 +24,12 @@ from rich.markup import escape
 from scheduler.config import EngineConfig
 from scheduler.serving.options import LOOPBACK, ServeOptions
 
+if TYPE_CHECKING:
+    from scheduler.device.device_process import DeviceSeed
+
 
 def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail: Callable[..., NoReturn]) -> None:
+    from scheduler.harness.session import fork_device_seeds
     from scheduler.model.config import ModelConfig, ModelLoadError
     from scheduler.model.loader import safetensors_files
     from scheduler.model.presets import resolve_model
@@ -40,6 +44,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
         cfg.validate()
         opts.validate()
         cfg = replace(cfg, cpu_device=cfg.resolved_cpu_device())
+        seed = fork_device_seeds(cfg, 1)[0]  # before a preset's first build runs a torch op
         model_dir = resolve_model(cfg.model)
         context = ModelConfig.from_file(model_dir / "config.json").max_position_embeddings
         safetensors_files(model_dir)  # a folder without weights fails here, before anything is made
@@ -58,11 +63,11 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     if opts.host not in LOOPBACK and not opts.api_key:
         print(f"warning: serving on {opts.host} without --api-key: anyone who can reach this address "
               "can use the model", file=sys.stderr, flush=True)
-    _serve(cfg, opts, context, out, made, sock, console, fail)
+    _serve(cfg, opts, context, out, made, sock, console, fail, seed)
 
 
 def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made: bool, sock: socket.socket,
-           console: Console, fail: Callable[..., NoReturn]) -> None:
+           console: Console, fail: Callable[..., NoReturn], seed: DeviceSeed | None) -> None:
     import uvicorn
 
     from scheduler.harness.runner import TraceRequestsSink
@@ -81,7 +86,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     source = f"serve:{opts.host}:{sock.getsockname()[1]}"
     engine: Any = None
     try:
-        with TracedSession(cfg, out, out if made else None, [], source, fail) as session:
+        with TracedSession(cfg, out, out if made else None, [], source, fail, seed) as session:
             writer = session.writer
             # (the engine is made below: these run only once it serves)
             streams = ResponseStreams(lambda rid, why: engine.request_abort(rid, why),
