@@ -2,10 +2,11 @@
 scheduler/harness/debug_delay.py) must show up in the right row of each view of the cost
 table, and in no other.
 
-For each place, a pair of runs of one deterministic workload (all requests at t=0,
-fixed lengths, so both runs schedule the same rounds): baseline and delayed. In both
-views the delayed row rises by the delay (+-15%) and no other row moves by more than
-a third of it. Expected rows:
+For each place, a pair of runs of one workload (all requests at t=0, fixed lengths):
+baseline and delayed. Their rounds are nearly the same: the first round takes what the
+tokenizer pool has ready, so a run may start with one request and take the rest a
+round later (two rounds more, ci56). In both views the delayed row rises by the delay
+(+-15%) and no other row moves by more than a third of it. Expected rows:
   place            device view        host view
   device_compute   device_compute     scheduler_barrier (the host waits it out)
   bookkeeping      bookkeeping        bookkeeping
@@ -32,11 +33,15 @@ from probes import boundaries as B
 from scheduler.harness import debug_delay as dd
 from tests.support.cli import cli, mstrace
 
-DELAY_MS = 25.0  # a loaded machine moves a row by a few ms per cycle between two runs, whatever the delay
+# A loaded machine moves a row by several ms per cycle between two runs, whatever the delay:
+# beside the suite's other workers a decode round's forward took 4 ms in one run and 11 ms
+# in the next (ci56), which 15% of a 25 ms delay could not absorb. The tolerances scale
+# with the delay and that noise does not; fewer rounds keep the spun time as it was.
+DELAY_MS = 60.0
 TOL = 0.15
 OTHERS = 1 / 3
 TRIES = 3
-COMMON = ["run", "--model", "tiny", "--requests", "16", "--prompt-len", "32-32", "--output-len", "24-24",
+COMMON = ["run", "--model", "tiny", "--requests", "16", "--prompt-len", "32-32", "--output-len", "12-12",
           "--shared-prefix", "0", "-q"]
 EXPECT = {
     dd.DEVICE_COMPUTE: (B.DEVICE_COMPUTE, B.SCHEDULER_BARRIER),
