@@ -24,6 +24,7 @@ this backend `batch_prepare` on the host covers only the wire.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import multiprocessing as mp
 import signal
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
@@ -47,7 +48,12 @@ from scheduler.device.prepared import PreparedBatch
 from scheduler.device.streams import CpuEvent
 from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
 
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
+# what a device process imports before its spec arrives
+DEVICE_IMPORTS = ("torch", "scheduler.device.device_server", "scheduler.model.kv_cache", "scheduler.model.loader")
 
 
 class RemoteDevice:
@@ -115,7 +121,7 @@ class DeviceSeed:
     process whose OpenMP team exists hangs in its first parallel region (libgomp has no
     fork handler; a preset's first build runs one, so the seed comes before the model is
     resolved). Where the host already has a Python thread, or on a platform without a
-    plain fork, `fork` returns None and the device process is spawned as before."""
+    plain fork, `fork` returns None and the device process comes from `_late_context`."""
 
     def __init__(self, conn: Connection, proc: BaseProcess) -> None:
         self._conn = conn
@@ -126,12 +132,8 @@ class DeviceSeed:
         """`n` seeds, or None where a fork is not safe here."""
         if sys.platform != "linux" or threading.active_count() > 1:
             return None
-        # what the device imports, imported once for both processes
-        import torch  # noqa: F401
-
-        import scheduler.model.kv_cache  # noqa: F401
-        import scheduler.model.loader  # noqa: F401
-
+        for name in DEVICE_IMPORTS:  # imported once, for both processes
+            importlib.import_module(name)
         ctx = mp.get_context("fork")
         sys.stdout.flush()  # or a child's exit would write the host's buffered output again
         sys.stderr.flush()
@@ -177,9 +179,24 @@ def _seed_main(conn: Connection, host_ends: list[Connection]) -> None:
     device_main(conn, spec)
 
 
+def _late_context() -> ForkServerContext | SpawnContext:
+    """How a device process starts where no seed was forked, in a host that may have
+    threads and an OpenMP team (so not a plain fork): multiprocessing's forkserver, a
+    fresh interpreter started on first use that imports DEVICE_IMPORTS once and forks a
+    device process per engine, so a process that makes several engines (a library user,
+    the tests) imports torch for them once, not once each; spawn where there is none.
+    The preload list is the process-wide forkserver's: it takes effect only if that
+    server is not yet running, and another user of it then preloads torch too."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(DEVICE_IMPORTS))
+    return ctx
+
+
 class DeviceProcess:
-    """The host's handle on the device process: fork (a DeviceSeed) or spawn, send, read
-    answers, stop."""
+    """The host's handle on the device process: start it (from a DeviceSeed, else from
+    `_late_context`), send, read answers, stop."""
 
     def __init__(self, spec: DeviceSpec, probes: Probes, registry: WaitRegistry,
                  seed: DeviceSeed | None = None) -> None:
@@ -196,7 +213,7 @@ class DeviceProcess:
             except OSError:
                 pass  # a seed that died: the start-up below reads its end and says so
         else:
-            ctx = mp.get_context("spawn")  # this late the host has threads: see DeviceSeed
+            ctx = _late_context()
             self._conn, child = ctx.Pipe(duplex=True)
             self._proc = ctx.Process(target=device_main, args=(child, self.spec), name="mstrace-device",
                                      daemon=True)
