@@ -146,3 +146,45 @@ def test_features_that_need_an_in_process_device_are_refused():
     assert EngineConfig(model="tiny", inject=("deadlock",)).resolved_cpu_device() == "process"
     p = mstrace("run", "--model", "tiny", "--cpu-device", "gpu", "--out", "/tmp/never", "-q")
     assert p.returncode != 0 and "thread or process" in p.stderr and "Traceback" not in p.stderr
+
+
+SEEDS = """
+import os, sys, threading, time
+from scheduler.device.device_process import DeviceSeed
+seeds = DeviceSeed.fork(2)
+a, b = (s.take() for s in seeds)
+me = open("/proc/self/cmdline", "rb").read()
+# forked, not started afresh: the same command line, this process's children
+print([open(f"/proc/{p.pid}/cmdline", "rb").read() == me and p.is_alive() for _, p in (a, b)])
+seeds = DeviceSeed.fork(2)
+unused = seeds[0]._taken[1]
+seeds[0].close()  # unused: its end of the pipe is its cue to exit (close joins it)
+print(unused.exitcode)
+threading.Thread(target=time.sleep, args=(1,)).start()
+print(DeviceSeed.fork(1))  # a thread runs: no fork
+print(seeds[1].take()[1].pid, a[1].pid, b[1].pid)  # left to the host's exit
+os._exit(0)  # as a killed host: no atexit handler joins or terminates them
+"""
+
+
+def test_a_seed_is_a_fork_that_exits_with_its_host(tmp_path):
+    """DeviceSeed: forked from the host (no second torch import), and gone once the host
+    is, used or not, even when the host ends without a word (its pipe's end)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-c", SEEDS], cwd=Path(__file__).parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    forked, closed, no_fork, pids = p.stdout.splitlines()
+    assert forked == "[True, True]"
+    assert closed == "0"
+    assert no_fork == "None"
+    deadline = time.monotonic() + 60  # a bound on outliving, not on speed
+    left = [int(x) for x in pids.split()]
+    while left and time.monotonic() < deadline:
+        left = [pid for pid in left if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        time.sleep(0.05)
+    assert not left, f"seeds outlived their host: {left}"

@@ -120,8 +120,9 @@ class DeviceSeed:
     that early point: a fork copies another thread's locks mid-state, and a child of a
     process whose OpenMP team exists hangs in its first parallel region (torch's libgomp:
     a two-thread matmul in the parent, then one in a forked child, never returned here; a
-    preset's first build runs such ops, so the seed comes before the model is resolved). Where the host already has a Python thread, or on a platform without a
-    plain fork, `fork` returns None and the device process comes from `_late_context`."""
+    preset's first build runs such ops, so the seed comes before the model is resolved).
+    Where the host already has a Python thread, or on a platform without a plain fork,
+    `fork` returns None and the device process comes from `_late_context`."""
 
     def __init__(self, conn: Connection, proc: BaseProcess) -> None:
         self._conn = conn
