@@ -57,7 +57,8 @@ def remove_unstarted(made: Path | None, out: Path) -> None:
 def fork_device_seeds(cfg: EngineConfig, runs: int) -> list[DeviceSeed | None]:
     """The device processes that `runs` sessions of `cfg` will hand their engines, forked
     now: a command calls it before it runs a torch op or starts a thread (DeviceSeed says
-    why); None for each where the engine has no device process, or where it is spawned."""
+    why); None for each where the engine has no device process, or where a fork is not
+    safe here (the engine then starts its own, scheduler/device/device_process.py)."""
     from scheduler.device.backend import runs_device_process
     from scheduler.device.device_process import DeviceSeed
 
