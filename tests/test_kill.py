@@ -13,10 +13,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.cli import REPO, TAG, cli, tagged_pids
+from tests.support.cli import REPO, TAG, cli, start_mstrace, tagged_pids
 from tracing.compaction import Targets
 from tracing.manifest import read_manifests
 from tracing.reader import Trace
@@ -28,10 +29,9 @@ MAX_TRIES = 14  # a run that finishes before its kill is not a kill: try another
 KILLS_COMPACT = 6
 
 
-def _start(out: Path, tag: str, cpu_device: str, mode: str = "serial") -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "viewer.cli", *RUN, "--cpu-device", cpu_device,
-                             "--mode", mode, "--out", str(out)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, TAG: tag})
+def _start(out: Path, tag: str, cpu_device: str, mode: str = "serial") -> Any:
+    return start_mstrace(*RUN, "--cpu-device", cpu_device, "--mode", mode, "--out", str(out),
+                         env={**os.environ, TAG: tag})
 
 
 def _ended(out: Path) -> bool:
@@ -42,7 +42,7 @@ def _ended(out: Path) -> bool:
         return False
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[bytes], limit_s: float = 120) -> float:
+def _wait_for(path: Path, proc: Any, limit_s: float = 120) -> float:
     deadline = time.monotonic() + limit_s
     while not path.exists():
         assert proc.poll() is None, "the run ended before it wrote a manifest"
@@ -78,6 +78,8 @@ def test_sigkill_at_ten_offsets_leaves_consistent_truncated_traces(tmp_path: Pat
         # overlap mode too: split streams free a finished request's blocks behind the KV fence
         proc = _start(out, tag, cpu_device, "overlap" if tries % 2 else "serial")
         t = _wait_for(out / "meta.json", proc)
+        if cpu_device == "process":  # the scan sees the run's processes (positive control): the
+            assert len(tagged_pids(tag)) >= 2  # device process is forked before meta.json is written
         time.sleep(max(0.0, t + frac * span - time.monotonic()))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

@@ -48,9 +48,7 @@ RUN_TIMEOUT_S = 180.0
 
 
 def _run(*args: str, tag: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, TAG: tag}
-    return subprocess.run([sys.executable, "-m", "viewer.cli", "run", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return mstrace("run", *args, env={**os.environ, TAG: tag}, timeout=RUN_TIMEOUT_S, check_views=False)
 
 
 def _assert_no_survivors(tag: str) -> None:

@@ -4,6 +4,7 @@ interpreter where that changes nothing: tests/support/zygote.py)."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +13,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 
-def mstrace(*args: str, timeout: float = 600, check_views: bool = True) -> subprocess.CompletedProcess[str]:
+def mstrace(*args: str, timeout: float = 600, check_views: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """A successful `mstrace run` also has its trace's cost views checked (tests/support/views.py):
     every trace the suite makes, not only the ones a test looks at."""
     from tests.support.zygote import zygote  # a fork of a pre-imported interpreter, where it can
 
-    z = zygote(REPO)
+    z = zygote(REPO, env)
     if z is not None:
-        p = z.run(list(args), REPO, timeout)
+        p = z.run(list(args), REPO, timeout, env)
     else:
         p = subprocess.run([sys.executable, "-m", "viewer.cli", *args], cwd=REPO, capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, env=env)
     if check_views and args and args[0] == "run" and p.returncode == 0 and "--out" in args:
         from tests.support.views import assert_views_hold
 
@@ -32,22 +34,45 @@ def mstrace(*args: str, timeout: float = 600, check_views: bool = True) -> subpr
     return p
 
 
+def start_mstrace(*args: str, env: dict[str, str]) -> Any:
+    """`subprocess.Popen([python, -m, viewer.cli, *args], env=env)` with its output discarded,
+    forked from the zygote where it can be: as much of Popen as a test that kills a command
+    uses (poll, wait, send_signal, kill, pid, returncode)."""
+    from tests.support.zygote import zygote
+
+    z = zygote(REPO, env)
+    if z is not None:
+        return z.start(list(args), REPO, env, os.devnull, os.devnull)
+    return subprocess.Popen([sys.executable, "-m", "viewer.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 TAG = "MSTRACE_TEST_TAG"  # set in a run's environment; every process it starts inherits it
+# tag -> the process groups of tagged commands forked from the test zygote, which shows its own
+# environment in /proc/<pid>/environ: such a command leads a group its descendants inherit
+_tag_groups: dict[str, set[int]] = {}
+
+
+def tag_group(tag: str, pgid: int) -> None:
+    """Count the processes of group `pgid` as tagged `tag` (tests/support/zygote.py)."""
+    _tag_groups.setdefault(tag, set()).add(pgid)
 
 
 def tagged_pids(tag: str, exclude: int | None = None) -> list[int]:
-    """Pids of live processes whose environment carries ``TAG=tag``."""
+    """Pids of live processes whose environment carries ``TAG=tag``, or that belong to the
+    process group of a tagged command the zygote forked."""
     out = []
     needle = f"{TAG}={tag}".encode()
+    groups = _tag_groups.get(tag, set())
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == exclude:
             continue
         try:
             env = (d / "environ").read_bytes()
-            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state, _, pgrp = (d / "stat").read_text().rsplit(")", 1)[1].split()[:3]
         except OSError:
             continue  # gone meanwhile, or not ours to read
-        if needle in env.split(b"\0") and state != "Z":
+        if state != "Z" and (int(pgrp) in groups or needle in env.split(b"\0")):
             out.append(int(d.name))
     return out
 

@@ -28,8 +28,9 @@ worker went away) or its loop fails.
 What a child cannot get back: its own hash seed (the children share the zygote's, so a
 check of ordering across runs wants `MSTRACE_TEST_NO_ZYGOTE=1`), warnings the preloaded
 libraries print once at import (printed by the zygote), and an environment in
-/proc/<pid>/environ (it shows the zygote's): a command tagged for `tagged_pids` runs as a
-plain subprocess.
+/proc/<pid>/environ (it shows the zygote's). So a command tagged for `tagged_pids` leads a
+process group of its own, which every process it starts inherits (none of mstrace's starts
+a session or group), and `tagged_pids` counts that group's members as tagged.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.cli import TAG
+from tests.support.cli import TAG, tag_group
 
 PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute")
 # environment variables the preloaded libraries (and the OpenMP/BLAS runtimes they load)
@@ -90,7 +91,14 @@ def _loop(answers: int, children: dict[int, str]) -> dict[str, Any] | None:
                 if pid == 0:
                     children.clear()  # the child's: not its to kill
                     os.close(answers)
+                    if req["group"]:
+                        os.setpgid(0, 0)
                     return req
+                if req["group"]:  # in both, so that the group exists once "started" is answered
+                    try:
+                        os.setpgid(pid, pid)
+                    except OSError:
+                        pass  # the child made it already, or has ended
                 children[pid] = req["id"]
                 _answer(answers, {"id": req["id"], "started": pid})
         while children:
@@ -158,8 +166,6 @@ class Zygote:
         the zygote died."""
         if self._proc.poll() is not None or not self._reader.is_alive() or env.get(DISABLE_ENV) == "1":
             return False
-        if TAG in env:  # tagged_pids reads /proc/<pid>/environ, which shows the zygote's
-            return False
         keys = (set(self.env) | set(env)) - {"PYTHONUNBUFFERED"}
         return all(self.env.get(k) == env.get(k) for k in keys if k.startswith(IMPORT_TIME_ENV))
 
@@ -191,10 +197,12 @@ class Zygote:
             rid = f"{os.getpid()}-{self._next}"
             self._next += 1
             self._send({"op": "run", "id": rid, "argv": argv, "cwd": str(cwd), "env": env,
-                        "stdout": stdout, "stderr": stderr})
+                        "stdout": stdout, "stderr": stderr, "group": TAG in env})
             while "started" not in self._answers.get(rid, {}):
                 self._check_alive()
                 self._cond.wait(1.0)
+            if TAG in env:
+                tag_group(env[TAG], self._answers[rid]["started"])
             return Child(self, rid, self._answers[rid]["started"], [sys.executable, "-m", "viewer.cli", *argv],
                          stdout)
 
@@ -211,13 +219,14 @@ class Zygote:
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
             return int(self._answers[rid]["exited"])
 
-    def run(self, argv: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-        """`subprocess.run([python, -m, viewer.cli, *argv], capture_output=True, text=True)`."""
+    def run(self, argv: list[str], cwd: Path, timeout: float,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """`subprocess.run([python, -m, viewer.cli, *argv], capture_output=True, text=True, env=env)`."""
         with tempfile.TemporaryDirectory(prefix="zygote-") as d:
             out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
             for p in (out, err):
                 Path(p).touch()
-            child = self.start(argv, cwd, dict(os.environ), out, err)
+            child = self.start(argv, cwd, dict(os.environ) if env is None else env, out, err)
             try:
                 code = child.wait(timeout)
             except subprocess.TimeoutExpired:
