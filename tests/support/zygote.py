@@ -2,21 +2,21 @@
 
 Why: about 200 commands of the suite are separate processes (a user runs the CLI in
 one), and each spent ~2 s of CPU importing torch, numpy and pyarrow before doing
-anything: a third of the suite's CPU time on two cores. The zygote imports those three
-once; each command is a fork of it that runs `python -m viewer.cli` exactly as a fresh
+anything: a third of the suite's CPU time on two cores. The zygote imports those once
+(and the CLI's typer, rich and pydantic: another 0.2 s a command); each command is a fork of it that runs `python -m viewer.cli` exactly as a fresh
 interpreter would from there (runpy, `__main__`, normal interpreter exit with its atexit
 handlers and thread joins), with its own pid, exit status, environment, cwd and output.
 
 What a fork shares that a fresh interpreter would not, and why it is safe here:
-- the three libraries' import-time state, read from the environment when they loaded:
+- the preloaded libraries' import-time state, read from the environment when they loaded:
   a command whose environment differs from the zygote's in a variable they read
   (OMP_*, MKL_*, TORCH_*, ...) runs as a plain subprocess instead (`Zygote.can_run`);
 - no Python thread: the zygote never starts one (it polls, single-threaded) and checks
   that the imports started none; the native threads they start (OpenBLAS's pool,
   jemalloc's background thread) are rebuilt by those libraries' fork handlers; OpenMP's
   team is made by the child's first parallel region, not the zygote's;
-- nothing of ours: mstrace's own modules (and typer/rich, which read the terminal's
-  environment at import) are imported by each child, as a fresh process does;
+- nothing of ours: mstrace's own modules are imported by each child, as a fresh process
+  does;
 - the random state: each child reseeds `random` and numpy's global generator.
 
 Protocol: JSON lines on the zygote's stdin (a command to run), answers on its stdout
@@ -50,11 +50,18 @@ from typing import Any
 
 from tests.support.cli import TAG, tag_group
 
-PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute")
+# The numeric libraries, and what every command imports before it does anything (the CLI's
+# typer, which brings rich and pydantic): 0.2 s of a short command's 0.3 s of imports here.
+PRELOAD = ("torch", "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute",
+           "typer", "typer.rich_utils", "typer._adapters", "pydantic", "rich.markdown", "rich.traceback",
+           "rich.columns", "rich.panel", "rich._emoji_codes")
 # environment variables the preloaded libraries (and the OpenMP/BLAS runtimes they load)
 # read at import: a command that sets one of them differently needs its own interpreter
+# (typer reads TYPER_USE_RICH and typer.rich_utils its terminal's variables at import;
+# rich and pydantic read the environment only when called)
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "NVIDIA",
-                   "ARROW_", "PYARROW", "NUMPY", "LD_", "PYTHON", "MALLOC")
+                   "ARROW_", "PYARROW", "NUMPY", "LD_", "PYTHON", "MALLOC",
+                   "TYPER", "_TYPER", "TERMINAL_WIDTH", "GITHUB_ACTIONS", "FORCE_COLOR", "PY_COLORS")
 DISABLE_ENV = "MSTRACE_TEST_NO_ZYGOTE"  # =1: every command in its own interpreter
 
 
