@@ -24,16 +24,12 @@ this backend `batch_prepare` on the host covers only the wire.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import multiprocessing as mp
-import signal
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +43,7 @@ from scheduler.device.device_server import DeviceSpec, device_main
 from scheduler.device.prepared import PreparedBatch
 from scheduler.device.streams import CpuEvent
 from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
+from scheduler.seeds import Seed, fork_seeds
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
@@ -111,52 +108,20 @@ class _Pending:
 
 
 class DeviceSeed:
-    """A device process forked before the host has started a thread or run a torch op,
-    waiting for its DeviceSpec; `DeviceProcess` hands it the spec instead of spawning one.
+    """A device process forked early (scheduler/seeds.py says why), waiting for its
+    DeviceSpec; `DeviceProcess` hands it the spec instead of starting one. Where no seed
+    could be forked, the device process comes from `_late_context`."""
 
-    Why: a spawned device process is a fresh interpreter that imports torch (and, as spawn
-    does, the host's `__main__`): about 3 s of CPU and of the run's start-up wall here,
-    more than a short run's rounds. A fork shares the host's import. It is safe only from
-    that early point: a fork copies another thread's locks mid-state, and a child of a
-    process whose OpenMP team exists hangs in its first parallel region (torch's libgomp:
-    a two-thread matmul in the parent, then one in a forked child, never returned here; a
-    preset's first build runs such ops, so the seed comes before the model is resolved).
-    Where the host already has a Python thread, or on a platform without a plain fork,
-    `fork` returns None and the device process comes from `_late_context`."""
-
-    def __init__(self, conn: Connection, proc: BaseProcess) -> None:
-        self._conn = conn
-        self._taken: tuple[Connection, BaseProcess] | None = (conn, proc)
+    def __init__(self, seed: Seed) -> None:
+        self._taken: Seed | None = seed
 
     @classmethod
     def fork(cls, n: int) -> list[DeviceSeed] | None:
         """`n` seeds, or None where a fork is not safe here."""
-        if sys.platform != "linux" or threading.active_count() > 1:
-            return None
-        for name in DEVICE_IMPORTS:  # imported once, for both processes
-            importlib.import_module(name)
-        ctx = mp.get_context("fork")
-        sys.stdout.flush()  # or a child's exit would write the host's buffered output again
-        sys.stderr.flush()
-        seeds: list[DeviceSeed] = []
-        # Ctrl-C reaches the whole process group: a seed ignores it from its first instruction
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            for _ in range(n):
-                conn, child = ctx.Pipe(duplex=True)
-                # a fork inherits every fd: the host's ends, closed there, so that the host's
-                # exit is each device's end of file
-                host_ends = [conn, *(s._conn for s in seeds)]
-                proc = ctx.Process(target=_seed_main, args=(child, host_ends), name="mstrace-device",
-                                   daemon=True)
-                proc.start()
-                child.close()
-                seeds.append(cls(conn, proc))
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return seeds
+        seeds = fork_seeds(n, device_main, DEVICE_IMPORTS, "mstrace-device")
+        return None if seeds is None else [cls(s) for s in seeds]
 
-    def take(self) -> tuple[Connection, BaseProcess] | None:
+    def take(self) -> Seed | None:
         taken, self._taken = self._taken, None
         return taken
 
@@ -166,18 +131,6 @@ class DeviceSeed:
         if taken is not None:
             taken[0].close()
             taken[1].join(5)
-
-
-def _seed_main(conn: Connection, host_ends: list[Connection]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    for c in host_ends:
-        c.close()
-    try:
-        spec = conn.recv()
-    except (EOFError, OSError):
-        return  # the host ended without a device
-    device_main(conn, spec)
 
 
 def _late_context() -> ForkServerContext | SpawnContext:

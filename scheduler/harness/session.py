@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from scheduler.harness.workload import WorkloadItem
     from scheduler.hops.sender import OutputSink
     from scheduler.parallel.coordinator import Coordinator
+    from scheduler.parallel.worker import RankSeed
     from tracing.writer import TraceWriter
 
 Fail = Callable[[str], NoReturn]
@@ -64,6 +65,20 @@ def fork_device_seeds(cfg: EngineConfig, runs: int) -> list[DeviceSeed | None]:
 
     seeds = DeviceSeed.fork(runs) if runs_device_process(cfg) else None
     return list(seeds) if seeds is not None else [None] * runs
+
+
+def fork_rank_seeds(cfg: EngineConfig) -> list[RankSeed]:
+    """A TP/PP run's other ranks, forked now for the same reason as `fork_device_seeds`
+    (such a run has no device process, so the two never fork in one command); none under
+    torchrun (its agent starts every rank) or where a fork is not safe here (the ranks are
+    then fresh interpreters, scheduler/parallel/launch.py)."""
+    import os
+
+    if cfg.world_size == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return []
+    from scheduler.parallel.worker import RankSeed
+
+    return RankSeed.fork(cfg.world_size - 1)
 
 
 class TracedSession:

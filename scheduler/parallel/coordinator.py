@@ -58,9 +58,12 @@ from .runner import ShardedModel
 from .tp import tp_config
 
 if TYPE_CHECKING:
-    import subprocess
+    from collections.abc import Sequence
 
     from scheduler.device.prepared import PreparedBatch
+
+    from .launch import RankProcess
+    from .worker import RankSeed
 
 
 
@@ -71,7 +74,7 @@ class Coordinator:
         trace_dir: Path,
         state: ParallelState,
         control: dist.ProcessGroup,
-        procs: list[subprocess.Popen[bytes]],
+        procs: list[RankProcess],
         offsets: dict[int, ClockOffset],
         backend: str,
     ) -> None:
@@ -90,11 +93,12 @@ class Coordinator:
         self.exit_codes: list[int | None] = []
 
     @classmethod
-    def start(cls, cfg: EngineConfig, trace_dir: Path) -> Coordinator:
-        """Spawn the other ranks (unless torchrun did), join the process groups, sync clocks."""
+    def start(cls, cfg: EngineConfig, trace_dir: Path, seeds: Sequence[RankSeed] = ()) -> Coordinator:
+        """Start the other ranks (unless torchrun did; from `seeds` where given), join the
+        process groups, sync clocks."""
         world = cfg.tp * cfg.pp
         backend = backend_for(cfg.device)
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[RankProcess] = []
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if env_world > 1:  # under torchrun: the other ranks exist already
             if env_world != world or os.environ.get("RANK", "0") != "0":
@@ -105,7 +109,7 @@ class Coordinator:
             port = free_port()
             procs = spawn_workers(world, port, {
                 "MSTRACE_TP": str(cfg.tp), "MSTRACE_PP": str(cfg.pp), "MSTRACE_DEVICE": cfg.device,
-            })
+            }, seeds)
             init_method = f"tcp://127.0.0.1:{port}"
         try:
             state = init_distributed(backend, 0, world, init_method, tp_size=cfg.tp, pp_size=cfg.pp)

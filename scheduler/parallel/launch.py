@@ -1,9 +1,10 @@
 """Starting and stopping the ranks of ``mstrace run --tp N --pp M``, and what they share at start-up.
 
-Rank 0 is the ``mstrace run`` process (it owns the scheduler).  Locally it spawns ranks
-``1 .. N*M-1`` as ``python -m scheduler.parallel.worker`` children with torchrun's environment
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the same entry point runs under
-``torchrun`` on several nodes.  No child may outlive a run: :func:`stop_workers` terminates, then
+Rank 0 is the ``mstrace run`` process (it owns the scheduler).  Locally it starts ranks
+``1 .. N*M-1`` with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), each a `RankSeed` forked before rank 0 ran a torch op (scheduler/seeds.py), else
+a ``python -m scheduler.parallel.worker`` child, so the same entry point runs under ``torchrun``
+on several nodes.  No child may outlive a run: :func:`stop_workers` terminates, then
 kills, in the caller's ``finally``; and each worker dies with its parent on its own
 (:func:`die_with_parent`), in case rank 0 itself is killed.
 
@@ -30,8 +31,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,9 @@ from probes.recorder import Row
 
 from .batch_wire import IDLE_TIMEOUT_S
 from .comm import AllReduce
+
+if TYPE_CHECKING:
+    from .worker import RankSeed
 
 PARENT_PID_ENV = "MSTRACE_PARENT_PID"
 HANDSHAKE_ROUNDS = 16
@@ -81,9 +86,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn_workers(world: int, port: int, extra_env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """Start ranks 1 .. world-1 on this host; rank 0 is the caller."""
-    procs: list[subprocess.Popen[bytes]] = []
+class RankProcess(Protocol):
+    """A started rank, as much of `subprocess.Popen` as :func:`stop_workers` uses."""
+
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class ForkedRank:
+    """A rank started from a `RankSeed`: a forked process, not a Popen."""
+
+    def __init__(self, proc: BaseProcess) -> None:
+        self._proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode  # as Popen's: negative for a signal
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self._proc.name or "rank", timeout or 0)
+        return self._proc.exitcode
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def spawn_workers(world: int, port: int, extra_env: dict[str, str],
+                  seeds: Sequence[RankSeed] = ()) -> list[RankProcess]:
+    """Start ranks 1 .. world-1 on this host; rank 0 is the caller. Rank r is `seeds[r-1]`
+    where there is one, else a fresh interpreter."""
+    procs: list[RankProcess] = []
     try:
         for r in range(1, world):
             env = {
@@ -92,6 +136,9 @@ def spawn_workers(world: int, port: int, extra_env: dict[str, str]) -> list[subp
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 PARENT_PID_ENV: str(os.getpid()),
             }
+            if r - 1 < len(seeds):
+                procs.append(seeds[r - 1].start(env))
+                continue
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "scheduler.parallel.worker"], env=env,
                 stdin=subprocess.DEVNULL,
@@ -102,7 +149,7 @@ def spawn_workers(world: int, port: int, extra_env: dict[str, str]) -> list[subp
     return procs
 
 
-def stop_workers(procs: Sequence[subprocess.Popen[bytes]], graceful: bool) -> list[int | None]:
+def stop_workers(procs: Sequence[RankProcess], graceful: bool) -> list[int | None]:
     """End every child, whatever state it is in; returns the exit codes.
 
     ``graceful``: they were told STOP and exit on their own within :data:`STOP_GRACE_S`.
@@ -122,7 +169,7 @@ def stop_workers(procs: Sequence[subprocess.Popen[bytes]], graceful: bool) -> li
     return [p.returncode for p in procs]
 
 
-def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+def _wait_all(procs: Sequence[RankProcess], timeout_s: float) -> None:
     deadline = now_ns() + int(timeout_s * 1e9)
     for p in procs:
         try:

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from multiprocessing.connection import Connection
 from types import FrameType
 
 import torch
@@ -36,6 +37,7 @@ from probes.watchdog import StallReport, Watchdog
 from scheduler.model.dtypes import DTYPES
 from scheduler.model.forward_batch import build_forward_batch
 from scheduler.model.forward_step import SamplingArgs, forward_step
+from scheduler.seeds import Seed, fork_seeds
 from tracing.writer import TraceWriter
 
 from .batch_wire import STOP, BatchChannel, WireBatch
@@ -43,6 +45,7 @@ from .comm import p2p_ready
 from .group import destroy, init_distributed
 from .launch import (
     CollectiveLog,
+    ForkedRank,
     RunSpec,
     answer_offsets,
     argv_option,
@@ -155,6 +158,37 @@ def _send_tokens(toks: list[int], group: dist.ProcessGroup, registry: WaitRegist
     timed_wait(p2p_ready(work, timeout_s), registry=registry, waiter=f"rank{rank}",
                what=f"send of the sampled tokens of step {step}", signaller="rank 0",
                boundary=PP_BUBBLE, timeout_s=timeout_s, rank=rank, step=step)
+
+
+class RankSeed:
+    """A rank other than 0 forked before rank 0 ran a torch op (scheduler/seeds.py says why),
+    waiting for its environment; `spawn_workers` starts it instead of a fresh interpreter."""
+
+    def __init__(self, seed: Seed) -> None:
+        self._seed = seed
+
+    @classmethod
+    def fork(cls, n: int) -> list[RankSeed]:
+        """`n` seeds; none where a fork is not safe here."""
+        seeds = fork_seeds(n, _seed_main, ("torch", __name__), "mstrace-rank")
+        return [cls(s) for s in seeds or ()]
+
+    def start(self, env: dict[str, str]) -> ForkedRank:
+        conn, proc = self._seed
+        conn.send(env)
+        conn.close()
+        return ForkedRank(proc)
+
+
+def _seed_main(conn: Connection, env: dict[str, str]) -> None:
+    """As `python -m scheduler.parallel.worker` with `env` (spawn_workers' Popen) runs it."""
+    conn.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.update(env)
+    sys.exit(worker_main([]))
 
 
 if __name__ == "__main__":  # spawned by rank 0 (launch.py); under torchrun: viewer/commands/torchrun.py

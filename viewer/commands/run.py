@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +24,7 @@ from viewer.render.report import render_modes, render_report
 
 if TYPE_CHECKING:
     from scheduler.device.device_process import DeviceSeed
+    from scheduler.parallel.worker import RankSeed
 
 
 class Fail(Protocol):
@@ -77,9 +78,10 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         claim_out(out, opts.force, fail)
         run_live(out)
         return
-    from scheduler.harness.session import fork_device_seeds
+    from scheduler.harness.session import fork_device_seeds, fork_rank_seeds
 
-    seeds = fork_device_seeds(cfg, 3 if all_modes else 1)  # before a preset's first build runs a torch op
+    # before a preset's first build runs a torch op
+    seeds, ranks = fork_device_seeds(cfg, 3 if all_modes else 1), fork_rank_seeds(cfg)
     try:
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
@@ -121,7 +123,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     made = None if out.exists() else out  # what to remove if no run ever starts
     if not all_modes:
         try:
-            _run_one(opts, cfg, items, source, out, console, fail, made, seeds[0])
+            _run_one(opts, cfg, items, source, out, console, fail, made, seeds[0], ranks)
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
@@ -263,9 +265,10 @@ def _say_profile_cost(cost: dict[str, Any], run_ns: int) -> None:
 
 
 def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str, out: Path, console: Console,
-             fail: Callable[[str], NoReturn], made: Path | None, seed: DeviceSeed | None) -> None:
+             fail: Callable[[str], NoReturn], made: Path | None, seed: DeviceSeed | None,
+             ranks: Sequence[RankSeed] = ()) -> None:
     """`made`: the folder this run created, removed again if the engine never starts;
-    `seed`: its device process, forked early (DeviceSeed)."""
+    `seed`: its device process and `ranks` its other ranks, forked early (scheduler/seeds.py)."""
     from scheduler.harness.runner import RunResult, TraceRequestsSink, run_workload
     from scheduler.harness.session import TracedSession
     from tracing.otel import SpanSink
@@ -287,7 +290,7 @@ def _run_one(opts: RunOptions, cfg: EngineConfig, items: list[Any], source: str,
                 from scheduler.parallel.coordinator import Coordinator
 
                 def parallel() -> Any:
-                    return Coordinator.start(cfg, out)
+                    return Coordinator.start(cfg, out, ranks)
             engine = session.start([TraceRequestsSink(session.writer), span_sink, _ProgressSink(progress, task)],
                                    parallel)
             say_dtype(engine)
