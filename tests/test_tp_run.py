@@ -220,6 +220,36 @@ def test_stall_rank_names_the_missing_rank_and_leaves_no_process(ckpt: Path, tmp
 
 # ----------------------------------------------------------------------------- fast
 
+RANK_SEEDS = """
+import os, socket
+from scheduler.parallel.launch import PARENT_PID_ENV, free_port, stop_workers
+from scheduler.parallel.worker import RankSeed
+seeds = RankSeed.fork(2)
+me = open("/proc/self/cmdline", "rb").read()
+print([open(f"/proc/{s._seed[1].pid}/cmdline", "rb").read() == me for s in seeds])  # forked, not spawned
+print(seeds[0].start({"WORLD_SIZE": "2"}).wait(60))  # no RANK: fails as the module run would
+# a rank waiting for a rank 0 that never comes: stopped as a failed run stops its ranks
+env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+       PARENT_PID_ENV: str(os.getpid())}
+hung = seeds[1].start(env)
+print(hung.poll(), stop_workers([hung], graceful=False), hung.poll())
+"""
+
+
+def test_a_rank_seed_is_a_fork_that_runs_the_worker_and_stops_like_a_popen(tmp_path: Path) -> None:
+    """RankSeed (scheduler/seeds.py): a rank forked from rank 0 runs `worker_main` with the
+    environment spawn_workers gives it, and `stop_workers` ends it through the same calls
+    as a Popen'd one."""
+    p = subprocess.run([sys.executable, "-c", RANK_SEEDS], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    forked, bad, stopped = p.stdout.splitlines()
+    assert forked == "[True, True]"
+    assert bad == "1" and "KeyError: 'RANK'" in p.stderr
+    before, codes, after = stopped.split(" ", 1)[0], *stopped.split(" ", 1)[1].rsplit(" ", 1)
+    assert before == "None"  # still waiting for rank 0 when stopped
+    # ended by SIGTERM: before worker_main's handler (-15) or through its flush (143); else SIGKILL
+    assert codes in ("[-15]", "[143]", "[-9]") and after == codes.strip("[]")
+
 
 def test_batch_wire_round_trip() -> None:
     b = WireBatch(RUN, 17, [
