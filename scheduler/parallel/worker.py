@@ -25,6 +25,7 @@ from collections.abc import Callable
 from functools import partial
 from multiprocessing.connection import Connection
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,10 @@ class RankSeed:
     @classmethod
     def fork(cls, n: int) -> list[RankSeed]:
         """`n` seeds; none where a fork is not safe here."""
-        seeds = fork_seeds(n, _seed_main, ("torch", __name__), "mstrace-rank")
+        # Ctrl-C as a fresh interpreter would take it: ignored where the host ignores it (a
+        # shell's `&` without job control), else KeyboardInterrupt
+        sigint = signal.SIG_IGN if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else signal.default_int_handler
+        seeds = fork_seeds(n, partial(_seed_main, sigint=sigint), ("torch", __name__), "mstrace-rank")
         return [cls(s) for s in seeds or ()]
 
     def start(self, env: dict[str, str]) -> ForkedRank:
@@ -180,10 +184,10 @@ class RankSeed:
         return ForkedRank(proc)
 
 
-def _seed_main(conn: Connection, env: dict[str, str]) -> None:
+def _seed_main(conn: Connection, env: dict[str, str], sigint: signal.Handlers | Callable[..., Any]) -> None:
     """As `python -m scheduler.parallel.worker` with `env` (spawn_workers' Popen) runs it."""
     conn.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, sigint)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
