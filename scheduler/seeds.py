@@ -24,7 +24,10 @@ import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 Seed = tuple[Connection, BaseProcess]  # the host's end of the pipe, the forked process
 
@@ -58,6 +61,20 @@ def fork_seeds(n: int, then: Callable[[Connection, Any], None], imports: Sequenc
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return seeds
+
+
+def late_context(imports: Sequence[str]) -> ForkServerContext | SpawnContext:
+    """How to start such children where no seed was forked, in a process that may have
+    threads and an OpenMP team (so not a plain fork): multiprocessing's forkserver, a fresh
+    interpreter started on first use that imports `imports` once and forks a child per
+    start, so a process that starts several pays the imports once; spawn where there is
+    none. The preload list is the process-wide forkserver's: it takes effect only if that
+    server is not yet running."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(imports))
+    return ctx
 
 
 def _seed_main(conn: Connection, host_ends: list[Connection], then: Callable[[Connection, Any], None]) -> None:

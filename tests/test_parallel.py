@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from probes.boundaries import ALL_REDUCE, PP_BUBBLE
 from probes.waits import WaitTimeout
@@ -46,6 +45,7 @@ from scheduler.parallel import (
     tp_config,
     tp_shard_fn,
 )
+from scheduler.seeds import late_context
 from tests.support import oracle
 from tests.support.oracle import BLOCK, Req
 
@@ -200,23 +200,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_context() -> Any:
-    """Ranks forked from multiprocessing's forkserver, which imports torch and this module once
-    for every rank of the session: a spawned rank is a fresh interpreter that imports them
-    itself, about 3 s of CPU each, most of a rank's work here. The forkserver never runs a
-    torch op, so a fork of it starts without an OpenMP team (as scheduler/device's
-    `_late_context` relies on). The preload takes effect only if no test of this worker has
-    started the server yet; then it preloads the device process's imports, torch among them."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", __name__])
-    return ctx
-
-
 def launch(job_kw: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
     """Run ``world`` ranks; no child outlives this call, whatever happens."""
-    ctx = _rank_context()
+    # forked from the forkserver, which imports torch and this module once for every rank of
+    # the session (a spawned rank imports them itself, ~3 s of CPU, most of its work here);
+    # if a test of this worker started the server first, it preloaded torch for the device
+    ctx = late_context(["torch", __name__])
     job = Job(out_dir=str(tmp_path), init_method=f"tcp://127.0.0.1:{_free_port()}", **job_kw)
     procs = [ctx.Process(target=_rank_main, args=(r, job), daemon=True) for r in range(job.world)]
     try:

@@ -25,13 +25,12 @@ this backend `batch_prepare` on the host covers only the wire.
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
@@ -43,10 +42,7 @@ from scheduler.device.device_server import DeviceSpec, device_main
 from scheduler.device.prepared import PreparedBatch
 from scheduler.device.streams import CpuEvent
 from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
-from scheduler.seeds import Seed, fork_seeds
-
-if TYPE_CHECKING:
-    from multiprocessing.context import ForkServerContext, SpawnContext
+from scheduler.seeds import Seed, fork_seeds, late_context
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
 # what a device process imports before its spec arrives
@@ -110,7 +106,7 @@ class _Pending:
 class DeviceSeed:
     """A device process forked early (scheduler/seeds.py says why), waiting for its
     DeviceSpec; `DeviceProcess` hands it the spec instead of starting one. Where no seed
-    could be forked, the device process comes from `_late_context`."""
+    could be forked, the device process comes from `late_context` (scheduler/seeds.py)."""
 
     def __init__(self, seed: Seed) -> None:
         self._taken: Seed | None = seed
@@ -133,24 +129,9 @@ class DeviceSeed:
             taken[1].join(5)
 
 
-def _late_context() -> ForkServerContext | SpawnContext:
-    """How a device process starts where no seed was forked, in a host that may have
-    threads and an OpenMP team (so not a plain fork): multiprocessing's forkserver, a
-    fresh interpreter started on first use that imports DEVICE_IMPORTS once and forks a
-    device process per engine, so a process that makes several engines (a library user,
-    the tests) imports torch for them once, not once each; spawn where there is none.
-    The preload list is the process-wide forkserver's: it takes effect only if that
-    server is not yet running, and another user of it then preloads torch too."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(DEVICE_IMPORTS))
-    return ctx
-
-
 class DeviceProcess:
     """The host's handle on the device process: start it (from a DeviceSeed, else from
-    `_late_context`), send, read answers, stop."""
+    `late_context` (scheduler/seeds.py)), send, read answers, stop."""
 
     def __init__(self, spec: DeviceSpec, probes: Probes, registry: WaitRegistry,
                  seed: DeviceSeed | None = None) -> None:
@@ -167,7 +148,7 @@ class DeviceProcess:
             except OSError:
                 pass  # a seed that died: the start-up below reads its end and says so
         else:
-            ctx = _late_context()
+            ctx = late_context(DEVICE_IMPORTS)  # an engine made late: its imports paid once a process
             self._conn, child = ctx.Pipe(duplex=True)
             self._proc = ctx.Process(target=device_main, args=(child, self.spec), name="mstrace-device",
                                      daemon=True)

@@ -10,6 +10,7 @@ end record after the last commit: a trace that has it is whole.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -72,8 +73,6 @@ def fork_rank_seeds(cfg: EngineConfig) -> list[RankSeed]:
     (such a run has no device process, so the two never fork in one command); none under
     torchrun (its agent starts every rank) or where a fork is not safe here (the ranks are
     then fresh interpreters, scheduler/parallel/launch.py)."""
-    import os
-
     if cfg.world_size == 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return []
     from scheduler.parallel.worker import RankSeed
