@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import viewer.analysis.leak_fragmentation as frag_mod
 import viewer.analysis.leak_replay as replay_mod
-import viewer.analysis.leaks as leaks_mod
+import viewer.analysis.leak_stream as stream_mod
 from tests.support.cli import mstrace
 from tests.support.leak_oracle import oracle_leak_report
 from tracing.schema import MEMORY, REQUESTS
@@ -283,27 +283,29 @@ def _requests(done: dict, dict_rid: bool = False) -> pa.Table:
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.integers(-1, 3), st.booleans(), st.lists(st.integers(0, 200), max_size=3),
-       st.booleans(), st.booleans(), st.integers(1, 40))
-def test_vectorised_replay_equals_the_oracle(sc, dcap, run_ended, cuts, dict_rid, plain_kind, cells):
+       st.booleans(), st.booleans(), st.integers(1, 40), st.one_of(st.none(), st.integers(1, 60)))
+def test_vectorised_replay_equals_the_oracle(sc, dcap, run_ended, cuts, dict_rid, plain_kind, cells, window):
+    """`window`: events per window (leak_stream.py); None, one window for the whole table."""
     cap, rows, done = sc
+    win = {} if window is None else {"window_rows": window}
     capacity = 0 if dcap < 0 else cap + dcap - 1  # 0: inferred; else possibly below the largest block id
     mem, req = _memory_variant(rows, cuts, dict_rid, plain_kind), _requests(done, dict_rid)
     try:
         want = oracle_leak_report(mem, req, capacity, run_ended)
     except TypeError:  # null block ids among sorted ones: the replay fails, and so must we
         with pytest.raises(TypeError):
-            leak_report(mem, req, capacity, run_ended)
+            leak_report(mem, req, capacity, run_ended, **win)
         return
     old, frag_mod.CHUNK_CELLS = frag_mod.CHUNK_CELLS, cells  # several fragmentation chunks
     try:
-        got = leak_report(mem, req, capacity, run_ended)
+        got = leak_report(mem, req, capacity, run_ended, **win)
     finally:
         frag_mod.CHUNK_CELLS = old
     for f in fields(LeakReport):
         assert getattr(got, f.name) == getattr(want, f.name), f.name
     assert got.to_dict() == want.to_dict()
     # The fast path sends a block to the exact replay only for a real anomaly (each has one at least).
-    assert len(replay_mod.suspect(leaks_mod._replay_state(mem)[2])) <= want.num_anomalies
+    assert len(replay_mod.suspect(stream_mod.replay_state(mem)[2])) <= want.num_anomalies
 
 
 def test_vectorised_replay_finds_anomalies_in_time_order_past_the_cap():

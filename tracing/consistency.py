@@ -65,9 +65,11 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None],
     return out
 
 
-def read_steps(trace: Trace, columns: list[str] | None) -> pa.Table:
-    """The steps table with `columns` and what the references need, its rounds checked unique."""
-    steps = trace.table("steps", None if columns is None else list(dict.fromkeys([*columns, *STEP_NEED])))
+def read_steps(trace: Trace, columns: list[str] | None, references: bool = True) -> pa.Table:
+    """The steps table with `columns` and (`references`) what the references need, its rounds
+    checked unique."""
+    need = STEP_NEED if references else []
+    steps = trace.table("steps", None if columns is None else list(dict.fromkeys([*columns, *need])))
     _check_unique_steps(trace, steps)
     return steps
 
@@ -76,13 +78,23 @@ def probe_clip(trace: Trace, steps: pa.Table) -> Callable[[pa.Table], pa.Table] 
     """What `read_consistent` does to the probes of an unfinished run, for a table read in
     pieces (tracing/sweep.py): each piece, read with its `step` column, clipped as the whole
     would be and returned without it (None: a complete run)."""
+    return step_clip(trace, "probes", steps, keep_step=False)
+
+
+def step_clip(trace: Trace, name: str, steps: pa.Table,
+              keep_step: bool = True) -> Callable[[pa.Table], pa.Table] | None:
+    """`probe_clip` for any table of STEP_TABLES: `steps` needs `step` (and, for the
+    probes, `ts_ns` and `dur_ns`); `keep_step`: the piece keeps its `step` column."""
     if trace.status.complete:
         return None
     last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
-    last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) if steps.num_rows else None
+    last_end = None
+    if name == "probes" and steps.num_rows:
+        last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
 
     def clip(t: pa.Table) -> pa.Table:
-        return _clip_past(trace, "probes", t, last, last_end).drop_columns(["step"])
+        t = _clip_past(trace, name, t, last, last_end)
+        return t if keep_step else t.drop_columns(["step"])
     return clip
 
 

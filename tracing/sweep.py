@@ -39,20 +39,24 @@ class Group:
     index: int  # the row group's index in its part
     rows: int
     first_ns: int  # the earliest start in it; EARLIEST without statistics (read first)
+    row0: int  # its first row's place in the table as `Trace.table` reads it (parts in order)
     ranges: list[tuple[int, int] | None]  # (min, max) of each `ranges` column; None without statistics
 
 
 class Sweep:
-    """`name`'s row groups in order of their earliest `time` value, read on demand.
+    """`name`'s row groups in order of their earliest `time` value (None: in the order
+    `Trace.table` reads them), read on demand.
 
     `clip`: applied to every read (an unfinished run's rows past its last round).
     `dictionary`: string columns read dictionary-encoded, as Parquet stores them.
-    `ranges`: integer columns whose range in each group is kept from its statistics."""
+    `ranges`: integer columns whose range in each group is kept from its statistics.
+    `position`: the name of an int64 column added to every read, each row's place in the
+    whole table (`Group.row0` on): the order of rows that tie on `time`."""
 
-    def __init__(self, trace: Trace, name: str, columns: list[str], time: str = "ts_ns",
+    def __init__(self, trace: Trace, name: str, columns: list[str], time: str | None = "ts_ns",
                  clip: Callable[[pa.Table], pa.Table] | None = None, dictionary: tuple[str, ...] = (),
-                 ranges: tuple[str, ...] = ()) -> None:
-        self.trace, self.name, self.columns, self.clip = trace, name, columns, clip
+                 ranges: tuple[str, ...] = (), position: str | None = None) -> None:
+        self.trace, self.name, self.columns, self.clip, self.position = trace, name, columns, clip, position
         self.dictionary = tuple(c for c in dictionary if c in columns)
         self.groups = sorted(_groups(trace, name, time, ranges), key=lambda g: g.first_ns)
         self.rows = sum(g.rows for g in self.groups)
@@ -68,30 +72,46 @@ class Sweep:
         stop = len(self.groups) if t is None else self.at
         while t is not None and stop < len(self.groups) and self.groups[stop].first_ns < t:
             stop += 1
+        return self._read_to(stop)
+
+    def read_next(self, rows: int) -> list[pa.Table]:
+        """The next unread groups in order, at least one, until they hold `rows` rows or more."""
+        stop, got = self.at, 0
+        while stop < len(self.groups) and (stop == self.at or got < rows):
+            got += self.groups[stop].rows
+            stop += 1
+        return self._read_to(stop)
+
+    def _read_to(self, stop: int) -> list[pa.Table]:
         out: list[pa.Table] = []
         k = self.at
         while k < stop:
             j = k + 1
             while j < stop and self.groups[j].part is self.groups[k].part:
                 j += 1
-            out.append(self._read(self.groups[k].part, [g.index for g in self.groups[k:j]]))
+            out.append(self._read(self.groups[k:j]))
             k = j
         self.at = stop
         return out
 
-    def _read(self, part: Part, groups: list[int]) -> pa.Table:
+    def _read(self, groups: list[Group]) -> pa.Table:
+        part = groups[0].part
         try:
-            t = read_row_groups(part, TABLES[self.name], self.columns, groups, self.dictionary)
+            t = read_row_groups(part, TABLES[self.name], self.columns, [g.index for g in groups], self.dictionary)
         except FileNotFoundError:
             raise Vanished(part.path.name) from None
         except TraceError as e:
             raise TraceError(f"corrupt {self.name}/ table in {self.trace.root}: {e}") from None
+        if self.position is not None:
+            pos = np.concatenate([np.arange(g.row0, g.row0 + g.rows, dtype=np.int64) for g in groups])
+            t = t.append_column(self.position, pa.array(pos))
         return self.clip(t) if self.clip is not None else t
 
 
-def _groups(trace: Trace, name: str, time: str, ranges: tuple[str, ...]) -> list[Group]:
+def _groups(trace: Trace, name: str, time: str | None, ranges: tuple[str, ...]) -> list[Group]:
     """Every committed part's row groups from its footer (the manifest's row count checked)."""
     out: list[Group] = []
+    row0 = 0
     for p in trace.parts.get(name, []):
         try:
             md = pq.ParquetFile(p.path, pre_buffer=False).metadata
@@ -103,12 +123,14 @@ def _groups(trace: Trace, name: str, time: str, ranges: tuple[str, ...]) -> list
             raise TraceError(f"corrupt {name}/ table in {trace.root}: {p.path.name} holds {md.num_rows} rows, "
                              f"the manifest committed {p.rows}")
         names = md.schema.to_arrow_schema()
-        col, extra = names.get_field_index(time), [names.get_field_index(c) for c in ranges]
+        col = names.get_field_index(time) if time is not None else -1
+        extra = [names.get_field_index(c) for c in ranges]
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
             first = _min_max(rg, col)
-            out.append(Group(p, g, rg.num_rows, first[0] if first is not None else EARLIEST,
+            out.append(Group(p, g, rg.num_rows, first[0] if first is not None else EARLIEST, row0,
                              [_min_max(rg, c) for c in extra]))
+            row0 += rg.num_rows
     return out
 
 

@@ -326,20 +326,30 @@ def anomalies(rows: Rows, dirty: _Dirty) -> tuple[list[str], int]:
 
 
 # ------------------------------------------------------------ end state
-def final_holders(rows: Rows, b: Blocks, clean: np.ndarray, dirty: _Dirty) -> dict[Any, list[str]]:
-    """Block -> the request ids holding it when the trace ends."""
-    out: dict[Any, list[str]] = {}
+def final_counts(rows: Rows, b: Blocks, clean: np.ndarray, dirty: _Dirty) -> dict[Any, dict[str, int]]:
+    """Block -> {request id: references} when the rows end. Each block's holders come in the
+    order the exact replay added them to its dict, which its messages print: a request is
+    added where its own count rises from 0, so the latest such row of each orders them."""
+    out: dict[Any, dict[str, int]] = {}
     last = b.first + b.cnt - 1
     held = np.flatnonzero(clean & (b.ta[last] > 0))
     if len(held):  # a clean block's holders: the positive counts of its last segment
         seg = np.flatnonzero(b.start)
         lo = seg[np.searchsorted(seg, last[held], "right") - 1]
         m = ranges(lo, last[held] + 1)
-        key = np.repeat(held.astype(np.int64), last[held] + 1 - lo) * len(rows.names) + b.rid[m]
+        n = len(rows.names)
+        key = np.repeat(held.astype(np.int64), last[held] + 1 - lo) * n + b.rid[m]
         uk, inv = np.unique(key, return_inverse=True)
-        uk = uk[np.bincount(inv, weights=DELTA[b.kind[m]]) > 0]
-        for bid, name in zip(b.ub[uk // len(rows.names)].tolist(), rows.rids(uk % len(rows.names)), strict=True):
-            out.setdefault(None if bid == NOBID else bid, []).append(name)
-    out.update((bid, list(h)) for bid, h in dirty.holders.items())
+        d = DELTA[b.kind[m]]
+        cnt = np.bincount(inv, weights=d, minlength=len(uk)).astype(np.int64)
+        added = np.full(len(uk), -1, np.int64)
+        new = (b.cb[m] == 0) & (d > 0)
+        np.maximum.at(added, inv[new], m[new])
+        keep = cnt > 0
+        uk, cnt, added = uk[keep], cnt[keep], added[keep]
+        o = np.lexsort((added, uk // n))
+        uk, cnt = uk[o], cnt[o]
+        for bid, name, c in zip(b.ub[uk // n].tolist(), rows.rids(uk % n), cnt.tolist(), strict=True):
+            out.setdefault(None if bid == NOBID else bid, {})[name] = c
+    out.update((bid, dict(h)) for bid, h in dirty.holders.items())
     return out
-

@@ -13,31 +13,33 @@ A block still held when the trace ends is a leak when its holder is finished
 (it has a row in `requests`), or is unknown to `requests` although the run
 ended cleanly. In a killed run an unknown holder was simply still running.
 
-How it is done at scale: leak_replay.py (the replay) and leak_fragmentation.py
-(the free blocks at each snapshot).
+How it is done at scale: leak_replay.py (the replay), leak_fragmentation.py (the
+free blocks at each snapshot), leak_stream.py (both a window of events at a time).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracing.consistency import read_consistent
-from tracing.reader import Trace
+from tracing.consistency import read_steps, step_clip
+from tracing.reader import Trace, TraceError
 from tracing.run_status import RunStatus
+from tracing.sweep import NEVER, Sweep, Vanished
 from viewer.analysis import leak_fragmentation as frag
-from viewer.analysis import leak_replay as replay
+from viewer.analysis import leak_stream as stream
 from viewer.analysis.leak_fragmentation import FragPoint
 from viewer.analysis.leak_replay import MAX_ANOMALIES
 from viewer.analysis.records import INLINE, JsonRecord, plain
 
 __all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "LeaksResult", "build_leaks", "frag_point",
            "largest_run", "leak_report"]
+
+_TRIES = 5  # a live compaction can replace a part mid-read: start over on a new snapshot
 
 
 @dataclass(slots=True)
@@ -104,13 +106,42 @@ class LeaksResult(JsonRecord):
     report: LeakReport = field(metadata=INLINE)
 
 
-def build_leaks(tr: Trace, trace: str) -> LeaksResult:
-    """The leaks of an open trace recorded with probes (one without has no memory table)."""
-    t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]},
-                        dictionary={"memory": ("request_id",)})
-    rep = leak_report(t["memory"], t["requests"], int(tr.meta.get("model", {}).get("kv_blocks") or 0),
-                      run_ended=tr.status.complete)
+def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) -> LeaksResult:
+    """The leaks of an open trace recorded with probes (one without has no memory table),
+    its memory events read a window at a time (leak_stream.py)."""
+    steps = read_steps(tr, ["step"], references=False)
+    capacity = int(tr.meta.get("model", {}).get("kv_blocks") or 0)
+    clipped = tr.status.clipped.get("memory", 0)
+    for attempt in range(_TRIES):
+        clip = step_clip(tr, "memory", steps)
+        try:
+            cap, inferred = (capacity, False) if capacity > 0 else (_largest_block(tr, clip) + 1, True)
+            rp = stream.WindowedReplay(cap)
+            for w in stream.trace_windows(tr, clip, window_rows):
+                rp.feed(w)
+            break
+        except Vanished as e:
+            if tr.legacy or attempt == _TRIES - 1:
+                raise TraceError(f"corrupt memory/ table in {tr.root}: the manifest names {e}, "
+                                 "which is missing") from None
+            tr.parts = Trace.open(tr.root).parts
+            tr.status.clipped["memory"] = clipped
+    rep = _report(rp, inferred, tr.status.complete, lambda names: _finished_in_trace(tr, names))
     return LeaksResult(trace, tr.status, rep)
+
+
+def _largest_block(tr: Trace, clip: Callable[[pa.Table], pa.Table] | None) -> int:
+    """The largest block id of the (clipped) memory events, -1 with none: from the row groups'
+    statistics where they say it (a complete run), else read."""
+    sw = Sweep(tr, "memory", ["block_id", "step"], clip=clip, ranges=("block_id",))
+    if clip is None and all(g.ranges[0] is not None or not g.rows for g in sw.groups):
+        return max((g.ranges[0][1] for g in sw.groups if g.ranges[0] is not None), default=-1)
+    top = -1
+    while sw.next_first() != NEVER:
+        for t in sw.read_next(stream.WINDOW_ROWS):
+            m = pc.max(t["block_id"]).as_py()
+            top = top if m is None else max(top, m)
+    return top
 
 
 def largest_run(sorted_ids: list[int]) -> int:
@@ -131,25 +162,19 @@ def frag_point(ts_ns: int, step: int, free_ids: list[int], capacity: int,
 
 
 # ------------------------------------------------------------ end state
-def _classify(holders: dict[Any, list[str]], requests: pa.Table,
+def _classify(holders: dict[Any, list[str]], finished: Callable[[list[str]], dict[str, str]],
               run_ended: bool) -> tuple[list[HeldBlocks], list[HeldBlocks]]:
     by_req: dict[str, list[Any]] = {}
     for bid, names in holders.items():
         for rid in names:
             by_req.setdefault(rid, []).append(bid)
-    req = requests.select(["request_id", "finish_reason"])
-    if by_req and req.num_rows:  # only the holders' rows: cheap on a long run's requests
-        col = req["request_id"]
-        col = col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
-        req = req.filter(pc.is_in(col, value_set=pa.array(list(by_req), col.type)))
-    d = req.to_pydict() if by_req else {"request_id": [], "finish_reason": []}
-    finished = {r: fr for r, fr in zip(d["request_id"], d["finish_reason"], strict=True) if fr}
+    done = finished(list(by_req)) if by_req else {}
     leaks: list[HeldBlocks] = []
     running: list[HeldBlocks] = []
     for rid in sorted(by_req):
         ids = sorted(by_req[rid])
-        if rid in finished:
-            leaks.append(HeldBlocks(rid, "finished", finished[rid], ids))
+        if rid in done:
+            leaks.append(HeldBlocks(rid, "finished", done[rid], ids))
         elif run_ended:
             leaks.append(HeldBlocks(rid, "unknown", None, ids))
         else:
@@ -157,61 +182,56 @@ def _classify(holders: dict[Any, list[str]], requests: pa.Table,
     return leaks, running
 
 
-def _reclaimed(rows: replay.Rows) -> dict[str, list[int | None]]:
-    p = np.flatnonzero(rows.kind == replay.RECLAIM)
-    o = np.lexsort((rows.bid[p], rows.rid[p]))
-    codes = rows.rid[p][o]
-    ids: list[int | None] = [None if x == replay.NOBID else x for x in rows.bid[p][o].tolist()]
-    at = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]]) if len(p) else p
-    cuts = np.r_[at, len(p)].tolist()
-    got: dict[str, list[int | None]] = {}
-    for n, a, z in zip(rows.rids(codes[at]), cuts[:-1], cuts[1:], strict=True):
-        # Already in order (the lexsort). A null block id sorts last and stays a request's only
-        # id; among others it has no order, and the replay's sorted() fails there: so must we.
-        if z - a > 1 and ids[z - 1] is None:
-            raise TypeError(f"reclaimed blocks of {n!r}: a null block id cannot be ordered among others")
-        got[n] = ids[a:z]
-    return {k: got[k] for k in sorted(got)}
+def _finished_rows(req: pa.Table, names: list[str], into: dict[str, str]) -> None:
+    """Add the finished ones of `names` among `req`'s rows (a later row wins, as in a dict)."""
+    col = req["request_id"]
+    col = col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+    d = req.filter(pc.is_in(col, value_set=pa.array(names, col.type))).to_pydict()
+    into.update((r, fr) for r, fr in zip(d["request_id"], d["finish_reason"], strict=True) if fr)
+
+
+def _finished_in_table(requests: pa.Table, names: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if requests.num_rows:  # only the holders' rows: cheap on a long run's requests
+        _finished_rows(requests.select(["request_id", "finish_reason"]), names, out)
+    return out
+
+
+def _finished_in_trace(tr: Trace, names: list[str]) -> dict[str, str]:
+    """`_finished_in_table` over the trace's requests, a few row groups at a time, in file order."""
+    out: dict[str, str] = {}
+    if not tr.has_table("requests"):
+        return out
+    sw = Sweep(tr, "requests", ["request_id", "finish_reason"], time=None, dictionary=("request_id",))
+    while sw.next_first() != NEVER:
+        for t in sw.read_next(stream.WINDOW_ROWS):
+            _finished_rows(t, names, out)
+    return out
 
 
 # ------------------------------------------------------------ the report
-def _replay_state(memory: pa.Table) -> tuple[replay.Rows, frag.Snaps, replay.Blocks]:
-    with ThreadPoolExecutor(1) as pool:
-        # Hashing the request id strings is the costliest step; Arrow does it without the GIL,
-        # so it runs beside the block sort, which does not need them.
-        rids = pool.submit(replay.codes, memory["request_id"], replay.rid_luts)
-        rows = replay.read_rows(memory)
-        sn = frag.snapshots(rows)
-        b = replay.blocks(rows, rids)
-    replay.own_counts(b, rows)
-    return rows, sn, b
-
-
-def leak_report(memory: pa.Table, requests: pa.Table, capacity: int, run_ended: bool) -> LeakReport:
+def leak_report(memory: pa.Table, requests: pa.Table, capacity: int, run_ended: bool,
+                window_rows: int = stream.WINDOW_ROWS) -> LeakReport:
     """Replay `memory`; `requests` needs `request_id` and `finish_reason`; capacity = meta kv_blocks.
     Any string column may be dictionary-encoded (cheaper to read and to replay)."""
     pa.default_memory_pool().release_unused()  # the reader's freed decode buffers: lowers our peak
-    rows, sn, b = _replay_state(memory)
-    ranks = replay.suspect(b)
-    dirty = replay.replay_dirty(rows, b, ranks)
-    clean = np.ones(len(b.ub), bool)
-    clean[ranks] = False
-    anomalies, n_anom = replay.anomalies(rows, dirty)
     inferred = capacity <= 0
     if inferred:
         top = pc.max(memory["block_id"]).as_py()
         capacity = max(-1, -1 if top is None else top) + 1
-    holders = replay.final_holders(rows, b, clean, dirty)
-    leaks, running = _classify(holders, requests, run_ended)
-    reclaimed = _reclaimed(rows)
-    wide = len(b.ta) and max(b.ta.max(), -b.ta.min()) >= 1 << 14  # a count int16 cells could not hold
-    held = frag.Held(b.spos, b.sbid, b.skind, np.int32 if wide else np.int16,
-                      [None if x == replay.NOBID else x for x in b.ub[ranks].tolist()], dirty.flips)
-    events = len(b.idx)
-    del rows, b  # the block-order arrays: fragmentation's matrix needs the room
+    rp = stream.WindowedReplay(capacity)
+    for w in stream.table_windows(memory, window_rows):
+        rp.feed(w)
+    return _report(rp, inferred, run_ended, lambda names: _finished_in_table(requests, names))
+
+
+def _report(rp: stream.WindowedReplay, inferred: bool, run_ended: bool,
+            finished: Callable[[list[str]], dict[str, str]]) -> LeakReport:
+    holders = rp.holders()
+    leaks, running = _classify(holders, finished, run_ended)
     return LeakReport(
-        capacity=capacity, capacity_inferred=inferred, run_ended=run_ended, events=events,
-        final_held=len(holders), final_free=capacity - len(holders), leaks=leaks,
-        still_running=running, reclaimed=reclaimed, anomalies=anomalies, num_anomalies=n_anom,
-        fragmentation=frag.fragmentation(sn, held, capacity),
+        capacity=rp.capacity, capacity_inferred=inferred, run_ended=run_ended, events=rp.events,
+        final_held=len(holders), final_free=rp.capacity - len(holders), leaks=leaks,
+        still_running=running, reclaimed=rp.reclaimed_sorted(), anomalies=rp.anomalies,
+        num_anomalies=rp.num_anomalies, fragmentation=rp.fragmentation,
     )

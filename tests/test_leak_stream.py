@@ -1,0 +1,101 @@
+"""`mstrace leaks` reads a trace's memory events a window at a time (viewer/analysis/leak_stream.py):
+the report equals the whole-table replay's, exactly, whatever the windows and the row groups'
+order on disk; memory follows the window, not the trace."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.support.tiny_runs import TinyRuns
+from tracing.consistency import read_consistent
+from tracing.reader import Trace
+from tracing.writer import parquet_options
+from viewer.analysis.leaks import build_leaks, leak_report
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "traces"
+
+
+def _variant(src: Path, dst: Path, rows: int, scramble: bool, forget_capacity: bool) -> Path:
+    """A copy of a trace whose memory parts are rewritten in row groups of `rows` rows;
+    `scramble`: runs of 5 rows in reverse order, so the row groups' time order is not the
+    file order and equal timestamps meet across groups; `forget_capacity`: meta.json without
+    kv_blocks (an older trace: the capacity is the largest block id + 1)."""
+    shutil.copytree(src, dst)
+    for part in (dst / "memory").glob("*.parquet"):
+        t = pq.read_table(part)
+        if scramble:
+            runs = [t.slice(a, 5) for a in range(0, t.num_rows, 5)]
+            t = pa.concat_tables(runs[::-1])
+        pq.write_table(t, part, row_group_size=rows, **parquet_options(t.schema))
+    if forget_capacity:
+        meta = json.loads((dst / "meta.json").read_text())
+        meta.get("model", {}).pop("kv_blocks", None)
+        (dst / "meta.json").write_text(json.dumps(meta))
+    return dst
+
+
+def _whole(root: Path):
+    tr = Trace.open(root)
+    t = read_consistent(tr, {"memory": None, "requests": ["request_id", "finish_reason"]})
+    cap = int(tr.meta.get("model", {}).get("kv_blocks") or 0)
+    return leak_report(t["memory"], t["requests"], cap, run_ended=tr.status.complete), tr.status.clipped
+
+
+@pytest.fixture(scope="module")
+def leaky(tiny_runs: TinyRuns) -> Path:
+    # the session's leak run (test_json_docs, test_stalls, test_export)
+    return tiny_runs("--requests", "16", "--inject", "leak", "--no-gc", "--snapshot-every", "4", "-q").out
+
+
+@pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap", "sample-deadlock", "leak"])
+@pytest.mark.parametrize("rows,scramble,forget", [(3, False, False), (4, True, False), (3, True, True)])
+def test_windows_of_any_size_give_the_whole_replays_report(sample: str, rows: int, scramble: bool, forget: bool,
+                                                           leaky: Path, tmp_path: Path) -> None:
+    """Serial and overlap runs, a deadlocked one (unfinished: the rows past its last round
+    clipped as a whole read clips them) and one that leaks blocks, from one window per row
+    group to one for all."""
+    src = leaky if sample == "leak" else SAMPLES / sample
+    root = _variant(src, tmp_path / sample, rows, scramble, forget)
+    want, clipped = _whole(root)
+    assert want.events > 40, "the trace has memory events"
+    if sample == "leak":
+        assert want.leaks and len(want.fragmentation) > 10, "blocks held across many windows"
+    for window in (1, 7, 50, 1 << 21):
+        tr = Trace.open(root)
+        got = build_leaks(tr, str(root), window_rows=window).report
+        assert got == want, (sample, window)
+        assert tr.status.clipped == clipped
+
+
+def test_the_windows_read_follow_the_window_not_the_trace(leaky: Path, tmp_path: Path) -> None:
+    """A window holds the rows of the groups it read up to its cut, and a timestamp's rows stay
+    together (a snapshot is many rows at one ts_ns): what is read at once follows the window
+    and the longest run of one timestamp, not the trace."""
+    root = _variant(leaky, tmp_path / "s", 3, False, False)
+    from viewer.analysis import leak_stream
+
+    ts = read_consistent(Trace.open(root), {"memory": ["ts_ns"]})["memory"]["ts_ns"].to_numpy()
+    total, longest = len(ts), int(np.unique(ts, return_counts=True)[1].max())
+    seen: list[int] = []
+    real_feed = leak_stream.WindowedReplay.feed
+
+    def feed(self: leak_stream.WindowedReplay, window: pa.Table) -> None:
+        seen.append(window.num_rows)
+        real_feed(self, window)
+
+    leak_stream.WindowedReplay.feed = feed  # type: ignore[method-assign]
+    try:
+        build_leaks(Trace.open(root), str(root), window_rows=50)
+    finally:
+        leak_stream.WindowedReplay.feed = real_feed  # type: ignore[method-assign]
+    assert sum(seen) == total and len(seen) >= total // (50 + 3 + longest)
+    assert max(seen) <= 50 + 3 + longest  # whole groups of 3 rows, then one timestamp's rows
+    assert 50 + 3 + longest < total // 4
