@@ -35,7 +35,7 @@ from tests.support.oracle import teacher_forced_mismatches
 from tracing.reader import read_meta, read_table
 from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter
-from viewer.analysis.collectives import never_joined, straggler_view
+from viewer.analysis.collectives import last_seqs, never_joined, straggler_view
 from viewer.analysis.cost import cost_table
 from viewer.analysis.intervals import subtract as _subtract
 
@@ -350,9 +350,11 @@ def test_stragglers_and_never_joined() -> None:
     by = {x.rank: x for x in sv.ranks}
     assert (by[1].last, by[0].last) == (1, 1)
     assert by[1].mean_ms == pytest.approx(300e-6) and by[0].max_ms == pytest.approx(300e-6)
-    assert never_joined(c, "tp0", 2, [1]) == {1: 1}
-    assert never_joined(c, "tp0", 1, [1]) == {}
-    assert never_joined(c, "tp0", 0, [1, 2]) == {2: -1}
+    last = last_seqs(c)
+    assert last_seqs(c.cast(c.schema.set(1, pa.field("group", pa.string())))) == last
+    assert never_joined(last, "tp0", 2, [1]) == {1: 1}
+    assert never_joined(last, "tp0", 1, [1]) == {}
+    assert never_joined(last, "tp0", 0, [1, 2]) == {2: -1}
 
 
 class _FakeP2PWork:

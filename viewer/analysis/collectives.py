@@ -18,7 +18,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tracing.reader import Trace
+from tracing.sweep import NEVER, Sweep
+
 COLUMNS = ["rank", "group", "seq", "step", "issue_ns", "end_ns", "dur_wait_ns", "overlapped"]
+READ_ROWS = 1 << 21  # collectives rows read at a time
 WORST = 5
 
 
@@ -98,17 +102,32 @@ def straggler_view(colls: pa.Table) -> StragglerView | None:
     return StragglerView(len(s), p50, p99, ranks, worst)
 
 
-def never_joined(colls: pa.Table, group: str, seq: int, members: list[int]) -> dict[int, int]:
-    """Member ranks of ``group`` that never issued collective ``seq``: {rank: its last seq (-1: none)}."""
-    last: dict[int, int] = {r: -1 for r in members}
-    if colls.num_rows:
-        g = colls["group"].combine_chunks()
-        if pa.types.is_dictionary(g.type):
-            g = g.cast(pa.string())
-        in_group = np.array([x == group for x in g.to_pylist()], dtype=bool)
-        ranks, seqs = colls["rank"].to_numpy()[in_group], colls["seq"].to_numpy()[in_group]
-        for r in members:
-            mine = seqs[ranks == r]
-            if len(mine):
-                last[r] = int(mine.max())
-    return {r: s for r, s in last.items() if s < seq}
+def last_seqs(colls: pa.Table) -> dict[tuple[str, int], int]:
+    """(group, rank) -> the last sequence number that rank issued in that group."""
+    if not colls.num_rows:
+        return {}
+    t = colls.select(["group", "rank", "seq"]).group_by(["group", "rank"]).aggregate([("seq", "max")])
+    d = t.to_pydict()
+    return {(g, r): s for g, r, s in zip(d["group"], d["rank"], d["seq_max"], strict=True)
+            if g is not None and r is not None and s is not None}
+
+
+def trace_last_seqs(trace: Trace) -> dict[tuple[str, int], int]:
+    """`last_seqs` of a trace's collectives, read a few row groups at a time (a long TP run
+    issues millions)."""
+    out: dict[tuple[str, int], int] = {}
+    if not trace.has_table("collectives"):
+        return out
+    sw = Sweep(trace, "collectives", ["group", "rank", "seq"], time=None, dictionary=("group",))
+    while sw.next_first() != NEVER:
+        for t in sw.read_next(READ_ROWS):
+            for k, s in last_seqs(t).items():
+                out[k] = max(s, out.get(k, s))
+    return out
+
+
+def never_joined(last: dict[tuple[str, int], int], group: str, seq: int, members: list[int]) -> dict[int, int]:
+    """Member ranks of ``group`` that never issued collective ``seq`` (`last`: `last_seqs`):
+    {rank: its last seq (-1: none)}."""
+    out = {r: last.get((group, r), -1) for r in members}
+    return {r: s for r, s in out.items() if s < seq}

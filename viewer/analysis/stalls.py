@@ -54,8 +54,10 @@ def build_stalls(tr: Trace, trace: str) -> StallsResult:
     # A trace written before the stalls table existed has no folder for it: no stalls recorded.
     recs = stall_records(tr.table("stalls")) if tr.has_table("stalls") else []
     tp = int((tr.meta.get("parallel") or {}).get("tp", 1))
-    if recs and tp > 1 and tr.has_table("collectives"):
-        name_missing_ranks(recs, tr.table("collectives"), tp)
+    if recs and tp > 1:
+        from viewer.analysis.collectives import trace_last_seqs
+
+        name_missing_ranks(recs, trace_last_seqs(tr), tp)
     return StallsResult(trace, tr.status, len(recs), recs)
 
 
@@ -105,10 +107,11 @@ def interesting_frames(frames: list[str], keep: int = 6) -> tuple[int, list[str]
 _COLLECTIVE = re.compile(r"^all_reduce #(\d+)$")
 
 
-def name_missing_ranks(recs: list[StallRecord], collectives: pa.Table, tp_size: int) -> None:
+def name_missing_ranks(recs: list[StallRecord], last: dict[tuple[str, int], int], tp_size: int) -> None:
     """What NCCL's flight recorder tells: for each stalled all-reduce wait, the ranks of the TP
     group that never issued that collective (their collective history stops before its sequence
-    number).  Rewrites ``what`` to say so, e.g. ``all_reduce #17 (rank 1 never joined)``."""
+    number; `last`: collectives.last_seqs).  Rewrites ``what`` to say so, e.g.
+    ``all_reduce #17 (rank 1 never joined)``."""
     from viewer.analysis.collectives import never_joined
 
     for r in recs:
@@ -117,7 +120,7 @@ def name_missing_ranks(recs: list[StallRecord], collectives: pa.Table, tp_size: 
             continue
         seq, stage = int(m.group(1)), r.rank // tp_size
         peers = [x for x in range(stage * tp_size, (stage + 1) * tp_size) if x != r.rank]
-        missing = never_joined(collectives, f"tp{stage}", seq, peers)
+        missing = never_joined(last, f"tp{stage}", seq, peers)
         if missing:
             r.never_joined = [{"rank": x, "last_seq": s} for x, s in sorted(missing.items())]
             who = ", ".join(f"rank {x}" for x in sorted(missing))
