@@ -99,3 +99,34 @@ def test_the_windows_read_follow_the_window_not_the_trace(leaky: Path, tmp_path:
     assert sum(seen) == total and len(seen) >= total // (50 + 3 + longest)
     assert max(seen) <= 50 + 3 + longest  # whole groups of 3 rows, then one timestamp's rows
     assert 50 + 3 + longest < total // 4
+
+
+def test_a_part_that_vanishes_mid_read_starts_the_replay_over(leaky: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live compaction can remove a committed part while `leaks` reads it: the replay starts
+    over on a newer snapshot (tracing/sweep.py `start_over`), with the same report; a part that
+    stays gone is one error, not a traceback."""
+    import tracing.sweep as sweep_mod
+    from tracing.reader import TraceError
+
+    root = _variant(leaky, tmp_path / "v", 3, False, False)
+    want, _ = _whole(root)
+    real = sweep_mod.read_row_groups
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # mid-way: some windows already replayed
+            raise FileNotFoundError(2, "gone", "part-x.parquet")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "read_row_groups", flaky)
+    assert build_leaks(Trace.open(root), str(root), window_rows=50).report == want
+    assert calls["n"] > 5
+
+    def gone(*args, **kwargs):
+        raise FileNotFoundError(2, "gone", "part-x.parquet")
+
+    monkeypatch.setattr(sweep_mod, "read_row_groups", gone)
+    with pytest.raises(TraceError, match="memory/ table .* which is missing"):
+        build_leaks(Trace.open(root), str(root), window_rows=50)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,10 +28,29 @@ from tracing.schema import TABLES
 
 NEVER = np.iinfo(np.int64).max
 EARLIEST = np.iinfo(np.int64).min
+TRIES = 5  # a live compaction can replace a part mid-read: start over on a new snapshot
+T = TypeVar("T")
 
 
 class Vanished(Exception):
     """A committed part is gone: a live compaction replaced it after the snapshot."""
+
+
+def start_over(trace: Trace, name: str, read: Callable[[], T]) -> T:
+    """`read()`, a pass over `name` through Sweeps, started over on a newer snapshot (its
+    clipped count as before) when a part vanished; TraceError after TRIES, or at once on a
+    legacy trace (no manifest: a missing part is simply missing)."""
+    clipped = trace.status.clipped.get(name, 0)
+    for attempt in range(TRIES):
+        try:
+            return read()
+        except Vanished as e:
+            if trace.legacy or attempt == TRIES - 1:
+                raise TraceError(f"corrupt {name}/ table in {trace.root}: the manifest names {e}, "
+                                 "which is missing") from None
+            trace.parts = Trace.open(trace.root).parts
+            trace.status.clipped[name] = clipped
+    raise AssertionError  # pragma: no cover - the loop returns or raises
 
 
 @dataclass(slots=True)

@@ -21,14 +21,13 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from tracing.consistency import probe_clip
-from tracing.reader import Trace, TraceError
+from tracing.reader import Trace
 from tracing.schema import TABLES
-from tracing.sweep import EARLIEST, NEVER, Sweep, Vanished
+from tracing.sweep import EARLIEST, NEVER, Sweep, start_over
 from viewer.analysis.cycle_views import chunk_codes, cycle_bounds, window_views
 
 # Probe rows a window reads: about 60 MB of columns and as much again in their split by boundary.
 WINDOW_ROWS = 1 << 21
-_TRIES = 5  # a live compaction can replace a part mid-read: start over on a new snapshot
 
 
 @dataclass(slots=True)
@@ -45,17 +44,7 @@ def stream_views(trace: Trace, steps: pa.Table, collectives: pa.Table | None = N
                  window_rows: int = WINDOW_ROWS, head_rows: int = 0) -> CycleViews:
     """Every rank's views of rank 0's cycles (`steps`), the probe rows read a window at a time;
     `head_rows`: that many of the first rows kept (`CycleViews.head`)."""
-    clipped = trace.status.clipped.get("probes", 0)
-    for attempt in range(_TRIES):
-        try:
-            return _stream(trace, steps, collectives, totals, window_rows, head_rows)
-        except Vanished as e:
-            if trace.legacy or attempt == _TRIES - 1:
-                raise TraceError(f"corrupt probes/ table in {trace.root}: the manifest names {e}, "
-                                 "which is missing") from None
-            trace.parts = Trace.open(trace.root).parts
-            trace.status.clipped["probes"] = clipped
-    raise AssertionError  # pragma: no cover - the loop returns or raises
+    return start_over(trace, "probes", lambda: _stream(trace, steps, collectives, totals, window_rows, head_rows))
 
 
 def _stream(trace: Trace, steps: pa.Table, collectives: pa.Table | None, totals: bool,

@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracing.consistency import read_steps, step_clip
-from tracing.reader import Trace, TraceError
+from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from tracing.sweep import NEVER, Sweep, Vanished
+from tracing.sweep import NEVER, Sweep, start_over
 from viewer.analysis import leak_fragmentation as frag
 from viewer.analysis import leak_stream as stream
 from viewer.analysis.leak_fragmentation import FragPoint
@@ -39,7 +39,6 @@ from viewer.analysis.records import INLINE, JsonRecord, plain
 __all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "LeaksResult", "build_leaks", "frag_point",
            "largest_run", "leak_report"]
 
-_TRIES = 5  # a live compaction can replace a part mid-read: start over on a new snapshot
 
 
 @dataclass(slots=True)
@@ -111,21 +110,16 @@ def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) ->
     its memory events read a window at a time (leak_stream.py)."""
     steps = read_steps(tr, ["step"], references=False)
     capacity = int(tr.meta.get("model", {}).get("kv_blocks") or 0)
-    clipped = tr.status.clipped.get("memory", 0)
-    for attempt in range(_TRIES):
+
+    def replay() -> tuple[stream.WindowedReplay, bool]:
         clip = step_clip(tr, "memory", steps)
-        try:
-            cap, inferred = (capacity, False) if capacity > 0 else (_largest_block(tr, clip) + 1, True)
-            rp = stream.WindowedReplay(cap)
-            for w in stream.trace_windows(tr, clip, window_rows):
-                rp.feed(w)
-            break
-        except Vanished as e:
-            if tr.legacy or attempt == _TRIES - 1:
-                raise TraceError(f"corrupt memory/ table in {tr.root}: the manifest names {e}, "
-                                 "which is missing") from None
-            tr.parts = Trace.open(tr.root).parts
-            tr.status.clipped["memory"] = clipped
+        cap, inferred = (capacity, False) if capacity > 0 else (_largest_block(tr, clip) + 1, True)
+        rp = stream.WindowedReplay(cap)
+        for w in stream.trace_windows(tr, clip, window_rows):
+            rp.feed(w)
+        return rp, inferred
+
+    rp, inferred = start_over(tr, "memory", replay)
     rep = _report(rp, inferred, tr.status.complete, lambda names: _finished_in_trace(tr, names))
     return LeaksResult(trace, tr.status, rep)
 
