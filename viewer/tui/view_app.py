@@ -151,8 +151,10 @@ class ViewApp(App[None]):
         """Scroll the sorted column into view beside the fixed first one: at 80 columns a
         boundary's column is off to the right, and a sort one cannot see is no sort."""
         widths = [c.get_render_width(t) for c in t.ordered_columns]
-        x = sum(widths[:k])
-        t.scroll_to(x=0 if x + widths[k] <= t.scrollable_content_region.width else x - widths[0], animate=False)
+        x, room = sum(widths[:k]), t.scrollable_content_region.width
+        # Clamped here, from the columns just added: the table's own limit may still be the one
+        # of the columns before the re-fill when this runs (a wider header: a scroll too far).
+        t.scroll_to(x=0 if x + widths[k] <= room else min(x - widths[0], max(0, sum(widths) - room)), animate=False)
 
     def _current(self) -> str | None:
         tab = self.query_one("#tabs", TabbedContent).active
