@@ -34,6 +34,9 @@ from viewer.analysis.whatif_gains import cycle_gains
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 # (The probe rows are read a window at a time: viewer/analysis/cycle_stream.py.)
 STEP_COLUMNS = ["step", "ts_ns", "dur_ns", "blocks_used", "collect_ns"]
+# What `build_report` reads of them once the probe rows' stream has its cycles: a long trace's
+# round times are 200 MB of 13 M rounds (`diff` and an imported trace's view keep them).
+REPORT_STEP_COLUMNS = ["step", "blocks_used", "collect_ns"]
 REQUEST_COLUMNS = ["arrival_ns", "first_token_ns", "finish_ns", "prompt_len", "output_len",
                    "finish_reason", "num_preemptions", "cached_prefix_len", "token_runs", "delivered_ns"]
 
@@ -173,9 +176,11 @@ class ReportResult(JsonRecord):
 def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
                 per_cycle: bool = False) -> ReportInputs:
     """One snapshot's steps and requests whole, its probe rows a window at a time
-    (`per_cycle`: keep each cycle's views, what `diff` resamples, not only their sums)."""
+    (`per_cycle`: keep each cycle's views, what `diff` resamples, not only their sums, and every
+    STEP_COLUMNS; else REPORT_STEP_COLUMNS)."""
     trace = Trace.open(root)
-    steps = read_steps(trace, STEP_COLUMNS)
+    # One chunk a column: the ITL's and the cycles' numpy views of them are then not copies.
+    steps = read_steps(trace, STEP_COLUMNS).combine_chunks()
     colls = read_collectives(trace)
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
@@ -183,7 +188,8 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
         job = pool.submit(stream_views, trace, steps, colls, not per_cycle, head_rows=HOP_ROWS)
         requests = read_consistent(trace, {"requests": request_columns}, steps=steps)["requests"]
         cycles = job.result()
-    return ReportInputs(trace, cycles, steps.select(STEP_COLUMNS), requests, colls)
+    keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
+    return ReportInputs(trace, cycles, steps.select(keep), requests, colls)
 
 
 def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
