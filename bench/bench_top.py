@@ -127,6 +127,33 @@ def refresh(src: Path, history_rows: int, live_s: float, every_s: float) -> dict
             "probe_rows_held": app.state._probes.num_rows if app.state._probes is not None else 0}
 
 
+def attach(trace: Path) -> dict:
+    """A fresh process attaches `TopApp` (headless, 160x48) to `trace`: the time to its first
+    screen (the process's imports excluded) and the process's peak RSS."""
+    code = """
+import asyncio, json, resource, sys, time
+from viewer.tui.top_app import TopApp
+
+async def main():
+    t0 = time.monotonic()
+    app = TopApp(sys.argv[1])
+    async with app.run_test(size=(160, 48)) as pilot:
+        while not app.age_ms and time.monotonic() - t0 < 60:
+            await pilot.pause(0.01)
+        first = time.monotonic() - t0
+        await pilot.pause(1)
+    print(json.dumps({"first_screen_s": first, "fold_ms": app.fold_ms[0], "paint_ms": app.tick_ms[0],
+                      "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}))
+
+asyncio.run(main())
+"""
+    p = subprocess.run([sys.executable, "-c", code, str(trace)], cwd=REPO, capture_output=True, text=True, check=True)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"{trace}: first screen {r['first_screen_s']:.3f} s (read and fold {r['fold_ms']:.0f} ms, paint "
+          f"{r['paint_ms']:.0f} ms), peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
+    return r
+
+
 def _top_process(trace: Path) -> subprocess.Popen:
     code = ("import sys; from viewer.tui.top_app import TopApp; TopApp(sys.argv[1]).run(headless=True)")
     return subprocess.Popen([sys.executable, "-c", code, str(trace)], cwd=REPO, stdout=subprocess.DEVNULL,
@@ -315,7 +342,9 @@ def main() -> None:
     ap.add_argument("--copy-every-s", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--pairs", type=int, default=8)
-    ap.add_argument("--part", choices=("both", "refresh", "cost", "interleaved"), default="both")
+    ap.add_argument("--part", choices=("both", "refresh", "cost", "interleaved", "attach"), default="both")
+    ap.add_argument("--trace", type=Path, help="attach: the trace to attach to (say a bench/gen_big_trace.py one)")
+    ap.add_argument("--repeats", type=int, default=3, help="attach: fresh processes, one after another")
     ap.add_argument("--window-s", type=float, default=1.0)
     ap.add_argument("--rate", type=float, default=100.0, help="interleaved: arrivals per second (over capacity)")
     ap.add_argument("--duration-s", type=float, default=300.0, help="interleaved: seconds of arrivals")
@@ -334,6 +363,10 @@ def main() -> None:
         print(f"run CPU per output token with top attached / without: median {c['median_b_over_a']:.3f} "
               f"[95% CI {c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}]; scheduling thread {c['main_thread_median']:.3f} "
               f"[{c['main_thread_ci95'][0]:.3f}, {c['main_thread_ci95'][1]:.3f}]")
+    if a.part == "attach":
+        if a.trace is None:
+            ap.error("--part attach needs --trace")
+        res["attach"] = [attach(a.trace) for _ in range(a.repeats)]
     if a.part == "interleaved":
         res["interleaved"] = r = interleaved(a.rate, a.duration_s, a.window_s)
         for name in ("run", "thread", "batch"):
