@@ -40,7 +40,6 @@ __all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "LeaksResul
            "largest_run", "leak_report"]
 
 
-
 @dataclass(slots=True)
 class HeldBlocks:
     request_id: str
