@@ -377,3 +377,28 @@ def test_parts_coalesce_into_chunks_without_copying_large_ones(monkeypatch):
     chunks = t["x"].chunks
     assert [len(c) for c in chunks] == [12, 12, 4, 30, 1]
     assert {len(c): c.buffers()[1].address for c in chunks if len(c) in big} == big
+
+
+def test_parts_read_uncombined_give_the_same_rows_one_chunk_a_part(tmp_path, monkeypatch):
+    """`coalesce=False` (the report's requests: one copy fewer of a long run's rows) gives the
+    rows `coalesce=True` gives, in order, with each part's rows left as read."""
+    import pyarrow.parquet as pq
+
+    import tracing.reader as R
+    from tracing.schema import TABLES
+    from tracing.writer import parquet_options
+
+    monkeypatch.setattr(R, "CHUNK_ROWS", 10)
+    src = pq.read_table(next((Path(__file__).resolve().parents[1] / "traces" / "sample-overlap" / "requests")
+                             .glob("*.parquet")))
+    assert src.num_rows >= 8
+    parts = []
+    for k, a in enumerate(range(0, src.num_rows, 3)):
+        path = tmp_path / f"part-{k:06d}.parquet"
+        pq.write_table(src.slice(a, 3), path, **parquet_options(src.schema))
+        parts.append(R.Part(path, min(3, src.num_rows - a)))
+    cols = ["request_id", "arrival_ns", "token_runs"]
+    whole = R._read_parts(parts, TABLES["requests"], cols)
+    uncombined = R._read_parts(parts, TABLES["requests"], cols, coalesce=False)
+    assert uncombined.equals(whole) and whole.num_rows == src.num_rows
+    assert uncombined["request_id"].num_chunks == len(parts) > whole["request_id"].num_chunks

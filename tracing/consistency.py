@@ -32,9 +32,10 @@ STEP_NEED = ["step", "collect_ns", "ts_ns", "dur_ns"]  # what the references and
 
 def read_consistent(trace: Trace, want: dict[str, list[str] | None],
                     dictionary: dict[str, tuple[str, ...]] | None = None,
-                    steps: pa.Table | None = None) -> dict[str, pa.Table]:
+                    steps: pa.Table | None = None, uncombined: tuple[str, ...] = ()) -> dict[str, pa.Table]:
     """The wanted tables (name -> columns, None for all), references checked or clipped;
-    `dictionary`: per table, string columns to read dictionary-encoded.
+    `dictionary`: per table, string columns to read dictionary-encoded; `uncombined`: tables
+    whose parts' rows stay as read (`Trace.table`'s coalesce=False: one copy fewer).
 
     `steps` is always read (what the references point at), unless given (as `read_steps`
     returns it); it is returned when wanted."""
@@ -48,7 +49,8 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None],
         cols = want[name]
         clip = name in STEP_TABLES and not trace.status.complete
         extra = ["step"] if clip and cols is not None and "step" not in cols else []
-        t = trace.table(name, None if cols is None else [*cols, *extra], (dictionary or {}).get(name, ()))
+        t = trace.table(name, None if cols is None else [*cols, *extra], (dictionary or {}).get(name, ()),
+                        coalesce=name not in uncombined)
         if clip:
             t = _clip_past(trace, name, t, last, last_end if name == "probes" else None)
         if name == "requests" and "token_runs" in t.column_names:
