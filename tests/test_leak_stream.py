@@ -59,9 +59,8 @@ def leaky(tiny_runs: TinyRuns) -> Path:
 @pytest.mark.parametrize("rows,scramble,forget", [(3, False, False), (4, True, False), (3, True, True)])
 def test_windows_of_any_size_give_the_whole_replays_report(sample: str, rows: int, scramble: bool, forget: bool,
                                                            leaky: Path, tmp_path: Path) -> None:
-    """Serial and overlap runs, a deadlocked one (unfinished: the rows past its last round
-    clipped as a whole read clips them) and one that leaks blocks, from one window per row
-    group to one for all."""
+    """Serial and overlap runs, a deadlocked one (unfinished) and one that leaks blocks, from
+    one window per row group to one for all (clipping: the test after this one)."""
     src = leaky if sample == "leak" else SAMPLES / sample
     root = _variant(src, tmp_path / sample, rows, scramble, forget)
     want, clipped = _whole(root)
@@ -131,3 +130,56 @@ def test_a_part_that_vanishes_mid_read_starts_the_replay_over(leaky: Path, tmp_p
     monkeypatch.setattr(sweep_mod, "read_row_groups", gone)
     with pytest.raises(TraceError, match="memory/ table .* which is missing"):
         build_leaks(Trace.open(root), str(root), window_rows=50)
+
+
+def _manifest_rows(root: Path, table: str, part: Path) -> None:
+    """The manifest's committed row count and size of `part`, as rewritten."""
+    m = json.loads((root / "manifest.json").read_text())
+    for e in m["tables"][table]:
+        if e["file"] == part.name:
+            e["rows"], e["nbytes"] = pq.ParquetFile(part).metadata.num_rows, part.stat().st_size
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def test_an_unfinished_runs_late_events_are_clipped_and_counted_once(tmp_path: Path) -> None:
+    """The deadlocked sample with memory events of a round past its last committed one (what
+    a killed run leaves): clipped, as a whole read clips them, and counted once although the
+    inferred capacity reads the table a second time."""
+    for forget in (False, True):
+        root = _variant(SAMPLES / "sample-deadlock", tmp_path / f"late{forget}", 3, False, forget)
+        part = next((root / "memory").glob("*.parquet"))
+        t = pq.read_table(part)
+        last = t.slice(t.num_rows - 1)
+        step = max(pq.read_table(next((root / "steps").glob("*.parquet")))["step"].to_pylist())
+        late = pa.concat_tables([last] * 4).to_pydict()
+        late["step"] = [step + 1] * 4
+        late["ts_ns"] = [v + 1000 * (i + 1) for i, v in enumerate(late["ts_ns"])]
+        late["block_id"] = [4000 + i for i in range(4)]  # larger than any kept: the capacity must not see them
+        pq.write_table(pa.concat_tables([t, pa.table(late, schema=t.schema)]), part, row_group_size=3,
+                       **parquet_options(t.schema))
+        _manifest_rows(root, "memory", part)
+        want, clipped = _whole(root)
+        assert clipped == {"memory": 4} and (not forget or want.capacity < 4000)
+        tr = Trace.open(root)
+        assert build_leaks(tr, str(root), window_rows=7).report == want
+        assert tr.status.clipped == clipped
+
+
+def test_no_memory_table_and_negative_block_ids(tmp_path: Path) -> None:
+    """A trace whose memory/ table is missing is one error, as before the windows; block ids
+    that are all negative and no kv_blocks give capacity 0, as the whole-table replay does."""
+    from tracing.reader import TraceError
+
+    root = _variant(SAMPLES / "sample-serial", tmp_path / "neg", 3, False, True)
+    part = next((root / "memory").glob("*.parquet"))
+    t = pq.read_table(part)
+    t = t.set_column(t.schema.get_field_index("block_id"), "block_id",
+                     pa.array([-5 - i for i in range(t.num_rows)], pa.int32()))
+    pq.write_table(t, part, row_group_size=3, **parquet_options(t.schema))
+    _manifest_rows(root, "memory", part)
+    want, _ = _whole(root)
+    got = build_leaks(Trace.open(root), str(root), window_rows=7).report
+    assert got == want and got.capacity == 0
+    shutil.rmtree(root / "memory")
+    with pytest.raises(TraceError, match="no memory/ table"):
+        build_leaks(Trace.open(root), str(root))

@@ -352,6 +352,11 @@ def test_stragglers_and_never_joined() -> None:
     assert by[1].mean_ms == pytest.approx(300e-6) and by[0].max_ms == pytest.approx(300e-6)
     last = last_seqs(c)
     assert last_seqs(c.cast(c.schema.set(1, pa.field("group", pa.string())))) == last
+    other = _colls([(2, 7, 50)])
+    other = other.set_column(1, "group", pa.array(["tp1"]).dictionary_encode())
+    two = pa.concat_tables([c, other])  # two chunks, each with its own dictionary (as two parts' reads)
+    assert not two["group"].chunk(0).dictionary.equals(two["group"].chunk(1).dictionary)
+    assert last_seqs(two) == {**last, ("tp1", 2): 7}
     assert never_joined(last, "tp0", 2, [1]) == {1: 1}
     assert never_joined(last, "tp0", 1, [1]) == {}
     assert never_joined(last, "tp0", 0, [1, 2]) == {2: -1}

@@ -261,7 +261,8 @@ def read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None =
 def _read_parts(parts: list[Part], schema: pa.Schema, columns: list[str] | None,
                 dictionary: tuple[str, ...] = (), coalesce: bool = True) -> pa.Table:
     """The parts' rows in order, in chunks of at least CHUNK_ROWS rows (but where a run of
-    small parts ends: before a large part, and at the end).
+    small parts ends: before a large part, and at the end); with `coalesce` False, a chunk
+    per part as read (no copy; a caller that loops over chunks loops over parts).
 
     Each part is read with ParquetFile, not the dataset scanner: on a trace of
     thousands of small row groups the scanner's per-row-group overhead was 3x the

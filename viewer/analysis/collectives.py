@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracing.reader import Trace
-from tracing.sweep import NEVER, Sweep
+from tracing.sweep import NEVER, Sweep, start_over
 
 COLUMNS = ["rank", "group", "seq", "step", "issue_ns", "end_ns", "dur_wait_ns", "overlapped"]
 READ_ROWS = 1 << 21  # collectives rows read at a time
@@ -106,7 +106,10 @@ def last_seqs(colls: pa.Table) -> dict[tuple[str, int], int]:
     """(group, rank) -> the last sequence number that rank issued in that group."""
     if not colls.num_rows:
         return {}
-    t = colls.select(["group", "rank", "seq"]).group_by(["group", "rank"]).aggregate([("seq", "max")])
+    t = colls.select(["group", "rank", "seq"])
+    if pa.types.is_dictionary(t.schema.field("group").type):  # chunks' dictionaries may differ
+        t = t.set_column(0, "group", t["group"].cast(pa.string()))
+    t = t.group_by(["group", "rank"]).aggregate([("seq", "max")])
     d = t.to_pydict()
     return {(g, r): s for g, r, s in zip(d["group"], d["rank"], d["seq_max"], strict=True)
             if g is not None and r is not None and s is not None}
@@ -115,15 +118,18 @@ def last_seqs(colls: pa.Table) -> dict[tuple[str, int], int]:
 def trace_last_seqs(trace: Trace) -> dict[tuple[str, int], int]:
     """`last_seqs` of a trace's collectives, read a few row groups at a time (a long TP run
     issues millions)."""
-    out: dict[tuple[str, int], int] = {}
     if not trace.has_table("collectives"):
+        return {}
+
+    def fold() -> dict[tuple[str, int], int]:
+        out: dict[tuple[str, int], int] = {}
+        sw = Sweep(trace, "collectives", ["group", "rank", "seq"], time=None, dictionary=("group",))
+        while sw.next_first() != NEVER:
+            for t in sw.read_next(READ_ROWS):
+                for k, s in last_seqs(t).items():
+                    out[k] = max(s, out.get(k, s))
         return out
-    sw = Sweep(trace, "collectives", ["group", "rank", "seq"], time=None, dictionary=("group",))
-    while sw.next_first() != NEVER:
-        for t in sw.read_next(READ_ROWS):
-            for k, s in last_seqs(t).items():
-                out[k] = max(s, out.get(k, s))
-    return out
+    return start_over(trace, "collectives", fold)
 
 
 def never_joined(last: dict[tuple[str, int], int], group: str, seq: int, members: list[int]) -> dict[int, int]:

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tracing.consistency import read_steps, step_clip
-from tracing.reader import Trace
+from tracing.reader import Trace, TraceError
 from tracing.run_status import RunStatus
 from tracing.sweep import NEVER, Sweep, start_over
 from viewer.analysis import leak_fragmentation as frag
@@ -107,6 +107,8 @@ class LeaksResult(JsonRecord):
 def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) -> LeaksResult:
     """The leaks of an open trace recorded with probes (one without has no memory table),
     its memory events read a window at a time (leak_stream.py)."""
+    if not tr.has_table("memory"):
+        raise TraceError(f"trace {tr.root} has no memory/ table")
     steps = read_steps(tr, ["step"], references=False)
     capacity = int(tr.meta.get("model", {}).get("kv_blocks") or 0)
 
@@ -124,16 +126,22 @@ def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) ->
 
 
 def _largest_block(tr: Trace, clip: Callable[[pa.Table], pa.Table] | None) -> int:
-    """The largest block id of the (clipped) memory events, -1 with none: from the row groups'
-    statistics where they say it (a complete run), else read."""
+    """The largest block id of the (clipped) memory events, -1 with none or only negative ones:
+    from the row groups' statistics where they say it (a complete run), else read."""
     sw = Sweep(tr, "memory", ["block_id", "step"], clip=clip, ranges=("block_id",))
     if clip is None and all(g.ranges[0] is not None or not g.rows for g in sw.groups):
-        return max((g.ranges[0][1] for g in sw.groups if g.ranges[0] is not None), default=-1)
+        return max([-1, *(g.ranges[0][1] for g in sw.groups if g.ranges[0] is not None)])
+    clipped = tr.status.clipped.get("memory")
     top = -1
     while sw.next_first() != NEVER:
         for t in sw.read_next(stream.WINDOW_ROWS):
             m = pc.max(t["block_id"]).as_py()
             top = top if m is None else max(top, m)
+    # the replay's read clips the same rows and counts them: once
+    if clipped is None:
+        tr.status.clipped.pop("memory", None)
+    else:
+        tr.status.clipped["memory"] = clipped
     return top
 
 
@@ -191,15 +199,11 @@ def _finished_in_table(requests: pa.Table, names: list[str]) -> dict[str, str]:
 
 
 def _finished_in_trace(tr: Trace, names: list[str]) -> dict[str, str]:
-    """`_finished_in_table` over the trace's requests, a few row groups at a time, in file order."""
-    out: dict[str, str] = {}
-    if not tr.has_table("requests"):
-        return out
-    sw = Sweep(tr, "requests", ["request_id", "finish_reason"], time=None, dictionary=("request_id",))
-    while sw.next_first() != NEVER:
-        for t in sw.read_next(stream.WINDOW_ROWS):
-            _finished_rows(t, names, out)
-    return out
+    """`_finished_in_table` over the trace's requests: two columns, the ids as Parquet's
+    dictionary, each part as read (a request is a few dozen bytes; an event is what grows),
+    the rows the memory table's snapshot committed (`Trace.table`)."""
+    req = tr.table("requests", ["request_id", "finish_reason"], ("request_id",), coalesce=False)
+    return _finished_in_table(req, names)
 
 
 # ------------------------------------------------------------ the report
