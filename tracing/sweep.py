@@ -15,7 +15,7 @@ starts over (rows only ever append and merges keep their order).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -101,6 +101,12 @@ class Sweep:
             got += self.groups[stop].rows
             stop += 1
         return self._read_to(stop)
+
+    def pieces(self, rows: int) -> Iterator[pa.Table]:
+        """Every unread group, `read_next(rows)` after `read_next(rows)`: a whole table in
+        bounded memory, for a pass that does not care about time order."""
+        while self.at < len(self.groups):
+            yield from self.read_next(rows)
 
     def _read_to(self, stop: int) -> list[pa.Table]:
         out: list[pa.Table] = []

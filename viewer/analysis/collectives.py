@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracing.reader import Trace
-from tracing.sweep import NEVER, Sweep, start_over
+from tracing.sweep import Sweep, start_over
 
 COLUMNS = ["rank", "group", "seq", "step", "issue_ns", "end_ns", "dur_wait_ns", "overlapped"]
 READ_ROWS = 1 << 21  # collectives rows read at a time
@@ -124,10 +124,9 @@ def trace_last_seqs(trace: Trace) -> dict[tuple[str, int], int]:
     def fold() -> dict[tuple[str, int], int]:
         out: dict[tuple[str, int], int] = {}
         sw = Sweep(trace, "collectives", ["group", "rank", "seq"], time=None, dictionary=("group",))
-        while sw.next_first() != NEVER:
-            for t in sw.read_next(READ_ROWS):
-                for k, s in last_seqs(t).items():
-                    out[k] = max(s, out.get(k, s))
+        for t in sw.pieces(READ_ROWS):
+            for k, s in last_seqs(t).items():
+                out[k] = max(s, out.get(k, s))
         return out
     return start_over(trace, "collectives", fold)
 

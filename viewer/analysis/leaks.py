@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from tracing.consistency import read_steps, step_clip
 from tracing.reader import Trace, TraceError
 from tracing.run_status import RunStatus
-from tracing.sweep import NEVER, Sweep, start_over
+from tracing.sweep import Sweep, start_over
 from viewer.analysis import leak_fragmentation as frag
 from viewer.analysis import leak_stream as stream
 from viewer.analysis.leak_fragmentation import FragPoint
@@ -133,10 +133,9 @@ def _largest_block(tr: Trace, clip: Callable[[pa.Table], pa.Table] | None) -> in
         return max([-1, *(g.ranges[0][1] for g in sw.groups if g.ranges[0] is not None)])
     clipped = tr.status.clipped.get("memory")
     top = -1
-    while sw.next_first() != NEVER:
-        for t in sw.read_next(stream.WINDOW_ROWS):
-            m = pc.max(t["block_id"]).as_py()
-            top = top if m is None else max(top, m)
+    for t in sw.pieces(stream.WINDOW_ROWS):
+        m = pc.max(t["block_id"]).as_py()
+        top = top if m is None else max(top, m)
     # the replay's read clips the same rows and counts them: once
     if clipped is None:
         tr.status.clipped.pop("memory", None)
