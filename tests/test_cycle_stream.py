@@ -21,7 +21,7 @@ from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from tracing.schema import PROBES
 from tracing.writer import parquet_options
-from viewer.analysis.cycle_stream import stream_views
+from viewer.analysis.cycle_stream import Cycles, stream_views
 from viewer.analysis.cycle_views import per_cycle
 from viewer.analysis.report import read_collectives
 
@@ -53,7 +53,7 @@ def _assert_same_views(root: Path) -> None:
     for totals in (True, False):
         for window in (1, 7, 50, 1 << 21):
             trace = Trace.open(root)
-            got = stream_views(trace, t["steps"], colls, totals, window)
+            got = stream_views(trace, Cycles.of(trace, t["steps"]), colls, totals, window)
             assert got.ranks == ranks
             assert got.rows == t["probes"].num_rows
             assert trace.status.clipped == whole_trace.status.clipped
@@ -99,10 +99,10 @@ def test_a_window_holds_a_windows_rows_not_the_traces(tmp_path: Path) -> None:
                        row_group_size=1000, **parquet_options(PROBES))
     (tmp_path / "meta.json").write_text(json.dumps({"schema_version": 1, "run": {"steps": rounds}}))
     code_ = ("import numpy as np, pyarrow as pa; from tracing.reader import Trace; "
-             "from viewer.analysis.cycle_stream import stream_views; "
+             "from viewer.analysis.cycle_stream import Cycles, stream_views; "
              f"s = np.arange({rounds}, dtype=np.int64) * 1_000_000 + 10**9; "
              "steps = pa.table({'ts_ns': s, 'dur_ns': np.full(len(s), 1_000_000)}); "
-             f"v = stream_views(Trace.open({str(tmp_path)!r}), steps, window_rows=20_000); "
+             f"tr = Trace.open({str(tmp_path)!r}); v = stream_views(tr, Cycles.of(tr, steps), window_rows=20_000); "
              "print(v.rows, int(v.by_rank[0]['count:bookkeeping'][0]), pa.default_memory_pool().max_memory())")
     p = subprocess.run([sys.executable, "-c", code_], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

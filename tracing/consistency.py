@@ -42,8 +42,9 @@ def read_consistent(trace: Trace, want: dict[str, list[str] | None],
     if steps is None:
         steps = read_steps(trace, want["steps"] if "steps" in want else STEP_NEED)
     last = int(pc.max(steps["step"]).as_py()) if steps.num_rows else None
-    # when the last committed round handed off its tokens
-    last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) if steps.num_rows else None
+    # when the last committed round handed off its tokens (`steps` without round times: no probes wanted)
+    last_end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py()) \
+        if steps.num_rows and "probes" in want else None
 
     def one(name: str) -> pa.Table:
         cols = want[name]

@@ -12,6 +12,7 @@ the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +32,21 @@ WINDOW_ROWS = 1 << 21
 
 
 @dataclass(slots=True)
+class Cycles:
+    """What the stream needs of the steps table: rank 0's cycles, by which it cuts the probe
+    rows, and the clip of an unfinished run's rows. Taken before the stream, so that its caller
+    may drop the table's round times (two columns of 107 MB on a long trace) meanwhile."""
+
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+    clip: Callable[[pa.Table], pa.Table] | None
+
+    @classmethod
+    def of(cls, trace: Trace, steps: pa.Table) -> Cycles:
+        return cls(*cycle_bounds(steps), probe_clip(trace, steps))
+
+
+@dataclass(slots=True)
 class CycleViews:
     """Per rank, `per_cycle`'s arrays (summed to one entry with `totals`)."""
 
@@ -40,18 +56,17 @@ class CycleViews:
     rows: int = 0  # probe rows read (clipped rows not counted)
 
 
-def stream_views(trace: Trace, steps: pa.Table, collectives: pa.Table | None = None, totals: bool = True,
+def stream_views(trace: Trace, cycles: Cycles, collectives: pa.Table | None = None, totals: bool = True,
                  window_rows: int = WINDOW_ROWS, head_rows: int = 0) -> CycleViews:
-    """Every rank's views of rank 0's cycles (`steps`), the probe rows read a window at a time;
+    """Every rank's views of rank 0's cycles, the probe rows read a window at a time;
     `head_rows`: that many of the first rows kept (`CycleViews.head`)."""
-    return start_over(trace, "probes", lambda: _stream(trace, steps, collectives, totals, window_rows, head_rows))
+    return start_over(trace, "probes", lambda: _stream(trace, cycles, collectives, totals, window_rows, head_rows))
 
 
-def _stream(trace: Trace, steps: pa.Table, collectives: pa.Table | None, totals: bool,
+def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: bool,
             window_rows: int, head_rows: int) -> CycleViews:
-    S, E = cycle_bounds(steps)
+    S, E, clip = cycles.start_ns, cycles.end_ns, cycles.clip
     n = len(S)
-    clip = probe_clip(trace, steps)
     columns = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
     sweep = Sweep(trace, "probes", columns, clip=clip, dictionary=("boundary", "stream"), ranges=("rank",))
     ranks = _ranks(trace, sweep)
@@ -159,7 +174,8 @@ def _join(windows: list[dict[str, np.ndarray]], sizes: list[int], totals: bool,
     """The windows' views as one trace's: totals summed, per-cycle arrays end to end (a
     boundary with no rows in a window is zero in its cycles)."""
     keys = list(dict.fromkeys(k for w in windows for k in w if k not in ("start_ns", "end_ns")))
-    out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E}
+    out: dict[str, np.ndarray] = {"start_ns": S[:1].copy(), "end_ns": E[-1:].copy()} if totals else \
+        {"start_ns": S, "end_ns": E}
     for k in keys:
         if totals:
             out[k] = np.array([sum(float(w[k][0]) for w in windows if k in w)])

@@ -134,7 +134,8 @@ class _Rows:
 def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
               collectives: pa.Table | None = None, totals: bool = False) -> dict[str, np.ndarray]:
     """Both views, per cycle (what `diff` resamples; `totals`: summed over the cycles, what
-    `cost_table` shows, each array then one entry long but start_ns and end_ns).
+    `cost_table` shows, each array then one entry long: start_ns the first cycle's start,
+    end_ns the last one's end, and `cycles` their count).
 
     `rank` selects one rank's rows (None: all); `collectives` (any ranks) gives
     all_reduce its HTA raw/hidden times. Every array has one entry per cycle, in time
@@ -168,11 +169,13 @@ def cycle_bounds(steps: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     if n and not bool(np.all(S[1:] >= S[:-1])):  # one rank's rounds are written in order
         order = np.argsort(S, kind="stable")
         S, D = S[order], D[order]
-    E = np.empty(n, dtype=np.int64)
-    E[:-1] = S[1:]
+    # one array for both (E is S shifted by one): a long trace's rounds are 107 MB each, and
+    # neither holds on to the steps table's columns, so its caller may drop them
+    bounds = np.empty(n + 1, dtype=np.int64)
+    bounds[:n] = S
     if n:
-        E[-1] = S[-1] + D[-1]
-    return S, E
+        bounds[n] = S[-1] + D[-1]
+    return bounds[:n], bounds[1:]
 
 
 def _own(ts: np.ndarray, dur: np.ndarray, own: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -220,6 +223,8 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
         dev_per = np.concatenate([busy.covered(S[b], E[b]) for b in blocks(n)]).astype(np.float64)
     out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
                                   "device_ns": dev_per}
+    if totals:
+        out.update(start_ns=S[:1].copy(), end_ns=E[-1:].copy(), cycles=np.array([float(n)]))
 
     def attribute(job: tuple[str, str]) -> dict[str, np.ndarray]:
         name, kind = job

@@ -24,7 +24,7 @@ from viewer.analysis.advice import HOP_ROWS, WORTH, Backend, backend, worth_atta
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import StragglerView, straggler_view
 from viewer.analysis.cost import BoundaryCost, CostTable, table_of
-from viewer.analysis.cycle_stream import CycleViews, stream_views
+from viewer.analysis.cycle_stream import Cycles, CycleViews, stream_views
 from viewer.analysis.imported import ImportedView, imported_view
 from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
@@ -181,17 +181,20 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     trace = Trace.open(root)
     # One chunk a column: the ITL's and the cycles' numpy views of them are then not copies.
     steps = read_steps(trace, STEP_COLUMNS).combine_chunks()
+    keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
+    cycles = Cycles.of(trace, steps)
+    steps = steps.select(keep)  # (both keep what the requests' check reads: step, collect_ns)
     colls = read_collectives(trace)
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        job = pool.submit(stream_views, trace, steps, colls, not per_cycle, head_rows=HOP_ROWS)
+        job = pool.submit(stream_views, trace, cycles, colls, not per_cycle, head_rows=HOP_ROWS)
+        del cycles  # (a long trace's: 107 MB, freed with the stream's totals)
         # its chunks as read: combining them would copy 0.5 GB of a 100 M-row trace's requests
         requests = read_consistent(trace, {"requests": request_columns}, steps=steps,
                                    uncombined=("requests",))["requests"]
-        cycles = job.result()
-    keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
-    return ReportInputs(trace, cycles, steps.select(keep), requests, colls)
+        views = job.result()
+    return ReportInputs(trace, views, steps, requests, colls)
 
 
 def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
