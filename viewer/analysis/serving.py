@@ -8,7 +8,8 @@ Percentiles are linear-interpolated (numpy's default)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,28 +27,39 @@ class Dist:
     count: int
 
     @classmethod
-    def weighted(cls, values: np.ndarray, weights: np.ndarray, scale: float | None = None) -> Dist:
-        """Exactly Dist.of(np.repeat(values, weights)), without expanding the repeats.
-        `scale`: `values` are integers, the distribution is of values * scale (each converted
-        as `values.astype(float64) * scale` would), sorted as integers."""
+    def weighted(cls, values: np.ndarray, weights: np.ndarray, scale: float | None = None,
+                 overwrite: bool = False) -> Dist:
+        """Exactly Dist.of(np.repeat(values, weights)) (the mean to rounding), without
+        expanding the repeats. `scale`: `values` are integers, the distribution is of
+        values * scale (each converted as `values.astype(float64) * scale` would), sorted as
+        integers. `overwrite`: `values` and `weights` are the caller's to lose (like
+        np.percentile's overwrite_input): reordered and overwritten in place, not copied (a
+        long trace's rounds: two arrays of 107 MB)."""
         keep = weights > 0
-        v, w = values[keep], weights[keep]
+        if overwrite:
+            v, w = _compress_in_place(keep, values, weights)
+        else:
+            v, w = values[keep], weights[keep]
+        del keep
         n = int(w.sum())
         if n == 0:
             nan = float("nan")
             return cls(nan, nan, nan, nan, 0)
-        # in the rows' order: a sort orders ties as it likes, which would move the last digit
-        total = float(np.dot(v.astype(np.float64, copy=False), w.astype(np.float64)))
+        # in the rows' order (a sort orders ties as it likes, which would move the last
+        # digit), a block at a time: float copies of a block, not of the arrays
+        total = math.fsum(float(np.dot(v[b].astype(np.float64), w[b].astype(np.float64))) for b in _blocks(len(v)))
         total *= 1.0 if scale is None else scale
         if scale is None:
             # ties are equal values: any order gives the same percentiles
             order = np.argsort(v)
             v, w = v[order], w[order]
-        else:
+        else:  # v and w are this function's own now (copies, or given up by the caller)
             v, w = _sort_pairs(v, w)
-            v = v.astype(np.float64)
-            v *= scale
-        cw = np.cumsum(w)
+            f = v.view(np.float64)
+            for b in _blocks(len(v)):  # as astype(float64) * scale, in place (numpy copies an overlap)
+                np.multiply(v[b], scale, out=f[b])
+            v = f
+        cw = np.cumsum(w, out=w)
 
         def at(k: int) -> float:  # the k-th smallest of the expanded multiset
             return float(v[np.searchsorted(cw, k, side="right")])
@@ -77,21 +89,41 @@ class Dist:
 
 
 def _sort_pairs(v: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Integer values and their weights, in value order (`v` is sorted in place when packed). Where both fit, each pair is packed
+    """Integer values and their weights, in value order. Where both fit, each pair is packed
     in one int64 and sorted as one (numpy's SIMD sort; an argsort of ten million values
-    took 5-7x as long here)."""
+    took 5-7x as long here), in place: `v` and `w` (both int64) are returned overwritten."""
     lo, hi, wmax = int(v.min()), int(v.max()), int(w.max())
     wbits = max(wmax.bit_length(), 1)
-    if lo >= 0 and hi.bit_length() + wbits <= 63:
-        key = v.astype(np.int64, copy=False)  # packed in place (a long trace's rounds: 100 MB each)
+    if lo >= 0 and hi.bit_length() + wbits <= 63 and v.dtype == w.dtype == np.int64:
+        key = v
         key <<= wbits
         key |= w
         key.sort()
-        w = key & ((1 << wbits) - 1)
+        np.bitwise_and(key, (1 << wbits) - 1, out=w)
         key >>= wbits
         return key, w
     order = np.argsort(v)
-    return v[order], w[order]
+    return v[order].astype(np.int64), w[order].astype(np.int64)
+
+
+BLOCK = 1 << 20
+
+
+def _blocks(n: int) -> Iterator[slice]:
+    return (slice(i, min(i + BLOCK, n)) for i in range(0, n, BLOCK))
+
+
+def _compress_in_place(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each array's `keep` entries moved to its front, in order, a block at a time (a copy of
+    a block, not of the array); returns those fronts (views)."""
+    j = 0
+    for b in _blocks(len(keep)):
+        k = keep[b]
+        m = int(np.count_nonzero(k))
+        for a in arrays:
+            a[j:j + m] = a[b][k]  # j <= b.start: the block is read (copied) before it is written
+        j += m
+    return tuple(a[:j] for a in arrays)
 
 
 @dataclass(slots=True)
@@ -193,8 +225,7 @@ def inter_token_ms(chunks: Iterable[pa.ListArray]) -> np.ndarray:
 
 def itl_from_runs(runs: Iterable[pa.ListArray], step: np.ndarray, collect_ns: np.ndarray) -> Dist:
     """ITL pooled over all requests, exactly, from per-request token runs (see `itl_rounds`)."""
-    gaps, weights, _ = itl_gaps_ns(runs, step, collect_ns)
-    return Dist.weighted(gaps, weights, 1e-6)
+    return Dist.weighted(*itl_gaps_ns(runs, step, collect_ns)[:2], 1e-6, overwrite=True)
 
 
 def itl_rounds(runs: Iterable[pa.ListArray], step: np.ndarray,
@@ -249,15 +280,25 @@ def itl_gaps_ns(runs: Iterable[pa.ListArray], step: np.ndarray,
             start_next = s0[1:][same]
             extra.append(c[start_next] - c[end_prev])
             extra_round.append(start_next + base)
-    # one bincount over every chunk's runs (not np.add.at, nor a round-sized count per chunk)
-    cover = np.zeros(len(c) + 1, dtype=np.int64)
-    if opens:
-        cover = np.bincount(np.concatenate(opens), minlength=len(cover))
-        cover -= np.bincount(np.concatenate(closes), minlength=len(cover))
-    w = np.cumsum(cover, out=cover)[: len(c)]
-    d = np.zeros(len(c), dtype=np.int64)
-    np.subtract(c[1:], c[:-1], out=d[1:])
+    # The gaps: one per round (its collect time less the one before), then those between runs
+    # of one request; written where they end up (a long trace's rounds: 107 MB an array).
+    m, ne = len(c), sum(len(e) for e in extra)
+    vals = np.empty(m + ne, dtype=np.int64)
+    vals[0] = 0
+    np.subtract(c[1:], c[:-1], out=vals[1:m])
     del c
-    vals = np.concatenate([d, *extra]) if extra else d
-    weights = np.concatenate([w, *(np.ones(len(e), np.int64) for e in extra)]) if extra else w
+    vals[m:] = np.concatenate(extra) if extra else 0
+    # how many runs cover each round: one bincount over every chunk's runs (not np.add.at,
+    # nor a round-sized count per chunk)
+    weights = np.empty(m + ne, dtype=np.int64)
+    weights[m:] = 1
+    if opens:
+        cover = np.bincount(np.concatenate(opens), minlength=m + 1)
+        del opens
+        cover -= np.bincount(np.concatenate(closes), minlength=m + 1)
+        del closes
+        np.cumsum(cover[:m], out=weights[:m])
+        del cover
+    else:
+        weights[:m] = 0
     return vals, weights, np.concatenate([np.zeros(0, np.int64), *extra_round])
