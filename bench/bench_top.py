@@ -90,19 +90,82 @@ def writer(src: Path, out: Path, history_rows: int, live_s: float, ready: Path, 
     w.close()
 
 
-def refresh(src: Path, history_rows: int, live_s: float, every_s: float) -> dict:
+def writer_on(src: Path, out: Path, live_s: float, ready: Path, every_s: float) -> None:
+    """The writer process for a history already on disk (`--history-trace`, hard-linked into
+    `out`): it takes the store's lock and manifest as the run's writer holds them, then
+    commits a copy of `src` per `every_s` after the history's last round, through the
+    store's own PartStore (write, commit, merge), as a live run's flushes arrive."""
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "bench"))
+    import pyarrow.compute as pc
+    from gen_big_trace import Source, shifted
+
+    from tracing.compaction import Targets
+    from tracing.manifest import read_manifests
+    from tracing.reader import Trace
+    from tracing.schema import TABLES as SCHEMAS
+    from tracing.store_lock import WriterLock
+    from tracing.writer import PartCache, PartStore
+
+    lock = WriterLock.acquire(out, 0)
+    store = PartStore(out, read_manifests(out)[0], SCHEMAS, Targets(), PartCache())
+    steps = Trace.open(out).table("steps", ["step", "ts_ns", "dur_ns"])
+    last_step = int(pc.max(steps["step"]).as_py())
+    end = int(pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
+    del steps
+    s = Source(src)
+    # the live copies' clock: now (or past the history's end), so top's windows see them arrive
+    dt = max(end, time.monotonic_ns()) + 1000 - s.t_min
+    dstep = last_step + 1 - int(pc.min(s.tables["steps"]["step"]).as_py())
+    k, stop = 0, time.monotonic() + live_s
+    while True:
+        added = {name: [store.write_part(name, shifted(t, dt + k * s.span, dstep + k * s.nstep, f"#live{k}"))]
+                 for name, t in s.tables.items() if t.num_rows}
+        store.commit(added)
+        store.compact(final=False)
+        if k == 0:
+            ready.write_text(str(sum(e.rows for e in store.manifest.tables.get("probes", []))))
+        k += 1
+        if time.monotonic() >= stop:
+            break
+        time.sleep(every_s)
+    lock.release()
+
+
+def live_copy(history: Path, out: Path) -> None:
+    """`history` hard-linked into `out` (no copy of its GBs), its end-of-run record taken out:
+    a trace whose run is still being written, once `writer_on` holds its lock."""
+    sys.path.insert(0, str(REPO))
+    from tracing.writer import write_json_atomic
+
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["cp", "-al", str(history), str(out)], check=True)
+    meta = json.loads((out / "meta.json").read_text())
+    meta.pop("run", None)
+    (out / "meta.json").unlink()  # a link to the history's: replaced, not written through
+    write_json_atomic(out / "meta.json", meta)
+
+
+def refresh(src: Path, history_rows: int, live_s: float, every_s: float, history_trace: Path | None = None,
+            attaches: int = 0) -> dict:
     from viewer.tui.top_app import TopApp
 
     out, ready = OUT / "live", OUT / "ready"
     shutil.rmtree(out, ignore_errors=True)
     ready.unlink(missing_ok=True)
-    wp = subprocess.Popen([sys.executable, __file__, "--writer", str(src), str(out), str(history_rows), str(live_s),
-                           str(ready), str(every_s)], cwd=REPO)
+    if history_trace is not None:
+        live_copy(history_trace, out)
+        args = ["--writer-on", str(src), str(out), str(live_s), str(ready), str(every_s)]
+    else:
+        args = ["--writer", str(src), str(out), str(history_rows), str(live_s), str(ready), str(every_s)]
+    wp = subprocess.Popen([sys.executable, __file__, *args], cwd=REPO)
     while not ready.exists():
         if wp.poll() is not None:
             raise SystemExit("the writer process failed")
         time.sleep(0.2)
     history = int(ready.read_text())
+    # fresh processes attaching while the writer commits (each about 1.5 s of the live time)
+    attached = [attach(out) for _ in range(attaches)]
 
     async def watch() -> TopApp:
         app = TopApp(out)
@@ -120,7 +183,10 @@ def refresh(src: Path, history_rows: int, live_s: float, every_s: float) -> dict
                 "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "max": s[-1], "over_50ms": sum(x > 50 for x in s),
                 "of": len(s)}
 
-    return {"history_probe_rows": history, "copy_every_s": every_s, "ticks": len(app.tick_ms),
+    if history_trace is not None:
+        shutil.rmtree(out, ignore_errors=True)  # links only: the history stays
+    return {"history_probe_rows": history, "copy_every_s": every_s, "attach_live": attached,
+            "ticks": len(app.tick_ms),
             "ticks_per_s": len(app.tick_ms) / (live_s - 1), "paint_wall_ms": dist(app.tick_ms),
             "paint_cpu_ms": dist(app.tick_cpu_ms), "fold_ms": dist(app.fold_ms), "age_ms": dist(app.age_ms),
             "rows_read": app.state.rows_seen,
@@ -336,8 +402,17 @@ def main() -> None:
         src, out, rows, live, ready, every = sys.argv[2:8]
         writer(Path(src), Path(out), int(rows), float(live), Path(ready), float(every))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--writer-on":
+        src, out, live, ready, every = sys.argv[2:7]
+        writer_on(Path(src), Path(out), float(live), Path(ready), float(every))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--history-rows", type=int, default=1_000_000)
+    ap.add_argument("--history-trace", type=Path,
+                    help="refresh: this trace (say a bench/gen_big_trace.py one) as the run's history, "
+                         "instead of --history-rows written row by row")
+    ap.add_argument("--attaches", type=int, default=0,
+                    help="refresh: fresh processes attaching while the writer commits")
     ap.add_argument("--live-s", type=float, default=20.0)
     ap.add_argument("--copy-every-s", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
@@ -355,7 +430,7 @@ def main() -> None:
     if a.part in ("both", "refresh"):
         src = OUT / "src"
         _tiny_run(src, 64, ["--snapshot-every", "16"])
-        res["refresh"] = refresh(src, a.history_rows, a.live_s, a.copy_every_s)
+        res["refresh"] = refresh(src, a.history_rows, a.live_s, a.copy_every_s, a.history_trace, a.attaches)
         print(json.dumps(res["refresh"], indent=2), flush=True)
     if a.part in ("both", "cost"):
         res["cost"] = cost(a.requests, a.pairs)
