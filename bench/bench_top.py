@@ -11,6 +11,10 @@
    second meanwhile. The app times each refresh: its feed thread's read, fold and
    snapshot (`fold`), the event loop's paint until the screen shows it (`tick`, wall and
    CPU), and the data's age from the read's start to the screen (`age`).
+   `--history-trace T` (say bench/gen_big_trace.py's 100 M-row trace): T, hard-linked and
+   its end record taken out, is the history, and the writer appends copies after it through
+   the store's PartStore with the run's lock and manifest; `--attaches N` fresh processes
+   time their first screen meanwhile.
 2. **Cost to the run.** `mstrace run --model tiny --requests N` with and without a
    headless `mstrace top` attached to its trace, in alternated pairs: the run's CPU
    time per output token (meta.json run.cpu: its process and children), B/A.
