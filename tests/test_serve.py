@@ -218,6 +218,13 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     # token's collection before the client reads it (one machine: the two clocks are one)
     assert side["hop_in_min_ms"] >= 0 and side["hop_out_min_ms"] >= 0
     assert side["hop_in_ms"]["mean"] + side["hop_out_ms"]["mean"] == pytest.approx(side["hop_ttft_ms"]["mean"])
+    # the hop in, cut at the HTTP server's own stamps (the trace's http_* timeline events):
+    # every request has them, each leg is forward in time, and they add up to the leg
+    assert side["hop_in_legs_of"] == 12
+    legs = ("hop_in_read_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
+    assert side["hop_in_legs_min_ms"] >= 0
+    assert sum(side[k]["mean"] for k in legs) == pytest.approx(side["hop_in_ms"]["mean"])
+    assert "route -> submit" in p.stdout
 
 
 def test_bench_serve_random_prompts_are_as_long_as_the_server_counts_them(server: Served, tmp_path: Path) -> None:

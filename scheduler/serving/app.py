@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.serving.chat import ChatTemplate
 from scheduler.serving.engine_loop import EngineLoop
+from scheduler.serving.http_timing import http_times
 from scheduler.serving.metrics import ServerMetrics
 from scheduler.serving.protocol import (
     BadRequest,
@@ -148,7 +149,8 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         health_gate()
         call = Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream,
                     body.include_usage(), state.model, body.add_special_tokens, echo=body.echo,
-                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0, n=body.n)
+                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0, n=body.n,
+                    http=http_times(request.scope))
         return await reply(call, request)
 
     @v1.post("/chat/completions")
@@ -157,7 +159,8 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         body.unsupported()
         health_gate()
         call = Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n)
+                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n,
+                    http=http_times(request.scope))
         return await reply(call, request)
 
     @v1.get("/models")

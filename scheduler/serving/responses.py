@@ -14,7 +14,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
@@ -22,6 +22,9 @@ from scheduler.core.request import SamplingParams
 from scheduler.serving.logprobs import Scored, chat_logprobs, completion_logprobs
 from scheduler.serving.protocol import BadRequest, created, usage
 from scheduler.serving.streams import End, Event, ResponseStreams, Text
+
+if TYPE_CHECKING:
+    from scheduler.serving.http_timing import HttpTimes
 
 # How often a request waiting for its first or next token checks its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -49,6 +52,7 @@ class Call:
     logprobs: bool = False  # the reply carries a logprobs object
     drop_output: bool = False  # max_tokens 0 with echo: the one token generated is not returned
     n: int = 1  # samples per prompt: a choice each
+    http: HttpTimes | None = None  # when the HTTP server read it (None: not through TimedHttpProtocol)
 
 
 @dataclass(slots=True)
@@ -63,9 +67,10 @@ class Choice:
 class Responder:
     def __init__(self, streams: ResponseStreams, submit: Callable[[str | list[int], SamplingParams, str, bool], None],
                  abort: Callable[[str, str], None], probe_buf: list[Any] | None, step: Callable[[], int],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, timeline_buf: list[Any] | None = None) -> None:
         self._streams, self._submit, self._abort = streams, submit, abort
         self._buf, self._step = probe_buf, step
+        self._timeline = timeline_buf  # the HTTP stamps of each request submitted (this loop's own list)
         self._decode = decode  # echo of a token-id prompt: its text
 
     async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
@@ -75,6 +80,7 @@ class Responder:
             return await self._many(call, rid, disconnected)
         q = self._streams.open(rid, call.stops)
         self._submit(call.prompts[0], call.params, rid, call.add_special_tokens)
+        self._stamp(call, rid)
         try:
             first = await self._next(q, disconnected, rid)
         except BaseException:
@@ -90,6 +96,13 @@ class Responder:
         finally:
             self._streams.close(rid)
         return self._reply(call, rid, [(ch, end)])
+
+    def _stamp(self, call: Call, rid: str) -> None:
+        """The HTTP server's stamps as timeline events of the engine request `rid`, once the
+        engine has it (a refused submit raises before: no events for a request never made)."""
+        if self._timeline is not None and call.http is not None:
+            step = self._step()
+            self._timeline.extend((ts, rid, stage, step, 0) for ts, stage in call.http.events())
 
     async def _many(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """A batch of prompts, `n` samples each: every choice an engine request of its own
@@ -109,6 +122,7 @@ class Responder:
                 await started[p].wait()
             try:
                 self._submit(call.prompts[p], _sample_params(call.params, j), rids[i], call.add_special_tokens)
+                self._stamp(call, rids[i])
                 return await self._next(queues[i], disconnected, rids[i])
             finally:
                 if not j:

@@ -138,7 +138,9 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         if len(rows) == len(want) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
+    http = _http_stamps(trace, set(rows))
     s_ttft, s_e2e, hop_ttft, hop_e2e, hop_in, hop_out = [], [], [], [], [], []
+    legs: dict[str, list[float]] = {k: [] for k in IN_LEGS}
     for rid, row in rows.items():
         c = want[rid]
         st = (row["first_token_ns"] - row["arrival_ns"]) * MS
@@ -149,20 +151,60 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         hop_e2e.append((c.done_ns - c.sent_ns) * MS - se)
         hop_in.append((row["arrival_ns"] - c.sent_ns) * MS)
         hop_out.append((c.chunk_ns[0] - row["first_token_ns"]) * MS)
+        h = http.get(rid)
+        if h is not None and len(h) == len(IN_LEGS) - 1:
+            marks = [c.sent_ns, *h, row["arrival_ns"]]
+            for k, a, b in zip(IN_LEGS, marks, marks[1:], strict=False):
+                legs[k].append((b - a) * MS)
     return {"matched": len(rows), "of": len(want), "server_ttft_ms": _dist(s_ttft), "server_e2el_ms": _dist(s_e2e),
             "hop_ttft_ms": _dist(hop_ttft), "hop_e2el_ms": _dist(hop_e2e),
             "hop_ttft_min_ms": min(hop_ttft) if hop_ttft else float("nan"),
             "hop_in_ms": _dist(hop_in), "hop_out_ms": _dist(hop_out),
             "hop_in_min_ms": min(hop_in) if hop_in else float("nan"),
-            "hop_out_min_ms": min(hop_out) if hop_out else float("nan")}
+            "hop_out_min_ms": min(hop_out) if hop_out else float("nan"),
+            "hop_in_legs_of": len(legs[IN_LEGS[0]]), **{k: _dist(v) for k, v in legs.items()},
+            "hop_in_legs_min_ms": min((x for v in legs.values() for x in v), default=float("nan"))}
+
+
+# The hop in, cut where the server stamped the request (scheduler/serving/http_timing.py):
+# the send -> the parser meets its first bytes (connect, accept, the kernel, the event loop's
+# turn to read) -> its body complete (the parse) -> the route begins (the ASGI task's turn,
+# the middleware, FastAPI's validation) -> the submit (the route: its checks, the engine's
+# submit). Per request they add up to hop_in_ms.
+IN_LEGS = ("hop_in_read_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
+
+
+def _http_stamps(trace: Path, ids: set[str]) -> dict[str, list[int]]:
+    """Per request id, its server's HTTP stamps in the order of their stages (a server that
+    wrote none, an older one or another framework's: none)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from scheduler.serving.http_timing import STAGES
+    from tracing.reader import Trace, TraceError
+
+    try:
+        t = Trace.open(trace).table("timeline", ["request_id", "stage", "ts_ns"])
+    except TraceError:
+        return {}
+    t = t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(STAGES))))
+    got: dict[str, dict[str, int]] = {}
+    for r in t.to_pylist():
+        if r["request_id"] in ids:
+            got.setdefault(r["request_id"], {})[str(r["stage"])] = r["ts_ns"]
+    return {rid: [d[s] for s in STAGES] for rid, d in got.items() if len(d) == len(STAGES)}
 
 
 def render_server_side(s: dict[str, Any]) -> str:
     w = 50
     lines = [f"{' Server side (mstrace trace) ':=^{w}}", f"{'Requests matched in the trace:':<40}{s['matched']}/{s['of']}"]
     for key, label in (("server_ttft_ms", "server TTFT"), ("hop_ttft_ms", "client - server TTFT"),
-                       ("hop_in_ms", "hop in: send -> submit"), ("hop_out_ms", "hop out: token -> read"),
+                       ("hop_in_ms", "hop in: send -> submit"), ("hop_in_read_ms", "  send -> read"),
+                       ("hop_in_parse_ms", "  read -> parsed"), ("hop_in_route_ms", "  parsed -> route"),
+                       ("hop_in_submit_ms", "  route -> submit"), ("hop_out_ms", "hop out: token -> read"),
                        ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
+        if key in IN_LEGS and not s.get("hop_in_legs_of"):
+            continue  # a server that stamps no HTTP times (another framework, an older mstrace)
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             lines.append(f"{f'{name} {label} (ms):':<40}{s[key][stat]:<10.3f}")
     lines.append(f"{'Min client - server TTFT (ms):':<40}{s['hop_ttft_min_ms']:<10.3f}")

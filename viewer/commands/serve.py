@@ -75,6 +75,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
     from scheduler.serving.app import ServerState, make_app
     from scheduler.serving.chat import ChatTemplate
     from scheduler.serving.engine_loop import EngineLoop
+    from scheduler.serving.http_protocol import TimedHttpProtocol
     from scheduler.serving.metrics import ServerMetrics
     from scheduler.serving.protocol import created
     from scheduler.serving.responses import Responder
@@ -107,12 +108,13 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
             responder = Responder(streams,
                                   lambda p, sp, rid, special: engine.submit(p, sp, rid, add_special_tokens=special),
                                   engine.request_abort, http_buf, lambda: engine.step_no,
-                                  engine.tokenizer.decode if engine.tokenizer else None)
+                                  engine.tokenizer.decode if engine.tokenizer else None, writer.buffer("timeline"))
             chat = ChatTemplate(engine.model_dir, engine.tokenizer.special_prefix() if engine.tokenizer else "")
             st = ServerState(loop, metrics, responder, chat, name,
                              engine.model_config.max_position_embeddings, opts.api_key, created())
             app = make_app(st, opts.max_body_bytes)
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+            server = uvicorn.Server(uvicorn.Config(app, http=TimedHttpProtocol, log_level="warning",
+                                                   access_log=False, lifespan="off",
                                                    timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
             loop.start()
             host, port = sock.getsockname()[:2]
