@@ -225,6 +225,12 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     assert side["hop_in_legs_min_ms"] >= 0
     assert sum(side[k]["mean"] for k in legs) == pytest.approx(side["hop_in_ms"]["mean"])
     assert "route -> submit" in p.stdout
+    # stamped outside any round: the round running meanwhile is not the request's
+    from tracing.reader import Trace
+
+    tl = Trace.open(server.out).table("timeline", ["stage", "step"]).to_pylist()
+    http = [r["step"] for r in tl if str(r["stage"]).startswith("http_")]
+    assert len(http) >= 3 * 12 and set(http) == {-1}
 
 
 def test_bench_serve_random_prompts_are_as_long_as_the_server_counts_them(server: Served, tmp_path: Path) -> None:

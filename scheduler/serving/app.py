@@ -144,23 +144,25 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        http = http_times(request.scope)  # first: the route's own checks are the next leg's
         check_model(body.model)
         body.unsupported()
         health_gate()
         call = Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream,
                     body.include_usage(), state.model, body.add_special_tokens, echo=body.echo,
                     logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0, n=body.n,
-                    http=http_times(request.scope))
+                    http=http)
         return await reply(call, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        http = http_times(request.scope)  # first: the route's own checks and the template are the next leg's
         check_model(body.model)
         body.unsupported()
         health_gate()
         call = Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
                     body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n,
-                    http=http_times(request.scope))
+                    http=http)
         return await reply(call, request)
 
     @v1.get("/models")

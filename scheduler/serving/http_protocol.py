@@ -14,7 +14,7 @@ class TimedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {EXTENSION: {"read_ns": now_ns()}}
+        self.scope.setdefault("extensions", {})[EXTENSION] = {"read_ns": now_ns()}
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -99,10 +99,10 @@ class Responder:
 
     def _stamp(self, call: Call, rid: str) -> None:
         """The HTTP server's stamps as timeline events of the engine request `rid`, once the
-        engine has it (a refused submit raises before: no events for a request never made)."""
+        engine has it (a refused submit raises before: no events for a request never made).
+        Step -1: no round; the one running meanwhile is not the request's."""
         if self._timeline is not None and call.http is not None:
-            step = self._step()
-            self._timeline.extend((ts, rid, stage, step, 0) for ts, stage in call.http.events())
+            self._timeline.extend((ts, rid, stage, -1, 0) for ts, stage in call.http.events())
 
     async def _many(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """A batch of prompts, `n` samples each: every choice an engine request of its own
