@@ -152,6 +152,18 @@ def test_pooled_percentiles_match_materialised_resamples(step, weighted):
                 assert got[k][r] == pytest.approx(getattr(want, k), rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.bool_, np.uint8, np.int32])
+def test_weighted_percentiles_take_weights_of_any_integer_type(dtype):
+    """Narrow weights give what int64 ones give (their running count must not overflow)."""
+    rng = np.random.default_rng(5)
+    vals = rng.random(700)
+    w = rng.integers(0, 2 if dtype is np.bool_ else 6, 700).astype(dtype)
+    for scale_vals, scale in ((vals, None), ((vals * 1e6).astype(np.int64), 1e-6)):
+        assert Dist.weighted(scale_vals, w, scale) == Dist.weighted(scale_vals, w.astype(np.int64), scale)
+    big = np.full(3, 2**30, np.int32)  # an int32 running count would pass 2**31
+    assert Dist.weighted(np.array([1.0, 2.0, 3.0]), big).p50 == 2.0
+
+
 @pytest.mark.parametrize("shift", [0, -20, 56])  # packed; negative values; too wide to pack
 def test_weighted_integer_values_equal_the_expanded_multiset(shift):
     """Dist.weighted of integer values (sorted packed with their weights where both fit) is

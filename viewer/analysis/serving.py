@@ -59,7 +59,9 @@ class Dist:
             for b in _blocks(len(v)):  # as astype(float64) * scale, in place (numpy copies an overlap)
                 np.multiply(v[b], scale, out=f[b])
             v = f
-        cw = np.cumsum(w, out=w)
+        # in place where the weights are int64 (the caller's to lose, or a copy); a narrower
+        # type would overflow
+        cw = np.cumsum(w, out=w) if w.dtype == np.int64 else np.cumsum(w, dtype=np.int64)
 
         def at(k: int) -> float:  # the k-th smallest of the expanded multiset
             return float(v[np.searchsorted(cw, k, side="right")])
@@ -103,7 +105,7 @@ def _sort_pairs(v: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key >>= wbits
         return key, w
     order = np.argsort(v)
-    return v[order].astype(np.int64), w[order].astype(np.int64)
+    return v[order].astype(np.int64, copy=False), w[order].astype(np.int64, copy=False)
 
 
 BLOCK = 1 << 20
