@@ -98,7 +98,8 @@ def writer_on(src: Path, out: Path, live_s: float, ready: Path, every_s: float) 
     """The writer process for a history already on disk (`--history-trace`, hard-linked into
     `out`): it takes the store's lock and manifest as the run's writer holds them, then
     commits a copy of `src` per `every_s` after the history's last round, through the
-    store's own PartStore (write, commit, merge), as a live run's flushes arrive."""
+    store's own PartStore (write, commit, merge), as a live run's flushes arrive, until
+    `ready`'s sibling `stop` appears (or `live_s` plus a minute, should nothing stop it)."""
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "bench"))
     import pyarrow.compute as pc
@@ -121,7 +122,7 @@ def writer_on(src: Path, out: Path, live_s: float, ready: Path, every_s: float) 
     # the live copies' clock: now (or past the history's end), so top's windows see them arrive
     dt = max(end, time.monotonic_ns()) + 1000 - s.t_min
     dstep = last_step + 1 - int(pc.min(s.tables["steps"]["step"]).as_py())
-    k, stop = 0, time.monotonic() + live_s
+    k, stop, give_up = 0, ready.with_name("stop"), time.monotonic() + live_s + 60
     while True:
         added = {name: [store.write_part(name, shifted(t, dt + k * s.span, dstep + k * s.nstep, f"#live{k}"))]
                  for name, t in s.tables.items() if t.num_rows}
@@ -130,7 +131,7 @@ def writer_on(src: Path, out: Path, live_s: float, ready: Path, every_s: float) 
         if k == 0:
             ready.write_text(str(sum(e.rows for e in store.manifest.tables.get("probes", []))))
         k += 1
-        if time.monotonic() >= stop:
+        if stop.exists() or time.monotonic() >= give_up:
             break
         time.sleep(every_s)
     lock.release()
@@ -144,6 +145,10 @@ def live_copy(history: Path, out: Path) -> None:
 
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["cp", "-al", str(history), str(out)], check=True)
+    # files opened in place would be the history's: its writer locks (flocked, not replaced)
+    # and any temporary a writer left (written by truncation)
+    for f in [*out.glob(".writer-*.lock"), *out.rglob("*.tmp")]:
+        f.unlink()
     meta = json.loads((out / "meta.json").read_text())
     meta.pop("run", None)
     (out / "meta.json").unlink()  # a link to the history's: replaced, not written through
@@ -154,9 +159,10 @@ def refresh(src: Path, history_rows: int, live_s: float, every_s: float, history
             attaches: int = 0) -> dict:
     from viewer.tui.top_app import TopApp
 
-    out, ready = OUT / "live", OUT / "ready"
+    out, ready, stop = OUT / "live", OUT / "ready", OUT / "stop"
     shutil.rmtree(out, ignore_errors=True)
     ready.unlink(missing_ok=True)
+    stop.unlink(missing_ok=True)
     if history_trace is not None:
         live_copy(history_trace, out)
         args = ["--writer-on", str(src), str(out), str(live_s), str(ready), str(every_s)]
@@ -180,6 +186,7 @@ def refresh(src: Path, history_rows: int, live_s: float, every_s: float, history
         return app
 
     app = asyncio.run(watch())
+    stop.touch()  # the history writer (`writer_on`) commits until now; the row writer ends by its own clock
     wp.wait()
     def dist(xs: list[float]) -> dict[str, float]:
         s = sorted(xs[1:])  # the first is the attach
