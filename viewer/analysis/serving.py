@@ -9,13 +9,15 @@ Percentiles are linear-interpolated (numpy's default)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from viewer.analysis.intervals import blocks
 
 
 @dataclass(slots=True)
@@ -47,7 +49,7 @@ class Dist:
             return cls(nan, nan, nan, nan, 0)
         # in the rows' order (a sort orders ties as it likes, which would move the last
         # digit), a block at a time: float copies of a block, not of the arrays
-        total = math.fsum(float(np.dot(v[b].astype(np.float64), w[b].astype(np.float64))) for b in _blocks(len(v)))
+        total = math.fsum(float(np.dot(v[b].astype(np.float64), w[b].astype(np.float64))) for b in blocks(len(v)))
         total *= 1.0 if scale is None else scale
         if scale is None:
             # ties are equal values: any order gives the same percentiles
@@ -56,7 +58,7 @@ class Dist:
         else:  # v and w are this function's own now (copies, or given up by the caller)
             v, w = _sort_pairs(v, w)
             f = v.view(np.float64)
-            for b in _blocks(len(v)):  # as astype(float64) * scale, in place (numpy copies an overlap)
+            for b in blocks(len(v)):  # as astype(float64) * scale, in place (numpy copies an overlap)
                 np.multiply(v[b], scale, out=f[b])
             v = f
         # in place where the weights are int64 (the caller's to lose, or a copy); a narrower
@@ -108,18 +110,11 @@ def _sort_pairs(v: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v[order].astype(np.int64, copy=False), w[order].astype(np.int64, copy=False)
 
 
-BLOCK = 1 << 20
-
-
-def _blocks(n: int) -> Iterator[slice]:
-    return (slice(i, min(i + BLOCK, n)) for i in range(0, n, BLOCK))
-
-
 def _compress_in_place(keep: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """Each array's `keep` entries moved to its front, in order, a block at a time (a copy of
     a block, not of the array); returns those fronts (views)."""
     j = 0
-    for b in _blocks(len(keep)):
+    for b in blocks(len(keep)):
         k = keep[b]
         m = int(np.count_nonzero(k))
         for a in arrays:
