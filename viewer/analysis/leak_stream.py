@@ -129,7 +129,7 @@ class WindowedReplay:
             ids = self.reclaimed[rid]
             if len(ids) > 1 and None in ids:
                 # A null id has no order among others; the event loop's sorted() fails there: so must we.
-                raise TypeError(f"reclaimed blocks of {rid!r}: a null block id cannot be ordered among others")
+                raise replay.Unordered(f"reclaimed blocks of {rid!r}: a null block id cannot be ordered among others")
             out[rid] = sorted(ids, key=lambda x: -1 if x is None else x)
         return out
 
@@ -141,7 +141,7 @@ def table_windows(memory: pa.Table, rows: int = WINDOW_ROWS) -> Iterator[pa.Tabl
         yield memory  # the replay orders one window itself (a lone null timestamp included)
         return
     if memory["ts_ns"].null_count:
-        raise TypeError("memory.ts_ns has nulls: no replay order")
+        raise replay.Unordered("memory.ts_ns has nulls: no replay order")
     ts = memory["ts_ns"].to_numpy()
     if not (ts[1:] >= ts[:-1]).all():
         order = np.argsort(ts, kind="stable")  # equal timestamps keep file order: emission order
@@ -190,7 +190,7 @@ def _final(waiting: list[pa.Table], got: list[pa.Table], t: int, total: int) -> 
         return
     tab = pa.concat_tables(parts)
     if tab["ts_ns"].null_count and total > 1:
-        raise TypeError("memory.ts_ns has nulls: no replay order")
+        raise replay.Unordered("memory.ts_ns has nulls: no replay order")
     ts, pos = tab["ts_ns"].to_numpy(), tab[_POS].to_numpy()
     if t != NEVER:
         now = ts < t

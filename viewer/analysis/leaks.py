@@ -33,7 +33,7 @@ from tracing.sweep import Sweep, start_over
 from viewer.analysis import leak_fragmentation as frag
 from viewer.analysis import leak_stream as stream
 from viewer.analysis.leak_fragmentation import FragPoint
-from viewer.analysis.leak_replay import MAX_ANOMALIES
+from viewer.analysis.leak_replay import MAX_ANOMALIES, Unordered
 from viewer.analysis.records import INLINE, JsonRecord, plain
 
 __all__ = ["MAX_ANOMALIES", "FragPoint", "HeldBlocks", "LeakReport", "LeaksResult", "build_leaks", "frag_point",
@@ -120,7 +120,10 @@ def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) ->
             rp.feed(w)
         return rp, inferred
 
-    rp, inferred = start_over(tr, "memory", replay)
+    try:
+        rp, inferred = start_over(tr, "memory", replay)
+    except Unordered as e:
+        raise TraceError(f"corrupt memory/ table in {tr.root}: {e}") from None
     rep = _report(rp, inferred, tr.status.complete, lambda names: _finished_in_trace(tr, names))
     return LeaksResult(trace, tr.status, rep)
 
