@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.support.cli import cli
 from tests.support.tiny_runs import TinyRuns
-from tracing.schema import TABLES
+from tracing.schema import NEVER_NULL, TABLES
 
 # Corruptions after which the trace is still what was committed: commands must
 # succeed and show exactly the clean trace's result.
@@ -27,7 +27,7 @@ BENIGN = {"uncommitted_part", "duplicate_file", "stray_tmp"}
 KINDS = ["truncate_part", "garbage_bytes", "drop_column", "mistype_column", "duplicate_in_manifest",
          "uncommitted_part", "duplicate_file", "stray_tmp", "garbage_meta", "missing_meta", "meta_not_object",
          "empty_table_folder", "missing_table_folder", "manifest_names_missing_part", "garbage_manifest",
-         "missing_manifest", "manifest_rows_wrong", "manifest_not_object", "empty_part_file"]
+         "missing_manifest", "manifest_rows_wrong", "manifest_not_object", "empty_part_file", "null_time"]
 COMMANDS = ("report", "stalls", "leaks")
 
 
@@ -65,6 +65,8 @@ def committed(root: Path) -> list[tuple[str, dict]]:
 
 def corrupt(root: Path, kind: str, data: st.DataObject) -> None:
     parts = committed(root)
+    if kind == "null_time":  # a row with no time: what no writer leaves (schema.NEVER_NULL)
+        parts = [(t, e) for t, e in parts if t in NEVER_NULL]
     table, entry = data.draw(st.sampled_from(parts), label="part")
     part = root / table / entry["file"]
     man = root / "manifest.json"
@@ -120,6 +122,13 @@ def corrupt(root: Path, kind: str, data: st.DataObject) -> None:
         man.write_text(json.dumps(data.draw(st.sampled_from([[], "x", 3, {"format": 1}]), label="obj")))
     elif kind == "empty_part_file":
         part.write_bytes(b"")
+    elif kind == "null_time":
+        t = pq.read_table(part)
+        col = data.draw(st.sampled_from(NEVER_NULL[table]), label="column")
+        vals = t[col].to_pylist()
+        vals[data.draw(st.integers(0, len(vals) - 1), label="row")] = None
+        t = t.set_column(t.column_names.index(col), col, pa.array(vals, t.schema.field(col).type))
+        pq.write_table(t, part)
     else:  # pragma: no cover
         raise AssertionError(kind)
 

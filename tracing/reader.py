@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from tracing.manifest import STORE, ManifestError, legacy_parts, part_rank, read_manifests
 from tracing.run_status import RunStatus, run_status
-from tracing.schema import ADDED, SCHEMA_VERSION, TABLES
+from tracing.schema import ADDED, NEVER_NULL, SCHEMA_VERSION, TABLES
 
 # A live writer may compact away a part between our manifest read and the part's;
 # the new manifest then names its replacement.
@@ -146,18 +146,21 @@ class Trace:
                              f"the manifest committed {want}")
         if attempt and not self.legacy:
             t = _cut_to(t, _rows_by_rank(parts), first)
+        check_never_null(t, name, self.root)
         return t
 
 
     def verify(self, name: str) -> None:
         """TraceError unless every committed part of `name` reads whole, with the manifest's
-        row count: what `table` checks, read as a stream (part_batches), so a part of any
+        row count and no null where NEVER_NULL says: what `table` checks, read as a stream
+        (part_batches), so a part of any
         size is checked in bounded memory (`mstrace compact` checks before it rewrites)."""
         for p in self.parts.get(name, []):
             try:
                 rows = 0
                 for b in part_batches(p, TABLES[name]):
                     b.validate(full=True)
+                    check_never_null(b, name, self.root)
                     rows += b.num_rows
             except _PartSchemaError as e:
                 raise TraceError(f"corrupt {name}/ table in {self.root}: {e}") from None
@@ -169,6 +172,15 @@ class Trace:
             if p.rows is not None and rows != p.rows:
                 raise TraceError(f"corrupt {name}/ table in {self.root}: {p.path.name} holds {rows} rows, "
                                  f"the manifest committed {p.rows}")
+
+
+def check_never_null(t: pa.Table, name: str, root: Path) -> None:
+    """TraceError for a null in one of `name`'s NEVER_NULL columns (what Parquet's validation
+    does not catch: the column's type allows it)."""
+    for c in NEVER_NULL.get(name, ()):
+        if c in t.column_names and t[c].null_count:
+            n = t[c].null_count
+            raise TraceError(f"corrupt {name}/ table in {root}: {n} {'row has' if n == 1 else 'rows have'} no {c}")
 
 
 def part_batches(p: Part, schema: pa.Schema) -> Iterator[pa.Table]:

@@ -211,6 +211,16 @@ TIMESTAMPS: dict[str, tuple[str, ...]] = {
     "waits": ("ts_ns",),
 }
 
+# Columns every row has (when it happened, how long): a null there is a corrupt trace, not a
+# marker (the writers never leave one; 0 is "never happened"). The readers check them, so an
+# analysis never meets a null where it orders or subtracts.
+NEVER_NULL: dict[str, tuple[str, ...]] = {
+    "probes": ("ts_ns", "dur_ns"),
+    "steps": ("step", "ts_ns", "dur_ns"),
+    "memory": ("ts_ns",),
+    "timeline": ("ts_ns",),
+}
+
 # The order a flush drains the producers' buffers in. Rows are appended with no lock,
 # so a flush sees each buffer at a different moment; the order makes every committed
 # flush closed under the references the analyses follow. When a referent row is always

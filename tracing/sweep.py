@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracing.reader import Part, Trace, TraceError, read_row_groups
+from tracing.reader import Part, Trace, TraceError, check_never_null, read_row_groups
 from tracing.schema import TABLES
 
 NEVER = np.iinfo(np.int64).max
@@ -128,6 +128,7 @@ class Sweep:
             raise Vanished(part.path.name) from None
         except TraceError as e:
             raise TraceError(f"corrupt {self.name}/ table in {self.trace.root}: {e}") from None
+        check_never_null(t, self.name, self.trace.root)
         if self.position is not None:
             pos = np.concatenate([np.arange(g.row0, g.row0 + g.rows, dtype=np.int64) for g in groups])
             t = t.append_column(self.position, pa.array(pos))
