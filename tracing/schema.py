@@ -217,6 +217,7 @@ TIMESTAMPS: dict[str, tuple[str, ...]] = {
 NEVER_NULL: dict[str, tuple[str, ...]] = {
     "probes": ("ts_ns", "dur_ns"),
     "steps": ("step", "ts_ns", "dur_ns"),
+    "requests": ("arrival_ns", "finish_ns"),  # a row is written when its request ends
     "memory": ("ts_ns",),
     "timeline": ("ts_ns",),
 }
