@@ -153,8 +153,8 @@ class Trace:
     def verify(self, name: str) -> None:
         """TraceError unless every committed part of `name` reads whole, with the manifest's
         row count and no null where NEVER_NULL says: what `table` checks, read as a stream
-        (part_batches), so a part of any
-        size is checked in bounded memory (`mstrace compact` checks before it rewrites)."""
+        (part_batches), so a part of any size is checked in bounded memory (`mstrace
+        compact` checks before it rewrites)."""
         for p in self.parts.get(name, []):
             try:
                 rows = 0
