@@ -33,6 +33,26 @@ def test_completions_streamed_and_not_agree_and_count_their_tokens(client) -> No
     assert len([c for c in chunks if c.choices]) == 12
 
 
+def test_the_openai_clients_requests_carry_the_http_servers_stamps(client, server: Served) -> None:
+    """A chat request from the official client: its engine request's timeline starts with the
+    HTTP server's stamps, in order, before the engine's `arrived` (its submit)."""
+    import time
+
+    from tracing.reader import Trace
+
+    rid = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=2).id
+    want = ["http_read", "http_body", "http_route", "arrived"]
+    for _ in range(100):  # the server commits its rows every second
+        tl = Trace.open(server.out).table("timeline", ["request_id", "stage", "ts_ns", "step"]).to_pylist()
+        got = sorted((r["ts_ns"], str(r["stage"]), r["step"]) for r in tl if r["request_id"] == rid)
+        if {"http_read", "arrived"} <= {g[1] for g in got}:
+            break
+        time.sleep(0.1)
+    assert [g[1] for g in got][:4] == want, got
+    assert all(g[2] == -1 for g in got[:3])
+
+
 def test_chat_streamed_and_not_agree(client) -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
