@@ -50,18 +50,41 @@ def _assert_same_views(root: Path) -> None:
                                       "steps": ["step", "ts_ns", "dur_ns", "collect_ns"]})
     colls = read_collectives(whole_trace)
     ranks = sorted(pc.unique(t["probes"]["rank"]).to_pylist())
-    for totals in (True, False):
+    for totals, chunk in ((True, 1), (False, 1), (False, 3)):
         for window in (1, 7, 50, 1 << 21):
             trace = Trace.open(root)
-            got = stream_views(trace, Cycles.of(trace, t["steps"]), colls, totals, window)
+            got = stream_views(trace, Cycles.of(trace, t["steps"]), colls, totals, window, chunk=chunk)
             assert got.ranks == ranks
             assert got.rows == t["probes"].num_rows
             assert trace.status.clipped == whole_trace.status.clipped
             for r in ranks:
-                want = per_cycle(t["probes"], t["steps"], r if len(ranks) > 1 else 0, colls, totals)
+                want = per_cycle(t["probes"], t["steps"], r if len(ranks) > 1 else 0, colls, totals, chunk)
                 assert want.keys() == got.by_rank[r].keys()
                 for k, v in want.items():  # integer-valued float sums: equal, not close
-                    assert np.array_equal(v, got.by_rank[r][k]), (root.name, totals, window, r, k)
+                    assert np.array_equal(v, got.by_rank[r][k]), (root.name, totals, chunk, window, r, k)
+
+
+@pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap"])
+def test_chunks_sum_their_cycles(sample: str) -> None:
+    """`chunk` consecutive cycles to an entry: each entry the sums of its cycles' entries,
+    bounded by its first start and last end (the last entry holds what is left), and the
+    cycles' own lengths kept beside them."""
+    trace = Trace.open(SAMPLES / sample)
+    t = read_consistent(trace, {"probes": ["ts_ns", "dur_ns", "boundary", "stream", "rank"],
+                                "steps": ["step", "ts_ns", "dur_ns", "collect_ns"]})
+    each = per_cycle(t["probes"], t["steps"])
+    n = len(each["start_ns"])
+    for chunk in (2, 5, n - 1, n + 3):
+        got = per_cycle(t["probes"], t["steps"], chunk=chunk)
+        heads = np.arange(0, n, chunk)
+        assert np.array_equal(got["start_ns"], each["start_ns"][heads])
+        assert np.array_equal(got["end_ns"], each["end_ns"][np.minimum(heads + chunk, n) - 1])
+        assert np.array_equal(got["cycles"], np.diff(np.append(heads, n)))
+        assert np.array_equal(got["series:cycle_ns"], each["cycle_ns"])
+        assert got.keys() - {"cycles", "series:cycle_ns"} == each.keys()
+        for k, v in each.items():
+            if k not in ("start_ns", "end_ns"):
+                assert np.array_equal(got[k], np.add.reduceat(v, heads)), (sample, chunk, k)
 
 
 @pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap", "sample-deadlock"])

@@ -224,6 +224,24 @@ def test_long_series_are_drawn_in_runs_with_the_same_answer(monkeypatch):
         assert (r.ci_high - r.ci_low) == pytest.approx(w.ci_high - w.ci_low, rel=0.25)
 
 
+def test_chunked_cycles_resample_as_their_cycles(monkeypatch):
+    """A long trace's cycles come summed in chunks (`per_cycle`'s chunk): with the runs of
+    the same length, whole chunks each, the cycle bootstrap gives what it gives on the
+    cycles one by one, exactly; the rule's own length is rounded up to whole chunks."""
+    from viewer.analysis.cycle_views import per_cycle
+    p, s = cycles(3000, 1.0, 1)
+    each = per_cycle(p, s)
+    monkeypatch.setattr(BS, "GROUPS_MAX", 50)  # runs of at least 60 cycles
+    got = D.cycle_boot(per_cycle(p, s, chunk=7), 200, np.random.default_rng(0))
+    assert got[1]["block"] % 7 == 0 and got[1]["block"] >= BS.blocks(each["cycle_ns"], 60).length
+    monkeypatch.setattr(D, "blocks", lambda x, at_least=1, multiple=1: BS.blocks(x, at_least, 7))
+    want = D.cycle_boot(each, 200, np.random.default_rng(0))
+    assert got[1] == want[1] and "runs" in got[1]
+    assert got[0].keys() == want[0].keys()
+    for k, v in want[0].items():
+        assert np.array_equal(got[0][k], v, equal_nan=True), k
+
+
 def test_paired_draws_are_the_same_requests():
     """Same workload: B's request with A's id gets A's draw count, whatever the row order."""
     side = diff_synth.run(200, seed=1, requests=60)

@@ -46,6 +46,19 @@ def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1
     return np.bincount(idx.ravel(), minlength=reps * n).reshape(reps, n).astype(np.float64)
 
 
+# A long trace's cycles reach `diff` summed in chunks of consecutive cycles, at most this many
+# (`cycle_chunk`): eight chunks to a run at the least, so rounding a run up to whole chunks
+# lengthens it by at most an eighth.
+CHUNKS_MAX = 8 * GROUPS_MAX
+
+
+def cycle_chunk(n: int) -> int:
+    """Cycles per entry of `diff`'s per-cycle arrays for a trace of n cycles (`per_cycle`'s
+    chunk): 1 (every cycle its own) up to CHUNKS_MAX cycles, so never where the cycles are
+    drawn one by one (n <= GROUPS_MAX)."""
+    return -(-n // CHUNKS_MAX) if n > CHUNKS_MAX else 1
+
+
 def shortest_block(n: int) -> int:
     """The block length below which n items make more than GROUPS_MAX blocks (`blocks`'s
     at_least for a series of n items that `group_along` will cut)."""
@@ -104,7 +117,7 @@ def block_length(x: np.ndarray) -> int:
     return blocks(x).length
 
 
-def blocks(x: np.ndarray, at_least: int = 1) -> Blocks:
+def blocks(x: np.ndarray, at_least: int = 1, multiple: int = 1) -> Blocks:
     """Politis & White (2004), "Automatic block-length selection for the dependent
     bootstrap", with the correction of Patton, Politis & White (2009):
       b = (2 G^2 / D)^(1/3) n^(1/3),  D = (4/3) g^2,
@@ -123,20 +136,28 @@ def blocks(x: np.ndarray, at_least: int = 1) -> Blocks:
     doubles a variance).
 
     at_least: the blocks will be this long whatever the rule says (`group_along`); the
-    widening is then that length's.
+    widening is then that length's. multiple: the length rounded up to a multiple of it
+    (runs of whole chunks, `cycle_chunk`); the widening again that length's.
     """
+    return _blocks(x, max(1, at_least), multiple)
+
+
+def _blocks(x: np.ndarray, at_least: int, multiple: int) -> Blocks:
+    def up(b: int) -> int:
+        return -(-b // multiple) * multiple
+
     x = np.asarray(x, dtype=np.float64)
     x = x[np.isfinite(x)]
     n = len(x)
     if n < 8:
-        return Blocks(max(1, at_least), 1.0)
+        return Blocks(up(at_least), 1.0)
     e = x - x.mean()
     kn = max(5, math.ceil(math.sqrt(math.log10(n))))
     m_max = min(math.ceil(math.sqrt(n)) + kn, n - 1)
     b_max = math.ceil(min(3 * math.sqrt(n), n / 3))
     acov = _autocov(e, max(m_max, b_max))
     if not acov[0] > 0:
-        return Blocks(max(1, at_least), 1.0)
+        return Blocks(up(at_least), 1.0)
     rho = acov[1: m_max + 1] / acov[0]  # lags 1 .. m_max
     small = np.abs(rho) < 2 * math.sqrt(math.log10(n) / n)
     runs = np.convolve(small, np.ones(kn, dtype=np.int64), mode="valid")  # runs[j]: lags j+1 .. j+kn
@@ -152,9 +173,9 @@ def blocks(x: np.ndarray, at_least: int = 1) -> Blocks:
     g = acov[0] + 2 * float((lam * acov[1: big_m + 1]).sum())
     big_g = 2 * float((lam * k * acov[1: big_m + 1]).sum())
     if g <= 0:  # no spectral mass at 0 by this estimate: as long as allowed
-        return Blocks(max(b_max, at_least), 1.0)
+        return Blocks(up(max(b_max, at_least)), 1.0)
     b = int(min(max(1, math.ceil((2 * big_g**2 / (4 / 3 * g**2)) ** (1 / 3) * n ** (1 / 3))), b_max))
-    b = max(b, at_least)
+    b = up(max(b, at_least))
     if b > len(acov):
         acov = _autocov(e, b)
     j = np.arange(1, b)

@@ -91,7 +91,7 @@ def table_of(pcy: dict[str, np.ndarray]) -> CostTable:
     """The cost table of `per_cycle`'s arrays, per cycle or summed (`totals`): sums of them."""
     if not pcy:
         return CostTable(0, 0.0, 0.0, 0.0, 0.0, 0.0, [])
-    n = int(pcy["cycles"][0]) if "cycles" in pcy else len(pcy["start_ns"])  # totals, or per cycle
+    n = int(pcy["cycles"].sum()) if "cycles" in pcy else len(pcy["start_ns"])  # totals or chunks, or per cycle
     total = float(pcy["cycle_ns"].sum())
 
     def frac(key: str, of: float) -> float | None:

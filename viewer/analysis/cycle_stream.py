@@ -57,14 +57,15 @@ class CycleViews:
 
 
 def stream_views(trace: Trace, cycles: Cycles, collectives: pa.Table | None = None, totals: bool = True,
-                 window_rows: int = WINDOW_ROWS, head_rows: int = 0) -> CycleViews:
+                 window_rows: int = WINDOW_ROWS, head_rows: int = 0, chunk: int = 1) -> CycleViews:
     """Every rank's views of rank 0's cycles, the probe rows read a window at a time;
-    `head_rows`: that many of the first rows kept (`CycleViews.head`)."""
-    return start_over(trace, "probes", lambda: _stream(trace, cycles, collectives, totals, window_rows, head_rows))
+    `head_rows`: that many of the first rows kept (`CycleViews.head`); `chunk`: per_cycle's."""
+    return start_over(trace, "probes",
+                      lambda: _stream(trace, cycles, collectives, totals, window_rows, head_rows, chunk))
 
 
 def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: bool,
-            window_rows: int, head_rows: int) -> CycleViews:
+            window_rows: int, head_rows: int, chunk: int) -> CycleViews:
     S, E, clip = cycles.start_ns, cycles.end_ns, cycles.clip
     n = len(S)
     columns = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
@@ -78,7 +79,8 @@ def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: 
         out.rows = sum(t.num_rows for t in sweep.read_until(None))
         return out
     parts: dict[int, list[dict[str, np.ndarray]]] = {r: [] for r in (ranks or [0])}
-    cuts = _plan(S, sweep, window_rows)
+    chunk = 1 if totals else chunk
+    cuts = _plan(S, sweep, window_rows, chunk)
     owns = [(int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER) for i0, i1 in cuts]
     buf: pa.Table | None = None
     # The next window's rows are read (mostly decoding, which releases the GIL) while this one's are attributed.
@@ -96,28 +98,31 @@ def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: 
             if out.head is None:
                 out.head = buf.slice(0, head_rows).combine_chunks()
             for r in parts:
-                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own))
+                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own,
+                                             chunk))
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]
                 buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
             del got
             # read on the other thread, freed on this one: mimalloc keeps it until asked
             pa.default_memory_pool().release_unused()
-    sizes = [i1 - i0 for i0, i1 in cuts]
+    sizes = [-(-(i1 - i0) // chunk) for i0, i1 in cuts]
     out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
     return out
 
 
-def _plan(S: np.ndarray, sweep: Sweep, window_rows: int) -> list[tuple[int, int]]:
+def _plan(S: np.ndarray, sweep: Sweep, window_rows: int, chunk: int = 1) -> list[tuple[int, int]]:
     """Windows of cycles [i0, i1), each ending at the last cycle start before the row group
-    that would take it past `window_rows` rows (at least one cycle each)."""
+    that would take it past `window_rows` rows (at least one cycle each), or at the chunk's
+    start that holds it (at least one chunk each)."""
     starts = np.fromiter((g.first_ns for g in sweep.groups), np.int64, len(sweep.groups))
     cum = np.cumsum([g.rows for g in sweep.groups])
     n, i0, target = len(S), 0, window_rows
     cuts: list[tuple[int, int]] = []
     while i0 < n:
         k = int(np.searchsorted(cum, target, "left")) + 1
-        i1 = n if k >= len(starts) else min(n, max(i0 + 1, int(np.searchsorted(S, starts[k], "right")) - 1))
+        i1 = n if k >= len(starts) else int(np.searchsorted(S, starts[k], "right")) - 1
+        i1 = min(n, max(i0 + chunk, i1 - i1 % chunk))
         cuts.append((i0, i1))
         if i1 < n:  # the rows before the next window's start, and a window's worth more
             before = int(np.searchsorted(starts, S[i1], "left"))
@@ -171,11 +176,16 @@ def _concat(buf: pa.Table | None, got: list[pa.Table], columns: list[str]) -> pa
 
 def _join(windows: list[dict[str, np.ndarray]], sizes: list[int], totals: bool,
           S: np.ndarray, E: np.ndarray) -> dict[str, np.ndarray]:
-    """The windows' views as one trace's: totals summed, per-cycle arrays end to end (a
-    boundary with no rows in a window is zero in its cycles)."""
+    """The windows' views as one trace's: totals summed, per-cycle (or per-chunk) arrays end
+    to end (a boundary with no rows in a window is zero in its entries)."""
     keys = list(dict.fromkeys(k for w in windows for k in w if k not in ("start_ns", "end_ns")))
-    out: dict[str, np.ndarray] = {"start_ns": S[:1].copy(), "end_ns": E[-1:].copy()} if totals else \
-        {"start_ns": S, "end_ns": E}
+    out: dict[str, np.ndarray]
+    if totals:
+        out = {"start_ns": S[:1].copy(), "end_ns": E[-1:].copy()}
+    elif "cycles" in windows[0]:  # entries of several cycles each: their own bounds
+        out = {k: np.concatenate([w[k] for w in windows]) for k in ("start_ns", "end_ns")}
+    else:
+        out = {"start_ns": S, "end_ns": E}
     for k in keys:
         if totals:
             out[k] = np.array([sum(float(w[k][0]) for w in windows if k in w)])

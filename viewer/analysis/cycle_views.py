@@ -132,10 +132,15 @@ class _Rows:
 
 
 def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
-              collectives: pa.Table | None = None, totals: bool = False) -> dict[str, np.ndarray]:
+              collectives: pa.Table | None = None, totals: bool = False,
+              chunk: int = 1) -> dict[str, np.ndarray]:
     """Both views, per cycle (what `diff` resamples; `totals`: summed over the cycles, what
     `cost_table` shows, each array then one entry long: start_ns the first cycle's start,
-    end_ns the last one's end, and `cycles` their count).
+    end_ns the last one's end, and `cycles` their count). `chunk` > 1: an entry per `chunk`
+    consecutive cycles (the last may hold fewer), their sums, start_ns the first one's start,
+    end_ns the last one's end, `cycles` how many, and `series:cycle_ns` still one entry per
+    cycle (what `diff` picks its block length from): a long trace's runs of cycles, in a
+    tenth of the memory and the searches (`bootstrap.cycle_chunk`).
 
     `rank` selects one rank's rows (None: all); `collectives` (any ranks) gives
     all_reduce its HTA raw/hidden times. Every array has one entry per cycle, in time
@@ -158,7 +163,7 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     S, E = cycle_bounds(steps)
     if not len(S):
         return {}
-    return window_views(probes, S, E, rank, collectives, totals, EVERY_ROW)
+    return window_views(probes, S, E, rank, collectives, totals, EVERY_ROW, chunk)
 
 
 def cycle_bounds(steps: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -187,17 +192,21 @@ def _own(ts: np.ndarray, dur: np.ndarray, own: tuple[int, int]) -> tuple[np.ndar
 
 
 def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | None,
-                 collectives: pa.Table | None, totals: bool, own: tuple[int, int]) -> dict[str, np.ndarray]:
+                 collectives: pa.Table | None, totals: bool, own: tuple[int, int],
+                 chunk: int = 1) -> dict[str, np.ndarray]:
     """`per_cycle` for the cycles S, E (a window of a trace's cycles, time-ordered), from
     the rows in `probes` that start inside `own`; the other rows only tell when the
     device was busy or blocked, and which outer row a nested one sits in. Summed over
     windows that partition the cycles, with `own` partitioning time (the first window's
     from INT64_MIN, the last's to INT64_MAX) and every row that overlaps a window's own
     rows present in it, the totals equal the whole trace's exactly (integer-valued
-    float sums): viewer/analysis/cycle_stream.py reads a trace of any length that way."""
+    float sums): viewer/analysis/cycle_stream.py reads a trace of any length that way
+    (`chunk` > 1: windows of whole chunks, the trace's last one excepted)."""
     n = len(S)
     first, end = int(S[0]), int(E[-1])
-    bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S)
+    heads = np.arange(0, n, chunk)  # each entry's first and last cycle
+    tails = np.minimum(heads + chunk, n) - 1
+    bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S[heads] if chunk > 1 else S)
 
     probes, idle_rows = _for_rank(probes, rank)
     rows = _Rows(probes)
@@ -212,19 +221,31 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
         np.concatenate([busy.s, rs]), np.concatenate([busy.e, rs + np.concatenate([r[1] for r in reasons.values()])]))
 
     idle_ts, idle_dur = rows.get(B.IDLE) if idle_rows is None else idle_rows
-    idle_per = bins.zeros()
     keep = (idle_ts >= first) & (idle_ts < end)
-    bins.add(idle_per, bins.cycle_of(idle_ts[keep]), idle_dur[keep])
+    series: np.ndarray | None = None  # each cycle's length, when an entry holds several
+    if chunk > 1 and not totals:
+        each = CycleSums(S)
+        idle_each = each.zeros()  # (idle rows are few: their searches cost nothing)
+        each.add(idle_each, each.cycle_of(idle_ts[keep]), idle_dur[keep])
+        series = (E - S).astype(np.float64) - idle_each
+        idle_per = np.add.reduceat(idle_each, heads)
+    else:
+        idle_per = bins.zeros()
+        bins.add(idle_per, bins.cycle_of(idle_ts[keep]), idle_dur[keep])
     if totals:
         cycle_len = float(end - first) - idle_per
         dev_per = busy.covered(np.array([first]), np.array([end])).astype(np.float64)
     else:
-        cycle_len = (E - S).astype(np.float64) - idle_per
-        dev_per = np.concatenate([busy.covered(S[b], E[b]) for b in blocks(n)]).astype(np.float64)
+        S1, E1 = (S[heads], E[tails]) if chunk > 1 else (S, E)
+        cycle_len = (E1 - S1).astype(np.float64) - idle_per
+        dev_per = np.concatenate([busy.covered(S1[b], E1[b]) for b in blocks(len(S1))]).astype(np.float64)
     out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
                                   "device_ns": dev_per}
     if totals:
         out.update(start_ns=S[:1].copy(), end_ns=E[-1:].copy(), cycles=np.array([float(n)]))
+    elif series is not None:
+        out.update(start_ns=S1, end_ns=E1, cycles=(tails - heads + 1).astype(np.float64))
+        out["series:cycle_ns"] = series
 
     def attribute(job: tuple[str, str]) -> dict[str, np.ndarray]:
         name, kind = job

@@ -97,14 +97,16 @@ def cycle_stats(pcy: dict[str, np.ndarray], w: np.ndarray) -> dict[str, np.ndarr
 def stat_columns(pcy: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None = None,
                  runs: int = 1) -> tuple[list[str], np.ndarray]:
     """The per-cycle columns `cycle_stats` sums (and `extra` ones), as one (cycles, columns)
-    matrix, built once for every resample; `runs` > 1: a row per run of that many cycles,
-    their sums (a million cycles' whole matrix is hundreds of MB)."""
+    matrix, built once for every resample; `runs` > 1: a row per run of that many entries
+    (cycles, or chunks of them: `per_cycle`'s chunk), their sums (a million cycles' whole
+    matrix is hundreds of MB)."""
     cols = {"cycle": pcy["cycle_ns"], "device": pcy["device_ns"]}
     for k in pcy:  # every view's columns, whatever cost.per_cycle currently emits
         if k.startswith(("raw_ns:", "hidden_ns:", "exposed_ns:", "host_ns:")):
             cols[k] = pcy[k]
     cols.update(extra or {})
-    cols["n"] = np.ones(len(cols["cycle"]))  # cycles drawn (a row of a grouped matrix holds several)
+    # cycles drawn (an entry of chunked arrays, a row of a grouped matrix, holds several)
+    cols["n"] = pcy["cycles"] if "cycles" in pcy else np.ones(len(cols["cycle"]))
     if runs > 1:
         edges = np.arange(0, len(cols["n"]), runs)
         cols = {k: np.add.reduceat(v.astype(np.float64, copy=False), edges) for k, v in cols.items()}
@@ -139,18 +141,25 @@ def cycle_boot(pcy: dict[str, np.ndarray], reps: int,
     """`cycle_stats` over [sample, reps resamples] of one trace's cycles, in circular blocks
     (Politis-White length from its cycle-length series); plus round_scale, each resample's
     mean round length (idle included) over the sample's: what the run's duration would
-    have been, relative to what it was, with those rounds. And how it resampled."""
-    n = len(pcy.get("cycle_ns", ()))
+    have been, relative to what it was, with those rounds. And how it resampled.
+
+    Chunked arrays (a long trace's, `per_cycle`'s chunk): the block length is the cycle
+    series' rounded up to whole chunks, and the runs are of whole chunks."""
+    series = pcy.get("series:cycle_ns", pcy.get("cycle_ns", np.zeros(0)))
+    n = len(series)
     if not n:
         return {}, {"unit": "cycles", "n": 0, "block": 1, "widen": 1.0}
-    bl = blocks(pcy["cycle_ns"], shortest_block(n))
+    chunk = int(pcy["cycles"][0]) if "series:cycle_ns" in pcy else 1
+    bl = blocks(series, shortest_block(n), chunk)
     wall = pcy["cycle_ns"] + pcy["idle_ns"]
     info: dict[str, Any] = {"unit": "cycles", "n": n}
     items, block, run = n, bl.length, 1
     grouped = group_along(n, bl.length)
     if grouped is not None:  # runs of consecutive cycles, each drawn whole
-        items, block, run = grouped[1], 1, bl.length
+        items, block, run = grouped[1], 1, bl.length // chunk
         info["runs"] = items
+    elif chunk > 1:
+        raise ValueError(f"chunks of {chunk} cycles where {n} cycles are drawn one by one")
     names, m = stat_columns(pcy, {"round": wall}, run)
 
     def stat(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -158,7 +167,7 @@ def cycle_boot(pcy: dict[str, np.ndarray], reps: int,
         return {**stats_of_sums(s, ncyc), "round_ns": s["round"] / ncyc}
 
     out = widen(bootstrap(items, reps, rng, [(stat, None)], block)[0], bl.widen)
-    out["round_scale"] = _ratio(out.pop("round_ns"), np.full(reps + 1, wall.mean()))
+    out["round_scale"] = _ratio(out.pop("round_ns"), np.full(reps + 1, wall.sum() / n))
     return out, {**info, "block": bl.length, "widen": round(bl.widen, 3)}
 
 

@@ -21,6 +21,7 @@ from tracing.consistency import read_consistent, read_steps
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.advice import HOP_ROWS, WORTH, Backend, backend, worth_attacking
+from viewer.analysis.bootstrap import cycle_chunk
 from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
 from viewer.analysis.collectives import StragglerView, straggler_view
 from viewer.analysis.cost import BoundaryCost, CostTable, table_of
@@ -177,7 +178,8 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
                 per_cycle: bool = False) -> ReportInputs:
     """One snapshot's steps and requests whole, its probe rows a window at a time
     (`per_cycle`: keep each cycle's views, what `diff` resamples, not only their sums, and every
-    STEP_COLUMNS; else REPORT_STEP_COLUMNS)."""
+    STEP_COLUMNS, a long trace's in chunks of cycles (`bootstrap.cycle_chunk`); else
+    REPORT_STEP_COLUMNS)."""
     trace = Trace.open(root)
     # One chunk a column: the ITL's and the cycles' numpy views of them are then not copies.
     steps = read_steps(trace, STEP_COLUMNS).combine_chunks()
@@ -188,7 +190,8 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        job = pool.submit(stream_views, trace, cycles, colls, not per_cycle, head_rows=HOP_ROWS)
+        job = pool.submit(stream_views, trace, cycles, colls, not per_cycle, head_rows=HOP_ROWS,
+                          chunk=cycle_chunk(len(cycles.start_ns)))
         del cycles  # (a long trace's: 107 MB, freed with the stream's totals)
         # its chunks as read: combining them would copy 0.5 GB of a 100 M-row trace's requests
         requests = read_consistent(trace, {"requests": request_columns}, steps=steps,
