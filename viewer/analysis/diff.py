@@ -24,7 +24,7 @@ different batches once their timings differ.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ SEED = 0
 # view), device-view share, hidden fraction, host-view share.
 METRICS = ("raw_ms_per_cycle", "device_share", "hidden", "host_share")
 __all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta",
-           "Deltas", "DiffResult", "DiffSide", "Side", "build_diff", "compare", "cycle_stats", "delta", "diff_cycles", "diff_itl", "diff_requests", "fdr", "pairing",
+           "Deltas", "DiffResult", "DiffSide", "OwnDraws", "Side", "build_diff", "compare", "cycle_stats", "delta", "diff_cycles",
+           "diff_itl", "diff_requests", "fdr", "itl_boot", "pairing",
            "trace_warnings"]
 
 
@@ -218,37 +219,59 @@ def round_gaps(requests: pa.Table, steps: pa.Table) -> tuple[np.ndarray, np.ndar
     return vals[ok], mult[ok], at[ok], np.diff(collect[by_time]).astype(np.float64)
 
 
+def itl_boot(requests: pa.Table, steps: pa.Table, reps: int,
+             rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """ITL mean and percentiles over [sample, reps resamples] of one trace's rounds, in
+    circular blocks; and how it resampled."""
+    n = steps.num_rows
+    if not n or "token_runs" not in requests.column_names or "collect_ns" not in steps.column_names:
+        return {}, {"unit": "rounds", "n": 0, "block": 1, "widen": 1.0}
+    vals, mult, owner, series = round_gaps(requests, steps)
+    bl = blocks(series, shortest_block(n))
+    info: dict[str, Any] = {"unit": "rounds", "n": n}
+    items, block = n, bl.length
+    grouped = group_along(n, bl.length)
+    if grouped is not None:  # runs of consecutive rounds, each drawn whole
+        owner, items, block = owner // bl.length, grouped[1], 1
+        info["runs"] = items
+    info.update(block=bl.length, widen=round(bl.widen, 3))
+    dist = PooledDist(vals, owner, items, mult=mult)
+    return widen(bootstrap(items, reps, rng, [(dist, None)], block)[0], bl.widen), info
+
+
+def itl_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int) -> dict[str, Any]:
+    none = _none(reps)
+    return {"itl_ms": {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("mean", *(f"p{q}" for q in QUANTILES))}}
+
+
 def diff_itl(req_a: pa.Table, steps_a: pa.Table, req_b: pa.Table, steps_b: pa.Table,
              reps: int = RESAMPLES, seed: int = SEED, same: bool = False) -> dict[str, Any]:
     """ITL mean and percentiles, resampling each trace's rounds in circular blocks
     (same: one run on both sides, drawn alike)."""
-    stats: list[dict[str, np.ndarray]] = []
-    info: dict[str, Any] = {}
-    for i, (r, s) in enumerate(((req_a, steps_a), (req_b, steps_b))):
-        n = s.num_rows
-        if not n or "token_runs" not in r.column_names or "collect_ns" not in s.column_names:
-            stats.append({})
-            info["ab"[i]] = {"unit": "rounds", "n": 0, "block": 1, "widen": 1.0}
-            continue
-        vals, mult, owner, series = round_gaps(r, s)
-        bl = blocks(series, shortest_block(n))
-        info["ab"[i]] = {"unit": "rounds", "n": n}
-        items, block = n, bl.length
-        grouped = group_along(n, bl.length)
-        if grouped is not None:  # runs of consecutive rounds, each drawn whole
-            owner, items, block = owner // bl.length, grouped[1], 1
-            info["ab"[i]]["runs"] = items
-        info["ab"[i]].update(block=bl.length, widen=round(bl.widen, 3))
-        dist = PooledDist(vals, owner, items, mult=mult)
-        rng = np.random.default_rng([seed, 4 + (0 if same else i)])
-        stats.append(widen(bootstrap(items, reps, rng, [(dist, None)], block)[0], bl.widen))
-    none = _none(reps)
-    sa, sb = stats
-    out: dict[str, Any] = {"itl_ms": {k: delta(sa.get(k, none), sb.get(k, none))
-                                      for k in ("mean", *(f"p{q}" for q in QUANTILES))}}
+    (sa, ia), (sb, ib) = (itl_boot(r, s, reps, np.random.default_rng([seed, 4 + (0 if same else i)]))
+                          for i, (r, s) in enumerate(((req_a, steps_a), (req_b, steps_b))))
+    out = itl_deltas(sa, sb, reps)
     fdr(out)
-    out["resampling"] = info
+    out["resampling"] = {"a": ia, "b": ib}
     return out
+
+
+Boot = tuple[dict[str, np.ndarray], dict[str, Any]]
+
+
+@dataclass(slots=True)
+class OwnDraws:
+    """One side's own resamples, under way: its cycles' (`cycle_boot`) and its rounds'
+    (`itl_boot`), each from the generator of the side's place (A's, or B's unless both
+    sides are one run), so when and on which thread they run changes nothing."""
+
+    cycles: Future[Boot]
+    rounds: Future[Boot]
+
+    @classmethod
+    def start(cls, side: Side, place: int, reps: int, seed: int, pool: ThreadPoolExecutor) -> OwnDraws:
+        return cls(pool.submit(cycle_boot, side.cycles, reps, np.random.default_rng([seed, place])),
+                   pool.submit(itl_boot, side.requests, side.steps, reps, np.random.default_rng([seed, 4 + place])))
 
 
 def same_run(a: Side, b: Side) -> bool:
@@ -260,25 +283,29 @@ def same_run(a: Side, b: Side) -> bool:
 
 
 def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: bool = True,
-            keep: set[tuple[str, str]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+            keep: set[tuple[str, str]] | None = None,
+            a_draws: OwnDraws | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """All of diff's deltas (B - A) and how they were resampled, with BH over every row.
 
     probes False (a side recorded with --no-probes): no boundary or device-idle rows.
-    keep: the (boundary, metric) rows to compare (those the report shows); None: all."""
+    keep: the (boundary, metric) rows to compare (those the report shows); None: all.
+    a_draws: A's own resamples, started already (`build_diff` starts them while B is read)."""
     # the same run on both sides: its noise is one realisation, so both get the same draws
     # and every interval has zero width (otherwise two runs' rounds are never paired)
     same = same_run(a, b)
     # The units are independent (each draws from its own seeded generator, so the answer
     # does not depend on the order they run in) and mostly numpy, which releases the GIL:
-    # ITL's rounds and B's cycles run beside A's cycles; the requests need both cycles'.
+    # each side's cycles and rounds run on the pool; the requests, on this thread, need
+    # both sides' cycles.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        itl_job = pool.submit(diff_itl, a.requests, a.steps, b.requests, b.steps, reps, seed, same)
-        b_job = pool.submit(cycle_boot, b.cycles, reps, np.random.default_rng([seed, 0 if same else 1]))
-        ca, ia = cycle_boot(a.cycles, reps, np.random.default_rng([seed, 0]))
-        cb, ib = b_job.result()
+        da = a_draws or OwnDraws.start(a, 0, reps, seed, pool)
+        db = OwnDraws.start(b, 0 if same else 1, reps, seed, pool)
+        (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
         req = diff_requests(a.requests, b.requests, a.meta, b.meta, reps, seed,
                             (ca.get("round_scale"), cb.get("round_scale")))
-        itl = itl_job.result()
+        (ta, ra), (tb, rb) = da.rounds.result(), db.rounds.result()
+    itl = itl_deltas(ta, tb, reps)
+    itl["resampling"] = {"a": ra, "b": rb}
     cyc = cycle_deltas(ca, cb, reps)
     cyc["resampling"] = {"a": ia, "b": ib}
     if not probes:
@@ -367,15 +394,24 @@ class DiffResult(JsonRecord):
 
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> DiffResult:
     """Both traces' reports, and every delta between them with its interval."""
-    # Both traces open first: a bad trace fails before any work. (Read one after the other:
-    # a read keeps both cores busy already; two beside each other took as long, with more memory.)
-    inputs = [load_inputs(r, list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"])), per_cycle=True)
-              for r in (a_root, b_root)]
-    reports = [build_report(inp) for inp in inputs]
+    # Read one after the other: a read keeps both cores busy already; two beside each other
+    # took as long, with more memory. A's own resamples fill what B's read leaves of them.
+    columns = list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"]))
+    with ThreadPoolExecutor(max_workers=1) as early:
+        inputs = [load_inputs(a_root, columns, per_cycle=True)]
+        tables = [Side(inputs[0].main_rank, inputs[0].steps, inputs[0].requests, inputs[0].trace.meta)]
+        a_draws = OwnDraws.start(tables[0], 0, reps, seed, early)
+        inputs.append(load_inputs(b_root, columns, per_cycle=True))
+        tables.append(Side(inputs[1].main_rank, inputs[1].steps, inputs[1].requests, inputs[1].trace.meta))
+        reports = [build_report(inp) for inp in inputs]
+        probes_ok = all(r.probes for r in reports)
+        # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
+        keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
+                if getattr(row, m) is not None}
+        delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, a_draws)
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
                 for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
     warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
-    probes_ok = all(r.probes for r in reports)
     sides = []
     for side, r in zip("AB", reports, strict=True):
         # with --no-probes every cycle would count as barrier: no cost comparison at all
@@ -383,11 +419,6 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
         sides.append(DiffSide(**{f.name: getattr(r, f.name) for f in fields(r)}, device_idle=idle))
         if not r.probes:
             warnings.append(f"trace {side} was recorded with --no-probes: no boundary or device-idle comparison")
-    # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
-    keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
-            if getattr(row, m) is not None}
-    tables = [Side(i.main_rank, i.steps, i.requests, i.trace.meta) for i in inputs]
-    delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep)
     if not how["resampling"]["requests"]["paired"]:
         warnings.append("requests resampled independently (" + how["resampling"]["requests"]["why"]
                         + "): serving intervals include the workload's own spread")
