@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from viewer.analysis.bootstrap import blocks, bootstrap, group_along, shortest_block, widen
 from viewer.analysis.delta import delta, fdr
@@ -88,11 +89,22 @@ def pairing(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = No
         return None, "the traces ran different workloads"
     if "request_id" not in req_a.column_names or "request_id" not in req_b.column_names:
         return None, "a trace has no request ids"
-    ia, ib = (np.asarray(t["request_id"].to_pylist(), dtype=object) for t in (req_a, req_b))
-    if len(ia) != len(ib) or not len(ia) or len(set(ia)) != len(ia) or set(ia) != set(ib):
-        return None, "the traces did not finish the same requests"
-    row_of = {rid: i for i, rid in enumerate(ia)}
-    return np.array([row_of[rid] for rid in ib], dtype=np.int64), "same workload"
+    ia, ib = req_a["request_id"], req_b["request_id"]
+    if ia.null_count or ib.null_count:
+        return None, "a trace has requests without ids"
+    differ = None, "the traces did not finish the same requests"
+    if len(ia) != len(ib) or not len(ia):
+        return differ
+    # hashed in Arrow: a Python set and dict of a long trace's 620 k ids took 0.9 s
+    at = pc.index_in(ib.cast(ia.type), value_set=ia.combine_chunks())
+    if at.null_count:  # an id of B's that A never finished
+        return differ
+    pair = at.to_numpy().astype(np.int64, copy=False)
+    # every row of A's once: the same ids on both sides, none repeated (an id A repeats maps to
+    # its first row only, so with as many rows as B another row is hit twice)
+    if np.bincount(pair, minlength=len(ia)).max() != 1:
+        return differ
+    return pair, "same workload"
 
 
 def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
