@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--probe-rows", type=int, default=10_000_000)
+    ap.add_argument("--copies", type=int, default=0,
+                    help="this many copies of SRC (instead of --probe-rows): two sources of one workload, "
+                         "the same requests on both sides of a diff")
     ap.add_argument("--layout", choices=("uncompacted", "compacted", "single"), default="uncompacted")
     ap.add_argument("--rows-per-group", type=int, default=0,
                     help="uncompacted: one row group per this many rows of each table, not per flush")
@@ -182,7 +185,7 @@ def main() -> None:
                     help="build and commit the copies about this many probe rows at a time")
     a = ap.parse_args()
     src = Source(a.src)
-    k = max(1, math.ceil(a.probe_rows / src.tables["probes"].num_rows))
+    k = a.copies or max(1, math.ceil(a.probe_rows / src.tables["probes"].num_rows))
     if a.out.exists():
         shutil.rmtree(a.out)
     groups = write_uncompacted(a.out, src, k, a.flush_files, a.rows_per_group, a.layout == "single", a.batch_rows)

@@ -131,9 +131,9 @@ def test_point_estimates_are_the_reports():
         assert itl[q].a == pytest.approx(getattr(want, q)) == pytest.approx(getattr(sv.itl_ms, q))
 
 
-@pytest.mark.parametrize("step", [None, 1, 3, 50])
+@pytest.mark.parametrize(("step", "fan"), [(None, None), (1, 1), (1, 7), (3, 2), (3, None), (50, 3)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_pooled_percentiles_match_materialised_resamples(step, weighted):
+def test_pooled_percentiles_match_materialised_resamples(step, fan, weighted):
     rng = np.random.default_rng(7)
     for _ in range(20):
         groups, n = int(rng.integers(1, 25)), int(rng.integers(1, 300))
@@ -141,7 +141,7 @@ def test_pooled_percentiles_match_materialised_resamples(step, weighted):
         owner = rng.integers(0, groups, n)
         mult = rng.integers(1, 5, n) if weighted else None  # a round's gap, once per request in it
         w = np.vstack([np.ones((1, groups)), np.zeros((1, groups)), BS.resample_weights(groups, 30, rng)])
-        got = PooledDist(values, owner, groups, 0.5, step, mult)(w)
+        got = PooledDist(values, owner, groups, 0.5, step, mult, fan)(w)
         for r in range(len(w)):
             xs = np.repeat(values, w[r][owner].astype(int) * (1 if mult is None else mult))
             if not len(xs):
