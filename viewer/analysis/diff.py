@@ -40,7 +40,14 @@ from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.report import REQUEST_COLUMNS, ReportResult, build_report, load_inputs
 from viewer.analysis.serving import itl_rounds
-from viewer.analysis.serving_boot import LATENCIES, THROUGHPUT, diff_requests, pairing
+from viewer.analysis.serving_boot import (
+    LATENCIES,
+    THROUGHPUT,
+    diff_requests,
+    pairing,
+    request_boot,
+    request_deltas,
+)
 
 RESAMPLES = 1000
 SEED = 0
@@ -295,14 +302,14 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
     same = same_run(a, b)
     # The units are independent (each draws from its own seeded generator, so the answer
     # does not depend on the order they run in) and mostly numpy, which releases the GIL:
-    # each side's cycles and rounds run on the pool; the requests, on this thread, need
-    # both sides' cycles.
+    # each side's cycles and rounds run on the pool, the requests on this thread (scaled
+    # by both sides' cycles once those are done).
     with ThreadPoolExecutor(max_workers=2) as pool:
         da = a_draws or OwnDraws.start(a, 0, reps, seed, pool)
         db = OwnDraws.start(b, 0 if same else 1, reps, seed, pool)
+        drawn = request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
         (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
-        req = diff_requests(a.requests, b.requests, a.meta, b.meta, reps, seed,
-                            (ca.get("round_scale"), cb.get("round_scale")))
+        req = request_deltas(*drawn, reps, (ca.get("round_scale"), cb.get("round_scale")))
         (ta, ra), (tb, rb) = da.rounds.result(), db.rounds.result()
     itl = itl_deltas(ta, tb, reps)
     itl["resampling"] = {"a": ra, "b": rb}

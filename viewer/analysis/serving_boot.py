@@ -121,6 +121,17 @@ def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | Non
     width around whatever the two runs happened to differ by. Each resample's throughput
     is divided by its side's factor and its latencies multiplied by it, adding that noise.
     """
+    return request_deltas(*request_boot(req_a, req_b, meta_a, meta_b, reps, seed), reps, round_scale)
+
+
+Stats = dict[str, np.ndarray]
+
+
+def request_boot(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
+                 meta_b: dict[str, Any] | None = None, reps: int = 1000,
+                 seed: int = 0) -> tuple[Stats, Stats, dict[str, Any]]:
+    """`diff_requests`' resamples of each side (unscaled: they need no rounds), and how they
+    were drawn."""
     pair, why = pairing(req_a, req_b, meta_a, meta_b)
     (oa, ea), (ob, eb) = (sequence(RequestTimes.of(r)) for r in (req_a, req_b))
     info: dict[str, Any]
@@ -162,6 +173,12 @@ def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | Non
             sides.append({} if not n else
                          widen(bootstrap(items, reps, rng, [(r, None)], block, along)[0], bl.widen))
         sa, sb = sides
+    return sa, sb, info
+
+
+def request_deltas(sa: Stats, sb: Stats, info: dict[str, Any], reps: int,
+                   round_scale: tuple[np.ndarray | None, np.ndarray | None] = (None, None)) -> dict[str, Any]:
+    """`diff_requests` from `request_boot`'s resamples, scaled by each side's rounds."""
     for side, scale in zip((sa, sb), round_scale, strict=True):
         if scale is None or not side:
             continue
