@@ -36,6 +36,7 @@ from viewer.analysis import cost
 from viewer.analysis.bootstrap import blocks, bootstrap, group_along, shortest_block, widen
 from viewer.analysis.cycle_views import CONCURRENT, per_cycle
 from viewer.analysis.delta import FDR_Q, LEVEL, Delta, delta, fdr
+from viewer.analysis.intervals import search
 from viewer.analysis.pooled import QUANTILES, PooledDist, _ratio
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.report import REQUEST_COLUMNS, ReportResult, build_report, load_inputs
@@ -214,16 +215,22 @@ def diff_cycles(probes_a: pa.Table, steps_a: pa.Table, probes_b: pa.Table, steps
 def round_gaps(requests: pa.Table, steps: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every inter-token gap as (value ms, multiplicity, cycle index), and the collect-to-collect
     series of the rounds in time order (what the block length is chosen from)."""
-    step, collect = steps["step"].to_numpy(), steps["collect_ns"].to_numpy()
-    by_time = np.argsort(steps["ts_ns"].to_numpy(), kind="stable")  # cycles, as cost.per_cycle orders them
+    step, collect, ts = (steps[c].to_numpy() for c in ("step", "collect_ns", "ts_ns"))
+    # cycles, as cost.per_cycle orders them (one rank's rounds are written in time order)
+    by_time = None if bool(np.all(ts[1:] >= ts[:-1])) else np.argsort(ts, kind="stable")
     vals, mult, rounds = itl_rounds(requests["token_runs"].chunks, step, collect)
     keep = mult > 0
     vals, mult, rounds = vals[keep], mult[keep], rounds[keep]
-    st = step[by_time]
-    srt = np.argsort(st, kind="stable")
-    at = srt[np.clip(np.searchsorted(st[srt], rounds), 0, max(len(st) - 1, 0))] if len(st) else rounds
-    ok = st[at] == rounds if len(st) else np.zeros(0, bool)
-    return vals[ok], mult[ok], at[ok], np.diff(collect[by_time]).astype(np.float64)
+    st = step if by_time is None else step[by_time]
+    if not len(st) or not len(rounds):
+        at = np.zeros(0, np.int64)
+    elif bool(np.all(st[1:] >= st[:-1])):  # steps numbered in time order: each round's first cycle, searched in place
+        at = np.minimum(search(st, rounds - 1, int(rounds.min()) - 1, int(rounds.max()) - 1), len(st) - 1)
+    else:
+        srt = np.argsort(st, kind="stable")
+        at = srt[np.minimum(np.searchsorted(st[srt], rounds), len(st) - 1)]
+    ok = st[at] == rounds if len(at) else np.zeros(0, bool)
+    return vals[ok], mult[ok], at[ok], np.diff(collect if by_time is None else collect[by_time]).astype(np.float64)
 
 
 def itl_boot(requests: pa.Table, steps: pa.Table, reps: int,

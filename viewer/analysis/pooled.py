@@ -38,7 +38,9 @@ class PooledDist:
 
     def __init__(self, values: np.ndarray, owner: np.ndarray, groups: int, scale: float = 1.0,
                  step: int | None = None, mult: np.ndarray | None = None, fan: int | None = None) -> None:
-        order = np.argsort(values, kind="stable")
+        # not a stable sort (3x slower on a million floats): tied values are one value wherever
+        # they fall, and a group's sum of them is the same to rounding
+        order = np.argsort(values)
         self.v = values[order].astype(np.float64)
         self.g = owner[order].astype(np.int64)
         self.m = None if mult is None else mult[order].astype(np.int64)

@@ -76,7 +76,7 @@ class RequestStats:
 def sequence(rt: RequestTimes) -> tuple[np.ndarray, np.ndarray]:
     """The requests' arrival order (ties, a burst at t = 0, by row: the sequence blocks run
     along) and each one's E2E in ms (NaN where never served)."""
-    return (np.lexsort((np.arange(len(rt.arrival)), rt.arrival)),
+    return (np.argsort(rt.arrival, kind="stable"),
             np.where(rt.served, (rt.finish - rt.arrival) / 1e6, np.nan))
 
 
