@@ -258,11 +258,13 @@ def test_paired_draws_are_the_same_requests():
     other = {"workload": {"digest": "other"}}
     assert D.pairing(r, shuffled, side.meta, other) == (None, "the traces ran different workloads")
     assert D.pairing(r, r.slice(1), side.meta, side.meta)[0] is None  # a request missing on one side
-    ids = pa.table({"request_id": ["a", "b", "c"]})
-    for other_ids in (["c", "a", "a"], ["c", "a", None], ["c", "a", "d"]):  # repeated, missing, another
+    ids = pa.table({"request_id": ["a", "b", "c", "e"]})
+    for other_ids in (["c", "a", "a", "e"], ["c", "a", None, "e"], ["c", "a", "d", "e"]):  # repeated, missing, another
         assert D.pairing(ids, pa.table({"request_id": other_ids}))[0] is None
         assert D.pairing(pa.table({"request_id": other_ids}), ids)[0] is None
-    assert D.pairing(pa.table({"request_id": ["a", "a", "c"]}), pa.table({"request_id": ["c", "a", "a"]}))[0] is None
+    # rows in place pair in place, the others by id, each of A's rows once
+    got, _ = D.pairing(ids, pa.table({"request_id": ["c", "b", "e", "a"]}))
+    assert got.tolist() == [2, 1, 3, 0]
 
 
 def test_warnings():
