@@ -3,8 +3,9 @@
     python bench/bench_diff_phases.py TRACE_A TRACE_B [--repeats 3]
 
 Phases: reading A, reading B (`load_inputs`, each its probe stream and its requests on two
-threads; A's own bootstraps run beside B's read), the two reports (`build_report`), and the
-statistics (`compare`: the cycles', rounds' and requests' bootstraps, those of A's left). Prints each repeat and the medians; the process's
+threads; A's own bootstraps run beside B's read), the two reports (`build_report`, B's own
+bootstraps beside them), and the statistics (`compare`: the requests' bootstraps, and what is
+left of the sides' own). Prints each repeat and the medians; the process's
 peak RSS at the end. Use it beside `/usr/bin/time mstrace diff A B` (BENCHMARKS.md,
 "`diff`'s statistics on two cores"), whose wall adds the interpreter's start.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from viewer.analysis.diff import RESAMPLES, SEED, OwnDraws, Side, compare  # noqa: E402
+from viewer.analysis.diff import RESAMPLES, SEED, OwnDraws, Side, compare, place_of_b  # noqa: E402
 from viewer.analysis.report import REQUEST_COLUMNS, build_report, load_inputs  # noqa: E402
 
 PHASES = ("read_a_s", "read_b_s", "reports_s", "statistics_s", "total_s")
@@ -29,7 +30,7 @@ PHASES = ("read_a_s", "read_b_s", "reports_s", "statistics_s", "total_s")
 
 def once(a: str, b: str) -> dict[str, float]:
     columns = list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"]))  # as build_diff reads
-    with ThreadPoolExecutor(max_workers=1) as early:
+    with ThreadPoolExecutor(max_workers=1) as early, ThreadPoolExecutor(max_workers=1) as late:
         t0 = time.perf_counter()
         ia = load_inputs(a, columns, per_cycle=True)
         t1 = time.perf_counter()
@@ -37,11 +38,12 @@ def once(a: str, b: str) -> dict[str, float]:
         a_draws = OwnDraws.start(sa, 0, RESAMPLES, SEED, early)  # beside B's read, as build_diff
         ib = load_inputs(b, columns, per_cycle=True)
         t2 = time.perf_counter()
+        sb = Side(ib.main_rank, ib.steps, ib.requests, ib.trace.meta)
+        b_draws = OwnDraws.start(sb, place_of_b(sa, sb), RESAMPLES, SEED, late)  # beside the reports
         reports = [build_report(i) for i in (ia, ib)]
         t3 = time.perf_counter()
         probes = all(r.probes for r in reports)
-        compare(sa, Side(ib.main_rank, ib.steps, ib.requests, ib.trace.meta), RESAMPLES, SEED, probes,
-                a_draws=a_draws)
+        compare(sa, sb, RESAMPLES, SEED, probes, draws=(a_draws, b_draws))
         t4 = time.perf_counter()
     return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True))
 

@@ -57,7 +57,7 @@ SEED = 0
 METRICS = ("raw_ms_per_cycle", "device_share", "hidden", "host_share")
 __all__ = ["FDR_Q", "LATENCIES", "LEVEL", "METRICS", "QUANTILES", "RESAMPLES", "SEED", "THROUGHPUT", "Delta",
            "Deltas", "DiffResult", "DiffSide", "OwnDraws", "Side", "build_diff", "compare", "cycle_stats", "delta", "diff_cycles",
-           "diff_itl", "diff_requests", "fdr", "itl_boot", "pairing",
+           "diff_itl", "diff_requests", "fdr", "itl_boot", "pairing", "place_of_b",
            "trace_warnings"]
 
 
@@ -296,24 +296,29 @@ def same_run(a: Side, b: Side) -> bool:
             and all(np.array_equal(v, b.cycles[k]) for k, v in a.cycles.items()))
 
 
+def place_of_b(a: Side, b: Side) -> int:
+    """The generator place B's own resamples draw from: A's when both sides are one run (its
+    noise is one realisation, so both get the same draws and every interval has zero width;
+    otherwise two runs' rounds are never paired)."""
+    return 0 if same_run(a, b) else 1
+
+
 def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: bool = True,
             keep: set[tuple[str, str]] | None = None,
-            a_draws: OwnDraws | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+            draws: tuple[OwnDraws, OwnDraws] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """All of diff's deltas (B - A) and how they were resampled, with BH over every row.
 
     probes False (a side recorded with --no-probes): no boundary or device-idle rows.
     keep: the (boundary, metric) rows to compare (those the report shows); None: all.
-    a_draws: A's own resamples, started already (`build_diff` starts them while B is read)."""
-    # the same run on both sides: its noise is one realisation, so both get the same draws
-    # and every interval has zero width (otherwise two runs' rounds are never paired)
-    same = same_run(a, b)
+    draws: each side's own resamples, started already (`build_diff` starts A's while B is
+    read, and B's beside the reports)."""
     # The units are independent (each draws from its own seeded generator, so the answer
     # does not depend on the order they run in) and mostly numpy, which releases the GIL:
     # each side's cycles and rounds run on the pool, the requests on this thread (scaled
     # by both sides' cycles once those are done).
     with ThreadPoolExecutor(max_workers=2) as pool:
-        da = a_draws or OwnDraws.start(a, 0, reps, seed, pool)
-        db = OwnDraws.start(b, 0 if same else 1, reps, seed, pool)
+        da, db = draws or (OwnDraws.start(a, 0, reps, seed, pool),
+                           OwnDraws.start(b, place_of_b(a, b), reps, seed, pool))
         drawn = request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
         (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
         req = request_deltas(*drawn, reps, (ca.get("round_scale"), cb.get("round_scale")))
@@ -409,20 +414,22 @@ class DiffResult(JsonRecord):
 def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, seed: int = SEED) -> DiffResult:
     """Both traces' reports, and every delta between them with its interval."""
     # Read one after the other: a read keeps both cores busy already; two beside each other
-    # took as long, with more memory. A's own resamples fill what B's read leaves of them.
+    # took as long, with more memory. A's own resamples fill what B's read leaves of them, on
+    # a thread of their own; B's run beside the reports on another.
     columns = list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"]))
-    with ThreadPoolExecutor(max_workers=1) as early:
+    with ThreadPoolExecutor(max_workers=1) as early, ThreadPoolExecutor(max_workers=1) as late:
         inputs = [load_inputs(a_root, columns, per_cycle=True)]
         tables = [Side(inputs[0].main_rank, inputs[0].steps, inputs[0].requests, inputs[0].trace.meta)]
         a_draws = OwnDraws.start(tables[0], 0, reps, seed, early)
         inputs.append(load_inputs(b_root, columns, per_cycle=True))
         tables.append(Side(inputs[1].main_rank, inputs[1].steps, inputs[1].requests, inputs[1].trace.meta))
+        b_draws = OwnDraws.start(tables[1], place_of_b(*tables), reps, seed, late)  # beside the reports
         reports = [build_report(inp) for inp in inputs]
         probes_ok = all(r.probes for r in reports)
         # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
         keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
                 if getattr(row, m) is not None}
-        delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, a_draws)
+        delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, (a_draws, b_draws))
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
                 for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
     warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
