@@ -155,7 +155,8 @@ def _blocks(x: np.ndarray, at_least: int, multiple: int) -> Blocks:
     kn = max(5, math.ceil(math.sqrt(math.log10(n))))
     m_max = min(math.ceil(math.sqrt(n)) + kn, n - 1)
     b_max = math.ceil(min(3 * math.sqrt(n), n / 3))
-    acov = _autocov(e, max(m_max, b_max))
+    # lags enough for any length this returns (rounded up to `multiple` too): one FFT, not two
+    acov = _autocov(e, max(m_max, up(max(b_max, at_least))))
     if not acov[0] > 0:
         return Blocks(up(at_least), 1.0)
     rho = acov[1: m_max + 1] / acov[0]  # lags 1 .. m_max
