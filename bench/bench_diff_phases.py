@@ -4,8 +4,8 @@
 
 Phases: reading A, reading B (`load_inputs`, each its probe stream and its requests on two
 threads; A's own bootstraps run beside B's read), the two reports (`build_report`, B's own
-bootstraps beside them), and the statistics (`compare`: the requests' bootstraps, and what is
-left of the sides' own). Prints each repeat and the medians; the process's
+bootstraps and the requests' beside them), and the statistics (`compare`: what is left of
+those, and the deltas). Prints each repeat and the medians; the process's
 peak RSS at the end. Use it beside `/usr/bin/time mstrace diff A B` (BENCHMARKS.md,
 "`diff`'s statistics on two cores"), whose wall adds the interpreter's start.
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from viewer.analysis.diff import RESAMPLES, SEED, OwnDraws, Side, compare, place_of_b  # noqa: E402
 from viewer.analysis.report import REQUEST_COLUMNS, build_report, load_inputs  # noqa: E402
+from viewer.analysis.serving_boot import request_boot  # noqa: E402
 
 PHASES = ("read_a_s", "read_b_s", "reports_s", "statistics_s", "total_s")
 
@@ -40,10 +41,11 @@ def once(a: str, b: str) -> dict[str, float]:
         t2 = time.perf_counter()
         sb = Side(ib.main_rank, ib.steps, ib.requests, ib.trace.meta)
         b_draws = OwnDraws.start(sb, place_of_b(sa, sb), RESAMPLES, SEED, late)  # beside the reports
+        req = early.submit(request_boot, sa.requests, sb.requests, sa.meta, sb.meta, RESAMPLES, SEED)
         reports = [build_report(i) for i in (ia, ib)]
         t3 = time.perf_counter()
         probes = all(r.probes for r in reports)
-        compare(sa, sb, RESAMPLES, SEED, probes, draws=(a_draws, b_draws))
+        compare(sa, sb, RESAMPLES, SEED, probes, draws=(a_draws, b_draws), requests=req)
         t4 = time.perf_counter()
     return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True))
 

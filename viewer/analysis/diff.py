@@ -44,6 +44,7 @@ from viewer.analysis.serving import itl_rounds
 from viewer.analysis.serving_boot import (
     LATENCIES,
     THROUGHPUT,
+    RequestDraws,
     diff_requests,
     pairing,
     request_boot,
@@ -305,13 +306,14 @@ def place_of_b(a: Side, b: Side) -> int:
 
 def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: bool = True,
             keep: set[tuple[str, str]] | None = None,
-            draws: tuple[OwnDraws, OwnDraws] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+            draws: tuple[OwnDraws, OwnDraws] | None = None,
+            requests: Future[RequestDraws] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """All of diff's deltas (B - A) and how they were resampled, with BH over every row.
 
     probes False (a side recorded with --no-probes): no boundary or device-idle rows.
     keep: the (boundary, metric) rows to compare (those the report shows); None: all.
-    draws: each side's own resamples, started already (`build_diff` starts A's while B is
-    read, and B's beside the reports)."""
+    draws, requests: each side's own resamples and the requests', started already
+    (`build_diff` starts A's while B is read, the others beside the reports)."""
     # The units are independent (each draws from its own seeded generator, so the answer
     # does not depend on the order they run in) and mostly numpy, which releases the GIL:
     # each side's cycles and rounds run on the pool, the requests on this thread (scaled
@@ -319,7 +321,7 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
     with ThreadPoolExecutor(max_workers=2) as pool:
         da, db = draws or (OwnDraws.start(a, 0, reps, seed, pool),
                            OwnDraws.start(b, place_of_b(a, b), reps, seed, pool))
-        drawn = request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
+        drawn = requests.result() if requests else request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
         (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
         req = request_deltas(*drawn, reps, (ca.get("round_scale"), cb.get("round_scale")))
         (ta, ra), (tb, rb) = da.rounds.result(), db.rounds.result()
@@ -415,7 +417,7 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
     """Both traces' reports, and every delta between them with its interval."""
     # Read one after the other: a read keeps both cores busy already; two beside each other
     # took as long, with more memory. A's own resamples fill what B's read leaves of them, on
-    # a thread of their own; B's run beside the reports on another.
+    # a thread of their own, then the requests'; B's run beside the reports on another.
     columns = list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", "request_id"]))
     with ThreadPoolExecutor(max_workers=1) as early, ThreadPoolExecutor(max_workers=1) as late:
         inputs = [load_inputs(a_root, columns, per_cycle=True)]
@@ -424,12 +426,14 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
         inputs.append(load_inputs(b_root, columns, per_cycle=True))
         tables.append(Side(inputs[1].main_rank, inputs[1].steps, inputs[1].requests, inputs[1].trace.meta))
         b_draws = OwnDraws.start(tables[1], place_of_b(*tables), reps, seed, late)  # beside the reports
+        req = early.submit(request_boot, tables[0].requests, tables[1].requests, tables[0].meta, tables[1].meta,
+                           reps, seed)  # (after A's own)
         reports = [build_report(inp) for inp in inputs]
         probes_ok = all(r.probes for r in reports)
         # compare exactly the boundary metrics the report shows (a "—" on both sides is not a row)
         keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
                 if getattr(row, m) is not None}
-        delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, (a_draws, b_draws))
+        delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, (a_draws, b_draws), req)
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
                 for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
     warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)

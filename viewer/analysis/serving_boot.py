@@ -131,11 +131,11 @@ def diff_requests(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | Non
 
 
 Stats = dict[str, np.ndarray]
+RequestDraws = tuple[Stats, Stats, dict[str, Any]]  # A's resamples, B's, and how they were drawn
 
 
 def request_boot(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
-                 meta_b: dict[str, Any] | None = None, reps: int = 1000,
-                 seed: int = 0) -> tuple[Stats, Stats, dict[str, Any]]:
+                 meta_b: dict[str, Any] | None = None, reps: int = 1000, seed: int = 0) -> RequestDraws:
     """`diff_requests`' resamples of each side (unscaled: they need no rounds), and how they
     were drawn."""
     pair, why = pairing(req_a, req_b, meta_a, meta_b)
