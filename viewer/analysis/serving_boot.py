@@ -78,14 +78,20 @@ def sequence(rt: RequestTimes) -> tuple[np.ndarray, np.ndarray]:
             np.where(rt.served, (rt.finish - rt.arrival) / 1e6, np.nan))
 
 
+def may_pair(meta_a: dict[str, Any] | None, meta_b: dict[str, Any] | None) -> bool:
+    """Whether two traces' metadata allow them one workload (their digests, where both have
+    one, equal): only then are their requests paired, and their ids read."""
+    da, db = ((m or {}).get("workload", {}).get("digest") for m in (meta_a, meta_b))
+    return da is None or db is None or da == db
+
+
 def pairing(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None = None,
             meta_b: dict[str, Any] | None = None) -> tuple[np.ndarray | None, str]:
     """For each of B's requests, the row of A's request with the same id (each of A's rows
     once), when both ran the same workload; else None. With the reason, for the output.
     (Ids are unique in every trace mstrace writes; where an id repeats, equal ids may still
     pair one to one, or the pairing fails and the sides are drawn independently.)"""
-    da, db = ((m or {}).get("workload", {}).get("digest") for m in (meta_a, meta_b))
-    if da is not None and db is not None and da != db:
+    if not may_pair(meta_a, meta_b):
         return None, "the traces ran different workloads"
     if "request_id" not in req_a.column_names or "request_id" not in req_b.column_names:
         return None, "a trace has no request ids"
