@@ -122,3 +122,13 @@ def test_benjamini_hochberg() -> None:
     assert adj == pytest.approx([0.025, 0.05, 0.05, 0.025, 0.5])
     assert (BS.bh_adjust([0.04] * 10) == 0.04).all() and len(BS.bh_adjust([])) == 0
     assert (BS.bh_adjust(np.linspace(0.001, 1, 40)) >= np.linspace(0.001, 1, 40)).all()
+
+
+@pytest.mark.parametrize("block", [1, 7])
+def test_draw_counts_are_the_same_a_row_at_a_time(monkeypatch, block):
+    """Long rows are counted one at a time: the same counts as all rows in one count."""
+    rows = BS.resample_weights(5000, 9, np.random.default_rng(3), block)
+    monkeypatch.setattr(BS, "ROW_BINCOUNT", 10**9)
+    flat = BS.resample_weights(5000, 9, np.random.default_rng(3), block)
+    assert np.array_equal(rows, flat) and rows.dtype == flat.dtype == np.float64
+    assert (rows.sum(axis=1) == 5000).all()

@@ -22,6 +22,9 @@ BLOCK_ELEMS = 4_000_000  # draw counts per pass: bounds memory on long traces
 # consecutive items, one run per draw (`group_along`): the cost of a resample follows the
 # runs, not the items (10 M probe rows, 1.3 M cycles: minutes otherwise).
 GROUPS_MAX = 20_000
+# Items from which `resample_weights` counts each resample's draws on its own (fewer: all
+# resamples in one count, not a Python loop over thousands of short rows)
+ROW_BINCOUNT = 4096
 # Fewer resamples than this beyond 0 and the count cannot resolve p (1000 resamples:
 # p < 0.012); the tail is then extrapolated from a normal fit to the resamples.
 TAIL_MIN = 5
@@ -42,7 +45,12 @@ def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1
     else:
         starts = rng.integers(0, n, size=(reps, -(-n // block)))
         idx = ((starts[:, :, None] + np.arange(block)) % n).reshape(reps, -1)[:, :n]
-    idx = idx + (np.arange(reps) * n)[:, None]
+    if n >= ROW_BINCOUNT:  # a row at a time: its counts stay in cache (a 20,000-item row: half the time)
+        out = np.empty((reps, n))
+        for r in range(reps):
+            out[r] = np.bincount(idx[r], minlength=n)
+        return out
+    idx += (np.arange(reps) * n)[:, None]
     return np.bincount(idx.ravel(), minlength=reps * n).reshape(reps, n).astype(np.float64)
 
 
