@@ -150,7 +150,9 @@ def request_boot(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None
     info: dict[str, Any]
     if pair is not None:
         # the block length of what is left after pairing: B's E2E minus A's, request by request
-        series = (eb - ea[pair])[np.argsort(pair)][oa]
+        inverse = np.empty_like(pair)  # pair's inverse permutation (no sort: it is one)
+        inverse[pair] = np.arange(len(pair))
+        series = (eb - ea[pair])[inverse][oa]
         n = req_a.num_rows
         bl = blocks(series, shortest_block(n))
         grouped = group_along(n, bl.length, oa)
