@@ -209,6 +209,7 @@ def test_long_series_are_drawn_in_runs_with_the_same_answer(monkeypatch):
     # (fewer runs coarsen a resample's first arrival and last finish: with 100, throughput's
     # interval was 1.7x as wide; the real limit leaves 1 / 20,000 of the run's span)
     monkeypatch.setattr(BS, "GROUPS_MAX", 400)
+    monkeypatch.setattr(BS, "POOLED_GROUPS_MAX", 400)
     runs = run()
     assert "runs" not in whole[0]["resampling"]["a"]
     assert runs[0]["resampling"]["a"]["runs"] <= 400 and runs[1]["resampling"]["a"]["runs"] <= 400
@@ -222,6 +223,18 @@ def test_long_series_are_drawn_in_runs_with_the_same_answer(monkeypatch):
         assert r.delta == pytest.approx(w.delta, rel=1e-9, abs=1e-12) and r.significant == w.significant
         # the same spread, within what 1000 resamples and another block scheme leave
         assert (r.ci_high - r.ci_low) == pytest.approx(w.ci_high - w.ci_low, rel=0.25)
+
+
+def test_pooled_units_are_drawn_in_fewer_runs(monkeypatch):
+    """Rounds and requests (pooled percentiles) are cut into at most POOLED_GROUPS_MAX runs,
+    cycles (sums) into at most GROUPS_MAX."""
+    monkeypatch.setattr(BS, "GROUPS_MAX", 5000)
+    monkeypatch.setattr(BS, "POOLED_GROUPS_MAX", 100)
+    a, b = cycles(3000, 1.0, 1), cycles(3000, 1.3, 2)
+    sa, sb = diff_synth.run(600, seed=1), diff_synth.run(600, seed=2)
+    assert "runs" not in D.diff_cycles(*a, *b)["resampling"]["a"]
+    assert D.diff_requests(requests(2000, 20.0, 1), requests(2000, 22.0, 2))["resampling"]["a"]["runs"] <= 100
+    assert D.diff_itl(sa.requests, sa.steps, sb.requests, sb.steps)["resampling"]["a"]["runs"] <= 100
 
 
 def test_chunked_cycles_resample_as_their_cycles(monkeypatch):

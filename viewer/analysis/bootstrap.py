@@ -22,6 +22,11 @@ BLOCK_ELEMS = 4_000_000  # draw counts per pass: bounds memory on long traces
 # consecutive items, one run per draw (`group_along`): the cost of a resample follows the
 # runs, not the items (10 M probe rows, 1.3 M cycles: minutes otherwise).
 GROUPS_MAX = 20_000
+# The same for units whose statistics are pooled percentiles (the rounds' ITL, the requests'
+# latencies: `pooled`): each resample costs a product per run and chunk of values, not one
+# sum per run (620 k requests paired, 1,000 resamples: 2.1 s in 19,400 runs). Still runs
+# enough that one run is 1/5,000 of a resample's span and of its values.
+POOLED_GROUPS_MAX = 5_000
 # Items from which `resample_weights` counts each resample's draws on its own (fewer: all
 # resamples in one count, not a Python loop over thousands of short rows)
 ROW_BINCOUNT = 4096
@@ -67,19 +72,26 @@ def cycle_chunk(n: int) -> int:
     return -(-n // CHUNKS_MAX) if n > CHUNKS_MAX else 1
 
 
-def shortest_block(n: int) -> int:
+def _most(pooled: bool) -> int:
+    return POOLED_GROUPS_MAX if pooled else GROUPS_MAX
+
+
+def shortest_block(n: int, pooled: bool = False) -> int:
     """The block length below which n items make more than GROUPS_MAX blocks (`blocks`'s
-    at_least for a series of n items that `group_along` will cut)."""
-    return 1 if n <= GROUPS_MAX else -(-n // GROUPS_MAX)
+    at_least for a series of n items that `group_along` will cut; `pooled`: POOLED_GROUPS_MAX)."""
+    most = _most(pooled)
+    return 1 if n <= most else -(-n // most)
 
 
-def group_along(n: int, length: int, order: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
-    """For more than GROUPS_MAX items: each item's run of `length` consecutive items along
-    `order` (item order[k] is k-th; `length` from `blocks(x, shortest_block(n))`, so at most
-    GROUPS_MAX runs), and the number of runs; None for fewer items. Drawing whole runs at
-    random is the non-overlapping block bootstrap (Carlstein 1986): the circular one's
-    answer, from as many blocks as the trace holds, each as long as its series asks for."""
-    if n <= GROUPS_MAX:
+def group_along(n: int, length: int, order: np.ndarray | None = None,
+                pooled: bool = False) -> tuple[np.ndarray, int] | None:
+    """For more than GROUPS_MAX items (`pooled`: POOLED_GROUPS_MAX): each item's run of
+    `length` consecutive items along `order` (item order[k] is k-th; `length` from
+    `blocks(x, shortest_block(n, pooled))`, so at most that many runs), and the number of
+    runs; None for fewer items. Drawing whole runs at random is the non-overlapping block
+    bootstrap (Carlstein 1986): the circular one's answer, from as many blocks as the trace
+    holds, each as long as its series asks for."""
+    if n <= _most(pooled):
         return None
     pos = np.arange(n) if order is None else np.empty(n, np.int64)
     if order is not None:

@@ -244,10 +244,10 @@ def itl_boot(requests: pa.Table, steps: pa.Table, reps: int,
     if not n or "token_runs" not in requests.column_names or "collect_ns" not in steps.column_names:
         return {}, {"unit": "rounds", "n": 0, "block": 1, "widen": 1.0}
     vals, mult, owner, series = round_gaps(requests, steps)
-    bl = blocks(series, shortest_block(n))
+    bl = blocks(series, shortest_block(n, pooled=True))
     info: dict[str, Any] = {"unit": "rounds", "n": n}
     items, block = n, bl.length
-    grouped = group_along(n, bl.length)
+    grouped = group_along(n, bl.length, pooled=True)
     if grouped is not None:  # runs of consecutive rounds, each drawn whole
         owner, items, block = owner // bl.length, grouped[1], 1
         info["runs"] = items

@@ -162,8 +162,8 @@ def request_boot(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None
         inverse[pair] = np.arange(len(pair))
         series = (eb - ea[pair])[inverse][oa]
         n = req_a.num_rows
-        bl = blocks(series, shortest_block(n))
-        grouped = group_along(n, bl.length, oa)
+        bl = blocks(series, shortest_block(n, pooled=True))
+        grouped = group_along(n, bl.length, oa, pooled=True)
         info = {"unit": "requests", "paired": True, "why": why, "n": n}
         stats: list[tuple[RequestStats, np.ndarray | None]]
         along: np.ndarray | None
@@ -182,9 +182,9 @@ def request_boot(req_a: pa.Table, req_b: pa.Table, meta_a: dict[str, Any] | None
         sides, info = [], {"unit": "requests", "paired": False, "why": why}
         for i, (rt, order, e2e) in enumerate(((ta, oa, ea), (tb, ob, eb))):
             n = len(rt.arrival)
-            bl = blocks(e2e[order], shortest_block(n))
+            bl = blocks(e2e[order], shortest_block(n, pooled=True))
             info["ab"[i]] = {"n": n}
-            grouped = group_along(n, bl.length, order)
+            grouped = group_along(n, bl.length, order, pooled=True)
             if grouped is None:
                 r, items, block, along = RequestStats(rt), n, bl.length, order
             else:
