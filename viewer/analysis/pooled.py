@@ -120,12 +120,16 @@ class PooledDist:
         opened = np.unique(cc)
         fine = [self._fine_columns(int(c)) for c in opened]
         # every opened coarse chunk's columns in one product: the draws are read once (each
-        # product on its own read all of them again, and that was most of its cost)
-        counts = w @ (fine[0] if len(fine) == 1 else np.hstack(fine))
+        # product on its own read all of them again, and that was most of its cost); only
+        # the rows asked for, where they are few (a look-up of the ranks the first one missed)
+        need, at = np.unique(rows, return_inverse=True)
+        few = 2 * len(need) < len(w)
+        counts = (w[need] if few else w) @ (fine[0] if len(fine) == 1 else np.hstack(fine))
+        row_of = at if few else rows
         off = 0
         for c, cols in zip(opened, fine, strict=True):
             q = np.flatnonzero(cc == c)
-            run = before[q][:, None] + counts[rows[q], off:off + cols.shape[1]]
+            run = before[q][:, None] + counts[row_of[q], off:off + cols.shape[1]]
             f = np.minimum((run <= ranks[q][:, None]).sum(axis=1), cols.shape[1] - 1)
             chunk[q] = c * self.fan + f
             prior[q] = np.where(f > 0, run[np.arange(len(q)), np.maximum(f - 1, 0)], before[q])
@@ -138,6 +142,7 @@ class PooledDist:
         `ranks2` (>= ranks) where it lies in the same chunk, else -1."""
         g_n, step = len(self.v), self.step
         c, prior_all = self._chunks(w, cum, rows, ranks)
+        flat, width = np.ascontiguousarray(wi).ravel(), wi.shape[1]  # flat gathers: 2-3x a 2-D index's speed
         at, at2 = np.empty(len(ranks), np.int64), np.full(len(ranks), -1, np.int64)
         span = max(1, 2_000_000 // step)  # bounded memory: span queries x step at a time
         for q0 in range(0, len(ranks), span):
@@ -146,7 +151,7 @@ class PooledDist:
             prior = prior_all[sl].astype(np.int64)
             idx = cq[:, None] * step + np.arange(step)
             at_v = np.minimum(idx, g_n - 1)
-            cnt = np.where(idx < g_n, wi[rq[:, None], self.g[at_v]], 0)
+            cnt = np.where(idx < g_n, flat[(rq * width)[:, None] + self.g[at_v]], 0)
             if self.m is not None:
                 cnt = cnt * self.m[at_v]
             cw = prior[:, None] + np.cumsum(cnt, axis=1)
