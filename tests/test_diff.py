@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,8 @@ from viewer.analysis.diff import build_diff
 from viewer.analysis.pooled import PooledDist
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 from viewer.render.diff import _LABEL, _fmt, render_diff
+
+SAMPLES = Path(__file__).resolve().parents[1] / "traces"
 
 
 def cycles(n: int, bookkeeping_ms: float, seed: int) -> tuple[pa.Table, pa.Table]:
@@ -226,15 +229,17 @@ def test_long_series_are_drawn_in_runs_with_the_same_answer(monkeypatch):
 
 
 def test_pooled_units_are_drawn_in_fewer_runs(monkeypatch):
-    """Rounds and requests (pooled percentiles) are cut into at most POOLED_GROUPS_MAX runs,
-    cycles (sums) into at most GROUPS_MAX."""
-    monkeypatch.setattr(BS, "GROUPS_MAX", 5000)
+    """Past GROUPS_MAX items, rounds and requests (pooled percentiles) are cut into at most
+    POOLED_GROUPS_MAX runs, cycles (sums) into at most GROUPS_MAX; up to it, all are drawn
+    one by one."""
+    monkeypatch.setattr(BS, "GROUPS_MAX", 500)
     monkeypatch.setattr(BS, "POOLED_GROUPS_MAX", 100)
     a, b = cycles(3000, 1.0, 1), cycles(3000, 1.3, 2)
     sa, sb = diff_synth.run(600, seed=1), diff_synth.run(600, seed=2)
-    assert "runs" not in D.diff_cycles(*a, *b)["resampling"]["a"]
+    assert 100 < D.diff_cycles(*a, *b)["resampling"]["a"]["runs"] <= 500
     assert D.diff_requests(requests(2000, 20.0, 1), requests(2000, 22.0, 2))["resampling"]["a"]["runs"] <= 100
     assert D.diff_itl(sa.requests, sa.steps, sb.requests, sb.steps)["resampling"]["a"]["runs"] <= 100
+    assert "runs" not in D.diff_requests(requests(400, 20.0, 1), requests(400, 22.0, 2))["resampling"]["a"]
 
 
 def test_chunked_cycles_resample_as_their_cycles(monkeypatch):
@@ -253,6 +258,45 @@ def test_chunked_cycles_resample_as_their_cycles(monkeypatch):
     assert got[0].keys() == want[0].keys()
     for k, v in want[0].items():
         assert np.array_equal(got[0][k], v, equal_nan=True), k
+
+
+def test_a_bad_trace_b_is_said_before_as_resamples_end(monkeypatch):
+    """B's read fails while A's resamples run: the error comes at once, not after them."""
+    import threading
+
+    from tracing.reader import TraceError
+    release, finished = threading.Event(), threading.Event()
+    real_boot, real_load = D.cycle_boot, D.load_inputs
+
+    def held_boot(*args, **kwargs):
+        release.wait(60)
+        finished.set()
+        return real_boot(*args, **kwargs)
+
+    def load(root, *args, **kwargs):
+        if str(root).endswith("sample-overlap"):
+            raise TraceError("B is corrupt")
+        return real_load(root, *args, **kwargs)
+
+    monkeypatch.setattr(D, "cycle_boot", held_boot)
+    monkeypatch.setattr(D, "load_inputs", load)
+    try:
+        with pytest.raises(TraceError, match="B is corrupt"):
+            build_diff(SAMPLES / "sample-serial", SAMPLES / "sample-overlap")  # (both open fine)
+        assert not finished.is_set()  # A's cycles were still being resampled
+    finally:
+        release.set()
+
+
+def test_ids_of_other_types_do_not_pair():
+    """Ids compare by value within a kind: "1" is not 1; dictionary-encoded and wider types
+    are their values."""
+    s = pa.table({"request_id": ["1", "2"]})
+    assert D.pairing(s, pa.table({"request_id": [2, 1]}))[0] is None
+    assert D.pairing(pa.table({"request_id": pa.array([1, 2], pa.int32())}),
+                     pa.table({"request_id": [2, 1]}))[0].tolist() == [1, 0]
+    assert D.pairing(s, pa.table({"request_id": pa.array(["2", "1"]).dictionary_encode()}))[0].tolist() == [1, 0]
+    assert D.pairing(s, pa.table({"request_id": pa.array(["2", "1"], pa.large_string())}))[0].tolist() == [1, 0]
 
 
 def test_paired_draws_are_the_same_requests():

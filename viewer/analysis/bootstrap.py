@@ -22,10 +22,11 @@ BLOCK_ELEMS = 4_000_000  # draw counts per pass: bounds memory on long traces
 # consecutive items, one run per draw (`group_along`): the cost of a resample follows the
 # runs, not the items (10 M probe rows, 1.3 M cycles: minutes otherwise).
 GROUPS_MAX = 20_000
-# The same for units whose statistics are pooled percentiles (the rounds' ITL, the requests'
-# latencies: `pooled`): each resample costs a product per run and chunk of values, not one
-# sum per run (620 k requests paired, 1,000 resamples: 2.1 s in 19,400 runs). Still runs
-# enough that one run is 1/5,000 of a resample's span and of its values.
+# Past GROUPS_MAX, units whose statistics are pooled percentiles (the rounds' ITL, the
+# requests' latencies: `pooled`) are cut into at most this many runs: each resample costs a
+# product per run and chunk of values, not one sum per run (620 k requests paired, 1,000
+# resamples: 2.1 s in 19,400 runs). Still runs enough that one run is 1/5,000 of a
+# resample's span and of its values. (Up to GROUPS_MAX items they are drawn one by one.)
 POOLED_GROUPS_MAX = 5_000
 # Items from which `resample_weights` counts each resample's draws on its own (fewer: all
 # resamples in one count, not a Python loop over thousands of short rows)
@@ -60,38 +61,38 @@ def resample_weights(n: int, reps: int, rng: np.random.Generator, block: int = 1
 
 
 # A long trace's cycles reach `diff` summed in chunks of consecutive cycles, at most this many
-# (`cycle_chunk`): eight chunks to a run at the least, so rounding a run up to whole chunks
-# lengthens it by at most an eighth.
+# chunks (`cycle_chunk`): a chunk is then at most ceil(n / 160,000) cycles and a run at least
+# ceil(n / 20,000), so rounding a run up to whole chunks adds less than a chunk, at most an
+# eighth of the run.
 CHUNKS_MAX = 8 * GROUPS_MAX
 
 
 def cycle_chunk(n: int) -> int:
     """Cycles per entry of `diff`'s per-cycle arrays for a trace of n cycles (`per_cycle`'s
-    chunk): 1 (every cycle its own) up to CHUNKS_MAX cycles, so never where the cycles are
-    drawn one by one (n <= GROUPS_MAX)."""
+    chunk): 1 (every cycle its own) up to CHUNKS_MAX cycles, then as few as make at most
+    CHUNKS_MAX entries; so never more than 1 where the cycles are drawn one by one
+    (n <= GROUPS_MAX)."""
     return -(-n // CHUNKS_MAX) if n > CHUNKS_MAX else 1
-
-
-def _most(pooled: bool) -> int:
-    return POOLED_GROUPS_MAX if pooled else GROUPS_MAX
 
 
 def shortest_block(n: int, pooled: bool = False) -> int:
     """The block length below which n items make more than GROUPS_MAX blocks (`blocks`'s
-    at_least for a series of n items that `group_along` will cut; `pooled`: POOLED_GROUPS_MAX)."""
-    most = _most(pooled)
-    return 1 if n <= most else -(-n // most)
+    at_least for a series of n items that `group_along` will cut; `pooled`: more than
+    POOLED_GROUPS_MAX blocks, past GROUPS_MAX items)."""
+    if n <= GROUPS_MAX:
+        return 1
+    return -(-n // (POOLED_GROUPS_MAX if pooled else GROUPS_MAX))
 
 
 def group_along(n: int, length: int, order: np.ndarray | None = None,
                 pooled: bool = False) -> tuple[np.ndarray, int] | None:
-    """For more than GROUPS_MAX items (`pooled`: POOLED_GROUPS_MAX): each item's run of
-    `length` consecutive items along `order` (item order[k] is k-th; `length` from
-    `blocks(x, shortest_block(n, pooled))`, so at most that many runs), and the number of
-    runs; None for fewer items. Drawing whole runs at random is the non-overlapping block
-    bootstrap (Carlstein 1986): the circular one's answer, from as many blocks as the trace
-    holds, each as long as its series asks for."""
-    if n <= _most(pooled):
+    """For more than GROUPS_MAX items: each item's run of `length` consecutive items along
+    `order` (item order[k] is k-th; `length` from `blocks(x, shortest_block(n, pooled))`, so
+    at most GROUPS_MAX runs, or POOLED_GROUPS_MAX), and the number of runs; None for fewer
+    items. Drawing whole runs at random is the non-overlapping block bootstrap (Carlstein
+    1986): the circular one's answer, from as many blocks as the trace holds, each as long
+    as its series asks for."""
+    if n <= GROUPS_MAX:
         return None
     pos = np.arange(n) if order is None else np.empty(n, np.int64)
     if order is not None:

@@ -143,8 +143,8 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     tenth of the memory and the searches (`bootstrap.cycle_chunk`).
 
     `rank` selects one rank's rows (None: all); `collectives` (any ranks) gives
-    all_reduce its HTA raw/hidden times. Every array has one entry per cycle, in time
-    order (float64 ns unless noted):
+    all_reduce its HTA raw/hidden times. Every array has one entry per cycle (per chunk with
+    `chunk` > 1), in time order (float64 ns unless noted):
       start_ns, end_ns   cycle bounds (int64)
       cycle_ns           cycle length minus idle (no-work) time
       idle_ns            no-work time inside the cycle

@@ -257,6 +257,7 @@ def itl_boot(requests: pa.Table, steps: pa.Table, reps: int,
 
 
 def itl_deltas(sa: dict[str, np.ndarray], sb: dict[str, np.ndarray], reps: int) -> dict[str, Any]:
+    """The ITL rows' deltas from each side's `itl_boot` (before BH)."""
     none = _none(reps)
     return {"itl_ms": {k: delta(sa.get(k, none), sb.get(k, none)) for k in ("mean", *(f"p{q}" for q in QUANTILES))}}
 
@@ -318,15 +319,18 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
     (`build_diff` starts A's while B is read, the others beside the reports)."""
     # The units are independent (each draws from its own seeded generator, so the answer
     # does not depend on the order they run in) and mostly numpy, which releases the GIL:
-    # each side's cycles and rounds run on the pool, the requests on this thread (scaled
-    # by both sides' cycles once those are done).
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        da, db = draws or (OwnDraws.start(a, 0, reps, seed, pool),
-                           OwnDraws.start(b, place_of_b(a, b), reps, seed, pool))
-        drawn = requests.result() if requests else request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
-        (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
-        req = request_deltas(*drawn, reps, (ca.get("round_scale"), cb.get("round_scale")))
-        (ta, ra), (tb, rb) = da.rounds.result(), db.rounds.result()
+    # each side's cycles and rounds run on a pool, the requests on this thread unless
+    # started already (scaled by both sides' cycles once those are done).
+    if draws is None:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return compare(a, b, reps, seed, probes, keep, (OwnDraws.start(a, 0, reps, seed, pool),
+                                                            OwnDraws.start(b, place_of_b(a, b), reps, seed, pool)),
+                           requests)
+    da, db = draws
+    drawn = requests.result() if requests else request_boot(a.requests, b.requests, a.meta, b.meta, reps, seed)
+    (ca, ia), (cb, ib) = da.cycles.result(), db.cycles.result()
+    req = request_deltas(*drawn, reps, (ca.get("round_scale"), cb.get("round_scale")))
+    (ta, ra), (tb, rb) = da.rounds.result(), db.rounds.result()
     itl = itl_deltas(ta, tb, reps)
     itl["resampling"] = {"a": ra, "b": rb}
     cyc = cycle_deltas(ca, cb, reps)
@@ -424,7 +428,8 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
     # the requests may pair (a string column: 0.1 s of a 10 M-row trace of short requests).
     ids = ["request_id"] if may_pair(*(Trace.open(r).meta for r in (a_root, b_root))) else []
     columns = list(dict.fromkeys([*REQUEST_COLUMNS, "token_runs", *ids]))
-    with ThreadPoolExecutor(max_workers=1) as early, ThreadPoolExecutor(max_workers=1) as late:
+    early, late = ThreadPoolExecutor(max_workers=1), ThreadPoolExecutor(max_workers=1)
+    try:
         inputs = [load_inputs(a_root, columns, per_cycle=True)]
         tables = [Side(inputs[0].main_rank, inputs[0].steps, inputs[0].requests, inputs[0].trace.meta)]
         a_draws = OwnDraws.start(tables[0], 0, reps, seed, early)
@@ -439,6 +444,11 @@ def build_diff(a_root: str | Path, b_root: str | Path, reps: int = RESAMPLES, se
         keep = {(row.boundary, m) for r in reports for row in r.cost.boundaries for m in METRICS
                 if getattr(row, m) is not None}
         delta, how = compare(tables[0], tables[1], reps, seed, probes_ok, keep, (a_draws, b_draws), req)
+    finally:
+        # a bad trace B (or Ctrl-C) is said at once, not after A's resamples: what has not
+        # started is dropped (what has finishes on its thread)
+        for pool in (early, late):
+            pool.shutdown(wait=False, cancel_futures=True)
     warnings = [f"trace {side} is {inp.trace.status.state}: {inp.trace.status.headline()}"
                 for side, inp in zip("AB", inputs, strict=True) if not inp.trace.status.complete]
     warnings += trace_warnings(inputs[0].trace.meta, inputs[1].trace.meta)
