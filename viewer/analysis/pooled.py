@@ -41,9 +41,10 @@ class PooledDist:
         # not a stable sort (3x slower on a million floats): tied values are one value wherever
         # they fall, and a group's sum of them is the same to rounding
         order = np.argsort(values)
-        self.v = values[order].astype(np.float64)
-        self.g = owner[order].astype(np.int64)
-        self.m = None if mult is None else mult[order].astype(np.int64)
+        # (the gathers are copies already; groups and multiplicities fit 32 bits)
+        self.v = values[order].astype(np.float64, copy=False)
+        self.g = owner[order].astype(np.int64 if groups >= 2**31 else np.int32, copy=False)
+        self.m = None if mult is None else mult[order].astype(np.int64, copy=False)
         self.scale = scale
         self.groups = groups
         n = len(self.v)
@@ -58,7 +59,7 @@ class PooledDist:
         self.kc = -(-self.k // self.fan) if n else 0  # coarse chunks
         m = None if self.m is None else self.m.astype(np.float64)
         span = self.step * self.fan
-        counts = np.bincount(self.g * self.kc + np.arange(n) // span, weights=m, minlength=groups * self.kc)
+        counts = np.bincount(self.g.astype(np.int64) * self.kc + np.arange(n) // span, weights=m, minlength=groups * self.kc)
         # per group: value count, value sum, cumulative count through each coarse chunk; `w @ columns`
         # gives every resample's n, sum and per-coarse-chunk cumulative counts at once
         self.columns = np.column_stack([np.bincount(self.g, weights=m, minlength=groups),
@@ -102,7 +103,7 @@ class PooledDist:
             sl = slice(c * span, min((c + 1) * span, len(self.v)))
             fan = -(-(sl.stop - sl.start) // self.step)
             local = np.arange(sl.stop - sl.start) // self.step
-            counts = np.bincount(self.g[sl] * fan + local, minlength=self.groups * fan,
+            counts = np.bincount(self.g[sl].astype(np.int64) * fan + local, minlength=self.groups * fan,
                                  weights=None if self.m is None else self.m[sl].astype(np.float64))
             got = self._fine[c] = np.cumsum(counts.reshape(self.groups, fan), axis=1).astype(np.float64)
         return got
