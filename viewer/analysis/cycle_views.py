@@ -204,9 +204,11 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
     (`chunk` > 1: windows of whole chunks, the trace's last one excepted)."""
     n = len(S)
     first, end = int(S[0]), int(E[-1])
-    heads = np.arange(0, n, chunk)  # each entry's first and last cycle
-    tails = np.minimum(heads + chunk, n) - 1
-    bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S[heads] if chunk > 1 else S)
+    chunked = chunk > 1 and not totals
+    heads = np.arange(0, n, chunk) if chunked else np.zeros(0, np.int64)  # each entry's first cycle
+    # each entry's start and end
+    S1, E1 = (S[heads], E[np.minimum(heads + chunk, n) - 1]) if chunked else (S, E)
+    bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S1)
 
     probes, idle_rows = _for_rank(probes, rank)
     rows = _Rows(probes)
@@ -222,8 +224,8 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
 
     idle_ts, idle_dur = rows.get(B.IDLE) if idle_rows is None else idle_rows
     keep = (idle_ts >= first) & (idle_ts < end)
-    series: np.ndarray | None = None  # each cycle's length, when an entry holds several
-    if chunk > 1 and not totals:
+    series = np.zeros(0)  # each cycle's length, when an entry holds several
+    if chunked:
         each = CycleSums(S)
         idle_each = each.zeros()  # (idle rows are few: their searches cost nothing)
         each.add(idle_each, each.cycle_of(idle_ts[keep]), idle_dur[keep])
@@ -236,15 +238,14 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
         cycle_len = float(end - first) - idle_per
         dev_per = busy.covered(np.array([first]), np.array([end])).astype(np.float64)
     else:
-        S1, E1 = (S[heads], E[tails]) if chunk > 1 else (S, E)
         cycle_len = (E1 - S1).astype(np.float64) - idle_per
         dev_per = np.concatenate([busy.covered(S1[b], E1[b]) for b in blocks(len(S1))]).astype(np.float64)
     out: dict[str, np.ndarray] = {"start_ns": S, "end_ns": E, "cycle_ns": cycle_len, "idle_ns": idle_per,
                                   "device_ns": dev_per}
     if totals:
         out.update(start_ns=S[:1].copy(), end_ns=E[-1:].copy(), cycles=np.array([float(n)]))
-    elif series is not None:
-        out.update(start_ns=S1, end_ns=E1, cycles=(tails - heads + 1).astype(np.float64))
+    elif chunked:
+        out.update(start_ns=S1, end_ns=E1, cycles=np.diff(np.append(heads, n)).astype(np.float64))
         out["series:cycle_ns"] = series
 
     def attribute(job: tuple[str, str]) -> dict[str, np.ndarray]:
