@@ -1,12 +1,15 @@
 """`mstrace whatif` checked against the runs it predicts.
 
     python bench/bench_whatif.py modes --model tiny --requests 128 --runs 5 --cpu-device thread
+    python bench/bench_whatif.py comm --model tiny --requests 128 --runs 5 --tp 2
     python bench/bench_whatif.py truth --model tiny --requests 64 --delay-ms 5 --mode serial
 
 modes: each run is a serial and an overlap run of one workload (same seed; the order alternates
 run by run); whatif predicts each from the other. Prints, per run and direction, the predicted
 and measured output tok/s, ITL p50 and cycle, the errors, and whether the measured value lies
 in the stated 95% interval; then the median absolute errors and the interval's hit count.
+
+comm: the same with a TP run's `--comm-overlap off` and `on` (whatif --comm-overlap).
 
 truth: the truth harness's known delays (--debug-delay-ms PLACE=D, scheduler/harness/debug_delay.py).
 For each place, a run with the delay and one without; whatif predicts the one without from
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from common import OUT, REPO, load, mstrace_run
 
@@ -49,25 +54,35 @@ def _row(label: str, r: WhatIfResult, measured: WhatIfResult) -> dict[str, float
 
 
 def modes(a: argparse.Namespace) -> None:
+    _pairs(a, "mode", ("serial", "overlap"), lambda out, to: whatif(out, to, contention=a.contention))
+
+
+def comm(a: argparse.Namespace) -> None:
+    _pairs(a, "comm-overlap", ("off", "on"),
+           lambda out, to: whatif(out, comm_overlap=to, contention=a.contention), "--tp", str(a.tp))
+
+
+def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
+           predict: Callable[[Path, str], WhatIfResult], *more: str) -> None:
+    """Each run: one run per value of `--flag` (same seed; the order alternates run by run),
+    each predicted from the other."""
     flags = ["--model", a.model, "--requests", str(a.requests), "--seed", "0", "--cpu-device", a.cpu_device,
-             *a.extra.split()]
+             *more, *a.extra.split()]
     print(f"load before: {load()}; {' '.join(flags)}")
-    rows: dict[str, list[dict[str, float]]] = {"overlap from serial": [], "serial from overlap": []}
+    x, y = values
+    rows: dict[str, list[dict[str, float]]] = {f"{y} from {x}": [], f"{x} from {y}": []}
     for i in range(a.runs):
-        order = ("serial", "overlap") if i % 2 == 0 else ("overlap", "serial")
-        out = {m: OUT / "whatif" / f"{a.model}-{a.cpu_device}" / f"{m}-{i}" for m in order}
-        for m in order:
-            mstrace_run(out[m], *flags, "--mode", m)
-        own = {m: whatif(out[m]) for m in order}
+        order = values if i % 2 == 0 else values[::-1]
+        out = {v: OUT / "whatif" / f"{a.model}-{a.cpu_device}{''.join(more)}" / f"{flag}-{v}-{i}" for v in order}
+        for v in order:
+            mstrace_run(out[v], *flags, f"--{flag}", v)
+        own = {v: whatif(out[v]) for v in order}
         print(f"run {i}:")
-        k = a.contention
-        rows["overlap from serial"].append(_row("overlap from serial", whatif(out["serial"], "overlap", contention=k),
-                                                own["overlap"]))
-        rows["serial from overlap"].append(_row("serial from overlap", whatif(out["overlap"], "serial", contention=k),
-                                                own["serial"]))
+        rows[f"{y} from {x}"].append(_row(f"{y} from {x}", predict(out[x], y), own[y]))
+        rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x), own[x]))
     print(f"load after: {load()}")
-    print(f"\n{a.model} {a.cpu_device}, {a.requests} requests, {a.runs} runs, --contention {a.contention:g}: "
-          "median |error|, measured in interval")
+    print(f"\n{a.model} {a.cpu_device}{' '.join(more)}, {a.requests} requests, {a.runs} runs, "
+          f"--contention {a.contention:g}: median |error|, measured in interval")
     for label, rs in rows.items():
         cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "
                  f"({int(sum(r[name + '_hit'] for r in rs))}/{len(rs)} in)" for name, short, _ in FIGS]
@@ -104,21 +119,23 @@ def truth(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="what", required=True)
-    for name in ("modes", "truth"):
+    for name in ("modes", "comm", "truth"):
         p = sub.add_parser(name)
         p.add_argument("--model", default="tiny")
         p.add_argument("--requests", type=int, default=128)
         p.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
         p.add_argument("--extra", default="", help="extra `mstrace run` flags, space separated")
         p.add_argument("--contention", type=float, default=0.0, help="whatif --contention")
-        if name == "modes":
+        if name in ("modes", "comm"):
             p.add_argument("--runs", type=int, default=5)
-        else:
+        if name == "comm":
+            p.add_argument("--tp", type=int, default=2)
+        if name == "truth":
             p.add_argument("--mode", default="serial", choices=("serial", "overlap"))
             p.add_argument("--delay-ms", type=float, default=5.0)
             p.add_argument("--places", default=",".join(PLACE_BOUNDARY))
     a = ap.parse_args()
-    (modes if a.what == "modes" else truth)(a)
+    {"modes": modes, "comm": comm, "truth": truth}[a.what](a)
 
 
 if __name__ == "__main__":

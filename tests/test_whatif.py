@@ -209,3 +209,141 @@ def _moved_ms(a, b, boundary: str) -> float:
     ma = {p.boundary: p.ms_per_round for p in a.critical_path}
     mb = {p.boundary: p.ms_per_round for p in b.critical_path}
     return sum(abs(ma.get(k, 0.0) - mb.get(k, 0.0)) for k in ma.keys() | mb.keys() if k not in (boundary, IDLE))
+
+
+# ----------------------------------------------------------------------------- TP and PP traces
+
+TP_RUN = ["run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-96", "--output-len", "8-24",
+          "--seed", "0", "-q"]
+
+
+@pytest.fixture(scope="module")
+def parallel_traces(tmp_path_factory):
+    """Three small runs: TP2 with comm overlap off and on, and PP2."""
+    root = tmp_path_factory.mktemp("parallel")
+    out = {}
+    for name, extra in (("tp_off", ["--tp", "2", "--comm-overlap", "off"]), ("tp_on", ["--tp", "2"]),
+                        ("pp", ["--pp", "2"])):
+        out[name] = root / name
+        p = mstrace(*TP_RUN, "--out", str(out[name]), *extra)
+        assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp_off", "tp_on", "pp"])
+def test_the_fit_replays_a_parallel_trace(parallel_traces, name):
+    """A batch's device work spans its ranks; the model replays TP and PP runs as it does one rank's."""
+    r = whatif(parallel_traces[name])
+    for field in ("cycle_ms", "output_tok_per_s", "itl_ms_p50"):
+        assert getattr(r.replayed, field) == pytest.approx(getattr(r.measured, field), rel=0.01), field
+    bounds = {row.boundary for row in r.critical_path}
+    assert ("all_reduce" in bounds) == name.startswith("tp")
+    assert r.comm_overlap == {"tp_off": "off", "tp_on": "on", "pp": None}[name]
+
+
+def test_free_all_reduces_take_their_exposed_wait_off_the_cycle(parallel_traces):
+    r = whatif(parallel_traces["tp_off"], speedups=[Speedup.parse("all_reduce=0")])
+    ar = {row.boundary: row for row in r.critical_path}
+    fit = whatif(parallel_traces["tp_off"])
+    exposed = {row.boundary: row for row in fit.critical_path}["all_reduce"].ms_per_round
+    assert "all_reduce" not in ar and exposed > 0
+    # serial: every batch's exposed wait was on the path, so the cycle falls by all of it
+    assert fit.predicted.cycle_ms - r.predicted.cycle_ms == pytest.approx(exposed, rel=0.02)
+
+
+@pytest.mark.parametrize("trace,to", [("tp_off", "on"), ("tp_on", "off")])
+def test_comm_overlap_is_predicted_from_the_other_setting(parallel_traces, trace, to):
+    r = whatif(parallel_traces[trace], comm_overlap=to)
+    assert r.target_comm_overlap == to and r.comm_overlap != to
+    assert r.predicted != r.replayed
+    rc, out, err = cli("whatif", str(parallel_traces[trace]), "--comm-overlap", to)
+    assert rc == 0 and f"predicted with --comm-overlap {to}" in out, err
+
+
+@pytest.mark.parametrize("trace,args,msg", [
+    ("pp", ["--comm-overlap", "on"], "a TP trace with one pipeline stage"),
+    ("tp_off", ["--comm-overlap", "maybe"], "--comm-overlap must be on or off"),
+])
+def test_comm_overlap_refuses_in_one_line(parallel_traces, trace, args, msg):
+    rc, _, err = cli("whatif", str(parallel_traces[trace]), *args)
+    assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def _split_events(a, b, lat_a, lat_b, tail):
+    """Rank 0's collectives of one batch run split, in the engine's order (scheduler/parallel/tp.py):
+    issue, completion and exposed wait of A's and B's collective of each op, interleaved."""
+    t = done_a = done_b = 0.0
+    issue, end, wait = [], [], []
+    for k in range(len(a)):
+        if k:
+            wait[-2] = max(done_a - t, 0.0)
+            t = max(t, done_a)
+        t += a[k]
+        done_a = t + lat_a[k]
+        issue.append(t), end.append(done_a), wait.append(0.0)
+        if k:
+            wait[-2] = max(done_b - t, 0.0)
+            t = max(t, done_b)
+        t += b[k]
+        done_b = t + lat_b[k]
+        issue.append(t), end.append(done_b), wait.append(0.0)
+    wait[-2] = max(done_a - t, 0.0)
+    t = max(t, done_a)
+    wait[-1] = max(done_b - t, 0.0)
+    t = max(t, done_b) + tail
+    return np.array(issue), np.array(end), np.array(wait), t
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_a_split_batch_is_cut_back_into_its_segments(k, data):
+    """The segments read off a split batch's collectives are the compute and latencies that made
+    them, and the model's schedule replays the batch's span."""
+    from viewer.analysis.whatif_comm import overlapped_span, segments
+
+    ms = st.floats(0.01, 5, allow_nan=False)
+    a, b, la, lb = (np.array(data.draw(st.lists(ms, min_size=k, max_size=k))) for _ in range(4))
+    tail = data.draw(ms)
+    issue, end, wait, stop = _split_events(a, b, la, lb, tail)
+    s = segments(issue, end, wait, np.ones(2 * k), True, 0.0, stop)
+    assert s.compute == pytest.approx(np.column_stack([a, b])) and s.latency == pytest.approx(np.column_stack([la, lb]))
+    assert s.tail == pytest.approx(tail)
+    assert overlapped_span(a, b, la, lb, tail) == pytest.approx(stop)
+
+
+def test_a_synchronous_batch_is_cut_into_its_segments():
+    from viewer.analysis.whatif_comm import segments
+
+    c, lat = np.array([1.0, 2.0, 0.5]), np.array([0.3, 0.4, 0.2])
+    issue = 10 + np.cumsum(c) + np.concatenate([[0], np.cumsum(lat)[:-1]])
+    s = segments(issue, issue + lat, lat, np.full(3, 64.0), False, 10.0, issue[-1] + lat[-1] + 0.7)
+    assert s.compute == pytest.approx(c) and s.latency == pytest.approx(lat) and s.tail == pytest.approx(0.7)
+
+
+def test_the_per_op_fit_finds_the_fixed_part():
+    """Halving a batch halves only the part of each op that grows with its rows."""
+    from viewer.analysis.whatif_comm import Segments, fit_ops
+
+    x = np.array([64.0, 640.0, 6400.0, 3200.0])
+    segs = [Segments(np.array([0.5 + 1e-3 * n, 0.2 + 2e-3 * n]), np.array([n, n]), np.zeros(2), 0.0) for n in x]
+    assert fit_ops(segs) == pytest.approx(np.array([[0.5, 1e-3], [0.2, 2e-3]]))
+    same = [Segments(np.array([2.0]), np.array([100.0]), np.zeros(1), 0.0)] * 3  # one size: proportional
+    assert fit_ops(same) == pytest.approx(np.array([[0.0, 0.02]]))
+
+
+@pytest.mark.parametrize("decode,prefills,length", [(0, 1, 40), (1, 0, 0), (2, 0, 0), (7, 0, 0), (0, 2, 30),
+                                                     (3, 1, 100), (60, 1, 20), (5, 3, 16), (1, 1, 1)])
+def test_split_share_cuts_where_the_runner_does(decode, prefills, length):
+    from types import SimpleNamespace
+
+    from scheduler.parallel.tp import split_row
+    from viewer.analysis.whatif_comm import split_share
+
+    tokens = decode + prefills * length
+    batch = SimpleNamespace(num_seqs=decode + prefills, num_decode=decode, num_tokens=tokens,
+                            prefills=[SimpleNamespace(row_start=decode + j * length) for j in range(prefills)])
+    row = split_row(batch)
+    f = split_share(decode, prefills, prefills * length)
+    assert (f is None) == (row is None)
+    if row is not None:
+        assert f * tokens == pytest.approx(row)

@@ -19,6 +19,7 @@ from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
+from viewer.analysis.whatif_comm import rescheduled
 from viewer.analysis.whatif_fit import Run, WhatIfError, load
 from viewer.analysis.whatif_model import (
     COMPONENTS,
@@ -100,6 +101,8 @@ class WhatIfResult(JsonRecord):
     mode: str  # the trace's
     target_mode: str
     speedups: list[str]
+    comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None with one TP rank
+    target_comm_overlap: str | None  # the setting predicted (the trace's unless --comm-overlap)
     contention: float  # the share of the host's work the device could not overlap (docs/whatif.md)
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
@@ -143,10 +146,12 @@ def _asked(b: Batches, speedups: list[Speedup]) -> Batches:
 
 
 def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | None = None,
-           contention: float = 0.0, seed: int = 0) -> WhatIfResult:
+           contention: float = 0.0, seed: int = 0, comm_overlap: str | None = None) -> WhatIfResult:
     run = load(root)
     speedups = speedups or []
-    tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
+    cfg = run.trace.meta.get("config", {})
+    tr_mode = cfg.get("mode", "serial")
+    tr_comm = ("on" if cfg.get("comm_overlap", True) else "off") if int(cfg.get("tp", 1) or 1) > 1 else None
     target = mode or tr_mode
     if target not in MODES:
         raise WhatIfError(f"--mode must be one of {', '.join(MODES)}, not {target!r}")
@@ -158,21 +163,37 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     overlap = target == "overlap"
     # the device's work alone: what the trace's host work stretched it by, taken out
     alone = replace(run.batches, D=np.maximum(run.batches.D - contention * run.batches.H, 0))
-    b = _asked(alone, speedups)
+    base = _comm(run, alone, tr_comm, comm_overlap)
+    b = _asked(base, speedups)
     tl = simulate(b, overlap, contention)
     reps = [_figures(run, rb, simulate(rb, overlap, contention))
-            for rb in (_asked(r, speedups) for r in replicates(alone, np.random.default_rng(seed), DRAWS))]
+            for rb in (_asked(r, speedups) for r in replicates(base, np.random.default_rng(seed), DRAWS))]
     table = np.array([f.array() for f in reps])
     lo, hi = (Figures.of(np.percentile(table, q, axis=0)) for q in (2.5, 97.5))
     host = int(np.isclose(tl.dev_start, tl.launched[:b.n] + b.L).sum())
     replay = simulate(alone, tr_mode == "overlap", contention)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
-        speedups=[s.label() for s in speedups], contention=contention, backend=_backend(run.trace),
+        speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
+        contention=contention, backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, alone, replay),
         predicted=_figures(run, b, tl), predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
     )
+
+
+def _comm(run: Run, b: Batches, now: str | None, asked: str | None) -> Batches:
+    """The batches with their all-reduces as `--comm-overlap asked` would run them."""
+    if asked not in (None, "on", "off"):
+        raise WhatIfError(f"--comm-overlap must be on or off, not {asked!r}")
+    cfg = run.trace.meta.get("config", {})
+    if asked is not None and (now is None or int(cfg.get("pp", 1) or 1) > 1):
+        raise WhatIfError("--comm-overlap predicts the all-reduces of a TP trace with one pipeline stage; "
+                          f"this one has tp {cfg.get('tp', 1)}, pp {cfg.get('pp', 1)}")
+    if asked is None or asked == now:
+        return b
+    ratio, exposed = rescheduled(run.trace, run.batch_step, run.dev_start, run.dev_end, asked == "on")
+    return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
 
 
 def _backend(tr: Trace) -> str:
@@ -201,7 +222,7 @@ def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
     path = critical_path(b, tl, overlap)
     rows: dict[str, list[float]] = {}
     for comp in (*COMPONENTS, "idle"):
-        total = path["idle"] if comp == "idle" else float((tl.dev_end - tl.dev_start).sum()) if comp == "D" \
+        total = path["idle"] if comp == "idle" else float((tl.dev_end - tl.dev_start - b.A).sum()) if comp == "D" \
             else float(getattr(b, comp).sum())
         r = rows.setdefault(COMPONENT_BOUNDARY[comp], [0.0, 0.0])
         r[0] += total

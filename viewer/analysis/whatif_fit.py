@@ -26,6 +26,9 @@ class Run:
     batches: Batches
     t0: int  # the first round's start, ns
     collect_round: np.ndarray  # per batch: the step number of the round that collected it
+    batch_step: np.ndarray  # per batch: the step number of the round that launched it
+    dev_start: np.ndarray  # per batch: its device work's first start over rank 0's streams, ns
+    dev_end: np.ndarray  # ... and its last end
     steps: np.ndarray  # every round's step number
     requests: pa.Table
     trace: Trace
@@ -35,15 +38,18 @@ class Run:
     output_tokens: int
 
 
-def _host_rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Rank 0's host rows per boundary: (step, ts, end)."""
+def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Rank 0's rows per boundary: (step, ts, end). Rank 0 hands the tokens to the scheduler, so
+    its device rows span a TP or PP batch: its own work and its waits for the other ranks (the
+    all-reduces, on its comm stream; the pipeline's later stages, inside its pp_bubble)."""
     p = tr.table("probes", ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"], dictionary=("boundary", "stream"))
-    keep = pc.and_(pc.equal(p["rank"], 0), pc.is_in(p["stream"], pa.array(["host", "main", "prefill"])))
-    p = p.filter(keep)
+    p = p.filter(pc.equal(p["rank"], 0))
+    on_thread = pc.is_in(p["stream"], pa.array(["host", "main", "prefill"]))
     out = {}
     for b in (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.DEFRAG, B.IDLE, B.DEVICE_COMPUTE,
-              B.SCHEDULER_BARRIER):
-        t = p.filter(pc.equal(p["boundary"], b))
+              B.SCHEDULER_BARRIER, B.ALL_REDUCE):
+        t = p.filter(pc.and_(pc.equal(p["boundary"], b), on_thread if b != B.ALL_REDUCE else
+                             pc.equal(p["stream"], "comm")))
         ts = t["ts_ns"].to_numpy()
         out[b] = (t["step"].to_numpy(), ts, ts + t["dur_ns"].to_numpy())
     return out
@@ -95,9 +101,6 @@ def load(root: str | Path) -> Run:
     if "import" in tr.meta:
         raise WhatIfError(f"{root} is an imported profiler trace: its rounds have no launch and collect "
                           "moments for the model; whatif reads traces of mstrace run/serve")
-    cfg = tr.meta.get("config", {})
-    if int(cfg.get("tp", 1) or 1) * int(cfg.get("pp", 1) or 1) > 1:
-        raise WhatIfError(f"{root} is a TP/PP trace: the model has no collectives yet (docs/whatif.md)")
     s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
@@ -108,7 +111,7 @@ def load(root: str | Path) -> Run:
     housekept = start + s["dur_ns"].to_numpy()
     collect = s["collect_ns"].to_numpy()
     overlap = s["mode"][0].as_py() == "overlap"
-    rows = _host_rows(tr)
+    rows = _rows(tr)
     # the round's first bookkeeping row (it starts with the round) is intake and scheduling,
     # before the launch; the others are the collect and housekeeping after the barrier
     bk_step, bk_ts, bk_end = rows[B.BOOKKEEPING]
@@ -157,8 +160,10 @@ def load(root: str | Path) -> Run:
     assert seen is not None  # a batch was held by one or the other
     L, T = _held_back(L_seen, T_seen, by_launch, seen if med_L is None else med_L, seen if med_T is None else med_T)
     L = np.maximum(L, 0)
-    D = dev_e - dev_s
-    T = np.maximum(T, -np.concatenate([[0.0], D[:-1]]))
+    span = dev_e - dev_s
+    T = np.maximum(T, -np.concatenate([[0.0], span[:-1]]))
+    A = np.minimum(_per_step(rows[B.ALL_REDUCE], steps, "sum")[b_idx], span)
+    D = span - A
     # Likewise the collect: the host holds the tokens once it reached the barrier and passed it
     # (W from the collecting round's launch) and once the device is done (C after it). A barrier
     # row waits for the batch its step names; a batch without one was collected on the way.
@@ -190,7 +195,7 @@ def load(root: str | Path) -> Run:
     np.maximum.at(not_before, rb[ok], (arr[has][ok] - t0).astype(np.float64))
     tail_P = float(pre_book[-1]) if overlap else 0.0
     head_Q = float(post_book[0] + send[0] + defrag[0] + gap[0]) if overlap else 0.0
-    bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, C=C, W=W,
+    bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
                  G=gap[col].astype(np.float64), H=H, not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
     runs = rq["token_runs"]
@@ -201,6 +206,6 @@ def load(root: str | Path) -> Run:
     first_round, last_round = flat[ends - lens[served]], flat[ends - 2] + flat[ends - 1] - 1
     if not served.any():
         raise WhatIfError(f"{root} served no tokens: nothing to predict")
-    return Run(bt, t0, steps[col], steps, rq, tr, np.searchsorted(steps, first_round),
+    return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
                 int(rq["output_len"].to_numpy()[served].sum()))

@@ -6,7 +6,9 @@ Every batch b carries these measured durations:
   L  launch    launch done -> the device starts b (the hand-over to the device)
   T  turn      the device ends b-1 -> it starts b (negative: b began on another stream
                while b-1 still ran, as a prefill stream does beside decodes)
-  D  device    b's device work, first start to last end over its streams
+  D  device    b's device work on rank 0, first start to last end over its streams, less A
+               (TP, PP: rank 0's span holds its waits for the other ranks)
+  A  comm      rank 0's all-reduce waits inside that span (TP), so the device holds b for D + A
   C  collect   the device ends b -> the host holds b's tokens (the barrier's wake-up)
   W  reach     the collecting round's launch -> the host holds b's tokens, had the device
                been done (the host's way to the barrier and through it)
@@ -37,6 +39,7 @@ import numpy as np
 # The boundaries a speedup may name, and the component each scales.
 SCALES: dict[str, tuple[str, ...]] = {
     "device_compute": ("D",),
+    "all_reduce": ("A",),  # TP's collectives, as far as the device span waited on them
     "batch_prepare": ("P_prep",),
     "bookkeeping": ("P_book", "Q_book"),
     "response_send": ("Q_send",),
@@ -56,6 +59,7 @@ class Batches:
     L: np.ndarray
     T: np.ndarray  # at least -D of the batch before: a batch never starts before that one did
     D: np.ndarray
+    A: np.ndarray  # exposed collective waits inside the batch's device span (0 on one rank)
     C: np.ndarray
     W: np.ndarray
     Q_book: np.ndarray
@@ -161,7 +165,7 @@ def simulate(b: Batches, overlap: bool, contention: float = 0.0) -> Timeline:
         launched[i] = t + (P[i] if i < n else b.tail_P)
         if i < n:
             dev_start[i] = max(launched[i] + b.L[i], dev_end[i - 1] + b.T[i] if i else 0.0)
-            d = b.D[i]
+            d = b.D[i] + b.A[i]
             if overlap and contention:  # stretched by the host's work inside it (all of it, if it fits)
                 h = after[i]
                 d = d + contention * h if contention >= 1 or h <= d / (1 - contention) else d / (1 - contention)
@@ -183,7 +187,7 @@ def busy_ns(b: Batches, tl: Timeline) -> float:
     return tl.end - float(np.maximum(idle, 0).sum())
 
 
-COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
+COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "A", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
 
 
 def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
@@ -191,7 +195,14 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
     whichever input each max() took. `idle`: waiting for requests to arrive. The values
     sum to the run's length; whatever is not on the path is slack."""
     on = dict.fromkeys((*COMPONENTS, "idle"), 0.0)
-    D = tl.dev_end - tl.dev_start  # as simulated: stretched by contention
+    D = tl.dev_end - tl.dev_start  # as simulated: stretched by contention, A included
+
+    def device(k: int, cut: float) -> None:
+        """Batch k's device time up to `cut` before its end; A's share of it is A's."""
+        x = D[k] + cut
+        a = x * b.A[k] / D[k] if D[k] > 0 else 0.0
+        on["A"] += a
+        on["D"] += x - a
 
     def post(j: int) -> None:
         for k in ("Q_book", "Q_send", "Q_defrag", "G"):
@@ -207,11 +218,11 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
             on["C"] += b.C[j]
             k, cut = j, 0.0
             while k > 0 and tl.dev_end[k - 1] + b.T[k] > tl.launched[k] + b.L[k]:
-                on["D"] += D[k] + cut
+                device(k, cut)
                 on["T"] += max(b.T[k], 0.0)
                 cut = min(b.T[k], 0.0)  # k began before k-1 ended: only k-1's time until then is on the path
                 k -= 1
-            on["D"] += D[k] + cut
+            device(k, cut)
             on["L"] += b.L[k]
             i = k  # the device chain began with round k's launch
         else:

@@ -18,7 +18,9 @@ def _change(pred: float | None, fit: float | None) -> str:
 
 
 def render_whatif(console: Console, r: WhatIfResult) -> None:
-    asked = ", ".join([*([f"--mode {r.target_mode}"] if r.target_mode != r.mode else []), *r.speedups]) or "nothing"
+    asked = ", ".join([*([f"--mode {r.target_mode}"] if r.target_mode != r.mode else []),
+                       *([f"--comm-overlap {r.target_comm_overlap}"] if r.target_comm_overlap != r.comm_overlap else []),
+                       *r.speedups]) or "nothing"
     status_line(console, r.status, r.trace)
     trace_heading(console, r.trace, f"  {r.mode} run, {r.batches} batches; predicted with {asked}")
     t = Table(header_style="bold", title_justify="left")

@@ -1,0 +1,181 @@
+"""`whatif --comm-overlap on|off`: a TP trace's all-reduces rescheduled as the other setting
+runs them (scheduler/parallel/tp.py, `TPRunner`), batch by batch, from rank 0's rows of the
+`collectives` table (the rank that samples: its waits delay the tokens).
+
+Off, rank 0 computes a segment, issues a layer's all-reduce and waits for it at once: a batch's
+device span is its segments c_0 .. c_K and, between them, each collective's latency l_k as
+rank 0 saw it (issue to resume, the peer's lateness included). On, the rows are cut at a
+sequence into micro-batches A and B, and each waits only for its own collective of the op
+before:
+
+    for k in 0 .. K-1:  A: wait A's collective k-1, compute a_k, issue (done l_k later)
+                        B: wait B's collective k-1, compute b_k, issue
+    then wait both, compute c_K on the re-joined rows (norm, logits, sampling)
+
+A segment's cost is not proportional to its rows: each op has a fixed part (the launches, the
+framework's per-op work) that a micro-batch pays again. Per op position k the trace's
+segments are fitted as alpha_k + beta_k x (x: the collective's elements, proportional to the
+rows), over every batch (an on trace sees both halves' sizes; an off trace, batches of many
+sizes); a batch's own segment is then scaled by the fit's ratio, so its measured level stays.
+The other assumptions: a micro-batch's collective takes as long as the whole batch's did (small
+all-reduces are latency-bound; from an on trace, an op's whole collective takes the mean of
+its halves' latencies), and the collectives' transport does not slow the compute (true of
+NCCL's own SMs, not of gloo's threads on the CPU: docs/whatif.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow.compute as pc
+
+from tracing.reader import Trace
+
+
+@dataclass(slots=True)
+class Segments:
+    """One batch as rank 0 ran it: its compute segments (per micro-batch when split), the
+    collective each ends with, and the tail after the last."""
+
+    compute: np.ndarray  # [K] whole, or [K, 2] (A, B) when the trace split the batch
+    numel: np.ndarray  # the same shape: each segment's collective's elements
+    latency: np.ndarray  # the same shape: issue -> done, ns
+    tail: float
+
+
+def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None:
+    """Micro-batch A's share of the rows as `tp.split_row` cuts them (decode rows first, each
+    a sequence; prefill chunks never cut, taken as equally long); None with one sequence."""
+    tokens = decode + prefill_tokens
+    if decode + prefills < 2 or tokens < 2:
+        return None
+    cuts = [*range(1, decode), *(decode + j * prefill_tokens / prefills for j in range(prefills))]
+    cuts = [c for c in cuts if 0 < c < tokens]
+    if not cuts:
+        return None
+    return float(min(cuts, key=lambda c: abs(c - tokens / 2))) / tokens
+
+
+def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: float) -> float:
+    """The device span of one batch with comm overlap on (the schedule in the module docstring)."""
+    t = done_a = done_b = 0.0
+    for k in range(len(a)):
+        t = max(t, done_a) + a[k]
+        done_a = t + lat_a[k]
+        t = max(t, done_b) + b[k]
+        done_b = t + lat_b[k]
+    return max(t, done_a, done_b) + tail
+
+
+def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.ndarray, split: bool,
+             start: float, stop: float) -> Segments:
+    """Rank 0's collectives of one batch (in issue order) cut into its compute segments."""
+    if not split:  # issue, wait at once, resume
+        resume = np.maximum(end, issue + wait)
+        prev = np.concatenate([[start], resume[:-1]])
+        return Segments(issue - prev, numel, resume - issue, stop - resume[-1])
+    ia, ib, wa, wb = issue[0::2], issue[1::2], wait[0::2], wait[1::2]
+    # A's op k follows B's issue of op k-1 and A's wait for its op k-1; B's follows A's issue and its own wait
+    ca = ia - np.concatenate([[start], ib[:-1] + wa[:-1]])
+    cb = ib - ia - np.concatenate([[0.0], wb[:-1]])
+    # done by the end of its wait at the latest (gloo's completion stamp can land later, when
+    # the callback waits for the GIL): A's wait follows B's issue, B's follows A's next issue
+    waited_a = ib + wa
+    waited_b = np.append(ia[1:], ib[-1] + wa[-1]) + wb
+    lat = np.column_stack([np.minimum(end[0::2], waited_a) - ia, np.minimum(end[1::2], waited_b) - ib])
+    return Segments(np.column_stack([ca, cb]), numel.reshape(-1, 2), lat,
+                    stop - ib[-1] - wa[-1] - wb[-1])
+
+
+def fit_ops(segs: list[Segments]) -> np.ndarray:
+    """[K, 2] alpha_k, beta_k: segment k's cost as alpha + beta x elements, least squares over
+    every segment seen, both non-negative (alpha 0, proportional, where the sizes never vary)."""
+    k = max(len(s.compute) for s in segs)
+    out = np.zeros((k, 2))
+    for i in range(k):
+        c = np.concatenate([np.ravel(s.compute[i]) for s in segs if len(s.compute) > i])
+        x = np.concatenate([np.ravel(s.numel[i]) for s in segs if len(s.compute) > i]).astype(np.float64)
+        if np.ptp(x) > 0:
+            alpha, beta = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), c, rcond=None)[0]
+            if beta < 0:
+                alpha, beta = float(c.mean()), 0.0
+            elif alpha < 0:
+                alpha, beta = 0.0, float((c * x).sum() / (x * x).sum())
+        else:
+            alpha, beta = 0.0, float(c.mean() / max(x[0], 1.0))
+        out[i] = alpha, beta
+    return out
+
+
+def rescheduled(tr: Trace, batch_steps: np.ndarray, dev_start: np.ndarray, dev_end: np.ndarray,
+                on: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per batch, (its compute's ratio to the trace's, its exposed collective time in ns) with
+    comm overlap `on`, from a trace that ran with the other setting. A batch the other setting
+    runs the same way (one sequence), or whose collectives the trace lacks, keeps its own
+    (ratio 1, exposed NaN: the caller keeps the trace's)."""
+    col = tr.table("collectives", ["rank", "step", "seq", "numel", "overlapped", "issue_ns", "end_ns", "dur_wait_ns"])
+    col = col.filter(pc.equal(col["rank"], 0))
+    col = col.take(pc.sort_indices(col, [("step", "ascending"), ("seq", "ascending")]))
+    step = col["step"].to_numpy()
+    issue, end, wait, numel = (col[c].to_numpy().astype(np.float64) for c in ("issue_ns", "end_ns", "dur_wait_ns",
+                                                                                "numel"))
+    overlapped = col["overlapped"].to_numpy(zero_copy_only=False)
+    lo, hi = np.searchsorted(step, batch_steps, "left"), np.searchsorted(step, batch_steps, "right")
+    segs: list[Segments | None] = []
+    for i in range(len(batch_steps)):
+        r = slice(lo[i], hi[i])
+        split = bool(overlapped[r].all())
+        if hi[i] == lo[i] or end[r].min() < 0 or (split and (hi[i] - lo[i]) % 2):
+            segs.append(None)  # none, one never completed (a killed run), or not in pairs
+            continue
+        segs.append(segments(issue[r], end[r], wait[r], numel[r], split, float(dev_start[i]), float(dev_end[i])))
+    seen = [s for s in segs if s is not None]
+    ratio, exposed = np.ones(len(segs)), np.full(len(segs), np.nan)
+    if not seen:
+        return ratio, exposed
+    ab = fit_ops(seen)
+    comp = _composition(tr, batch_steps) if on else []
+
+    def cost(x: np.ndarray) -> np.ndarray:
+        """The fit's cost of ops 0 .. len(x) - 1 at sizes x ([K] or [K, 2])."""
+        fixed, per = ab[: len(x), 0], ab[: len(x), 1]
+        if x.ndim == 2:
+            fixed, per = fixed[:, None], per[:, None]
+        out: np.ndarray = fixed + per * x
+        return out
+
+    for i, s in enumerate(segs):
+        if s is None:
+            continue
+        g = cost(s.numel)
+        before = float(s.compute.sum()) + s.tail
+        if on:
+            f = None if s.compute.ndim == 2 else split_share(*comp[i])
+            if f is None:
+                continue  # one sequence: on runs it synchronously too (or it already ran split)
+            ga, gb = cost(f * s.numel), cost((1 - f) * s.numel)
+            scale = np.where(g > 0, s.compute / np.where(g > 0, g, 1.0), 0.0)
+            a, b = scale * ga, scale * gb
+            span = overlapped_span(a, b, s.latency, s.latency, s.tail)
+            after = float(a.sum() + b.sum()) + s.tail
+        else:
+            if s.compute.ndim == 1:
+                continue  # ran synchronously already (one sequence)
+            whole = cost(s.numel.sum(axis=1))
+            g_sum = g.sum(axis=1)
+            c = s.compute.sum(axis=1) * np.where(g_sum > 0, whole / np.where(g_sum > 0, g_sum, 1.0), 1.0)
+            after = float(c.sum()) + s.tail
+            span = after + float(s.latency.mean(axis=1).sum())
+        ratio[i] = after / before if before > 0 else 1.0
+        exposed[i] = max(span - after, 0.0)
+    return ratio, exposed
+
+
+def _composition(tr: Trace, batch_steps: np.ndarray) -> list[tuple[int, int, int]]:
+    """(decode rows, prefill chunks, prefill tokens) of each batch, from its round's steps row."""
+    s = tr.table("steps", ["step", "num_decode_reqs", "num_prefill_reqs", "num_prefill_tokens"])
+    s = s.take(pc.sort_indices(s, [("step", "ascending")]))
+    idx = np.searchsorted(s["step"].to_numpy(), batch_steps)
+    cols = [s[c].to_numpy()[idx] for c in ("num_decode_reqs", "num_prefill_reqs", "num_prefill_tokens")]
+    return [(int(d), int(p), int(t)) for d, p, t in zip(*cols, strict=True)]
