@@ -347,3 +347,17 @@ def test_split_share_cuts_where_the_runner_does(decode, prefills, length):
     assert (f is None) == (row is None)
     if row is not None:
         assert f * tokens == pytest.approx(row)
+
+
+def test_the_report_of_a_tp_trace_predicts_the_other_comm_setting_not_overlap_mode(parallel_traces):
+    """TP and PP run serial or time-slice only: the report offers what they can switch."""
+    from viewer.analysis.report import build_report
+    from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP, cycle_gains
+
+    gains = cycle_gains(parallel_traces["tp_off"], ["all_reduce"], "serial", 10)
+    assert COMM_OVERLAP in gains and OVERLAP not in gains
+    assert gains[COMM_OVERLAP] == pytest.approx(whatif(parallel_traces["tp_off"], comm_overlap="on").predicted.cycle_ms
+                                                / whatif(parallel_traces["tp_off"]).replayed.cycle_ms - 1, abs=1e-9)
+    assert OVERLAP not in cycle_gains(parallel_traces["pp"], [], "serial", 10)
+    lines = " ".join(build_report(parallel_traces["tp_off"]).worth_attacking)
+    assert "`--mode overlap`" not in lines and "all_reduce" in lines

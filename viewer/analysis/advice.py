@@ -12,7 +12,7 @@ import pyarrow as pa
 from probes import boundaries as B
 from viewer.analysis.cost import CostTable
 from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
-from viewer.analysis.whatif_gains import OVERLAP
+from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
 WORTH = 0.02
@@ -90,6 +90,16 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
                      f"(`mstrace whatif --speedup {name}=0.5`)" if name in gains else "")
         lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle{predicted}; "
                      f"{_remedy(name, mode, config)}")
+    if COMM_OVERLAP in gains:
+        g, other = gains[COMM_OVERLAP], "off" if config.get("comm_overlap", True) else "on"
+        by = f"by the round model (`mstrace whatif --comm-overlap {other}`, docs/whatif.md)"
+        fixed = "each half of the batch pays the ops' fixed costs again, more than the overlap hides"
+        if g <= -WORTH:
+            lines.append(f"`--comm-overlap {other}`: the cycle would change {100 * g:+.1f}% {by}"
+                         + (f": {fixed}" if other == "off" else ""))
+        elif g >= WORTH and other == "on":
+            lines.append(f"`--comm-overlap on` would not pay here: the cycle would change {100 * g:+.1f}% {by}: "
+                         f"{fixed}")
     if OVERLAP in gains and gains[OVERLAP] <= -WORTH:
         lines.append(f"`--mode overlap`: the cycle would change {100 * gains[OVERLAP]:+.1f}% by the round model "
                      "(`mstrace whatif --mode overlap`, docs/whatif.md)")

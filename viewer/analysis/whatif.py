@@ -19,7 +19,7 @@ from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
-from viewer.analysis.whatif_comm import rescheduled
+from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import Run, WhatIfError, load
 from viewer.analysis.whatif_model import (
     COMPONENTS,
@@ -101,7 +101,7 @@ class WhatIfResult(JsonRecord):
     mode: str  # the trace's
     target_mode: str
     speedups: list[str]
-    comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None with one TP rank
+    comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None without TP or with PP
     target_comm_overlap: str | None  # the setting predicted (the trace's unless --comm-overlap)
     contention: float  # the share of the host's work the device could not overlap (docs/whatif.md)
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
@@ -151,7 +151,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     speedups = speedups or []
     cfg = run.trace.meta.get("config", {})
     tr_mode = cfg.get("mode", "serial")
-    tr_comm = ("on" if cfg.get("comm_overlap", True) else "off") if int(cfg.get("tp", 1) or 1) > 1 else None
+    tr_comm = trace_setting(run.trace.meta)
     target = mode or tr_mode
     if target not in MODES:
         raise WhatIfError(f"--mode must be one of {', '.join(MODES)}, not {target!r}")
@@ -186,14 +186,11 @@ def _comm(run: Run, b: Batches, now: str | None, asked: str | None) -> Batches:
     """The batches with their all-reduces as `--comm-overlap asked` would run them."""
     if asked not in (None, "on", "off"):
         raise WhatIfError(f"--comm-overlap must be on or off, not {asked!r}")
-    cfg = run.trace.meta.get("config", {})
-    if asked is not None and (now is None or int(cfg.get("pp", 1) or 1) > 1):
+    if asked is not None and now is None:
+        cfg = run.trace.meta.get("config", {})
         raise WhatIfError("--comm-overlap predicts the all-reduces of a TP trace with one pipeline stage; "
                           f"this one has tp {cfg.get('tp', 1)}, pp {cfg.get('pp', 1)}")
-    if asked is None or asked == now:
-        return b
-    ratio, exposed = rescheduled(run.trace, run.batch_step, run.dev_start, run.dev_end, asked == "on")
-    return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
+    return b if asked is None or asked == now else with_comm_overlap(run, b, asked == "on")
 
 
 def _backend(tr: Trace) -> str:

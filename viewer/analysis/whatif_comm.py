@@ -25,12 +25,15 @@ NCCL's own SMs, not of gloo's threads on the CPU: docs/whatif.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
 
 from tracing.reader import Trace
+from viewer.analysis.whatif_fit import Run
+from viewer.analysis.whatif_model import Batches
 
 
 @dataclass(slots=True)
@@ -106,6 +109,21 @@ def fit_ops(segs: list[Segments]) -> np.ndarray:
             alpha, beta = 0.0, float(c.mean() / max(x[0], 1.0))
         out[i] = alpha, beta
     return out
+
+
+def trace_setting(meta: dict[str, Any]) -> str | None:
+    """A TP trace's --comm-overlap ("on", "off"); None without TP, or with PP, which the
+    model does not reschedule (a later stage's all-reduces hide inside rank 0's pp_bubble)."""
+    cfg = meta.get("config", {})
+    if int(cfg.get("tp", 1) or 1) < 2 or int(cfg.get("pp", 1) or 1) > 1:
+        return None
+    return "on" if cfg.get("comm_overlap", True) else "off"
+
+
+def with_comm_overlap(run: Run, b: Batches, on: bool) -> Batches:
+    """`b` (the run's batches, perhaps already changed) with the all-reduces as `on` runs them."""
+    ratio, exposed = rescheduled(run.trace, run.batch_step, run.dev_start, run.dev_end, on)
+    return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
 
 
 def rescheduled(tr: Trace, batch_steps: np.ndarray, dev_start: np.ndarray, dev_end: np.ndarray,

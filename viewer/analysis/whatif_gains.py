@@ -7,16 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load
 from viewer.analysis.whatif_model import SCALES, busy_ns, simulate
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
+COMM_OVERLAP = "comm overlap"  # a TP trace's, under the other --comm-overlap
 
 
 def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, rounds: int) -> dict[str, float]:
-    """Relative change of the mean cycle (-0.2: 20% shorter) with each boundary halved, and for a
-    serial run under overlap. Empty when the model cannot read the trace or it is too long."""
+    """Relative change of the mean cycle (-0.2: 20% shorter) with each boundary halved, for a
+    serial run under overlap (one rank: TP and PP run serial or time-slice only), and for a
+    TP run under the other --comm-overlap. Empty when the model cannot read the trace or it is
+    too long."""
     if rounds > GAINS_MAX_ROUNDS or mode not in ("serial", "overlap", "timeslice"):
         return {}
     try:
@@ -32,7 +36,13 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
             fast = b.sped_up(name, 0.5, None)
             t = simulate(fast, overlap)
             out[name] = busy_ns(fast, t) / t.rounds / base - 1
-    if mode == "serial":
+    cfg = run.trace.meta.get("config", {})
+    if mode == "serial" and int(cfg.get("tp", 1) or 1) * int(cfg.get("pp", 1) or 1) == 1:
         t = simulate(b, True)
         out[OVERLAP] = busy_ns(b, t) / t.rounds / base - 1
+    setting = trace_setting(run.trace.meta)
+    if setting is not None:
+        other = with_comm_overlap(run, b, setting == "off")
+        t = simulate(other, overlap)
+        out[COMM_OVERLAP] = busy_ns(other, t) / t.rounds / base - 1
     return out
