@@ -263,6 +263,8 @@ def test_comm_overlap_is_predicted_from_the_other_setting(parallel_traces, trace
 @pytest.mark.parametrize("trace,args,msg", [
     ("pp", ["--comm-overlap", "on"], "a TP trace with one pipeline stage"),
     ("tp_off", ["--comm-overlap", "maybe"], "--comm-overlap must be on or off"),
+    ("tp_off", ["--mode", "overlap"], "never overlapped"),
+    ("pp", ["--mode", "overlap"], "never overlapped"),
 ])
 def test_comm_overlap_refuses_in_one_line(parallel_traces, trace, args, msg):
     rc, _, err = cli("whatif", str(parallel_traces[trace]), *args)
@@ -304,11 +306,17 @@ def test_a_split_batch_is_cut_back_into_its_segments(k, data):
     ms = st.floats(0.01, 5, allow_nan=False)
     a, b, la, lb = (np.array(data.draw(st.lists(ms, min_size=k, max_size=k))) for _ in range(4))
     tail = data.draw(ms)
+    head = data.draw(ms)  # the batch's broadcast, before the first op
     issue, end, wait, stop = _split_events(a, b, la, lb, tail)
-    s = segments(issue, end, wait, np.ones(2 * k), True, 0.0, stop)
+    s = segments(issue + head, end + head, wait, np.ones(2 * k), True, 0.0, stop + head, head)
     assert s.compute == pytest.approx(np.column_stack([a, b])) and s.latency == pytest.approx(np.column_stack([la, lb]))
-    assert s.tail == pytest.approx(tail)
-    assert overlapped_span(a, b, la, lb, tail) == pytest.approx(stop)
+    assert s.tail == pytest.approx(tail) and s.head == head
+    assert overlapped_span(a, b, la, lb, tail, head) == pytest.approx(stop + head)
+    # with nothing to wait for, splitting moves no time: the span is the work
+    f = data.draw(st.floats(0.1, 0.9))
+    c = a + b
+    zero = np.zeros(k)
+    assert overlapped_span(f * c, (1 - f) * c, zero, zero, tail, head) == pytest.approx(c.sum() + tail + head)
 
 
 def test_a_synchronous_batch_is_cut_into_its_segments():
@@ -316,7 +324,7 @@ def test_a_synchronous_batch_is_cut_into_its_segments():
 
     c, lat = np.array([1.0, 2.0, 0.5]), np.array([0.3, 0.4, 0.2])
     issue = 10 + np.cumsum(c) + np.concatenate([[0], np.cumsum(lat)[:-1]])
-    s = segments(issue, issue + lat, lat, np.full(3, 64.0), False, 10.0, issue[-1] + lat[-1] + 0.7)
+    s = segments(issue + 0.4, issue + lat + 0.4, lat, np.full(3, 64.0), False, 10.0, issue[-1] + lat[-1] + 1.1, 0.4)
     assert s.compute == pytest.approx(c) and s.latency == pytest.approx(lat) and s.tail == pytest.approx(0.7)
 
 
@@ -325,9 +333,9 @@ def test_the_per_op_fit_finds_the_fixed_part():
     from viewer.analysis.whatif_comm import Segments, fit_ops
 
     x = np.array([64.0, 640.0, 6400.0, 3200.0])
-    segs = [Segments(np.array([0.5 + 1e-3 * n, 0.2 + 2e-3 * n]), np.array([n, n]), np.zeros(2), 0.0) for n in x]
+    segs = [Segments(np.array([0.5 + 1e-3 * n, 0.2 + 2e-3 * n]), np.array([n, n]), np.zeros(2), 0.0, 0.0) for n in x]
     assert fit_ops(segs) == pytest.approx(np.array([[0.5, 1e-3], [0.2, 2e-3]]))
-    same = [Segments(np.array([2.0]), np.array([100.0]), np.zeros(1), 0.0)] * 3  # one size: proportional
+    same = [Segments(np.array([2.0]), np.array([100.0]), np.zeros(1), 0.0, 0.0)] * 3  # one size: proportional
     assert fit_ops(same) == pytest.approx(np.array([[0.0, 0.02]]))
 
 
@@ -361,3 +369,30 @@ def test_the_report_of_a_tp_trace_predicts_the_other_comm_setting_not_overlap_mo
     assert OVERLAP not in cycle_gains(parallel_traces["pp"], [], "serial", 10)
     lines = " ".join(build_report(parallel_traces["tp_off"]).worth_attacking)
     assert "`--mode overlap`" not in lines and "all_reduce" in lines
+
+
+def test_a_tp_trace_without_collectives_still_reports(parallel_traces, tmp_path):
+    """Traces written before the collectives table: the report leaves the prediction out, and
+    asking whatif for it is one line."""
+    import shutil
+
+    from viewer.analysis.report import build_report
+
+    old = tmp_path / "old"
+    shutil.copytree(parallel_traces["tp_off"], old)
+    shutil.rmtree(old / "collectives")
+    assert build_report(old).worth_attacking
+    rc, _, err = cli("whatif", str(old), "--comm-overlap", "on")
+    assert rc == 2 and "no collectives table" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_remedies_fit_what_a_tp_run_can_switch():
+    from viewer.analysis.advice import WORTH, _remedy
+    from viewer.analysis.whatif_gains import COMM_OVERLAP
+
+    tp = {"tp": 2, "comm_overlap": False}
+    assert "--mode overlap" in _remedy("batch_prepare", "serial", {}, {})
+    assert "--mode overlap" not in _remedy("batch_prepare", "serial", tp, {})
+    assert "--mode overlap" not in _remedy("scheduler_barrier", "serial", {"pp": 2}, {})
+    assert "hides it" in _remedy("all_reduce", "serial", tp, {COMM_OVERLAP: -WORTH})
+    assert "would not hide it" in _remedy("all_reduce", "serial", tp, {COMM_OVERLAP: WORTH})

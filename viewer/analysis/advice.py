@@ -12,6 +12,7 @@ import pyarrow as pa
 from probes import boundaries as B
 from viewer.analysis.cost import CostTable
 from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
+from viewer.analysis.whatif_fit import tp_pp
 from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
@@ -39,8 +40,10 @@ _IMPORTED = {
 _FOREIGN_HOST_WORK = "host work the device waits for: overlap it with the device's (prepare round N+1 while N computes)"
 
 
-def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
+def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str, float]) -> str:
     overlapped = mode == "overlap"
+    # TP and PP rounds run serially or time-sliced: overlap mode is not theirs to switch on
+    can_overlap = not overlapped and tp_pp(config) == (1, 1)
     if mode == "imported" and name in _IMPORTED:
         return _IMPORTED[name]
     if (mode == "imported" or "api" in config) and name in _HOST_WORK:
@@ -48,18 +51,21 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any]) -> str:
     if "api" in config and name == B.SCHEDULER_BARRIER:
         return "the scheduling thread waits for the device: queue the next round before it waits"
     if name in _HOST_WORK:
-        return ("already overlapped: this host work outlasts the device's round; make it cheaper"
-                if overlapped else "`--mode overlap` runs it under the device's work")
+        return ("`--mode overlap` runs it under the device's work" if can_overlap else
+                "already overlapped: this host work outlasts the device's round; make it cheaper" if overlapped
+                else "TP and PP rounds run serially, never overlapped: make it cheaper")
     if name == B.SCHEDULER_BARRIER:
         return ("the device sits idle while the host waits for its result: launch latency or the "
-                "device-process hop" + ("" if overlapped else "; `--mode overlap` keeps the next round queued"))
+                "device-process hop" + ("; `--mode overlap` keeps the next round queued" if can_overlap else ""))
     if name == B.KV_FENCE:
         return "frees wait for another stream's work: `--no-split-streams`, or free the blocks a round later"
     if name == B.PREFILL_STAGGER:
         return "a deliberate delay: lower `--prefill-stagger-us`"
     if name == B.ALL_REDUCE:
-        return ("`--comm-overlap on` hides it behind the other half of the batch"
-                if not config.get("comm_overlap", True) else "communication not hidden: larger batches hide more")
+        if config.get("comm_overlap", True):
+            return "communication not hidden: larger batches hide more"
+        return ("`--comm-overlap on` would not hide it here (below)" if gains.get(COMM_OVERLAP, 0.0) >= WORTH
+                else "`--comm-overlap on` hides it behind the other half of the batch")
     if name == B.PP_BUBBLE:
         return "`--pp-microbatches 2` fills the pipeline"
     if name == B.DEFRAG:
@@ -89,7 +95,7 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
         predicted = (f"; halved, the cycle would change {100 * gains[name]:+.1f}% "
                      f"(`mstrace whatif --speedup {name}=0.5`)" if name in gains else "")
         lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle{predicted}; "
-                     f"{_remedy(name, mode, config)}")
+                     f"{_remedy(name, mode, config, gains)}")
     if COMM_OVERLAP in gains:
         g, other = gains[COMM_OVERLAP], "off" if config.get("comm_overlap", True) else "on"
         by = f"by the round model (`mstrace whatif --comm-overlap {other}`, docs/whatif.md)"

@@ -20,7 +20,7 @@ from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import Run, WhatIfError, load
+from viewer.analysis.whatif_fit import Run, WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import (
     COMPONENTS,
     SCALES,
@@ -149,12 +149,14 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
            contention: float = 0.0, seed: int = 0, comm_overlap: str | None = None) -> WhatIfResult:
     run = load(root)
     speedups = speedups or []
-    cfg = run.trace.meta.get("config", {})
-    tr_mode = cfg.get("mode", "serial")
+    tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
     tr_comm = trace_setting(run.trace.meta)
     target = mode or tr_mode
     if target not in MODES:
         raise WhatIfError(f"--mode must be one of {', '.join(MODES)}, not {target!r}")
+    if target == "overlap" and tp_pp(run.trace.meta.get("config", {})) != (1, 1):
+        raise WhatIfError("--mode overlap: the engine runs TP and PP rounds serially or time-sliced, never "
+                          "overlapped; predict --comm-overlap or a --speedup instead")
     if target == "timeslice" and tr_mode != "timeslice":
         raise WhatIfError("--mode timeslice cuts prefills into other chunks, so its batches are not this "
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
@@ -187,9 +189,9 @@ def _comm(run: Run, b: Batches, now: str | None, asked: str | None) -> Batches:
     if asked not in (None, "on", "off"):
         raise WhatIfError(f"--comm-overlap must be on or off, not {asked!r}")
     if asked is not None and now is None:
-        cfg = run.trace.meta.get("config", {})
+        tp, pp = tp_pp(run.trace.meta.get("config", {}))
         raise WhatIfError("--comm-overlap predicts the all-reduces of a TP trace with one pipeline stage; "
-                          f"this one has tp {cfg.get('tp', 1)}, pp {cfg.get('pp', 1)}")
+                          f"this one has tp {tp}, pp {pp}")
     return b if asked is None or asked == now else with_comm_overlap(run, b, asked == "on")
 
 

@@ -3,8 +3,9 @@ runs them (scheduler/parallel/tp.py, `TPRunner`), batch by batch, from rank 0's 
 `collectives` table (the rank that samples: its waits delay the tokens).
 
 Off, rank 0 computes a segment, issues a layer's all-reduce and waits for it at once: a batch's
-device span is its segments c_0 .. c_K and, between them, each collective's latency l_k as
-rank 0 saw it (issue to resume, the peer's lateness included). On, the rows are cut at a
+device span is its head (the batch's broadcast to the other ranks, once a batch), its segments
+c_0 .. c_K and, between them, each collective's latency l_k as rank 0 saw it (issue to resume,
+the peer's lateness included). On, the rows are cut at a
 sequence into micro-batches A and B, and each waits only for its own collective of the op
 before:
 
@@ -32,7 +33,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from tracing.reader import Trace
-from viewer.analysis.whatif_fit import Run
+from viewer.analysis.whatif_fit import Run, WhatIfError, tp_pp
 from viewer.analysis.whatif_model import Batches
 
 
@@ -45,13 +46,14 @@ class Segments:
     numel: np.ndarray  # the same shape: each segment's collective's elements
     latency: np.ndarray  # the same shape: issue -> done, ns
     tail: float
+    head: float  # the batch's broadcast, once a batch whatever the setting (not in compute[0])
 
 
 def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None:
     """Micro-batch A's share of the rows as `tp.split_row` cuts them (decode rows first, each
     a sequence; prefill chunks never cut, taken as equally long); None with one sequence."""
     tokens = decode + prefill_tokens
-    if decode + prefills < 2 or tokens < 2:
+    if decode + prefills < 2:
         return None
     cuts = [*range(1, decode), *(decode + j * prefill_tokens / prefills for j in range(prefills))]
     cuts = [c for c in cuts if 0 < c < tokens]
@@ -60,9 +62,10 @@ def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None
     return float(min(cuts, key=lambda c: abs(c - tokens / 2))) / tokens
 
 
-def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: float) -> float:
+def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: float,
+                    head: float = 0.0) -> float:
     """The device span of one batch with comm overlap on (the schedule in the module docstring)."""
-    t = done_a = done_b = 0.0
+    t, done_a, done_b = head, 0.0, 0.0
     for k in range(len(a)):
         t = max(t, done_a) + a[k]
         done_a = t + lat_a[k]
@@ -72,23 +75,25 @@ def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.n
 
 
 def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.ndarray, split: bool,
-             start: float, stop: float) -> Segments:
-    """Rank 0's collectives of one batch (in issue order) cut into its compute segments."""
+             start: float, stop: float, head: float = 0.0) -> Segments:
+    """Rank 0's collectives of one batch (in issue order) cut into its compute segments; `head`
+    of the time before the first is the batch's broadcast."""
+    start += head
     if not split:  # issue, wait at once, resume
         resume = np.maximum(end, issue + wait)
         prev = np.concatenate([[start], resume[:-1]])
-        return Segments(issue - prev, numel, resume - issue, stop - resume[-1])
+        return Segments(issue - prev, numel, resume - issue, stop - resume[-1], head)
     ia, ib, wa, wb = issue[0::2], issue[1::2], wait[0::2], wait[1::2]
     # A's op k follows B's issue of op k-1 and A's wait for its op k-1; B's follows A's issue and its own wait
     ca = ia - np.concatenate([[start], ib[:-1] + wa[:-1]])
     cb = ib - ia - np.concatenate([[0.0], wb[:-1]])
-    # done by the end of its wait at the latest (gloo's completion stamp can land later, when
-    # the callback waits for the GIL): A's wait follows B's issue, B's follows A's next issue
+    # done by the end of its wait at the latest (A's wait follows B's issue, B's follows A's
+    # next issue): gloo's completion stamp waits for the GIL, so it can be late, up to that end
     waited_a = ib + wa
     waited_b = np.append(ia[1:], ib[-1] + wa[-1]) + wb
     lat = np.column_stack([np.minimum(end[0::2], waited_a) - ia, np.minimum(end[1::2], waited_b) - ib])
     return Segments(np.column_stack([ca, cb]), numel.reshape(-1, 2), lat,
-                    stop - ib[-1] - wa[-1] - wb[-1])
+                    stop - ib[-1] - wa[-1] - wb[-1], head)
 
 
 def fit_ops(segs: list[Segments]) -> np.ndarray:
@@ -114,24 +119,27 @@ def fit_ops(segs: list[Segments]) -> np.ndarray:
 def trace_setting(meta: dict[str, Any]) -> str | None:
     """A TP trace's --comm-overlap ("on", "off"); None without TP, or with PP, which the
     model does not reschedule (a later stage's all-reduces hide inside rank 0's pp_bubble)."""
-    cfg = meta.get("config", {})
-    if int(cfg.get("tp", 1) or 1) < 2 or int(cfg.get("pp", 1) or 1) > 1:
+    tp, pp = tp_pp(meta.get("config", {}))
+    if tp < 2 or pp > 1:
         return None
-    return "on" if cfg.get("comm_overlap", True) else "off"
+    return "on" if meta.get("config", {}).get("comm_overlap", True) else "off"
 
 
 def with_comm_overlap(run: Run, b: Batches, on: bool) -> Batches:
     """`b` (the run's batches, perhaps already changed) with the all-reduces as `on` runs them."""
-    ratio, exposed = rescheduled(run.trace, run.batch_step, run.dev_start, run.dev_end, on)
+    ratio, exposed = rescheduled(run, on)
     return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
 
 
-def rescheduled(tr: Trace, batch_steps: np.ndarray, dev_start: np.ndarray, dev_end: np.ndarray,
-                on: bool) -> tuple[np.ndarray, np.ndarray]:
+def rescheduled(run: Run, on: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per batch, (its compute's ratio to the trace's, its exposed collective time in ns) with
     comm overlap `on`, from a trace that ran with the other setting. A batch the other setting
     runs the same way (one sequence), or whose collectives the trace lacks, keeps its own
     (ratio 1, exposed NaN: the caller keeps the trace's)."""
+    tr = run.trace
+    if not tr.has_table("collectives"):
+        raise WhatIfError(f"{tr.root} has no collectives table (written since TP traces record each "
+                          "all-reduce): --comm-overlap cannot be predicted from it")
     col = tr.table("collectives", ["rank", "step", "seq", "numel", "overlapped", "issue_ns", "end_ns", "dur_wait_ns"])
     col = col.filter(pc.equal(col["rank"], 0))
     col = col.take(pc.sort_indices(col, [("step", "ascending"), ("seq", "ascending")]))
@@ -139,21 +147,22 @@ def rescheduled(tr: Trace, batch_steps: np.ndarray, dev_start: np.ndarray, dev_e
     issue, end, wait, numel = (col[c].to_numpy().astype(np.float64) for c in ("issue_ns", "end_ns", "dur_wait_ns",
                                                                                 "numel"))
     overlapped = col["overlapped"].to_numpy(zero_copy_only=False)
-    lo, hi = np.searchsorted(step, batch_steps, "left"), np.searchsorted(step, batch_steps, "right")
+    lo, hi = np.searchsorted(step, run.batch_step, "left"), np.searchsorted(step, run.batch_step, "right")
     segs: list[Segments | None] = []
-    for i in range(len(batch_steps)):
+    for i in range(len(run.batch_step)):
         r = slice(lo[i], hi[i])
         split = bool(overlapped[r].all())
         if hi[i] == lo[i] or end[r].min() < 0 or (split and (hi[i] - lo[i]) % 2):
             segs.append(None)  # none, one never completed (a killed run), or not in pairs
             continue
-        segs.append(segments(issue[r], end[r], wait[r], numel[r], split, float(dev_start[i]), float(dev_end[i])))
+        segs.append(segments(issue[r], end[r], wait[r], numel[r], split, float(run.dev_start[i]),
+                             float(run.dev_end[i]), float(run.broadcast[i])))
     seen = [s for s in segs if s is not None]
     ratio, exposed = np.ones(len(segs)), np.full(len(segs), np.nan)
     if not seen:
         return ratio, exposed
     ab = fit_ops(seen)
-    comp = _composition(tr, batch_steps) if on else []
+    comp = _composition(tr, run.batch_step) if on else []
 
     def cost(x: np.ndarray) -> np.ndarray:
         """The fit's cost of ops 0 .. len(x) - 1 at sizes x ([K] or [K, 2])."""
@@ -167,26 +176,26 @@ def rescheduled(tr: Trace, batch_steps: np.ndarray, dev_start: np.ndarray, dev_e
         if s is None:
             continue
         g = cost(s.numel)
-        before = float(s.compute.sum()) + s.tail
-        if on:
-            f = None if s.compute.ndim == 2 else split_share(*comp[i])
+        before = float(s.compute.sum()) + s.tail + s.head
+        if on:  # an off trace: every batch ran whole
+            f = split_share(*comp[i])
             if f is None:
-                continue  # one sequence: on runs it synchronously too (or it already ran split)
-            ga, gb = cost(f * s.numel), cost((1 - f) * s.numel)
+                continue  # one sequence: on runs it synchronously too
             scale = np.where(g > 0, s.compute / np.where(g > 0, g, 1.0), 0.0)
-            a, b = scale * ga, scale * gb
-            span = overlapped_span(a, b, s.latency, s.latency, s.tail)
-            after = float(a.sum() + b.sum()) + s.tail
+            a, b = scale * cost(f * s.numel), scale * cost((1 - f) * s.numel)
+            span = overlapped_span(a, b, s.latency, s.latency, s.tail, s.head)
+            after = float(a.sum() + b.sum()) + s.tail + s.head
         else:
             if s.compute.ndim == 1:
                 continue  # ran synchronously already (one sequence)
-            whole = cost(s.numel.sum(axis=1))
-            g_sum = g.sum(axis=1)
+            whole, g_sum = cost(s.numel.sum(axis=1)), g.sum(axis=1)
             c = s.compute.sum(axis=1) * np.where(g_sum > 0, whole / np.where(g_sum > 0, g_sum, 1.0), 1.0)
-            after = float(c.sum()) + s.tail
+            after = float(c.sum()) + s.tail + s.head
             span = after + float(s.latency.mean(axis=1).sum())
         ratio[i] = after / before if before > 0 else 1.0
-        exposed[i] = max(span - after, 0.0)
+        # the model's D is the span less the all-reduce rows, which end when rank 0 resumes (a
+        # little after `segments`' completion): the predicted span is kept whole, D + A
+        exposed[i] = max(span - run.batches.D[i] * ratio[i], 0.0)
     return ratio, exposed
 
 

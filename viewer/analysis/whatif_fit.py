@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +20,11 @@ class WhatIfError(ValueError):
     """A trace or a question the model cannot answer; str(e) is one line."""
 
 
+def tp_pp(cfg: dict[str, Any]) -> tuple[int, int]:
+    """The run's tensor- and pipeline-parallel sizes, from its meta.json's config."""
+    return int(cfg.get("tp", 1) or 1), int(cfg.get("pp", 1) or 1)
+
+
 @dataclass(slots=True)
 class Run:
     """What the model needs from a trace: the batches, and how tokens map onto them."""
@@ -29,6 +35,7 @@ class Run:
     batch_step: np.ndarray  # per batch: the step number of the round that launched it
     dev_start: np.ndarray  # per batch: its device work's first start over rank 0's streams, ns
     dev_end: np.ndarray  # ... and its last end
+    broadcast: np.ndarray  # per batch: rank 0's broadcast of it to the other ranks (TP, PP), ns
     steps: np.ndarray  # every round's step number
     requests: pa.Table
     trace: Trace
@@ -46,10 +53,10 @@ def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     p = p.filter(pc.equal(p["rank"], 0))
     on_thread = pc.is_in(p["stream"], pa.array(["host", "main", "prefill"]))
     out = {}
+    comm = pc.equal(p["stream"], "comm")
     for b in (B.BOOKKEEPING, B.BATCH_PREPARE, B.RESPONSE_SEND, B.DEFRAG, B.IDLE, B.DEVICE_COMPUTE,
-              B.SCHEDULER_BARRIER, B.ALL_REDUCE):
-        t = p.filter(pc.and_(pc.equal(p["boundary"], b), on_thread if b != B.ALL_REDUCE else
-                             pc.equal(p["stream"], "comm")))
+              B.SCHEDULER_BARRIER, B.ALL_REDUCE, B.BATCH_BROADCAST):
+        t = p.filter(pc.and_(pc.equal(p["boundary"], b), comm if b in (B.ALL_REDUCE, B.BATCH_BROADCAST) else on_thread))
         ts = t["ts_ns"].to_numpy()
         out[b] = (t["step"].to_numpy(), ts, ts + t["dur_ns"].to_numpy())
     return out
@@ -206,6 +213,7 @@ def load(root: str | Path) -> Run:
     first_round, last_round = flat[ends - lens[served]], flat[ends - 2] + flat[ends - 1] - 1
     if not served.any():
         raise WhatIfError(f"{root} served no tokens: nothing to predict")
-    return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, steps, rq, tr, np.searchsorted(steps, first_round),
+    broadcast = _per_step(rows[B.BATCH_BROADCAST], steps, "sum")[b_idx]
+    return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, broadcast, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
                 int(rq["output_len"].to_numpy()[served].sum()))

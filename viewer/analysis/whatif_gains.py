@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import WhatIfError, load
+from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, busy_ns, simulate
 
 GAINS_MAX_ROUNDS = 20_000
@@ -36,13 +36,15 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
             fast = b.sped_up(name, 0.5, None)
             t = simulate(fast, overlap)
             out[name] = busy_ns(fast, t) / t.rounds / base - 1
-    cfg = run.trace.meta.get("config", {})
-    if mode == "serial" and int(cfg.get("tp", 1) or 1) * int(cfg.get("pp", 1) or 1) == 1:
+    if mode == "serial" and tp_pp(run.trace.meta.get("config", {})) == (1, 1):
         t = simulate(b, True)
         out[OVERLAP] = busy_ns(b, t) / t.rounds / base - 1
     setting = trace_setting(run.trace.meta)
     if setting is not None:
-        other = with_comm_overlap(run, b, setting == "off")
+        try:
+            other = with_comm_overlap(run, b, setting == "off")
+        except WhatIfError:  # no collectives table
+            return out
         t = simulate(other, overlap)
         out[COMM_OVERLAP] = busy_ns(other, t) / t.rounds / base - 1
     return out
