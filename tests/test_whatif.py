@@ -271,22 +271,24 @@ def test_comm_overlap_refuses_in_one_line(parallel_traces, trace, args, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
-def _split_events(a, b, lat_a, lat_b, tail):
+def _split_events(a, b, lat_a, lat_b, tail, k_share=0.0):
     """Rank 0's collectives of one batch run split, in the engine's order (scheduler/parallel/tp.py):
-    issue, completion and exposed wait of A's and B's collective of each op, interleaved."""
+    issue, completion and exposed wait of A's and B's collective of each op, interleaved. A
+    segment begun while the other half's collective is in flight is charged `k_share` of the
+    overlap (a core shared with the transport)."""
     t = done_a = done_b = 0.0
     issue, end, wait = [], [], []
     for k in range(len(a)):
         if k:
             wait[-2] = max(done_a - t, 0.0)
             t = max(t, done_a)
-        t += a[k]
+        t += a[k] + k_share * min(a[k], max(done_b - t, 0.0)) if k else a[k]
         done_a = t + lat_a[k]
         issue.append(t), end.append(done_a), wait.append(0.0)
         if k:
             wait[-2] = max(done_b - t, 0.0)
             t = max(t, done_b)
-        t += b[k]
+        t += b[k] + k_share * min(b[k], max(done_a - t, 0.0))
         done_b = t + lat_b[k]
         issue.append(t), end.append(done_b), wait.append(0.0)
     wait[-2] = max(done_a - t, 0.0)
@@ -307,11 +309,13 @@ def test_a_split_batch_is_cut_back_into_its_segments(k, data):
     a, b, la, lb = (np.array(data.draw(st.lists(ms, min_size=k, max_size=k))) for _ in range(4))
     tail = data.draw(ms)
     head = data.draw(ms)  # the batch's broadcast, before the first op
-    issue, end, wait, stop = _split_events(a, b, la, lb, tail)
+    share = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
+    issue, end, wait, stop = _split_events(a, b, la, lb, tail, share)
     s = segments(issue + head, end + head, wait, np.ones(2 * k), True, 0.0, stop + head, head)
-    assert s.compute == pytest.approx(np.column_stack([a, b])) and s.latency == pytest.approx(np.column_stack([la, lb]))
+    assert s.alone(share) == pytest.approx(np.column_stack([a, b]))
+    assert s.latency == pytest.approx(np.column_stack([la, lb]))
     assert s.tail == pytest.approx(tail) and s.head == head
-    assert overlapped_span(a, b, la, lb, tail, head) == pytest.approx(stop + head)
+    assert overlapped_span(a, b, la, lb, tail, head, share) == pytest.approx(stop + head)
     # with nothing to wait for, splitting moves no time: the span is the work
     f = data.draw(st.floats(0.1, 0.9))
     c = a + b

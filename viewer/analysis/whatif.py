@@ -165,7 +165,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     overlap = target == "overlap"
     # the device's work alone: what the trace's host work stretched it by, taken out
     alone = replace(run.batches, D=np.maximum(run.batches.D - contention * run.batches.H, 0))
-    base = _comm(run, alone, tr_comm, comm_overlap)
+    base = _comm(run, alone, tr_comm, comm_overlap, contention)
     b = _asked(base, speedups)
     tl = simulate(b, overlap, contention)
     reps = [_figures(run, rb, simulate(rb, overlap, contention))
@@ -184,7 +184,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     )
 
 
-def _comm(run: Run, b: Batches, now: str | None, asked: str | None) -> Batches:
+def _comm(run: Run, b: Batches, now: str | None, asked: str | None, contention: float) -> Batches:
     """The batches with their all-reduces as `--comm-overlap asked` would run them."""
     if asked not in (None, "on", "off"):
         raise WhatIfError(f"--comm-overlap must be on or off, not {asked!r}")
@@ -192,7 +192,7 @@ def _comm(run: Run, b: Batches, now: str | None, asked: str | None) -> Batches:
         tp, pp = tp_pp(run.trace.meta.get("config", {}))
         raise WhatIfError("--comm-overlap predicts the all-reduces of a TP trace with one pipeline stage; "
                           f"this one has tp {tp}, pp {pp}")
-    return b if asked is None or asked == now else with_comm_overlap(run, b, asked == "on")
+    return b if asked is None or asked == now else with_comm_overlap(run, b, asked == "on", contention)
 
 
 def _backend(tr: Trace) -> str:

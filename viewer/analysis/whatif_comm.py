@@ -47,6 +47,24 @@ class Segments:
     latency: np.ndarray  # the same shape: issue -> done, ns
     tail: float
     head: float  # the batch's broadcast, once a batch whatever the setting (not in compute[0])
+    # split only: how long the other half's collective was still in flight when the segment
+    # began (the share it overlapped, which a shared core charges the compute for)
+    inflight: np.ndarray | None = None
+
+    def alone(self, contention: float) -> np.ndarray:
+        """The compute had nothing been in flight beside it: `stretched`'s inverse."""
+        if self.inflight is None or not contention:
+            return self.compute
+        k, c, ov = contention, self.compute, self.inflight
+        out: np.ndarray = np.where(c <= ov * (1 + k), c / (1 + k), c - k * ov)
+        return out
+
+
+def stretched(c: float, inflight: float, contention: float) -> float:
+    """A segment of compute `c` begun while another collective had `inflight` ns to go: a core
+    shared with the transport (gloo's threads on the CPU emulation; 0 on a GPU, whose NCCL
+    kernels run on their own SMs) charges the compute `contention` of the overlap."""
+    return c + contention * min(c, max(inflight, 0.0))
 
 
 def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None:
@@ -63,13 +81,15 @@ def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None
 
 
 def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: float,
-                    head: float = 0.0) -> float:
+                    head: float = 0.0, contention: float = 0.0) -> float:
     """The device span of one batch with comm overlap on (the schedule in the module docstring)."""
     t, done_a, done_b = head, 0.0, 0.0
     for k in range(len(a)):
-        t = max(t, done_a) + a[k]
+        t = max(t, done_a)
+        t += stretched(a[k], done_b - t, contention)  # B's collective of the op before in flight
         done_a = t + lat_a[k]
-        t = max(t, done_b) + b[k]
+        t = max(t, done_b)
+        t += stretched(b[k], done_a - t, contention)
         done_b = t + lat_b[k]
     return max(t, done_a, done_b) + tail
 
@@ -91,9 +111,15 @@ def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.nda
     # next issue): gloo's completion stamp waits for the GIL, so it can be late, up to that end
     waited_a = ib + wa
     waited_b = np.append(ia[1:], ib[-1] + wa[-1]) + wb
-    lat = np.column_stack([np.minimum(end[0::2], waited_a) - ia, np.minimum(end[1::2], waited_b) - ib])
+    done_a, done_b = np.minimum(end[0::2], waited_a), np.minimum(end[1::2], waited_b)
+    lat = np.column_stack([done_a - ia, done_b - ib])
+    # in flight at a segment's start: B's collective of the op before A's, A's of the same op B's
+    began_a = np.concatenate([[start], ib[:-1] + wa[:-1]])
+    began_b = ia + np.concatenate([[0.0], wb[:-1]])
+    inflight = np.column_stack([np.concatenate([[0.0], np.maximum(done_b[:-1] - began_a[1:], 0)]),
+                                np.maximum(done_a - began_b, 0)])
     return Segments(np.column_stack([ca, cb]), numel.reshape(-1, 2), lat,
-                    stop - ib[-1] - wa[-1] - wb[-1], head)
+                    stop - ib[-1] - wa[-1] - wb[-1], head, inflight)
 
 
 def fit_ops(segs: list[Segments]) -> np.ndarray:
@@ -125,17 +151,18 @@ def trace_setting(meta: dict[str, Any]) -> str | None:
     return "on" if meta.get("config", {}).get("comm_overlap", True) else "off"
 
 
-def with_comm_overlap(run: Run, b: Batches, on: bool) -> Batches:
+def with_comm_overlap(run: Run, b: Batches, on: bool, contention: float = 0.0) -> Batches:
     """`b` (the run's batches, perhaps already changed) with the all-reduces as `on` runs them."""
-    ratio, exposed = rescheduled(run, on)
+    ratio, exposed = rescheduled(run, on, contention)
     return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
 
 
-def rescheduled(run: Run, on: bool) -> tuple[np.ndarray, np.ndarray]:
+def rescheduled(run: Run, on: bool, contention: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Per batch, (its compute's ratio to the trace's, its exposed collective time in ns) with
-    comm overlap `on`, from a trace that ran with the other setting. A batch the other setting
-    runs the same way (one sequence), or whose collectives the trace lacks, keeps its own
-    (ratio 1, exposed NaN: the caller keeps the trace's)."""
+    comm overlap `on`, from a trace that ran with the other setting; `contention` as in
+    `stretched` (what the compute lost to an overlapped transport counts as exposed). A batch
+    the other setting runs the same way (one sequence), or whose collectives the trace lacks,
+    keeps its own (ratio 1, exposed NaN: the caller keeps the trace's)."""
     tr = run.trace
     if not tr.has_table("collectives"):
         raise WhatIfError(f"{tr.root} has no collectives table (written since TP traces record each "
@@ -157,7 +184,8 @@ def rescheduled(run: Run, on: bool) -> tuple[np.ndarray, np.ndarray]:
             continue
         segs.append(segments(issue[r], end[r], wait[r], numel[r], split, float(run.dev_start[i]),
                              float(run.dev_end[i]), float(run.broadcast[i])))
-    seen = [s for s in segs if s is not None]
+    alone = [None if s is None else replace(s, compute=s.alone(contention), inflight=None) for s in segs]
+    seen = [s for s in alone if s is not None]
     ratio, exposed = np.ones(len(segs)), np.full(len(segs), np.nan)
     if not seen:
         return ratio, exposed
@@ -172,18 +200,18 @@ def rescheduled(run: Run, on: bool) -> tuple[np.ndarray, np.ndarray]:
         out: np.ndarray = fixed + per * x
         return out
 
-    for i, s in enumerate(segs):
-        if s is None:
+    for i, (s, traced) in enumerate(zip(alone, segs, strict=True)):
+        if s is None or traced is None:
             continue
         g = cost(s.numel)
-        before = float(s.compute.sum()) + s.tail + s.head
+        before = float(traced.compute.sum()) + s.tail + s.head
         if on:  # an off trace: every batch ran whole
             f = split_share(*comp[i])
             if f is None:
                 continue  # one sequence: on runs it synchronously too
             scale = np.where(g > 0, s.compute / np.where(g > 0, g, 1.0), 0.0)
             a, b = scale * cost(f * s.numel), scale * cost((1 - f) * s.numel)
-            span = overlapped_span(a, b, s.latency, s.latency, s.tail, s.head)
+            span = overlapped_span(a, b, s.latency, s.latency, s.tail, s.head, contention)
             after = float(a.sum() + b.sum()) + s.tail + s.head
         else:
             if s.compute.ndim == 1:
