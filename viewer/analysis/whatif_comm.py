@@ -5,9 +5,8 @@ runs them (scheduler/parallel/tp.py, `TPRunner`), batch by batch, from rank 0's 
 Off, rank 0 computes a segment, issues a layer's all-reduce and waits for it at once: a batch's
 device span is its head (the batch's broadcast to the other ranks, once a batch), its segments
 c_0 .. c_K and, between them, each collective's latency l_k as rank 0 saw it (issue to resume,
-the peer's lateness included). On, the rows are cut at a
-sequence into micro-batches A and B, and each waits only for its own collective of the op
-before:
+the peer's lateness included). On, the rows are cut at a sequence into micro-batches A and B,
+and each waits only for its own collective of the op before:
 
     for k in 0 .. K-1:  A: wait A's collective k-1, compute a_k, issue (done l_k later)
                         B: wait B's collective k-1, compute b_k, issue
@@ -20,8 +19,9 @@ rows), over every batch (an on trace sees both halves' sizes; an off trace, batc
 sizes); a batch's own segment is then scaled by the fit's ratio, so its measured level stays.
 The other assumptions: a micro-batch's collective takes as long as the whole batch's did (small
 all-reduces are latency-bound; from an on trace, an op's whole collective takes the mean of
-its halves' latencies), and the collectives' transport does not slow the compute (true of
-NCCL's own SMs, not of gloo's threads on the CPU: docs/whatif.md).
+its halves' latencies), and the collectives' transport slows the compute beside it by the
+`contention` share of their overlap (`stretched`): 0 for NCCL on its own SMs, more for gloo's
+threads on the CPU emulation's shared cores (docs/whatif.md).
 """
 
 from __future__ import annotations
