@@ -105,8 +105,8 @@ def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.nda
         return Segments(issue - prev, numel, resume - issue, stop - resume[-1], head)
     ia, ib, wa, wb = issue[0::2], issue[1::2], wait[0::2], wait[1::2]
     # A's op k follows B's issue of op k-1 and A's wait for its op k-1; B's follows A's issue and its own wait
-    ca = ia - np.concatenate([[start], ib[:-1] + wa[:-1]])
-    cb = ib - ia - np.concatenate([[0.0], wb[:-1]])
+    began_a = np.concatenate([[start], ib[:-1] + wa[:-1]])
+    began_b = ia + np.concatenate([[0.0], wb[:-1]])
     # done by the end of its wait at the latest (A's wait follows B's issue, B's follows A's
     # next issue): gloo's completion stamp waits for the GIL, so it can be late, up to that end
     waited_a = ib + wa
@@ -114,11 +114,9 @@ def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.nda
     done_a, done_b = np.minimum(end[0::2], waited_a), np.minimum(end[1::2], waited_b)
     lat = np.column_stack([done_a - ia, done_b - ib])
     # in flight at a segment's start: B's collective of the op before A's, A's of the same op B's
-    began_a = np.concatenate([[start], ib[:-1] + wa[:-1]])
-    began_b = ia + np.concatenate([[0.0], wb[:-1]])
     inflight = np.column_stack([np.concatenate([[0.0], np.maximum(done_b[:-1] - began_a[1:], 0)]),
                                 np.maximum(done_a - began_b, 0)])
-    return Segments(np.column_stack([ca, cb]), numel.reshape(-1, 2), lat,
+    return Segments(np.column_stack([ia - began_a, ib - began_b]), numel.reshape(-1, 2), lat,
                     stop - ib[-1] - wa[-1] - wb[-1], head, inflight)
 
 
