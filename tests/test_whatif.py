@@ -400,3 +400,4 @@ def test_the_remedies_fit_what_a_tp_run_can_switch():
     assert "--mode overlap" not in _remedy("scheduler_barrier", "serial", {"pp": 2}, {})
     assert "hides it" in _remedy("all_reduce", "serial", tp, {COMM_OVERLAP: -WORTH})
     assert "would not hide it" in _remedy("all_reduce", "serial", tp, {COMM_OVERLAP: WORTH})
+    assert "less than 2%" in _remedy("all_reduce", "serial", tp, {COMM_OVERLAP: 0.0})

@@ -466,8 +466,7 @@ def whatif(
                                               "overlap: 0 on a GPU; the CPU emulation's cores and GIL "
                                               "(docs/whatif.md).")] = 0.0,
     comm_overlap: Annotated[str | None, typer.Option("--comm-overlap", help="on or off: a TP trace's all-reduces "
-                                                     "hidden behind the other half of the batch, or waited "
-                                                     "at once (docs/whatif.md).")] = None,
+                                                     "hidden behind the other half-batch, or not.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
 ) -> None:
     """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone."""
@@ -479,8 +478,7 @@ def whatif(
     from viewer.render.whatif import render_whatif
 
     try:
-        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention,
-                      comm_overlap=comm_overlap)
+        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention, comm_overlap=comm_overlap)
     except (TraceError, WhatIfError) as e:
         fail(str(e))
     if json_out:

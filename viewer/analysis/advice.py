@@ -53,7 +53,7 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
     if name in _HOST_WORK:
         return ("`--mode overlap` runs it under the device's work" if can_overlap else
                 "already overlapped: this host work outlasts the device's round; make it cheaper" if overlapped
-                else "TP and PP rounds run serially, never overlapped: make it cheaper")
+                else "TP and PP rounds run serially or time-sliced, never overlapped: make it cheaper")
     if name == B.SCHEDULER_BARRIER:
         return ("the device sits idle while the host waits for its result: launch latency or the "
                 "device-process hop" + ("; `--mode overlap` keeps the next round queued" if can_overlap else ""))
@@ -64,8 +64,12 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
     if name == B.ALL_REDUCE:
         if config.get("comm_overlap", True):
             return "communication not hidden: larger batches hide more"
-        return ("`--comm-overlap on` would not hide it here (below)" if gains.get(COMM_OVERLAP, 0.0) >= WORTH
-                else "`--comm-overlap on` hides it behind the other half of the batch")
+        g = gains.get(COMM_OVERLAP)
+        if g is None or g <= -WORTH:
+            return "`--comm-overlap on` hides it behind the other half of the batch"
+        return ("`--comm-overlap on` would not hide it here (below)" if g >= WORTH else
+                f"`--comm-overlap on` would change the cycle by less than {100 * WORTH:.0f}% here "
+                "(`mstrace whatif --comm-overlap on`)")
     if name == B.PP_BUBBLE:
         return "`--pp-microbatches 2` fills the pipeline"
     if name == B.DEFRAG:

@@ -103,7 +103,7 @@ class WhatIfResult(JsonRecord):
     speedups: list[str]
     comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None without TP or with PP
     target_comm_overlap: str | None  # the setting predicted (the trace's unless --comm-overlap)
-    contention: float  # the share of the host's work the device could not overlap (docs/whatif.md)
+    contention: float  # the share of the host's work (and of an all-reduce in flight) the device could not overlap
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
     measured: Figures  # the trace's own numbers (the report's)

@@ -44,7 +44,7 @@ class Segments:
 
     compute: np.ndarray  # [K] whole, or [K, 2] (A, B) when the trace split the batch
     numel: np.ndarray  # the same shape: each segment's collective's elements
-    latency: np.ndarray  # the same shape: issue -> done, ns
+    latency: np.ndarray  # the same shape, ns: issue -> completion (split), issue -> rank 0 resumes (whole)
     tail: float
     head: float  # the batch's broadcast, once a batch whatever the setting (not in compute[0])
     # split only: how long the other half's collective was still in flight when the segment
@@ -150,7 +150,9 @@ def trace_setting(meta: dict[str, Any]) -> str | None:
 
 
 def with_comm_overlap(run: Run, b: Batches, on: bool, contention: float = 0.0) -> Batches:
-    """`b` (the run's batches, perhaps already changed) with the all-reduces as `on` runs them."""
+    """`b` (the run's batches, perhaps already changed) with the all-reduces as `on` runs them:
+    b's compute scaled as the trace's would be, its exposed waits the trace's prediction (a
+    change made to b.D before, such as the contention's, carries into the span)."""
     ratio, exposed = rescheduled(run, on, contention)
     return replace(b, D=b.D * ratio, A=np.where(np.isnan(exposed), b.A, exposed))
 
