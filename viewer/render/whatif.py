@@ -37,6 +37,11 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                       f"{' and the GIL' if r.backend == 'cpu-thread' else ''}; this prediction lets the host's work "
                       f"delay the device by {r.contention:g} of it (--contention; docs/whatif.md has the errors "
                       "measured here)[/]", highlight=False)
+    if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
+        console.print(f"[yellow]{r.backend}: gloo's all-reduces run on threads that share the compute's cores; "
+                      f"this prediction charges a compute segment {r.contention:g} of its overlap with the other "
+                      "half's all-reduce (--contention; docs/whatif.md has the errors measured here)[/]",
+                      highlight=False)
     target = r.target_mode
     console.print(f"critical path of the predicted {target} run, ms per round (slack: how much a row could grow "
                   "before the run does)", highlight=False)
