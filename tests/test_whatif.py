@@ -300,28 +300,29 @@ def _split_events(a, b, lat_a, lat_b, tail, k_share=0.0):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 6), st.data())
-def test_a_split_batch_is_cut_back_into_its_segments(k, data):
-    """The segments read off a split batch's collectives are the compute and latencies that made
-    them, and the model's schedule replays the batch's span."""
+@given(st.integers(1, 6), st.integers(1, 3), st.data())
+def test_split_batches_are_cut_back_into_their_segments(k, m, data):
+    """The segments read off split batches' collectives (m batches side by side) are the
+    compute and latencies that made them, and the model's schedule replays each batch's span."""
     from viewer.analysis.whatif_comm import overlapped_span, segments
 
     ms = st.floats(0.01, 5, allow_nan=False)
-    a, b, la, lb = (np.array(data.draw(st.lists(ms, min_size=k, max_size=k))) for _ in range(4))
-    tail = data.draw(ms)
-    head = data.draw(ms)  # the batch's broadcast, before the first op
     share = data.draw(st.sampled_from([0.0, 0.5, 1.0]))
-    issue, end, wait, stop = _split_events(a, b, la, lb, tail, share)
-    s = segments(issue + head, end + head, wait, np.ones(2 * k), True, 0.0, stop + head, head)
-    assert s.alone(share) == pytest.approx(np.column_stack([a, b]))
-    assert s.latency == pytest.approx(np.column_stack([la, lb]))
-    assert s.tail == pytest.approx(tail) and s.head == head
+    parts = [tuple(np.array(data.draw(st.lists(ms, min_size=k, max_size=k))) for _ in range(4)) for _ in range(m)]
+    a, b, la, lb = (np.stack([p[i] for p in parts]) for i in range(4))
+    tail, head = (np.array(data.draw(st.lists(ms, min_size=m, max_size=m))) for _ in range(2))  # head: the broadcast
+    events = [_split_events(*p, t, share) for p, t in zip(parts, tail, strict=True)]
+    issue, end, wait, stop = (np.stack([e[i] for e in events]) for i in range(4))
+    s = segments(issue + head[:, None], end + head[:, None], wait, np.ones((m, 2 * k)), True, np.zeros(m),
+                 stop + head, head)
+    assert s.split and s.alone(share) == pytest.approx(np.stack([a, b], axis=-1))
+    assert s.latency == pytest.approx(np.stack([la, lb], axis=-1))
+    assert s.tail == pytest.approx(tail) and np.array_equal(s.head, head)
     assert overlapped_span(a, b, la, lb, tail, head, share) == pytest.approx(stop + head)
     # with nothing to wait for, splitting moves no time: the span is the work
     f = data.draw(st.floats(0.1, 0.9))
-    c = a + b
-    zero = np.zeros(k)
-    assert overlapped_span(f * c, (1 - f) * c, zero, zero, tail, head) == pytest.approx(c.sum() + tail + head)
+    c, zero = a + b, np.zeros((m, k))
+    assert overlapped_span(f * c, (1 - f) * c, zero, zero, tail, head) == pytest.approx(c.sum(axis=1) + tail + head)
 
 
 def test_a_synchronous_batch_is_cut_into_its_segments():
@@ -329,19 +330,23 @@ def test_a_synchronous_batch_is_cut_into_its_segments():
 
     c, lat = np.array([1.0, 2.0, 0.5]), np.array([0.3, 0.4, 0.2])
     issue = 10 + np.cumsum(c) + np.concatenate([[0], np.cumsum(lat)[:-1]])
-    s = segments(issue + 0.4, issue + lat + 0.4, lat, np.full(3, 64.0), False, 10.0, issue[-1] + lat[-1] + 1.1, 0.4)
-    assert s.compute == pytest.approx(c) and s.latency == pytest.approx(lat) and s.tail == pytest.approx(0.7)
+    s = segments((issue + 0.4)[None], (issue + lat + 0.4)[None], lat[None], np.full((1, 3), 64.0), False,
+                 np.array([10.0]), np.array([issue[-1] + lat[-1] + 1.1]), np.array([0.4]))
+    assert not s.split and s.compute[0] == pytest.approx(c) and s.latency[0] == pytest.approx(lat)
+    assert s.tail == pytest.approx([0.7])
 
 
 def test_the_per_op_fit_finds_the_fixed_part():
     """Halving a batch halves only the part of each op that grows with its rows."""
     from viewer.analysis.whatif_comm import Segments, fit_ops
 
-    x = np.array([64.0, 640.0, 6400.0, 3200.0])
-    segs = [Segments(np.array([0.5 + 1e-3 * n, 0.2 + 2e-3 * n]), np.array([n, n]), np.zeros(2), 0.0, 0.0) for n in x]
-    assert fit_ops(segs) == pytest.approx(np.array([[0.5, 1e-3], [0.2, 2e-3]]))
-    same = [Segments(np.array([2.0]), np.array([100.0]), np.zeros(1), 0.0, 0.0)] * 3  # one size: proportional
-    assert fit_ops(same) == pytest.approx(np.array([[0.0, 0.02]]))
+    n = np.array([64.0, 640.0, 6400.0, 3200.0])[:, None]
+    zeros = np.zeros(4)
+    four = Segments(False, np.column_stack([0.5 + 1e-3 * n, 0.2 + 2e-3 * n]), np.column_stack([n, n]),
+                    np.zeros((4, 2)), zeros, zeros)
+    assert fit_ops([four]) == pytest.approx(np.array([[0.5, 1e-3], [0.2, 2e-3]]))
+    same = Segments(False, np.full((3, 1), 2.0), np.full((3, 1), 100.0), np.zeros((3, 1)), np.zeros(3), np.zeros(3))
+    assert fit_ops([same]) == pytest.approx(np.array([[0.0, 0.02]]))  # one size: proportional
 
 
 @pytest.mark.parametrize("decode,prefills,length", [(0, 1, 40), (1, 0, 0), (2, 0, 0), (7, 0, 0), (0, 2, 30),

@@ -39,14 +39,16 @@ from viewer.analysis.whatif_model import Batches
 
 @dataclass(slots=True)
 class Segments:
-    """One batch as rank 0 ran it: its compute segments (per micro-batch when split), the
-    collective each ends with, and the tail after the last."""
+    """Batches of one shape as rank 0 ran them, one row each: their compute segments (per
+    micro-batch where the trace split them), the collective each ends with, the tail after
+    the last and the head before the first."""
 
-    compute: np.ndarray  # [K] whole, or [K, 2] (A, B) when the trace split the batch
+    split: bool
+    compute: np.ndarray  # [m, K], or [m, K, 2] (A, B) when split
     numel: np.ndarray  # the same shape: each segment's collective's elements
     latency: np.ndarray  # the same shape, ns: issue -> completion (split), issue -> rank 0 resumes (whole)
-    tail: float
-    head: float  # the batch's broadcast, once a batch whatever the setting (not in compute[0])
+    tail: np.ndarray  # [m]
+    head: np.ndarray  # [m]: the batch's broadcast, once a batch whatever the setting (not in compute)
     # split only: how long the other half's collective was still in flight when the segment
     # began (the share it overlapped, which a shared core charges the compute for)
     inflight: np.ndarray | None = None
@@ -60,11 +62,12 @@ class Segments:
         return out
 
 
-def stretched(c: float, inflight: float, contention: float) -> float:
-    """A segment of compute `c` begun while another collective had `inflight` ns to go: a core
+def stretched(c: np.ndarray, inflight: np.ndarray, contention: float) -> np.ndarray:
+    """Segments of compute `c` begun while another collective had `inflight` ns to go: a core
     shared with the transport (gloo's threads on the CPU emulation; 0 on a GPU, whose NCCL
     kernels run on their own SMs) charges the compute `contention` of the overlap."""
-    return c + contention * min(c, max(inflight, 0.0))
+    out: np.ndarray = c + contention * np.minimum(c, np.maximum(inflight, 0.0))
+    return out
 
 
 def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None:
@@ -80,54 +83,62 @@ def split_share(decode: int, prefills: int, prefill_tokens: int) -> float | None
     return float(min(cuts, key=lambda c: abs(c - tokens / 2))) / tokens
 
 
-def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: float,
-                    head: float = 0.0, contention: float = 0.0) -> float:
-    """The device span of one batch with comm overlap on (the schedule in the module docstring)."""
-    t, done_a, done_b = head, 0.0, 0.0
-    for k in range(len(a)):
-        t = max(t, done_a)
-        t += stretched(a[k], done_b - t, contention)  # B's collective of the op before in flight
-        done_a = t + lat_a[k]
-        t = max(t, done_b)
-        t += stretched(b[k], done_a - t, contention)
-        done_b = t + lat_b[k]
-    return max(t, done_a, done_b) + tail
+def overlapped_span(a: np.ndarray, b: np.ndarray, lat_a: np.ndarray, lat_b: np.ndarray, tail: np.ndarray,
+                    head: np.ndarray, contention: float = 0.0) -> np.ndarray:
+    """The device span of each batch ([m, K] segments) with comm overlap on (the schedule in
+    the module docstring), batches side by side."""
+    t = np.array(head, dtype=np.float64)
+    done_a, done_b = np.zeros_like(t), np.zeros_like(t)
+    for k in range(a.shape[1]):
+        t = np.maximum(t, done_a)
+        t = t + stretched(a[:, k], done_b - t, contention)  # B's collective of the op before in flight
+        done_a = t + lat_a[:, k]
+        t = np.maximum(t, done_b)
+        t = t + stretched(b[:, k], done_a - t, contention)
+        done_b = t + lat_b[:, k]
+    out: np.ndarray = np.maximum(t, np.maximum(done_a, done_b)) + tail
+    return out
+
+
+def _after(first: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """`first` [m] then the columns of `x` [m, n]."""
+    return np.concatenate([np.asarray(first, dtype=np.float64)[:, None], x], axis=1)
 
 
 def segments(issue: np.ndarray, end: np.ndarray, wait: np.ndarray, numel: np.ndarray, split: bool,
-             start: float, stop: float, head: float = 0.0) -> Segments:
-    """Rank 0's collectives of one batch (in issue order) cut into its compute segments; `head`
-    of the time before the first is the batch's broadcast."""
-    start += head
+             start: np.ndarray, stop: np.ndarray, head: np.ndarray) -> Segments:
+    """Rank 0's collectives of m batches ([m, n], each row in issue order) cut into their
+    compute segments; `head` of the time before the first is the batch's broadcast."""
+    start = start + head
     if not split:  # issue, wait at once, resume
         resume = np.maximum(end, issue + wait)
-        prev = np.concatenate([[start], resume[:-1]])
-        return Segments(issue - prev, numel, resume - issue, stop - resume[-1], head)
-    ia, ib, wa, wb = issue[0::2], issue[1::2], wait[0::2], wait[1::2]
+        return Segments(False, issue - _after(start, resume[:, :-1]), numel, resume - issue, stop - resume[:, -1],
+                        head)
+    ia, ib, wa, wb = issue[:, 0::2], issue[:, 1::2], wait[:, 0::2], wait[:, 1::2]
     # A's op k follows B's issue of op k-1 and A's wait for its op k-1; B's follows A's issue and its own wait
-    began_a = np.concatenate([[start], ib[:-1] + wa[:-1]])
-    began_b = ia + np.concatenate([[0.0], wb[:-1]])
+    began_a = _after(start, ib[:, :-1] + wa[:, :-1])
+    began_b = ia + _after(np.zeros(len(ia)), wb[:, :-1])
     # done by the end of its wait at the latest (A's wait follows B's issue, B's follows A's
     # next issue): gloo's completion stamp waits for the GIL, so it can be late, up to that end
     waited_a = ib + wa
-    waited_b = np.append(ia[1:], ib[-1] + wa[-1]) + wb
-    done_a, done_b = np.minimum(end[0::2], waited_a), np.minimum(end[1::2], waited_b)
-    lat = np.column_stack([done_a - ia, done_b - ib])
+    waited_b = np.concatenate([ia[:, 1:], (ib[:, -1] + wa[:, -1])[:, None]], axis=1) + wb
+    done_a, done_b = np.minimum(end[:, 0::2], waited_a), np.minimum(end[:, 1::2], waited_b)
     # in flight at a segment's start: B's collective of the op before A's, A's of the same op B's
-    inflight = np.column_stack([np.concatenate([[0.0], np.maximum(done_b[:-1] - began_a[1:], 0)]),
-                                np.maximum(done_a - began_b, 0)])
-    return Segments(np.column_stack([ia - began_a, ib - began_b]), numel.reshape(-1, 2), lat,
-                    stop - ib[-1] - wa[-1] - wb[-1], head, inflight)
+    inflight = np.stack([_after(np.zeros(len(ia)), np.maximum(done_b[:, :-1] - began_a[:, 1:], 0)),
+                         np.maximum(done_a - began_b, 0)], axis=-1)
+    return Segments(True, np.stack([ia - began_a, ib - began_b], axis=-1), numel.reshape(len(ia), -1, 2),
+                    np.stack([done_a - ia, done_b - ib], axis=-1), stop - ib[:, -1] - wa[:, -1] - wb[:, -1], head,
+                    inflight)
 
 
-def fit_ops(segs: list[Segments]) -> np.ndarray:
+def fit_ops(groups: list[Segments]) -> np.ndarray:
     """[K, 2] alpha_k, beta_k: segment k's cost as alpha + beta x elements, least squares over
     every segment seen, both non-negative (alpha 0, proportional, where the sizes never vary)."""
-    k = max(len(s.compute) for s in segs)
+    k = max(g.compute.shape[1] for g in groups)
     out = np.zeros((k, 2))
     for i in range(k):
-        c = np.concatenate([np.ravel(s.compute[i]) for s in segs if len(s.compute) > i])
-        x = np.concatenate([np.ravel(s.numel[i]) for s in segs if len(s.compute) > i]).astype(np.float64)
+        c = np.concatenate([np.ravel(g.compute[:, i]) for g in groups if g.compute.shape[1] > i])
+        x = np.concatenate([np.ravel(g.numel[:, i]) for g in groups if g.compute.shape[1] > i]).astype(np.float64)
         if np.ptp(x) > 0:
             alpha, beta = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), c, rcond=None)[0]
             if beta < 0:
@@ -174,56 +185,68 @@ def rescheduled(run: Run, on: bool, contention: float = 0.0) -> tuple[np.ndarray
     issue, end, wait, numel = (col[c].to_numpy().astype(np.float64) for c in ("issue_ns", "end_ns", "dur_wait_ns",
                                                                                 "numel"))
     overlapped = col["overlapped"].to_numpy(zero_copy_only=False)
+    n = len(run.batch_step)
     lo, hi = np.searchsorted(step, run.batch_step, "left"), np.searchsorted(step, run.batch_step, "right")
-    segs: list[Segments | None] = []
-    for i in range(len(run.batch_step)):
-        r = slice(lo[i], hi[i])
-        split = bool(overlapped[r].all())
-        if hi[i] == lo[i] or end[r].min() < 0 or (split and (hi[i] - lo[i]) % 2):
-            segs.append(None)  # none, one never completed (a killed run), or not in pairs
-            continue
-        segs.append(segments(issue[r], end[r], wait[r], numel[r], split, float(run.dev_start[i]),
-                             float(run.dev_end[i]), float(run.broadcast[i])))
-    alone = [None if s is None else replace(s, compute=s.alone(contention), inflight=None) for s in segs]
-    seen = [s for s in alone if s is not None]
-    ratio, exposed = np.ones(len(segs)), np.full(len(segs), np.nan)
-    if not seen:
-        return ratio, exposed
-    ab = fit_ops(seen)
-    comp = _composition(tr, run.batch_step) if on else []
+    count = hi - lo
 
-    def cost(x: np.ndarray) -> np.ndarray:
-        """The fit's cost of ops 0 .. len(x) - 1 at sizes x ([K] or [K, 2])."""
-        fixed, per = ab[: len(x), 0], ab[: len(x), 1]
-        if x.ndim == 2:
-            fixed, per = fixed[:, None], per[:, None]
-        out: np.ndarray = fixed + per * x
+    def how_many(flags: np.ndarray) -> np.ndarray:
+        """Per batch, its collectives that have the flag."""
+        c = np.concatenate([[0], np.cumsum(flags)])
+        out: np.ndarray = c[hi] - c[lo]
         return out
 
-    for i, (s, traced) in enumerate(zip(alone, segs, strict=True)):
-        if s is None or traced is None:
-            continue
-        g = cost(s.numel)
-        before = float(traced.compute.sum()) + s.tail + s.head
+    split = how_many(overlapped) == count
+    # none, one never completed (a killed run), or not in pairs: such a batch keeps its own
+    usable = (count > 0) & (how_many(end < 0) == 0) & ~(split & (count % 2 == 1))
+    # batches of one shape (split or whole, so many collectives) are cut side by side
+    groups: list[tuple[np.ndarray, Segments]] = []
+    for sp, c in sorted({(bool(a), int(b)) for a, b in zip(split[usable], count[usable], strict=True)}):
+        idx = np.flatnonzero(usable & (split == sp) & (count == c))
+        rows = lo[idx][:, None] + np.arange(c)
+        groups.append((idx, segments(issue[rows], end[rows], wait[rows], numel[rows], sp, run.dev_start[idx],
+                                     run.dev_end[idx], run.broadcast[idx])))
+    ratio, exposed = np.ones(n), np.full(n, np.nan)
+    if not groups:
+        return ratio, exposed
+    alone = [(idx, replace(g, compute=g.alone(contention), inflight=None), g) for idx, g in groups]
+    ab = fit_ops([g for _, g, _ in alone])
+
+    def cost(x: np.ndarray) -> np.ndarray:
+        """The fit's cost of ops 0 .. K-1 at sizes x ([m, K] or [m, K, 2])."""
+        shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        out: np.ndarray = ab[: x.shape[1], 0].reshape(shape) + ab[: x.shape[1], 1].reshape(shape) * x
+        return out
+
+    def per_batch(x: np.ndarray) -> np.ndarray:
+        out: np.ndarray = x.reshape(len(x), -1).sum(axis=1)
+        return out
+
+    comp = _composition(tr, run.batch_step) if on else []
+    for idx, g, traced in alone:
+        before = per_batch(traced.compute) + g.tail + g.head
         if on:  # an off trace: every batch ran whole
-            f = split_share(*comp[i])
-            if f is None:
-                continue  # one sequence: on runs it synchronously too
-            scale = np.where(g > 0, s.compute / np.where(g > 0, g, 1.0), 0.0)
-            a, b = scale * cost(f * s.numel), scale * cost((1 - f) * s.numel)
-            span = overlapped_span(a, b, s.latency, s.latency, s.tail, s.head, contention)
-            after = float(a.sum() + b.sum()) + s.tail + s.head
+            if g.split:
+                continue
+            f = np.array([np.nan if (v := split_share(*comp[i])) is None else v for i in idx])
+            keep = ~np.isnan(f)  # one sequence: on runs it synchronously too
+            idx, f, before = idx[keep], f[keep, None], before[keep]
+            compute, numel, lat, tail, head = (x[keep] for x in (g.compute, g.numel, g.latency, g.tail, g.head))
+            whole = cost(numel)
+            scale = np.where(whole > 0, compute / np.where(whole > 0, whole, 1.0), 0.0)
+            a, b = scale * cost(f * numel), scale * cost((1 - f) * numel)
+            span = overlapped_span(a, b, lat, lat, tail, head, contention)
+            after = per_batch(a) + per_batch(b) + tail + head
         else:
-            if s.compute.ndim == 1:
+            if not g.split:
                 continue  # ran synchronously already (one sequence)
-            whole, g_sum = cost(s.numel.sum(axis=1)), g.sum(axis=1)
-            c = s.compute.sum(axis=1) * np.where(g_sum > 0, whole / np.where(g_sum > 0, g_sum, 1.0), 1.0)
-            after = float(c.sum()) + s.tail + s.head
-            span = after + float(s.latency.mean(axis=1).sum())
-        ratio[i] = after / before if before > 0 else 1.0
+            halves, whole = cost(g.numel).sum(axis=2), cost(g.numel.sum(axis=2))
+            c = g.compute.sum(axis=2) * np.where(halves > 0, whole / np.where(halves > 0, halves, 1.0), 1.0)
+            after = per_batch(c) + g.tail + g.head
+            span = after + per_batch(g.latency.mean(axis=2))
+        ratio[idx] = np.where(before > 0, after / np.where(before > 0, before, 1.0), 1.0)
         # the model's D is the span less the all-reduce rows, which end when rank 0 resumes (a
         # little after `segments`' completion): the predicted span is kept whole, D + A
-        exposed[i] = max(span - run.batches.D[i] * ratio[i], 0.0)
+        exposed[idx] = np.maximum(span - run.batches.D[idx] * ratio[idx], 0.0)
     return ratio, exposed
 
 
