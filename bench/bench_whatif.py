@@ -82,7 +82,8 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
         rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x), own[x]))
     print(f"load after: {load()}")
     print(f"\n{' '.join((a.model, a.cpu_device, *more))}, {a.requests} requests, {a.runs} runs, "
-          f"--contention {a.contention:g}: median |error|, measured in interval")
+          f"--contention {'measured' if a.contention is None else f'{a.contention:g}'}: median |error|, "
+          "measured in interval")
     for label, rs in rows.items():
         cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "
                  f"({int(sum(r[name + '_hit'] for r in rs))}/{len(rs)} in)" for name, short, _ in FIGS]
@@ -96,10 +97,11 @@ def truth(a: argparse.Namespace) -> None:
     base = OUT / "whatif" / "truth" / f"{a.mode}-base"
     mstrace_run(base, *flags)
     b = whatif(base)
+    # a run that holds its forward measures no contention: every run takes the base run's
+    k = 1 - b.device_rate if a.contention is None else a.contention
     for place in a.places.split(","):
         held = OUT / "whatif" / "truth" / f"{a.mode}-{place}"
         mstrace_run(held, *flags, "--debug-delay-ms", f"{place}={a.delay_ms}")
-        k = a.contention
         h = whatif(held, contention=k)
         bnd = PLACE_BOUNDARY[place]
         # what the engine actually held per batch (a device hold is per forward: a round with a
@@ -125,7 +127,8 @@ def main() -> None:
         p.add_argument("--requests", type=int, default=128)
         p.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
         p.add_argument("--extra", default="", help="extra `mstrace run` flags, space separated")
-        p.add_argument("--contention", type=float, default=0.0, help="whatif --contention")
+        p.add_argument("--contention", type=float, default=None,
+                       help="whatif --contention (default: what each run measured at start-up)")
         if name in ("modes", "comm"):
             p.add_argument("--runs", type=int, default=5)
         if name == "comm":

@@ -40,6 +40,7 @@ from scheduler.core.reclaim import Reclaimer
 from scheduler.core.request import FinishReason, Request, SamplingParams
 from scheduler.core.request_manager import RequestManager
 from scheduler.device.backend import choose_backend
+from scheduler.device.contention import measure as measure_contention
 from scheduler.device.executor import Executor
 from scheduler.device.prepared import Launch
 from scheduler.device.work import MAIN, PREFILL
@@ -127,6 +128,7 @@ class Engine:
                                  config.hard_wait_timeout_s, self._pb, eos_ids=self.eos_ids)
         if config.debug_kv_check:  # (validate keeps it to a local device)
             self.backend.ops.enable_kv_check()
+        self.contention = self._probe_contention(num_blocks)
         self.pool = TokenizerPool(self.tokenizer, config.tokenizer_threads, self.probes)
         self.sender = Sender(self.tokenizer, list(sinks), self.probes, self.hooks.before_deliver)
         self.reclaimer = Reclaimer(config.gc_after_s) if config.gc else None
@@ -147,6 +149,24 @@ class Engine:
         self.hooks.at_start(self)
 
     # ---- set-up --------------------------------------------------------
+    def _probe_contention(self, num_blocks: int) -> dict[str, Any]:
+        """meta.json's `contention`: measured where the device is this machine's CPU, before
+        the first round; otherwise why not (a null value)."""
+        cfg = self.cfg
+        why = ("--no-contention-probe" if not cfg.contention_probe
+               else "a GPU computes beside the host" if self.backend.name == "cuda"
+               else "a TP/PP forward needs every rank" if self.parallel is not None
+               else "a fault is injected" if cfg.inject or cfg.debug_kv_check or cfg.debug_skip_stream_waits
+               else "the forward holds a debug delay" if delay_ns(cfg.debug_delay_ms, dd.DEVICE_COMPUTE)
+               else None)
+        if why is None:
+            try:
+                return measure_contention(self.streams[MAIN], self.backend.ops, cfg.block_size, num_blocks,
+                                          self.backend.ops.device).to_json()
+            except ValueError as e:
+                why = str(e)
+        return {"device_rate": None, "why": why}
+
     def _pool_blocks(self, per_block: int) -> int:
         """Pool size in blocks; ``per_block`` = KV bytes of one block on this process."""
         cfg = self.cfg

@@ -5,6 +5,7 @@ known delays."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,17 @@ from hypothesis import strategies as st
 from probes.boundaries import IDLE
 from tests.support.cli import REPO, cli, mstrace
 from viewer.analysis.whatif import Speedup, WhatIfError, whatif
-from viewer.analysis.whatif_model import COMPONENTS, SCALES, Batches, critical_path, simulate
+from viewer.analysis.whatif_model import (
+    COMPONENTS,
+    SCALES,
+    Batches,
+    Sharing,
+    critical_path,
+    host_beside,
+    shared,
+    simulate,
+    unshared,
+)
 
 SAMPLES = REPO / "traces"
 MS = 1e6
@@ -49,15 +60,40 @@ def test_overlap_waits_on_the_host_when_it_is_longer():
     assert np.diff(tl.dev_start[1:]) == pytest.approx(np.full(48, 4 * MS))  # the first round collects nothing
 
 
-def test_contention_stretches_the_device_by_the_host_work_inside_it():
-    # device 3 ms, host 1.7 ms a round: with contention 1 (one core for both) the device takes
-    # the host's work on top of its own, and overlap gains nothing over the sum
+def test_sharing_stretches_the_device_and_the_host_beside_it():
+    # device 3 ms, host 1.7 ms a round beside it
     b = batches(50, P_prep=1, D=3, Q_book=0.5, G=0.2)
-    free, shared = simulate(b, overlap=True), simulate(b, overlap=True, contention=1.0)
+    free = simulate(shared(b, Sharing()), overlap=True)
     assert np.diff(free.dev_end[2:-2]) == pytest.approx(np.full(45, 3 * MS))
-    assert np.diff(shared.dev_end[2:-2]) == pytest.approx(np.full(45, 4.7 * MS))
-    half = simulate(b, overlap=True, contention=0.5)
+    # --contention 1 (one core for both): the device takes the host's work on top of its own,
+    # and overlap gains nothing over the sum; 0.5: half of it
+    one = shared(b, Sharing(0.0, 1.0))
+    assert np.diff(simulate(one, overlap=True).dev_end[2:-2]) == pytest.approx(np.full(45, 4.7 * MS))
+    assert one.P_prep == pytest.approx(b.P_prep)  # the host kept its speed
+    half = simulate(shared(b, Sharing(0.5, 1.0)), overlap=True)
     assert np.diff(half.dev_end[2:-2]) == pytest.approx(np.full(45, 3.85 * MS))
+    # both at half speed while both work: the host's 1.7 ms take 3.4, in which the device does
+    # 1.7 of its 3, then the rest alone: 4.7 a batch; the host's components doubled
+    both = shared(b, Sharing(0.5, 0.5))
+    assert np.diff(simulate(both, overlap=True).dev_end[2:-2]) == pytest.approx(np.full(45, 4.7 * MS))
+    assert both.P_prep[1:] == pytest.approx(2 * b.P_prep[1:]) and both.G[:-1] == pytest.approx(2 * b.G[:-1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 10), st.floats(0.05, 1), st.floats(0.05, 1), st.data())
+def test_an_overlap_trace_is_unshared_back_to_each_sides_work_alone(n, rd, rh, data):
+    """`unshared` inverts `shared`, given what a trace shows: the host's work inside each device
+    span (all of it where the host ends first; the whole span where the device does)."""
+    comp = st.floats(0, 5, allow_nan=False)
+    arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
+    b = Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=data.draw(comp) * MS,
+                tail_P=data.draw(comp) * MS)
+    s = Sharing(rd, rh)
+    ran = shared(b, s)
+    seen = replace(ran, H=np.minimum(host_beside(ran), ran.D + ran.A))
+    back = unshared(seen, s)
+    for c in (*COMPONENTS, "head_Q", "tail_P"):
+        assert np.allclose(getattr(back, c), getattr(b, c), rtol=1e-9, atol=1e-3), c
 
 
 @settings(max_examples=100, deadline=None)
@@ -71,7 +107,9 @@ def test_the_critical_path_is_the_whole_run(n, overlap, data):
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))  # as load() bounds it
     arrivals = np.sort(np.array(data.draw(st.lists(st.floats(0, 30), min_size=n, max_size=n)))) * MS
     b = Batches(**arr, H=np.zeros(n), not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
-    tl = simulate(b, overlap, data.draw(st.sampled_from([0.0, 0.3, 1.0])))
+    if overlap:
+        b = shared(b, data.draw(st.sampled_from([Sharing(), Sharing(0.7, 1.0), Sharing(0.4, 0.5)])))
+    tl = simulate(b, overlap)
     path = critical_path(b, tl, overlap)
     assert sum(path.values()) == pytest.approx(tl.end, rel=1e-9, abs=1.0)
     assert all(v >= -1e-6 for v in path.values())
@@ -85,10 +123,14 @@ def test_a_faster_boundary_never_makes_the_run_longer(n, overlap, boundary, data
     t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))
     b = Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=0.0, tail_P=0.0)
-    k = data.draw(st.sampled_from([0.0, 0.3]))
-    slow = simulate(b, overlap, k).end
-    assert simulate(b.sped_up(boundary, 0.5, None), overlap, k).end <= slow + 1e-3
-    assert simulate(b.sped_up(boundary, None, -1 * MS), overlap, k).end <= slow + 1e-3
+    s = data.draw(st.sampled_from([Sharing(), Sharing(0.7, 1.0), Sharing(0.4, 0.5)]))
+
+    def end(x: Batches) -> float:
+        return simulate(shared(x, s) if overlap else x, overlap).end
+
+    slow = end(b)
+    assert end(b.sped_up(boundary, 0.5, None)) <= slow + 1e-3
+    assert end(b.sped_up(boundary, None, -1 * MS)) <= slow + 1e-3
 
 
 def test_a_speedup_scales_its_components_only():

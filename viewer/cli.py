@@ -461,10 +461,10 @@ def whatif(
     speedup: Annotated[list[str] | None, typer.Option("--speedup", help="BOUNDARY=FACTOR (device_compute=0.8) or "
                                                       "BOUNDARY=+-MSms per round, as if that boundary were "
                                                       "faster; repeatable.")] = None,
-    contention: Annotated[float, typer.Option("--contention", help="Share (0-1) of the host's work (and, with "
-                                              "--comm-overlap, of an all-reduce in flight) the device cannot "
-                                              "overlap: 0 on a GPU; the CPU emulation's cores and GIL "
-                                              "(docs/whatif.md).")] = 0.0,
+    contention: Annotated[float | None, typer.Option("--contention", help="Share (0-1) of the host's work (and, "
+                                                     "with --comm-overlap, of an all-reduce in flight) the device "
+                                                     "cannot overlap; default: what the run measured at start-up, "
+                                                     "else 0 (docs/whatif.md).")] = None,
     comm_overlap: Annotated[str | None, typer.Option("--comm-overlap", help="on or off: a TP trace's all-reduces "
                                                      "hidden behind the other half-batch, or not.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,

@@ -41,7 +41,7 @@ from scheduler.device import wire
 from scheduler.device.device_server import DeviceSpec, device_main
 from scheduler.device.prepared import PreparedBatch
 from scheduler.device.streams import CpuEvent
-from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, Work
+from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RemoteOp, RowsOff, Work
 from scheduler.seeds import Seed, fork_seeds, late_context
 
 START_TIMEOUT_S = 300.0  # first use builds the preset model, which takes a while on a busy machine
@@ -242,7 +242,7 @@ class DeviceProcess:
         self._conn.close()
 
 
-class ProcStream:
+class ProcStream(RowsOff):
     """One stream of the device process, seen from the host (the Stream interface).
 
     Device-side waits are registered in the engine's wait registry from the moment they

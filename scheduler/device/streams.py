@@ -24,7 +24,7 @@ from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import ProbeRow, Probes
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
-from scheduler.device.work import STREAM_NAMES, Event, OpRecord, Stream, Work
+from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RowsOff, Stream, Work
 
 
 # ---------------------------------------------------------------- cpu backend
@@ -55,7 +55,7 @@ class CpuEvent:
 _STOP = object()
 
 
-class CpuStream:
+class CpuStream(RowsOff):
     """A worker thread that runs submitted callables in order."""
 
     def __init__(

@@ -8,7 +8,8 @@ Event.query(), Event.wait(timeout) and Event.ts_ns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -51,6 +52,25 @@ class Stream(Protocol):
     def state(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+    def unrecorded(self) -> AbstractContextManager[None]:
+        """Work submitted and waited for inside leaves no probe rows (the engine's start-up
+        contention probe, scheduler/device/contention.py, which is not the run's work)."""
+        ...
+
+
+class RowsOff:
+    """`Stream.unrecorded` for a stream that appends its probe rows to `self._buf`."""
+
+    _buf: list[Any] | None
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        buf, self._buf = self._buf, None
+        try:
+            yield
+        finally:
+            self._buf = buf
 
 
 class DeviceOps(Protocol):

@@ -186,6 +186,7 @@ def run_meta(
             "device": str(engine.device),
             "device_threads": engine.cfg.resolved_device_threads() if engine.device.type == "cpu" else None,
         },
+        "contention": engine.contention,  # scheduler/device/contention.py
         **par,
         **engine.hooks.meta(),
     }

@@ -9,7 +9,7 @@ predicted collect. The serving numbers use the report's own definitions
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import Run, WhatIfError, load, tp_pp
+from viewer.analysis.whatif_fit import Run, WhatIfError, load, sharing, tp_pp
 from viewer.analysis.whatif_model import (
     COMPONENTS,
     SCALES,
@@ -29,7 +29,9 @@ from viewer.analysis.whatif_model import (
     busy_ns,
     critical_path,
     replicates,
+    shared,
     simulate,
+    unshared,
 )
 
 MODES = ("serial", "timeslice", "overlap")
@@ -103,7 +105,11 @@ class WhatIfResult(JsonRecord):
     speedups: list[str]
     comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None without TP or with PP
     target_comm_overlap: str | None  # the setting predicted (the trace's unless --comm-overlap)
-    contention: float  # the share of the host's work (and of an all-reduce in flight) the device could not overlap
+    # while host and device both work, the share of its own speed each keeps (--contention K: 1 - K and 1);
+    # with --comm-overlap, 1 - device_rate is what a compute segment pays of an all-reduce in flight beside it
+    device_rate: float
+    host_rate: float
+    contention_source: str  # given (--contention), measured at start-up, or none measured (why)
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
     measured: Figures  # the trace's own numbers (the report's)
@@ -146,8 +152,11 @@ def _asked(b: Batches, speedups: list[Speedup]) -> Batches:
 
 
 def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | None = None,
-           contention: float = 0.0, seed: int = 0, comm_overlap: str | None = None) -> WhatIfResult:
+           contention: float | None = None, seed: int = 0, comm_overlap: str | None = None) -> WhatIfResult:
+    """`contention` None: host and device slow each other as the engine measured at start-up
+    (not at all where it did not)."""
     run = load(root)
+    share, source = sharing(run.trace.meta, contention)
     speedups = speedups or []
     tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
     tr_comm = trace_setting(run.trace.meta)
@@ -160,25 +169,28 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     if target == "timeslice" and tr_mode != "timeslice":
         raise WhatIfError("--mode timeslice cuts prefills into other chunks, so its batches are not this "
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
-    if not 0 <= contention <= 1:
-        raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
-    overlap = target == "overlap"
-    # the device's work alone: what the trace's host work stretched it by, taken out
-    alone = replace(run.batches, D=np.maximum(run.batches.D - contention * run.batches.H, 0))
-    base = _comm(run, alone, tr_comm, comm_overlap, contention)
-    b = _asked(base, speedups)
-    tl = simulate(b, overlap, contention)
-    reps = [_figures(run, rb, simulate(rb, overlap, contention))
-            for rb in (_asked(r, speedups) for r in replicates(base, np.random.default_rng(seed), DRAWS))]
+    overlap, was_overlap = target == "overlap", tr_mode == "overlap"
+    # each side's work alone: an overlap trace's host and device slowed each other
+    alone = unshared(run.batches, share) if was_overlap else run.batches
+    base = _comm(run, alone, tr_comm, comm_overlap, 1 - share.device)
+
+    def as_run(b: Batches, overlapped: bool) -> Batches:
+        return shared(b, share) if overlapped else b
+
+    b = as_run(_asked(base, speedups), overlap)
+    tl = simulate(b, overlap)
+    reps = [_figures(run, rb, simulate(rb, overlap))
+            for rb in (as_run(_asked(r, speedups), overlap)
+                       for r in replicates(base, np.random.default_rng(seed), DRAWS))]
     table = np.array([f.array() for f in reps])
     lo, hi = (Figures.of(np.percentile(table, q, axis=0)) for q in (2.5, 97.5))
     host = int(np.isclose(tl.dev_start, tl.launched[:b.n] + b.L).sum())
-    replay = simulate(alone, tr_mode == "overlap", contention)
+    fit = as_run(alone, was_overlap)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
-        contention=contention, backend=_backend(run.trace),
-        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, alone, replay),
+        device_rate=share.device, host_rate=share.host, contention_source=source, backend=_backend(run.trace),
+        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, simulate(fit, was_overlap)),
         predicted=_figures(run, b, tl), predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
     )

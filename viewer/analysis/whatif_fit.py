@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from tracing.reader import Trace
-from viewer.analysis.whatif_model import Batches
+from viewer.analysis.whatif_model import Batches, Sharing
 
 
 class WhatIfError(ValueError):
@@ -23,6 +23,20 @@ class WhatIfError(ValueError):
 def tp_pp(cfg: dict[str, Any]) -> tuple[int, int]:
     """The run's tensor- and pipeline-parallel sizes, from its meta.json's config."""
     return int(cfg.get("tp", 1) or 1), int(cfg.get("pp", 1) or 1)
+
+
+def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Sharing, str]:
+    """How host and device slow each other while both work: `--contention` when given, else
+    what the engine measured at start-up (meta.json's `contention`), else not at all; and
+    where that comes from, in words."""
+    if contention is not None:
+        if not 0 <= contention <= 1:
+            raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
+        return Sharing(1 - contention, 1.0), "given"
+    rec = meta.get("contention") or {}
+    if rec.get("device_rate") is not None:
+        return Sharing(float(rec["device_rate"]), float(rec["host_rate"])), "measured at start-up"
+    return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
 
 
 @dataclass(slots=True)

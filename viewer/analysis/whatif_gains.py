@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
-from viewer.analysis.whatif_model import SCALES, busy_ns, simulate
+from viewer.analysis.whatif_fit import WhatIfError, load, sharing, tp_pp
+from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, shared, simulate, unshared
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -27,24 +27,25 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         run = load(root)
     except WhatIfError:
         return {}
-    b, overlap = run.batches, mode == "overlap"
-    tl = simulate(b, overlap)
-    base = busy_ns(b, tl) / tl.rounds
-    out = {}
-    for name in boundaries:
-        if name in SCALES:
-            fast = b.sped_up(name, 0.5, None)
-            t = simulate(fast, overlap)
-            out[name] = busy_ns(fast, t) / t.rounds / base - 1
+    overlap = mode == "overlap"
+    share, _ = sharing(run.trace.meta)  # the CPU emulation's host and device slowing each other
+    alone = unshared(run.batches, share) if overlap else run.batches
+
+    def cycle(b: Batches, overlapped: bool) -> float:
+        if overlapped:
+            b = shared(b, share)
+        t = simulate(b, overlapped)
+        return busy_ns(b, t) / t.rounds
+
+    base = cycle(alone, overlap)
+    out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     if mode == "serial" and tp_pp(run.trace.meta.get("config", {})) == (1, 1):
-        t = simulate(b, True)
-        out[OVERLAP] = busy_ns(b, t) / t.rounds / base - 1
+        out[OVERLAP] = cycle(alone, True) / base - 1
     setting = trace_setting(run.trace.meta)
     if setting is not None:
         try:
-            other = with_comm_overlap(run, b, setting == "off")
+            other = with_comm_overlap(run, alone, setting == "off", 1 - share.device)
         except WhatIfError:  # no collectives table
             return out
-        t = simulate(other, overlap)
-        out[COMM_OVERLAP] = busy_ns(other, t) / t.rounds / base - 1
+        out[COMM_OVERLAP] = cycle(other, overlap) / base - 1
     return out

@@ -34,14 +34,15 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
     console.print(t)
     if r.backend.startswith("cpu") and r.target_mode != r.mode:
         console.print(f"[yellow]{r.backend}: the host and the emulated device share this machine's cores"
-                      f"{' and the GIL' if r.backend == 'cpu-thread' else ''}; this prediction lets the host's work "
-                      f"delay the device by {r.contention:g} of it (--contention; docs/whatif.md has the errors "
+                      f"{' and the GIL' if r.backend == 'cpu-thread' else ''}; while both work, this prediction "
+                      f"has the device keep {r.device_rate:.2f} and the host {r.host_rate:.2f} of their speeds "
+                      f"({r.contention_source}; --contention K: 1-K and 1; docs/whatif.md has the errors "
                       "measured here)[/]", highlight=False)
     if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
         console.print(f"[yellow]{r.backend}: gloo's all-reduces run on threads that share the compute's cores; "
-                      f"this prediction charges a compute segment {r.contention:g} of its overlap with the other "
-                      "half's all-reduce (--contention; docs/whatif.md has the errors measured here)[/]",
-                      highlight=False)
+                      f"this prediction charges a compute segment {1 - r.device_rate:g} of its overlap with the "
+                      f"other half's all-reduce ({r.contention_source}; --contention; docs/whatif.md has the "
+                      "errors measured here)[/]", highlight=False)
     target = r.target_mode
     console.print(f"critical path of the predicted {target} run, ms per round (slack: how much a row could grow "
                   "before the run does)", highlight=False)

@@ -1,0 +1,55 @@
+"""The engine's start-up contention probe (scheduler/device/contention.py): what it measures,
+that it leaves the run as it was, and that `mstrace whatif` takes it from meta.json."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.device.contention import rates
+from tests.support.cli import mstrace
+from tracing.reader import Trace, read_table
+from viewer.analysis.whatif import whatif
+
+RUN = ["run", "--model", "tiny", "--requests", "12", "--prompt-len", "16-48", "--output-len", "8-16", "--seed", "3",
+       "-q"]
+
+
+def test_rates_read_back_both_orders():
+    # device 10 and host 5 alone, each at half speed beside the other: the host takes 10, in
+    # which the device does 5 of its 10, then 5 alone
+    assert rates(10, 5, 15, 10) == pytest.approx((0.5, 0.5))
+    # the device ends first (2 alone, 4 beside at half speed); the host did 1 of its 5 beside
+    # it at a quarter speed, then 4 alone: 8 in all
+    assert rates(2, 5, 4, 8) == pytest.approx((0.5, 0.25))
+    assert rates(4, 2, 4, 2) == pytest.approx((1.0, 1.0))  # neither noticed the other
+
+
+def _tokens(root):
+    t = read_table(root, "requests", ["request_id", "output_ids"])
+    return sorted(zip(t["request_id"].to_pylist(), t["output_ids"].to_pylist(), strict=True))
+
+
+@pytest.mark.parametrize("device", ["thread", "process"])
+def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
+    probed, plain = tmp_path / "probed", tmp_path / "plain"
+    for out, extra in ((probed, []), (plain, ["--no-contention-probe"])):
+        p = mstrace(*RUN, "--cpu-device", device, "--out", str(out), *extra)
+        assert p.returncode == 0, p.stderr
+    rec = Trace.open(probed).meta["contention"]
+    assert 0 <= rec["device_rate"] <= 1 and 0 <= rec["host_rate"] <= 1 and len(rec["rounds"]) == 3
+    assert rec["device_alone_ms"] > 0 and rec["host_alone_ms"] > 0
+    assert Trace.open(plain).meta["contention"] == {"device_rate": None, "why": "--no-contention-probe"}
+    # its forwards wrote no probe rows (every device row belongs to a round) and changed no token
+    probes = read_table(probed, "probes", ["stream", "step"])
+    streams, steps = probes["stream"].to_pylist(), probes["step"].to_pylist()
+    assert not [s for st, s in zip(streams, steps, strict=True) if st in ("main", "prefill") and s < 0]
+    assert _tokens(probed) == _tokens(plain)
+
+    r = whatif(probed)
+    assert (r.device_rate, r.host_rate, r.contention_source) == (rec["device_rate"], rec["host_rate"],
+                                                                 "measured at start-up")
+    given = whatif(probed, contention=0.25)
+    assert (given.device_rate, given.host_rate, given.contention_source) == (0.75, 1.0, "given")
+    none = whatif(plain)
+    assert (none.device_rate, none.host_rate) == (1.0, 1.0)
+    assert none.contention_source == "none measured (--no-contention-probe)"
