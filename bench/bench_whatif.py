@@ -97,8 +97,9 @@ def truth(a: argparse.Namespace) -> None:
     base = OUT / "whatif" / "truth" / f"{a.mode}-base"
     mstrace_run(base, *flags)
     b = whatif(base)
-    # a run that holds its forward measures no contention: every run takes the base run's
-    k = 1 - b.device_rate if a.contention is None else a.contention
+    # a run that holds its forward measures no contention (--debug-delay-ms device_compute): with
+    # --contention not given, that one is predicted as if host and device never slowed each other
+    k = a.contention
     for place in a.places.split(","):
         held = OUT / "whatif" / "truth" / f"{a.mode}-{place}"
         mstrace_run(held, *flags, "--debug-delay-ms", f"{place}={a.delay_ms}")

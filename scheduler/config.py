@@ -124,8 +124,9 @@ class EngineConfig:
                              choices=("auto", "thread", "process"))
     # The CPU emulation's host and device share cores (and, with cpu_device=thread, the GIL);
     # `mstrace whatif` reads the measured slowdown from meta.json (scheduler/device/contention.py).
-    contention_probe: bool = option(True, "Measure at start-up how much host work slows the CPU device, for "
-                                    "mstrace whatif (a few forwards; --no-contention-probe skips it).", DEVICE)
+    contention_probe: bool = option(True, "Measure at start-up how much the host and the CPU device slow each "
+                                    "other, for mstrace whatif (a few forwards; --no-contention-probe skips it).",
+                                    DEVICE)
     tokenizer_threads: int = option(1, "Tokenizer pool threads.", SCHEDULING, ge=1)
     seed: int = option(0, "Seed for the synthetic workload and unseeded sampling.", WORKLOAD)
     probes: bool = option(True, "Probe and memory tables (--no-probes: requests, timeline and steps only).", OUTPUT)

@@ -151,7 +151,7 @@ class Engine:
     # ---- set-up --------------------------------------------------------
     def _probe_contention(self, num_blocks: int) -> dict[str, Any]:
         """meta.json's `contention`: measured where the device is this machine's CPU, before
-        the first round; otherwise why not (a null value)."""
+        the first round; otherwise only why not."""
         cfg = self.cfg
         why = ("--no-contention-probe" if not cfg.contention_probe
                else "a GPU computes beside the host" if self.backend.name == "cuda"
@@ -165,7 +165,7 @@ class Engine:
                                           self.backend.ops.device).to_json()
             except ValueError as e:
                 why = str(e)
-        return {"device_rate": None, "why": why}
+        return {"why": why}
 
     def _pool_blocks(self, per_block: int) -> int:
         """Pool size in blocks; ``per_block`` = KV bytes of one block on this process."""

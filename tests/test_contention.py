@@ -9,6 +9,7 @@ from scheduler.device.contention import rates
 from tests.support.cli import mstrace
 from tracing.reader import Trace, read_table
 from viewer.analysis.whatif import whatif
+from viewer.analysis.whatif_share import Rates
 
 RUN = ["run", "--model", "tiny", "--requests", "12", "--prompt-len", "16-48", "--output-len", "8-16", "--seed", "3",
        "-q"]
@@ -36,9 +37,12 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
         p = mstrace(*RUN, "--cpu-device", device, "--out", str(out), *extra)
         assert p.returncode == 0, p.stderr
     rec = Trace.open(probed).meta["contention"]
-    assert 0 <= rec["device_rate"] <= 1 and 0 <= rec["host_rate"] <= 1 and len(rec["rounds"]) == 3
-    assert rec["device_alone_ms"] > 0 and rec["host_alone_ms"] > 0
-    assert Trace.open(plain).meta["contention"] == {"device_rate": None, "why": "--no-contention-probe"}
+    for kind in ("prepare", "python"):
+        r = rec[kind]
+        assert 0 <= r["device_rate"] <= 1 and 0 <= r["host_rate"] <= 1 and len(r["rounds"]) == 3
+        assert r["device_beside_ms"] > 0 and r["host_alone_ms"] > 0 and r["host_beside_ms"] > 0
+    assert rec["device_alone_ms"] > 0 and rec["probe_ms"] > 0
+    assert Trace.open(plain).meta["contention"] == {"why": "--no-contention-probe"}
     # its forwards wrote no probe rows (every device row belongs to a round) and changed no token
     probes = read_table(probed, "probes", ["stream", "step"])
     streams, steps = probes["stream"].to_pylist(), probes["step"].to_pylist()
@@ -46,10 +50,12 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
     assert _tokens(probed) == _tokens(plain)
 
     r = whatif(probed)
-    assert (r.device_rate, r.host_rate, r.contention_source) == (rec["device_rate"], rec["host_rate"],
-                                                                 "measured at start-up")
+    assert r.contention_source == "measured at start-up"
+    for kind, got in (("prepare", r.rates_beside_prepare), ("python", r.rates_beside_python)):
+        assert (got.device, got.host) == (rec[kind]["device_rate"], rec[kind]["host_rate"])
     given = whatif(probed, contention=0.25)
-    assert (given.device_rate, given.host_rate, given.contention_source) == (0.75, 1.0, "given")
+    assert given.contention_source == "given"
+    assert given.rates_beside_prepare == given.rates_beside_python == Rates(0.75, 1.0)
     none = whatif(plain)
-    assert (none.device_rate, none.host_rate) == (1.0, 1.0)
+    assert none.rates_beside_prepare == none.rates_beside_python == Rates(1.0, 1.0)
     assert none.contention_source == "none measured (--no-contention-probe)"

@@ -7,16 +7,17 @@ while a batch runs makes the batch longer, and the batch makes the host's work l
 works beside its device) and back.
 
 The probe runs the engine's own forward on a small decode batch on the main stream, alone,
-and then with the host building forward batches (the host's batch_prepare) at the same
-time. While both work, each keeps a share of its own speed, its rate (`rates`): 1 untouched,
-0 stopped (`rates`, over one forward repeated for about SPAN_NS). The medians of `ROUNDS`
-alternated measurements go to meta.json. The probe leaves
-no rows in the trace (it runs before the first round, with the stream's probe rows off) and
-writes scratch K/V only into the pool's last blocks, which no request holds yet.
+and then with host work beside it, of two kinds (`Contention`): the host's batch_prepare
+(building forward batches; for a device process, the launch's wire message) and pure Python. While both work, each side keeps a share of its
+own speed, its rate (`rates`): 1 untouched, 0 stopped, measured over one forward repeated
+for about SPAN_NS. The medians of `ROUNDS` alternated measurements go to meta.json. The
+probe leaves no rows in the trace (it runs before the first round, with the stream's probe
+rows off) and writes scratch K/V only into the pool's last blocks, which no request holds yet.
 """
 
 from __future__ import annotations
 
+import pickle
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -24,36 +25,47 @@ from typing import Any
 
 from probes.clock import now_ns
 from scheduler.device.prepared import PreparedBatch
-from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, Stream
+from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, RemoteOp, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
 from scheduler.model.forward_step import SamplingArgs
 
-ROWS = 8  # decode rows of the probe's batch
-CONTEXT = 64  # tokens already in each row's cache
+ROWS = 64  # decode rows of the probe's batch: a mid-size one (GIL hand-overs cost more beside small ones)
+CONTEXT = 128  # tokens already in each row's cache
 ROUNDS = 3  # alone/beside pairs; the median is kept
 HOST_SHARE = 0.5  # host work started beside each forward, as a share of the forward's span alone
 # Each measurement repeats one forward, with and without host work beside it, until it spans
 # this long: many GIL switch intervals (5 ms), whose phase decides a single short forward's fate.
-SPAN_NS = 30_000_000
-MIN_REPEATS, MAX_REPEATS = 2, 200
+SPAN_NS = 20_000_000
+MIN_REPEATS, MAX_REPEATS = 1, 200
 WAIT_S = 120.0  # a probe forward that takes longer than this is a device that hangs
 
 
 @dataclass(slots=True)
-class Contention:
-    """What meta.json's `contention` holds: the share of its own speed each side kept while
-    the other worked (1: untouched, as a GPU beside its host; a device thread and a host
-    thread that take turns on one GIL sum to 1 at best, less when each turn costs a hand-over)."""
+class Rates:
+    """Beside one kind of host work: the share of its own speed each side kept while the
+    other worked (1: untouched, as a GPU beside its host)."""
 
     device_rate: float  # the median of `rounds`' device rates, clipped to [0, 1]
     host_rate: float  # ... and of their host rates
     rounds: list[tuple[float, float]]  # each measurement's (device, host) rate, unclipped
-    device_alone_ms: float  # one probe forward alone, its mean span in the median measurement
-    device_beside_ms: float  # ... beside the host's work
-    host_alone_ms: float  # the host work started beside one forward, at its own speed alone
-    host_beside_ms: float  # ... as long as it took beside them, median
+    device_beside_ms: float  # one probe forward's mean span beside this host work (median measurement)
+    host_alone_ms: float  # the host work started beside one forward, alone
+    host_beside_ms: float  # ... and beside the forward
+
+
+@dataclass(slots=True)
+class Contention:
+    """What meta.json's `contention` holds: the rates beside the host's two kinds of work.
+    A device thread and a host thread take turns on one GIL: host work that calls into torch
+    (building a batch's tensors) lets go of it at every call, so both sides slow down, and
+    their rates sum to less than 1 (each turn costs a hand-over); pure Python holds it, so the
+    host keeps its speed and the device stops. A device process only shares the cores."""
+
+    prepare: Rates  # beside the host building forward batches (batch_prepare)
+    python: Rates  # beside pure Python (bookkeeping, the hand-off, the gap between rounds)
+    device_alone_ms: float  # one probe forward's mean span alone (median measurement)
     probe_ms: float  # the whole probe's wall time (the start-up it cost)
-    batch: str  # the probe's batch
+    batch: str  # the probe's batch and repeats
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,38 +85,72 @@ def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
         chunks=[], sampled=[], sampling=SamplingArgs([0.0] * ROWS, [1.0] * ROWS, [None] * ROWS),
         has_placeholders=False, seqs=seqs)
     slots = list(range(FUTURE_SLOTS - ROWS, FUTURE_SLOTS))  # the ring's far end: rewritten before any read
-
-    def host_op() -> None:
-        build_forward_batch(seqs, block_size, host_device)
-
+    kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, host_device),
+                                              "python": _python_work}
     with stream.unrecorded():
         one = _span(stream, ops, prepared, slots)  # also the warm-up: first-call costs, caches
         one = min(one, _span(stream, ops, prepared, slots))
-        t = now_ns()
-        for _ in range(20):
-            host_op()
-        host_each = (now_ns() - t) / 20
         reps = min(max(-(-SPAN_NS // max(one, 1)), MIN_REPEATS), MAX_REPEATS)
-        n = max(1, round(HOST_SHARE * one / host_each))  # host ops beside each forward
-        rounds, spans = [], []
+        per = {k: max(1, round(HOST_SHARE * one / _timed(op, 20) * 20)) for k, op in kinds.items()}  # ops per forward
+        alone: list[float] = []
+        got: dict[str, list[tuple[float, ...]]] = {k: [] for k in kinds}
         for _ in range(ROUNDS):
-            d = sum(_span(stream, ops, prepared, slots) for _ in range(reps))
-            d2 = h2 = 0
+            # alone and beside interleaved forward by forward, so that a drift of the machine
+            # within a measurement moves both alike
+            d = 0
+            sums = {k: [0, 0, 0] for k in kinds}  # device beside, host alone, host beside
             for _ in range(reps):
-                dev, host = _span_beside(stream, ops, prepared, slots, host_op, n)
-                d2, h2 = d2 + dev, h2 + host
-            t = now_ns()
-            for _ in range(reps * n):
-                host_op()
-            h = now_ns() - t
-            rounds.append(rates(d, h, d2, h2))
-            spans.append((d / reps, d2 / reps, h / reps, h2 / reps))
-    r_d, r_h = (min(max(statistics.median(r), 0.0), 1.0) for r in zip(*rounds, strict=True))
-    d, d2, h, h2 = (statistics.median(x) / 1e6 for x in zip(*spans, strict=True))
-    return Contention(r_d, r_h, [(round(a, 4), round(b, 4)) for a, b in rounds], d, d2, h, h2,
-                      (now_ns() - t_probe) / 1e6,
-                      f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {reps} times a "
-                      f"measurement, {n} host batch builds beside each")
+                d += _span(stream, ops, prepared, slots)
+                for k, op in kinds.items():
+                    dev, host = _span_beside(stream, ops, prepared, slots, op, per[k])
+                    acc = sums[k]
+                    acc[0], acc[1], acc[2] = acc[0] + dev, acc[1] + _timed(op, per[k]), acc[2] + host
+            alone.append(d / reps)
+            for k, (d2, h, h2) in sums.items():
+                got[k].append((*rates(d, h, d2, h2), d2 / reps, h / reps, h2 / reps))
+    if stream.error is not None:  # a stream skips its work after a failure: the run could not start
+        raise RuntimeError(f"the contention probe's forward failed: {stream.error!r}") from stream.error
+    return Contention(**{k: _summary(v) for k, v in got.items()}, device_alone_ms=statistics.median(alone) / 1e6,
+                      probe_ms=(now_ns() - t_probe) / 1e6,
+                      batch=f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {reps} per "
+                            "measurement")
+
+
+def _summary(rows: list[tuple[float, ...]]) -> Rates:
+    cols = list(zip(*rows, strict=True))
+    r_d, r_h = (min(max(statistics.median(c), 0.0), 1.0) for c in cols[:2])
+    d2, h, h2 = (statistics.median(c) / 1e6 for c in cols[2:])
+    return Rates(r_d, r_h, [(round(a, 4), round(b, 4)) for a, b, *_ in rows], d2, h, h2)
+
+
+def _prepare_work(ops: DeviceOps, prepared: PreparedBatch, slots: list[int], block_size: int,
+                  device: Any) -> Callable[[], object]:
+    """The host's batch_prepare for this device: the forward batch's tensors, or, for a device
+    process (which builds them itself), the launch's wire message."""
+    if ops.builds_batch_on_host:
+        return lambda: build_forward_batch(prepared.seqs, block_size, device)
+
+    def wire() -> bytes:
+        op = ops.forward_work(prepared, slots, -1, [])
+        assert isinstance(op, RemoteOp)
+        return pickle.dumps(op.payload, pickle.HIGHEST_PROTOCOL)
+
+    return wire
+
+
+def _python_work() -> None:
+    """Pure Python of a scheduler's kind: dict and list updates, no call that lets go of the GIL."""
+    seen: dict[int, int] = {}
+    for i in range(400):
+        seen[i % 31] = seen.get(i % 31, 0) + i
+    sorted(seen.items(), key=lambda kv: -kv[1])
+
+
+def _timed(op: Callable[[], object], n: int) -> int:
+    t = now_ns()
+    for _ in range(n):
+        op()
+    return now_ns() - t
 
 
 def rates(d: float, h: float, d2: float, h2: float) -> tuple[float, float]:
@@ -116,16 +162,21 @@ def rates(d: float, h: float, d2: float, h2: float) -> tuple[float, float]:
     return d / d2, (h - h2 + d2) / d2  # the device ended first
 
 
-def _launch(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> tuple[Event, Event]:
-    start = stream.record()
+def _launch(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> tuple[int | Event, Event]:
+    """The forward, launched, and where its span starts. A device thread's starts at the launch:
+    waiting for the GIL to pick the work up is as much its slowdown as waiting for it between
+    ops. A device process's starts at its own start event: the pipe hop is the hand-over's,
+    which a trace measures apart (`L`), not the device's work."""
+    start: int | Event = now_ns() if ops.builds_batch_on_host else stream.record()
     stream.submit(ops.forward_work(prepared, slots, -1, []), "contention-probe")
     return start, stream.record()
 
 
-def _ended(start: Event, end: Event) -> int:
+def _ended(start: int | Event, end: Event) -> int:
     if not end.wait(WAIT_S):
         raise RuntimeError(f"the contention probe's forwards did not end within {WAIT_S:g} s")
-    s, e = start.ts_ns, end.ts_ns
+    s = start if isinstance(start, int) else start.ts_ns
+    e = end.ts_ns
     assert s is not None and e is not None, "a completed event has its time"
     return e - s
 
@@ -135,11 +186,8 @@ def _span(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[i
 
 
 def _span_beside(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int],
-                 host_op: Callable[[], None], n: int) -> tuple[int, int]:
+                 host_op: Callable[[], object], n: int) -> tuple[int, int]:
     """The device's span with `n` host ops started beside it, and how long those took."""
     start, end = _launch(stream, ops, prepared, slots)
-    t0 = now_ns()
-    for _ in range(n):
-        host_op()
-    host = now_ns() - t0
+    host = _timed(host_op, n)
     return _ended(start, end), host

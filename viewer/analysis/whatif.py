@@ -29,10 +29,9 @@ from viewer.analysis.whatif_model import (
     busy_ns,
     critical_path,
     replicates,
-    shared,
     simulate,
-    unshared,
 )
+from viewer.analysis.whatif_share import Rates, shared, unshared
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
@@ -105,10 +104,10 @@ class WhatIfResult(JsonRecord):
     speedups: list[str]
     comm_overlap: str | None  # the TP trace's --comm-overlap (on/off); None without TP or with PP
     target_comm_overlap: str | None  # the setting predicted (the trace's unless --comm-overlap)
-    # while host and device both work, the share of its own speed each keeps (--contention K: 1 - K and 1);
-    # with --comm-overlap, 1 - device_rate is what a compute segment pays of an all-reduce in flight beside it
-    device_rate: float
-    host_rate: float
+    # while host and device both work, the share of its own speed each keeps, beside the host's
+    # batch_prepare and beside its other (pure-Python) work (--contention K: 1 - K and 1 for both)
+    rates_beside_prepare: Rates
+    rates_beside_python: Rates
     contention_source: str  # given (--contention), measured at start-up, or none measured (why)
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
@@ -172,7 +171,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     overlap, was_overlap = target == "overlap", tr_mode == "overlap"
     # each side's work alone: an overlap trace's host and device slowed each other
     alone = unshared(run.batches, share) if was_overlap else run.batches
-    base = _comm(run, alone, tr_comm, comm_overlap, 1 - share.device)
+    base = _comm(run, alone, tr_comm, comm_overlap, 1 - share.python.device)
 
     def as_run(b: Batches, overlapped: bool) -> Batches:
         return shared(b, share) if overlapped else b
@@ -189,7 +188,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
-        device_rate=share.device, host_rate=share.host, contention_source=source, backend=_backend(run.trace),
+        rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
+        backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, simulate(fit, was_overlap)),
         predicted=_figures(run, b, tl), predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,

@@ -13,7 +13,8 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from tracing.reader import Trace
-from viewer.analysis.whatif_model import Batches, Sharing
+from viewer.analysis.whatif_model import Batches
+from viewer.analysis.whatif_share import Rates, Sharing
 
 
 class WhatIfError(ValueError):
@@ -32,10 +33,11 @@ def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Shar
     if contention is not None:
         if not 0 <= contention <= 1:
             raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
-        return Sharing(1 - contention, 1.0), "given"
+        return Sharing.contention(contention), "given"
     rec = meta.get("contention") or {}
-    if rec.get("device_rate") is not None:
-        return Sharing(float(rec["device_rate"]), float(rec["host_rate"])), "measured at start-up"
+    if "prepare" in rec:
+        return Sharing(*(Rates(float(rec[k]["device_rate"]), float(rec[k]["host_rate"]))
+                         for k in ("prepare", "python"))), "measured at start-up"
     return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
 
 

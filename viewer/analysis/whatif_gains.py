@@ -9,7 +9,8 @@ from pathlib import Path
 
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, sharing, tp_pp
-from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, shared, simulate, unshared
+from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
+from viewer.analysis.whatif_share import shared, unshared
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -44,7 +45,7 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
     setting = trace_setting(run.trace.meta)
     if setting is not None:
         try:
-            other = with_comm_overlap(run, alone, setting == "off", 1 - share.device)
+            other = with_comm_overlap(run, alone, setting == "off", 1 - share.python.device)
         except WhatIfError:  # no collectives table
             return out
         out[COMM_OVERLAP] = cycle(other, overlap) / base - 1

@@ -149,8 +149,8 @@ class Timeline:
 
 
 def simulate(b: Batches, overlap: bool) -> Timeline:
-    """The moments of every round and batch (overlap: run `shared` first where host and device
-    slow each other)."""
+    """The moments of every round and batch (overlap: `whatif_share.shared` first where host
+    and device slow each other)."""
     n = b.n
     P, Q = b.P, b.Q
     rounds = n + 1 if overlap else n
@@ -171,65 +171,6 @@ def simulate(b: Batches, overlap: bool) -> Timeline:
         synced[j] = max(launched[i] + b.W[j], dev_end[j] + b.C[j])
         t = synced[j] + Q[j] + b.G[j]
     return Timeline(start, launched, dev_start, dev_end, synced, t)
-
-
-@dataclass(slots=True, frozen=True)
-class Sharing:
-    """While the host and the device both work, the share of its own speed each keeps: 1 and 1
-    for a GPU beside its host; the CPU emulation's are measured at start-up
-    (scheduler/device/contention.py). `--contention K` is (1 - K, 1): the device loses K of
-    the host's work beside it, the host nothing."""
-
-    device: float = 1.0
-    host: float = 1.0
-
-    @property
-    def free(self) -> bool:
-        return self.device >= 1 and self.host >= 1
-
-
-MIN_RATE = 1e-3  # a side that kept nothing of its speed would never end
-
-
-def host_beside(b: Batches) -> np.ndarray:
-    """Overlap: the host's work while the device runs batch i, the collect of i-1 and the
-    prepare of i+1 (round 0 collects nothing; the draining round launches nothing)."""
-    out: np.ndarray = np.concatenate([[b.head_Q], (b.W + b.Q + b.G)[:-1]]) + np.append(b.P[1:], b.tail_P)
-    return out
-
-
-def _host_scaled(b: Batches, f: np.ndarray) -> Batches:
-    """The host's components beside batch i (`host_beside`) times f[i]."""
-    nxt, prev = np.append(1.0, f[:-1]), np.append(f[1:], 1.0)  # P[i] is beside batch i-1; Q[i] beside i+1
-    return replace(b, P_book=b.P_book * nxt, P_prep=b.P_prep * nxt, W=b.W * prev, Q_book=b.Q_book * prev,
-                   Q_send=b.Q_send * prev, Q_defrag=b.Q_defrag * prev, G=b.G * prev,
-                   head_Q=b.head_Q * float(f[0]), tail_P=b.tail_P * float(f[-1]))
-
-
-def shared(b: Batches, s: Sharing) -> Batches:
-    """An overlap run's batches as host and device slow each other: batch i's device work and
-    the host's work beside it start together, each at its rate until the first ends, the
-    other alone after. What each side lost lengthens its own components."""
-    if s.free:
-        return b
-    d, h = b.D + b.A, host_beside(b)
-    t_dev, t_host = d / max(s.device, MIN_RATE), h / max(s.host, MIN_RATE)
-    first = t_dev <= t_host  # the device ends first
-    d2 = np.where(first, t_dev, t_host + d - t_host * s.device)
-    h2 = np.where(first, t_dev + h - t_dev * s.host, t_host)
-    return _host_scaled(replace(b, D=d2 - b.A), np.where(h > 0, h2 / np.where(h > 0, h, 1.0), 1.0))
-
-
-def unshared(b: Batches, s: Sharing) -> Batches:
-    """`shared` undone, for an overlap trace: `H` is the host's work the trace shows inside
-    each device span, which ran at the host's rate while the device ran at its own."""
-    if s.free:
-        return b
-    span, h = b.D + b.A, host_beside(b)
-    inside = np.minimum(b.H, span)
-    d = np.maximum(span - inside * (1 - s.device) - b.A, 0)
-    h_alone = np.maximum(h - inside * (1 - s.host), 0)
-    return _host_scaled(replace(b, D=d), np.where(h > 0, h_alone / np.where(h > 0, h, 1.0), 1.0))
 
 
 def busy_ns(b: Batches, tl: Timeline) -> float:

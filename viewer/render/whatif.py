@@ -33,16 +33,18 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                   _change(p, f))
     console.print(t)
     if r.backend.startswith("cpu") and r.target_mode != r.mode:
+        p, y = r.rates_beside_prepare, r.rates_beside_python
         console.print(f"[yellow]{r.backend}: the host and the emulated device share this machine's cores"
                       f"{' and the GIL' if r.backend == 'cpu-thread' else ''}; while both work, this prediction "
-                      f"has the device keep {r.device_rate:.2f} and the host {r.host_rate:.2f} of their speeds "
+                      f"has the device keep {p.device:.2f} and the host {p.host:.2f} of their speeds beside the "
+                      f"host's batch_prepare, {y.device:.2f} and {y.host:.2f} beside its other work "
                       f"({r.contention_source}; --contention K: 1-K and 1; docs/whatif.md has the errors "
                       "measured here)[/]", highlight=False)
     if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
         console.print(f"[yellow]{r.backend}: gloo's all-reduces run on threads that share the compute's cores; "
-                      f"this prediction charges a compute segment {1 - r.device_rate:g} of its overlap with the "
-                      f"other half's all-reduce ({r.contention_source}; --contention; docs/whatif.md has the "
-                      "errors measured here)[/]", highlight=False)
+                      f"this prediction charges a compute segment {1 - r.rates_beside_python.device:g} of its "
+                      f"overlap with the other half's all-reduce ({r.contention_source}; --contention; "
+                      "docs/whatif.md has the errors measured here)[/]", highlight=False)
     target = r.target_mode
     console.print(f"critical path of the predicted {target} run, ms per round (slack: how much a row could grow "
                   "before the run does)", highlight=False)
