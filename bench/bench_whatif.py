@@ -82,7 +82,7 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
         rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x), own[x]))
     print(f"load after: {load()}")
     print(f"\n{' '.join((a.model, a.cpu_device, *more))}, {a.requests} requests, {a.runs} runs, "
-          f"--contention {'measured' if a.contention is None else f'{a.contention:g}'}: median |error|, "
+          f"--contention {'not given' if a.contention is None else f'{a.contention:g}'}: median |error|, "
           "measured in interval")
     for label, rs in rows.items():
         cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "

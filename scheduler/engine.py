@@ -40,6 +40,7 @@ from scheduler.core.reclaim import Reclaimer
 from scheduler.core.request import FinishReason, Request, SamplingParams
 from scheduler.core.request_manager import RequestManager
 from scheduler.device.backend import choose_backend
+from scheduler.device.contention import NoRoom
 from scheduler.device.contention import measure as measure_contention
 from scheduler.device.executor import Executor
 from scheduler.device.prepared import Launch
@@ -154,16 +155,18 @@ class Engine:
         the first round; otherwise only why not."""
         cfg = self.cfg
         why = ("--no-contention-probe" if not cfg.contention_probe
-               else "a GPU computes beside the host" if self.backend.name == "cuda"
+               else "no trace to record it" if self.trace is None
+               else "a GPU computes beside the host" if self.device.type != "cpu"
                else "a TP/PP forward needs every rank" if self.parallel is not None
-               else "a fault is injected" if cfg.inject or cfg.debug_kv_check or cfg.debug_skip_stream_waits
+               else "a fault is injected" if cfg.inject or cfg.debug_skip_stream_waits
+               else "the test-only KV check is on" if cfg.debug_kv_check
                else "the forward holds a debug delay" if delay_ns(cfg.debug_delay_ms, dd.DEVICE_COMPUTE)
                else None)
         if why is None:
             try:
                 return measure_contention(self.streams[MAIN], self.backend.ops, cfg.block_size, num_blocks,
                                           self.backend.ops.device).to_json()
-            except ValueError as e:
+            except NoRoom as e:
                 why = str(e)
         return {"why": why}
 

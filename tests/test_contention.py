@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.device.contention import rates
+from scheduler.device.contention import ROUNDS, rates
 from tests.support.cli import mstrace
 from tracing.reader import Trace, read_table
 from viewer.analysis.whatif import whatif
@@ -39,7 +39,7 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
     rec = Trace.open(probed).meta["contention"]
     for kind in ("prepare", "python"):
         r = rec[kind]
-        assert 0 <= r["device_rate"] <= 1 and 0 <= r["host_rate"] <= 1 and len(r["rounds"]) == 3
+        assert 0 <= r["device_rate"] <= 1 and 0 <= r["host_rate"] <= 1 and len(r["rounds"]) == ROUNDS
         assert r["device_beside_ms"] > 0 and r["host_alone_ms"] > 0 and r["host_beside_ms"] > 0
     assert rec["device_alone_ms"] > 0 and rec["probe_ms"] > 0
     assert Trace.open(plain).meta["contention"] == {"why": "--no-contention-probe"}
@@ -59,3 +59,34 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
     none = whatif(plain)
     assert none.rates_beside_prepare == none.rates_beside_python == Rates(1.0, 1.0)
     assert none.contention_source == "none measured (--no-contention-probe)"
+
+
+def test_an_engine_without_a_trace_or_room_is_not_probed(tmp_path):
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from tracing.writer import TraceWriter
+
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=64))
+    try:
+        assert eng.contention == {"why": "no trace to record it"}
+    finally:
+        eng.close()
+    # a pool smaller than the probe's batch: the run goes on, and says why it was not probed
+    w = TraceWriter(tmp_path / "t")
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=64), trace=w)
+    try:
+        assert "cannot hold the contention probe's batch" in eng.contention["why"]
+    finally:
+        eng.close()
+        w.close()
+
+
+def test_a_bad_measurement_in_meta_is_not_used():
+    from viewer.analysis.whatif_fit import sharing
+
+    good = {"device_rate": 0.5, "host_rate": 0.5}
+    s, why = sharing({"contention": {"prepare": good, "python": {"device_rate": float("nan"), "host_rate": 1}}})
+    assert s.free and why.startswith("none measured (meta.json's contention holds rates outside 0-1")
+    s, why = sharing({"contention": {"prepare": good, "python": good}})
+    assert not s.free and why == "measured at start-up"
+    assert sharing({})[1] == "none measured (a trace from before the probe)"

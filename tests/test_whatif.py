@@ -5,7 +5,6 @@ known delays."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from probes.boundaries import IDLE
 from tests.support.cli import REPO, cli, mstrace
 from viewer.analysis.whatif import Speedup, WhatIfError, whatif
 from viewer.analysis.whatif_model import COMPONENTS, SCALES, Batches, critical_path, simulate
-from viewer.analysis.whatif_share import Rates, Sharing, host_beside, shared, unshared
+from viewer.analysis.whatif_share import Rates, Sharing, shared, unshared
 
 SAMPLES = REPO / "traces"
 MS = 1e6
@@ -25,7 +24,7 @@ MS = 1e6
 def batches(n: int, **ms: float) -> Batches:
     """n alike batches, each component in ms (0 unless given)."""
     arr = {c: np.full(n, ms.get(c, 0.0) * MS) for c in COMPONENTS}
-    return Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=ms.get("head_Q", 0.0) * MS,
+    return Batches(**arr, not_before=np.zeros(n), head_Q=ms.get("head_Q", 0.0) * MS,
                    tail_P=ms.get("tail_P", 0.0) * MS)
 
 
@@ -84,16 +83,13 @@ def test_sharing_stretches_the_device_and_the_host_beside_it():
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 10), st.lists(st.floats(0, 1), min_size=4, max_size=4), st.data())
 def test_an_overlap_trace_is_unshared_back_to_each_sides_work_alone(n, r, data):
-    """`unshared` inverts `shared`, given what a trace shows: the host's work inside each device
-    span (all of it where the host ends first; the whole span where the device does)."""
+    """`unshared` inverts `shared`: an overlap trace's fit replays it as it ran."""
     comp = st.floats(0, 5, allow_nan=False)
     arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
-    b = Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=data.draw(comp) * MS,
+    b = Batches(**arr, not_before=np.zeros(n), head_Q=data.draw(comp) * MS,
                 tail_P=data.draw(comp) * MS)
     s = Sharing(Rates(r[0], max(r[1], 0.05)), Rates(r[2], max(r[3], 0.05)))
-    ran = shared(b, s)
-    seen = replace(ran, H=np.minimum(sum(host_beside(ran)), ran.D + ran.A))
-    back = unshared(seen, s)
+    back = unshared(shared(b, s), s)
     for c in (*COMPONENTS, "head_Q", "tail_P"):
         assert np.allclose(getattr(back, c), getattr(b, c), rtol=1e-6, atol=1e-3), c
 
@@ -108,7 +104,7 @@ def test_the_critical_path_is_the_whole_run(n, overlap, data):
     t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))  # as load() bounds it
     arrivals = np.sort(np.array(data.draw(st.lists(st.floats(0, 30), min_size=n, max_size=n)))) * MS
-    b = Batches(**arr, H=np.zeros(n), not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
+    b = Batches(**arr, not_before=arrivals, head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
     if overlap:
         b = shared(b, data.draw(st.sampled_from([Sharing(), Sharing.contention(0.3), Sharing(Rates(0.4, 0.5), Rates(0.0, 0.9))])))
     tl = simulate(b, overlap)
@@ -124,7 +120,7 @@ def test_a_faster_boundary_never_makes_the_run_longer(n, overlap, boundary, data
     arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
     t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))
-    b = Batches(**arr, H=np.zeros(n), not_before=np.zeros(n), head_Q=0.0, tail_P=0.0)
+    b = Batches(**arr, not_before=np.zeros(n), head_Q=0.0, tail_P=0.0)
     s = data.draw(st.sampled_from([Sharing(), Sharing.contention(0.3), Sharing(Rates(0.4, 0.5), Rates(0.0, 0.9))]))
 
     def end(x: Batches) -> float:

@@ -31,13 +31,17 @@ from scheduler.model.forward_step import SamplingArgs
 
 ROWS = 64  # decode rows of the probe's batch: a mid-size one (GIL hand-overs cost more beside small ones)
 CONTEXT = 128  # tokens already in each row's cache
-ROUNDS = 3  # alone/beside pairs; the median is kept
+ROUNDS = 5  # measurements; the median of each rate is kept
 HOST_SHARE = 0.5  # host work started beside each forward, as a share of the forward's span alone
 # Each measurement repeats one forward, with and without host work beside it, until it spans
-# this long: many GIL switch intervals (5 ms), whose phase decides a single short forward's fate.
+# this long: several GIL switch intervals (5 ms), whose phase decides a single short forward's fate.
 SPAN_NS = 20_000_000
 MIN_REPEATS, MAX_REPEATS = 1, 200
 WAIT_S = 120.0  # a probe forward that takes longer than this is a device that hangs
+
+
+class NoRoom(Exception):
+    """The KV pool is too small for the probe's batch: the run goes on unprobed."""
 
 
 @dataclass(slots=True)
@@ -76,16 +80,15 @@ def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
     t_probe = now_ns()
     per_row = -(-(CONTEXT + 1) // block_size)
     if per_row * ROWS > num_blocks:
-        raise ValueError(f"the KV pool's {num_blocks} blocks cannot hold the contention probe's batch")
+        raise NoRoom(f"the KV pool's {num_blocks} blocks cannot hold the contention probe's batch")
     seqs = [SeqChunk([1], CONTEXT, list(range(num_blocks - (r + 1) * per_row, num_blocks - r * per_row)), True)
             for r in range(ROWS)]
-    host_device = device if device is not None else "cpu"
     prepared = PreparedBatch(
         forward=build_forward_batch(seqs, block_size, device) if ops.builds_batch_on_host else None,
         chunks=[], sampled=[], sampling=SamplingArgs([0.0] * ROWS, [1.0] * ROWS, [None] * ROWS),
         has_placeholders=False, seqs=seqs)
     slots = list(range(FUTURE_SLOTS - ROWS, FUTURE_SLOTS))  # the ring's far end: rewritten before any read
-    kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, host_device),
+    kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, device),
                                               "python": _python_work}
     with stream.unrecorded():
         one = _span(stream, ops, prepared, slots)  # also the warm-up: first-call costs, caches
@@ -162,32 +165,31 @@ def rates(d: float, h: float, d2: float, h2: float) -> tuple[float, float]:
     return d / d2, (h - h2 + d2) / d2  # the device ended first
 
 
-def _launch(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> tuple[int | Event, Event]:
-    """The forward, launched, and where its span starts. A device thread's starts at the launch:
-    waiting for the GIL to pick the work up is as much its slowdown as waiting for it between
-    ops. A device process's starts at its own start event: the pipe hop is the hand-over's,
-    which a trace measures apart (`L`), not the device's work."""
-    start: int | Event = now_ns() if ops.builds_batch_on_host else stream.record()
+def _launch(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> tuple[int, Event]:
+    t = now_ns()
     stream.submit(ops.forward_work(prepared, slots, -1, []), "contention-probe")
-    return start, stream.record()
+    return t, stream.record()
 
 
-def _ended(start: int | Event, end: Event) -> int:
+def _ended(stream: Stream, ops: DeviceOps, launched: int, end: Event) -> int:
+    """The forward's span. A device thread's starts at the launch: waiting for the GIL to pick
+    the work up is as much its slowdown as waiting for it between ops. A device process's
+    starts when it started the forward: the pipe hop is the hand-over's, which a trace
+    measures apart (`L`), not the device's work."""
     if not end.wait(WAIT_S):
         raise RuntimeError(f"the contention probe's forwards did not end within {WAIT_S:g} s")
-    s = start if isinstance(start, int) else start.ts_ns
     e = end.ts_ns
-    assert s is not None and e is not None, "a completed event has its time"
-    return e - s
+    assert e is not None, "a completed event has its time"
+    return e - (launched if ops.builds_batch_on_host else stream.completed[-1].start_ns)
 
 
 def _span(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> int:
-    return _ended(*_launch(stream, ops, prepared, slots))
+    return _ended(stream, ops, *_launch(stream, ops, prepared, slots))
 
 
 def _span_beside(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int],
                  host_op: Callable[[], object], n: int) -> tuple[int, int]:
     """The device's span with `n` host ops started beside it, and how long those took."""
-    start, end = _launch(stream, ops, prepared, slots)
+    launched, end = _launch(stream, ops, prepared, slots)
     host = _timed(host_op, n)
-    return _ended(start, end), host
+    return _ended(stream, ops, launched, end), host

@@ -256,7 +256,8 @@ class ProcStream(RowsOff):
         self.error: BaseException | None = None
         self._dev = device
         self._rank = device.probes.rank
-        self._buf: list[ProbeRow] | None = device.probes.buffer()  # written by the reader thread only
+        # written by the reader thread only (unrecorded() swaps it while nothing is in flight)
+        self._buf: list[ProbeRow] | None = device.probes.buffer()
         self._pending: deque[_Pending] = deque()
         self._lock = threading.Lock()  # the host thread appends, the reader thread pops
         self._since = now_ns()  # when the item at the head of the queue could start

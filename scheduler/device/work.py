@@ -8,6 +8,7 @@ Event.query(), Event.wait(timeout) and Event.ts_ns.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class Event(Protocol):
 class Stream(Protocol):
     name: str
     error: BaseException | None
+    completed: deque[OpRecord]  # the last ops run, oldest first (the watchdog's history)
 
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
 

@@ -52,9 +52,9 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
         return "the scheduling thread waits for the device: queue the next round before it waits"
     if name in _HOST_WORK:
         g = gains.get(OVERLAP)
-        if can_overlap and g is not None and g > -WORTH:  # measured contention: hiding it costs the device as much
+        if can_overlap and g is not None and g > -WORTH:  # e.g. host and device slowing each other (whatif)
             return (f"`--mode overlap` would not hide it here: the cycle would change {100 * g:+.1f}% "
-                    "(`mstrace whatif --mode overlap`: host and device slow each other on this machine)")
+                    "(`mstrace whatif --mode overlap` says why)")
         return ("`--mode overlap` runs it under the device's work" if can_overlap else
                 "already overlapped: this host work outlasts the device's round; make it cheaper" if overlapped
                 else "TP and PP rounds run serially or time-sliced, never overlapped: make it cheaper")

@@ -35,10 +35,13 @@ def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Shar
             raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
         return Sharing.contention(contention), "given"
     rec = meta.get("contention") or {}
-    if "prepare" in rec:
-        return Sharing(*(Rates(float(rec[k]["device_rate"]), float(rec[k]["host_rate"]))
-                         for k in ("prepare", "python"))), "measured at start-up"
-    return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
+    try:
+        got = [(float(rec[k]["device_rate"]), float(rec[k]["host_rate"])) for k in ("prepare", "python")]
+    except (KeyError, TypeError, ValueError):
+        return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
+    if not all(0 <= x <= 1 for pair in got for x in pair):  # NaN too
+        return Sharing(), f"none measured (meta.json's contention holds rates outside 0-1: {got})"
+    return Sharing(*(Rates(*pair) for pair in got)), "measured at start-up"
 
 
 @dataclass(slots=True)
@@ -107,16 +110,6 @@ def _held_back(a_seen: np.ndarray, b_seen: np.ndarray, a_held: np.ndarray, a_gue
     a = np.where(a_held, a_seen, np.minimum(a_guess, a_seen))
     b = np.where(a_held, np.minimum(b_guess, b_seen), b_seen)
     return a, b
-
-
-def _covered(ws: np.ndarray, we: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Time inside the intervals [ws, we) (disjoint, sorted: one thread's waits) before each x."""
-    if not len(ws):
-        return np.zeros(len(x))
-    cum = np.concatenate([[0], np.cumsum(we - ws)])
-    last = np.maximum(np.searchsorted(ws, x, side="right") - 1, 0)  # the last interval started before x
-    out: np.ndarray = cum[last] + np.clip(x - ws[last], 0, (we - ws)[last])
-    return out
 
 
 def load(root: str | Path) -> Run:
@@ -200,12 +193,6 @@ def load(root: str | Path) -> Run:
     med_C = _median(C_seen[~by_host])
     W, C = _held_back(W_seen, C_seen, by_host, arrive - lc + through, through if med_C is None else med_C)
     W, C = np.maximum(W, 0), np.maximum(C, 0)
-    # the host's own work while the device ran each batch: the device's time less the host's waits in it
-    ws = np.concatenate([rows[B.SCHEDULER_BARRIER][1], rows[B.IDLE][1]])
-    we = np.concatenate([rows[B.SCHEDULER_BARRIER][2], rows[B.IDLE][2]])
-    order = np.argsort(ws)
-    waited = _covered(ws[order], we[order], dev_e) - _covered(ws[order], we[order], dev_s)
-    H = np.maximum(dev_e - dev_s - waited, 0)
     # arrivals: a batch cannot start before the requests it admits arrived
     rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs"])
     t0 = int(start[0])
@@ -220,7 +207,7 @@ def load(root: str | Path) -> Run:
     head_Q = float(post_book[0] + send[0] + defrag[0] + gap[0]) if overlap else 0.0
     bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
-                 G=gap[col].astype(np.float64), H=H, not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
+                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
     runs = rq["token_runs"]
     lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(runs).to_numpy()

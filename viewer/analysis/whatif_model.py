@@ -66,7 +66,6 @@ class Batches:
     Q_send: np.ndarray
     Q_defrag: np.ndarray
     G: np.ndarray
-    H: np.ndarray  # host work the trace shows while the device ran the batch (what contention stretched)
     not_before: np.ndarray  # the latest arrival among the requests the batch admits (0: none)
     head_Q: float  # overlap's first round: hand-off and gap, with nothing collected
     tail_P: float  # overlap's draining round: intake, with nothing launched

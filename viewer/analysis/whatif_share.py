@@ -55,10 +55,13 @@ def host_beside(b: Batches) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _host_scaled(b: Batches, f_py: np.ndarray, f_prep: np.ndarray) -> Batches:
-    """The host's components beside batch i times f_py[i], its batch_prepare times f_prep[i]."""
-    nxt, prev = np.append(1.0, f_py[:-1]), np.append(f_py[1:], 1.0)  # P[i] is beside batch i-1; Q[i] beside i+1
-    return replace(b, P_book=b.P_book * nxt, P_prep=b.P_prep * np.append(1.0, f_prep[:-1]), W=b.W * prev,
-                   Q_book=b.Q_book * prev, Q_send=b.Q_send * prev, Q_defrag=b.Q_defrag * prev, G=b.G * prev,
+    """The host's components beside batch i (`host_beside`) times f_py[i], its batch_prepare
+    times f_prep[i]."""
+    # round j's prepare is beside batch j-1, its collect (W, Q, G of batch j) beside batch j+1
+    for_prep, for_collect = np.append(1.0, f_py[:-1]), np.append(f_py[1:], 1.0)
+    return replace(b, P_book=b.P_book * for_prep, P_prep=b.P_prep * np.append(1.0, f_prep[:-1]),
+                   W=b.W * for_collect, Q_book=b.Q_book * for_collect, Q_send=b.Q_send * for_collect,
+                   Q_defrag=b.Q_defrag * for_collect, G=b.G * for_collect,
                    head_Q=b.head_Q * float(f_py[0]), tail_P=b.tail_P * float(f_py[-1]))
 
 
@@ -69,50 +72,50 @@ def _ratio(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
+def _host(r: Rates) -> float:
+    return max(r.host, MIN_RATE)
+
+
 def shared(b: Batches, s: Sharing) -> Batches:
     """An overlap run's batches as host and device slow each other (the module's docstring).
-    What each side lost lengthens its own components."""
+    What each side lost lengthens its own components. The two kinds of host work are taken as
+    mixed evenly over the host's time, so the device's progress beside them is even too."""
     if s.free:
         return b
     d = b.D + b.A
     py, prep = host_beside(b)
     rp, rt = s.python, s.prepare
-    t_py, t_prep = py / max(rp.host, MIN_RATE), prep / max(rt.host, MIN_RATE)
+    t_py, t_prep = py / _host(rp), prep / _host(rt)
     t_host = t_py + t_prep  # the host's time for its work, beside a busy device throughout
     done = t_py * rp.device + t_prep * rt.device  # the device's work meanwhile
-    # the device ends first where it finishes within that time (its progress taken as even)
-    u = np.where((d > 0) & (done >= d), _ratio(d, done), np.where(d > 0, 1.0, 0.0))  # share of the host's time shared
+    # u: the share of the host's time it shares with the device; below 1 where the device ends first
+    u = np.where(done >= d, _ratio(d, done), 1.0)
     d2 = np.where(u < 1, u * t_host, t_host + d - done)
-    f_py = u / max(rp.host, MIN_RATE) + 1 - u
-    f_prep = u / max(rt.host, MIN_RATE) + 1 - u
-    return _host_scaled(replace(b, D=np.where(d > 0, d2, 0.0) - b.A), f_py, f_prep)
+    return _host_scaled(replace(b, D=d2 - b.A), u / _host(rp) + 1 - u, u / _host(rt) + 1 - u)
 
 
 def unshared(b: Batches, s: Sharing) -> Batches:
-    """`shared` undone: each side's work alone, from an overlap trace."""
+    """`shared` undone, exactly: each side's work alone, from an overlap trace."""
     if s.free:
         return b
     span = b.D + b.A
     py2, prep2 = host_beside(b)
     rp, rt = s.python, s.prepare
-    inside = np.minimum(np.minimum(b.H, span), py2 + prep2)
+    inside = np.minimum(span, py2 + prep2)  # the host's time beside the device: all of it, or the span
     # the share u of each kind's work done beside the device solves
     # u * (py2 / (u + r_py (1 - u)) + prep2 / (u + r_prep (1 - u))) = inside (increasing in u)
 
     def beside(u: np.ndarray) -> np.ndarray:
-        out: np.ndarray = u * (_ratio(py2, u + max(rp.host, MIN_RATE) * (1 - u))
-                               + _ratio(prep2, u + max(rt.host, MIN_RATE) * (1 - u)))
+        out: np.ndarray = u * (_ratio(py2, u + _host(rp) * (1 - u)) + _ratio(prep2, u + _host(rt) * (1 - u)))
         return out
 
     lo, hi = np.zeros_like(span), np.ones_like(span)
-    for _ in range(40):
+    for _ in range(50):
         mid = (lo + hi) / 2
         low = beside(mid) < inside
         lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
     u = (lo + hi) / 2
-    f_py = 1 / (u / max(rp.host, MIN_RATE) + 1 - u)
-    f_prep = 1 / (u / max(rt.host, MIN_RATE) + 1 - u)
+    f_py, f_prep = 1 / (u / _host(rp) + 1 - u), 1 / (u / _host(rt) + 1 - u)
     py, prep = py2 * f_py, prep2 * f_prep
-    done = u * (py / max(rp.host, MIN_RATE) * rp.device + prep / max(rt.host, MIN_RATE) * rt.device)
-    d = np.maximum(span - inside + done - b.A, 0)
-    return _host_scaled(replace(b, D=d), f_py, f_prep)
+    done = u * (py / _host(rp) * rp.device + prep / _host(rt) * rt.device)
+    return _host_scaled(replace(b, D=np.maximum(span - inside + done - b.A, 0)), f_py, f_prep)
