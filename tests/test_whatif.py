@@ -160,6 +160,16 @@ def test_the_fit_replays_the_sample_as_it_ran(sample):
     assert lo.cycle_ms <= r.predicted.cycle_ms <= hi.cycle_ms
 
 
+def test_an_overlap_trace_replays_as_it_ran_whatever_the_rates():
+    """Host and device slowing each other are taken out of an overlap trace and put back the
+    same way: the fit does not depend on the rates."""
+    free = whatif(SAMPLES / "sample-overlap")
+    for k in (0.3, 1.0):
+        r = whatif(SAMPLES / "sample-overlap", contention=k)
+        assert r.replayed.cycle_ms == pytest.approx(free.replayed.cycle_ms, rel=1e-6)
+        assert r.replayed.output_tok_per_s == pytest.approx(free.replayed.output_tok_per_s, rel=1e-6)
+
+
 def test_overlap_from_serial_beats_serial_and_says_why():
     r = whatif(SAMPLES / "sample-serial", "overlap")
     assert r.predicted.cycle_ms < r.replayed.cycle_ms
