@@ -168,6 +168,12 @@ class Engine:
                                           self.backend.ops.device).to_json()
             except NoRoom as e:
                 why = str(e)
+            except BaseException:  # the device failed or hung: the engine does not start, nor leak
+                try:
+                    self.backend.close()
+                finally:
+                    self.settings.restore()
+                raise
         return {"why": why}
 
     def _pool_blocks(self, per_block: int) -> int:

@@ -121,7 +121,9 @@ def test_a_faster_boundary_never_makes_the_run_longer(n, overlap, boundary, data
     t = np.array(data.draw(st.lists(st.floats(-1, 1), min_size=n, max_size=n))) * MS
     arr["T"] = np.maximum(t, -np.concatenate([[0.0], arr["D"][:-1]]))
     b = Batches(**arr, not_before=np.zeros(n), head_Q=0.0, tail_P=0.0)
-    s = data.draw(st.sampled_from([Sharing(), Sharing.contention(0.3), Sharing(Rates(0.4, 0.5), Rates(0.0, 0.9))]))
+    # (a host slowed too is left out: where the host's parts cost the device differently, a
+    # shorter part can bring a costlier one forward, and the device's span grows; docs/whatif.md)
+    s = data.draw(st.sampled_from([Sharing(), Sharing.contention(0.3)]))
 
     def end(x: Batches) -> float:
         return simulate(shared(x, s) if overlap else x, overlap).end
@@ -168,6 +170,9 @@ def test_an_overlap_trace_replays_as_it_ran_whatever_the_rates():
         r = whatif(SAMPLES / "sample-overlap", contention=k)
         assert r.replayed.cycle_ms == pytest.approx(free.replayed.cycle_ms, rel=1e-6)
         assert r.replayed.output_tok_per_s == pytest.approx(free.replayed.output_tok_per_s, rel=1e-6)
+        # ... while what it predicts for serial does depend on them
+        assert whatif(SAMPLES / "sample-overlap", "serial", contention=k).predicted.cycle_ms < \
+            whatif(SAMPLES / "sample-overlap", "serial").predicted.cycle_ms
 
 
 def test_overlap_from_serial_beats_serial_and_says_why():
@@ -466,5 +471,6 @@ def test_the_remedy_says_when_overlap_would_not_hide_host_work():
     from viewer.analysis.whatif_gains import OVERLAP
 
     assert "runs it under the device's work" in _remedy("batch_prepare", "serial", {}, {OVERLAP: -0.2})
-    no = _remedy("bookkeeping", "serial", {}, {OVERLAP: WORTH / 2})
-    assert "would not hide it here" in no and "+1.0%" in no
+    no = _remedy("bookkeeping", "serial", {}, {OVERLAP: WORTH})
+    assert "would not hide it here" in no and "+2.0%" in no
+    assert "by less than 2%" in _remedy("bookkeeping", "serial", {}, {OVERLAP: -WORTH / 2})

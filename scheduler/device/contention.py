@@ -91,32 +91,33 @@ def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
     kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, device),
                                               "python": _python_work}
     with stream.unrecorded():
-        one = _span(stream, ops, prepared, slots)  # also the warm-up: first-call costs, caches
-        one = min(one, _span(stream, ops, prepared, slots))
-        reps = min(max(-(-SPAN_NS // max(one, 1)), MIN_REPEATS), MAX_REPEATS)
+        _span(stream, ops, prepared, slots)  # the warm-up: first-call costs, caches
+        one = statistics.median(_span(stream, ops, prepared, slots) for _ in range(3))
         per = {k: max(1, round(HOST_SHARE * one / _timed(op, 20) * 20)) for k, op in kinds.items()}  # ops per forward
         alone: list[float] = []
+        reps: list[int] = []
         got: dict[str, list[tuple[float, ...]]] = {k: [] for k in kinds}
         for _ in range(ROUNDS):
             # alone and beside interleaved forward by forward, so that a drift of the machine
-            # within a measurement moves both alike
-            d = 0
+            # within a measurement moves both alike; repeated until the alone forwards span SPAN_NS
+            d = n = 0
             sums = {k: [0, 0, 0] for k in kinds}  # device beside, host alone, host beside
-            for _ in range(reps):
+            while n < MAX_REPEATS and (d < SPAN_NS or n < MIN_REPEATS):
                 d += _span(stream, ops, prepared, slots)
                 for k, op in kinds.items():
                     dev, host = _span_beside(stream, ops, prepared, slots, op, per[k])
                     acc = sums[k]
                     acc[0], acc[1], acc[2] = acc[0] + dev, acc[1] + _timed(op, per[k]), acc[2] + host
-            alone.append(d / reps)
+                n += 1
+            alone.append(d / n)
+            reps.append(n)
             for k, (d2, h, h2) in sums.items():
-                got[k].append((*rates(d, h, d2, h2), d2 / reps, h / reps, h2 / reps))
-    if stream.error is not None:  # a stream skips its work after a failure: the run could not start
-        raise RuntimeError(f"the contention probe's forward failed: {stream.error!r}") from stream.error
+                got[k].append((*rates(d, h, d2, h2), d2 / n, h / n, h2 / n))
     return Contention(**{k: _summary(v) for k, v in got.items()}, device_alone_ms=statistics.median(alone) / 1e6,
                       probe_ms=(now_ns() - t_probe) / 1e6,
-                      batch=f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {reps} per "
-                            "measurement")
+                      batch=f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {min(reps)}-"
+                            f"{max(reps)} per measurement, {per['prepare']} batch_prepare and {per['python']} "
+                            "pure-Python ops beside each")
 
 
 def _summary(rows: list[tuple[float, ...]]) -> Rates:
@@ -178,8 +179,10 @@ def _ended(stream: Stream, ops: DeviceOps, launched: int, end: Event) -> int:
     measures apart (`L`), not the device's work."""
     if not end.wait(WAIT_S):
         raise RuntimeError(f"the contention probe's forwards did not end within {WAIT_S:g} s")
+    if stream.error is not None:  # a stream skips its work after a failure: the run could not start
+        raise RuntimeError(f"the contention probe's forward failed: {stream.error!r}") from stream.error
     e = end.ts_ns
-    assert e is not None, "a completed event has its time"
+    assert e is not None and stream.completed, "an op ran before its end event completed"
     return e - (launched if ops.builds_batch_on_host else stream.completed[-1].start_ns)
 
 

@@ -54,6 +54,8 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
         g = gains.get(OVERLAP)
         if can_overlap and g is not None and g > -WORTH:  # e.g. host and device slowing each other (whatif)
             return (f"`--mode overlap` would not hide it here: the cycle would change {100 * g:+.1f}% "
+                    "(`mstrace whatif --mode overlap` says why)" if g >= WORTH else
+                    f"`--mode overlap` would change the cycle by less than {100 * WORTH:.0f}% here "
                     "(`mstrace whatif --mode overlap` says why)")
         return ("`--mode overlap` runs it under the device's work" if can_overlap else
                 "already overlapped: this host work outlasts the device's round; make it cheaper" if overlapped

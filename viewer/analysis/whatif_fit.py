@@ -34,7 +34,8 @@ def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Shar
         if not 0 <= contention <= 1:
             raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
         return Sharing.contention(contention), "given"
-    rec = meta.get("contention") or {}
+    rec = meta.get("contention")
+    rec = rec if isinstance(rec, dict) else {}
     try:
         got = [(float(rec[k]["device_rate"]), float(rec[k]["host_rate"])) for k in ("prepare", "python")]
     except (KeyError, TypeError, ValueError):

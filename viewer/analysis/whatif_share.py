@@ -7,10 +7,13 @@ beside the host's batch_prepare (tensor building, which lets go of the GIL at ev
 so both sides slow down) and beside its other work (pure Python, which holds it).
 
 An overlap run's batch i runs beside the host's work of that round: the collect of batch i-1
-(W, Q, G) and the prepare of batch i+1 (P). `shared` starts both together, each side at its
-rates until the first ends, the other alone after; `unshared` undoes it for an overlap trace,
-from the host work the trace shows inside each device span (`H`). A serial run's host never
-works beside its device, so a serial trace is taken as it ran.
+(W, Q, G) and the prepare of batch i+1 (P). `shared` starts both together, each side at the
+rates of the host's part at hand (its pure Python first, then its batch_prepare) until the
+first ends, the other alone after; `unshared` undoes it exactly for an overlap trace. A
+serial run's host never works beside its device, so a serial trace is taken as it ran.
+Where the host's two parts cost the device differently, a shorter first part brings the
+costlier second one forward: a faster host can lengthen the device's span (with
+`--contention K`, the same rates for both parts and the host unslowed, it never does).
 """
 
 from __future__ import annotations
@@ -77,21 +80,26 @@ def _host(r: Rates) -> float:
 
 
 def shared(b: Batches, s: Sharing) -> Batches:
-    """An overlap run's batches as host and device slow each other (the module's docstring).
-    What each side lost lengthens its own components. The two kinds of host work are taken as
-    mixed evenly over the host's time, so the device's progress beside them is even too."""
+    """An overlap run's batches as host and device slow each other (the module's docstring),
+    the host's work in its round's order: the pure-Python part (the collect of the batch
+    before, the next round's bookkeeping) first, then its batch_prepare. What each side lost
+    lengthens its own components."""
     if s.free:
         return b
     d = b.D + b.A
     py, prep = host_beside(b)
     rp, rt = s.python, s.prepare
-    t_py, t_prep = py / _host(rp), prep / _host(rt)
-    t_host = t_py + t_prep  # the host's time for its work, beside a busy device throughout
-    done = t_py * rp.device + t_prep * rt.device  # the device's work meanwhile
-    # u: the share of the host's time it shares with the device; below 1 where the device ends first
-    u = np.where(done >= d, _ratio(d, done), 1.0)
-    d2 = np.where(u < 1, u * t_host, t_host + d - done)
-    return _host_scaled(replace(b, D=d2 - b.A), u / _host(rp) + 1 - u, u / _host(rt) + 1 - u)
+    t1, t2 = py / _host(rp), prep / _host(rt)  # each part's time beside a busy device
+    left = d - t1 * rp.device  # the device's work left after the first part
+    in1 = left <= 0  # the device ends within the host's pure-Python part ...
+    in2 = ~in1 & (left <= t2 * rt.device)  # ... within its batch_prepare; else after the host
+    tau1 = _ratio(d, np.full_like(d, rp.device))  # when it ends in the first part
+    tau2 = _ratio(left, np.full_like(d, rt.device))  # ... in the second, from its start
+    span = np.where(in1, tau1, np.where(in2, t1 + tau2, t1 + t2 + left - t2 * rt.device))
+    # each part's share of its work done beside the device (the rest alone, at full speed)
+    u1 = np.where(in1, np.minimum(_ratio(tau1 * _host(rp), py), 1.0), 1.0)
+    u2 = np.where(in1, 0.0, np.where(in2, np.minimum(_ratio(tau2 * _host(rt), prep), 1.0), 1.0))
+    return _host_scaled(replace(b, D=span - b.A), u1 / _host(rp) + 1 - u1, u2 / _host(rt) + 1 - u2)
 
 
 def unshared(b: Batches, s: Sharing) -> Batches:
@@ -99,23 +107,14 @@ def unshared(b: Batches, s: Sharing) -> Batches:
     if s.free:
         return b
     span = b.D + b.A
-    py2, prep2 = host_beside(b)
+    py2, prep2 = host_beside(b)  # each part's time as the trace shows it
     rp, rt = s.python, s.prepare
-    inside = np.minimum(span, py2 + prep2)  # the host's time beside the device: all of it, or the span
-    # the share u of each kind's work done beside the device solves
-    # u * (py2 / (u + r_py (1 - u)) + prep2 / (u + r_prep (1 - u))) = inside (increasing in u)
-
-    def beside(u: np.ndarray) -> np.ndarray:
-        out: np.ndarray = u * (_ratio(py2, u + _host(rp) * (1 - u)) + _ratio(prep2, u + _host(rt) * (1 - u)))
-        return out
-
-    lo, hi = np.zeros_like(span), np.ones_like(span)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        low = beside(mid) < inside
-        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
-    u = (lo + hi) / 2
-    f_py, f_prep = 1 / (u / _host(rp) + 1 - u), 1 / (u / _host(rt) + 1 - u)
-    py, prep = py2 * f_py, prep2 * f_prep
-    done = u * (py / _host(rp) * rp.device + prep / _host(rt) * rt.device)
-    return _host_scaled(replace(b, D=np.maximum(span - inside + done - b.A, 0)), f_py, f_prep)
+    in1 = span <= py2  # the device ended within the host's pure-Python part
+    in2 = ~in1 & (span <= py2 + prep2)  # ... within its batch_prepare; else after the host
+    tau2 = span - py2  # the batch_prepare's time beside the device (where the device ended in it)
+    py = np.where(in1, py2 - span * (1 - _host(rp)), py2 * _host(rp))
+    prep = np.where(in1, prep2, np.where(in2, prep2 - tau2 * (1 - _host(rt)), prep2 * _host(rt)))
+    d = np.where(in1, span * rp.device, np.where(in2, py2 * rp.device + tau2 * rt.device,
+                                                 py2 * rp.device + prep2 * rt.device + span - py2 - prep2))
+    return _host_scaled(replace(b, D=np.maximum(d - b.A, 0)), _ratio(py, py2) + (py2 <= 0),
+                        _ratio(prep, prep2) + (prep2 <= 0))
