@@ -61,9 +61,10 @@ class Rates:
 class Contention:
     """What meta.json's `contention` holds: the rates beside the host's two kinds of work.
     A device thread and a host thread take turns on one GIL: host work that calls into torch
-    (building a batch's tensors) lets go of it at every call, so both sides slow down, and
-    their rates sum to less than 1 (each turn costs a hand-over); pure Python holds it, so the
-    host keeps its speed and the device stops. A device process only shares the cores."""
+    (building a batch's tensors) lets go of it at every call, so both sides slow down, their
+    rates summing to about 1 (less beside a small batch, where hand-overs cost more); pure
+    Python holds it, so the host keeps its speed and the device stops. A device process only
+    shares the cores."""
 
     prepare: Rates  # beside the host building forward batches (batch_prepare)
     python: Rates  # beside pure Python (bookkeeping, the hand-off, the gap between rounds)
