@@ -165,7 +165,7 @@ class Engine:
         if why is None:
             try:
                 return measure_contention(self.streams[MAIN], self.backend.ops, cfg.block_size, num_blocks,
-                                          self.backend.ops.device).to_json()
+                                          self.backend.ops.device, self.registry).to_json()
             except NoRoom as e:
                 why = str(e)
             except BaseException:  # the device failed or hung: the engine does not start, nor leak

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from probes.boundaries import SCHEDULER_BARRIER
 from probes.clock import now_ns
+from probes.waits import WaitRegistry, timed_wait
 from scheduler.device.prepared import PreparedBatch
 from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, RemoteOp, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
@@ -37,7 +39,7 @@ HOST_SHARE = 0.5  # host work started beside each forward, as a share of the for
 # this long: several GIL switch intervals (5 ms), whose phase decides a single short forward's fate.
 SPAN_NS = 20_000_000
 MIN_REPEATS, MAX_REPEATS = 1, 200
-WAIT_S = 120.0  # a probe forward that takes longer than this is a device that hangs
+WAIT_S = 120.0  # a probe forward that takes longer than this is a device that hangs (WaitTimeout)
 
 
 class NoRoom(Exception):
@@ -76,8 +78,8 @@ class Contention:
         return asdict(self)
 
 
-def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
-            device: Any) -> Contention:
+def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int, device: Any,
+            registry: WaitRegistry) -> Contention:
     t_probe = now_ns()
     per_row = -(-(CONTEXT + 1) // block_size)
     if per_row * ROWS > num_blocks:
@@ -92,8 +94,8 @@ def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
     kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, device),
                                               "python": _python_work}
     with stream.unrecorded():
-        _span(stream, ops, prepared, slots)  # the warm-up: first-call costs, caches
-        one = statistics.median(_span(stream, ops, prepared, slots) for _ in range(3))
+        _span(stream, ops, registry, prepared, slots)  # the warm-up: first-call costs, caches
+        one = statistics.median(_span(stream, ops, registry, prepared, slots) for _ in range(3))
         per = {k: max(1, round(HOST_SHARE * one / _timed(op, 20) * 20)) for k, op in kinds.items()}  # ops per forward
         alone: list[float] = []
         reps: list[int] = []
@@ -104,9 +106,9 @@ def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int,
             d = n = 0
             sums = {k: [0, 0, 0] for k in kinds}  # device beside, host alone, host beside
             while n < MAX_REPEATS and (d < SPAN_NS or n < MIN_REPEATS):
-                d += _span(stream, ops, prepared, slots)
+                d += _span(stream, ops, registry, prepared, slots)
                 for k, op in kinds.items():
-                    dev, host = _span_beside(stream, ops, prepared, slots, op, per[k])
+                    dev, host = _span_beside(stream, ops, registry, prepared, slots, op, per[k])
                     acc = sums[k]
                     acc[0], acc[1], acc[2] = acc[0] + dev, acc[1] + _timed(op, per[k]), acc[2] + host
                 n += 1
@@ -173,13 +175,14 @@ def _launch(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list
     return t, stream.record()
 
 
-def _ended(stream: Stream, ops: DeviceOps, launched: int, end: Event) -> int:
+def _ended(stream: Stream, ops: DeviceOps, registry: WaitRegistry, launched: int, end: Event) -> int:
     """The forward's span. A device thread's starts at the launch: waiting for the GIL to pick
     the work up is as much its slowdown as waiting for it between ops. A device process's
     starts when it started the forward: the pipe hop is the hand-over's, which a trace
     measures apart (`L`), not the device's work."""
-    if not end.wait(WAIT_S):
-        raise RuntimeError(f"the contention probe's forwards did not end within {WAIT_S:g} s")
+    # a gate like the barrier's, registered for the watchdog; no row: the probe is not the run's
+    timed_wait(end.wait, registry=registry, waiter="scheduler", what=f"contention probe's {end.label}",
+               signaller=f"{stream.name}-stream", boundary=SCHEDULER_BARRIER, timeout_s=WAIT_S)
     if stream.error is not None:  # a stream skips its work after a failure: the run could not start
         raise RuntimeError(f"the contention probe's forward failed: {stream.error!r}") from stream.error
     e = end.ts_ns
@@ -187,13 +190,13 @@ def _ended(stream: Stream, ops: DeviceOps, launched: int, end: Event) -> int:
     return e - (launched if ops.builds_batch_on_host else stream.completed[-1].start_ns)
 
 
-def _span(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int]) -> int:
-    return _ended(stream, ops, *_launch(stream, ops, prepared, slots))
+def _span(stream: Stream, ops: DeviceOps, registry: WaitRegistry, prepared: PreparedBatch, slots: list[int]) -> int:
+    return _ended(stream, ops, registry, *_launch(stream, ops, prepared, slots))
 
 
-def _span_beside(stream: Stream, ops: DeviceOps, prepared: PreparedBatch, slots: list[int],
-                 host_op: Callable[[], object], n: int) -> tuple[int, int]:
+def _span_beside(stream: Stream, ops: DeviceOps, registry: WaitRegistry, prepared: PreparedBatch,
+                 slots: list[int], host_op: Callable[[], object], n: int) -> tuple[int, int]:
     """The device's span with `n` host ops started beside it, and how long those took."""
     launched, end = _launch(stream, ops, prepared, slots)
     host = _timed(host_op, n)
-    return _ended(stream, ops, launched, end), host
+    return _ended(stream, ops, registry, launched, end), host
