@@ -31,7 +31,7 @@ from viewer.analysis.whatif_model import (
     replicates,
     simulate,
 )
-from viewer.analysis.whatif_share import Rates, shared, unshared
+from viewer.analysis.whatif_share import Rates, alone, as_run
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
@@ -170,21 +170,17 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
     overlap, was_overlap = target == "overlap", tr_mode == "overlap"
     # each side's work alone: an overlap trace's host and device slowed each other
-    alone = unshared(run.batches, share) if was_overlap else run.batches
-    base = _comm(run, alone, tr_comm, comm_overlap, 1 - share.python.device)
-
-    def as_run(b: Batches, overlapped: bool) -> Batches:
-        return shared(b, share) if overlapped else b
-
-    b = as_run(_asked(base, speedups), overlap)
+    own = alone(run.batches, share, was_overlap)
+    base = _comm(run, own, tr_comm, comm_overlap, 1 - share.python.device)
+    b = as_run(_asked(base, speedups), share, overlap)
     tl = simulate(b, overlap)
     reps = [_figures(run, rb, simulate(rb, overlap))
-            for rb in (as_run(_asked(r, speedups), overlap)
+            for rb in (as_run(_asked(r, speedups), share, overlap)
                        for r in replicates(base, np.random.default_rng(seed), DRAWS))]
     table = np.array([f.array() for f in reps])
     lo, hi = (Figures.of(np.percentile(table, q, axis=0)) for q in (2.5, 97.5))
     host = int(np.isclose(tl.dev_start, tl.launched[:b.n] + b.L).sum())
-    fit = as_run(alone, was_overlap)
+    fit = as_run(own, share, was_overlap)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,

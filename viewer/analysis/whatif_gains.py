@@ -10,7 +10,7 @@ from pathlib import Path
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, sharing, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
-from viewer.analysis.whatif_share import shared, unshared
+from viewer.analysis.whatif_share import alone, as_run
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -30,22 +30,21 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         return {}
     overlap = mode == "overlap"
     share, _ = sharing(run.trace.meta)  # the CPU emulation's host and device slowing each other
-    alone = unshared(run.batches, share) if overlap else run.batches
+    own = alone(run.batches, share, overlap)
 
     def cycle(b: Batches, overlapped: bool) -> float:
-        if overlapped:
-            b = shared(b, share)
+        b = as_run(b, share, overlapped)
         t = simulate(b, overlapped)
         return busy_ns(b, t) / t.rounds
 
-    base = cycle(alone, overlap)
-    out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
+    base = cycle(own, overlap)
+    out = {name: cycle(own.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     if mode == "serial" and tp_pp(run.trace.meta.get("config", {})) == (1, 1):
-        out[OVERLAP] = cycle(alone, True) / base - 1
+        out[OVERLAP] = cycle(own, True) / base - 1
     setting = trace_setting(run.trace.meta)
     if setting is not None:
         try:
-            other = with_comm_overlap(run, alone, setting == "off", 1 - share.python.device)
+            other = with_comm_overlap(run, own, setting == "off", 1 - share.python.device)
         except WhatIfError:  # no collectives table
             return out
         out[COMM_OVERLAP] = cycle(other, overlap) / base - 1

@@ -118,3 +118,14 @@ def unshared(b: Batches, s: Sharing) -> Batches:
                                                  py2 * rp.device + prep2 * rt.device + span - py2 - prep2))
     return _host_scaled(replace(b, D=np.maximum(d - b.A, 0)), _ratio(py, py2) + (py2 <= 0),
                         _ratio(prep, prep2) + (prep2 <= 0))
+
+
+def as_run(b: Batches, s: Sharing, overlapped: bool) -> Batches:
+    """Each side's work alone, as a run in that mode would take it (a serial run's host never
+    works beside its device)."""
+    return shared(b, s) if overlapped else b
+
+
+def alone(b: Batches, s: Sharing, overlapped: bool) -> Batches:
+    """A trace's batches as each side's work alone: `as_run` undone."""
+    return unshared(b, s) if overlapped else b
