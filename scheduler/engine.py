@@ -164,7 +164,7 @@ class Engine:
                else None)
         if why is None:
             try:
-                return measure_contention(self.streams[MAIN], self.backend.ops, cfg.block_size, num_blocks,
+                return measure_contention(self.streams, self.backend.ops, cfg.block_size, num_blocks,
                                           self.backend.ops.device, self.registry).to_json()
             except NoRoom as e:
                 why = str(e)

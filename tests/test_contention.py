@@ -42,6 +42,9 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
         assert 0 <= r["device_rate"] <= 1 and 0 <= r["host_rate"] <= 1 and len(r["rounds"]) == ROUNDS
         assert r["device_beside_ms"] > 0 and r["host_alone_ms"] > 0 and r["host_beside_ms"] > 0
     assert rec["device_alone_ms"] > 0 and rec["probe_ms"] > 0
+    st = rec["streams"]  # the main stream's decodes beside the prefill stream's chunk
+    assert 0 <= st["main_rate"] <= 1 and 0 <= st["prefill_rate"] <= 1 and len(st["rounds"]) == ROUNDS
+    assert min(st["main_alone_ms"], st["prefill_alone_ms"], st["main_beside_ms"], st["prefill_beside_ms"]) > 0
     assert Trace.open(plain).meta["contention"] == {"why": "--no-contention-probe"}
     # its forwards wrote no probe rows (every device row belongs to a round) and changed no token
     probes = read_table(probed, "probes", ["stream", "step"])

@@ -10,8 +10,11 @@ The probe runs the engine's own forward on a small decode batch on the main stre
 and then with host work beside it, of two kinds (`Contention`): the host's batch_prepare
 (building forward batches; for a device process, the launch's wire message) and pure Python. While both work, each side keeps a share of its
 own speed, its rate (`rates`): 1 untouched, 0 stopped, measured over one forward repeated
-for about SPAN_NS. The medians of `ROUNDS` alternated measurements go to meta.json. The
-probe leaves no rows in the trace (it runs before the first round, with the stream's probe
+for about SPAN_NS. The same rates between the device's own two streams: split streams
+(overlap mode's (b)) run a prefill chunk on the prefill stream beside the decodes on the main
+stream, which on the CPU emulation are two threads sharing the cores (and, on a device
+thread, the GIL). The medians of `ROUNDS` alternated measurements go to meta.json. The
+probe leaves no rows in the trace (it runs before the first round, with the streams' probe
 rows off) and writes scratch K/V only into the pool's last blocks, which no request holds yet.
 """
 
@@ -27,12 +30,13 @@ from probes.boundaries import SCHEDULER_BARRIER
 from probes.clock import now_ns
 from probes.waits import WaitRegistry, timed_wait
 from scheduler.device.prepared import PreparedBatch
-from scheduler.device.work import FUTURE_SLOTS, DeviceOps, Event, RemoteOp, Stream
+from scheduler.device.work import FUTURE_SLOTS, MAIN, PREFILL, DeviceOps, Event, RemoteOp, Stream
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
 from scheduler.model.forward_step import SamplingArgs
 
 ROWS = 64  # decode rows of the probe's batch: a mid-size one (GIL hand-overs cost more beside small ones)
 CONTEXT = 128  # tokens already in each row's cache
+PREFILL_TOKENS = 128  # the prefill stream's chunk: one prompt's first tokens
 ROUNDS = 5  # measurements; the median of each rate is kept
 HOST_SHARE = 0.5  # host work started beside each forward, as a share of the forward's span alone
 # Each measurement repeats one forward, with and without host work beside it, until it spans
@@ -60,6 +64,21 @@ class Rates:
 
 
 @dataclass(slots=True)
+class StreamRates:
+    """Between the device's two streams, both busy: the share of its own speed the main
+    stream's decode forward and the prefill stream's chunk each kept (0.5 and 0.5: no faster
+    together than one after the other; 1 and 1: each as fast as alone)."""
+
+    main_rate: float  # the median of `rounds`' main rates, clipped to [0, 1]
+    prefill_rate: float
+    rounds: list[tuple[float, float]]  # each measurement's (main, prefill) rate, unclipped
+    main_alone_ms: float  # the decode forward's mean span alone (median measurement)
+    prefill_alone_ms: float  # the prefill chunk's, alone
+    main_beside_ms: float  # ... and each beside the other, started together
+    prefill_beside_ms: float
+
+
+@dataclass(slots=True)
 class Contention:
     """What meta.json's `contention` holds: the rates beside the host's two kinds of work.
     A device thread and a host thread take turns on one GIL: host work that calls into torch
@@ -70,6 +89,7 @@ class Contention:
 
     prepare: Rates  # beside the host building forward batches (batch_prepare)
     python: Rates  # beside pure Python (bookkeeping, the hand-off, the gap between rounds)
+    streams: StreamRates  # the main stream's decodes beside the prefill stream's chunk
     device_alone_ms: float  # one probe forward's mean span alone (median measurement)
     probe_ms: float  # the whole probe's wall time (the start-up it cost)
     batch: str  # the probe's batch and repeats
@@ -78,55 +98,76 @@ class Contention:
         return asdict(self)
 
 
-def measure(stream: Stream, ops: DeviceOps, block_size: int, num_blocks: int, device: Any,
+def blocks_needed(block_size: int) -> int:
+    """The pool's last blocks the probe writes scratch K/V into."""
+    return -(-(CONTEXT + 1) // block_size) * ROWS + -(-PREFILL_TOKENS // block_size)
+
+
+def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blocks: int, device: Any,
             registry: WaitRegistry) -> Contention:
     t_probe = now_ns()
     per_row = -(-(CONTEXT + 1) // block_size)
-    if per_row * ROWS > num_blocks:
+    if blocks_needed(block_size) > num_blocks:
         raise NoRoom(f"the KV pool's {num_blocks} blocks cannot hold the contention probe's batch")
     seqs = [SeqChunk([1], CONTEXT, list(range(num_blocks - (r + 1) * per_row, num_blocks - r * per_row)), True)
             for r in range(ROWS)]
-    prepared = PreparedBatch(
-        forward=build_forward_batch(seqs, block_size, device) if ops.builds_batch_on_host else None,
-        chunks=[], sampled=[], sampling=SamplingArgs([0.0] * ROWS, [1.0] * ROWS, [None] * ROWS),
-        has_placeholders=False, seqs=seqs)
+    low = num_blocks - per_row * ROWS  # the prefill chunk's blocks lie below the decodes'
+    chunk = [SeqChunk([1] * PREFILL_TOKENS, 0, list(range(low - -(-PREFILL_TOKENS // block_size), low)), True)]
+    prepared, prefill = (PreparedBatch(
+        forward=build_forward_batch(q, block_size, device) if ops.builds_batch_on_host else None,
+        chunks=[], sampled=[], sampling=SamplingArgs([0.0] * len(q), [1.0] * len(q), [None] * len(q)),
+        has_placeholders=False, seqs=q) for q in (seqs, chunk))
     slots = list(range(FUTURE_SLOTS - ROWS, FUTURE_SLOTS))  # the ring's far end: rewritten before any read
+    pre_slots = [FUTURE_SLOTS - ROWS - 1]
+    stream, other = streams[MAIN], streams[PREFILL]
     kinds: dict[str, Callable[[], object]] = {"prepare": _prepare_work(ops, prepared, slots, block_size, device),
                                               "python": _python_work}
-    with stream.unrecorded():
+    with stream.unrecorded(), other.unrecorded():
         _span(stream, ops, registry, prepared, slots)  # the warm-up: first-call costs, caches
+        _span(other, ops, registry, prefill, pre_slots)
         one = statistics.median(_span(stream, ops, registry, prepared, slots) for _ in range(3))
         per = {k: max(1, round(HOST_SHARE * one / _timed(op, 20) * 20)) for k, op in kinds.items()}  # ops per forward
         alone: list[float] = []
         reps: list[int] = []
-        got: dict[str, list[tuple[float, ...]]] = {k: [] for k in kinds}
+        got: dict[str, list[tuple[float, ...]]] = {k: [] for k in (*kinds, "streams")}
         for _ in range(ROUNDS):
             # alone and beside interleaved forward by forward, so that a drift of the machine
             # within a measurement moves both alike; repeated until the alone forwards span SPAN_NS
             d = n = 0
-            sums = {k: [0, 0, 0] for k in kinds}  # device beside, host alone, host beside
+            sums = {k: [0, 0, 0] for k in got}  # device beside, host (or prefill) alone, host beside
             while n < MAX_REPEATS and (d < SPAN_NS or n < MIN_REPEATS):
                 d += _span(stream, ops, registry, prepared, slots)
                 for k, op in kinds.items():
                     dev, host = _span_beside(stream, ops, registry, prepared, slots, op, per[k])
                     acc = sums[k]
                     acc[0], acc[1], acc[2] = acc[0] + dev, acc[1] + _timed(op, per[k]), acc[2] + host
+                acc = sums["streams"]
+                pair = _launch(stream, ops, prepared, slots), _launch(other, ops, prefill, pre_slots)
+                acc[0] += _ended(stream, ops, registry, *pair[0])
+                acc[2] += _ended(other, ops, registry, *pair[1])
+                acc[1] += _span(other, ops, registry, prefill, pre_slots)
                 n += 1
             alone.append(d / n)
             reps.append(n)
             for k, (d2, h, h2) in sums.items():
-                got[k].append((*rates(d, h, d2, h2), d2 / n, h / n, h2 / n))
-    return Contention(**{k: _summary(v) for k, v in got.items()}, device_alone_ms=statistics.median(alone) / 1e6,
+                got[k].append((*rates(d, h, d2, h2), d2 / n, h / n, h2 / n, d / n))
+    streams_rates = _summary(got.pop("streams"))
+    return Contention(**{k: _summary(v) for k, v in got.items()},
+                      streams=StreamRates(streams_rates.device_rate, streams_rates.host_rate, streams_rates.rounds,
+                                          statistics.median(alone) / 1e6, streams_rates.host_alone_ms,
+                                          streams_rates.device_beside_ms, streams_rates.host_beside_ms),
+                      device_alone_ms=statistics.median(alone) / 1e6,
                       probe_ms=(now_ns() - t_probe) / 1e6,
                       batch=f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {min(reps)}-"
                             f"{max(reps)} per measurement, {per['prepare']} batch_prepare and {per['python']} "
-                            "pure-Python ops beside each")
+                            f"pure-Python ops beside each, or a {PREFILL_TOKENS}-token prefill chunk on the "
+                            "prefill stream")
 
 
 def _summary(rows: list[tuple[float, ...]]) -> Rates:
     cols = list(zip(*rows, strict=True))
     r_d, r_h = (min(max(statistics.median(c), 0.0), 1.0) for c in cols[:2])
-    d2, h, h2 = (statistics.median(c) / 1e6 for c in cols[2:])
+    d2, h, h2 = (statistics.median(c) / 1e6 for c in cols[2:5])
     return Rates(r_d, r_h, [(round(a, 4), round(b, 4)) for a, b, *_ in rows], d2, h, h2)
 
 

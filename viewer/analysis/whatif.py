@@ -25,6 +25,7 @@ from viewer.analysis.whatif_model import (
     COMPONENTS,
     SCALES,
     Batches,
+    StreamShare,
     Timeline,
     busy_ns,
     critical_path,
@@ -32,6 +33,12 @@ from viewer.analysis.whatif_model import (
     simulate,
 )
 from viewer.analysis.whatif_share import Rates, alone, as_run
+from viewer.analysis.whatif_streams import (
+    converted,
+    parts_alone,
+    split_on,
+    stream_share,
+)
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
@@ -109,6 +116,10 @@ class WhatIfResult(JsonRecord):
     rates_beside_prepare: Rates
     rates_beside_python: Rates
     contention_source: str  # given (--contention), measured at start-up, or none measured (why)
+    split_streams: bool  # the trace's decodes and prefills ran on two streams (overlap mode's (b))
+    target_split_streams: bool  # ... and the prediction's (the target mode's default)
+    rates_between_streams: StreamShare  # split streams: the share of its speed each keeps beside the other
+    streams_source: str  # measured at start-up, or not measured (why)
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
     measured: Figures  # the trace's own numbers (the report's)
@@ -156,6 +167,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     (not at all where it did not)."""
     run = load(root)
     share, source = sharing(run.trace.meta, contention)
+    streams, streams_source = stream_share(run.trace.meta)
     speedups = speedups or []
     tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
     tr_comm = trace_setting(run.trace.meta)
@@ -169,24 +181,29 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         raise WhatIfError("--mode timeslice cuts prefills into other chunks, so its batches are not this "
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
     overlap, was_overlap = target == "overlap", tr_mode == "overlap"
-    # each side's work alone: an overlap trace's host and device slowed each other
-    own = alone(run.batches, share, was_overlap)
-    base = _comm(run, own, tr_comm, comm_overlap, 1 - share.python.device)
+    split = run.split if target == tr_mode else split_on(run.trace.meta.get("config", {}), target)
+    on_two = streams if split else None
+    # each side's work alone: an overlap trace's host and device slowed each other, and a
+    # split trace's two streams each other
+    own = alone(parts_alone(run, run.batches, streams), share, was_overlap)
+    base = _comm(run, converted(run, own, split), tr_comm, comm_overlap, 1 - share.python.device)
     b = as_run(_asked(base, speedups), share, overlap)
-    tl = simulate(b, overlap)
-    reps = [_figures(run, rb, simulate(rb, overlap))
+    tl = simulate(b, overlap, on_two)
+    reps = [_figures(run, rb, simulate(rb, overlap, on_two))
             for rb in (as_run(_asked(r, speedups), share, overlap)
                        for r in replicates(base, np.random.default_rng(seed), DRAWS))]
     table = np.array([f.array() for f in reps])
     lo, hi = (Figures.of(np.percentile(table, q, axis=0)) for q in (2.5, 97.5))
-    host = int(np.isclose(tl.dev_start, tl.launched[:b.n] + b.L).sum())
+    host = int((~tl.held).sum())
     fit = as_run(own, share, was_overlap)
+    replayed = simulate(fit, was_overlap, streams if run.split else None)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
         rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
-        backend=_backend(run.trace),
-        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, simulate(fit, was_overlap)),
+        split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
+        streams_source=streams_source, backend=_backend(run.trace),
+        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, replayed),
         predicted=_figures(run, b, tl), predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
     )
@@ -221,7 +238,16 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
     if len(run.steps) > GAINS_MAX_ROUNDS:
         return None
     overlap = run.trace.meta.get("config", {}).get("mode") == "overlap"
-    return _path_table(run.batches, simulate(run.batches, overlap), overlap)
+    streams, _ = stream_share(run.trace.meta)
+    b = parts_alone(run, run.batches, streams)
+    return _path_table(b, simulate(b, overlap, streams if run.split else None), overlap)
+
+
+def _device_busy(tl: Timeline) -> float:
+    """ns the device worked: its batches' spans, each counted once where they overlap (a
+    batch begun beside the one before, on another stream)."""
+    before = np.maximum.accumulate(np.concatenate([[0.0], tl.dev_end[:-1]]))
+    return float(np.maximum(tl.dev_end - np.maximum(tl.dev_start, before), 0.0).sum())
 
 
 def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
@@ -229,7 +255,9 @@ def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
     path = critical_path(b, tl, overlap)
     rows: dict[str, list[float]] = {}
     for comp in (*COMPONENTS, "idle"):
-        total = path["idle"] if comp == "idle" else float((tl.dev_end - tl.dev_start - b.A).sum()) if comp == "D" \
+        if comp == "D_pre":  # inside the batches' device spans, which D's row counts
+            continue
+        total = path["idle"] if comp == "idle" else _device_busy(tl) - float(b.A.sum()) if comp == "D" \
             else float(getattr(b, comp).sum())
         r = rows.setdefault(COMPONENT_BOUNDARY[comp], [0.0, 0.0])
         r[0] += total

@@ -15,6 +15,7 @@ from probes import boundaries as B
 from tracing.reader import Trace
 from viewer.analysis.whatif_model import Batches
 from viewer.analysis.whatif_share import Rates, Sharing
+from viewer.analysis.whatif_streams import split_on
 
 
 class WhatIfError(ValueError):
@@ -63,6 +64,10 @@ class Run:
     last_idx: np.ndarray  # ... of its last token's round
     arrival: np.ndarray  # per served request, ns
     output_tokens: int
+    split: bool  # decodes and prefills ran on two streams (overlap mode's (b))
+    decode_tokens: np.ndarray  # per batch
+    prefill_tokens: np.ndarray  # per batch
+    parts: np.ndarray  # per batch, split streams: main start, main end, prefill start, prefill end (nan: none)
 
 
 def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -79,6 +84,10 @@ def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         t = p.filter(pc.and_(pc.equal(p["boundary"], b), comm if b in (B.ALL_REDUCE, B.BATCH_BROADCAST) else on_thread))
         ts = t["ts_ns"].to_numpy()
         out[b] = (t["step"].to_numpy(), ts, ts + t["dur_ns"].to_numpy())
+    for stream in ("main", "prefill"):  # split streams: each batch's part on each
+        t = p.filter(pc.and_(pc.equal(p["boundary"], B.DEVICE_COMPUTE), pc.equal(p["stream"], stream)))
+        ts = t["ts_ns"].to_numpy()
+        out[f"{B.DEVICE_COMPUTE}@{stream}"] = (t["step"].to_numpy(), ts, ts + t["dur_ns"].to_numpy())
     return out
 
 
@@ -118,7 +127,7 @@ def load(root: str | Path) -> Run:
     if "import" in tr.meta:
         raise WhatIfError(f"{root} is an imported profiler trace: its rounds have no launch and collect "
                           "moments for the model; whatif reads traces of mstrace run/serve")
-    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns"])
+    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
     order = pc.sort_indices(s, [("step", "ascending")])
@@ -180,7 +189,23 @@ def load(root: str | Path) -> Run:
     span = dev_e - dev_s
     T = np.maximum(T, -np.concatenate([[0.0], span[:-1]]))
     A = np.minimum(_per_step(rows[B.ALL_REDUCE], steps, "sum")[b_idx], span)
-    D = span - A
+    D, D_pre = span - A, np.zeros(len(b_idx))
+    parts = np.full((len(b_idx), 4), np.nan)
+    split = split_on(tr.meta.get("config", {}), s["mode"][0].as_py())
+    if split:  # each stream's part as it ran, beside the other's (whatif_streams undoes that)
+        for at, stream in ((0, "main"), (2, "prefill")):
+            rs = rows[f"{B.DEVICE_COMPUTE}@{stream}"]
+            lo, hi = _per_step(rs, steps, "first")[b_idx], _per_step(rs, steps, "last")[b_idx]
+            has = hi > 0
+            parts[has, at], parts[has, at + 1] = lo[has], hi[has]
+        D, D_pre = (np.nan_to_num(parts[:, c + 1] - parts[:, c]) for c in (0, 2))
+        # T: the main stream's turn, from the end of the batch before (both its parts: the
+        # decodes wait for the prompts it finished) to this batch's decodes
+        before = np.concatenate([[-np.inf], np.fmax(parts[:-1, 1], parts[:-1, 3])])
+        by_device = np.isfinite(parts[:, 0]) & (before > lb)
+        med = _median((parts[:, 0] - before)[by_device])
+        T = np.where(by_device, parts[:, 0] - before, med if med is not None else T)
+        T = np.maximum(np.nan_to_num(T), 0.0)
     # Likewise the collect: the host holds the tokens once it reached the barrier and passed it
     # (W from the collecting round's launch) and once the device is done (C after it). A barrier
     # row waits for the batch its step names; a batch without one was collected on the way.
@@ -206,7 +231,8 @@ def load(root: str | Path) -> Run:
     np.maximum.at(not_before, rb[ok], (arr[has][ok] - t0).astype(np.float64))
     tail_P = float(pre_book[-1]) if overlap else 0.0
     head_Q = float(post_book[0] + send[0] + defrag[0] + gap[0]) if overlap else 0.0
-    bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, C=C, W=W,
+    bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, D_pre=D_pre,
+                 C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
                  G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
     runs = rq["token_runs"]
@@ -220,4 +246,6 @@ def load(root: str | Path) -> Run:
     broadcast = _per_step(rows[B.BATCH_BROADCAST], steps, "sum")[b_idx]
     return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, broadcast, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
-                int(rq["output_len"].to_numpy()[served].sum()))
+                int(rq["output_len"].to_numpy()[served].sum()), split,
+                s["num_decode_tokens"].to_numpy()[b_idx].astype(np.float64),
+                s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts)

@@ -11,6 +11,7 @@ from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, sharing, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
 from viewer.analysis.whatif_share import alone, as_run
+from viewer.analysis.whatif_streams import converted, parts_alone, split_on, stream_share
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -30,17 +31,20 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         return {}
     overlap = mode == "overlap"
     share, _ = sharing(run.trace.meta)  # the CPU emulation's host and device slowing each other
-    own = alone(run.batches, share, overlap)
+    streams, _ = stream_share(run.trace.meta)  # ... and its two streams each other
+    own = alone(parts_alone(run, run.batches, streams), share, overlap)
 
-    def cycle(b: Batches, overlapped: bool) -> float:
+    def cycle(b: Batches, overlapped: bool, split: bool = run.split) -> float:
         b = as_run(b, share, overlapped)
-        t = simulate(b, overlapped)
+        t = simulate(b, overlapped, streams if split else None)
         return busy_ns(b, t) / t.rounds
 
     base = cycle(own, overlap)
     out = {name: cycle(own.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
-    if mode == "serial" and tp_pp(run.trace.meta.get("config", {})) == (1, 1):
-        out[OVERLAP] = cycle(own, True) / base - 1
+    cfg = run.trace.meta.get("config", {})
+    if mode == "serial" and tp_pp(cfg) == (1, 1):
+        split = split_on(cfg, "overlap")
+        out[OVERLAP] = cycle(converted(run, own, split), True, split) / base - 1
     setting = trace_setting(run.trace.meta)
     if setting is not None:
         try:

@@ -7,7 +7,10 @@ Every batch b carries these measured durations:
   T  turn      the device ends b-1 -> it starts b (negative: b began on another stream
                while b-1 still ran, as a prefill stream does beside decodes)
   D  device    b's device work on rank 0, first start to last end over its streams, less A
-               (TP, PP: rank 0's span holds its waits for the other ranks)
+               (TP, PP: rank 0's span holds its waits for the other ranks); with split
+               streams, its main stream's part (the decodes) alone
+  D_pre        with split streams, its prefill stream's part alone (0: none); one stream
+               runs D + D_pre one after the other
   A  comm      rank 0's all-reduce waits inside that span (TP), so the device holds b for D + A
   C  collect   the device ends b -> the host holds b's tokens (the barrier's wake-up)
   W  reach     the collecting round's launch -> the host holds b's tokens, had the device
@@ -24,7 +27,8 @@ later), Q, G one after another. Overlap: round r prepares and launches batch r, 
   start[r+1]  = max(synced[r] + Q[r-1] + G[r-1], arrival of r+1's new requests)
 
 Overlap's first round collects nothing (its post work is `head_Q`) and its last launches
-nothing (its prepare is `tail_P`).
+nothing (its prepare is `tail_P`). Split streams (`StreamShare`) put each batch's D and D_pre
+on two queues of their own (`two_streams`).
 
 The batches themselves (who runs in which round) are the trace's: the model moves
 moments, not requests. Each token's time is its batch's `synced`.
@@ -32,13 +36,14 @@ moments, not requests. Each token's time is its batch's `synced`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 # The boundaries a speedup may name, and the component each scales.
 SCALES: dict[str, tuple[str, ...]] = {
-    "device_compute": ("D",),
+    "device_compute": ("D", "D_pre"),
     "all_reduce": ("A",),  # TP's collectives, as far as the device span waited on them
     "batch_prepare": ("P_prep",),
     "bookkeeping": ("P_book", "Q_book"),
@@ -60,6 +65,7 @@ class Batches:
     T: np.ndarray  # at least -D of the batch before: a batch never starts before that one did
     D: np.ndarray
     A: np.ndarray  # exposed collective waits inside the batch's device span (0 on one rank)
+    D_pre: np.ndarray  # of its device work, what a prefill stream of its own runs (split streams)
     C: np.ndarray
     W: np.ndarray
     Q_book: np.ndarray
@@ -105,20 +111,27 @@ WINDOW = 9  # batches in the running median a batch's noise is measured against
 
 def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
     """`k` runs the trace could as well have been, for the intervals: each component's value
-    per batch is its local level (the running median over WINDOW batches: neighbouring
-    batches are alike in size) times another batch's ratio to its own level, drawn with
-    replacement. T, which can be negative, takes another batch's difference instead. The
-    batches, arrivals and the run's level stay the trace's: run-to-run drift is not in it."""
+    per batch is its local level (the running median over WINDOW batches of those that have
+    it: neighbouring batches are alike in size) times another batch's ratio to its own level,
+    drawn with replacement (1 where the batch drawn has none). A component a batch does not
+    have (0: no defrag, no prefill part on split streams) stays 0. T, which can be negative,
+    takes another batch's difference instead. The batches, arrivals and the run's level stay
+    the trace's: run-to-run drift is not in it."""
     parts = {}
     for name in COMPONENTS:
         x = getattr(b, name)
-        pad = np.pad(x, WINDOW // 2, mode="edge")
-        level = np.median(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
         if name == "T":
+            pad = np.pad(x, WINDOW // 2, mode="edge")
+            level = np.median(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
             parts[name] = (level, x - level, True)
-        else:
-            ok = level > 0
-            parts[name] = (level, np.where(ok, x / np.where(ok, level, 1.0), 1.0), False)
+            continue
+        has = x > 0
+        pad = np.pad(np.where(has, x, np.nan), WINDOW // 2, mode="edge")
+        with warnings.catch_warnings():  # a window where no batch has it: all nan, kept as is
+            warnings.simplefilter("ignore", RuntimeWarning)
+            level = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
+        level = np.where(has & (level > 0), level, 0.0)
+        parts[name] = (level, np.where(level > 0, x / np.where(level > 0, level, 1.0), 1.0), False)
     out = []
     for _ in range(k):
         idx = rng.integers(0, b.n, b.n)
@@ -141,35 +154,100 @@ class Timeline:
     dev_end: np.ndarray
     synced: np.ndarray  # the batch's tokens are on the host
     end: float  # the last round's hand-off plus its gap
+    held: np.ndarray  # per batch: the device, not its launch, decided when it started
+    turn: np.ndarray  # per batch: its start less the batch before's end (negative: begun beside it)
 
     @property
     def rounds(self) -> int:
         return len(self.start)
 
 
-def simulate(b: Batches, overlap: bool) -> Timeline:
+@dataclass(slots=True, frozen=True)
+class StreamShare:
+    """Split streams: while both run, the share of its own speed the main stream's decodes
+    and the prefill stream's chunk each keep (0.5 and 0.5: no faster together than one after
+    the other)."""
+
+    main: float = 0.5
+    prefill: float = 0.5
+
+
+def two_streams(r0: float, main_end: float, pre_end: float, turn: float, main: float, pre: float,
+                s: StreamShare) -> tuple[float, float, float, float]:
+    """One split batch: its prefill part (`pre`, ns alone) starts at r0 on its own stream; its
+    main part (`main`) `turn` after the main stream's last work (which runs alone until r0 and
+    ends at `main_end` if nothing joins it) and the prefill stream's (`pre_end`: the prompts
+    it finished decode now). While both streams work each goes at its share (a turn is no
+    work: the prefill goes at full speed beside it). Returns when the main stream's earlier
+    work ends, and the batch's main start, main end, prefill end (a part of 0 ends where it
+    starts)."""
+    rest = max(main_end - r0, 0.0)
+    wait = turn if rest > 0 else max(max(main_end, pre_end) + turn - r0, 0.0)
+    queue = [rest, wait if main > 0 else 0.0, main]  # work, turn, work
+    ends = [r0, r0, r0]
+    pre_left, pre_end, t = pre, r0, r0
+    for k in range(3):
+        left = queue[k]
+        while left > 1e-9:
+            if pre_left <= 0:
+                t, left = t + left, 0.0
+                break
+            rate = 1.0 if k == 1 else s.main
+            dt = min(left / rate, pre_left / (1.0 if k == 1 else s.prefill))  # until the first of the two ends
+            left -= dt * rate
+            pre_left -= dt * (1.0 if k == 1 else s.prefill)
+            t += dt
+            if pre_left <= 1e-9:
+                pre_left, pre_end = 0.0, t
+        ends[k] = t
+    if pre_left > 0:
+        pre_end = t + pre_left
+    return ends[0], ends[1], ends[2], pre_end
+
+
+def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Timeline:
     """The moments of every round and batch (overlap: `whatif_share.shared` first where host
-    and device slow each other)."""
+    and device slow each other). `split`: decodes and prefills on two streams; a batch's
+    decodes wait for the prefill of the batch before (its finished prompts decode now)."""
     n = b.n
     P, Q = b.P, b.Q
     rounds = n + 1 if overlap else n
     start, launched = np.zeros(rounds), np.zeros(rounds)
     dev_start, dev_end, synced = np.zeros(n), np.zeros(n), np.zeros(n)
+    held = np.zeros(n, dtype=bool)
+    main_end = pre_end = 0.0
     t = 0.0
     for i in range(rounds):
         t = max(t, b.not_before[i]) if i < n else t
         start[i] = t
         launched[i] = t + (P[i] if i < n else b.tail_P)
         if i < n:
-            dev_start[i] = max(launched[i] + b.L[i], dev_end[i - 1] + b.T[i] if i else 0.0)
-            dev_end[i] = dev_start[i] + b.D[i] + b.A[i]
+            ready = launched[i] + b.L[i]
+            if split is None:
+                by_device = dev_end[i - 1] + b.T[i] if i else 0.0
+                held[i] = by_device > ready
+                dev_start[i] = max(ready, by_device)
+                dev_end[i] = dev_start[i] + b.D[i] + b.D_pre[i] + b.A[i]
+            else:
+                r0 = max(ready, pre_end)
+                before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, b.T[i] if i else 0.0, b.D[i] + b.A[i],
+                                                            b.D_pre[i], split)
+                if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)
+                    dev_end[i - 1] = max(dev_end[i - 1], before)
+                has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
+                dev_start[i] = r0 if has_pre or not has_main else m_start
+                held[i] = dev_start[i] > ready
+                dev_end[i] = max(m_end if has_main else r0, p_end)
+                main_end = m_end if has_main else before
+                pre_end = p_end if has_pre else pre_end
         j = i - 1 if overlap else i  # the batch this round collects
         if j < 0:
             t = launched[i] + b.head_Q  # overlap's first round: nothing to collect yet
             continue
         synced[j] = max(launched[i] + b.W[j], dev_end[j] + b.C[j])
         t = synced[j] + Q[j] + b.G[j]
-    return Timeline(start, launched, dev_start, dev_end, synced, t)
+    turn = dev_start - np.concatenate([[0.0], dev_end[:-1]])
+    return Timeline(start, launched, dev_start, dev_end, synced, t, held, turn)
 
 
 def busy_ns(b: Batches, tl: Timeline) -> float:
@@ -180,7 +258,7 @@ def busy_ns(b: Batches, tl: Timeline) -> float:
     return tl.end - float(np.maximum(idle, 0).sum())
 
 
-COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "A", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
+COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "A", "D_pre", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
 
 
 def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
@@ -210,10 +288,10 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
         if tl.dev_end[j] + b.C[j] >= tl.launched[i] + b.W[j]:
             on["C"] += b.C[j]
             k, cut = j, 0.0
-            while k > 0 and tl.dev_end[k - 1] + b.T[k] > tl.launched[k] + b.L[k]:
+            while k > 0 and tl.held[k]:
                 device(k, cut)
-                on["T"] += max(b.T[k], 0.0)
-                cut = min(b.T[k], 0.0)  # k began before k-1 ended: only k-1's time until then is on the path
+                on["T"] += max(tl.turn[k], 0.0)
+                cut = min(tl.turn[k], 0.0)  # k began before k-1 ended: only k-1's time until then is on the path
                 k -= 1
             device(k, cut)
             on["L"] += b.L[k]

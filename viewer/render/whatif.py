@@ -40,6 +40,15 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                       f"host's batch_prepare, {y.device:.2f} and {y.host:.2f} beside its other work "
                       f"({r.contention_source}; --contention K: 1-K and 1; docs/whatif.md has the errors "
                       "measured here)[/]", highlight=False)
+    if r.split_streams or r.target_split_streams:
+        st = r.rates_between_streams
+        change = ("" if r.split_streams == r.target_split_streams
+                  else " (one forward a round, cut into its decode and prefill parts by a cost fitted to the trace)"
+                  if r.target_split_streams else " (the two parts merged into one forward a round)")
+        console.print(f"split streams {'on' if r.split_streams else 'off'} -> "
+                      f"{'on' if r.target_split_streams else 'off'}{change}; while both streams work, the main "
+                      f"stream's decodes keep {st.main:.2f} and the prefill stream's chunk {st.prefill:.2f} of their "
+                      f"speeds ({r.streams_source})", highlight=False)
     if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
         console.print(f"[yellow]{r.backend}: gloo's all-reduces run on threads that share the compute's cores; "
                       f"this prediction charges a compute segment {1 - r.rates_beside_python.device:g} of its "

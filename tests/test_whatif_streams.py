@@ -1,0 +1,116 @@
+"""Split streams in `mstrace whatif` (viewer/analysis/whatif_streams.py, whatif_model.two_streams):
+the two queues on hand-made batches, and a real serial trace cut into the parts a split run
+would run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.cli import mstrace
+from tests.test_whatif import MS
+from viewer.analysis.whatif import whatif
+from viewer.analysis.whatif_fit import load
+from viewer.analysis.whatif_model import COMPONENTS, Batches, StreamShare, critical_path, simulate, two_streams
+from viewer.analysis.whatif_streams import Cost, converted, parts_alone, stream_share
+
+
+def test_two_parts_share_the_device_then_the_longer_goes_alone():
+    # 4 of decodes and 2 of prefill, each at half speed beside the other: the prefill ends at
+    # 4 (2 of the decodes done), the decodes' other 2 alone: 6
+    assert two_streams(0.0, 0.0, 0.0, 0.0, 4.0, 2.0, StreamShare(0.5, 0.5)) == pytest.approx((0.0, 0.0, 6.0, 4.0))
+    # the main stream still runs the batch before until 3; its decodes start a turn (0.5) later
+    assert two_streams(1.0, 3.0, 0.0, 0.5, 2.0, 3.0, StreamShare(1.0, 1.0)) == pytest.approx((3.0, 3.5, 5.5, 4.0))
+    # a turn is no work: the prefill goes at full speed beside it
+    assert two_streams(0.0, 0.0, 0.0, 1.0, 2.0, 1.0, StreamShare(0.5, 0.5)) == pytest.approx((0.0, 1.0, 3.0, 1.0))
+    # the decodes wait for the prompts the batch before's prefill finished
+    assert two_streams(2.0, 0.0, 2.0, 0.0, 1.0, 0.0, StreamShare(0.5, 0.5)) == pytest.approx((2.0, 2.0, 3.0, 2.0))
+
+
+comp = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
+rate = st.floats(min_value=0.05, max_value=1.0, allow_nan=False)
+
+
+def _random(data: st.DataObject, n: int, with_pre: bool) -> Batches:
+    arr = {c: np.array(data.draw(st.lists(comp, min_size=n, max_size=n))) * MS for c in COMPONENTS}
+    arr["A"] = np.zeros(n)  # one rank: split streams never run beside TP's all-reduces
+    arr["D"] += 0.01 * MS  # every batch has device work (one without would have no turn either)
+    if not with_pre:
+        arr["D_pre"] = np.zeros(n)
+    return Batches(**arr, not_before=np.zeros(n), head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 12), overlap=st.booleans(), m=rate, p=rate, data=st.data())
+def test_without_prefill_parts_two_streams_are_one(n, overlap, m, p, data):
+    b = _random(data, n, with_pre=False)
+    one, two = simulate(b, overlap), simulate(b, overlap, StreamShare(m, p))
+    assert two.end == pytest.approx(one.end, rel=1e-9, abs=1e-3)
+    assert two.synced == pytest.approx(one.synced, rel=1e-9, abs=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 12), overlap=st.booleans(), m=rate, p=rate, data=st.data())
+def test_the_critical_path_of_two_streams_is_the_whole_run(n, overlap, m, p, data):
+    b = _random(data, n, with_pre=True)
+    tl = simulate(b, overlap, StreamShare(m, p))
+    assert sum(critical_path(b, tl, overlap).values()) == pytest.approx(tl.end, rel=1e-9, abs=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 12), overlap=st.booleans(), data=st.data())
+def test_streams_that_do_not_slow_each_other_never_lengthen_the_run(n, overlap, data):
+    b = _random(data, n, with_pre=True)
+    assert simulate(b, overlap, StreamShare(1.0, 1.0)).end <= simulate(b, overlap).end + 1e-3
+
+
+def test_the_cost_fit_finds_a_known_cost():
+    rng = np.random.default_rng(0)
+    dec, pre = rng.integers(0, 200, 300).astype(float), rng.integers(0, 512, 300).astype(float)
+    t = 800e3 + 40e3 * dec + 7e3 * pre
+    c = Cost.fit(t, dec, pre)
+    assert (c.fixed, c.per_decode, c.per_prefill) == pytest.approx((800e3, 40e3, 7e3), rel=1e-6)
+    # a negative term is dropped, not kept: no cost is negative
+    assert Cost.fit(1e6 - 10.0 * pre, np.zeros(300), pre).per_prefill == 0.0
+
+
+@pytest.fixture(scope="module")
+def serial_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("streams") / "serial"
+    p = mstrace("run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-200", "--output-len", "8-24",
+                "--seed", "5", "--cpu-device", "process", "-q", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def test_a_serial_forward_is_cut_into_the_parts_a_split_run_runs(serial_trace):
+    run = load(serial_trace)
+    assert not run.split
+    share, source = stream_share(run.trace.meta)
+    assert source == "measured at start-up" and 0 < share.main <= 1 and 0 < share.prefill <= 1
+    b = parts_alone(run, run.batches, share)  # a serial trace: as it ran
+    assert b.D is run.batches.D
+    s = converted(run, b, True)
+    dec, pre = run.decode_tokens > 0, run.prefill_tokens > 0
+    total = b.D + b.D_pre
+    assert s.D[dec & ~pre] == pytest.approx(total[dec & ~pre])  # decodes only: all on main
+    assert s.D_pre[pre & ~dec] == pytest.approx(total[pre & ~dec]) and not s.D[pre & ~dec].any()
+    both = dec & pre
+    assert both.any()
+    # each mixed batch keeps its total, plus the second forward's fixed cost (scaled as the batch)
+    assert np.all(s.D[both] + s.D_pre[both] >= total[both]) and np.all(s.D[both] > 0) and np.all(s.D_pre[both] > 0)
+    back = converted(run, b, False)
+    assert back is b  # already one stream
+
+
+def test_whatif_says_what_it_did_with_the_streams(serial_trace):
+    r = whatif(serial_trace, "overlap")
+    assert (r.split_streams, r.target_split_streams) == (False, True)
+    assert r.streams_source == "measured at start-up"
+    p = mstrace("whatif", str(serial_trace), "--mode", "overlap")
+    assert p.returncode == 0, p.stderr
+    assert "split streams off -> on" in " ".join(p.stdout.split())
+    # the trace's own mode: its own setting, nothing cut
+    assert whatif(serial_trace).target_split_streams is False
