@@ -10,10 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.cli import mstrace
-from tests.test_whatif import MS
+from tests.test_whatif import MS, SAMPLES
 from viewer.analysis.whatif import whatif
 from viewer.analysis.whatif_fit import load
-from viewer.analysis.whatif_model import COMPONENTS, Batches, StreamShare, critical_path, simulate, two_streams
+from viewer.analysis.whatif_model import (
+    COMPONENTS,
+    Batches,
+    StreamShare,
+    critical_path,
+    simulate,
+    two_streams,
+)
 from viewer.analysis.whatif_streams import Cost, converted, parts_alone, stream_share
 
 
@@ -64,6 +71,21 @@ def test_the_critical_path_of_two_streams_is_the_whole_run(n, overlap, m, p, dat
 def test_streams_that_do_not_slow_each_other_never_lengthen_the_run(n, overlap, data):
     b = _random(data, n, with_pre=True)
     assert simulate(b, overlap, StreamShare(1.0, 1.0)).end <= simulate(b, overlap).end + 1e-3
+
+
+@pytest.mark.parametrize("share", [StreamShare(0.2, 0.3), StreamShare(0.8, 0.6), StreamShare(1.0, 1.0)])
+def test_a_split_trace_replays_as_it_ran_whatever_the_streams_rates(share):
+    """Each part's time beside the other stream is taken out at the share and put back the
+    same way: where the model starts every part where the trace did, the replay does not
+    depend on the share (the sample's split overlap trace)."""
+    run = load(SAMPLES / "sample-overlap")
+    assert run.split and run.batches.D_pre.any()
+
+    def end(s: StreamShare) -> float:
+        return simulate(parts_alone(run, run.batches, s), True, s).end
+
+    assert end(share) == pytest.approx(end(StreamShare()), rel=1e-9)
+    assert parts_alone(run, run.batches, share).D_pre.sum() != parts_alone(run, run.batches, StreamShare()).D_pre.sum()
 
 
 def test_the_cost_fit_finds_a_known_cost():

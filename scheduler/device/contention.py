@@ -150,7 +150,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
             alone.append(d / n)
             reps.append(n)
             for k, (d2, h, h2) in sums.items():
-                got[k].append((*rates(d, h, d2, h2), d2 / n, h / n, h2 / n, d / n))
+                got[k].append((*rates(d, h, d2, h2), d2 / n, h / n, h2 / n))
     streams_rates = _summary(got.pop("streams"))
     return Contention(**{k: _summary(v) for k, v in got.items()},
                       streams=StreamRates(streams_rates.device_rate, streams_rates.host_rate, streams_rates.rounds,
@@ -167,7 +167,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
 def _summary(rows: list[tuple[float, ...]]) -> Rates:
     cols = list(zip(*rows, strict=True))
     r_d, r_h = (min(max(statistics.median(c), 0.0), 1.0) for c in cols[:2])
-    d2, h, h2 = (statistics.median(c) / 1e6 for c in cols[2:5])
+    d2, h, h2 = (statistics.median(c) / 1e6 for c in cols[2:])
     return Rates(r_d, r_h, [(round(a, 4), round(b, 4)) for a, b, *_ in rows], d2, h, h2)
 
 

@@ -193,7 +193,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
             for rb in (as_run(_asked(r, speedups), share, overlap)
                        for r in replicates(base, np.random.default_rng(seed), DRAWS))]
     table = np.array([f.array() for f in reps])
-    lo, hi = (Figures.of(np.percentile(table, q, axis=0)) for q in (2.5, 97.5))
+    predicted = _figures(run, b, tl)
+    lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
     fit = as_run(own, share, was_overlap)
     replayed = simulate(fit, was_overlap, streams if run.split else None)
@@ -204,9 +205,18 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
         streams_source=streams_source, backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, replayed),
-        predicted=_figures(run, b, tl), predicted_low=lo, predicted_high=hi,
+        predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
     )
+
+
+def _interval(table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:
+    """The replicates' 95% spread about their median, placed on the prediction: noise drawn
+    onto other batches lengthens a chain of max()es (a round waits for the later of host and
+    device, two streams for each other) more than the trace's own noise, which its batches
+    had together, lengthened its run; so the replicates' middle is not the prediction."""
+    q = np.percentile(table, (2.5, 50, 97.5), axis=0)
+    return Figures.of(point + q[0] - q[1]), Figures.of(point + q[2] - q[1])
 
 
 def _comm(run: Run, b: Batches, now: str | None, asked: str | None, contention: float) -> Batches:
@@ -244,10 +254,11 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
 
 
 def _device_busy(tl: Timeline) -> float:
-    """ns the device worked: its batches' spans, each counted once where they overlap (a
-    batch begun beside the one before, on another stream)."""
-    before = np.maximum.accumulate(np.concatenate([[0.0], tl.dev_end[:-1]]))
-    return float(np.maximum(tl.dev_end - np.maximum(tl.dev_start, before), 0.0).sum())
+    """ns the device worked: the union of its work's stretches (two streams' parts overlap)."""
+    iv = tl.busy[~np.isnan(tl.busy[:, 0])]
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    before = np.maximum.accumulate(np.concatenate([[-np.inf], iv[:-1, 1]]))
+    return float(np.maximum(iv[:, 1] - np.maximum(iv[:, 0], before), 0.0).sum())
 
 
 def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:

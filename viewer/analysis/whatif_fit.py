@@ -185,13 +185,15 @@ def load(root: str | Path) -> Run:
     seen = med_L if med_L is not None else med_T
     assert seen is not None  # a batch was held by one or the other
     L, T = _held_back(L_seen, T_seen, by_launch, seen if med_L is None else med_L, seen if med_T is None else med_T)
-    L = np.maximum(L, 0)
+    split = split_on(tr.meta.get("config", {}), s["mode"][0].as_py())
+    # one batch_prepare row holds a split round's two launches: its first part can start
+    # before the row ends (L < 0)
+    L = L if split else np.maximum(L, 0)
     span = dev_e - dev_s
     T = np.maximum(T, -np.concatenate([[0.0], span[:-1]]))
     A = np.minimum(_per_step(rows[B.ALL_REDUCE], steps, "sum")[b_idx], span)
     D, D_pre = span - A, np.zeros(len(b_idx))
     parts = np.full((len(b_idx), 4), np.nan)
-    split = split_on(tr.meta.get("config", {}), s["mode"][0].as_py())
     if split:  # each stream's part as it ran, beside the other's (whatif_streams undoes that)
         for at, stream in ((0, "main"), (2, "prefill")):
             rs = rows[f"{B.DEVICE_COMPUTE}@{stream}"]

@@ -5,7 +5,8 @@ Every batch b carries these measured durations:
   P  prepare   round start -> launch done (bookkeeping before the launch, batch_prepare)
   L  launch    launch done -> the device starts b (the hand-over to the device)
   T  turn      the device ends b-1 -> it starts b (negative: b began on another stream
-               while b-1 still ran, as a prefill stream does beside decodes)
+               while b-1 still ran, as a trace's prefill stream did beside decodes); with
+               split streams, the main stream's turn: b-1 (both parts) ends -> b's decodes start
   D  device    b's device work on rank 0, first start to last end over its streams, less A
                (TP, PP: rank 0's span holds its waits for the other ranks); with split
                streams, its main stream's part (the decodes) alone
@@ -111,27 +112,33 @@ WINDOW = 9  # batches in the running median a batch's noise is measured against
 
 def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
     """`k` runs the trace could as well have been, for the intervals: each component's value
-    per batch is its local level (the running median over WINDOW batches of those that have
-    it: neighbouring batches are alike in size) times another batch's ratio to its own level,
-    drawn with replacement (1 where the batch drawn has none). A component a batch does not
-    have (0: no defrag, no prefill part on split streams) stays 0. T, which can be negative,
-    takes another batch's difference instead. The batches, arrivals and the run's level stay
+    per batch is its local level (the running median over WINDOW batches, of those that have
+    it for D and D_pre: neighbouring batches are alike in size) times another batch's ratio to its own level,
+    drawn with replacement (1 where the batch drawn has none), the ratios scaled so that a
+    replicate's total of each component is the trace's on average. A part of the device's work a
+    batch does not have (0: no decodes or no prefill on split streams) stays 0. T and L, which
+    can be negative, take another batch's difference instead. The batches, arrivals and the run's level stay
     the trace's: run-to-run drift is not in it."""
     parts = {}
     for name in COMPONENTS:
         x = getattr(b, name)
-        if name == "T":
+        if name in ("T", "L"):  # either can be negative (L: a split round's first part)
             pad = np.pad(x, WINDOW // 2, mode="edge")
             level = np.median(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
             parts[name] = (level, x - level, True)
             continue
-        has = x > 0
+        has = x > 0 if name in ("D", "D_pre") else np.ones(b.n, dtype=bool)
         pad = np.pad(np.where(has, x, np.nan), WINDOW // 2, mode="edge")
         with warnings.catch_warnings():  # a window where no batch has it: all nan, kept as is
             warnings.simplefilter("ignore", RuntimeWarning)
             level = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
-        level = np.where(has & (level > 0), level, 0.0)
-        parts[name] = (level, np.where(level > 0, x / np.where(level > 0, level, 1.0), 1.0), False)
+        level = np.where(has & (level > 0), level, 0.0)  # 0: kept as it is
+        ratio = np.where(level > 0, x / np.where(level > 0, level, 1.0), 1.0)
+        # a ratio drawn onto another batch's level: where levels differ (a rare long gap among
+        # short ones), the drawn total is not the trace's; scaled so that it is, on average
+        drawn = float(ratio.mean() * level.sum())
+        ratio *= float(x[level > 0].sum()) / drawn if drawn > 0 else 1.0
+        parts[name] = (level, ratio, False)
     out = []
     for _ in range(k):
         idx = rng.integers(0, b.n, b.n)
@@ -156,6 +163,7 @@ class Timeline:
     end: float  # the last round's hand-off plus its gap
     held: np.ndarray  # per batch: the device, not its launch, decided when it started
     turn: np.ndarray  # per batch: its start less the batch before's end (negative: begun beside it)
+    busy: np.ndarray  # every stretch of device work: (start, end) rows, one a part (or a batch)
 
     @property
     def rounds(self) -> int:
@@ -215,6 +223,7 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
     start, launched = np.zeros(rounds), np.zeros(rounds)
     dev_start, dev_end, synced = np.zeros(n), np.zeros(n), np.zeros(n)
     held = np.zeros(n, dtype=bool)
+    busy = np.full((n, 2, 2), np.nan)  # per batch: its main (or only) part, its prefill part
     main_end = pre_end = 0.0
     t = 0.0
     for i in range(rounds):
@@ -228,16 +237,25 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
                 held[i] = by_device > ready
                 dev_start[i] = max(ready, by_device)
                 dev_end[i] = dev_start[i] + b.D[i] + b.D_pre[i] + b.A[i]
+                busy[i, 0] = dev_start[i], dev_end[i]
             else:
                 r0 = max(ready, pre_end)
                 before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, b.T[i] if i else 0.0, b.D[i] + b.A[i],
                                                             b.D_pre[i], split)
                 if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)
                     dev_end[i - 1] = max(dev_end[i - 1], before)
+                    busy[i - 1, 0, 1] = before
                 has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
-                dev_start[i] = r0 if has_pre or not has_main else m_start
+                if has_main:
+                    busy[i, 0] = m_start, m_end
+                if has_pre:
+                    busy[i, 1] = r0, p_end
+                # the batch's device time runs from the start of the part that ended last: the
+                # decodes, held by the main stream or the prompts before them, or the prefill
+                last_main = has_main and (m_end >= p_end or not has_pre)
+                dev_start[i] = m_start if last_main else r0
                 held[i] = dev_start[i] > ready
-                dev_end[i] = max(m_end if has_main else r0, p_end)
+                dev_end[i] = m_end if last_main else p_end
                 main_end = m_end if has_main else before
                 pre_end = p_end if has_pre else pre_end
         j = i - 1 if overlap else i  # the batch this round collects
@@ -247,7 +265,7 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
         synced[j] = max(launched[i] + b.W[j], dev_end[j] + b.C[j])
         t = synced[j] + Q[j] + b.G[j]
     turn = dev_start - np.concatenate([[0.0], dev_end[:-1]])
-    return Timeline(start, launched, dev_start, dev_end, synced, t, held, turn)
+    return Timeline(start, launched, dev_start, dev_end, synced, t, held, turn, busy.reshape(-1, 2))
 
 
 def busy_ns(b: Batches, tl: Timeline) -> float:

@@ -79,6 +79,12 @@ def _host(r: Rates) -> float:
     return max(r.host, MIN_RATE)
 
 
+def _dev(r: Rates) -> float:
+    # a device stopped beside the host (a device thread beside pure Python) still ends, and
+    # its part is still undone: a speed too small to show (1.7 ps of work in 1.7 ms)
+    return max(r.device, 1e-9)
+
+
 def shared(b: Batches, s: Sharing) -> Batches:
     """An overlap run's batches as host and device slow each other (the module's docstring),
     the host's work in its round's order: the pure-Python part (the collect of the batch
@@ -90,12 +96,12 @@ def shared(b: Batches, s: Sharing) -> Batches:
     py, prep = host_beside(b)
     rp, rt = s.python, s.prepare
     t1, t2 = py / _host(rp), prep / _host(rt)  # each part's time beside a busy device
-    left = d - t1 * rp.device  # the device's work left after the first part
+    left = d - t1 * _dev(rp)  # the device's work left after the first part
     in1 = left <= 0  # the device ends within the host's pure-Python part ...
-    in2 = ~in1 & (left <= t2 * rt.device)  # ... within its batch_prepare; else after the host
-    tau1 = _ratio(d, np.full_like(d, rp.device))  # when it ends in the first part
-    tau2 = _ratio(left, np.full_like(d, rt.device))  # ... in the second, from its start
-    span = np.where(in1, tau1, np.where(in2, t1 + tau2, t1 + t2 + left - t2 * rt.device))
+    in2 = ~in1 & (left <= t2 * _dev(rt))  # ... within its batch_prepare; else after the host
+    tau1 = _ratio(d, np.full_like(d, _dev(rp)))  # when it ends in the first part
+    tau2 = _ratio(left, np.full_like(d, _dev(rt)))  # ... in the second, from its start
+    span = np.where(in1, tau1, np.where(in2, t1 + tau2, t1 + t2 + left - t2 * _dev(rt)))
     # each part's share of its work done beside the device (the rest alone, at full speed)
     u1 = np.where(in1, np.minimum(_ratio(tau1 * _host(rp), py), 1.0), 1.0)
     u2 = np.where(in1, 0.0, np.where(in2, np.minimum(_ratio(tau2 * _host(rt), prep), 1.0), 1.0))
@@ -114,8 +120,8 @@ def unshared(b: Batches, s: Sharing) -> Batches:
     tau2 = span - py2  # the batch_prepare's time beside the device (where the device ended in it)
     py = np.where(in1, py2 - span * (1 - _host(rp)), py2 * _host(rp))
     prep = np.where(in1, prep2, np.where(in2, prep2 - tau2 * (1 - _host(rt)), prep2 * _host(rt)))
-    d = np.where(in1, span * rp.device, np.where(in2, py2 * rp.device + tau2 * rt.device,
-                                                 py2 * rp.device + prep2 * rt.device + span - py2 - prep2))
+    d = np.where(in1, span * _dev(rp), np.where(in2, py2 * _dev(rp) + tau2 * _dev(rt),
+                                                 py2 * _dev(rp) + prep2 * _dev(rt) + span - py2 - prep2))
     return _host_scaled(replace(b, D=np.maximum(d - b.A, 0)), _ratio(py, py2) + (py2 <= 0),
                         _ratio(prep, prep2) + (prep2 <= 0))
 
