@@ -131,4 +131,6 @@ def converted(run: Run, b: Batches, to_split: bool) -> Batches:
         return replace(b, D=main, D_pre=pre_part, T=np.maximum(b.T, 0.0))
     # two forwards -> one: the fixed cost paid once (never more than the smaller part)
     saved = np.where(both, np.minimum(c.fixed, np.minimum(b.D, b.D_pre)), 0.0)
-    return replace(b, D=b.D + b.D_pre - saved, D_pre=np.zeros(b.n), T=np.maximum(b.T, 0.0))
+    # one stream: the launch is done before its forward starts (a split round's first part
+    # could start while its second was prepared)
+    return replace(b, D=b.D + b.D_pre - saved, D_pre=np.zeros(b.n), T=np.maximum(b.T, 0.0), L=np.maximum(b.L, 0.0))
