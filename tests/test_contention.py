@@ -54,6 +54,7 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
 
     r = whatif(probed)
     assert r.contention_source == "measured at start-up"
+    assert r.cold_start_ms == pytest.approx(max(rec["cold_ms"], 0.0)) and len(rec["cold_rounds"]) == ROUNDS
     for kind, got in (("prepare", r.rates_beside_prepare), ("python", r.rates_beside_python)):
         assert (got.device, got.host) == (rec[kind]["device_rate"], rec[kind]["host_rate"])
     given = whatif(probed, contention=0.25)

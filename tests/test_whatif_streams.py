@@ -1,8 +1,10 @@
 """Split streams in `mstrace whatif` (viewer/analysis/whatif_streams.py, whatif_model.two_streams):
 the two queues on hand-made batches, and a real serial trace cut into the parts a split run
-would run."""
+would run; and a forward's cold start after an idle device."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.cli import mstrace
-from tests.test_whatif import MS, SAMPLES
+from tests.test_whatif import MS, SAMPLES, batches
 from viewer.analysis.whatif import whatif
-from viewer.analysis.whatif_fit import load
+from viewer.analysis.whatif_fit import _cold_starts, load
 from viewer.analysis.whatif_model import (
     COMPONENTS,
     Batches,
@@ -138,3 +140,26 @@ def test_whatif_says_what_it_did_with_the_streams(serial_trace):
     assert "split streams off -> on" in " ".join(p.stdout.split())
     # the trace's own mode: its own setting, nothing cut
     assert whatif(serial_trace).target_split_streams is False
+
+
+def test_a_forward_on_an_idle_device_pays_the_cold_start():
+    cold = 0.4 * MS
+    b = replace(batches(20, P_prep=1, D=3, Q_book=0.5, G=0.2), cold=cold)
+    plain = replace(b, cold=0.0)
+    # serial: the device idles through every host round (1.7 ms), so every batch pays it
+    assert simulate(b, False).end == pytest.approx(simulate(plain, False).end + 20 * cold)
+    # overlap, device-bound: batches back to back, only the first starts on an idle device
+    assert simulate(b, True).end == pytest.approx(simulate(plain, True).end + cold)
+    # two streams: the first part to start on the idle device, once: the first batch's
+    # prefill, which at half speed beside its decodes (each its share of the device) delays
+    # them by all of it
+    split = replace(b, D_pre=np.full(20, 1 * MS))
+    half = StreamShare(0.5, 0.5)
+    assert simulate(split, True, half).end == pytest.approx(simulate(replace(split, cold=0.0), True, half).end + cold)
+
+
+def test_cold_starts_are_the_stretches_after_an_idle_device():
+    start = np.array([0.0, 1.0, 2.9, np.nan, 10.0, 3.0]) * MS
+    end = np.array([2.0, 2.5, 4.0, np.nan, 11.0, 3.2]) * MS
+    # the first; 1.0 began beside 0; 2.9 after 0.4 ms idle; none; 10.0 after 6 ms; 3.0 beside 2.9
+    assert _cold_starts(start, end).tolist() == [True, False, False, False, True, False]

@@ -91,6 +91,10 @@ class Contention:
     python: Rates  # beside pure Python (bookkeeping, the hand-off, the gap between rounds)
     streams: StreamRates  # the main stream's decodes beside the prefill stream's chunk
     device_alone_ms: float  # one probe forward's mean span alone (median measurement)
+    # what a forward takes longer after the device idled while the host worked (a serial
+    # round) than straight after another (overlap's back-to-back batches): its own spans
+    cold_ms: float  # the median of `cold_rounds`
+    cold_rounds: list[float]
     probe_ms: float  # the whole probe's wall time (the start-up it cost)
     batch: str  # the probe's batch and repeats
 
@@ -128,6 +132,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
         one = statistics.median(_span(stream, ops, registry, prepared, slots) for _ in range(3))
         per = {k: max(1, round(HOST_SHARE * one / _timed(op, 20) * 20)) for k, op in kinds.items()}  # ops per forward
         alone: list[float] = []
+        cold_ms: list[float] = []
         reps: list[int] = []
         got: dict[str, list[tuple[float, ...]]] = {k: [] for k in (*kinds, "streams")}
         for _ in range(ROUNDS):
@@ -135,6 +140,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
             # within a measurement moves both alike; repeated until the alone forwards span SPAN_NS
             d = n = 0
             sums = {k: [0, 0, 0] for k in got}  # device beside, host (or prefill) alone, host beside
+            cold = [0, 0]  # a forward's own span after an idle device, and straight after another
             while n < MAX_REPEATS and (d < SPAN_NS or n < MIN_REPEATS):
                 d += _span(stream, ops, registry, prepared, slots)
                 for k, op in kinds.items():
@@ -146,7 +152,15 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
                 acc[0] += _ended(stream, ops, registry, *pair[0])
                 acc[2] += _ended(other, ops, registry, *pair[1])
                 acc[1] += _span(other, ops, registry, prefill, pre_slots)
+                # a forward after the device idled while the host worked, as a serial round's
+                # host works between two forwards; then one straight after another
+                for k, op in kinds.items():
+                    _timed(op, per[k])  # about one forward's span in all, over COLD_GAP_NS
+                cold[0] += _own(stream, registry, *_launch(stream, ops, prepared, slots))
+                _launch(stream, ops, prepared, slots)
+                cold[1] += _own(stream, registry, *_launch(stream, ops, prepared, slots))
                 n += 1
+            cold_ms.append((cold[0] - cold[1]) / n / 1e6)
             alone.append(d / n)
             reps.append(n)
             for k, (d2, h, h2) in sums.items():
@@ -157,6 +171,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
                                           statistics.median(alone) / 1e6, streams_rates.host_alone_ms,
                                           streams_rates.device_beside_ms, streams_rates.host_beside_ms),
                       device_alone_ms=statistics.median(alone) / 1e6,
+                      cold_ms=statistics.median(cold_ms), cold_rounds=[round(c, 4) for c in cold_ms],
                       probe_ms=(now_ns() - t_probe) / 1e6,
                       batch=f"one forward of {ROWS} decode rows at {CONTEXT} tokens of context, {min(reps)}-"
                             f"{max(reps)} per measurement, {per['prepare']} batch_prepare and {per['python']} "
@@ -229,6 +244,16 @@ def _ended(stream: Stream, ops: DeviceOps, registry: WaitRegistry, launched: int
     e = end.ts_ns
     assert e is not None and stream.completed, "an op ran before its end event completed"
     return e - (launched if ops.builds_batch_on_host else stream.completed[-1].start_ns)
+
+
+def _own(stream: Stream, registry: WaitRegistry, launched: int, end: Event) -> int:
+    """The forward's own span on its stream: from its start there, waits before it excluded."""
+    timed_wait(end.wait, registry=registry, waiter="scheduler", what=f"contention probe's {end.label}",
+               signaller=f"{stream.name}-stream", boundary=SCHEDULER_BARRIER, timeout_s=WAIT_S)
+    if stream.error is not None:
+        raise RuntimeError(f"the contention probe's forward failed: {stream.error!r}") from stream.error
+    op = stream.completed[-1]
+    return op.end_ns - op.start_ns
 
 
 def _span(stream: Stream, ops: DeviceOps, registry: WaitRegistry, prepared: PreparedBatch, slots: list[int]) -> int:

@@ -120,6 +120,9 @@ class WhatIfResult(JsonRecord):
     target_split_streams: bool  # ... and the prediction's (the target mode's default)
     rates_between_streams: StreamShare  # split streams: the share of its speed each keeps beside the other
     streams_source: str  # measured at start-up, or not measured (why)
+    # what a forward took longer after the device idled 0.5 ms or more (a serial run's every
+    # batch) than straight after other work (meta.json's contention.cold_ms; 0 where not measured)
+    cold_start_ms: float
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
     measured: Figures  # the trace's own numbers (the report's)
@@ -203,7 +206,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
         rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
         split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
-        streams_source=streams_source, backend=_backend(run.trace),
+        streams_source=streams_source, cold_start_ms=run.batches.cold / 1e6, backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, replayed),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,

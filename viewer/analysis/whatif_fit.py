@@ -3,6 +3,7 @@ which constraint held each moment back, and what the trace shows of the other (d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from tracing.reader import Trace
-from viewer.analysis.whatif_model import Batches
+from viewer.analysis.whatif_model import COLD_GAP_NS, Batches
 from viewer.analysis.whatif_share import Rates, Sharing
 from viewer.analysis.whatif_streams import split_on
 
@@ -105,6 +106,25 @@ def _per_step(rows: tuple[np.ndarray, np.ndarray, np.ndarray], steps: np.ndarray
         return out
     out = np.zeros(len(steps), dtype=np.int64)
     np.maximum.at(out, idx, end)
+    return out
+
+
+def cold_ns(meta: dict[str, Any]) -> float:
+    """What a forward takes longer after an idle device, as the engine measured at start-up
+    (meta.json's `contention.cold_ms`; 0 where not measured or negative)."""
+    rec = meta.get("contention")
+    v = rec.get("cold_ms") if isinstance(rec, dict) else None
+    return max(float(v), 0.0) * 1e6 if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+
+def _cold_starts(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Which stretches of device work (nan: none) began after the device had idled COLD_GAP_NS
+    or more (the first always)."""
+    ok = ~np.isnan(start)
+    order = np.flatnonzero(ok)[np.argsort(start[ok], kind="stable")]
+    before = np.maximum.accumulate(np.concatenate([[-np.inf], end[order][:-1]]))
+    out = np.zeros(len(start), dtype=bool)
+    out[order] = start[order] - before >= COLD_GAP_NS
     return out
 
 
@@ -208,6 +228,12 @@ def load(root: str | Path) -> Run:
         med = _median((parts[:, 0] - before)[by_device])
         T = np.where(by_device, parts[:, 0] - before, med if med is not None else T)
         T = np.maximum(np.nan_to_num(T), 0.0)
+        cold_at = _cold_starts(parts[:, [0, 2]].ravel(), parts[:, [1, 3]].ravel()).reshape(-1, 2)
+    else:
+        cold_at = np.column_stack([_cold_starts(dev_s, dev_e), np.zeros(len(b_idx), dtype=bool)])
+    # each part as it would take straight after other work: a cold start is the device's, not the part's
+    cold = cold_ns(tr.meta)
+    D, D_pre = (np.where(cold_at[:, k], np.maximum(x - cold, x / 2), x) for k, x in ((0, D), (1, D_pre)))
     # Likewise the collect: the host holds the tokens once it reached the barrier and passed it
     # (W from the collecting round's launch) and once the device is done (C after it). A barrier
     # row waits for the batch its step names; a batch without one was collected on the way.
@@ -236,7 +262,8 @@ def load(root: str | Path) -> Run:
     bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, D_pre=D_pre,
                  C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
-                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
+                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P,
+                 cold=cold)
     runs = rq["token_runs"]
     lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(runs).to_numpy()

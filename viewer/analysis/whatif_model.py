@@ -76,6 +76,7 @@ class Batches:
     not_before: np.ndarray  # the latest arrival among the requests the batch admits (0: none)
     head_Q: float  # overlap's first round: hand-off and gap, with nothing collected
     tail_P: float  # overlap's draining round: intake, with nothing launched
+    cold: float = 0.0  # what a forward takes longer when the device idled COLD_GAP_NS or more before it
 
     @property
     def n(self) -> int:
@@ -108,6 +109,9 @@ class Batches:
 
 
 WINDOW = 9  # batches in the running median a batch's noise is measured against
+# A forward that starts after the device idled this long pays `Batches.cold` (a serial round's
+# host works 1-9 ms between two forwards; overlap's batches follow each other 0.2-0.4 ms apart)
+COLD_GAP_NS = 500_000
 
 
 def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
@@ -232,20 +236,29 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
         launched[i] = t + (P[i] if i < n else b.tail_P)
         if i < n:
             ready = launched[i] + b.L[i]
+            idle_since = max(main_end, pre_end) if i else -np.inf  # the device's last work (one stream: main_end)
             if split is None:
                 by_device = dev_end[i - 1] + b.T[i] if i else 0.0
                 held[i] = by_device > ready
                 dev_start[i] = max(ready, by_device)
-                dev_end[i] = dev_start[i] + b.D[i] + b.D_pre[i] + b.A[i]
+                cold = b.cold if dev_start[i] - idle_since >= COLD_GAP_NS else 0.0
+                dev_end[i] = dev_start[i] + b.D[i] + b.D_pre[i] + b.A[i] + cold
                 busy[i, 0] = dev_start[i], dev_end[i]
+                main_end = dev_end[i]
             else:
                 r0 = max(ready, pre_end)
-                before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, b.T[i] if i else 0.0, b.D[i] + b.A[i],
-                                                            b.D_pre[i], split)
+                turn = b.T[i] if i else 0.0
+                has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
+                # the first part to start on an idle device pays the cold start: the prefill,
+                # or the decodes where there is none (and the main stream had nothing left)
+                cold_pre = b.cold if has_pre and r0 - idle_since >= COLD_GAP_NS else 0.0
+                cold_main = b.cold if has_main and not has_pre and main_end <= r0 and \
+                    max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS else 0.0
+                before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn,
+                                                            b.D[i] + b.A[i] + cold_main, b.D_pre[i] + cold_pre, split)
                 if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)
                     dev_end[i - 1] = max(dev_end[i - 1], before)
                     busy[i - 1, 0, 1] = before
-                has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
                 if has_main:
                     busy[i, 0] = m_start, m_end
                 if has_pre:

@@ -49,6 +49,10 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                       f"{'on' if r.target_split_streams else 'off'}{change}; while both streams work, the main "
                       f"stream's decodes keep {st.main:.2f} and the prefill stream's chunk {st.prefill:.2f} of their "
                       f"speeds ({r.streams_source})", highlight=False)
+    if r.cold_start_ms > 0 and r.target_mode != r.mode:
+        console.print(f"a forward started on an idle device (0.5 ms or more) takes {r.cold_start_ms:.2f} ms longer "
+                      "than one straight after other work (measured at start-up): a serial round's every batch, "
+                      "few of overlap's", highlight=False)
     if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
         console.print(f"[yellow]{r.backend}: gloo's all-reduces run on threads that share the compute's cores; "
                       f"this prediction charges a compute segment {1 - r.rates_beside_python.device:g} of its "
