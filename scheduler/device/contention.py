@@ -80,7 +80,8 @@ class StreamRates:
 
 @dataclass(slots=True)
 class Contention:
-    """What meta.json's `contention` holds: the rates beside the host's two kinds of work.
+    """What meta.json's `contention` holds: the rates beside the host's two kinds of work,
+    between the device's two streams, and a forward's cold start after an idle device.
     A device thread and a host thread take turns on one GIL: host work that calls into torch
     (building a batch's tensors) lets go of it at every call, so both sides slow down, their
     rates summing to about 1 (less beside a small batch, where hand-overs cost more); pure
@@ -155,7 +156,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
                 # a forward after the device idled while the host worked, as a serial round's
                 # host works between two forwards; then one straight after another
                 for k, op in kinds.items():
-                    _timed(op, per[k])  # about one forward's span in all, over COLD_GAP_NS
+                    _timed(op, per[k])  # about one forward's span of host work in all
                 cold[0] += _own(stream, registry, *_launch(stream, ops, prepared, slots))
                 _launch(stream, ops, prepared, slots)
                 cold[1] += _own(stream, registry, *_launch(stream, ops, prepared, slots))
