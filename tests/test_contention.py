@@ -54,7 +54,8 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
 
     r = whatif(probed)
     assert r.contention_source == "measured at start-up"
-    assert r.cold_start_ms == pytest.approx(max(rec["cold_ms"], 0.0)) and len(rec["cold_rounds"]) == ROUNDS
+    assert len(rec["cold_rounds"]) == ROUNDS  # measured on both; the model takes a device process's only
+    assert r.cold_start_ms == pytest.approx(max(rec["cold_ms"], 0.0) if device == "process" else 0.0)
     for kind, got in (("prepare", r.rates_beside_prepare), ("python", r.rates_beside_python)):
         assert (got.device, got.host) == (rec[kind]["device_rate"], rec[kind]["host_rate"])
     given = whatif(probed, contention=0.25)

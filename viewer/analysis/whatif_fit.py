@@ -111,7 +111,13 @@ def _per_step(rows: tuple[np.ndarray, np.ndarray, np.ndarray], steps: np.ndarray
 
 def cold_ns(meta: dict[str, Any]) -> float:
     """What a forward takes longer after an idle device, as the engine measured at start-up
-    (meta.json's `contention.cold_ms`; 0 where not measured or negative)."""
+    (meta.json's `contention.cold_ms`; 0 where not measured or negative). A device process
+    only: on a device thread an overlap run's forwards run beside the host holding the GIL,
+    and the rates beside it, measured against a forward that followed another, already
+    charge that (with it, three of four thread-backend sets came out further off; the
+    process backend's four of five closer: BENCHMARKS.md)."""
+    if meta.get("config", {}).get("cpu_device") != "process":
+        return 0.0
     rec = meta.get("contention")
     v = rec.get("cold_ms") if isinstance(rec, dict) else None
     return max(float(v), 0.0) * 1e6 if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
