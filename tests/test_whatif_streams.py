@@ -23,7 +23,9 @@ from viewer.analysis.whatif_model import (
     simulate,
     two_streams,
 )
-from viewer.analysis.whatif_streams import Cost, converted, parts_alone, stream_share
+from viewer.analysis.whatif_probe import Probe, rounds
+from viewer.analysis.whatif_share import Rates, Sharing
+from viewer.analysis.whatif_streams import MIN_SHARE, Cost, converted, parts_alone, stream_share
 
 
 def test_two_parts_share_the_device_then_the_longer_goes_alone():
@@ -163,3 +165,20 @@ def test_cold_starts_are_the_stretches_after_an_idle_device():
     end = np.array([2.0, 2.5, 4.0, np.nan, 11.0, 3.2]) * MS
     # the first; 1.0 began beside 0; 2.9 after 0.4 ms idle; none; 10.0 after 6 ms; 3.0 beside 2.9
     assert _cold_starts(start, end).tolist() == [True, False, False, False, True, False]
+
+
+def test_the_probes_rounds_become_the_intervals_draws():
+    rec = {"prepare": {"rounds": [[0.9, 1.2], [0.5, 0.6]]}, "python": {"rounds": [[-0.1, 1.0], [0.2, 0.9]]},
+           "streams": {"rounds": [[0.6, 0.7], [0.0, 0.5]]}, "cold_rounds": [0.3, -0.1]}
+    point = Probe(Sharing(), StreamShare(), 0.0)
+    got = rounds({"contention": rec, "config": {"cpu_device": "process"}}, point, False)
+    assert [p.share for p in got] == [Sharing(Rates(0.9, 1.0), Rates(0.0, 1.0)), Sharing(Rates(0.5, 0.6), Rates(0.2, 0.9))]
+    assert [p.streams for p in got] == [StreamShare(0.6, 0.7), StreamShare(MIN_SHARE, 0.5)]
+    assert [p.cold_ns for p in got] == pytest.approx([0.3 * MS, 0.0])
+    # a device thread's cold start is not the model's; --contention's rates stay as given
+    given = Probe(Sharing.contention(0.5), StreamShare(), 0.0)
+    thread = rounds({"contention": rec, "config": {"cpu_device": "thread"}}, given, True)
+    assert all(p.cold_ns == 0 and p.share == given.share for p in thread)
+    # lists that disagree, or a record from before the probe had them: the medians alone
+    assert rounds({"contention": {**rec, "cold_rounds": [0.3]}}, point, False) == []
+    assert rounds({"contention": {"why": "a GPU computes beside the host"}}, point, False) == []

@@ -20,7 +20,7 @@ from tracing.run_status import RunStatus
 from viewer.analysis.records import JsonRecord
 from viewer.analysis.serving import Dist, itl_rounds
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import Run, WhatIfError, load, sharing, tp_pp
+from viewer.analysis.whatif_fit import Run, WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import (
     COMPONENTS,
     SCALES,
@@ -32,13 +32,9 @@ from viewer.analysis.whatif_model import (
     replicates,
     simulate,
 )
-from viewer.analysis.whatif_share import Rates, alone, as_run
-from viewer.analysis.whatif_streams import (
-    converted,
-    parts_alone,
-    split_on,
-    stream_share,
-)
+from viewer.analysis.whatif_probe import Probe, measured, own, rounds
+from viewer.analysis.whatif_share import Rates, as_run
+from viewer.analysis.whatif_streams import converted, split_on
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
@@ -169,8 +165,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     """`contention` None: host and device slow each other as the engine measured at start-up
     (not at all where it did not)."""
     run = load(root)
-    share, source = sharing(run.trace.meta, contention)
-    streams, streams_source = stream_share(run.trace.meta)
+    point, source, streams_source = measured(run.trace.meta, contention)
+    share, streams = point.share, point.streams
     speedups = speedups or []
     tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
     tr_comm = trace_setting(run.trace.meta)
@@ -185,28 +181,36 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
     overlap, was_overlap = target == "overlap", tr_mode == "overlap"
     split = run.split if target == tr_mode else split_on(run.trace.meta.get("config", {}), target)
-    on_two = streams if split else None
-    # each side's work alone: an overlap trace's host and device slowed each other, and a
-    # split trace's two streams each other
-    own = alone(parts_alone(run, run.batches, streams), share, was_overlap)
-    base = _comm(run, converted(run, own, split), tr_comm, comm_overlap, 1 - share.python.device)
-    b = as_run(_asked(base, speedups), share, overlap)
-    tl = simulate(b, overlap, on_two)
-    reps = [_figures(run, rb, simulate(rb, overlap, on_two))
-            for rb in (as_run(_asked(r, speedups), share, overlap)
-                       for r in replicates(base, np.random.default_rng(seed), DRAWS))]
+
+    def base_of(p: Probe) -> Batches:
+        """Each side's work alone (the trace's cold starts, its two streams' and its host and
+        device's sharing taken out), in the target's streams and comm setting."""
+        return _comm(run, converted(run, own(run, p, was_overlap), split), tr_comm, comm_overlap,
+                     1 - p.share.python.device)
+
+    def predict(b: Batches, p: Probe) -> tuple[Batches, Timeline]:
+        x = as_run(_asked(b, speedups), p.share, overlap)
+        return x, simulate(x, overlap, p.streams if split else None)
+
+    b, tl = predict(base_of(point), point)
+    # each replicate with one of the probe's measurements (its medians where it kept none)
+    rng = np.random.default_rng(seed)
+    variants = rounds(run.trace.meta, point, contention is not None) or [point]
+    picks = rng.integers(0, len(variants), DRAWS)
+    reps = [_figures(run, *predict(r, p))
+            for k, p in enumerate(variants) for r in replicates(base_of(p), rng, int((picks == k).sum()))]
     table = np.array([f.array() for f in reps])
     predicted = _figures(run, b, tl)
     lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
-    fit = as_run(own, share, was_overlap)
+    fit = as_run(own(run, point, was_overlap), share, was_overlap)
     replayed = simulate(fit, was_overlap, streams if run.split else None)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
         rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
         split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
-        streams_source=streams_source, cold_start_ms=run.batches.cold / 1e6, backend=_backend(run.trace),
+        streams_source=streams_source, cold_start_ms=point.cold_ns / 1e6, backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, replayed),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
@@ -251,9 +255,9 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
     if len(run.steps) > GAINS_MAX_ROUNDS:
         return None
     overlap = run.trace.meta.get("config", {}).get("mode") == "overlap"
-    streams, _ = stream_share(run.trace.meta)
-    b = parts_alone(run, run.batches, streams)
-    return _path_table(b, simulate(b, overlap, streams if run.split else None), overlap)
+    point, _, _ = measured(run.trace.meta)
+    b = as_run(own(run, point, overlap), point.share, overlap)
+    return _path_table(b, simulate(b, overlap, point.streams if run.split else None), overlap)
 
 
 def _device_busy(tl: Timeline) -> float:

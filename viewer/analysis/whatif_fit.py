@@ -3,7 +3,6 @@ which constraint held each moment back, and what the trace shows of the other (d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +68,7 @@ class Run:
     decode_tokens: np.ndarray  # per batch
     prefill_tokens: np.ndarray  # per batch
     parts: np.ndarray  # per batch, split streams: main start, main end, prefill start, prefill end (nan: none)
+    cold_at: np.ndarray  # per batch: its main (or only) part, its prefill part began on an idle device
 
 
 def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -107,20 +107,6 @@ def _per_step(rows: tuple[np.ndarray, np.ndarray, np.ndarray], steps: np.ndarray
     out = np.zeros(len(steps), dtype=np.int64)
     np.maximum.at(out, idx, end)
     return out
-
-
-def cold_ns(meta: dict[str, Any]) -> float:
-    """What a forward takes longer after an idle device, as the engine measured at start-up
-    (meta.json's `contention.cold_ms`; 0 where not measured or negative). A device process
-    only: on a device thread an overlap run's forwards run beside the host holding the GIL,
-    and the rates beside it, measured against a forward that followed another, already
-    charge that (with it, three of four thread-backend sets came out further off; the
-    process backend's four of five closer: BENCHMARKS.md)."""
-    if meta.get("config", {}).get("cpu_device") != "process":
-        return 0.0
-    rec = meta.get("contention")
-    v = rec.get("cold_ms") if isinstance(rec, dict) else None
-    return max(float(v), 0.0) * 1e6 if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
 
 
 def _cold_starts(start: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -237,9 +223,6 @@ def load(root: str | Path) -> Run:
         cold_at = _cold_starts(parts[:, [0, 2]].ravel(), parts[:, [1, 3]].ravel()).reshape(-1, 2)
     else:
         cold_at = np.column_stack([_cold_starts(dev_s, dev_e), np.zeros(len(b_idx), dtype=bool)])
-    # each part as it would take straight after other work: a cold start is the device's, not the part's
-    cold = cold_ns(tr.meta)
-    D, D_pre = (np.where(cold_at[:, k], np.maximum(x - cold, x / 2), x) for k, x in ((0, D), (1, D_pre)))
     # Likewise the collect: the host holds the tokens once it reached the barrier and passed it
     # (W from the collecting round's launch) and once the device is done (C after it). A barrier
     # row waits for the batch its step names; a batch without one was collected on the way.
@@ -268,8 +251,7 @@ def load(root: str | Path) -> Run:
     bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, D_pre=D_pre,
                  C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
-                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P,
-                 cold=cold)
+                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
     runs = rq["token_runs"]
     lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(runs).to_numpy()
@@ -283,4 +265,4 @@ def load(root: str | Path) -> Run:
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
                 int(rq["output_len"].to_numpy()[served].sum()), split,
                 s["num_decode_tokens"].to_numpy()[b_idx].astype(np.float64),
-                s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts)
+                s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts, cold_at)

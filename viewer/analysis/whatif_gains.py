@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
-from viewer.analysis.whatif_fit import WhatIfError, load, sharing, tp_pp
+from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
-from viewer.analysis.whatif_share import alone, as_run
-from viewer.analysis.whatif_streams import converted, parts_alone, split_on, stream_share
+from viewer.analysis.whatif_probe import measured, own
+from viewer.analysis.whatif_share import as_run
+from viewer.analysis.whatif_streams import converted, split_on
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -30,25 +31,25 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
     except WhatIfError:
         return {}
     overlap = mode == "overlap"
-    share, _ = sharing(run.trace.meta)  # the CPU emulation's host and device slowing each other
-    streams, _ = stream_share(run.trace.meta)  # ... and its two streams each other
-    own = alone(parts_alone(run, run.batches, streams), share, overlap)
+    point, _, _ = measured(run.trace.meta)  # the CPU emulation's host, device and streams slowing each other
+    share, streams = point.share, point.streams
+    alone = own(run, point, overlap)
 
     def cycle(b: Batches, overlapped: bool, split: bool = run.split) -> float:
         b = as_run(b, share, overlapped)
         t = simulate(b, overlapped, streams if split else None)
         return busy_ns(b, t) / t.rounds
 
-    base = cycle(own, overlap)
-    out = {name: cycle(own.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
+    base = cycle(alone, overlap)
+    out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     cfg = run.trace.meta.get("config", {})
     if mode == "serial" and tp_pp(cfg) == (1, 1):
         split = split_on(cfg, "overlap")
-        out[OVERLAP] = cycle(converted(run, own, split), True, split) / base - 1
+        out[OVERLAP] = cycle(converted(run, alone, split), True, split) / base - 1
     setting = trace_setting(run.trace.meta)
     if setting is not None:
         try:
-            other = with_comm_overlap(run, own, setting == "off", 1 - share.python.device)
+            other = with_comm_overlap(run, alone, setting == "off", 1 - share.python.device)
         except WhatIfError:  # no collectives table
             return out
         out[COMM_OVERLAP] = cycle(other, overlap) / base - 1

@@ -1,0 +1,84 @@
+"""What the engine's start-up probe measured (meta.json's `contention`), as the model takes
+it: how host and device slow each other (`whatif_share`), how the two streams do
+(`whatif_streams`), and a forward's cold start after an idle device. `own` turns a trace's
+batches into each side's work alone with them; `rounds` gives the probe's measurements one
+by one, so that the intervals carry the probe's own spread (docs/whatif.md, "Intervals")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from viewer.analysis.whatif_fit import Run, sharing
+from viewer.analysis.whatif_model import Batches, StreamShare
+from viewer.analysis.whatif_share import Rates, Sharing, alone
+from viewer.analysis.whatif_streams import MIN_SHARE, parts_alone, stream_share
+
+
+@dataclass(slots=True, frozen=True)
+class Probe:
+    share: Sharing  # host and device, beside the host's two kinds of work
+    streams: StreamShare  # the main and prefill streams, beside each other
+    cold_ns: float  # what a forward on an idle device takes longer (a device process only)
+
+
+def cold_ns(meta: dict[str, Any]) -> float:
+    """What a forward takes longer after an idle device, as the engine measured at start-up
+    (meta.json's `contention.cold_ms`; 0 where not measured or negative). A device process
+    only: on a device thread an overlap run's forwards run beside the host holding the GIL,
+    and the rates beside it, measured against a forward that followed another, already
+    charge that (with it, three of four thread-backend sets came out further off; the
+    process backend's four of five closer: BENCHMARKS.md)."""
+    if meta.get("config", {}).get("cpu_device") != "process":
+        return 0.0
+    rec = meta.get("contention")
+    v = rec.get("cold_ms") if isinstance(rec, dict) else None
+    return max(float(v), 0.0) * 1e6 if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+
+def measured(meta: dict[str, Any], contention: float | None = None) -> tuple[Probe, str, str]:
+    """The probe's medians (`--contention` replacing the host's rates), and where the host's
+    and the streams' rates come from, in words."""
+    share, source = sharing(meta, contention)
+    streams, streams_source = stream_share(meta)
+    return Probe(share, streams, cold_ns(meta)), source, streams_source
+
+
+def rounds(meta: dict[str, Any], point: Probe, given: bool) -> list[Probe]:
+    """The probe's measurements one by one (each rate clipped as the medians are); none where
+    any is missing or the lists disagree. Host rates given by `--contention` stay as given."""
+    rec = meta.get("contention")
+    try:
+        prep, py = rec["prepare"]["rounds"], rec["python"]["rounds"]  # type: ignore[index]
+        st, cold = rec["streams"]["rounds"], rec["cold_rounds"]  # type: ignore[index]
+        rows = [(*(float(x) for x in a), *(float(x) for x in b), *(float(x) for x in c), float(d))
+                for a, b, c, d in zip(prep, py, st, cold, strict=True)]
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not rows or not all(math.isfinite(x) for r in rows for x in r):
+        return []
+
+    def clip(x: float) -> float:
+        return min(max(x, 0.0), 1.0)
+
+    cold_applies = cold_ns(meta) > 0 or meta.get("config", {}).get("cpu_device") == "process"
+    return [Probe(point.share if given else Sharing(Rates(clip(pd), clip(ph)), Rates(clip(yd), clip(yh))),
+                  StreamShare(max(clip(sm), MIN_SHARE), max(clip(sp), MIN_SHARE)),
+                  max(c, 0.0) * 1e6 if cold_applies else 0.0)
+            for pd, ph, yd, yh, sm, sp, c in rows]
+
+
+def warm(run: Run, b: Batches, cold: float) -> Batches:
+    """Each part as it would take straight after other work: a cold start is the device's,
+    not the part's (never more than half the part)."""
+    D, D_pre = (np.where(run.cold_at[:, k], np.maximum(x - cold, x / 2), x) for k, x in ((0, b.D), (1, b.D_pre)))
+    return replace(b, D=D, D_pre=D_pre, cold=cold)
+
+
+def own(run: Run, p: Probe, overlapped: bool) -> Batches:
+    """A trace's batches as each side's work alone: its cold starts, its two streams' sharing
+    (a split trace) and its host and device's (an overlap trace) taken out."""
+    return alone(parts_alone(run, warm(run, run.batches, p.cold_ns), p.streams), p.share, overlapped)
