@@ -4,6 +4,7 @@ would run; and a forward's cold start after an idle device."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import numpy as np
@@ -23,7 +24,7 @@ from viewer.analysis.whatif_model import (
     simulate,
     two_streams,
 )
-from viewer.analysis.whatif_probe import Probe, rounds
+from viewer.analysis.whatif_probe import Probe, measured, replayed, rounds
 from viewer.analysis.whatif_share import Rates, Sharing
 from viewer.analysis.whatif_streams import MIN_SHARE, Cost, converted, parts_alone, stream_share
 
@@ -133,6 +134,19 @@ def test_a_serial_forward_is_cut_into_the_parts_a_split_run_runs(serial_trace):
     assert back is b  # already one stream
 
 
+def test_a_trace_replays_the_same_with_its_cold_starts_taken_out_and_put_back(serial_trace):
+    """One stream: the parts the fit finds cold are the ones the replay starts cold (with two,
+    a part the replay starts elsewhere than the trace did may not be: docs/whatif.md)."""
+    run = load(serial_trace)
+    assert run.cold_at[0, 0]  # the first batch at least (most of a serial run's: the host's round between)
+    # whatever the probe measured (a noisy machine's median can be 0): the property holds for any
+    point = dataclasses.replace(measured(run.trace.meta)[0], cold_ns=0.5 * MS)
+    _, with_cold = replayed(run, point, False)
+    _, without = replayed(run, dataclasses.replace(point, cold_ns=0.0), False)
+    assert with_cold.end == pytest.approx(without.end, rel=1e-9)
+    assert with_cold.synced == pytest.approx(without.synced, rel=1e-9)
+
+
 def test_whatif_says_what_it_did_with_the_streams(serial_trace):
     r = whatif(serial_trace, "overlap")
     assert (r.split_streams, r.target_split_streams) == (False, True)
@@ -158,6 +172,17 @@ def test_a_forward_on_an_idle_device_pays_the_cold_start():
     split = replace(b, D_pre=np.full(20, 1 * MS))
     half = StreamShare(0.5, 0.5)
     assert simulate(split, True, half).end == pytest.approx(simulate(replace(split, cold=0.0), True, half).end + cold)
+
+
+def test_a_decode_only_batch_held_by_its_turn_pays_the_cold_start():
+    # the main stream ran batch 0 past the launch of batch 1 (decodes only), then turned for
+    # 1 ms: the device idled 1 ms, so batch 1 starts cold too
+    b = replace(batches(2, P_prep=1, D=3, T=1), cold=0.4 * MS)
+    tl = simulate(b, True, StreamShare(1.0, 1.0))
+    assert tl.dev_end[1] - tl.dev_start[1] == pytest.approx(3.4 * MS)
+    # a part shorter than the cold start gets back what the fit took off it: half of it as it ran
+    short = replace(batches(2, P_prep=5, D=0.3), cold=0.4 * MS)
+    assert simulate(short, False).dev_end[0] == pytest.approx(5 * MS + 0.6 * MS)
 
 
 def test_cold_starts_are_the_stretches_after_an_idle_device():

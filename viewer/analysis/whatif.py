@@ -32,7 +32,7 @@ from viewer.analysis.whatif_model import (
     replicates,
     simulate,
 )
-from viewer.analysis.whatif_probe import Probe, measured, own, rounds
+from viewer.analysis.whatif_probe import Probe, measured, own, replayed, rounds
 from viewer.analysis.whatif_share import Rates, as_run
 from viewer.analysis.whatif_streams import converted, split_on
 
@@ -124,7 +124,7 @@ class WhatIfResult(JsonRecord):
     measured: Figures  # the trace's own numbers (the report's)
     replayed: Figures  # the model replaying the trace as it ran: its fit
     predicted: Figures
-    predicted_low: Figures  # the 95% interval of each predicted number, from the rounds' own variation
+    predicted_low: Figures  # the 95% interval of each predicted number: the rounds' own variation and the probe's
     predicted_high: Figures
     critical_path: list[PathRow]
     device_bound_batches: int  # predicted batches the device started straight after the one before
@@ -197,21 +197,21 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     rng = np.random.default_rng(seed)
     variants = rounds(run.trace.meta, point, contention is not None) or [point]
     picks = rng.integers(0, len(variants), DRAWS)
+    counts = np.bincount(picks, minlength=len(variants))
     reps = [_figures(run, *predict(r, p))
-            for k, p in enumerate(variants) for r in replicates(base_of(p), rng, int((picks == k).sum()))]
+            for p, c in zip(variants, counts, strict=True) if c for r in replicates(base_of(p), rng, int(c))]
     table = np.array([f.array() for f in reps])
     predicted = _figures(run, b, tl)
     lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
-    fit = as_run(own(run, point, was_overlap), share, was_overlap)
-    replayed = simulate(fit, was_overlap, streams if run.split else None)
+    fit, fit_tl = replayed(run, point, was_overlap)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
         rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
         split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
         streams_source=streams_source, cold_start_ms=point.cold_ns / 1e6, backend=_backend(run.trace),
-        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, replayed),
+        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, fit_tl),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
     )
@@ -255,9 +255,8 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
     if len(run.steps) > GAINS_MAX_ROUNDS:
         return None
     overlap = run.trace.meta.get("config", {}).get("mode") == "overlap"
-    point, _, _ = measured(run.trace.meta)
-    b = as_run(own(run, point, overlap), point.share, overlap)
-    return _path_table(b, simulate(b, overlap, point.streams if run.split else None), overlap)
+    b, tl = replayed(run, measured(run.trace.meta)[0], overlap)
+    return _path_table(b, tl, overlap)
 
 
 def _device_busy(tl: Timeline) -> float:

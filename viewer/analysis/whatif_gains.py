@@ -10,7 +10,7 @@ from pathlib import Path
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
-from viewer.analysis.whatif_probe import measured, own
+from viewer.analysis.whatif_probe import measured, own, replayed
 from viewer.analysis.whatif_share import as_run
 from viewer.analysis.whatif_streams import converted, split_on
 
@@ -40,7 +40,8 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         t = simulate(b, overlapped, streams if split else None)
         return busy_ns(b, t) / t.rounds
 
-    base = cycle(alone, overlap)
+    fit, tl = replayed(run, point, overlap)
+    base = busy_ns(fit, tl) / tl.rounds
     out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     cfg = run.trace.meta.get("config", {})
     if mode == "serial" and tp_pp(cfg) == (1, 1):

@@ -116,20 +116,22 @@ COLD_GAP_NS = 500_000
 
 def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
     """`k` runs the trace could as well have been, for the intervals: each component's value
-    per batch is its local level (the running median over WINDOW batches, of those that have
-    it for D and D_pre: neighbouring batches are alike in size) times another batch's ratio to its own level,
-    drawn with replacement (1 where the batch drawn has none), the ratios scaled so that a
-    replicate's total of each component is the trace's on average. A part of the device's work a
-    batch does not have (0: no decodes or no prefill on split streams) stays 0. T and L, which
-    can be negative, take another batch's difference instead. The batches, arrivals and the run's level stay
-    the trace's: run-to-run drift is not in it."""
-    parts = {}
+    per batch is its local level (the running median over WINDOW batches of those that have
+    it: neighbouring batches are alike in size) times another batch's ratio to its own level,
+    drawn with replacement among the batches that have one (one draw for every component
+    that all batches have, as a batch's components come together), the ratios scaled so that
+    a replicate's total of each component is the trace's on average. A part of the device's
+    work a batch does not have (0: no decodes or no prefill on split streams) stays 0. T and
+    L, which can be negative, take another batch's difference instead, never below the
+    trace's own least (0 where it had none below). The batches, arrivals and the run's level
+    stay the trace's: run-to-run drift is not in it."""
+    parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None, float]] = {}
     for name in COMPONENTS:
         x = getattr(b, name)
         if name in ("T", "L"):  # either can be negative (L: a split round's first part)
             pad = np.pad(x, WINDOW // 2, mode="edge")
             level = np.median(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
-            parts[name] = (level, x - level, True)
+            parts[name] = (level, x - level, None, min(float(x.min()), 0.0))
             continue
         has = x > 0 if name in ("D", "D_pre") else np.ones(b.n, dtype=bool)
         pad = np.pad(np.where(has, x, np.nan), WINDOW // 2, mode="edge")
@@ -137,19 +139,25 @@ def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
             warnings.simplefilter("ignore", RuntimeWarning)
             level = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pad, WINDOW), axis=1)
         level = np.where(has & (level > 0), level, 0.0)  # 0: kept as it is
-        ratio = np.where(level > 0, x / np.where(level > 0, level, 1.0), 1.0)
+        some = np.flatnonzero(level > 0)
+        ratio = x[some] / level[some]
         # a ratio drawn onto another batch's level: where levels differ (a rare long gap among
         # short ones), the drawn total is not the trace's; scaled so that it is, on average
-        drawn = float(ratio.mean() * level.sum())
-        ratio *= float(x[level > 0].sum()) / drawn if drawn > 0 else 1.0
-        parts[name] = (level, ratio, False)
+        drawn = float(ratio.mean() * level[some].sum()) if len(some) else 0.0
+        ratio *= float(x[some].sum()) / drawn if drawn > 0 else 1.0
+        parts[name] = (level, ratio, some, 0.0)
     out = []
     for _ in range(k):
         idx = rng.integers(0, b.n, b.n)
         new = {}
-        for name, (level, noise, additive) in parts.items():
-            drawn = level + noise[idx] if additive else np.where(level > 0, level * noise[idx], getattr(b, name))
-            new[name] = drawn
+        for name, (level, noise, has_it, floor) in parts.items():
+            if has_it is None:  # additive, no lower than the trace went (one stream: L, T >= 0)
+                new[name] = np.maximum(level + noise[idx], floor)
+            elif len(has_it) == b.n:  # every batch has it: one draw for all components, as they come together
+                new[name] = level * noise[idx]
+            else:  # drawn among the batches that have it
+                pick = noise[rng.integers(0, len(has_it), b.n)] if len(has_it) else np.ones(b.n)
+                new[name] = np.where(level > 0, level * pick, getattr(b, name))
         out.append(replace(b, **new))
     return out
 
@@ -217,6 +225,12 @@ def two_streams(r0: float, main_end: float, pre_end: float, turn: float, main: f
     return ends[0], ends[1], ends[2], pre_end
 
 
+def _cold(cold: float, work: float) -> float:
+    """The cold start a part of `work` (ns, warm) pays: what the fit took off it
+    (whatif_probe.warm takes at most half of a part as it ran)."""
+    return min(cold, work)
+
+
 def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Timeline:
     """The moments of every round and batch (overlap: `whatif_share.shared` first where host
     and device slow each other). `split`: decodes and prefills on two streams; a batch's
@@ -241,18 +255,19 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
                 by_device = dev_end[i - 1] + b.T[i] if i else 0.0
                 held[i] = by_device > ready
                 dev_start[i] = max(ready, by_device)
-                cold = b.cold if dev_start[i] - idle_since >= COLD_GAP_NS else 0.0
-                dev_end[i] = dev_start[i] + b.D[i] + b.D_pre[i] + b.A[i] + cold
+                work = b.D[i] + b.D_pre[i] + b.A[i]
+                cold = _cold(b.cold, work) if dev_start[i] - idle_since >= COLD_GAP_NS else 0.0
+                dev_end[i] = dev_start[i] + work + cold
                 busy[i, 0] = dev_start[i], dev_end[i]
-                main_end = dev_end[i]
+                main_end = max(main_end, dev_end[i])
             else:
                 r0 = max(ready, pre_end)
                 turn = b.T[i] if i else 0.0
                 has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
                 # the first part to start on an idle device pays the cold start: the prefill,
                 # or the decodes where there is none (and the main stream had nothing left)
-                cold_pre = b.cold if has_pre and r0 - idle_since >= COLD_GAP_NS else 0.0
-                cold_main = b.cold if has_main and not has_pre and main_end <= r0 and \
+                cold_pre = _cold(b.cold, b.D_pre[i]) if has_pre and r0 - idle_since >= COLD_GAP_NS else 0.0
+                cold_main = _cold(b.cold, b.D[i] + b.A[i]) if has_main and not has_pre and \
                     max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS else 0.0
                 before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn,
                                                             b.D[i] + b.A[i] + cold_main, b.D_pre[i] + cold_pre, split)

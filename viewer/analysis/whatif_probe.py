@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from viewer.analysis.whatif_fit import Run, sharing
-from viewer.analysis.whatif_model import Batches, StreamShare
-from viewer.analysis.whatif_share import Rates, Sharing, alone
+from viewer.analysis.whatif_model import Batches, StreamShare, Timeline, simulate
+from viewer.analysis.whatif_share import Rates, Sharing, alone, as_run
 from viewer.analysis.whatif_streams import MIN_SHARE, parts_alone, stream_share
 
 
@@ -58,13 +58,13 @@ def rounds(meta: dict[str, Any], point: Probe, given: bool) -> list[Probe]:
                 for a, b, c, d in zip(prep, py, st, cold, strict=True)]
     except (KeyError, TypeError, ValueError):
         return []
-    if not rows or not all(math.isfinite(x) for r in rows for x in r):
+    if not rows or not all(len(r) == 7 and all(math.isfinite(x) for x in r) for r in rows):
         return []
 
     def clip(x: float) -> float:
         return min(max(x, 0.0), 1.0)
 
-    cold_applies = cold_ns(meta) > 0 or meta.get("config", {}).get("cpu_device") == "process"
+    cold_applies = meta.get("config", {}).get("cpu_device") == "process"  # as cold_ns says
     return [Probe(point.share if given else Sharing(Rates(clip(pd), clip(ph)), Rates(clip(yd), clip(yh))),
                   StreamShare(max(clip(sm), MIN_SHARE), max(clip(sp), MIN_SHARE)),
                   max(c, 0.0) * 1e6 if cold_applies else 0.0)
@@ -76,6 +76,12 @@ def warm(run: Run, b: Batches, cold: float) -> Batches:
     not the part's (never more than half the part)."""
     D, D_pre = (np.where(run.cold_at[:, k], np.maximum(x - cold, x / 2), x) for k, x in ((0, b.D), (1, b.D_pre)))
     return replace(b, D=D, D_pre=D_pre, cold=cold)
+
+
+def replayed(run: Run, p: Probe, overlapped: bool) -> tuple[Batches, Timeline]:
+    """The model's fit: the trace's batches as they ran, replayed."""
+    b = as_run(own(run, p, overlapped), p.share, overlapped)
+    return b, simulate(b, overlapped, p.streams if run.split else None)
 
 
 def own(run: Run, p: Probe, overlapped: bool) -> Batches:

@@ -103,8 +103,12 @@ def parts_alone(run: Run, b: Batches, s: StreamShare) -> Batches:
     om, op = _overlap(m0, m1, p0, p1), _overlap(p0, p1, m0, m1)
     main, pre = np.nan_to_num(m1 - m0), np.nan_to_num(p1 - p0)
     main_alone, pre_alone = main - om * (1 - s.main), pre - op * (1 - s.prefill)
-    scale = np.where(main > 0, main_alone / np.where(main > 0, main, 1.0), 1.0)
-    return replace(b, D=b.D * scale, D_pre=np.where(pre > 0, pre_alone, b.D_pre))
+    def scale(alone: np.ndarray, span: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.where(span > 0, alone / np.where(span > 0, span, 1.0), 1.0)
+        return out
+
+    # scaled, not replaced: the parts may already have lost their cold start (whatif_probe.warm)
+    return replace(b, D=b.D * scale(main_alone, main), D_pre=b.D_pre * scale(pre_alone, pre))
 
 
 def cost(run: Run, b: Batches) -> Cost:

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from viewer.analysis.whatif import WhatIfResult
+from viewer.analysis.whatif_model import COLD_GAP_NS
 from viewer.render.text import ms, status_line, trace_heading
 
 # (field, label, places): the report's names and units
@@ -50,7 +51,8 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                       f"stream's decodes keep {st.main:.2f} and the prefill stream's chunk {st.prefill:.2f} of their "
                       f"speeds ({r.streams_source})", highlight=False)
     if r.cold_start_ms > 0 and r.target_mode != r.mode:
-        console.print(f"a forward started on an idle device (0.5 ms or more) takes {r.cold_start_ms:.2f} ms longer "
+        console.print(f"a forward started on an idle device ({COLD_GAP_NS / 1e6:g} ms or more) takes "
+                      f"{r.cold_start_ms:.2f} ms longer "
                       "than one straight after other work (measured at start-up): a serial round's every batch, "
                       "few of overlap's", highlight=False)
     if r.backend.startswith("cpu") and r.target_comm_overlap != r.comm_overlap:
