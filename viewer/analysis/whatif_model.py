@@ -265,7 +265,7 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
                 turn = b.T[i] if i else 0.0
                 has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
                 # the first part to start on an idle device pays the cold start: the prefill,
-                # or the decodes where there is none (and the main stream had nothing left)
+                # or the decodes where there is none (after the main stream's turn, if it idled)
                 cold_pre = _cold(b.cold, b.D_pre[i]) if has_pre and r0 - idle_since >= COLD_GAP_NS else 0.0
                 cold_main = _cold(b.cold, b.D[i] + b.A[i]) if has_main and not has_pre and \
                     max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS else 0.0
