@@ -87,7 +87,7 @@ def test_an_engine_without_a_trace_or_room_is_not_probed(tmp_path):
 
 
 def test_a_bad_measurement_in_meta_is_not_used():
-    from viewer.analysis.whatif_fit import sharing
+    from viewer.analysis.whatif_probe import sharing
 
     good = {"device_rate": 0.5, "host_rate": 0.5}
     s, why = sharing({"contention": {"prepare": good, "python": {"device_rate": float("nan"), "host_rate": 1}}})

@@ -24,9 +24,9 @@ from viewer.analysis.whatif_model import (
     simulate,
     two_streams,
 )
-from viewer.analysis.whatif_probe import Probe, measured, replayed, rounds
+from viewer.analysis.whatif_probe import MIN_SHARE, Probe, measured, replayed, rounds, stream_share
 from viewer.analysis.whatif_share import Rates, Sharing
-from viewer.analysis.whatif_streams import MIN_SHARE, Cost, converted, parts_alone, stream_share
+from viewer.analysis.whatif_streams import Cost, converted, parts_alone
 
 
 def test_two_parts_share_the_device_then_the_longer_goes_alone():

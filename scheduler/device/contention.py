@@ -103,7 +103,7 @@ class Contention:
         return asdict(self)
 
 
-def blocks_needed(block_size: int) -> int:
+def _scratch_blocks(block_size: int) -> int:
     """The pool's last blocks the probe writes scratch K/V into."""
     return -(-(CONTEXT + 1) // block_size) * ROWS + -(-PREFILL_TOKENS // block_size)
 
@@ -112,7 +112,7 @@ def measure(streams: dict[str, Stream], ops: DeviceOps, block_size: int, num_blo
             registry: WaitRegistry) -> Contention:
     t_probe = now_ns()
     per_row = -(-(CONTEXT + 1) // block_size)
-    if blocks_needed(block_size) > num_blocks:
+    if _scratch_blocks(block_size) > num_blocks:
         raise NoRoom(f"the KV pool's {num_blocks} blocks cannot hold the contention probe's batch")
     seqs = [SeqChunk([1], CONTEXT, list(range(num_blocks - (r + 1) * per_row, num_blocks - r * per_row)), True)
             for r in range(ROWS)]

@@ -14,7 +14,6 @@ import pyarrow.compute as pc
 from probes import boundaries as B
 from tracing.reader import Trace
 from viewer.analysis.whatif_model import COLD_GAP_NS, Batches
-from viewer.analysis.whatif_share import Rates, Sharing
 from viewer.analysis.whatif_streams import split_on
 
 
@@ -25,25 +24,6 @@ class WhatIfError(ValueError):
 def tp_pp(cfg: dict[str, Any]) -> tuple[int, int]:
     """The run's tensor- and pipeline-parallel sizes, from its meta.json's config."""
     return int(cfg.get("tp", 1) or 1), int(cfg.get("pp", 1) or 1)
-
-
-def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Sharing, str]:
-    """How host and device slow each other while both work: `--contention` when given, else
-    what the engine measured at start-up (meta.json's `contention`), else not at all; and
-    where that comes from, in words."""
-    if contention is not None:
-        if not 0 <= contention <= 1:
-            raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
-        return Sharing.contention(contention), "given"
-    rec = meta.get("contention")
-    rec = rec if isinstance(rec, dict) else {}
-    try:
-        got = [(float(rec[k]["device_rate"]), float(rec[k]["host_rate"])) for k in ("prepare", "python")]
-    except (KeyError, TypeError, ValueError):
-        return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
-    if not all(0 <= x <= 1 for pair in got for x in pair):  # NaN too
-        return Sharing(), f"none measured (meta.json's contention holds rates outside 0-1: {got})"
-    return Sharing(*(Rates(*pair) for pair in got)), "measured at start-up"
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""What the engine's start-up probe measured (meta.json's `contention`), as the model takes
-it: how host and device slow each other (`whatif_share`), how the two streams do
+"""What the engine's start-up probe measured (meta.json's `contention`; this module alone
+reads it), as the model takes it: how host and device slow each other (`whatif_share`), how the two streams do
 (`whatif_streams`), and a forward's cold start after an idle device. `own` turns a trace's
 batches into each side's work alone with them; `rounds` gives the probe's measurements one
 by one, so that the intervals carry the probe's own spread (docs/whatif.md, "Intervals")."""
@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from viewer.analysis.whatif_fit import Run, sharing
+from viewer.analysis.whatif_fit import Run, WhatIfError
 from viewer.analysis.whatif_model import Batches, StreamShare, Timeline, simulate
 from viewer.analysis.whatif_share import Rates, Sharing, alone, as_run
-from viewer.analysis.whatif_streams import MIN_SHARE, parts_alone, stream_share
+from viewer.analysis.whatif_streams import parts_alone
+
+NOT_MEASURED = StreamShare()  # two streams no faster together than one after the other
+MIN_SHARE = 1e-3  # a stream stopped beside the other would never end
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,6 +26,39 @@ class Probe:
     share: Sharing  # host and device, beside the host's two kinds of work
     streams: StreamShare  # the main and prefill streams, beside each other
     cold_ns: float  # what a forward on an idle device takes longer (a device process only)
+
+
+def sharing(meta: dict[str, Any], contention: float | None = None) -> tuple[Sharing, str]:
+    """How host and device slow each other while both work: `--contention` when given, else
+    what the engine measured at start-up (meta.json's `contention`), else not at all; and
+    where that comes from, in words."""
+    if contention is not None:
+        if not 0 <= contention <= 1:
+            raise WhatIfError(f"--contention is a share of the host's work, from 0 to 1, not {contention:g}")
+        return Sharing.contention(contention), "given"
+    rec = meta.get("contention")
+    rec = rec if isinstance(rec, dict) else {}
+    try:
+        got = [(float(rec[k]["device_rate"]), float(rec[k]["host_rate"])) for k in ("prepare", "python")]
+    except (KeyError, TypeError, ValueError):
+        return Sharing(), f"none measured ({rec.get('why') or 'a trace from before the probe'})"
+    if not all(0 <= x <= 1 for pair in got for x in pair):  # NaN too
+        return Sharing(), f"none measured (meta.json's contention holds rates outside 0-1: {got})"
+    return Sharing(*(Rates(*pair) for pair in got)), "measured at start-up"
+
+
+def stream_share(meta: dict[str, Any]) -> tuple[StreamShare, str]:
+    """The rates the engine measured at start-up (meta.json's `contention.streams`), and
+    where they come from."""
+    rec = meta.get("contention")
+    got = rec.get("streams") if isinstance(rec, dict) else None
+    if isinstance(got, dict):
+        m, p = got.get("main_rate"), got.get("prefill_rate")
+        if all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in (m, p)):
+            # a stream stopped beside the other (0) would never end: a speed too small to show
+            return StreamShare(max(float(m), MIN_SHARE), max(float(p), MIN_SHARE)), "measured at start-up"  # type: ignore[arg-type]
+    why = rec.get("why") if isinstance(rec, dict) and "why" in rec else "no streams record"
+    return NOT_MEASURED, f"not measured ({why}): taken as no faster together than apart"
 
 
 def cold_ns(meta: dict[str, Any]) -> float:

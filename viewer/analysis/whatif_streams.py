@@ -27,8 +27,6 @@ from viewer.analysis.whatif_model import Batches, StreamShare
 if TYPE_CHECKING:
     from viewer.analysis.whatif_fit import Run
 
-NOT_MEASURED = StreamShare()  # two streams no faster together than one after the other
-MIN_SHARE = 1e-3
 
 
 def split_on(cfg: dict[str, Any], mode: str) -> bool:
@@ -36,20 +34,6 @@ def split_on(cfg: dict[str, Any], mode: str) -> bool:
     mode, unless --split-streams/--no-split-streams said otherwise."""
     asked = cfg.get("split_streams")
     return mode == "overlap" if asked is None else bool(asked)
-
-
-def stream_share(meta: dict[str, Any]) -> tuple[StreamShare, str]:
-    """The rates the engine measured at start-up (meta.json's `contention.streams`), and
-    where they come from."""
-    rec = meta.get("contention")
-    got = rec.get("streams") if isinstance(rec, dict) else None
-    if isinstance(got, dict):
-        m, p = got.get("main_rate"), got.get("prefill_rate")
-        if all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in (m, p)):
-            # a stream stopped beside the other (0) would never end: a speed too small to show
-            return StreamShare(max(float(m), MIN_SHARE), max(float(p), MIN_SHARE)), "measured at start-up"  # type: ignore[arg-type]
-    why = rec.get("why") if isinstance(rec, dict) and "why" in rec else "no streams record"
-    return NOT_MEASURED, f"not measured ({why}): taken as no faster together than apart"
 
 
 @dataclass(slots=True, frozen=True)
