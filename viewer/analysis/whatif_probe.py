@@ -1,6 +1,6 @@
 """What the engine's start-up probe measured (meta.json's `contention`; this module alone
-reads it), as the model takes it: how host and device slow each other (`whatif_share`), how the two streams do
-(`whatif_streams`), and a forward's cold start after an idle device. `own` turns a trace's
+reads it), as the model takes it: how host and device slow each other (`whatif_share`), how
+the two streams do (`whatif_streams`), and a forward's cold start after an idle device. `own` turns a trace's
 batches into each side's work alone with them; `rounds` gives the probe's measurements one
 by one, so that the intervals carry the probe's own spread (docs/whatif.md, "Intervals")."""
 
