@@ -162,6 +162,26 @@ def test_the_fit_replays_the_sample_as_it_ran(sample):
     assert lo.cycle_ms <= r.predicted.cycle_ms <= hi.cycle_ms
 
 
+def test_the_first_batchs_hand_over_is_no_guess_for_the_others():
+    """An overlap run's device is busy at nearly every launch: when only its first batch (launched
+    on a device idle since start-up) was held by its launch, the others' hand-over L is the
+    device's turn T, not that one cold sample; a serial run's T is its launches' L."""
+    from viewer.analysis.whatif_fit import _hand_over_guesses
+
+    n = 50
+    L_seen, T_seen = np.full(n, 2.0), np.full(n, 0.05)
+    L_seen[0], T_seen[0] = 1.1, np.inf  # the first batch: nothing ran before it
+    overlap = np.zeros(n, dtype=bool)
+    overlap[0] = True
+    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((0.05, 0.05))
+    serial = np.ones(n, dtype=bool)
+    L_seen[1:] = np.linspace(0.04, 0.08, n - 1)
+    assert _hand_over_guesses(L_seen, T_seen, serial) == pytest.approx((0.06, 0.06))
+    # both seen beyond the first: each its own median
+    overlap[1:4] = True
+    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((float(np.median(L_seen[1:4])), 0.05))
+
+
 def test_an_overlap_trace_replays_as_it_ran_whatever_the_rates():
     """Host and device slowing each other are taken out of an overlap trace and put back the
     same way: the fit does not depend on the rates."""
