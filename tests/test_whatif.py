@@ -164,9 +164,9 @@ def test_the_fit_replays_the_sample_as_it_ran(sample):
 
 def test_the_first_batchs_hand_over_is_no_guess_for_the_others():
     """An overlap run's device is busy at nearly every launch: when only its first batch (launched
-    on a device idle since start-up) was held by its launch, the others' hand-over L is the
-    device's turn T, not that one cold sample; a serial run's T is its launches' L."""
-    from viewer.analysis.whatif_fit import _hand_over_guesses
+    on a device idle since start-up) or a few were held by their launch, the others' hand-over L
+    is the device's turn T, not those samples; a serial run's T is its launches' L."""
+    from viewer.analysis.whatif_fit import MIN_SEEN, _hand_over_guesses
 
     n = 50
     L_seen, T_seen = np.full(n, 2.0), np.full(n, 0.05)
@@ -177,9 +177,13 @@ def test_the_first_batchs_hand_over_is_no_guess_for_the_others():
     serial = np.ones(n, dtype=bool)
     L_seen[1:] = np.linspace(0.04, 0.08, n - 1)
     assert _hand_over_guesses(L_seen, T_seen, serial) == pytest.approx((0.06, 0.06))
-    # both seen beyond the first: each its own median
+    # a few batches held by their launch are no estimate beside many held by the device ...
     overlap[1:4] = True
-    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((float(np.median(L_seen[1:4])), 0.05))
+    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((0.05, 0.05))
+    # ... MIN_SEEN are: each its own median
+    overlap[1:1 + MIN_SEEN] = True
+    assert _hand_over_guesses(L_seen, T_seen, overlap) == \
+        pytest.approx((float(np.median(L_seen[1:1 + MIN_SEEN])), 0.05))
 
 
 def test_an_overlap_trace_replays_as_it_ran_whatever_the_rates():

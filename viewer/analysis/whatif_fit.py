@@ -114,17 +114,27 @@ def _held_back(a_seen: np.ndarray, b_seen: np.ndarray, a_held: np.ndarray, a_gue
     return a, b
 
 
+# A latency seen on fewer batches than this is no estimate where the other was seen on more
+MIN_SEEN = 5
+
+
 def _hand_over_guesses(L_seen: np.ndarray, T_seen: np.ndarray, by_launch: np.ndarray) -> tuple[float, float]:
-    """The L and T of the batches the trace shows held back by the other: the median of the
-    batches each held back, or, never seen (a serial run never waits on its device), the
-    other's median: the device picking up work after a launch or after its last batch.
-    Not the first batch's L: its launch wakes a device idle since start-up, never the typical
-    hand-over, and an overlap run often holds that batch alone by its launch (its one sample
-    read 0.03-1.1 ms where the serial runs of the same workloads showed 0.05-0.16)."""
-    med_L, med_T = _median(L_seen[1:][by_launch[1:]]), _median(T_seen[~by_launch])
-    seen = med_L if med_L is not None else med_T
-    assert seen is not None  # two batches or more: the second was held by one or the other
-    return (seen if med_L is None else med_L), (seen if med_T is None else med_T)
+    """The L guessed for the batches the device held back, and the T for those their launch
+    held: the median of the batches that showed it; where fewer than MIN_SEEN did and the
+    other was seen on more, the other's median (the device picking up work after a launch or
+    after its last batch: a serial run never waits on its device, an overlap run's device is
+    busy at nearly every launch). Not the first batch's L: its launch wakes a device idle
+    since start-up, never the typical hand-over (an overlap run often holds that batch alone
+    by its launch: its one sample read 0.03-1.1 ms where the serial runs of the same
+    workloads showed 0.05-0.16)."""
+    L_s, T_s = L_seen[1:][by_launch[1:]], T_seen[~by_launch]
+
+    def guess(own: np.ndarray, other: np.ndarray) -> float:
+        got = _median(own if len(own) >= MIN_SEEN or len(own) >= len(other) else other)
+        assert got is not None  # two batches or more: the second was held by one or the other
+        return got
+
+    return guess(L_s, T_s), guess(T_s, L_s)
 
 
 def load(root: str | Path) -> Run:
