@@ -165,25 +165,34 @@ def test_the_fit_replays_the_sample_as_it_ran(sample):
 def test_the_first_batchs_hand_over_is_no_guess_for_the_others():
     """An overlap run's device is busy at nearly every launch: when only its first batch (launched
     on a device idle since start-up) or a few were held by their launch, the others' hand-over L
-    is the device's turn T, not those samples; a serial run's T is its launches' L."""
+    is the device's turn T, not those samples (and never negative, though a split trace's T
+    is); a serial run's T is its launches' L."""
     from viewer.analysis.whatif_fit import MIN_SEEN, _hand_over_guesses
 
     n = 50
     L_seen, T_seen = np.full(n, 2.0), np.full(n, 0.05)
     L_seen[0], T_seen[0] = 1.1, np.inf  # the first batch: nothing ran before it
-    overlap = np.zeros(n, dtype=bool)
-    overlap[0] = True
-    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((0.05, 0.05))
-    serial = np.ones(n, dtype=bool)
-    L_seen[1:] = np.linspace(0.04, 0.08, n - 1)
-    assert _hand_over_guesses(L_seen, T_seen, serial) == pytest.approx((0.06, 0.06))
+    by_launch = np.zeros(n, dtype=bool)
+    by_launch[0] = True
+    assert _hand_over_guesses(L_seen, T_seen, by_launch) == pytest.approx((0.05, 0.05))
     # a few batches held by their launch are no estimate beside many held by the device ...
-    overlap[1:4] = True
-    assert _hand_over_guesses(L_seen, T_seen, overlap) == pytest.approx((0.05, 0.05))
+    by_launch[1:4] = True
+    assert _hand_over_guesses(L_seen, T_seen, by_launch) == pytest.approx((0.05, 0.05))
     # ... MIN_SEEN are: each its own median
-    overlap[1:1 + MIN_SEEN] = True
-    assert _hand_over_guesses(L_seen, T_seen, overlap) == \
+    by_launch[1:1 + MIN_SEEN] = True
+    assert _hand_over_guesses(L_seen, T_seen, by_launch) == \
         pytest.approx((float(np.median(L_seen[1:1 + MIN_SEEN])), 0.05))
+    # a split trace's turns, mostly negative (prefills begun beside the batch before): a
+    # borrowed hand-over is not
+    by_launch[1:] = False
+    assert _hand_over_guesses(L_seen, np.full(n, -6.6), by_launch) == pytest.approx((0.0, -6.6))
+    # serial: every batch held by its launch, its T the launches' median (the first's left out)
+    L_seen[1:], T_seen[1:] = np.linspace(0.04, 0.08, n - 1), 9.0
+    assert _hand_over_guesses(L_seen, T_seen, np.ones(n, dtype=bool)) == pytest.approx((0.06, 0.06))
+    # a short trace: one sample each, each its own
+    three = np.array([True, True, False])
+    assert _hand_over_guesses(np.array([1.1, 0.3, 9.0]), np.array([np.inf, 9.0, 0.2]), three) == \
+        pytest.approx((0.3, 0.2))
 
 
 def test_an_overlap_trace_replays_as_it_ran_whatever_the_rates():

@@ -115,6 +115,7 @@ def _held_back(a_seen: np.ndarray, b_seen: np.ndarray, a_held: np.ndarray, a_gue
 
 
 # A latency seen on fewer batches than this is no estimate where the other was seen on more
+# (a median of one to four read -3.6 to +1.8 ms where a hundred batches of the other agreed)
 MIN_SEEN = 5
 
 
@@ -130,9 +131,14 @@ def _hand_over_guesses(L_seen: np.ndarray, T_seen: np.ndarray, by_launch: np.nda
     L_s, T_s = L_seen[1:][by_launch[1:]], T_seen[~by_launch]
 
     def guess(own: np.ndarray, other: np.ndarray) -> float:
-        got = _median(own if len(own) >= MIN_SEEN or len(own) >= len(other) else other)
-        assert got is not None  # two batches or more: the second was held by one or the other
-        return got
+        if len(own) >= MIN_SEEN or len(own) >= len(other):
+            got = _median(own)
+            assert got is not None  # two batches or more: the second was held by one or the other
+            return got
+        # borrowed, a hand-over's: never negative (in a split trace T is mostly negative, a
+        # batch's prefill begun beside the batch before; as every batch's L its median put
+        # prefills 6.6 ms before their launch)
+        return max(float(np.median(other)), 0.0)
 
     return guess(L_s, T_s), guess(T_s, L_s)
 
