@@ -1,0 +1,90 @@
+"""How long the scheduling thread's launch waits, and beside what: a diagnostic for the
+thread backend's shared GIL (BENCHMARKS.md, "The first batch's hand-over").
+
+    python bench/bench_launch_waits.py [--model small] [--requests 64] [--cpu-device thread]
+
+Runs `mstrace run` in this process once per mode (serial, then overlap), with the engine's
+`_launch` (step 4: prepare and enqueue a batch) timed in wall time and in its thread's own
+CPU time; their difference is time the thread was runnable or ready but not running: on a
+device thread, waiting for the GIL. Each launch is then placed against the run's own trace:
+did the sender thread deliver tokens (`response_deliver` rows) or the device compute
+(`device_compute` rows) while it ran? The wrapper is this script's, set before the engine
+starts; the engine has no hook for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probes.clock import now_ns  # noqa: E402
+from scheduler import engine as engine_mod  # noqa: E402
+from tracing.reader import Trace  # noqa: E402
+from viewer.cli import app  # noqa: E402
+
+
+def timed_launches(args: argparse.Namespace, mode: str, out: Path) -> np.ndarray:
+    """(start ns, wall ns, CPU ns) of every launch of one run."""
+    rec: list[tuple[int, int, int]] = []
+    launch = engine_mod.Engine._launch
+
+    def timed(self: engine_mod.Engine, *a: object, **k: object) -> object:
+        t, c = now_ns(), time.thread_time_ns()
+        try:
+            return launch(self, *a, **k)  # type: ignore[arg-type]
+        finally:
+            rec.append((t, now_ns() - t, time.thread_time_ns() - c))
+
+    engine_mod.Engine._launch = timed  # type: ignore[method-assign, assignment]
+    try:
+        app(["run", "--model", args.model, "--mode", mode, "--requests", str(args.requests),
+             "--cpu-device", args.cpu_device, "--out", str(out), "-q"], standalone_mode=False)
+    finally:
+        engine_mod.Engine._launch = launch  # type: ignore[method-assign]
+    return np.array(rec, dtype=np.int64)
+
+
+def beside(rec: np.ndarray, tr: Trace, boundary: str) -> np.ndarray:
+    """Per launch, ns of `boundary`'s rows inside it."""
+    p = tr.table("probes", ["ts_ns", "dur_ns", "boundary"])
+    p = p.filter(pc.equal(p["boundary"], boundary))
+    s0 = p["ts_ns"].to_numpy()
+    s1 = s0 + p["dur_ns"].to_numpy()
+    a, b = rec[:, 0], rec[:, 0] + rec[:, 1]
+    return np.array([np.clip(np.minimum(s1, hi) - np.maximum(s0, lo), 0, None).sum() for lo, hi in zip(a, b, strict=True)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
+    args = ap.parse_args()
+
+    def ms(x: np.ndarray) -> str:
+        return f"{np.median(x) / 1e6:.3f}" if len(x) else "-"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("serial", "overlap"):
+            out = Path(tmp) / mode
+            rec = timed_launches(args, mode, out)
+            tr = Trace.open(out)
+            wait = rec[:, 1] - rec[:, 2]
+            sender = beside(rec, tr, "response_deliver") > 0
+            device = beside(rec, tr, "device_compute") > 0
+            print(f"{args.model} {args.cpu_device} {mode}: {len(rec)} launches, median wall {ms(rec[:, 1])} ms, "
+                  f"CPU {ms(rec[:, 2])} ms, waiting {ms(wait)} ms; beside the sender's delivery "
+                  f"{int(sender.sum())} (waiting {ms(wait[sender])} ms), not ({int((~sender).sum())}: "
+                  f"{ms(wait[~sender])} ms); beside device work {int(device.sum())}")
+
+
+if __name__ == "__main__":
+    main()
