@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from probes.clock import now_ns  # noqa: E402
 from scheduler import engine as engine_mod  # noqa: E402
 from tracing.reader import Trace  # noqa: E402
+from viewer.analysis.intervals import Coverage  # noqa: E402
 from viewer.cli import app  # noqa: E402
 
 
@@ -53,13 +54,12 @@ def timed_launches(args: argparse.Namespace, mode: str, out: Path) -> np.ndarray
 
 
 def beside(rec: np.ndarray, tr: Trace, boundary: str) -> np.ndarray:
-    """Per launch, ns of `boundary`'s rows inside it."""
+    """Per launch, ns of `boundary`'s rows inside it (rows that overlap each other count once)."""
     p = tr.table("probes", ["ts_ns", "dur_ns", "boundary"])
     p = p.filter(pc.equal(p["boundary"], boundary))
     s0 = p["ts_ns"].to_numpy()
-    s1 = s0 + p["dur_ns"].to_numpy()
-    a, b = rec[:, 0], rec[:, 0] + rec[:, 1]
-    return np.array([np.clip(np.minimum(s1, hi) - np.maximum(s0, lo), 0, None).sum() for lo, hi in zip(a, b, strict=True)])
+    busy = Coverage(s0, s0 + p["dur_ns"].to_numpy())
+    return busy.covered(rec[:, 0], rec[:, 0] + rec[:, 1])
 
 
 def main() -> None:
