@@ -1,5 +1,6 @@
-"""How long the scheduling thread's launch waits, and beside what: a diagnostic for the
-thread backend's shared GIL (BENCHMARKS.md, "The first batch's hand-over").
+"""How long the scheduling thread's launch waits, and beside what, and what a device
+thread's forward costs in each mode: a diagnostic for the thread backend's shared GIL
+(BENCHMARKS.md, "The first batch's hand-over").
 
     python bench/bench_launch_waits.py [--model small] [--requests 64] [--cpu-device thread]
 
@@ -8,8 +9,11 @@ Runs `mstrace run` in this process once per mode (serial, then overlap), with th
 CPU time; their difference is time the thread was runnable or ready but not running: on a
 device thread, waiting for the GIL. Each launch is then placed against the run's own trace:
 did the sender thread deliver tokens (`response_deliver` rows) or the device compute
-(`device_compute` rows) while it ran? The wrapper is this script's, set before the engine
-starts; the engine has no hook for it.
+(`device_compute` rows) while it ran? With `--cpu-device thread` the device's forwards
+(`LocalDevice.run_model`, the probe's excluded) are timed the same way, on the device
+thread: its CPU time beside the wall says how much of an overlap run's longer forward is
+waiting for the GIL and how much is the same work done slower. The wrappers are this
+script's, set before the engine starts; the engine has no hook for them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,30 +32,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from probes.clock import now_ns  # noqa: E402
 from scheduler import engine as engine_mod  # noqa: E402
+from scheduler.device.local_device import LocalDevice  # noqa: E402
 from tracing.reader import Trace  # noqa: E402
 from viewer.analysis.intervals import Coverage  # noqa: E402
 from viewer.cli import app  # noqa: E402
 
 
-def timed_launches(args: argparse.Namespace, mode: str, out: Path) -> np.ndarray:
-    """(start ns, wall ns, CPU ns) of every launch of one run."""
-    rec: list[tuple[int, int, int]] = []
-    launch = engine_mod.Engine._launch
+def timed(cls: type, name: str, rec: list[tuple[int, int, int]], keep: Callable[..., bool]) -> Callable[[], None]:
+    """Wrap `cls.name` to append (start ns, wall ns, its thread's CPU ns) of the calls `keep`
+    accepts to `rec`; returns the undo."""
+    f = getattr(cls, name)
 
-    def timed(self: engine_mod.Engine, *a: object, **k: object) -> object:
+    def wrapped(*a: object, **k: object) -> object:
         t, c = now_ns(), time.thread_time_ns()
         try:
-            return launch(self, *a, **k)  # type: ignore[arg-type]
+            return f(*a, **k)
         finally:
-            rec.append((t, now_ns() - t, time.thread_time_ns() - c))
+            if keep(*a, **k):
+                rec.append((t, now_ns() - t, time.thread_time_ns() - c))
 
-    engine_mod.Engine._launch = timed  # type: ignore[method-assign, assignment]
+    setattr(cls, name, wrapped)
+    return lambda: setattr(cls, name, f)
+
+
+def timed_run(args: argparse.Namespace, mode: str, out: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(start ns, wall ns, CPU ns) of every launch of one run, and of every forward of its device thread."""
+    launches: list[tuple[int, int, int]] = []
+    forwards: list[tuple[int, int, int]] = []
+    undo = [timed(engine_mod.Engine, "_launch", launches, lambda *a, **k: True),
+            # run_model(self, prepared, slots, step): the start-up probe's forwards have step -1
+            timed(LocalDevice, "run_model", forwards, lambda *a, **k: int(k.get("step", a[3] if len(a) > 3 else -1)) >= 0)]
     try:
         app(["run", "--model", args.model, "--mode", mode, "--requests", str(args.requests),
              "--cpu-device", args.cpu_device, "--out", str(out), "-q"], standalone_mode=False)
     finally:
-        engine_mod.Engine._launch = launch  # type: ignore[method-assign]
-    return np.array(rec, dtype=np.int64)
+        for u in undo:
+            u()
+    return np.array(launches, dtype=np.int64).reshape(-1, 3), np.array(forwards, dtype=np.int64).reshape(-1, 3)
 
 
 def beside(rec: np.ndarray, tr: Trace, boundary: str) -> np.ndarray:
@@ -75,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("serial", "overlap"):
             out = Path(tmp) / mode
-            rec = timed_launches(args, mode, out)
+            rec, fwd = timed_run(args, mode, out)
             tr = Trace.open(out)
             wait = rec[:, 1] - rec[:, 2]
             sender = beside(rec, tr, "response_deliver") > 0
@@ -84,6 +102,10 @@ def main() -> None:
                   f"CPU {ms(rec[:, 2])} ms, waiting {ms(wait)} ms; beside the sender's delivery "
                   f"{int(sender.sum())} (waiting {ms(wait[sender])} ms), not ({int((~sender).sum())}: "
                   f"{ms(wait[~sender])} ms); beside device work {int(device.sum())}")
+            if len(fwd):  # a device thread's forwards (a device process runs them elsewhere)
+                print(f"  device thread: {len(fwd)} forwards, median wall {ms(fwd[:, 1])} ms, CPU {ms(fwd[:, 2])} ms, "
+                      f"waiting {ms(fwd[:, 1] - fwd[:, 2])} ms; in all {fwd[:, 1].sum() / 1e9:.3f} s wall, "
+                      f"{fwd[:, 2].sum() / 1e9:.3f} s CPU")
 
 
 if __name__ == "__main__":
