@@ -5,6 +5,7 @@ known delays."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -229,6 +230,37 @@ def test_cli_text_and_json():
     assert rc == 0, err
     d = json.loads(out)
     assert d["mode"] == d["target_mode"] == "overlap" and d["status"]["state"] == "complete"
+
+
+def test_against_puts_the_run_predicted_beside_the_prediction(tmp_path):
+    rc, out, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--against",
+                       str(SAMPLES / "sample-overlap"), "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    c, other = d["against"], whatif(SAMPLES / "sample-overlap")
+    assert c["mode"] == "overlap" and c["figures_checked"] == 6
+    assert c["measured"].keys() == d["predicted"].keys() and c["measured"]["cycle_ms"] == other.measured.cycle_ms
+    for k, m in c["measured"].items():
+        p, lo, hi = d["predicted"][k], d["predicted_low"][k], d["predicted_high"][k]
+        assert c["error_pct"][k] == pytest.approx(100 * (p / m - 1))
+        assert c["inside_interval"][k] == (lo <= m <= hi)
+    assert c["figures_inside"] == sum(c["inside_interval"].values())
+    rc, out, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--against",
+                       str(SAMPLES / "sample-overlap"))
+    assert rc == 0 and "against " in out and f"{c['figures_inside']} of 6 measured figures inside" in out, err
+    assert "against" not in json.loads(cli("whatif", str(SAMPLES / "sample-serial"), "--json")[1])
+    # another workload: the same run, its workload's digest changed
+    moved = tmp_path / "other"
+    shutil.copytree(SAMPLES / "sample-overlap", moved)
+    meta = json.loads((moved / "meta.json").read_text())
+    meta["workload"]["digest"] = "0" * 64
+    (moved / "meta.json").write_text(json.dumps(meta))
+    for against, args, msg in ((moved, ["--mode", "overlap"], "ran another workload than this trace"),
+                               (SAMPLES / "sample-overlap", [], "ran in overlap mode; this prediction is of serial"),
+                               (SAMPLES / "sample-deadlock", [], "not a complete run"),
+                               (tmp_path / "nowhere", [], "not found")):
+        rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"), *args, "--against", str(against))
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -467,6 +467,9 @@ def whatif(
                                                      "else 0 (docs/whatif.md).")] = None,
     comm_overlap: Annotated[str | None, typer.Option("--comm-overlap", help="on or off: a TP trace's all-reduces "
                                                      "hidden behind the other half-batch, or not.")] = None,
+    against: Annotated[Path | None, typer.Option("--against", help="A trace of the run predicted (the other mode, "
+                                                 "the boundary changed): its numbers beside the prediction's, each "
+                                                 "error, and whether it fell inside the interval.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
 ) -> None:
     """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone."""
@@ -478,7 +481,8 @@ def whatif(
     from viewer.render.whatif import render_whatif
 
     try:
-        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention, comm_overlap=comm_overlap)
+        res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention, comm_overlap=comm_overlap,
+                      against=against)
     except (TraceError, WhatIfError) as e:
         fail(str(e))
     if json_out:

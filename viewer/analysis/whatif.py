@@ -9,7 +9,7 @@ predicted collect. The serving numbers use the report's own definitions
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import numpy as np
 from probes import boundaries as B
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from viewer.analysis.records import JsonRecord
+from viewer.analysis.records import OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_rounds
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import Run, WhatIfError, load, tp_pp
@@ -97,6 +97,21 @@ class PathRow:
 
 
 @dataclass(slots=True)
+class Check:
+    """The prediction beside a measured run of what it predicts (`--against`): the model
+    checked on the user's own machine, as bench/bench_whatif.py checks it here."""
+
+    trace: str  # the other run's folder, as given (a complete run: a partial one is refused)
+    mode: str  # its mode: the target's
+    measured: Figures  # its report's numbers
+    error_pct: Figures  # predicted / measured - 1, in percent
+    # per figure, whether the measured value lies inside the prediction's 95% interval (None: no value)
+    inside_interval: dict[str, bool | None]
+    figures_inside: int  # figures whose measured value lies inside
+    figures_checked: int  # figures with a value on both sides
+
+
+@dataclass(slots=True)
 class WhatIfResult(JsonRecord):
     """Everything `whatif` shows (its to_json() is what --json prints)."""
 
@@ -129,6 +144,7 @@ class WhatIfResult(JsonRecord):
     critical_path: list[PathRow]
     device_bound_batches: int  # predicted batches the device started straight after the one before
     host_bound_batches: int  # ... it started only once the host launched them: it sat idle before
+    against: Check | Omitted = OMITTED  # only with --against: the prediction beside the run it predicts
 
 
 def _figures(run: Run, b: Batches, tl: Timeline) -> Figures:
@@ -161,10 +177,13 @@ def _asked(b: Batches, speedups: list[Speedup]) -> Batches:
 
 
 def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | None = None,
-           contention: float | None = None, seed: int = 0, comm_overlap: str | None = None) -> WhatIfResult:
+           contention: float | None = None, seed: int = 0, comm_overlap: str | None = None,
+           against: str | Path | None = None) -> WhatIfResult:
     """`contention` None: host and device slow each other as the engine measured at start-up
-    (not at all where it did not)."""
+    (not at all where it did not). `against`: a run of what is predicted, to check the
+    prediction against (`Check`)."""
     run = load(root)
+    other = Trace.open(against) if against is not None else None  # a bad folder fails before the model runs
     point, source, streams_source = measured(run.trace.meta, contention)
     share, streams = point.share, point.streams
     speedups = speedups or []
@@ -205,6 +224,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
     fit, fit_tl = replayed(run, point, was_overlap)
+    check = OMITTED if other is None else _check(other, str(against), run, target, comm_overlap or tr_comm,
+                                                 predicted, lo, hi)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
@@ -214,7 +235,40 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, fit_tl),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
+        against=check,
     )
+
+
+def _check(other: Trace, name: str, run: Run, target: str, comm: str | None, predicted: Figures, lo: Figures,
+           hi: Figures) -> Check:
+    """The prediction beside `other`, a run of what it predicts: refused in one line where
+    `other` ran another mode or comm setting, or served another workload."""
+    if not other.status.complete:
+        raise WhatIfError(f"--against: {name} is {other.status.state}, not a complete run: its numbers are not "
+                          "the whole run's")
+    mode = other.meta.get("config", {}).get("mode", "serial")
+    if mode != target:
+        raise WhatIfError(f"--against: {name} ran in {mode} mode; this prediction is of {target} mode")
+    if trace_setting(other.meta) != comm:
+        raise WhatIfError(f"--against: {name} ran with --comm-overlap {trace_setting(other.meta)}; this "
+                          f"prediction is of {comm}")
+    # `mstrace run` records its workload's digest; a served run has none, so its requests are counted
+    digests = [t.meta.get("workload", {}).get("digest") for t in (run.trace, other)]
+    n = other.table("requests", ["request_id"]).num_rows
+    if (digests[0] != digests[1] if None not in digests else n != run.requests.num_rows):
+        raise WhatIfError(f"--against: {name} ran another workload than this trace ("
+                          + ("their workload digests differ" if None not in digests
+                             else f"{n} requests against {run.requests.num_rows}") + ")")
+    m = _measured(other)
+    got, p, low, high = (f.array() for f in (m, predicted, lo, hi))
+    has = ~np.isnan(got) & ~np.isnan(p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.where(has & (got != 0), 100 * (p / got - 1), np.nan)
+    inside = has & (low <= got) & (got <= high)
+    names = [f.name for f in fields(Figures)]
+    return Check(name, mode, m, Figures.of(err),
+                 {k: bool(inside[i]) if has[i] else None for i, k in enumerate(names)},
+                 int(inside.sum()), int(has.sum()))
 
 
 def _interval(table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:
@@ -284,5 +338,5 @@ def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
             for k, (total, on) in sorted(rows.items(), key=lambda kv: -kv[1][1]) if total > 0]
 
 
-__all__ = ["MODES", "Speedup", "WhatIfError", "WhatIfResult", "whatif"]
+__all__ = ["MODES", "Check", "Speedup", "WhatIfError", "WhatIfResult", "whatif"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from viewer.analysis.whatif import WhatIfResult
+from viewer.analysis.whatif import Check, WhatIfResult
 from viewer.analysis.whatif_model import COLD_GAP_NS
 from viewer.render.text import ms, status_line, trace_heading
 
@@ -33,6 +33,8 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
         t.add_row(label, ms(m, places), ms(f, places), ms(p, places), f"{ms(lo, places)}-{ms(hi, places)}",
                   _change(p, f))
     console.print(t)
+    if isinstance(r.against, Check):
+        _render_check(console, r, r.against)
     if r.backend.startswith("cpu") and r.target_mode != r.mode:
         p, y = r.rates_beside_prepare, r.rates_beside_python
         console.print(f"[yellow]{r.backend}: the host and the emulated device share this machine's cores"
@@ -72,3 +74,20 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
     console.print(c)
     console.print(f"the device waits for the host's launch before {r.host_bound_batches} of {r.batches} predicted "
                   f"batches and runs {r.device_bound_batches} straight after the batch before", highlight=False)
+
+
+def _render_check(console: Console, r: WhatIfResult, c: Check) -> None:
+    console.print(f"against {c.trace}, the same workload run in {c.mode} mode", highlight=False)
+    t = Table(header_style="bold")
+    for col in ("", "predicted", "95% interval", "measured", "error", "inside"):
+        t.add_column(col, justify="left" if not col else "right")
+    for name, label, places in _ROWS:
+        p, lo, hi, m, e = (getattr(o, name) for o in (r.predicted, r.predicted_low, r.predicted_high, c.measured,
+                                                      c.error_pct))
+        inside = c.inside_interval[name]
+        t.add_row(label, ms(p, places), f"{ms(lo, places)}-{ms(hi, places)}", ms(m, places),
+                  "—" if e is None else f"{e:+.1f}%", "—" if inside is None else "yes" if inside else "no")
+    console.print(t)
+    console.print(f"{c.figures_inside} of {c.figures_checked} measured figures inside the 95% interval, which covers "
+                  "the rounds' own variation and the start-up probe's, not the machine's drift between two runs "
+                  "(docs/whatif.md)", highlight=False)
