@@ -29,7 +29,7 @@ from common import OUT, REPO, load, mstrace_run
 
 sys.path.insert(0, str(REPO))
 from tracing.reader import Trace  # noqa: E402
-from viewer.analysis.whatif import Speedup, WhatIfResult, whatif  # noqa: E402
+from viewer.analysis.whatif import Check, Speedup, WhatIfResult, whatif  # noqa: E402
 
 # The truth harness's places, and the boundary each is charged to (tests/test_truth.py).
 PLACE_BOUNDARY = {"device_compute": "device_compute", "bookkeeping": "bookkeeping",
@@ -38,32 +38,34 @@ PLACE_BOUNDARY = {"device_compute": "device_compute", "bookkeeping": "bookkeepin
 FIGS = (("output_tok_per_s", "tok/s", 0), ("itl_ms_p50", "ITL p50 ms", 2), ("cycle_ms", "cycle ms", 2))
 
 
-def _row(label: str, r: WhatIfResult, measured: WhatIfResult) -> dict[str, float]:
-    """One prediction against the run it predicts: relative errors and interval hits."""
+def _row(label: str, r: WhatIfResult) -> dict[str, float]:
+    """One prediction against the run it predicts (whatif's `against`): relative errors and interval hits."""
+    c = r.against
+    assert isinstance(c, Check)
     out: dict[str, float] = {}
     cells = []
     for name, short, places in FIGS:
-        p, m = getattr(r.predicted, name), getattr(measured.measured, name)
-        lo, hi = getattr(r.predicted_low, name), getattr(r.predicted_high, name)
-        err = p / m - 1
-        hit = lo <= m <= hi
-        out[name], out[name + "_hit"] = err, float(hit)
+        p, m, err, hit = (getattr(r.predicted, name), getattr(c.measured, name), getattr(c.error_pct, name) / 100,
+                          c.inside_interval[name])
+        out[name], out[name + "_hit"] = err, float(bool(hit))
         cells.append(f"{short} {p:.{places}f} vs {m:.{places}f} ({100 * err:+.1f}%, {'in' if hit else 'out'})")
     print(f"  {label:<18} " + "; ".join(cells), flush=True)
     return out
 
 
 def modes(a: argparse.Namespace) -> None:
-    _pairs(a, "mode", ("serial", "overlap"), lambda out, to: whatif(out, to, contention=a.contention))
+    _pairs(a, "mode", ("serial", "overlap"),
+           lambda out, to, other: whatif(out, to, contention=a.contention, against=other))
 
 
 def comm(a: argparse.Namespace) -> None:
     _pairs(a, "comm-overlap", ("off", "on"),
-           lambda out, to: whatif(out, comm_overlap=to, contention=a.contention), "--tp", str(a.tp))
+           lambda out, to, other: whatif(out, comm_overlap=to, contention=a.contention, against=other),
+           "--tp", str(a.tp))
 
 
 def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
-           predict: Callable[[Path, str], WhatIfResult], *more: str) -> None:
+           predict: Callable[[Path, str, Path], WhatIfResult], *more: str) -> None:
     """Each run: one run per value of `--flag` (same seed; the order alternates run by run),
     each predicted from the other."""
     flags = ["--model", a.model, "--requests", str(a.requests), "--seed", "0", "--cpu-device", a.cpu_device,
@@ -76,10 +78,9 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
         out = {v: OUT / "whatif" / f"{a.model}-{a.cpu_device}{''.join(more)}" / f"{flag}-{v}-{i}" for v in order}
         for v in order:
             mstrace_run(out[v], *flags, f"--{flag}", v)
-        own = {v: whatif(out[v]) for v in order}
         print(f"run {i}:")
-        rows[f"{y} from {x}"].append(_row(f"{y} from {x}", predict(out[x], y), own[y]))
-        rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x), own[x]))
+        rows[f"{y} from {x}"].append(_row(f"{y} from {x}", predict(out[x], y, out[y])))
+        rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x, out[x])))
     print(f"load after: {load()}")
     print(f"\n{' '.join((a.model, a.cpu_device, *more))}, {a.requests} requests, {a.runs} runs, "
           f"--contention {'not given' if a.contention is None else f'{a.contention:g}'}: median |error|, "
