@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -124,6 +126,20 @@ def fail(msg: str, code: int = BAD_INPUT) -> NoReturn:
     raise typer.Exit(code)
 
 
+@contextmanager
+def refused(*errors: type[Exception], io: str | None = None) -> Iterator[None]:
+    """An error of these kinds (bad input the analyses name) is the command's one-line error;
+    with `io`, so is an OSError ("cannot {io}: why (the file)": a read-only folder, a full disk)."""
+    try:
+        yield
+    except errors as e:
+        fail(str(e))
+    except OSError as e:
+        if io is None:
+            raise
+        fail(f"cannot {io}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
+
+
 def require(what: str, *extras: str) -> None:
     """Exit 2 with one line if an extra that `what` needs is not installed (viewer/extras.py)."""
     from viewer.extras import message, missing
@@ -198,17 +214,13 @@ def report(
     from viewer.analysis.report import build_report
     from viewer.render.report import render_report
 
-    try:
+    with refused(TraceError, io=f"write {html_out}"):
         window = _window(trace, rounds, time_window, request, worst)
         rep = build_report(trace)
         if html_out is not None:
             from viewer.export.html import report_html
 
             report_html(trace, html_out, rep, window)
-    except TraceError as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
         print(json.dumps(rep.to_json(), indent=2))
     else:
@@ -229,14 +241,12 @@ def stalls(
     from viewer.render.stalls import render_stalls
     from viewer.render.text import status_line
 
-    try:
+    with refused(TraceError):
         tr = Trace.open(trace)
         if "import" in tr.meta:
             fail(f"{trace} is an imported profiler trace: no watchdog ran, so no stall was caught or ruled out; "
                  f"its longest waits on the device are in `mstrace report {trace}` (waits by caller)")
         res = build_stalls(tr, str(trace))
-    except TraceError as e:
-        fail(str(e))
     if json_out:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -259,7 +269,7 @@ def leaks(
     from viewer.render.leaks import render_leaks
     from viewer.render.text import status_line
 
-    try:
+    with refused(TraceError):
         tr = Trace.open(trace)
         if "import" in tr.meta:
             fail(f"{trace} is an imported profiler trace: a profiler sees no engine's KV block table, so its "
@@ -267,8 +277,6 @@ def leaks(
         if not tr.meta.get("config", {}).get("probes", True):
             fail(f"{trace} was recorded with --no-probes: it has no memory table, so its leaks cannot be known")
         res = build_leaks(tr, str(trace))
-    except TraceError as e:
-        fail(str(e))
     if json_out:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -313,12 +321,10 @@ def view(
 
     from tracing.reader import TraceError
 
-    try:
+    with refused(TraceError):
         from viewer.tui.view_app import ViewApp
 
         app_ = ViewApp(trace, _window(trace, rounds, time_window, request, worst))
-    except TraceError as e:
-        fail(str(e))
     if not sys.stdout.isatty():
         fail("view draws in a terminal, and stdout is not one (the same tables as text: mstrace report)")
     app_.run()
@@ -405,12 +411,9 @@ def compact(
     from tracing.compact_trace import compact_trace
     from tracing.reader import TraceError
 
-    try:
+    # a read-only trace, a full disk: the manifest commits all or nothing
+    with refused(TraceError, io=f"compact {trace}"):
         res = compact_trace(trace)
-    except TraceError as e:
-        fail(str(e))
-    except OSError as e:  # a read-only trace, a full disk: the manifest commits all or nothing
-        fail(f"cannot compact {trace}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
     console.print(f"{escape(str(trace))}: {res.parts_before} parts -> {res.parts_after} ({res.merges} merges); "
                   f"removed {res.removed} uncommitted files", highlight=False, soft_wrap=True)
 
@@ -436,16 +439,12 @@ def diff(
     from viewer.analysis.diff import build_diff
     from viewer.render.diff import render_diff
 
-    try:
+    with refused(TraceError, io=f"write {html_out}"):
         d = build_diff(a, b)
         if html_out is not None:
             from viewer.export.html import diff_html
 
             diff_html(a, b, html_out, d)
-    except TraceError as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"cannot write {html_out}: {e.strerror or e}")
     if json_out:
         print(json.dumps(d.to_json(), indent=2))
     else:
@@ -480,11 +479,9 @@ def whatif(
     from viewer.analysis.whatif import whatif as predict
     from viewer.render.whatif import render_whatif
 
-    try:
+    with refused(TraceError, WhatIfError):
         res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention, comm_overlap=comm_overlap,
                       against=against)
-    except (TraceError, WhatIfError) as e:
-        fail(str(e))
     if json_out:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -519,7 +516,7 @@ def export(
     if windowing and perfetto is None:
         fail("--rounds, --time, --request and --worst choose what --perfetto writes: add --perfetto OUT.pftrace")
     require("mstrace export", *(("perfetto",) if perfetto else ()), *(("otlp",) if otlp else ()))
-    try:
+    with refused(TraceError, io="write or send"):
         if perfetto is not None:
             from viewer.export.perfetto import export_perfetto
 
@@ -538,10 +535,6 @@ def export(
             n = replay_spans(trace, otlp)
             console.print(f"{escape(otlp)}: {n.spans} spans of {n.requests} requests sent", highlight=False,
                           soft_wrap=True)
-    except TraceError as e:
-        fail(str(e))
-    except OSError as e:
-        fail(f"cannot write or send: {e}")
 
 
 @app.command()
@@ -560,7 +553,7 @@ def sql(
 
     if fmt not in ("table", "csv", "json"):
         fail(f"--format must be table, csv or json, not {fmt!r}")
-    try:
+    with refused(TraceError, SqlError):
         db = TraceDb(trace)
         if query is None:
             for view, cols in db.describe():
@@ -568,8 +561,6 @@ def sql(
                               soft_wrap=True)
             return
         res = db.query(query)
-    except (TraceError, SqlError) as e:
-        fail(str(e))
     render(res, fmt, sys.stdout)
 
 
