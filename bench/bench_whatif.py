@@ -45,10 +45,13 @@ def _row(label: str, r: WhatIfResult) -> dict[str, float]:
     out: dict[str, float] = {}
     cells = []
     for name, short, places in FIGS:
-        p, m, err, hit = (getattr(r.predicted, name), getattr(c.measured, name), getattr(c.error_pct, name) / 100,
+        p, m, err, hit = (getattr(r.predicted, name), getattr(c.measured, name), getattr(c.error_pct, name),
                           c.inside_interval[name])
-        out[name], out[name + "_hit"] = err, float(bool(hit))
-        cells.append(f"{short} {p:.{places}f} vs {m:.{places}f} ({100 * err:+.1f}%, {'in' if hit else 'out'})")
+        if err is None or hit is None:  # a figure one side lacks (no ITL): not counted
+            cells.append(f"{short} -")
+            continue
+        out[name], out[name + "_hit"] = err / 100, float(hit)
+        cells.append(f"{short} {p:.{places}f} vs {m:.{places}f} ({err:+.1f}%, {'in' if hit else 'out'})")
     print(f"  {label:<18} " + "; ".join(cells), flush=True)
     return out
 
@@ -86,8 +89,9 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
           f"--contention {'not given' if a.contention is None else f'{a.contention:g}'}: median |error|, "
           "measured in interval")
     for label, rs in rows.items():
-        cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in rs):.1f}% "
-                 f"({int(sum(r[name + '_hit'] for r in rs))}/{len(rs)} in)" for name, short, _ in FIGS]
+        cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in had):.1f}% "
+                 f"({int(sum(r[name + '_hit'] for r in had))}/{len(had)} in)" if had else f"{short} -"
+                 for name, short, _ in FIGS for had in ([r for r in rs if name in r],)]
         print(f"  {label:<20} " + "; ".join(cells))
 
 

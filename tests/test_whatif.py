@@ -249,18 +249,44 @@ def test_against_puts_the_run_predicted_beside_the_prediction(tmp_path):
                        str(SAMPLES / "sample-overlap"))
     assert rc == 0 and "against " in out and f"{c['figures_inside']} of 6 measured figures inside" in out, err
     assert "against" not in json.loads(cli("whatif", str(SAMPLES / "sample-serial"), "--json")[1])
-    # another workload: the same run, its workload's digest changed
-    moved = tmp_path / "other"
-    shutil.copytree(SAMPLES / "sample-overlap", moved)
-    meta = json.loads((moved / "meta.json").read_text())
-    meta["workload"]["digest"] = "0" * 64
-    (moved / "meta.json").write_text(json.dumps(meta))
-    for against, args, msg in ((moved, ["--mode", "overlap"], "ran another workload than this trace"),
+    # copies of the overlap run, one thing changed in each
+    def changed(name: str, edit) -> Path:
+        out = tmp_path / name
+        shutil.copytree(SAMPLES / "sample-overlap", out)
+        meta = json.loads((out / "meta.json").read_text())
+        edit(meta)
+        (out / "meta.json").write_text(json.dumps(meta))
+        return out
+
+    workload = changed("workload", lambda m: m["workload"].update(digest="0" * 64))
+    streams = changed("streams", lambda m: m["config"].update(split_streams=False))
+    model = changed("model", lambda m: m["model"].update(name="other"))
+    for against, args, msg in ((workload, ["--mode", "overlap"], "ran different workloads"),
+                               (streams, ["--mode", "overlap"], "ran with split streams off; this prediction has "
+                                                                "them on"),
+                               (model, ["--mode", "overlap"], "ran different models"),
                                (SAMPLES / "sample-overlap", [], "ran in overlap mode; this prediction is of serial"),
+                               (SAMPLES / "sample-serial", ["--speedup", "batch_prepare=0.5"],
+                                "is the trace the prediction is made from"),
                                (SAMPLES / "sample-deadlock", [], "not a complete run"),
                                (tmp_path / "nowhere", [], "not found")):
         rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"), *args, "--against", str(against))
         assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_against_a_served_run_counts_its_requests(tmp_path):
+    """A server's workload is whatever arrived: no digest, so two served traces must at least
+    hold as many requests."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, n, mode in ((a, "6", "serial"), (b, "5", "overlap")):
+        p = mstrace("run", "--model", "tiny", "--requests", n, "--output-len", "4-8", "--mode", mode, "-q",
+                    "--out", str(out))
+        assert p.returncode == 0, p.stderr
+        meta = json.loads((out / "meta.json").read_text())
+        meta["workload"].update(digest=None, source="serve:127.0.0.1:8000")
+        (out / "meta.json").write_text(json.dumps(meta))
+    rc, _, err = cli("whatif", str(a), "--mode", "overlap", "--against", str(b))
+    assert rc == 2 and "holds 5 requests and this trace 6: not the same workload" in err, err
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -390,6 +416,16 @@ def test_comm_overlap_is_predicted_from_the_other_setting(parallel_traces, trace
 def test_comm_overlap_refuses_in_one_line(parallel_traces, trace, args, msg):
     rc, _, err = cli("whatif", str(parallel_traces[trace]), *args)
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_against_a_parallel_run_needs_its_layout_and_comm_setting(parallel_traces):
+    off, on, pp = (str(parallel_traces[k]) for k in ("tp_off", "tp_on", "pp"))
+    rc, out, err = cli("whatif", off, "--comm-overlap", "on", "--against", on, "--json")
+    assert rc == 0 and json.loads(out)["against"]["figures_checked"] > 0, err
+    for args, msg in ((["--against", on], "ran with --comm-overlap on; this prediction has --comm-overlap off"),
+                      (["--against", pp], "ran with tp 1, pp 2; this trace with tp 2, pp 1")):
+        rc, _, err = cli("whatif", off, *args)
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
 def _split_events(a, b, lat_a, lat_b, tail, k_share=0.0):

@@ -214,7 +214,7 @@ def report(
     from viewer.analysis.report import build_report
     from viewer.render.report import render_report
 
-    with refused(TraceError, io=f"write {html_out}"):
+    with refused(TraceError, io=f"write {html_out}" if html_out else f"read {trace}"):
         window = _window(trace, rounds, time_window, request, worst)
         rep = build_report(trace)
         if html_out is not None:
@@ -439,7 +439,7 @@ def diff(
     from viewer.analysis.diff import build_diff
     from viewer.render.diff import render_diff
 
-    with refused(TraceError, io=f"write {html_out}"):
+    with refused(TraceError, io=f"write {html_out}" if html_out else f"read {a} and {b}"):
         d = build_diff(a, b)
         if html_out is not None:
             from viewer.export.html import diff_html

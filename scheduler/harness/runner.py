@@ -146,7 +146,9 @@ def start_meta(
     return {
         "tool": "mstrace",
         "config": cfg.to_dict(),
-        "workload": {"source": workload_source, "requests": len(items), "digest": workload_digest(items)},
+        # a server's workload is whatever arrives: no digest (two served traces are not one workload)
+        "workload": {"source": workload_source, "requests": len(items),
+                     "digest": workload_digest(items) if items else None},
         "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
     }
 

@@ -105,10 +105,10 @@ class Check:
     mode: str  # its mode: the target's
     measured: Figures  # its report's numbers
     error_pct: Figures  # predicted / measured - 1, in percent
-    # per figure, whether the measured value lies inside the prediction's 95% interval (None: no value)
+    # per figure, whether the measured value lies inside the prediction's 95% interval (None: a value missing)
     inside_interval: dict[str, bool | None]
     figures_inside: int  # figures whose measured value lies inside
-    figures_checked: int  # figures with a value on both sides
+    figures_checked: int  # figures with a measured value, a prediction and an interval
 
 
 @dataclass(slots=True)
@@ -183,7 +183,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     (not at all where it did not). `against`: a run of what is predicted, to check the
     prediction against (`Check`)."""
     run = load(root)
-    other = Trace.open(against) if against is not None else None  # a bad folder fails before the model runs
+    other = Trace.open(against) if against is not None else None
     point, source, streams_source = measured(run.trace.meta, contention)
     share, streams = point.share, point.streams
     speedups = speedups or []
@@ -200,6 +200,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
                           "trace's; the model keeps the batches fixed (docs/whatif.md): predict serial or overlap")
     overlap, was_overlap = target == "overlap", tr_mode == "overlap"
     split = run.split if target == tr_mode else split_on(run.trace.meta.get("config", {}), target)
+    if other is not None:  # refused before the model runs
+        _comparable(other, str(against), root, run, target, split, comm_overlap or tr_comm)
 
     def base_of(p: Probe) -> Batches:
         """Each side's work alone (the trace's cold starts, its two streams' and its host and
@@ -224,8 +226,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
     fit, fit_tl = replayed(run, point, was_overlap)
-    check = OMITTED if other is None else _check(other, str(against), run, target, comm_overlap or tr_comm,
-                                                 predicted, lo, hi)
+    check = OMITTED if other is None else _check(other, str(against), predicted, lo, hi)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,
         speedups=[s.label() for s in speedups], comm_overlap=tr_comm, target_comm_overlap=comm_overlap or tr_comm,
@@ -239,36 +240,59 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     )
 
 
-def _check(other: Trace, name: str, run: Run, target: str, comm: str | None, predicted: Figures, lo: Figures,
-           hi: Figures) -> Check:
-    """The prediction beside `other`, a run of what it predicts: refused in one line where
-    `other` ran another mode or comm setting, or served another workload."""
+def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str, split: bool,
+                comm: str | None) -> None:
+    """Refuse, in one line, a run that is not of what is predicted: unfinished, the trace the
+    prediction is made from, another mode, streams, parallel layout or comm setting, or (as
+    `diff` warns) another workload, model or device."""
+    from viewer.analysis.diff import trace_warnings
+
     if not other.status.complete:
         raise WhatIfError(f"--against: {name} is {other.status.state}, not a complete run: its numbers are not "
                           "the whole run's")
-    mode = other.meta.get("config", {}).get("mode", "serial")
+    if Path(other.root).resolve() == Path(root).resolve():
+        raise WhatIfError(f"--against: {name} is the trace the prediction is made from")
+    cfg = other.meta.get("config", {})
+    mode = cfg.get("mode", "serial")
     if mode != target:
         raise WhatIfError(f"--against: {name} ran in {mode} mode; this prediction is of {target} mode")
+    if split_on(cfg, mode) != split:
+        raise WhatIfError(f"--against: {name} ran with split streams {'on' if not split else 'off'}; this "
+                          f"prediction has them {'on' if split else 'off'}")
+    layout = tp_pp(run.trace.meta.get("config", {}))
+    if tp_pp(cfg) != layout:
+        raise WhatIfError(f"--against: {name} ran with tp {tp_pp(cfg)[0]}, pp {tp_pp(cfg)[1]}; this trace with "
+                          f"tp {layout[0]}, pp {layout[1]}")
     if trace_setting(other.meta) != comm:
-        raise WhatIfError(f"--against: {name} ran with --comm-overlap {trace_setting(other.meta)}; this "
-                          f"prediction is of {comm}")
-    # `mstrace run` records its workload's digest; a served run has none, so its requests are counted
+        def said(c: str | None) -> str:
+            return f"--comm-overlap {c}" if c else "no TP all-reduces to schedule (no TP, or with PP)"
+
+        raise WhatIfError(f"--against: {name} ran with {said(trace_setting(other.meta))}; this prediction has "
+                          f"{said(comm)}")
+    # a served run knows no workload up front (no digest): then its requests are counted
     digests = [t.meta.get("workload", {}).get("digest") for t in (run.trace, other)]
     n = other.table("requests", ["request_id"]).num_rows
-    if (digests[0] != digests[1] if None not in digests else n != run.requests.num_rows):
-        raise WhatIfError(f"--against: {name} ran another workload than this trace ("
-                          + ("their workload digests differ" if None not in digests
-                             else f"{n} requests against {run.requests.num_rows}") + ")")
+    if None in digests and n != run.requests.num_rows:
+        raise WhatIfError(f"--against: {name} holds {n} requests and this trace {run.requests.num_rows}: not the "
+                          "same workload")
+    why = [w for w in trace_warnings(run.trace.meta, other.meta) if None not in digests or "digest" not in w]
+    if why:
+        raise WhatIfError(f"--against: {name}: {why[0]}")
+
+
+def _check(other: Trace, name: str, predicted: Figures, lo: Figures, hi: Figures) -> Check:
+    """The prediction beside `other`, a run of what it predicts (`_comparable`)."""
     m = _measured(other)
     got, p, low, high = (f.array() for f in (m, predicted, lo, hi))
     has = ~np.isnan(got) & ~np.isnan(p)
     with np.errstate(divide="ignore", invalid="ignore"):
         err = np.where(has & (got != 0), 100 * (p / got - 1), np.nan)
-    inside = has & (low <= got) & (got <= high)
+    bounded = has & ~np.isnan(low) & ~np.isnan(high)
+    inside = bounded & (low <= got) & (got <= high)
     names = [f.name for f in fields(Figures)]
-    return Check(name, mode, m, Figures.of(err),
-                 {k: bool(inside[i]) if has[i] else None for i, k in enumerate(names)},
-                 int(inside.sum()), int(has.sum()))
+    return Check(name, other.meta.get("config", {}).get("mode", "serial"), m, Figures.of(err),
+                 {k: bool(inside[i]) if bounded[i] else None for i, k in enumerate(names)},
+                 int(inside.sum()), int(bounded.sum()))
 
 
 def _interval(table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:

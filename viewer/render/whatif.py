@@ -34,7 +34,7 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                   _change(p, f))
     console.print(t)
     if isinstance(r.against, Check):
-        _render_check(console, r, r.against)
+        _render_check(console, r, r.against, asked)
     if r.backend.startswith("cpu") and r.target_mode != r.mode:
         p, y = r.rates_beside_prepare, r.rates_beside_python
         console.print(f"[yellow]{r.backend}: the host and the emulated device share this machine's cores"
@@ -76,8 +76,9 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                   f"batches and runs {r.device_bound_batches} straight after the batch before", highlight=False)
 
 
-def _render_check(console: Console, r: WhatIfResult, c: Check) -> None:
-    console.print(f"against {c.trace}, the same workload run in {c.mode} mode", highlight=False)
+def _render_check(console: Console, r: WhatIfResult, c: Check, asked: str) -> None:
+    console.print(f"against {c.trace}: the same workload run as predicted ({c.mode} mode; asked: {asked})",
+                  highlight=False)
     t = Table(header_style="bold")
     for col in ("", "predicted", "95% interval", "measured", "error", "inside"):
         t.add_column(col, justify="left" if not col else "right")
