@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,9 +39,9 @@ from viewer.analysis.intervals import Coverage  # noqa: E402
 from viewer.cli import app  # noqa: E402
 
 
-def timed(cls: type, name: str, rec: list[tuple[int, int, int]], keep: Callable[..., bool]) -> Callable[[], None]:
-    """Wrap `cls.name` to append (start ns, wall ns, its thread's CPU ns) of the calls `keep`
-    accepts to `rec`; returns the undo."""
+def timed(cls: type, name: str, rec: list[tuple[int, int, int, int]], keep: Callable[..., bool]) -> Callable[[], None]:
+    """Wrap `cls.name` to append (start ns, wall ns, its thread's CPU ns, 1 on the prefill
+    stream's thread else 0) of the calls `keep` accepts to `rec`; returns the undo."""
     f = getattr(cls, name)
 
     def wrapped(*a: object, **k: object) -> object:
@@ -49,26 +50,27 @@ def timed(cls: type, name: str, rec: list[tuple[int, int, int]], keep: Callable[
             return f(*a, **k)
         finally:
             if keep(*a, **k):
-                rec.append((t, now_ns() - t, time.thread_time_ns() - c))
+                prefill = threading.current_thread().name == "stream-prefill"
+                rec.append((t, now_ns() - t, time.thread_time_ns() - c, int(prefill)))
 
     setattr(cls, name, wrapped)
     return lambda: setattr(cls, name, f)
 
 
 def timed_run(args: argparse.Namespace, mode: str, out: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(start ns, wall ns, CPU ns) of every launch of one run, and of every forward of its device thread."""
-    launches: list[tuple[int, int, int]] = []
-    forwards: list[tuple[int, int, int]] = []
+    """`timed`'s rows of every launch of one run, and of every forward of its device thread."""
+    launches: list[tuple[int, int, int, int]] = []
+    forwards: list[tuple[int, int, int, int]] = []
     undo = [timed(engine_mod.Engine, "_launch", launches, lambda *a, **k: True),
             # run_model(self, prepared, slots, step): the start-up probe's forwards have step -1
             timed(LocalDevice, "run_model", forwards, lambda *a, **k: int(k.get("step", a[3] if len(a) > 3 else -1)) >= 0)]
     try:
         app(["run", "--model", args.model, "--mode", mode, "--requests", str(args.requests),
-             "--cpu-device", args.cpu_device, "--out", str(out), "-q"], standalone_mode=False)
+             "--cpu-device", args.cpu_device, "--out", str(out), "-q", *args.extra.split()], standalone_mode=False)
     finally:
         for u in undo:
             u()
-    return np.array(launches, dtype=np.int64).reshape(-1, 3), np.array(forwards, dtype=np.int64).reshape(-1, 3)
+    return np.array(launches, dtype=np.int64).reshape(-1, 4), np.array(forwards, dtype=np.int64).reshape(-1, 4)
 
 
 def beside(rec: np.ndarray, tr: Trace, boundary: str) -> np.ndarray:
@@ -85,6 +87,8 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--cpu-device", default="thread", choices=("thread", "process"))
+    ap.add_argument("--extra", default="", help="more `mstrace run` flags for both runs, space separated "
+                    "(--no-split-streams: overlap's forwards one a round, as serial's)")
     args = ap.parse_args()
 
     def ms(x: np.ndarray) -> str:
@@ -102,10 +106,19 @@ def main() -> None:
                   f"CPU {ms(rec[:, 2])} ms, waiting {ms(wait)} ms; beside the sender's delivery "
                   f"{int(sender.sum())} (waiting {ms(wait[sender])} ms), not ({int((~sender).sum())}: "
                   f"{ms(wait[~sender])} ms); beside device work {int(device.sum())}")
-            if len(fwd):  # a device thread's forwards (a device process runs them elsewhere)
-                print(f"  device thread: {len(fwd)} forwards, median wall {ms(fwd[:, 1])} ms, CPU {ms(fwd[:, 2])} ms, "
-                      f"waiting {ms(fwd[:, 1] - fwd[:, 2])} ms; in all {fwd[:, 1].sum() / 1e9:.3f} s wall, "
-                      f"{fwd[:, 2].sum() / 1e9:.3f} s CPU")
+            # a device thread's forwards (a device process runs them elsewhere), per stream: with
+            # split streams the prefill stream's run beside the main stream's, so only the union
+            # of their spans is the device's busy time
+            for name, on in (("main", fwd[:, 3] == 0), ("prefill", fwd[:, 3] == 1)):
+                f = fwd[on]
+                if len(f):
+                    print(f"  {name} stream: {len(f)} forwards, median wall {ms(f[:, 1])} ms, CPU {ms(f[:, 2])} ms, "
+                          f"waiting {ms(f[:, 1] - f[:, 2])} ms; in all {f[:, 1].sum() / 1e9:.3f} s wall, "
+                          f"{f[:, 2].sum() / 1e9:.3f} s CPU")
+            if len(fwd):
+                ends = fwd[:, 0] + fwd[:, 1]
+                union = Coverage(fwd[:, 0], ends).covered(fwd[:, 0].min(keepdims=True), ends.max(keepdims=True))
+                print(f"  the device busy (the forwards' union): {union[0] / 1e9:.3f} s")
 
 
 if __name__ == "__main__":
