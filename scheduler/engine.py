@@ -44,6 +44,7 @@ from scheduler.device.contention import NoRoom
 from scheduler.device.contention import measure as measure_contention
 from scheduler.device.executor import Executor
 from scheduler.device.prepared import Launch
+from scheduler.device.streams import CpuStream
 from scheduler.device.work import MAIN, PREFILL
 from scheduler.harness import debug_delay as dd
 from scheduler.harness.debug_delay import delay_ns
@@ -378,6 +379,12 @@ class Engine:
             self.sender.close()
         finally:
             self.settings.restore()
+
+    def device_threads(self) -> dict[str, dict[str, int]]:
+        """A device thread's streams (`--cpu-device thread`): their recorded ops in all, wall
+        and CPU (the end record's `device_threads`; docs/trace-schema.md)."""
+        return {name: {"ops": t[0], "wall_ns": t[1], "cpu_ns": t[2]} for name, st in self.streams.items()
+                if isinstance(st, CpuStream) and (t := st.op_times)[0]}
 
     def _kv_summary(self) -> dict[str, Any]:
         mm = self.mm

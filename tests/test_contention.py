@@ -3,6 +3,8 @@ that it leaves the run as it was, and that `mstrace whatif` takes it from meta.j
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scheduler.device.contention import ROUNDS, rates
@@ -51,6 +53,23 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
     streams, steps = probes["stream"].to_pylist(), probes["step"].to_pylist()
     assert not [s for st, s in zip(streams, steps, strict=True) if st in ("main", "prefill") and s < 0]
     assert _tokens(probed) == _tokens(plain)
+    # a device thread's streams: their recorded ops in all (the run's, not the probe's), for whatif
+    threads = Trace.open(probed).meta["run"].get("device_threads")
+    if device == "thread":
+        t = read_table(probed, "probes", ["dur_ns", "boundary", "stream"])
+        main = [d for d, b, st in zip(*(t[c].to_pylist() for c in ("dur_ns", "boundary", "stream")), strict=True)
+                if st == "main" and b != "stream_wait"]  # the stream's own ops, not its waits for events
+        assert threads["main"]["ops"] == len(main) and threads["main"]["wall_ns"] == sum(main)
+        assert 0 < threads["main"]["cpu_ns"] <= threads["main"]["wall_ns"] * 1.05
+    else:
+        assert threads is None  # a device process runs them elsewhere
+    # report says how much of the device threads' time they waited, in the text and --json alike
+    p = mstrace("report", str(probed), "--json")
+    share = json.loads(p.stdout)["backend"]["device_waiting_share"]
+    assert (0 <= share < 1) if device == "thread" else share is None, share
+    if device == "thread":
+        text = " ".join(mstrace("report", str(probed)).stdout.split())
+        assert f"ready but not running for {100 * share:.1f}% of their time" in text
 
     r = whatif(probed)
     assert r.contention_source == "measured at start-up"

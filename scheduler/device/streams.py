@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,9 @@ class CpuStream(RowsOff):
         self._done = 0
         self.current: tuple[str, int] | None = None  # (label, since_ns) of the op in progress
         self.completed: deque[OpRecord] = deque(maxlen=history)
+        # the recorded ops (the run's, not the start-up probe's) in all: count, wall ns, this
+        # thread's CPU ns; wall - CPU is time the op was not running (the GIL, a core)
+        self.op_times = [0, 0, 0]
         self._thread = threading.Thread(target=self._loop, name=f"stream-{name}", daemon=True)
         self._thread.start()
 
@@ -130,7 +134,7 @@ class CpuStream(RowsOff):
                 self._run(*item)
 
     def _run(self, fn: Callable[[], Any], label: str, step: int, boundary: str) -> None:
-        t0 = now_ns()
+        t0, c0 = now_ns(), time.thread_time_ns()
         self.current = (label, t0)
         try:
             if self.error is None:  # after a failure, later work is skipped but events still complete
@@ -142,6 +146,8 @@ class CpuStream(RowsOff):
         self.completed.append(OpRecord(label, step, t0, t1))
         if self._buf is not None:
             self._buf.append((t0, t1 - t0, boundary, self.name, self._rank, step))
+            times = self.op_times
+            times[0], times[1], times[2] = times[0] + 1, times[1] + t1 - t0, times[2] + time.thread_time_ns() - c0
 
     def _wait(self, ev: Event) -> None:
         try:
