@@ -6,6 +6,7 @@ traces are refused in one line. Calibration over many pairs: test_diff_calibrati
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import json
 import os
@@ -335,6 +336,13 @@ def test_warnings():
     other["model"]["name"] = "default"
     w = D.trace_warnings(meta, other)
     assert len(w) == 2 and "different workloads" in w[0] and "different models" in w[1] and "name" in w[1]
+    # two served runs: whatever arrived, so no digest, even where an older trace recorded the
+    # empty workload's (which every served run shared)
+    for digest in (None, hashlib.sha256(b"").hexdigest()):
+        served = json.loads(json.dumps(meta))
+        served["workload"] = {"source": "serve:127.0.0.1:8000", "digest": digest, "requests": 96}
+        assert "no workload digest" in D.trace_warnings(served, served)[0]
+        assert D.may_pair(served, served)  # their requests may still pair by id
 
 
 # --- end to end -------------------------------------------------------------------------------

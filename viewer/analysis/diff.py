@@ -51,6 +51,7 @@ from viewer.analysis.serving_boot import (
     pairing,
     request_boot,
     request_deltas,
+    workload_digest,
 )
 
 RESAMPLES = 1000
@@ -354,7 +355,7 @@ def compare(a: Side, b: Side, reps: int = RESAMPLES, seed: int = SEED, probes: b
 def trace_warnings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[str]:
     """What makes A and B not a fair control group (a different mode is the point, so not that)."""
     out = []
-    wa, wb = (m.get("workload", {}).get("digest") for m in (meta_a, meta_b))
+    wa, wb = (workload_digest(m) for m in (meta_a, meta_b))
     if wa is None or wb is None:
         out.append("a trace has no workload digest: cannot tell whether both ran the same workload")
     elif wa != wb:

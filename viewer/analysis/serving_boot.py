@@ -86,10 +86,18 @@ def sequence(rt: RequestTimes) -> tuple[np.ndarray, np.ndarray]:
             np.where(rt.served, (rt.finish - rt.arrival) / 1e6, np.nan))
 
 
+def workload_digest(meta: dict[str, Any] | None) -> str | None:
+    """The digest of the workload a trace ran, None where none was known up front: a served
+    run's is whatever arrived (traces from before that was recorded as null carry the empty
+    workload's digest, which every served run shared)."""
+    w = (meta or {}).get("workload", {})
+    return None if str(w.get("source", "")).startswith("serve:") else w.get("digest")
+
+
 def may_pair(meta_a: dict[str, Any] | None, meta_b: dict[str, Any] | None) -> bool:
     """Whether two traces' metadata allow them one workload (their digests, where both have
     one, equal): only then are their requests paired, and their ids read."""
-    da, db = ((m or {}).get("workload", {}).get("digest") for m in (meta_a, meta_b))
+    da, db = (workload_digest(m) for m in (meta_a, meta_b))
     return da is None or db is None or da == db
 
 

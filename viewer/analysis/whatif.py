@@ -246,6 +246,7 @@ def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str
     prediction is made from, another mode, streams, parallel layout or comm setting, or (as
     `diff` warns) another workload, model or device."""
     from viewer.analysis.diff import trace_warnings
+    from viewer.analysis.serving_boot import workload_digest
 
     if not other.status.complete:
         raise WhatIfError(f"--against: {name} is {other.status.state}, not a complete run: its numbers are not "
@@ -270,7 +271,7 @@ def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str
         raise WhatIfError(f"--against: {name} ran with {said(trace_setting(other.meta))}; this prediction has "
                           f"{said(comm)}")
     # a served run knows no workload up front (no digest): then its requests are counted
-    digests = [t.meta.get("workload", {}).get("digest") for t in (run.trace, other)]
+    digests = [workload_digest(t.meta) for t in (run.trace, other)]
     n = other.table("requests", ["request_id"]).num_rows
     if None in digests and n != run.requests.num_rows:
         raise WhatIfError(f"--against: {name} holds {n} requests and this trace {run.requests.num_rows}: not the "
