@@ -380,11 +380,14 @@ class Engine:
         finally:
             self.settings.restore()
 
-    def device_threads(self) -> dict[str, dict[str, int]]:
-        """A device thread's streams (`--cpu-device thread`): their recorded ops in all, wall
-        and CPU (the end record's `device_threads`; docs/trace-schema.md)."""
+    def device_stream_times(self) -> dict[str, dict[str, int]]:
+        """A device thread's streams (`--cpu-device thread`): their recorded compute ops in all,
+        wall and CPU (the end record's `device_stream_times`; docs/trace-schema.md). None for
+        TP/PP, whose rank 0's forwards also wait for the other ranks off its CPU clock."""
+        if self.parallel is not None:
+            return {}
         return {name: {"ops": t[0], "wall_ns": t[1], "cpu_ns": t[2]} for name, st in self.streams.items()
-                if isinstance(st, CpuStream) and (t := st.op_times)[0]}
+                if isinstance(st, CpuStream) and (t := st.compute_times)[0]}
 
     def _kv_summary(self) -> dict[str, Any]:
         mm = self.mm

@@ -54,11 +54,11 @@ def test_the_probe_measures_and_leaves_the_run_as_it_was(tmp_path, device):
     assert not [s for st, s in zip(streams, steps, strict=True) if st in ("main", "prefill") and s < 0]
     assert _tokens(probed) == _tokens(plain)
     # a device thread's streams: their recorded ops in all (the run's, not the probe's), for whatif
-    threads = Trace.open(probed).meta["run"].get("device_threads")
+    threads = Trace.open(probed).meta["run"].get("device_stream_times")
     if device == "thread":
         t = read_table(probed, "probes", ["dur_ns", "boundary", "stream"])
         main = [d for d, b, st in zip(*(t[c].to_pylist() for c in ("dur_ns", "boundary", "stream")), strict=True)
-                if st == "main" and b != "stream_wait"]  # the stream's own ops, not its waits for events
+                if st == "main" and b == "device_compute"]  # its forwards, not its waits for events
         assert threads["main"]["ops"] == len(main) and threads["main"]["wall_ns"] == sum(main)
         assert 0 < threads["main"]["cpu_ns"] <= threads["main"]["wall_ns"] * 1.05
     else:

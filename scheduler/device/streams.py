@@ -80,9 +80,10 @@ class CpuStream(RowsOff):
         self._done = 0
         self.current: tuple[str, int] | None = None  # (label, since_ns) of the op in progress
         self.completed: deque[OpRecord] = deque(maxlen=history)
-        # the recorded ops (the run's, not the start-up probe's) in all: count, wall ns, this
-        # thread's CPU ns; wall - CPU is time the op was not running (the GIL, a core)
-        self.op_times = [0, 0, 0]
+        # the recorded compute ops (the run's, not the start-up probe's) in all: count, wall
+        # ns, this thread's CPU ns; wall - CPU is time they were not running (the GIL, a core).
+        # One tuple rebound per op, so a reader never sees half an update.
+        self.compute_times = (0, 0, 0)
         self._thread = threading.Thread(target=self._loop, name=f"stream-{name}", daemon=True)
         self._thread.start()
 
@@ -141,13 +142,14 @@ class CpuStream(RowsOff):
                 fn()
         except BaseException as e:  # noqa: BLE001 - surfaced to the host through .error
             self.error = e
-        t1 = now_ns()
+        t1, c1 = now_ns(), time.thread_time_ns()
         self.current = None
         self.completed.append(OpRecord(label, step, t0, t1))
         if self._buf is not None:
             self._buf.append((t0, t1 - t0, boundary, self.name, self._rank, step))
-            times = self.op_times
-            times[0], times[1], times[2] = times[0] + 1, times[1] + t1 - t0, times[2] + time.thread_time_ns() - c0
+            if boundary == DEVICE_COMPUTE:  # not a stagger's sleep or an injected fault's wait
+                n, wall, cpu = self.compute_times
+                self.compute_times = (n + 1, wall + t1 - t0, cpu + c1 - c0)
 
     def _wait(self, ev: Event) -> None:
         try:

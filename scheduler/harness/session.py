@@ -180,8 +180,8 @@ class TracedSession:
         if self._requests is not None:
             meta["workload"]["requests"] = self._requests
         meta["run"] = {**end_record(self.state, self.detail, submitted, *self._span), **self._extra}
-        if engine is not None and (threads := engine.device_threads()):
-            meta["run"]["device_threads"] = threads  # mstrace whatif fits a device thread's waits to them
+        if engine is not None and (times := engine.device_stream_times()):
+            meta["run"]["device_stream_times"] = times  # report's backend.device_waiting_share
         try:
             self.writer.close(meta)  # the end record comes after the last commit
         except OSError as e:  # a full disk, a vanished folder: the trace is not whole, say so

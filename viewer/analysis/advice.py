@@ -131,8 +131,8 @@ class Backend:
     hop_out_us: float | None  # device-process pipe: launch -> device starts (median)
     hop_back_us: float | None  # device done -> host has the result (median)
     notes: list[str]
-    # cpu-thread: of the device threads' op time (meta.json's run.device_threads), the share
-    # they were ready but not running: waiting for the GIL (or a core)
+    # cpu-thread: of the device threads' compute time (meta.json's run.device_stream_times),
+    # the share they were ready but not running: waiting for the GIL (or a core)
     device_waiting_share: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,7 +162,7 @@ def backend(meta: dict[str, Any], probes: pa.Table | None) -> Backend:
             "(host launch cost on a GPU)",
             f"the pipe hop to the device process{hop} is device idle charged to scheduler_barrier",
         ])
-    threads = meta.get("run", {}).get("device_threads") or {}
+    threads = meta.get("run", {}).get("device_stream_times") or {}
     wall = sum(t.get("wall_ns", 0) for t in threads.values())
     waiting = sum(max(t.get("wall_ns", 0) - t.get("cpu_ns", 0), 0) for t in threads.values()) / wall if wall else None
     measured = ("" if waiting is None else f"; the device threads' ops were ready but not running for {100 * waiting:.1f}% "
