@@ -261,11 +261,18 @@ def test_against_puts_the_run_predicted_beside_the_prediction(tmp_path):
 
     workload = changed("workload", lambda m: m["workload"].update(digest="0" * 64))
     streams = changed("streams", lambda m: m["config"].update(split_streams=False))
-    model = changed("model", lambda m: m["model"].update(name="other"))
-    for against, args, msg in ((workload, ["--mode", "overlap"], "ran different workloads"),
+    model = changed("model", lambda m: m["model"].update(dtype="bfloat16"))
+    moved_model = changed("moved", lambda m: m["model"].update(path="/elsewhere/tiny"))  # the same model
+    backend = changed("backend", lambda m: m["config"].update(cpu_device="thread"))
+    rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--against", str(moved_model))
+    assert rc == 0, err
+    for against, args, msg in ((workload, ["--mode", "overlap"], "ran another workload"),
                                (streams, ["--mode", "overlap"], "ran with split streams off; this prediction has "
                                                                 "them on"),
-                               (model, ["--mode", "overlap"], "ran different models"),
+                               (model, ["--mode", "overlap"], "ran another model (dtype bfloat16 against float32)"),
+                               (backend, ["--mode", "overlap"], "ran another device backend (cpu_device thread "
+                                                                "against process)"),
+                               (SAMPLES / "sample-overlap", ["--comm-overlap", "maybe"], "must be on or off"),
                                (SAMPLES / "sample-overlap", [], "ran in overlap mode; this prediction is of serial"),
                                (SAMPLES / "sample-serial", ["--speedup", "batch_prepare=0.5"],
                                 "is the trace the prediction is made from"),
@@ -423,6 +430,10 @@ def test_against_a_parallel_run_needs_its_layout_and_comm_setting(parallel_trace
     off, on, pp = (str(parallel_traces[k]) for k in ("tp_off", "tp_on", "pp"))
     rc, out, err = cli("whatif", off, "--comm-overlap", "on", "--against", on, "--json")
     assert rc == 0 and json.loads(out)["against"]["figures_checked"] > 0, err
+    # rank 0's forwards wait for the other ranks off its CPU clock: no device-thread times
+    from tracing.reader import Trace
+
+    assert all("device_stream_times" not in Trace.open(t).meta["run"] for t in (off, on, pp))
     for args, msg in ((["--against", on], "ran with --comm-overlap on; this prediction has --comm-overlap off"),
                       (["--against", pp], "ran with tp 1, pp 2; this trace with tp 2, pp 1")):
         rc, _, err = cli("whatif", off, *args)

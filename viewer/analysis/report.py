@@ -30,6 +30,7 @@ from viewer.analysis.imported import ImportedView, imported_view
 from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
+from viewer.analysis.serving_boot import workload_digest
 from viewer.analysis.whatif_gains import cycle_gains
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
@@ -226,7 +227,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         mode=config.get("mode"),
         dtype=meta.get("model", {}).get("dtype"),
         dtype_choice=meta.get("model", {}).get("dtype_choice"),
-        workload_digest=meta.get("workload", {}).get("digest"),
+        workload_digest=workload_digest(meta),
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),

@@ -189,6 +189,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     speedups = speedups or []
     tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
     tr_comm = trace_setting(run.trace.meta)
+    _comm_asked(run, tr_comm, comm_overlap)
     target = mode or tr_mode
     if target not in MODES:
         raise WhatIfError(f"--mode must be one of {', '.join(MODES)}, not {target!r}")
@@ -243,9 +244,8 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
 def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str, split: bool,
                 comm: str | None) -> None:
     """Refuse, in one line, a run that is not of what is predicted: unfinished, the trace the
-    prediction is made from, another mode, streams, parallel layout or comm setting, or (as
-    `diff` warns) another workload, model or device."""
-    from viewer.analysis.diff import trace_warnings
+    prediction is made from, another mode, streams, parallel layout or comm setting, another
+    workload, model (its architecture, sizes and dtype) or device."""
     from viewer.analysis.serving_boot import workload_digest
 
     if not other.status.complete:
@@ -276,9 +276,16 @@ def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str
     if None in digests and n != run.requests.num_rows:
         raise WhatIfError(f"--against: {name} holds {n} requests and this trace {run.requests.num_rows}: not the "
                           "same workload")
-    why = [w for w in trace_warnings(run.trace.meta, other.meta) if None not in digests or "digest" not in w]
-    if why:
-        raise WhatIfError(f"--against: {name}: {why[0]}")
+    mine, its = digests
+    if mine is not None and its is not None and mine != its:
+        raise WhatIfError(f"--against: {name} ran another workload (its digest {its[:12]}, this trace's {mine[:12]})")
+    # the model by what it is, not by its path (a folder moves between machines)
+    for what, where, keys in (("model", "model", ("architecture", "num_layers", "hidden_size", "vocab_size", "dtype")),
+                              ("device", "host", ("device",)), ("device backend", "config", ("cpu_device",))):
+        a, b = run.trace.meta.get(where, {}), other.meta.get(where, {})
+        differ = [f"{k} {b.get(k)} against {a.get(k)}" for k in keys if b.get(k) != a.get(k)]
+        if differ:
+            raise WhatIfError(f"--against: {name} ran another {what} ({'; '.join(differ)})")
 
 
 def _check(other: Trace, name: str, predicted: Figures, lo: Figures, hi: Figures) -> Check:
@@ -305,14 +312,18 @@ def _interval(table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:
     return Figures.of(point + q[0] - q[1]), Figures.of(point + q[2] - q[1])
 
 
-def _comm(run: Run, b: Batches, now: str | None, asked: str | None, contention: float) -> Batches:
-    """The batches with their all-reduces as `--comm-overlap asked` would run them."""
+def _comm_asked(run: Run, now: str | None, asked: str | None) -> None:
+    """`--comm-overlap asked` refused where it is no setting or the trace has none to change."""
     if asked not in (None, "on", "off"):
         raise WhatIfError(f"--comm-overlap must be on or off, not {asked!r}")
     if asked is not None and now is None:
         tp, pp = tp_pp(run.trace.meta.get("config", {}))
         raise WhatIfError("--comm-overlap predicts the all-reduces of a TP trace with one pipeline stage; "
                           f"this one has tp {tp}, pp {pp}")
+
+
+def _comm(run: Run, b: Batches, now: str | None, asked: str | None, contention: float) -> Batches:
+    """The batches with their all-reduces as `--comm-overlap asked` (`_comm_asked`) would run them."""
     return b if asked is None or asked == now else with_comm_overlap(run, b, asked == "on", contention)
 
 
