@@ -55,6 +55,8 @@ def test_a_report_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) 
     assert "device_compute" in page.read_text() and "sync-cost table" in p.stdout
     assert p.stderr.strip() == f"HTML written to {page.resolve()}", p.stderr  # where it went (issue 25, 8)
     assert "critical path of the overlap run" in page.read_text()  # the round model's picture (docs/whatif.md)
+    # what the CPU emulation adds to which row, as the text report says it
+    assert "cpu-process (emulated): device_compute includes building the forward batch" in page.read_text()
     _check(page, tmp_path, 5)
 
 

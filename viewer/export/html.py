@@ -85,7 +85,8 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
         figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced"))
     body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep),
             *([f"<p class=note>{_e(timeline_note(window, inp))}</p>"] if window is not None else []),
-            "<h2>Sync cost</h2>", _cost_table(rep.cost), *_worth(rep), "<h2>Throughput and latency</h2>",
+            "<h2>Sync cost</h2>", _cost_table(rep.cost), *_worth(rep), *_backend_notes(rep),
+            "<h2>Throughput and latency</h2>",
             _latency_table(rep.latency)]
     _write(out, f"mstrace report {rep.trace}", body, figs)
 
@@ -191,6 +192,13 @@ def _worth(rep: JsonView) -> list[str]:
     code, sub = re.compile(r"`([^`]*)`"), r"<code>\g<1></code>"
     lines = [code.sub(sub, _e(w if isinstance(w, str) else json.dumps(w))) for w in rep["worth_attacking"] or []]
     return [f"<p class=note>worth attacking: {line}</p>" for line in lines]
+
+
+def _backend_notes(rep: ReportResult) -> list[str]:
+    """What the device's emulation adds to which row, as the text report says it under its table."""
+    be = rep.backend
+    how = " (emulated)" if be.emulated else ""
+    return [f"<p class=note>{_e(be.name)}{how}: {_e(note)}</p>" for note in be.notes]
 
 
 def _latency_table(lat: Latency) -> str:
