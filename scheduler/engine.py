@@ -382,7 +382,7 @@ class Engine:
 
     def device_stream_times(self) -> dict[str, dict[str, int]]:
         """A device thread's streams (`--cpu-device thread`): their recorded compute ops in all,
-        wall and CPU (the end record's `device_stream_times`; docs/trace-schema.md). None for
+        wall and CPU (the end record's `device_stream_times`; docs/trace-schema.md). Empty for
         TP/PP, whose rank 0's forwards also wait for the other ranks off its CPU clock."""
         if self.parallel is not None:
             return {}

@@ -165,7 +165,7 @@ def backend(meta: dict[str, Any], probes: pa.Table | None) -> Backend:
     threads = meta.get("run", {}).get("device_stream_times") or {}
     wall = sum(t.get("wall_ns", 0) for t in threads.values())
     waiting = sum(max(t.get("wall_ns", 0) - t.get("cpu_ns", 0), 0) for t in threads.values()) / wall if wall else None
-    measured = ("" if waiting is None else f"; the device threads' ops were ready but not running for {100 * waiting:.1f}% "
+    measured = ("" if waiting is None else f"; the device threads' forwards were ready but not running for {100 * waiting:.1f}% "
                 "of their time (waiting for the GIL, or a core)")
     return Backend("cpu-thread", True, None, None, [
         "device streams are threads sharing the scheduler's GIL: host work can look hidden under "
