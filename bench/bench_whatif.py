@@ -89,9 +89,11 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
           f"--contention {'not given' if a.contention is None else f'{a.contention:g}'}: median |error|, "
           "measured in interval")
     for label, rs in rows.items():
-        cells = [f"{short} {100 * statistics.median(abs(r[name]) for r in had):.1f}% "
-                 f"({int(sum(r[name + '_hit'] for r in had))}/{len(had)} in)" if had else f"{short} -"
-                 for name, short, _ in FIGS for had in ([r for r in rs if name in r],)]
+        cells = []
+        for name, short, _ in FIGS:
+            had = [r for r in rs if name in r]  # the pairs where both sides had the figure
+            cells.append(f"{short} {100 * statistics.median(abs(r[name]) for r in had):.1f}% "
+                         f"({int(sum(r[name + '_hit'] for r in had))}/{len(had)} in)" if had else f"{short} -")
         print(f"  {label:<20} " + "; ".join(cells))
 
 
