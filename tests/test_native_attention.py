@@ -54,6 +54,35 @@ def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, ctx, bs, window), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 20)])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_bfloat16_is_the_float32_result_rounded_once(heads, kv_heads, d, window, threads):
+    """bfloat16 q and caches, computed in float32: the output is the exact softmax of the
+    bfloat16 inputs rounded to bfloat16 once, so it is the float64 reference's rounding, or
+    its neighbour where float32's own error (~1e-6 here) straddles a rounding boundary."""
+    g = torch.Generator().manual_seed(7 * heads + d)
+    bs, nblocks = 16, 64
+    k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
+    ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
+    nblk = int(ctx.max() + bs - 1) // bs
+    blocks = torch.stack([torch.randperm(nblocks, generator=g)[:nblk] for _ in ctx])
+    qk = torch.randn(len(ctx), heads + kv_heads, d, generator=g).bfloat16()
+    q = qk[:, :heads]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, window)
+    finally:
+        torch.set_num_threads(before)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == (len(ctx), heads * d)
+    exact = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, window).double()
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)  # the spacing at the value (2^-7 of it at most)
+    assert ((out.double() - exact).abs() <= ulp + 1e-5).all()
+    assert (out == exact.bfloat16()).float().mean() > 0.99  # mostly the very rounding
+
+
 def test_scores_far_below_the_maximum_weigh_nothing():
     """One key scores 100 above the others: their exp underflows (the kernel clamps its
     argument at -87: e^-87 ~ 1.6e-38 against a sum of at least 1), so every head returns that

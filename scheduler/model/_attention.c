@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV cache, on the CPU (float32).
+/* Decode attention straight from the paged KV cache, on the CPU (float32 or bfloat16).
  *
  * Why: torch has no paged attention on the CPU, so the engine gathered every decode
  * row's context blocks into a padded copy (index_select) and ran SDPA on the copy:
@@ -23,6 +23,11 @@
  * AVX2 + FMA of the whole row loop (the helpers inlined) is picked at run time where the
  * CPU has them.
  *
+ * bfloat16 (`decode_attention_bf16`): q, the caches and the output are bfloat16, the
+ * arithmetic float32 (each value widened as it is loaded; the output rounded to nearest
+ * even once, as torch rounds). The cache is read at half float32's bytes; torch's path
+ * gathered the copy and ran SDPA in bfloat16, slower per byte than in float32 on a CPU.
+ *
  * No Python API is used: the module init only exists so setuptools can build this as an
  * extension and pip can install it like one.
  */
@@ -35,34 +40,79 @@
 
 #include "_vec.h"
 
+/* q, k, v and out hold float or uint16_t (bfloat16 bits) elements, as the entry point says */
 typedef struct {
-    const float *q;          /* [rows, q_stride]: row r's heads at q + r * q_stride */
+    const void *q;           /* [rows, q_stride]: row r's heads at q + r * q_stride */
     int64_t q_stride;
-    const float *k, *v;      /* [slots, kv_heads, head_dim] */
+    const void *k, *v;       /* [slots, kv_heads, head_dim] */
     const int64_t *blocks;   /* [rows, max_blocks] */
     int64_t max_blocks;
     const int64_t *ctx;      /* [rows] context length (the new token included) */
-    float *out;              /* [rows, heads, head_dim] */
+    void *out;               /* [rows, heads, head_dim] */
     int64_t heads, kv_heads, head_dim, block_size, window;
     float scale;
     int64_t row0, row1;
     int status;
 } Job;
 
-/* a . b over D floats: two accumulators (two dependency chains), then the lanes' tree */
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t D) {
+/* bfloat16 is float32's upper half: widening is a shift, exact */
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) float widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) v8 widen8(const uint16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    v8 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion (c10::BFloat16) does */
+static inline __attribute__((always_inline)) uint16_t narrow(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* element i of a float (bf16 = 0) or bfloat16 (bf16 = 1) array, as float; bf16 is a
+ * constant wherever these are inlined, so each kernel is compiled for one type */
+static inline __attribute__((always_inline)) v8 elem8(const void *x, int64_t i, const int bf16) {
+    return bf16 ? widen8((const uint16_t *)x + i) : load8((const float *)x + i);
+}
+
+/* &x[i] for an array of the kernel's type */
+static inline __attribute__((always_inline)) const void *at(const void *x, int64_t i, const int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)x + i) : (const void *)((const float *)x + i);
+}
+
+static inline __attribute__((always_inline)) float elem(const void *x, int64_t i, const int bf16) {
+    return bf16 ? widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* a . b over D values (a float, b of the kernel's type): two accumulators (two dependency
+ * chains), then the lanes' tree */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, const int bf16) {
     v8 s0 = {0}, s1 = {0};
     int64_t i = 0;
     for (; i + 16 <= D; i += 16) {
-        s0 += load8(a + i) * load8(b + i);
-        s1 += load8(a + i + 8) * load8(b + i + 8);
+        s0 += load8(a + i) * elem8(b, i, bf16);
+        s1 += load8(a + i + 8) * elem8(b, i + 8, bf16);
     }
-    for (; i + 8 <= D; i += 8) s0 += load8(a + i) * load8(b + i);
+    for (; i + 8 <= D; i += 8) s0 += load8(a + i) * elem8(b, i, bf16);
     s0 += s1;
     float lanes[LANES];
     memcpy(lanes, &s0, sizeof lanes);
     float s = lane_sum(lanes);
-    for (; i < D; i++) s += a[i] * b[i];
+    for (; i < D; i++) s += a[i] * elem(b, i, bf16);
     return s;
 }
 
@@ -113,56 +163,78 @@ static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
-/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D]; where D is a
- * constant (see run) the accumulators live in registers across the block's tokens */
-static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const float *x,
-                                                              int64_t count, int64_t stride, int64_t D) {
+/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D] (x of the kernel's
+ * type); where D is a constant (see run) the accumulators live in registers across the
+ * block's tokens */
+static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const void *x, int64_t count,
+                                                              int64_t stride, int64_t D, const int bf16) {
     enum { MAXV = 256 / LANES };
     v8 acc[MAXV];
     const int64_t nv = D / LANES;
     for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
     for (int64_t i = 0; i < count; i++) {
         const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-        for (int64_t k = 0; k < nv; k++) acc[k] += w * load8(x + i * stride + k * LANES);
+        for (int64_t k = 0; k < nv; k++) acc[k] += w * elem8(x, i * stride + k * LANES, bf16);
     }
     for (int64_t k = 0; k < nv; k++) store8(y + k * LANES, &acc[k]);
     for (int64_t d = nv * LANES; d < D; d++)
-        for (int64_t i = 0; i < count; i++) y[d] += p[i] * x[i * stride + d];
+        for (int64_t i = 0; i < count; i++) y[d] += p[i] * elem(x, i * stride + d, bf16);
 }
 
-static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D) {
+/* the cache slot of row r's token t, through its block table */
+static inline __attribute__((always_inline)) int64_t bt_slot(const Job *j, int64_t r, int64_t t, int64_t BS) {
+    return j->blocks[r * j->max_blocks + t / BS] * BS + t % BS;
+}
+
+static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, const int bf16) {
     const int64_t H = j->heads, KVH = j->kv_heads, BS = j->block_size;
     const int64_t G = H / KVH, tok = KVH * D;
     int64_t longest = 0;
     for (int64_t r = j->row0; r < j->row1; r++)
         if (j->ctx[r] > longest) longest = j->ctx[r];
-    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1)));
+    /* the scores; for bfloat16 also the row's q widened and its output before rounding */
+    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1) + (bf16 ? 2 * H * D : 0)));
     if (!scores) {
         j->status = -1;
         return;
     }
+    float *wide = scores + H * (longest > 0 ? longest : 1);
     for (int64_t r = j->row0; r < j->row1; r++) {
         const int64_t L = j->ctx[r];
         const int64_t first = (j->window > 0 && L > j->window) ? L - j->window : 0;
         const int64_t n = L - first;
-        const float *q = j->q + r * j->q_stride;
-        const int64_t *bt = j->blocks + r * j->max_blocks;
-        float *o = j->out + r * H * D;
-        memset(o, 0, sizeof(float) * (size_t)(H * D));
-        if (n <= 0) continue;
-        for (int64_t t = first; t < L; t++) {
-            const float *kt = j->k + (bt[t / BS] * BS + t % BS) * tok;
-            for (int64_t h = 0; h < H; h++)
-                scores[h * n + (t - first)] = dot(q + h * D, kt + (h / G) * D, D) * j->scale;
+        const float *q;
+        float *o;
+        if (bf16) {
+            const uint16_t *qh = (const uint16_t *)j->q + r * j->q_stride;
+            for (int64_t i = 0; i < H * D; i++) wide[i] = widen(qh[i]);
+            q = wide;
+            o = wide + H * D;
+        } else {
+            q = (const float *)j->q + r * j->q_stride;
+            o = (float *)j->out + r * H * D;
         }
-        for (int64_t h = 0; h < H; h++) softmax(scores + h * n, n);
-        /* V a block at a time, each head's accumulator held across the block's tokens
-         * (in registers where D is a constant: see accumulate) instead of reloaded per token */
-        for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
-            const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
-            const float *vb = j->v + (bt[t0 / BS] * BS + t0 % BS) * tok;
-            for (int64_t h = 0; h < H; h++)
-                accumulate(o + h * D, scores + h * n + (t0 - first), vb + (h / G) * D, t1 - t0, tok, D);
+        memset(o, 0, sizeof(float) * (size_t)(H * D));
+        if (n > 0) {
+            for (int64_t t = first; t < L; t++) {
+                const int64_t kt = bt_slot(j, r, t, BS) * tok;
+                for (int64_t h = 0; h < H; h++)
+                    scores[h * n + (t - first)] = dot(q + h * D, at(j->k, kt + (h / G) * D, bf16), D, bf16) * j->scale;
+            }
+            for (int64_t h = 0; h < H; h++) softmax(scores + h * n, n);
+            /* V a block at a time, each head's accumulator held across the block's tokens
+             * (in registers where D is a constant: see accumulate) instead of reloaded per token */
+            for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
+                const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
+                const int64_t vt = bt_slot(j, r, t0, BS) * tok;
+                for (int64_t h = 0; h < H; h++)
+                    accumulate(o + h * D, scores + h * n + (t0 - first), at(j->v, vt + (h / G) * D, bf16), t1 - t0,
+                               tok, D, bf16);
+            }
+        }
+        if (bf16) {
+            uint16_t *oh = (uint16_t *)j->out + r * H * D;
+            for (int64_t i = 0; i < H * D; i++) oh[i] = narrow(o[i]);
         }
     }
     free(scores);
@@ -173,20 +245,29 @@ MULTI_TARGET
 static void *run(void *arg) {
     Job *j = (Job *)arg;
     switch (j->head_dim) {
-    case 64: rows(j, 64); break;
-    case 128: rows(j, 128); break;
-    default: rows(j, j->head_dim);
+    case 64: rows(j, 64, 0); break;
+    case 128: rows(j, 128, 0); break;
+    default: rows(j, j->head_dim, 0);
     }
     return NULL;
 }
 
-/* out[r, h] = softmax(q[r, h] . K[ctx of r, h / G] * scale) . V[...] for every decode row r.
- * Returns 0, or -1 where a buffer could not be allocated or a thread not started (the
- * caller then falls back to the gather), as for a head size over 256. */
-int decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
-                     const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
-                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t window, float scale, float *out, int64_t threads) {
+MULTI_TARGET
+static void *run_bf16(void *arg) {
+    Job *j = (Job *)arg;
+    switch (j->head_dim) {
+    case 64: rows(j, 64, 1); break;
+    case 128: rows(j, 128, 1); break;
+    default: rows(j, j->head_dim, 1);
+    }
+    return NULL;
+}
+
+/* Rows over `threads` pthreads (the caller's included), each running `body` on its share. */
+static int split_rows(void *(*body)(void *), const void *q, int64_t q_stride, const void *k, const void *v,
+                      const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t window, float scale, void *out, int64_t threads) {
     if (head_dim > 256 || kv_heads < 1 || block_size < 1 || heads % kv_heads)
         return -1; /* accumulate's 32 vectors; whole groups */
     if (threads < 1) threads = 1;
@@ -209,8 +290,8 @@ int decode_attention(const float *q, int64_t q_stride, const float *k, const flo
     }
     int started[64] = {0};
     for (int64_t i = 1; i < threads; i++)
-        started[i] = pthread_create(&tid[i], NULL, run, &jobs[i]) == 0;
-    run(&jobs[0]);
+        started[i] = pthread_create(&tid[i], NULL, body, &jobs[i]) == 0;
+    body(&jobs[0]);
     int status = jobs[0].status;
     for (int64_t i = 1; i < threads; i++) {
         if (started[i]) {
@@ -221,6 +302,26 @@ int decode_attention(const float *q, int64_t q_stride, const float *k, const flo
         }
     }
     return status;
+}
+
+/* out[r, h] = softmax(q[r, h] . K[ctx of r, h / G] * scale) . V[...] for every decode row r.
+ * Returns 0, or -1 where a buffer could not be allocated or a thread not started (the
+ * caller then falls back to the gather), as for a head size over 256. */
+int decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
+                     const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                     int64_t window, float scale, float *out, int64_t threads) {
+    return split_rows(run, q, q_stride, k, v, blocks, max_blocks, ctx, rows, heads, kv_heads, head_dim, block_size,
+                      window, scale, out, threads);
+}
+
+/* The same with q, the caches and out in bfloat16 (their bits as uint16_t), computed in float32. */
+int decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                          const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                          int64_t window, float scale, uint16_t *out, int64_t threads) {
+    return split_rows(run_bf16, q, q_stride, k, v, blocks, max_blocks, ctx, rows, heads, kv_heads, head_dim,
+                      block_size, window, scale, out, threads);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attention", NULL, -1, NULL};

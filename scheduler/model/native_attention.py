@@ -2,10 +2,10 @@
 where the install built it.
 
 `decode` reads each decode row's context once, through its block table, where it lies
-in the cache: no gathered copy (see the C file for why). It takes float32 tensors on the
-CPU only; anything else, or an install without a C compiler, returns None and
-`layers.paged_attention` gathers and runs SDPA as before, which gives the same values
-up to float32 rounding.
+in the cache: no gathered copy (see the C file for why). It takes float32 or bfloat16
+tensors on the CPU only (bfloat16 computed in float32, the output rounded once); anything
+else, or an install without a C compiler, returns None and `layers.paged_attention`
+gathers and runs SDPA as before, which gives the same values up to the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -39,13 +39,18 @@ def load_library(path: Path | None = None) -> ctypes.CDLL | None:
     """The installed build, or the one at `path` (bench/bench_forward.py's A/B of two builds)."""
     lib = open_library("_attention", path)
     if lib is not None:
-        lib.decode_attention.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
-        lib.decode_attention.restype = ctypes.c_int
+        for name in ("decode_attention", "decode_attention_bf16"):
+            if hasattr(lib, name):  # an older build (`path`) has no bfloat16 entry
+                fn = getattr(lib, name)
+                fn.argtypes = [_P, _N, _P, _P, _P, _N, _P, _N, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N]
+                fn.restype = ctypes.c_int
     return lib
 
 
 _LIB = load_library()
 AVAILABLE = _LIB is not None
+# the C entry point for each dtype it takes
+_ENTRIES = {torch.float32: "decode_attention", torch.bfloat16: "decode_attention_bf16"}
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -55,22 +60,23 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     does not apply. The tables are trusted to cover each row's context with blocks of the
     cache, as `build_forward_batch` checks when it makes them."""
     rows = q.shape[0]
+    entry = _ENTRIES.get(q.dtype)
     tensors_fit = (all(t.device.type == "cpu" for t in (q, k_cache, v_cache, blocks, ctx_lens))
-                   and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                   and q.dtype == k_cache.dtype == v_cache.dtype
                    and blocks.dtype == ctx_lens.dtype == torch.int64
                    and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape
                    and k_cache.shape[2] == q.shape[2] and k_cache.shape[1] > 0
                    and blocks.dim() == 2 and blocks.shape[0] >= rows and ctx_lens.numel() >= rows
                    and q.stride(2) == 1 and q.stride(1) == q.shape[2]
                    and k_cache.is_contiguous() and v_cache.is_contiguous())
-    if _LIB is None or not tensors_fit:
+    if _LIB is None or entry is None or not hasattr(_LIB, entry) or not tensors_fit:
         return None
     _, heads, d = q.shape
     kvh = k_cache.shape[1]
     blocks = blocks.contiguous()
     ctx_lens = ctx_lens.contiguous()
-    out = torch.empty(rows, heads * d, dtype=torch.float32)
-    status = _LIB.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                   blocks.data_ptr(), blocks.shape[1], ctx_lens.data_ptr(), rows, heads, kvh, d,
-                                   block_size, window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(rows, heads * d, dtype=q.dtype)
+    status = getattr(_LIB, entry)(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  blocks.data_ptr(), blocks.shape[1], ctx_lens.data_ptr(), rows, heads, kvh, d,
+                                  block_size, window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
