@@ -27,6 +27,7 @@ from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
+from scheduler.model.packed_gemm import PackChoice, choose_pack
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -40,6 +41,7 @@ class Backend(Protocol):
     device: torch.device
     dtype: torch.dtype
     dtype_why: str  # how --dtype chose it
+    pack: PackChoice  # whether the CPU's GEMMs run on reordered weights, and why
     model_config: ModelConfig
     streams: dict[str, Stream]
     ops: DeviceOps
@@ -69,7 +71,9 @@ def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_
                    parallel: Coordinator | None, seed: DeviceSeed | None = None) -> Backend:
     """`seed`: the device process forked early for this engine, if any (DeviceSeed)."""
     device = device_of(cfg)
-    args = (model_dir, device, choose_dtype(device, dtype), cfg.hard_wait_timeout_s, device_delay_ns)
+    numerics = choose_dtype(device, dtype)
+    args = (model_dir, device, numerics, choose_pack(device, numerics.dtype, cfg.weight_pack), cfg.hard_wait_timeout_s,
+            device_delay_ns)
     if parallel is not None:
         return ParallelBackend(*args, parallel)
     if runs_device_process(cfg):
@@ -78,10 +82,10 @@ def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_
 
 
 class _Common:
-    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
-                 delay_ns: int) -> None:
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, pack: PackChoice,
+                 timeout_s: float, delay_ns: int) -> None:
         self.model_dir, self.device = model_dir, device
-        self.dtype, self.dtype_why = dtype.dtype, dtype.why
+        self.dtype, self.dtype_why, self.pack = dtype.dtype, dtype.why, pack
         self._timeout_s, self._delay_ns = timeout_s, delay_ns
         self.streams: dict[str, Stream] = {}
         self.ops: DeviceOps
@@ -106,11 +110,11 @@ class LocalBackend(_Common):
     """The model in this process: stream threads on the CPU, CUDA streams on a GPU. The
     weights load here, before the pool's size is known."""
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
-                 delay_ns: int) -> None:
-        super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, pack: PackChoice,
+                 timeout_s: float, delay_ns: int) -> None:
+        super().__init__(model_dir, device, dtype, pack, timeout_s, delay_ns)
         self.name = "cuda" if device.type == "cuda" else "cpu-thread"
-        self.model, self.model_config = load_model(model_dir, device, self.dtype)
+        self.model, self.model_config = load_model(model_dir, device, self.dtype, pack=pack.packed)
 
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         mc = self.model_config
@@ -125,15 +129,15 @@ class ProcessBackend(_Common):
 
     name = "cpu-process"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
-                 delay_ns: int, threads: int, seed: DeviceSeed | None) -> None:
-        super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, pack: PackChoice,
+                 timeout_s: float, delay_ns: int, threads: int, seed: DeviceSeed | None) -> None:
+        super().__init__(model_dir, device, dtype, pack, timeout_s, delay_ns)
         self._threads, self._seed = threads, seed
 
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         self.device_proc = DeviceProcess(DeviceSpec(
             str(self.model_dir), name_of(self.dtype), num_blocks, block_size, self._threads,
-            self._timeout_s, FUTURE_SLOTS, self._delay_ns), probes, registry, self._seed)
+            self._timeout_s, FUTURE_SLOTS, self._delay_ns, self.pack.packed), probes, registry, self._seed)
         self.streams = dict(self.device_proc.streams)
         self.ops = RemoteDevice()
 
@@ -151,9 +155,9 @@ class ParallelBackend(_Common):
 
     name = "parallel"
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, timeout_s: float,
-                 delay_ns: int, parallel: Coordinator) -> None:
-        super().__init__(model_dir, device, dtype, timeout_s, delay_ns)
+    def __init__(self, model_dir: Path, device: torch.device, dtype: DtypeChoice, pack: PackChoice,
+                 timeout_s: float, delay_ns: int, parallel: Coordinator) -> None:
+        super().__init__(model_dir, device, dtype, pack, timeout_s, delay_ns)
         self.parallel = parallel
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -163,7 +167,8 @@ class ParallelBackend(_Common):
     def open(self, num_blocks: int, block_size: int, probes: Probes, registry: WaitRegistry) -> None:
         # Every rank gets the same block count (the block tables are rank 0's); the engine's
         # registry, so the watchdog sees rank 0's collective waits.
-        sharded = self.parallel.start_ranks(self.model_dir, num_blocks, self.dtype, probes, registry)
+        sharded = self.parallel.start_ranks(self.model_dir, num_blocks, self.dtype, self.pack.packed, probes,
+                                            registry)
         kv = sharded.make_kv_cache(num_blocks, block_size)
         self.ops = self._local = LocalDevice(sharded.model, kv, self.device, block_size, self.parallel,
                                              self._delay_ns)

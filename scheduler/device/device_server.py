@@ -34,6 +34,7 @@ class DeviceSpec:
     wait_timeout_s: float
     future_slots: int
     debug_delay_ns: int = 0  # the truth harness: held inside every forward (scheduler/harness/debug_delay.py)
+    pack_weights: bool = False  # scheduler/model/packed_gemm.py (the host's choose_pack decided)
 
 
 def device_main(conn: Connection, spec: DeviceSpec) -> None:
@@ -71,7 +72,7 @@ class _Device:
         from scheduler.model.dtypes import DTYPES
 
         dtype = DTYPES[spec.dtype]
-        model, mc = load_model(spec.model_dir, "cpu", dtype)
+        model, mc = load_model(spec.model_dir, "cpu", dtype, pack=spec.pack_weights)
         self.model: ModelStep = model
         self._held: HeldForward | None = None
         if spec.debug_delay_ns:  # the truth harness: a known hold inside every forward

@@ -172,6 +172,8 @@ def run_meta(
             "block_size": engine.mm.block_size,
             "dtype": name_of(engine.backend.dtype),  # what ran, which may differ from the checkpoint's
             "dtype_choice": engine.backend.dtype_why,
+            "weight_pack": engine.backend.pack.packed,
+            "weight_pack_choice": engine.backend.pack.why,
             "checkpoint_dtype": name_of(mc.torch_dtype),
             "max_position_embeddings": mc.max_position_embeddings,
         },

@@ -98,9 +98,9 @@ static inline __attribute__((always_inline)) float elem(const void *x, int64_t i
     return bf16 ? widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-/* a . b over D values (a float, b of the kernel's type): two accumulators (two dependency
- * chains), then the lanes' tree */
-static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, const int bf16) {
+/* a . b over D values (a float, b of the kernel's type) in 8 lanes, not yet summed: two
+ * accumulators (two dependency chains), added lane by lane; D a multiple of 8 */
+static inline __attribute__((always_inline)) v8 dot_lanes(const float *a, const void *b, int64_t D, const int bf16) {
     v8 s0 = {0}, s1 = {0};
     int64_t i = 0;
     for (; i + 16 <= D; i += 16) {
@@ -108,12 +108,33 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
         s1 += load8(a + i + 8) * elem8(b, i + 8, bf16);
     }
     for (; i + 8 <= D; i += 8) s0 += load8(a + i) * elem8(b, i, bf16);
-    s0 += s1;
+    return s0 + s1;
+}
+
+/* a . b over D values: dot_lanes, then the lanes' tree and the scalar tail */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t D, const int bf16) {
+    const int64_t whole = D / LANES * LANES;
+    const v8 s0 = dot_lanes(a, b, whole, bf16);
     float lanes[LANES];
     memcpy(lanes, &s0, sizeof lanes);
     float s = lane_sum(lanes);
-    for (; i < D; i++) s += a[i] * elem(b, i, bf16);
+    for (int64_t i = whole; i < D; i++) s += a[i] * elem(b, i, bf16);
     return s;
+}
+
+/* {sum of p[0]'s lanes, ..., sum of p[7]'s}: an 8 x 8 transpose folded into its adds (14
+ * shuffles and 7 adds for 8 sums, where 8 lane_sums take 56 scalar adds); each vector's lanes
+ * summed in lane_sum's order, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), up to the order of
+ * the pairs' sums, so a score does not depend on which path made it beyond float rounding */
+static inline __attribute__((always_inline)) v8 sum8(const v8 *p) {
+    v8 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = SHUFFLE8(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+             + SHUFFLE8(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        b[i] = SHUFFLE8(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SHUFFLE8(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUFFLE8(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* e^x for x <= 0 (a score minus its row's maximum), in plain float arithmetic the compiler
@@ -216,7 +237,19 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
         }
         memset(o, 0, sizeof(float) * (size_t)(H * D));
         if (n > 0) {
-            for (int64_t t = first; t < L; t++) {
+            int64_t t = first;
+            if (D % LANES == 0) /* eight tokens' scores at a time, their lanes summed together */
+                for (; t + LANES <= L; t += LANES) {
+                    int64_t kt[LANES];
+                    for (int i = 0; i < LANES; i++) kt[i] = bt_slot(j, r, t + i, BS) * tok;
+                    for (int64_t h = 0; h < H; h++) {
+                        v8 p[LANES];
+                        for (int i = 0; i < LANES; i++) p[i] = dot_lanes(q + h * D, at(j->k, kt[i] + (h / G) * D, bf16), D, bf16);
+                        const v8 sc = sum8(p) * j->scale;
+                        store8(scores + h * n + (t - first), &sc);
+                    }
+                }
+            for (; t < L; t++) {
                 const int64_t kt = bt_slot(j, r, t, BS) * tok;
                 for (int64_t h = 0; h < H; h++)
                     scores[h * n + (t - first)] = dot(q + h * D, at(j->k, kt + (h / G) * D, bf16), D, bf16) * j->scale;

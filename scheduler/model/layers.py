@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native_attention, native_elementwise
+from . import native_attention, native_elementwise, packed_gemm
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 
@@ -218,6 +218,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = p(cfg.mlp_bias, 2 * inter)
         self.down_proj = new_param((hs, inter), dtype, device)
         self.down_bias = p(cfg.mlp_bias, hs)
+        # each projection's weight reordered once for the CPU's GEMM (`pack`); empty: F.linear
+        self.packs: dict[str, torch.Tensor] = {}
+
+    def pack(self) -> None:
+        """Reorder the projections' weights for packed_gemm (after the loader filled them)."""
+        self.packs = {name: packed_gemm.pack(getattr(self, name))
+                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+
+    def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = self.packs.get(name)
+        return F.linear(x, weight, bias) if packed is None else packed_gemm.linear(x, packed, bias)
 
     def attention_core(
         self,
@@ -231,7 +242,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Norm, q/k/v, RoPE, KV write and attention: ``[T, q_size]``, the input of ``o_proj``."""
         t = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.input_layernorm, self.eps), self.qkv_proj, self.qkv_bias)
+        qkv = self._linear(rms_norm(x, self.input_layernorm, self.eps), "qkv_proj", self.qkv_proj, self.qkv_bias)
         qk = rope_qk(qkv, self.q_size + self.kv_size, self.head_dim, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -241,11 +252,8 @@ class DecoderLayer(nn.Module):
 
     def mlp_core(self, x: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up and SiLU-gating: ``[T, intermediate]``, the input of ``down_proj``."""
-        gu = F.linear(
-            rms_norm(x, self.post_attention_layernorm, self.eps),
-            self.gate_up_proj,
-            self.gate_up_bias,
-        )
+        gu = self._linear(rms_norm(x, self.post_attention_layernorm, self.eps), "gate_up_proj", self.gate_up_proj,
+                          self.gate_up_bias)
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -262,10 +270,10 @@ class DecoderLayer(nn.Module):
         plan: AttnPlan,
     ) -> torch.Tensor:
         attn = self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan)
-        return F.linear(attn, self.o_proj)
+        return self._linear(attn, "o_proj", self.o_proj, None)
 
     def mlp_partial(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.mlp_core(x), self.down_proj)
+        return self._linear(self.mlp_core(x), "down_proj", self.down_proj, None)
 
     def forward(
         self,
@@ -279,12 +287,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         reduce = self.all_reduce
         if reduce is None:  # single rank: fused GEMM + bias, exactly the pre-TP forward
-            x = x + F.linear(
-                self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan),
-                self.o_proj,
-                self.o_bias,
-            )
-            return x + F.linear(self.mlp_core(x), self.down_proj, self.down_bias)
+            x = x + self._linear(self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan), "o_proj",
+                                 self.o_proj, self.o_bias)
+            return x + self._linear(self.mlp_core(x), "down_proj", self.down_proj, self.down_bias)
         # Reduce before the bias: every rank holds the full bias, adding it pre-reduce would
         # count it tp_size times.
         partial = self.attn_partial(x, cos, sin, k_cache, v_cache, batch, plan)

@@ -106,12 +106,15 @@ def load_model(
     cfg: ModelConfig | None = None,
     part: ModelPart | None = None,
     all_reduce: AllReduceFn | None = None,
+    pack: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build a :class:`CausalLM` from an HF checkpoint folder (config.json + safetensors).
 
     The keyword arguments are for ``scheduler.parallel``: ``cfg`` replaces the folder's config
     for allocation (per-rank shapes; ``shard_fn`` must slice to them), ``part`` selects a
-    pipeline stage, ``all_reduce`` is the layers' TP hook.  Returns the config the model uses.
+    pipeline stage, ``all_reduce`` is the layers' TP hook.  ``pack``: the projections' weights
+    reordered for the CPU's GEMM (scheduler.model.packed_gemm; ``choose_pack`` decides).
+    Returns the config the model uses.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -163,4 +166,6 @@ def load_model(
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"checkpoint {model_dir} is missing tensor {missing[0]!r}{more}")
     model.eval()
+    if pack:
+        model.pack_weights()
     return model, cfg

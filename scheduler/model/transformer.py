@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import packed_gemm
 from .config import ModelConfig, ModelPart
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
@@ -64,6 +65,16 @@ class CausalLM(nn.Module):
         else:  # untied, or tied but the embedding lives on another pipeline stage
             self.lm_head = new_param(vh, dtype, device)
         self.rope = RotaryTable(cfg.rope_inv_freq(), dtype, device)
+        self.lm_head_packed: torch.Tensor | None = None  # pack_weights
+
+    def pack_weights(self) -> None:
+        """Every projection and the LM head reordered once for the CPU's GEMM (packed_gemm),
+        after the loader filled them."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.pack()
+        if self.lm_head is not None:
+            self.lm_head_packed = packed_gemm.pack(self.lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -123,4 +134,5 @@ class CausalLM(nn.Module):
         # Norm and LM head only on rows whose logits are needed: the vocab GEMM is the single
         # largest one for small models and most prefill rows are never sampled.
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        packed = self.lm_head_packed
+        return (F.linear(h, self.lm_head) if packed is None else packed_gemm.linear(h, packed, None)).float()

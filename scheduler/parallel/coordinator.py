@@ -128,7 +128,7 @@ class Coordinator:
         return block_bytes(layers, local.num_key_value_heads, local.head_dim, block_size, dtype)
 
     def start_ranks(
-        self, model_dir: Path, num_blocks: int, dtype: torch.dtype, probes: Probes,
+        self, model_dir: Path, num_blocks: int, dtype: torch.dtype, pack: bool, probes: Probes,
         registry: WaitRegistry,
     ) -> ShardedModel:
         """Tell every rank what to run, then load rank 0's own shard (the others load theirs
@@ -143,13 +143,13 @@ class Coordinator:
             block_size=cfg.block_size, num_blocks=num_blocks, comm_overlap=cfg.comm_overlap,
             comm_timeout_s=cfg.hard_wait_timeout_s, watchdog_s=cfg.wait_timeout_s,
             probes=cfg.probes, stall_step=STALL_RANK_STEP if "stall-rank" in cfg.inject else -1,
-            pp_microbatches=cfg.pp_microbatches,
+            pp_microbatches=cfg.pp_microbatches, pack_weights=pack,
         ))
         self.registry = registry
         self._buf = probes.buffer()
         self.sm = ShardedModel.load(
             model_dir, self.state, dtype=dtype, overlap=cfg.comm_overlap, probe_buf=self._buf,
-            registry=registry, timeout_s=cfg.hard_wait_timeout_s, microbatches=cfg.pp_microbatches,
+            registry=registry, timeout_s=cfg.hard_wait_timeout_s, microbatches=cfg.pp_microbatches, pack=pack,
         )
         self.channel = BatchChannel(self.control, 0, registry=registry,
                                     timeout_s=cfg.hard_wait_timeout_s, buf=self._buf)

@@ -71,6 +71,7 @@ class RunSpec:
     probes: bool
     stall_step: int  # --inject stall-rank: the last rank stops joining at this step; -1 = off
     pp_microbatches: int = 2  # a round's batch in this many pipelined parts (pp > 1)
+    pack_weights: bool = False  # scheduler/model/packed_gemm.py (rank 0's choose_pack decided)
 
 
 def backend_for(device: str) -> str:

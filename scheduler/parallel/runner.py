@@ -56,6 +56,7 @@ class ShardedModel:
         registry: WaitRegistry | None = None,
         timeout_s: float = COMM_TIMEOUT_S,
         microbatches: int = 2,
+        pack: bool = False,
     ) -> ShardedModel:
         """Load this rank's shard of the checkpoint at ``model_dir`` (each tensor read whole,
         sliced, copied: peak extra memory is one checkpoint tensor)."""
@@ -74,6 +75,7 @@ class ShardedModel:
             cfg=tp_config(full, state.tp_size),
             part=stage_part(full, state),
             all_reduce=comm,
+            pack=pack,
         )
         tp = TPRunner(model, comm, overlap) if comm else None
         stage = PipelineStage(

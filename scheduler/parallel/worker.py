@@ -97,6 +97,7 @@ def worker_main(argv: list[str]) -> int:
         sm = ShardedModel.load(
             spec.model_dir, state, dtype=DTYPES[spec.dtype], overlap=spec.comm_overlap,
             probe_buf=buf, registry=registry, timeout_s=spec.comm_timeout_s, microbatches=spec.pp_microbatches,
+            pack=spec.pack_weights,
         )
         kv = sm.make_kv_cache(spec.num_blocks, spec.block_size)
         comm = sm.tp.comm if sm.tp is not None else None

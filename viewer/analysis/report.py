@@ -161,6 +161,7 @@ class ReportResult(JsonRecord):
     mode: str | None
     dtype: str | None  # what ran (older traces: unknown)
     dtype_choice: str | None  # how --dtype chose it (older traces: unknown)
+    weight_pack_choice: str | None  # how --weight-pack chose the CPU's GEMM (older traces: unknown)
     workload_digest: str | None
     probes: bool
     backend: Backend
@@ -227,6 +228,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         mode=config.get("mode"),
         dtype=meta.get("model", {}).get("dtype"),
         dtype_choice=meta.get("model", {}).get("dtype_choice"),
+        weight_pack_choice=meta.get("model", {}).get("weight_pack_choice"),
         workload_digest=workload_digest(meta),
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),

@@ -158,6 +158,8 @@ def _facts(rep: ReportResult) -> str:
     # as the text report: the choice is said where auto made it
     why = f" ({_e(rep.dtype_choice)})" if rep.dtype_choice and rep.dtype_choice != "asked" else ""
     dtype = f", dtype {_e(rep.dtype)}{why}" if rep.dtype else ""
+    pack = rep.weight_pack_choice
+    dtype += f", weight pack {_e(pack)}" if pack and pack.startswith("auto") else ""
     return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}{dtype}, {_e(rep.status.state)}; "
             f"{c.cycles} cycles of {ms(c.cycle_ms)} ms; the device computes "
             f"{pct(c.device_busy)} of it. {t.completed}/{t.requests} requests in "
