@@ -4,6 +4,7 @@ and keep every significance mark."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -55,7 +56,8 @@ def test_a_trace_heading_keeps_its_path_and_words_whole(modes):
     for args in (("report", str(modes / "overlap")), ("diff", str(modes / "serial"), str(modes / "overlap"))):
         out = at(len(str(modes)) // 2, *args)  # narrower than the path
         heads = [line for line in out.splitlines() if str(modes) in line]
-        assert heads and all(line.endswith(("dtype=float32", "model tiny)")) for line in heads), heads
+        # dtype: what --dtype auto picked on this CPU (bfloat16 where it has AMX)
+        assert heads and all(re.search(r"(dtype=\w+|model tiny\))$", line) for line in heads), heads
 
 
 def test_diff_fits_80_columns_and_keeps_its_marks(modes):
