@@ -43,10 +43,15 @@ def mixed_workload() -> list[WorkloadItem]:
     return out
 
 
+# float32: a preemption changes which rows share a round, and in bfloat16 (what --dtype auto
+# picks on an AMX CPU) a row's rounding depends on its round's other rows, so its tokens may too
+F32 = {"dtype": "float32"}
+
+
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
 def test_same_tokens_as_the_in_process_device(mode):
     cfg = EngineConfig(cpu_device="thread", model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32,
-                       gc=False, **NO_WAIT_LIMITS)
+                       gc=False, **NO_WAIT_LIMITS, **F32)
     items = mixed_workload()
     local = run_engine(cfg, items)
     remote = run_engine(replace(cfg, cpu_device="process"), items)
@@ -60,11 +65,12 @@ def test_same_tokens_as_the_in_process_device(mode):
 
 def test_sampled_tokens_do_not_depend_on_preemption_mode_or_device():
     items = mixed_workload()
-    roomy = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode="serial", block_size=4, kv_blocks=2000, gc=False), items)
+    roomy = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode="serial", block_size=4, kv_blocks=2000,
+                                    gc=False, **F32), items)
     assert sum(r.num_preemptions for r in roomy.rm.finished) == 0
     for mode, device in (("overlap", "thread"), ("overlap", "process"), ("timeslice", "process")):
         cfg = EngineConfig(model="tiny", mode=mode, block_size=4, kv_blocks=60, prefill_chunk=32, gc=False,
-                           cpu_device=device, timeslice_chunk=8, **NO_WAIT_LIMITS)
+                           cpu_device=device, timeslice_chunk=8, **NO_WAIT_LIMITS, **F32)
         tight = run_engine(cfg, items)
         assert sum(r.num_preemptions for r in tight.rm.finished) > 0, (mode, device)
         assert outputs(tight) == outputs(roomy), (mode, device)

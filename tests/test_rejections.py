@@ -30,12 +30,14 @@ def test_prompt_longer_than_kv_capacity_is_rejected_and_run_continues(tmp_path):
 @pytest.mark.parametrize("kind", ["pool", "max_new_tokens"])
 def test_a_run_whose_every_request_is_rejected_says_why_and_fails(tmp_path, kind):
     out = tmp_path / "o"
+    # float32, the checkpoint's: on an AMX CPU auto's note that it runs in bfloat16 is a line too
+    f32 = ("--dtype", "float32")
     if kind == "pool":
-        p = mstrace("run", "--model", "tiny", "--requests", "4", "--kv-blocks", "1", "--out", str(out), "-q")
+        p = mstrace("run", "--model", "tiny", "--requests", "4", "--kv-blocks", "1", *f32, "--out", str(out), "-q")
     else:
         wl = tmp_path / "w.jsonl"
         wl.write_text(json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 10**9}) + "\n")
-        p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--out", str(out), "-q")
+        p = mstrace("run", "--model", "tiny", "--workload", str(wl), *f32, "--out", str(out), "-q")
     assert p.returncode == 2
     line = one_line_error(p)
     assert "every request was rejected" in line
