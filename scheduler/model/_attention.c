@@ -55,34 +55,6 @@ typedef struct {
     int status;
 } Job;
 
-/* bfloat16 is float32's upper half: widening is a shift, exact */
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline __attribute__((always_inline)) v8 widen8(const uint16_t *p) {
-    u16x8 h;
-    memcpy(&h, p, sizeof h);
-    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-    v8 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch's float -> bfloat16 conversion (c10::BFloat16) does */
-static inline __attribute__((always_inline)) uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* element i of a float (bf16 = 0) or bfloat16 (bf16 = 1) array, as float; bf16 is a
  * constant wherever these are inlined, so each kernel is compiled for one type */
 static inline __attribute__((always_inline)) v8 elem8(const void *x, int64_t i, const int bf16) {

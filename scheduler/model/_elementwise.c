@@ -1,4 +1,4 @@
-/* RMSNorm and RoPE in one pass each, on the CPU (float32)
+/* RMSNorm and RoPE in one pass each, on the CPU (float32 and bfloat16)
  * (scheduler/model/native_elementwise.py).
  *
  * Why: torch runs each as several passes with a tensor between them (RMSNorm: square,
@@ -10,7 +10,11 @@
  * torch's two passes on this machine, where that exp, not memory, bounds it.
  *
  * The arithmetic is torch's, operation for operation (compiled without FMA contraction),
- * except the order of RMSNorm's sum of squares (lanes in a fixed tree); the tests compare
+ * except the order of RMSNorm's sum of squares (lanes in a fixed tree). In bfloat16 that
+ * includes torch's roundings: each bfloat16 op computes in float32 and rounds its result
+ * to bfloat16 (nearest even), so the C code rounds wherever torch's expression ends an op
+ * in bfloat16 and nowhere else (layers.rms_norm's float32 statistics; RoPE's two products
+ * and their sum). The tests compare
  * each with torch's (tests/test_native_elementwise.py). One thread: these are a few
  * percent of the forward; called through ctypes, which releases the GIL.
  *
@@ -60,6 +64,49 @@ void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_
                 const float hi = b * c[i + half], hi_r = a * s[i + half];
                 v[i] = lo + lo_r;
                 v[i + half] = hi + hi_r;
+            }
+        }
+    }
+}
+
+/* bfloat16 rows, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
+ * bfloat16, then times the bfloat16 weight (rounded again) */
+MULTI_TARGET
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
+                   float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *o = out + r * n;
+        float lanes[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int j = 0; j < LANES; j++) {
+                const float v = widen(xr[i + j]);
+                lanes[j] += v * v;
+            }
+        float ss = lane_sum(lanes);
+        for (; i < n; i++) ss += widen(xr[i]) * widen(xr[i]);
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) o[i] = narrow(widen(w[i]) * widen(narrow(widen(xr[i]) * inv)));
+    }
+}
+
+/* rope on bfloat16 x, cos and sin: each product and the sum rounded to bfloat16, as torch's
+ * `x * cos + roll(x) * sin` rounds in bfloat16 */
+MULTI_TARGET
+void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin, int64_t rows, int64_t heads,
+               int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *v = x + t * x_stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = widen(v[i]), b = widen(v[i + half]);
+                const float lo = widen(narrow(a * widen(c[i]))), lo_r = widen(narrow(b * widen(s[i])));
+                const float hi = widen(narrow(b * widen(c[i + half]))), hi_r = widen(narrow(a * widen(s[i + half])));
+                v[i] = narrow(lo + lo_r);
+                v[i + half] = narrow(hi + hi_r);
             }
         }
     }

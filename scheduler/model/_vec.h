@@ -1,5 +1,6 @@
 /* What the engine's C kernels share (_attention.c, _elementwise.c): 8-float vectors, a
- * lane sum in a fixed order, and the run-time choice of the AVX2 + FMA clone. */
+ * lane sum in a fixed order, bfloat16 <-> float32, and the run-time choice of the AVX2 + FMA
+ * clone. */
 #ifndef MSTRACE_VEC_H
 #define MSTRACE_VEC_H
 /* v8 helpers are always inlined: the AVX argument ABI note does not apply */
@@ -38,6 +39,34 @@ static inline __attribute__((always_inline)) void store8(float *p, const v8 *v) 
 /* a fixed tree over the lanes: three dependent adds, not eight, and the same order every time */
 static inline __attribute__((always_inline)) float lane_sum(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* bfloat16 is float32's upper half: widening is a shift, exact; narrowing rounds */
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) float widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) v8 widen8(const uint16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    v8 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion (c10::BFloat16) does */
+static inline __attribute__((always_inline)) uint16_t narrow(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #endif

@@ -25,9 +25,11 @@ from .forward_batch import ForwardBatch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as transformers (fp32 statistics, cast back, then scale) so logits match.
+    out = native_elementwise.rms_norm(x, weight, eps)  # one pass in C on the CPU (float32, bfloat16)
+    if out is not None:
+        return out
     if x.dtype == torch.float32:
-        out = native_elementwise.rms_norm(x, weight, eps)  # one pass in C on the CPU
-        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
