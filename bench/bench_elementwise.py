@@ -4,7 +4,7 @@ decode-heavy rounds' mean in bench_engine_vs_hf.py's workload) and one 512-token
 chunk, the C path on and off alternated in one process (`native_elementwise._LIB` set to
 None switches it off, as an install without a compiler has it).
 
-    .venv/bin/python bench/bench_elementwise.py --repeats 15
+    .venv/bin/python bench/bench_elementwise.py --repeats 15 [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from scheduler.model.presets import ensure_preset
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = ap.parse_args()
     if not native_elementwise.AVAILABLE:
         raise SystemExit("scheduler/model/_elementwise.c is not built here")
     torch.set_num_threads(1)
-    model, _ = load_model(ensure_preset("default"), "cpu", torch.float32)
+    model, _ = load_model(ensure_preset("default"), "cpu", getattr(torch, a.dtype))
     bs = 16
     kv = model.make_kv_cache(4000, bs)
     g = torch.Generator().manual_seed(0)

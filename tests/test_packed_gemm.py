@@ -34,8 +34,8 @@ def test_auto_follows_its_measurement(dtype: torch.dtype) -> None:
     before = torch.get_num_threads()
     c = choose_pack(torch.device("cpu"), dtype, "auto")
     assert torch.get_num_threads() == before
-    m = re.fullmatch(r"auto: (on|off), a 64x512x1536 \w+ GEMM on the reordered weight measured ([\d.]+)x "
-                     r"F.linear's speed on this CPU", c.why)
+    m = re.fullmatch(r"auto: (on|off), \w+ GEMMs of 16 and 64 rows x 512 x 1536 on the reordered weight measured "
+                     r"([\d.]+)x F.linear's speed on this CPU", c.why)
     assert m, c.why
     assert c.packed == (m.group(1) == "on")
     if abs(float(m.group(2)) - MIN_SPEEDUP) > 0.01:  # the message rounds to two places
@@ -52,6 +52,8 @@ def test_the_forward_on_reordered_weights_is_the_plain_one(dtype: torch.dtype, t
     plain, _ = load_model(folder, "cpu", dtype)
     packed, _ = load_model(folder, "cpu", dtype, pack=True)
     assert packed.layers[0].packs and packed.lm_head_packed is not None and not plain.layers[0].packs
+    # held once: the dense copies freed (the tiny preset's LM head is its own, untied)
+    assert packed.layers[0].qkv_proj.numel() == 0 and packed.lm_head is not None and packed.lm_head.numel() == 0
     kv = plain.make_kv_cache(64, 4)
     g = torch.Generator().manual_seed(2)
     chunks = [SeqChunk([int(t)], ctx, list(range(4 * i, 4 * i + 4)), True)
@@ -61,6 +63,20 @@ def test_the_forward_on_reordered_weights_is_the_plain_one(dtype: torch.dtype, t
     batch = build_forward_batch(chunks, 4, "cpu")
     a, b = plain(batch, kv), packed(batch, kv)
     torch.testing.assert_close(b, a, atol=tol * a.abs().max().item(), rtol=0)
+
+
+@needs_ops
+def test_a_tied_head_keeps_the_embeddings_table(tmp_path: Path) -> None:
+    from tests.support.checkpoints import build_llama
+
+    folder = build_llama(tmp_path / "tied")  # tied embeddings
+    plain, _ = load_model(folder, "cpu", torch.float32)
+    packed, _ = load_model(folder, "cpu", torch.float32, pack=True)
+    assert packed.lm_head is packed.embed_tokens and packed.lm_head is not None and packed.lm_head.numel() > 0
+    kv = plain.make_kv_cache(8, 16)
+    batch = build_forward_batch([SeqChunk(list(range(5, 25)), 0, [1, 3], True)], 16, "cpu")
+    a, b = plain(batch, kv), packed(batch, kv)
+    torch.testing.assert_close(b, a, atol=1e-4 * a.abs().max().item(), rtol=0)
 
 
 def test_the_run_records_its_choice(tmp_path: Path) -> None:

@@ -225,8 +225,10 @@ class DecoderLayer(nn.Module):
 
     def pack(self) -> None:
         """Reorder the projections' weights for packed_gemm (after the loader filled them)."""
-        self.packs = {name: packed_gemm.pack(getattr(self, name))
-                      for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            self.packs[name] = packed_gemm.pack(weight)
+            packed_gemm.free_dense(weight)
 
     def _linear(self, x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = self.packs.get(name)

@@ -6,20 +6,22 @@ reorders the weight into its AMX / AVX512 layout at every call: a decode round o
 re-read and re-wrote every projection's weight to multiply it once. Reordering it once at
 load, as torch.compile's freezing and Intel's extension do (`torch.ops.mkldnn`'s
 `_reorder_linear_weight` and `_linear_pointwise`, the ops they emit), measured 2.8-4x on
-decode-shaped bfloat16 GEMMs and 1.2-1.9x in float32 on a Sapphire Rapids core (BENCHMARKS.md,
-"Weights reordered once"); MKL's own packed sgemm only helps at the one row count it was packed
-for. Whether it pays depends on the CPU and torch's build, so `--weight-pack auto` times both
-on a decode-shaped GEMM in the run's dtype, as `--dtype auto` does.
+decode-shaped bfloat16 GEMMs and 1.2-1.5x in float32 on a Sapphire Rapids core, 1-20% of the
+default preset's whole forward (BENCHMARKS.md, "Weights reordered once"); MKL's own packed
+sgemm only helps at the one row count it was packed for. Whether it pays depends on the CPU
+and torch's build, so `--weight-pack auto` times both on decode-shaped GEMMs in the run's
+dtype, as `--dtype auto` does.
 
-The reordered weight is an opaque oneDNN tensor that only this GEMM reads; the dense one stays
-in the model (the loader, tied embeddings and the tests read it), so packing holds the
-projections' weights twice.
+The reordered weight is an opaque oneDNN tensor that only this GEMM reads; once it is made
+the dense one is freed (`free_dense`), so the weights are held once, except an LM head tied to
+the embedding, whose dense table the embedding still reads.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +29,15 @@ import torch.nn.functional as F
 
 from scheduler.model.dtypes import name_of
 
-# A default-preset decode round (64 rows) through a 512 -> 1536 projection, as --dtype auto times
-SHAPE = (64, 512, 1536)
-# The projections are about half a forward, so below this the gain is a few percent of it
-# (float32 here: 1.2x on the GEMM, 2-6% of the forward), not worth a second copy of the
-# weights; and float32's ratio, 0.86-1.18x in repeated measurements on one machine, would
-# flip the choice from run to run. bfloat16 measured 1.45-1.56x there.
-MIN_SPEEDUP = 1.3
+# Decode rounds of 16 and 64 rows (the default preset's served and batch sizes) through a
+# 512 -> 1536 projection; the ratio, not the time, decides
+ROWS, K, N = (16, 64), 512, 1536
+REPS = 9  # alternated pairs per shape: the median of their ratios
+# Below this the gain is a few percent of a forward (the projections are about half of one).
+# Measured as the median ratio of alternated calls, repeated choices on one machine spread by
+# under 0.1 (float32 1.30-1.39x, bfloat16 1.48-1.50x on a Sapphire Rapids core); best-of-5 of
+# each kernel on its own spread 0.86-1.18x in float32 there and would flip the choice.
+MIN_SPEEDUP = 1.1
 CHOICES = ("auto", "on", "off")
 
 
@@ -49,10 +53,15 @@ def available() -> bool:
                                                                   "_reorder_linear_weight")
 
 
-def pack(weight: torch.Tensor, rows_hint: int = SHAPE[0]) -> torch.Tensor:
+def pack(weight: torch.Tensor, rows_hint: int = ROWS[-1]) -> torch.Tensor:
     """`weight` [out, in] reordered for `linear`; `rows_hint` picks the blocking, any row count runs."""
     out: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
     return out
+
+
+def free_dense(weight: torch.Tensor) -> None:
+    """Drop a packed weight's dense storage (the parameter stays, empty): only `linear` reads it now."""
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,21 +71,31 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return out
 
 
-def _seconds(fn: Callable[[], object], reps: int = 5) -> float:
-    """The best of `reps` calls after one warm-up, as --dtype auto times its GEMMs."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def speedup(dtype: torch.dtype) -> float:
+    """F.linear's time over the reordered weight's, on one thread: the geometric mean over ROWS
+    of the median ratio of REPS alternated calls (alternated, so a busy moment slows both)."""
+    ratios = []
+    for m in ROWS:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(m, K, generator=g).to(dtype)
+        w = torch.randn(N, K, generator=g).to(dtype)
+        p = pack(w)
+        F.linear(x, w), linear(x, p, None)  # warm-up: each kernel's first call sets it up
+        pairs = []
+        for _ in range(REPS):
+            t0 = time.perf_counter()
+            F.linear(x, w)
+            t1 = time.perf_counter()
+            linear(x, p, None)
+            pairs.append((t1 - t0) / (time.perf_counter() - t1))
+        ratios.append(statistics.median(pairs))
+    return math.prod(ratios) ** (1 / len(ratios))
 
 
 def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackChoice:
     """Whether the CPU model's projections run on reordered weights: as asked (`on` where the
     build has the ops), or, for `auto`, where they measured MIN_SPEEDUP times F.linear's speed
-    on SHAPE in `dtype`, on one thread (as --dtype auto measures)."""
+    in `dtype` (`speedup`)."""
     if asked not in CHOICES:
         raise ValueError(f"--weight-pack must be one of {', '.join(CHOICES)}, not {asked!r}")
     if device.type != "cpu":
@@ -90,16 +109,12 @@ def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackCho
     if asked == "on":
         return PackChoice(True, "on: asked")
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the ratio is the kernels'; the pool's size is not decided yet
     try:
-        m, k, n = SHAPE
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=g).to(dtype)
-        w = torch.randn(n, k, generator=g).to(dtype)
-        p = pack(w)
-        speedup = _seconds(lambda: F.linear(x, w)) / _seconds(lambda: linear(x, p, None))
+        ratio = speedup(dtype)
     finally:
         torch.set_num_threads(threads)
-    on = speedup >= MIN_SPEEDUP
-    return PackChoice(on, f"auto: {'on' if on else 'off'}, a {m}x{k}x{n} {name_of(dtype)} GEMM on the reordered "
-                          f"weight measured {speedup:.2f}x F.linear's speed on this CPU")
+    on = ratio >= MIN_SPEEDUP
+    rows = " and ".join(str(m) for m in ROWS)
+    return PackChoice(on, f"auto: {'on' if on else 'off'}, {name_of(dtype)} GEMMs of {rows} rows x {K} x {N} on the "
+                          f"reordered weight measured {ratio:.2f}x F.linear's speed on this CPU")

@@ -75,6 +75,8 @@ class CausalLM(nn.Module):
             layer.pack()
         if self.lm_head is not None:
             self.lm_head_packed = packed_gemm.pack(self.lm_head)
+            if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads the table
+                packed_gemm.free_dense(self.lm_head)
 
     @property
     def device(self) -> torch.device:

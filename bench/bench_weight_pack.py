@@ -1,0 +1,86 @@
+"""The default preset's forward with its projections on weights reordered once for oneDNN's GEMM
+(`--weight-pack on`, scheduler/model/packed_gemm.py) against `F.linear` (`off`), one thread,
+the two models alternated forward by forward in one process so both see the same machine.
+
+    .venv/bin/python bench/bench_weight_pack.py --repeats 15
+
+Batches: decode rounds of 16 and 64 rows (contexts 128-192: bench_serve_peer's and
+bench_engine_vs_hf's decode sizes) and prefill chunks of 128 and 512 tokens, in float32 and,
+where this CPU computes it natively, bfloat16 (what `--dtype auto` picks there). Prints each
+batch's medians and their ratio, and the GEMM that `--weight-pack auto` times at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from common import REPO
+
+sys.path.insert(0, str(REPO))
+from scheduler.model import packed_gemm  # noqa: E402
+from scheduler.model.auto_dtype import choose_dtype  # noqa: E402
+from scheduler.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch  # noqa: E402
+from scheduler.model.loader import load_model  # noqa: E402
+from scheduler.model.presets import ensure_preset  # noqa: E402
+
+BS = 16
+
+
+def batches(g: torch.Generator) -> dict[str, ForwardBatch]:
+    out, used = {}, 0
+    for rows in (16, 64):
+        chunks = []
+        for _ in range(rows):
+            ctx = int(torch.randint(128, 192, (1,), generator=g))
+            table = list(range(used, used + ctx // BS + 1))
+            used += len(table)
+            chunks.append(SeqChunk([int(torch.randint(5, 500, (1,), generator=g))], ctx, table, True))
+        out[f"decode, {rows} rows"] = build_forward_batch(chunks, BS, "cpu")
+    for n in (128, 512):
+        prompt = torch.randint(5, 500, (n,), generator=g).tolist()
+        out[f"prefill, {n} tokens"] = build_forward_batch([SeqChunk(prompt, 0, list(range(used, used + n // BS)), True)],
+                                                          BS, "cpu")
+        used += n // BS
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=15)
+    a = ap.parse_args()
+    if not packed_gemm.available():
+        raise SystemExit("this torch build has no oneDNN linear ops")
+    torch.set_num_threads(1)
+    folder = ensure_preset("default")
+    dtypes = [torch.float32] + ([torch.bfloat16] if choose_dtype(torch.device("cpu"), None).dtype == torch.bfloat16
+                                else [])
+    for dtype in dtypes:
+        print(choose_pack_line(dtype), flush=True)
+        plain, _ = load_model(folder, "cpu", dtype)
+        packed, _ = load_model(folder, "cpu", dtype, pack=True)
+        kv = plain.make_kv_cache(2000, BS)
+        with torch.inference_mode():
+            for name, fb in batches(torch.Generator().manual_seed(0)).items():
+                times: dict[str, list[float]] = {"off": [], "on": []}
+                for _ in range(3):
+                    plain(fb, kv), packed(fb, kv)
+                for _ in range(a.repeats):
+                    for key, model in (("off", plain), ("on", packed)):
+                        t = time.perf_counter()
+                        model(fb, kv)
+                        times[key].append(time.perf_counter() - t)
+                off, on = (statistics.median(times[k]) * 1e3 for k in ("off", "on"))
+                print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {on:.2f} ms, off {off:.2f} ms (medians of "
+                      f"{a.repeats}), on / off {on / off:.3f}", flush=True)
+
+
+def choose_pack_line(dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}: --weight-pack {packed_gemm.choose_pack(torch.device('cpu'), dtype, 'auto').why}"
+
+
+if __name__ == "__main__":
+    main()
