@@ -1,10 +1,11 @@
-"""The C RMSNorm and RoPE (scheduler/model/_elementwise.c) against torch's ops, inside the
-default preset's whole forward, one thread: a decode batch (57 rows, contexts 16-768, the
-decode-heavy rounds' mean in bench_engine_vs_hf.py's workload) and one 512-token prefill
-chunk, the C path on and off alternated in one process (`native_elementwise._LIB` set to
-None switches it off, as an install without a compiler has it).
+"""The C RMSNorm and RoPE (scheduler/model/_elementwise.c), or with `--library attention` the
+C decode attention (_attention.c), against torch's ops, inside the default preset's whole
+forward, one thread: a decode batch (57 rows, contexts 16-768, the decode-heavy rounds' mean
+in bench_engine_vs_hf.py's workload) and one 512-token prefill chunk, the C path on and off
+alternated in one process (the module's `_LIB` set to None switches it off, as an install
+without a compiler has it; attention then gathers each row's context and runs SDPA).
 
-    .venv/bin/python bench/bench_elementwise.py --repeats 15 [--dtype bfloat16]
+    .venv/bin/python bench/bench_elementwise.py --repeats 15 [--dtype bfloat16] [--library attention]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from scheduler.model import native_elementwise
+from scheduler.model import native_attention, native_elementwise
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
 from scheduler.model.loader import load_model
 from scheduler.model.presets import ensure_preset
@@ -25,9 +26,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--library", default="elementwise", choices=("elementwise", "attention"))
     a = ap.parse_args()
-    if not native_elementwise.AVAILABLE:
-        raise SystemExit("scheduler/model/_elementwise.c is not built here")
+    owner = native_elementwise if a.library == "elementwise" else native_attention
+    if not owner.AVAILABLE:
+        raise SystemExit(f"scheduler/model/_{a.library}.c is not built here")
     torch.set_num_threads(1)
     model, _ = load_model(ensure_preset("default"), "cpu", getattr(torch, a.dtype))
     bs = 16
@@ -43,7 +46,7 @@ def main() -> None:
     batches = {"decode, 57 rows": build_forward_batch(chunks, bs, "cpu"),
                "prefill, 512 tokens": build_forward_batch([SeqChunk(prompt, 0, list(range(used, used + 33)), True)],
                                                           bs, "cpu")}
-    lib = native_elementwise._LIB
+    lib = owner._LIB
     with torch.inference_mode():
         for name, fb in batches.items():
             times: dict[bool, list[float]] = {True: [], False: []}
@@ -51,11 +54,11 @@ def main() -> None:
                 model(fb, kv)
             for _ in range(a.repeats):
                 for on in (True, False):
-                    native_elementwise._LIB = lib if on else None
+                    owner._LIB = lib if on else None
                     t = time.perf_counter()
                     model(fb, kv)
                     times[on].append(time.perf_counter() - t)
-            native_elementwise._LIB = lib
+            owner._LIB = lib
             c, t_ = statistics.median(times[True]), statistics.median(times[False])
             print(f"{name}: C {c * 1e3:.2f} ms, torch {t_ * 1e3:.2f} ms (medians of {a.repeats}), C / torch {c / t_:.3f}")
 

@@ -1,0 +1,67 @@
+"""The C decode attention kernel alone (scheduler/model/_attention.c), float32 and bfloat16,
+one thread, on the default preset's heads (8 query, 4 KV, head size 64) and decode shapes:
+16 and 64 rows of 128-192 tokens (bench_serve_peer's and bench_engine_vs_hf's rounds) and
+57 rows of 16-768. Several builds are timed call by call in turn, so each sees the same
+machine; without `--lib` the installed build alone.
+
+    .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40]
+
+Build another revision's kernel to compare (as bench_forward.py's --attention-lib does):
+
+    git show REV:scheduler/model/_attention.c > /tmp/a/_attention.c
+    git show REV:scheduler/model/_vec.h > /tmp/a/_vec.h
+    gcc -O3 -shared -fPIC -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \\
+        /tmp/a/_attention.c -o /tmp/a.so -lm -lpthread
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import REPO
+
+sys.path.insert(0, str(REPO))
+from scheduler.model import native_attention  # noqa: E402
+
+BS, HEADS, KV_HEADS, D, BLOCKS = 16, 8, 4, 64, 4000
+SHAPES = ((16, 128, 192), (64, 128, 192), (57, 16, 768))  # rows, shortest and longest context
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", type=Path, action="append", default=[], help="a build to time (repeatable)")
+    ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 5 not counted)")
+    a = ap.parse_args()
+    libs = {str(p): native_attention.load_library(p) for p in a.lib} or {"installed": native_attention._LIB}
+    if any(lib is None for lib in libs.values()):
+        raise SystemExit("a build did not load (or the install has none)")
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(BLOCKS * BS, KV_HEADS, D, generator=g)
+    v = torch.randn(BLOCKS * BS, KV_HEADS, D, generator=g)
+    for rows, lo, hi in SHAPES:
+        ctx = torch.randint(lo, hi, (rows,), generator=g)
+        blocks = torch.stack([torch.randperm(BLOCKS, generator=g)[:hi // BS + 1] for _ in range(rows)])
+        q = torch.randn(rows, HEADS, D, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), blocks, ctx, BS, None)
+            times: dict[str, list[float]] = {name: [] for name in libs}
+            for _ in range(a.calls):
+                for name, lib in libs.items():
+                    native_attention._LIB = lib
+                    t = time.perf_counter()
+                    out = native_attention.decode(*args)
+                    times[name].append(time.perf_counter() - t)
+                    if out is None:
+                        raise SystemExit(f"{name} does not take {dtype}")
+            cells = "; ".join(f"{name} {statistics.median(ts[5:]) * 1e3:.3f} ms" for name, ts in times.items())
+            print(f"{rows} rows of {lo}-{hi}, {str(dtype).removeprefix('torch.')}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
