@@ -14,9 +14,9 @@ from scheduler.model.auto_dtype import (
     SCREEN,
     SCREEN_BELOW,
     SHAPE,
+    bf16_speedup,
     choose_dtype,
     cpu_flags,
-    gemm_seconds,
     pick,
 )
 from tests.support.cli import mstrace
@@ -62,8 +62,8 @@ def test_this_cpu_is_measured_and_the_choice_follows_the_measurement() -> None:
     # choice must say so (between 0.75x and 3x a busy machine could tip either measurement)
     torch.set_num_threads(1)
     try:
-        own = gemm_seconds(torch.float32, SCREEN) / gemm_seconds(torch.bfloat16, SCREEN)
-        big = gemm_seconds(torch.float32, SHAPE) / gemm_seconds(torch.bfloat16, SHAPE) if own >= SCREEN_BELOW else 0
+        own = bf16_speedup(SCREEN)
+        big = bf16_speedup(SHAPE) if own >= SCREEN_BELOW else 0
     finally:
         torch.set_num_threads(before)
     if own < 0.75 * SCREEN_BELOW:

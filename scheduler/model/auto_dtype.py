@@ -9,7 +9,9 @@ dtypes and records the flags beside the measurement.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,20 +56,31 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
     return []
 
 
-def gemm_seconds(dtype: torch.dtype, shape: tuple[int, int, int], reps: int = 3) -> float:
-    """The best of `reps` timed GEMMs after one warm-up (the best: what the kernel can do,
-    not what a busy machine let it do)."""
-    m, k, n = shape
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)  # as the model holds its weights: F.linear's kernel
-    F.linear(x, w)
-    best = float("inf")
+def median_ratio(a: Callable[[], object], b: Callable[[], object], reps: int = 7) -> float:
+    """a's time over b's: the median over `reps` calls of each, alternated after a warm-up
+    call of each, so a moment the machine is busy slows both sides of a pair. Best-of-three
+    of each timed apart read a loaded machine's bfloat16 as emulated often enough to flip
+    a run's dtype; the median of alternated pairs does not move that far."""
+    a(), b()
+    ratios = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        F.linear(x, w)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        a()
+        t1 = time.perf_counter()
+        b()
+        ratios.append((t1 - t0) / (time.perf_counter() - t1))
+    return statistics.median(ratios)
+
+
+def bf16_speedup(shape: tuple[int, int, int]) -> float:
+    """float32's time over bfloat16's for a GEMM of `shape` (m, k, n) as the model runs it,
+    F.linear on an [n, k] weight."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    return median_ratio(lambda: F.linear(x, w), lambda: F.linear(xb, wb))
 
 
 def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice:
@@ -83,10 +96,10 @@ def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice
     torch.set_num_threads(1)
     try:
         shape = SCREEN
-        speedup = gemm_seconds(torch.float32, shape) / gemm_seconds(torch.bfloat16, shape)
+        speedup = bf16_speedup(shape)
         if speedup >= SCREEN_BELOW:
             shape = SHAPE
-            speedup = gemm_seconds(torch.float32, shape) / gemm_seconds(torch.bfloat16, shape)
+            speedup = bf16_speedup(shape)
     finally:
         torch.set_num_threads(threads)
     dtype = pick(speedup)

@@ -20,13 +20,12 @@ the embedding, whose dense table the embedding still reads.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from scheduler.model.auto_dtype import median_ratio
 from scheduler.model.dtypes import name_of
 
 # Decode rounds of 16 and 64 rows (the default preset's served and batch sizes) through a
@@ -73,22 +72,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def speedup(dtype: torch.dtype) -> float:
     """F.linear's time over the reordered weight's, on one thread: the geometric mean over ROWS
-    of the median ratio of REPS alternated calls (alternated, so a busy moment slows both)."""
+    of auto_dtype.median_ratio (REPS alternated calls)."""
     ratios = []
     for m in ROWS:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(m, K, generator=g).to(dtype)
         w = torch.randn(N, K, generator=g).to(dtype)
         p = pack(w)
-        F.linear(x, w), linear(x, p, None)  # warm-up: each kernel's first call sets it up
-        pairs = []
-        for _ in range(REPS):
-            t0 = time.perf_counter()
-            F.linear(x, w)
-            t1 = time.perf_counter()
-            linear(x, p, None)
-            pairs.append((t1 - t0) / (time.perf_counter() - t1))
-        ratios.append(statistics.median(pairs))
+        ratios.append(median_ratio(lambda: F.linear(x, w), lambda: linear(x, p, None), REPS))  # noqa: B023
     return math.prod(ratios) ** (1 / len(ratios))
 
 
