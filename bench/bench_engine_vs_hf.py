@@ -142,8 +142,10 @@ class _CountSink:
 
 def engine_config(model: str, threads: int, default_threads: int) -> EngineConfig:
     # At the engine's own default thread count leave device_threads at 0 (= cores - 1),
-    # so this measures the configuration users actually get.
-    return EngineConfig(cpu_device="thread", model=model, device_threads=0 if threads == default_threads else threads)
+    # so this measures the configuration users actually get. The dtype is transformers' (float32),
+    # not --dtype auto's, which picks bfloat16 on an AMX CPU.
+    return EngineConfig(cpu_device="thread", model=model, device_threads=0 if threads == default_threads else threads,
+                        dtype="float32")
 
 
 def run_engine_once(model: str, threads: int, default_threads: int, items: list[WorkloadItem],
