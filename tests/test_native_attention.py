@@ -27,29 +27,38 @@ def _reference(q, k_cache, v_cache, blocks, ctx, bs, window):
     return torch.stack(out).float()
 
 
+def _case(heads: int, kv_heads: int, d: int, seed: int, dtype: torch.dtype):
+    """Caches of 64 blocks, rows of many lengths on scattered, shuffled blocks (a row's unused
+    table entries point anywhere: block 0), q as the forward has it (a strided view)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, nblocks = 16, 64
+    k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
+    ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
+    nblk = int(ctx.max() + bs - 1) // bs
+    blocks = torch.stack([torch.randperm(nblocks, generator=g)[:nblk] for _ in ctx])
+    for r, n in enumerate(ctx.tolist()):
+        blocks[r, (n + bs - 1) // bs:] = 0
+    qk = torch.randn(len(ctx), heads + kv_heads, d, generator=g).to(dtype)
+    return qk[:, :heads], k_cache, v_cache, blocks, ctx, bs
+
+
+def _decode_on(threads: int, *args):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return native_attention.decode(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 # 20: the scalar tails of the 8-float loops; 256: the largest head size the kernel takes
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (6, 2, 40), (8, 1, 64), (4, 2, 20), (2, 1, 256)])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
-    g = torch.Generator().manual_seed(heads * d + (window or 0))
-    bs, nblocks = 16, 64
-    k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g)
-    v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g)
-    ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
-    nblk = int(ctx.max() + bs - 1) // bs
-    # scattered, shuffled blocks; a row's unused table entries point anywhere (block 0)
-    blocks = torch.stack([torch.randperm(nblocks, generator=g)[:nblk] for _ in ctx])
-    for r, n in enumerate(ctx.tolist()):
-        blocks[r, (n + bs - 1) // bs:] = 0
-    qk = torch.randn(len(ctx), heads + kv_heads, d, generator=g)  # q as the forward has it: a strided view
-    q = qk[:, :heads]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, window)
-    finally:
-        torch.set_num_threads(before)
+    q, k_cache, v_cache, blocks, ctx, bs = _case(heads, kv_heads, d, heads * d + (window or 0), torch.float32)
+    out = _decode_on(threads, q, k_cache, v_cache, blocks, ctx, bs, window)
     assert out is not None and out.shape == (len(ctx), heads * d)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, ctx, bs, window), atol=2e-5, rtol=1e-5)
 
@@ -61,21 +70,8 @@ def test_bfloat16_is_the_float32_result_rounded_once(heads, kv_heads, d, window,
     """bfloat16 q and caches, computed in float32: the output is the exact softmax of the
     bfloat16 inputs rounded to bfloat16 once, so it is the float64 reference's rounding, or
     its neighbour where float32's own error (~1e-6 here) straddles a rounding boundary."""
-    g = torch.Generator().manual_seed(7 * heads + d)
-    bs, nblocks = 16, 64
-    k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
-    v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).bfloat16()
-    ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
-    nblk = int(ctx.max() + bs - 1) // bs
-    blocks = torch.stack([torch.randperm(nblocks, generator=g)[:nblk] for _ in ctx])
-    qk = torch.randn(len(ctx), heads + kv_heads, d, generator=g).bfloat16()
-    q = qk[:, :heads]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, window)
-    finally:
-        torch.set_num_threads(before)
+    q, k_cache, v_cache, blocks, ctx, bs = _case(heads, kv_heads, d, 7 * heads + d, torch.bfloat16)
+    out = _decode_on(threads, q, k_cache, v_cache, blocks, ctx, bs, window)
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == (len(ctx), heads * d)
     exact = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, window).double()
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)  # the spacing at the value (2^-7 of it at most)
