@@ -52,12 +52,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=15)
     a = ap.parse_args()
-    if not packed_gemm.available():
-        raise SystemExit("this torch build has no oneDNN linear ops")
     torch.set_num_threads(1)
     folder = ensure_preset("default")
     dtypes = [torch.float32] + ([torch.bfloat16] if choose_dtype(torch.device("cpu"), None).dtype == torch.bfloat16
                                 else [])
+    for dtype in dtypes:
+        if packed_gemm.unpackable(dtype) is not None:
+            raise SystemExit(f"{dtype}: {packed_gemm.unpackable(dtype)}")
     for dtype in dtypes:
         print(choose_pack_line(dtype), flush=True)
         plain, _ = load_model(folder, "cpu", dtype)

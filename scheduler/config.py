@@ -111,8 +111,8 @@ class EngineConfig:
     device: str = option("auto", "auto, cpu or cuda.", DEVICE, choices=("auto", "cpu", "cuda"))
     dtype: str = option("auto", "auto, float32, bfloat16 or float16.", DEVICE,
                         choices=("auto", "float32", "bfloat16", "float16"))
-    # CPU only: oneDNN's GEMM on each weight reordered once at load, at the cost of a second
-    # copy of the projections' weights (scheduler/model/packed_gemm.py)
+    # CPU only: oneDNN's GEMM on each weight reordered once at load, the dense copy freed
+    # (scheduler/model/packed_gemm.py)
     weight_pack: str = option("auto", "CPU: the projections' weights reordered once for oneDNN's GEMM: auto "
                               "(where it measures faster), on or off.", DEVICE, choices=("auto", "on", "off"))
     # 0 = cores - 1, so the host thread (scheduling, tokenizer, sender, trace writer) keeps

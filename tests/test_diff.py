@@ -336,6 +336,13 @@ def test_warnings():
     other["model"]["name"] = "default"
     w = D.trace_warnings(meta, other)
     assert len(w) == 2 and "different workloads" in w[0] and "different models" in w[1] and "name" in w[1]
+    # computed differently: another dtype or GEMM (unknown in a trace from before weight_pack: no warning)
+    packed = json.loads(json.dumps(meta))
+    packed["model"] |= {"dtype": "bfloat16", "weight_pack": True}
+    unpacked = json.loads(json.dumps(packed))
+    unpacked["model"]["weight_pack"] = False
+    assert D.trace_warnings(packed, unpacked) == ["the two traces computed differently: weight_pack True vs False"]
+    assert D.trace_warnings(packed, meta) == []
     # two served runs: whatever arrived, so no digest, even where an older trace recorded the
     # empty workload's (which every served run shared)
     for digest in (None, hashlib.sha256(b"").hexdigest()):

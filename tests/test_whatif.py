@@ -266,6 +266,17 @@ def test_against_puts_the_run_predicted_beside_the_prediction(tmp_path):
     backend = changed("backend", lambda m: m["config"].update(cpu_device="thread"))
     rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--against", str(moved_model))
     assert rc == 0, err
+    # the weight pack: refused where both traces record it and it differs; the samples predate it
+    packed = changed("packed", lambda m: m["model"].update(weight_pack=True))
+    rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"), "--mode", "overlap", "--against", str(packed))
+    assert rc == 0, err
+    unpacked = tmp_path / "unpacked"
+    shutil.copytree(SAMPLES / "sample-serial", unpacked)
+    meta = json.loads((unpacked / "meta.json").read_text())
+    meta["model"]["weight_pack"] = False
+    (unpacked / "meta.json").write_text(json.dumps(meta))
+    rc, _, err = cli("whatif", str(unpacked), "--mode", "overlap", "--against", str(packed))
+    assert rc == 2 and "ran another model (weight_pack True against False)" in err, err
     for against, args, msg in ((workload, ["--mode", "overlap"], "ran another workload"),
                                (streams, ["--mode", "overlap"], "ran with split streams off; this prediction has "
                                                                 "them on"),
@@ -367,10 +378,10 @@ def _moved_ms(a, b, boundary: str) -> float:
 
 # ----------------------------------------------------------------------------- TP and PP traces
 
-# --dtype float32: --against compares the dtypes, and auto's measurement on a loaded AMX
-# CPU could pick differently for two of the three runs
+# --dtype and --weight-pack given: --against compares both, and auto's measurement on a
+# loaded machine could pick differently for two of the three runs
 TP_RUN = ["run", "--model", "tiny", "--requests", "24", "--prompt-len", "16-96", "--output-len", "8-24",
-          "--seed", "0", "--dtype", "float32", "-q"]
+          "--seed", "0", "--dtype", "float32", "--weight-pack", "off", "-q"]
 
 
 @pytest.fixture(scope="module")

@@ -96,8 +96,8 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
 
 /* {sum of p[0]'s lanes, ..., sum of p[7]'s}: an 8 x 8 transpose folded into its adds (14
  * shuffles and 7 adds for 8 sums, where 8 lane_sums take 56 scalar adds); each vector's lanes
- * summed in lane_sum's order, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), up to the order of
- * the pairs' sums, so a score does not depend on which path made it beyond float rounding */
+ * summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), a fixed order, though not lane_sum's
+ * pairing: a score from here and one from `dot` (the tail tokens) may differ by float rounding */
 static inline __attribute__((always_inline)) v8 sum8(const v8 *p) {
     v8 a[4], b[2];
     for (int i = 0; i < 4; i++)

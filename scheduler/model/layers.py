@@ -150,7 +150,7 @@ def paged_attention(
     native = None
     if nd:
         assert batch.decode_blocks is not None and plan.decode_ctx is not None
-        # each row's context read once where it lies (C, float32 on the CPU), else gathered
+        # each row's context read once where it lies (C, float32 or bfloat16 on the CPU), else gathered
         native = native_attention.decode(q[:nd], k_cache, v_cache, batch.decode_blocks, plan.decode_ctx, bs,
                                          plan.window)
     if native is not None:

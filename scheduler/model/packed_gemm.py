@@ -5,9 +5,9 @@ Why: `F.linear` hands a [out, in] weight to the BLAS as it lies. In bfloat16, on
 reorders the weight into its AMX / AVX512 layout at every call: a decode round of 16 rows
 re-read and re-wrote every projection's weight to multiply it once. Reordering it once at
 load, as torch.compile's freezing and Intel's extension do (`torch.ops.mkldnn`'s
-`_reorder_linear_weight` and `_linear_pointwise`, the ops they emit), measured 2.8-4x on
-decode-shaped bfloat16 GEMMs and 1.2-1.5x in float32 on a Sapphire Rapids core, 1-20% of the
-default preset's whole forward (BENCHMARKS.md, "Weights reordered once"); MKL's own packed
+`_reorder_linear_weight` and `_linear_pointwise`, the ops they emit), measured 1.5x on
+decode-shaped bfloat16 GEMMs (16 and 64 rows) and 1.2-1.5x in float32 on a Sapphire Rapids
+core, 1-20% of the default preset's whole forward (BENCHMARKS.md, "bfloat16 on an AMX core"); MKL's own packed
 sgemm only helps at the one row count it was packed for. Whether it pays depends on the CPU
 and torch's build, so `--weight-pack auto` times both on decode-shaped GEMMs in the run's
 dtype, as `--dtype auto` does.
@@ -46,10 +46,22 @@ class PackChoice:
     why: str  # the trace's meta and the report header say it
 
 
-def available() -> bool:
-    """Whether this torch build has oneDNN's reorder and its GEMM on the reordered weight."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn,  # type: ignore[no-untyped-call]
-                                                                  "_reorder_linear_weight")
+def unpackable(dtype: torch.dtype) -> str | None:
+    """Why weights of `dtype` cannot be reordered here, None where they can: the torch build's
+    ops, the dtype, and for bfloat16 the CPU (oneDNN's bfloat16 reorder needs AVX-512 BW, VL
+    and DQ, and raises without them); a trial reorder settles what the flags do not."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,  # type: ignore[no-untyped-call]
+                                                              "_reorder_linear_weight")):
+        return "this torch build has no oneDNN linear ops"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN's reordered GEMM is not used for {name_of(dtype)}"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN has no bfloat16 GEMM on this CPU"
+    try:
+        pack(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as e:
+        return f"oneDNN cannot reorder {name_of(dtype)} weights here ({str(e).splitlines()[0][:120]})"
+    return None
 
 
 def pack(weight: torch.Tensor, rows_hint: int = ROWS[-1]) -> torch.Tensor:
@@ -84,19 +96,18 @@ def speedup(dtype: torch.dtype) -> float:
 
 
 def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackChoice:
-    """Whether the CPU model's projections run on reordered weights: as asked (`on` where the
-    build has the ops), or, for `auto`, where they measured MIN_SPEEDUP times F.linear's speed
-    in `dtype` (`speedup`)."""
+    """Whether the CPU model's projections run on reordered weights: as asked (`on` where they
+    can be, `unpackable`), or, for `auto`, where they measured MIN_SPEEDUP times F.linear's
+    speed in `dtype` (`speedup`)."""
     if asked not in CHOICES:
         raise ValueError(f"--weight-pack must be one of {', '.join(CHOICES)}, not {asked!r}")
     if device.type != "cpu":
         return PackChoice(False, "off: the GPU's GEMMs take the weights as they are")
     if asked == "off":
         return PackChoice(False, "off: asked")
-    if not available():
-        return PackChoice(False, "off: this torch build has no oneDNN linear ops")
-    if dtype not in (torch.float32, torch.bfloat16):
-        return PackChoice(False, f"off: oneDNN's reordered GEMM is not used for {name_of(dtype)}")
+    why_not = unpackable(dtype)
+    if why_not is not None:
+        return PackChoice(False, f"off: {why_not}")
     if asked == "on":
         return PackChoice(True, "on: asked")
     threads = torch.get_num_threads()

@@ -364,6 +364,11 @@ def trace_warnings(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[str]:
     differ = [f"{k} {ma.get(k)} vs {mb.get(k)}" for k in ("name", "path", "architecture") if ma.get(k) != mb.get(k)]
     if differ:
         out.append("the two traces ran different models: " + "; ".join(differ))
+    # how the device computed: either moves its time (traces from before weight_pack have none)
+    numerics = [f"{k} {ma.get(k)} vs {mb.get(k)}" for k in ("dtype", "weight_pack")
+                if None not in (ma.get(k), mb.get(k)) and ma.get(k) != mb.get(k)]
+    if numerics:
+        out.append("the two traces computed differently: " + "; ".join(numerics))
     da, db = (m.get("host", {}).get("device") for m in (meta_a, meta_b))
     if da != db:
         out.append(f"the two traces ran on different devices ({da} vs {db})")

@@ -280,10 +280,13 @@ def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str
     if mine is not None and its is not None and mine != its:
         raise WhatIfError(f"--against: {name} ran another workload (its digest {its[:12]}, this trace's {mine[:12]})")
     # the model by what it is, not by its path (a folder moves between machines)
-    for what, where, keys in (("model", "model", ("architecture", "num_layers", "hidden_size", "vocab_size", "dtype")),
+    # weight_pack moves the device's time as a dtype does; traces from before it have none
+    for what, where, keys in (("model", "model", ("architecture", "num_layers", "hidden_size", "vocab_size", "dtype",
+                                                  "weight_pack")),
                               ("device", "host", ("device",)), ("device backend", "config", ("cpu_device",))):
         a, b = run.trace.meta.get(where, {}), other.meta.get(where, {})
-        differ = [f"{k} {b.get(k)} against {a.get(k)}" for k in keys if b.get(k) != a.get(k)]
+        differ = [f"{k} {b.get(k)} against {a.get(k)}" for k in keys if b.get(k) != a.get(k)
+                  and not (k == "weight_pack" and None in (a.get(k), b.get(k)))]
         if differ:
             raise WhatIfError(f"--against: {name} ran another {what} ({'; '.join(differ)})")
 
