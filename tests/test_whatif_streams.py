@@ -135,8 +135,8 @@ def test_a_serial_forward_is_cut_into_the_parts_a_split_run_runs(serial_trace):
 
 
 def test_a_trace_replays_the_same_with_its_cold_starts_taken_out_and_put_back(serial_trace):
-    """One stream: the parts the fit finds cold are the ones the replay starts cold (with two,
-    a part the replay starts elsewhere than the trace did may not be: docs/whatif.md)."""
+    """The replay starts cold the parts the fit found cold, whatever its own rebuilt gaps say
+    (one of them near 0.5 ms used to add or drop one: docs/whatif.md)."""
     run = load(serial_trace)
     assert run.cold_at[0, 0]  # the first batch at least (most of a serial run's: the host's round between)
     # whatever the probe measured (a noisy machine's median can be 0): the property holds for any

@@ -210,9 +210,12 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         return _comm(run, converted(run, own(run, p, was_overlap), split), tr_comm, comm_overlap,
                      1 - p.share.python.device)
 
+    # nothing asked: the run as it ran, its cold starts where the trace had them (the fit's replay)
+    as_ran = target == tr_mode and split == run.split and not speedups and comm_overlap in (None, tr_comm)
+
     def predict(b: Batches, p: Probe) -> tuple[Batches, Timeline]:
         x = as_run(_asked(b, speedups), p.share, overlap)
-        return x, simulate(x, overlap, p.streams if split else None)
+        return x, simulate(x, overlap, p.streams if split else None, run.cold_at if as_ran else None)
 
     b, tl = predict(base_of(point), point)
     # each replicate with one of the probe's measurements (its medians where it kept none)

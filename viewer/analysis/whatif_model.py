@@ -231,10 +231,15 @@ def _cold(cold: float, work: float) -> float:
     return min(cold, work)
 
 
-def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Timeline:
+def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
+             cold_at: np.ndarray | None = None) -> Timeline:
     """The moments of every round and batch (overlap: `whatif_share.shared` first where host
     and device slow each other). `split`: decodes and prefills on two streams; a batch's
-    decodes wait for the prefill of the batch before (its finished prompts decode now)."""
+    decodes wait for the prefill of the batch before (its finished prompts decode now).
+    `cold_at` (per batch: its main part, its prefill part): which parts start cold, for a
+    replay of the trace as it ran (the parts the fit took a cold start out of); None: those
+    that start after the device idled COLD_GAP_NS, which a replay's gaps, rebuilt from the
+    components, can put on the other side of the threshold from the trace's own."""
     n = b.n
     P, Q = b.P, b.Q
     rounds = n + 1 if overlap else n
@@ -256,7 +261,8 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
                 held[i] = by_device > ready
                 dev_start[i] = max(ready, by_device)
                 work = b.D[i] + b.D_pre[i] + b.A[i]
-                cold = _cold(b.cold, work) if dev_start[i] - idle_since >= COLD_GAP_NS else 0.0
+                starts_cold = cold_at[i, 0] if cold_at is not None else dev_start[i] - idle_since >= COLD_GAP_NS
+                cold = _cold(b.cold, work) if starts_cold else 0.0
                 dev_end[i] = dev_start[i] + work + cold
                 busy[i, 0] = dev_start[i], dev_end[i]
                 main_end = max(main_end, dev_end[i])
@@ -266,9 +272,13 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None) -> Tim
                 has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
                 # the first part to start on an idle device pays the cold start: the prefill,
                 # or the decodes where there is none (after the main stream's turn, if it idled)
-                cold_pre = _cold(b.cold, b.D_pre[i]) if has_pre and r0 - idle_since >= COLD_GAP_NS else 0.0
-                cold_main = _cold(b.cold, b.D[i] + b.A[i]) if has_main and not has_pre and \
-                    max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS else 0.0
+                if cold_at is not None:  # as the trace ran: each part as the fit found it
+                    pre_cold, main_cold = has_pre and cold_at[i, 1], has_main and cold_at[i, 0]
+                else:
+                    pre_cold = has_pre and r0 - idle_since >= COLD_GAP_NS
+                    main_cold = has_main and not has_pre and max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS
+                cold_pre = _cold(b.cold, b.D_pre[i]) if pre_cold else 0.0
+                cold_main = _cold(b.cold, b.D[i] + b.A[i]) if main_cold else 0.0
                 before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn,
                                                             b.D[i] + b.A[i] + cold_main, b.D_pre[i] + cold_pre, split)
                 if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)

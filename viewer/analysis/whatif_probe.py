@@ -115,9 +115,10 @@ def warm(run: Run, b: Batches, cold: float) -> Batches:
 
 
 def replayed(run: Run, p: Probe, overlapped: bool) -> tuple[Batches, Timeline]:
-    """The model's fit: the trace's batches as they ran, replayed."""
+    """The model's fit: the trace's batches as they ran, replayed (its cold starts where the
+    trace had them)."""
     b = as_run(own(run, p, overlapped), p.share, overlapped)
-    return b, simulate(b, overlapped, p.streams if run.split else None)
+    return b, simulate(b, overlapped, p.streams if run.split else None, run.cold_at)
 
 
 def own(run: Run, p: Probe, overlapped: bool) -> Batches:
