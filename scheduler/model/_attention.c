@@ -24,8 +24,9 @@
  * CPU has them.
  *
  * bfloat16 (`decode_attention_bf16`): q, the caches and the output are bfloat16, the
- * arithmetic float32 (each value widened as it is loaded; the output rounded to nearest
- * even once, as torch rounds). The cache is read at half float32's bytes; torch's path
+ * arithmetic float32 (the output rounded to nearest even once, as torch rounds). Each K and
+ * V row of a KV head is widened once into a scratch row for the G query heads that read it:
+ * widening per head cost a fifth of the kernel's time with the default preset's G = 2. The cache is read at half float32's bytes; torch's path
  * gathered the copy and ran SDPA in bfloat16, slower per byte than in float32 on a CPU.
  *
  * No Python API is used: the module init only exists so setuptools can build this as an
@@ -174,6 +175,23 @@ static inline __attribute__((always_inline)) void accumulate(float *y, const flo
         for (int64_t i = 0; i < count; i++) y[d] += p[i] * elem(x, i * stride + d, bf16);
 }
 
+/* out[0:8] = the scores of eight tokens' K rows (float) against qh, scaled */
+static inline __attribute__((always_inline)) void scores8(float *out, const float *qh, const float *const *krow,
+                                                           int64_t D, float scale) {
+    v8 p[LANES];
+    for (int i = 0; i < LANES; i++) p[i] = dot_lanes(qh, krow[i], D, 0);
+    const v8 sc = sum8(p) * scale;
+    store8(out, &sc);
+}
+
+/* dst[0:D] = src[0:D] widened to float (D a multiple of 8) */
+static inline __attribute__((always_inline)) void widen_row(float *dst, const uint16_t *src, int64_t D) {
+    for (int64_t k = 0; k < D; k += LANES) {
+        const v8 f = widen8(src + k);
+        store8(dst + k, &f);
+    }
+}
+
 /* the cache slot of row r's token t, through its block table */
 static inline __attribute__((always_inline)) int64_t bt_slot(const Job *j, int64_t r, int64_t t, int64_t BS) {
     return j->blocks[r * j->max_blocks + t / BS] * BS + t % BS;
@@ -185,13 +203,17 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
     int64_t longest = 0;
     for (int64_t r = j->row0; r < j->row1; r++)
         if (j->ctx[r] > longest) longest = j->ctx[r];
-    /* the scores; for bfloat16 also the row's q widened and its output before rounding */
-    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1) + (bf16 ? 2 * H * D : 0)));
+    /* the scores; for bfloat16 also the row's q widened, its output before rounding, and eight
+     * tokens' K rows or a block's V rows of one KV head widened once for the G heads that read them */
+    const int64_t rows_w = BS > LANES ? BS : LANES;
+    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1)
+                                                    + (bf16 ? 2 * H * D + rows_w * D : 0)));
     if (!scores) {
         j->status = -1;
         return;
     }
     float *wide = scores + H * (longest > 0 ? longest : 1);
+    float *kv_wide = wide + 2 * H * D; /* bfloat16 only */
     for (int64_t r = j->row0; r < j->row1; r++) {
         const int64_t L = j->ctx[r];
         const int64_t first = (j->window > 0 && L > j->window) ? L - j->window : 0;
@@ -214,12 +236,21 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                 for (; t + LANES <= L; t += LANES) {
                     int64_t kt[LANES];
                     for (int i = 0; i < LANES; i++) kt[i] = bt_slot(j, r, t + i, BS) * tok;
-                    for (int64_t h = 0; h < H; h++) {
-                        v8 p[LANES];
-                        for (int i = 0; i < LANES; i++) p[i] = dot_lanes(q + h * D, at(j->k, kt[i] + (h / G) * D, bf16), D, bf16);
-                        const v8 sc = sum8(p) * j->scale;
-                        store8(scores + h * n + (t - first), &sc);
-                    }
+                    const float *krow[LANES];
+                    if (bf16) /* each KV head's eight K rows widened once for the G heads that read them */
+                        for (int64_t kh = 0; kh < KVH; kh++) {
+                            for (int i = 0; i < LANES; i++) {
+                                widen_row(kv_wide + i * D, (const uint16_t *)j->k + kt[i] + kh * D, D);
+                                krow[i] = kv_wide + i * D;
+                            }
+                            for (int64_t h = kh * G; h < (kh + 1) * G; h++)
+                                scores8(scores + h * n + (t - first), q + h * D, krow, D, j->scale);
+                        }
+                    else /* float32 reads them where they lie (head by head: 3-4% faster than by KV head) */
+                        for (int64_t h = 0; h < H; h++) {
+                            for (int i = 0; i < LANES; i++) krow[i] = (const float *)j->k + kt[i] + (h / G) * D;
+                            scores8(scores + h * n + (t - first), q + h * D, krow, D, j->scale);
+                        }
                 }
             for (; t < L; t++) {
                 const int64_t kt = bt_slot(j, r, t, BS) * tok;
@@ -232,9 +263,17 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
             for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
                 const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
                 const int64_t vt = bt_slot(j, r, t0, BS) * tok;
-                for (int64_t h = 0; h < H; h++)
-                    accumulate(o + h * D, scores + h * n + (t0 - first), at(j->v, vt + (h / G) * D, bf16), t1 - t0,
-                               tok, D, bf16);
+                if (bf16 && D % LANES == 0)
+                    for (int64_t kh = 0; kh < KVH; kh++) { /* the block's V rows widened once for the group */
+                        for (int64_t i = 0; i < t1 - t0; i++)
+                            widen_row(kv_wide + i * D, (const uint16_t *)j->v + vt + i * tok + kh * D, D);
+                        for (int64_t h = kh * G; h < (kh + 1) * G; h++)
+                            accumulate(o + h * D, scores + h * n + (t0 - first), kv_wide, t1 - t0, D, D, 0);
+                    }
+                else
+                    for (int64_t h = 0; h < H; h++)
+                        accumulate(o + h * D, scores + h * n + (t0 - first), at(j->v, vt + (h / G) * D, bf16), t1 - t0,
+                                   tok, D, bf16);
             }
         }
         if (bf16) {
