@@ -229,7 +229,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     predicted = _figures(run, b, tl)
     lo, hi = _interval(table, predicted.array())
     host = int((~tl.held).sum())
-    fit, fit_tl = replayed(run, point, was_overlap)
+    fit, fit_tl = replayed(run, point, was_overlap, as_ran)  # "vs fit": cold starts found as the prediction finds them
     check = OMITTED if other is None else _check(other, str(against), predicted, lo, hi)
     return WhatIfResult(
         trace=str(root), status=run.trace.status, mode=tr_mode, target_mode=target,

@@ -40,7 +40,7 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         t = simulate(b, overlapped, streams if split else None)
         return busy_ns(b, t) / t.rounds
 
-    fit, tl = replayed(run, point, overlap)
+    fit, tl = replayed(run, point, overlap, trace_cold=False)  # cold starts found as the predictions find them
     base = busy_ns(fit, tl) / tl.rounds
     out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     cfg = run.trace.meta.get("config", {})

@@ -262,7 +262,7 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
                 dev_start[i] = max(ready, by_device)
                 work = b.D[i] + b.D_pre[i] + b.A[i]
                 starts_cold = cold_at[i, 0] if cold_at is not None else dev_start[i] - idle_since >= COLD_GAP_NS
-                cold = _cold(b.cold, work) if starts_cold else 0.0
+                cold = _cold(b.cold, b.D[i] + b.D_pre[i]) if starts_cold else 0.0  # the parts warm() took it from
                 dev_end[i] = dev_start[i] + work + cold
                 busy[i, 0] = dev_start[i], dev_end[i]
                 main_end = max(main_end, dev_end[i])
@@ -278,7 +278,7 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
                     pre_cold = has_pre and r0 - idle_since >= COLD_GAP_NS
                     main_cold = has_main and not has_pre and max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS
                 cold_pre = _cold(b.cold, b.D_pre[i]) if pre_cold else 0.0
-                cold_main = _cold(b.cold, b.D[i] + b.A[i]) if main_cold else 0.0
+                cold_main = _cold(b.cold, b.D[i]) if main_cold else 0.0  # not the all-reduces: warm() took it from D
                 before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn,
                                                             b.D[i] + b.A[i] + cold_main, b.D_pre[i] + cold_pre, split)
                 if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)

@@ -114,11 +114,12 @@ def warm(run: Run, b: Batches, cold: float) -> Batches:
     return replace(b, D=D, D_pre=D_pre, cold=cold)
 
 
-def replayed(run: Run, p: Probe, overlapped: bool) -> tuple[Batches, Timeline]:
-    """The model's fit: the trace's batches as they ran, replayed (its cold starts where the
-    trace had them)."""
+def replayed(run: Run, p: Probe, overlapped: bool, trace_cold: bool = True) -> tuple[Batches, Timeline]:
+    """The model's fit: the trace's batches as they ran, replayed, its cold starts where the
+    trace had them; `trace_cold` False: where the replay's own gaps put them, as a prediction
+    that changes something finds them, for a baseline that prediction is measured against."""
     b = as_run(own(run, p, overlapped), p.share, overlapped)
-    return b, simulate(b, overlapped, p.streams if run.split else None, run.cold_at)
+    return b, simulate(b, overlapped, p.streams if run.split else None, run.cold_at if trace_cold else None)
 
 
 def own(run: Run, p: Probe, overlapped: bool) -> Batches:
