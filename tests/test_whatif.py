@@ -164,6 +164,14 @@ def test_the_fit_replays_the_sample_as_it_ran(sample):
     assert lo.cycle_ms <= r.predicted.cycle_ms <= hi.cycle_ms
 
 
+@pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap"])
+def test_a_change_of_nothing_predicts_no_change(sample):
+    """A speedup of 1 is a prediction that changes something in form only: it and the fit it
+    is shown against find their cold starts the same way, so it equals the fit."""
+    r = whatif(SAMPLES / sample, speedups=[Speedup.parse("batch_prepare=1")])
+    assert r.predicted == r.replayed
+
+
 def test_the_first_batchs_hand_over_is_no_guess_for_the_others():
     """An overlap run's device is busy at nearly every launch: when only its first batch (launched
     on a device idle since start-up) or a few were held by their launch, the others' hand-over L
