@@ -80,7 +80,8 @@ def _pairs(a: argparse.Namespace, flag: str, values: tuple[str, str],
         order = values if i % 2 == 0 else values[::-1]
         out = {v: OUT / "whatif" / f"{a.model}-{a.cpu_device}{''.join(more)}" / f"{flag}-{v}-{i}" for v in order}
         for v in order:
-            mstrace_run(out[v], *flags, f"--{flag}", v)
+            if not (a.reuse and (out[v] / "meta.json").exists()):
+                mstrace_run(out[v], *flags, f"--{flag}", v)
         print(f"run {i}:")
         rows[f"{y} from {x}"].append(_row(f"{y} from {x}", predict(out[x], y, out[y])))
         rows[f"{x} from {y}"].append(_row(f"{x} from {y}", predict(out[y], x, out[x])))
@@ -139,6 +140,8 @@ def main() -> None:
                        help="whatif --contention (default: what each run measured at start-up)")
         if name in ("modes", "comm"):
             p.add_argument("--runs", type=int, default=5)
+            p.add_argument("--reuse", action="store_true",
+                           help="predict the runs an earlier call left in bench/out/whatif/ instead of running them again")
         if name == "comm":
             p.add_argument("--tp", type=int, default=2)
         if name == "truth":

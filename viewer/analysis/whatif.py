@@ -37,7 +37,7 @@ from viewer.analysis.whatif_share import Rates, as_run
 from viewer.analysis.whatif_streams import converted, split_on
 
 MODES = ("serial", "timeslice", "overlap")
-DRAWS = 200  # replicate runs behind each interval (viewer/analysis/whatif_model.py: replicates)
+DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
 # Which boundary each component is, for the critical-path table: SCALES read backwards.
 COMPONENT_BOUNDARY = {c: boundary for boundary, comps in SCALES.items() for c in comps} | {"idle": B.IDLE}
 
@@ -139,7 +139,7 @@ class WhatIfResult(JsonRecord):
     measured: Figures  # the trace's own numbers (the report's)
     replayed: Figures  # the model replaying the trace as it ran: its fit
     predicted: Figures
-    predicted_low: Figures  # the 95% interval of each predicted number: the rounds' own variation and the probe's
+    predicted_low: Figures  # the 95% interval of what a run of the prediction measures (_interval)
     predicted_high: Figures
     critical_path: list[PathRow]
     device_bound_batches: int  # predicted batches the device started straight after the one before
@@ -226,8 +226,10 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     reps = [_figures(run, *predict(r, p))
             for p, c in zip(variants, counts, strict=True) if c for r in replicates(base_of(p), rng, int(c))]
     table = np.array([f.array() for f in reps])
+    # the run predicted has rounds of its own: as many replicates again, at the probe's medians
+    own_rounds = np.array([_figures(run, *predict(r, point)).array() for r in replicates(base_of(point), rng, DRAWS)])
     predicted = _figures(run, b, tl)
-    lo, hi = _interval(table, predicted.array())
+    lo, hi = _interval(own_rounds, table, predicted.array())
     host = int((~tl.held).sum())
     fit, fit_tl = replayed(run, point, was_overlap, as_ran)  # "vs fit": cold starts found as the prediction finds them
     check = OMITTED if other is None else _check(other, str(against), predicted, lo, hi)
@@ -309,13 +311,18 @@ def _check(other: Trace, name: str, predicted: Figures, lo: Figures, hi: Figures
                  int(inside.sum()), int(bounded.sum()))
 
 
-def _interval(table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:
-    """The replicates' 95% spread about their median, placed on the prediction: noise drawn
-    onto other batches lengthens a chain of max()es (a round waits for the later of host and
-    device, two streams for each other) more than the trace's own noise, which its batches
-    had together, lengthened its run; so the replicates' middle is not the prediction."""
-    q = np.percentile(table, (2.5, 50, 97.5), axis=0)
-    return Figures.of(point + q[0] - q[1]), Figures.of(point + q[2] - q[1])
+def _interval(own: np.ndarray, table: np.ndarray, point: np.ndarray) -> tuple[Figures, Figures]:
+    """The 95% interval of what a run of the prediction measures: the prediction plus the
+    spread of `own[i] - table[j]` over all pairs. A measured run differs from the prediction
+    by its own rounds' noise (`own`: replicates at the probe's medians) less the noise the
+    prediction inherited from the trace's rounds and the probe (`table`: replicates, each with
+    one of the probe's measurements). Differences of replicates, not their spread about the
+    median: noise drawn onto other batches lengthens a chain of max()es more than the trace's
+    own noise lengthened its run, so the replicates' middle is not the prediction, and the
+    difference of two cancels that shift."""
+    diff = (own[:, None, :] - table[None, :, :]).reshape(-1, own.shape[1])
+    q = np.percentile(diff, (2.5, 97.5), axis=0)
+    return Figures.of(point + q[0]), Figures.of(point + q[1])
 
 
 def _comm_asked(run: Run, now: str | None, asked: str | None) -> None:

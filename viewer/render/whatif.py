@@ -90,5 +90,5 @@ def _render_check(console: Console, r: WhatIfResult, c: Check, asked: str) -> No
                   "—" if e is None else f"{e:+.1f}%", "—" if inside is None else "yes" if inside else "no")
     console.print(t)
     console.print(f"{c.figures_inside} of {c.figures_checked} measured figures inside the 95% interval, which covers "
-                  "the rounds' own variation and the start-up probe's, not the machine's drift between two runs "
+                  "both runs' rounds' variation and the start-up probe's, not the machine's drift between two runs "
                   "(docs/whatif.md)", highlight=False)
