@@ -56,20 +56,11 @@ typedef struct {
     int status;
 } Job;
 
-/* element i of a float (bf16 = 0) or bfloat16 (bf16 = 1) array, as float; bf16 is a
- * constant wherever these are inlined, so each kernel is compiled for one type */
-static inline __attribute__((always_inline)) v8 elem8(const void *x, int64_t i, const int bf16) {
-    return bf16 ? widen8((const uint16_t *)x + i) : load8((const float *)x + i);
-}
-
 /* &x[i] for an array of the kernel's type */
 static inline __attribute__((always_inline)) const void *at(const void *x, int64_t i, const int bf16) {
     return bf16 ? (const void *)((const uint16_t *)x + i) : (const void *)((const float *)x + i);
 }
 
-static inline __attribute__((always_inline)) float elem(const void *x, int64_t i, const int bf16) {
-    return bf16 ? widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
 
 /* a . b over D values (a float, b of the kernel's type) in 8 lanes, not yet summed: two
  * accumulators (two dependency chains), added lane by lane; D a multiple of 8 */

@@ -49,25 +49,6 @@ void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int6
     }
 }
 
-/* x[t, h, :] = x * cos[t] + roll(x, D / 2) * sin[t] in place, for `heads` heads of D floats
- * per row (rows x_stride apart); cos and sin [T, D], sin signed as RotaryTable keeps it */
-MULTI_TARGET
-void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < rows; t++) {
-        const float *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < heads; h++) {
-            float *v = x + t * x_stride + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                const float lo = a * c[i], lo_r = b * s[i];
-                const float hi = b * c[i + half], hi_r = a * s[i + half];
-                v[i] = lo + lo_r;
-                v[i + half] = hi + hi_r;
-            }
-        }
-    }
-}
 
 /* bfloat16 rows, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
  * bfloat16, then times the bfloat16 weight (rounded again) */
@@ -91,25 +72,38 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
     }
 }
 
-/* rope on bfloat16 x, cos and sin: each product and the sum rounded to bfloat16, as torch's
- * `x * cos + roll(x) * sin` rounds in bfloat16 */
+/* x[t, h, :] = x * cos[t] + roll(x, D / 2) * sin[t] in place, for `heads` heads of D values
+ * per row (rows x_stride apart); cos and sin [T, D], sin signed as RotaryTable keeps it. In
+ * bfloat16 (bf16 = 1, a constant where this is inlined) each product and the sum is rounded
+ * to bfloat16, as torch's `x * cos + roll(x) * sin` rounds in bfloat16 */
+static inline __attribute__((always_inline)) void rope_rows(void *x, int64_t x_stride, const void *cos,
+                                                             const void *sin, int64_t rows, int64_t heads, int64_t D,
+                                                             const int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t v0 = t * x_stride + h * D, c0 = t * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = elem(x, v0 + i, bf16), b = elem(x, v0 + i + half, bf16);
+                const float lo = rounded(a * elem(cos, c0 + i, bf16), bf16);
+                const float lo_r = rounded(b * elem(sin, c0 + i, bf16), bf16);
+                const float hi = rounded(b * elem(cos, c0 + i + half, bf16), bf16);
+                const float hi_r = rounded(a * elem(sin, c0 + i + half, bf16), bf16);
+                put(x, v0 + i, lo + lo_r, bf16);
+                put(x, v0 + i + half, hi + hi_r, bf16);
+            }
+        }
+}
+
+MULTI_TARGET
+void rope(float *x, int64_t x_stride, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t D) {
+    rope_rows(x, x_stride, cos, sin, rows, heads, D, 0);
+}
+
 MULTI_TARGET
 void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin, int64_t rows, int64_t heads,
                int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *c = cos + t * D, *s = sin + t * D;
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *v = x + t * x_stride + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = widen(v[i]), b = widen(v[i + half]);
-                const float lo = widen(narrow(a * widen(c[i]))), lo_r = widen(narrow(b * widen(s[i])));
-                const float hi = widen(narrow(b * widen(c[i + half]))), hi_r = widen(narrow(a * widen(s[i + half])));
-                v[i] = narrow(lo + lo_r);
-                v[i + half] = narrow(hi + hi_r);
-            }
-        }
-    }
+    rope_rows(x, x_stride, cos, sin, rows, heads, D, 1);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};

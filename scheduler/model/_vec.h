@@ -69,4 +69,27 @@ static inline __attribute__((always_inline)) uint16_t narrow(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* element i of a float (bf16 = 0) or bfloat16 (bf16 = 1) array, as float; bf16 is a
+ * constant wherever these are inlined, so each kernel is compiled for one type */
+static inline __attribute__((always_inline)) v8 elem8(const void *x, int64_t i, const int bf16) {
+    return bf16 ? widen8((const uint16_t *)x + i) : load8((const float *)x + i);
+}
+
+static inline __attribute__((always_inline)) float elem(const void *x, int64_t i, const int bf16) {
+    return bf16 ? widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* x rounded as a value of the kernel's type holds it: to bfloat16 and back, or as is */
+static inline __attribute__((always_inline)) float rounded(float x, const int bf16) {
+    return bf16 ? widen(narrow(x)) : x;
+}
+
+/* x[i] = v, in the kernel's type (bfloat16: rounded to nearest even) */
+static inline __attribute__((always_inline)) void put(void *x, int64_t i, float v, const int bf16) {
+    if (bf16)
+        ((uint16_t *)x)[i] = narrow(v);
+    else
+        ((float *)x)[i] = v;
+}
+
 #endif
