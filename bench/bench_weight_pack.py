@@ -3,11 +3,15 @@
 the two models alternated forward by forward in one process so both see the same machine.
 
     .venv/bin/python bench/bench_weight_pack.py --repeats 15
+    .venv/bin/python bench/bench_weight_pack.py --profile   # where each forward's time goes, off and on
 
 Batches: decode rounds of 16 and 64 rows (contexts 128-192: bench_serve_peer's and
 bench_engine_vs_hf's decode sizes) and prefill chunks of 128 and 512 tokens, in float32 and,
 where this CPU computes it natively, bfloat16 (what `--dtype auto` picks there). Prints each
 batch's medians and their ratio, and the GEMM that `--weight-pack auto` times at start-up.
+`--profile` prints instead, per batch and setting, torch.profiler's top ops over ten forwards
+beside the forward's wall time (the C kernels, called through ctypes, are not torch ops: the
+wall time less the ops' is theirs and Python's).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def batches(g: torch.Generator) -> dict[str, ForwardBatch]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops per batch instead of the A/B")
     a = ap.parse_args()
     torch.set_num_threads(1)
     folder = ensure_preset("default")
@@ -66,6 +71,10 @@ def main() -> None:
         kv = plain.make_kv_cache(2000, BS)
         with torch.inference_mode():
             for name, fb in batches(torch.Generator().manual_seed(0)).items():
+                if a.profile:
+                    for key, model in (("off", plain), ("on", packed)):
+                        profile(f"{str(dtype).removeprefix('torch.')}, {name}, --weight-pack {key}", model, fb, kv)
+                    continue
                 times: dict[str, list[float]] = {"off": [], "on": []}
                 for _ in range(3):
                     plain(fb, kv), packed(fb, kv)
@@ -77,6 +86,23 @@ def main() -> None:
                 off, on = (statistics.median(times[k]) * 1e3 for k in ("off", "on"))
                 print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {on:.2f} ms, off {off:.2f} ms (medians of "
                       f"{a.repeats}), on / off {on / off:.3f}", flush=True)
+
+
+def profile(label: str, model: torch.nn.Module, fb: ForwardBatch, kv: object, calls: int = 10) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(3):
+        model(fb, kv)
+    t = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            model(fb, kv)
+    wall = (time.perf_counter() - t) / calls * 1e3
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) / calls / 1e3
+    top = ", ".join(f"{e.key} {e.self_cpu_time_total / calls / 1e3:.2f}" for e in ops[:6])
+    print(f"  {label}: forward {wall:.2f} ms (profiled), torch ops {total:.2f} ms: {top}", flush=True)
 
 
 def choose_pack_line(dtype: torch.dtype) -> str:
