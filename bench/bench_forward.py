@@ -57,6 +57,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
+from scheduler.model import packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import paged_attention, rms_norm, rope_qk  # noqa: E402
@@ -99,7 +100,7 @@ def bandwidth_gbs() -> float:
 
 # --------------------------------------------------------------------------- capture
 def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-            seed: int) -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
+            seed: int, weight_pack: str = "auto") -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
     """Run the engine on the workload and keep every batch its model is given (the thread
     backend: the model runs in this process). Returns the batches, the model, its KV pool
     and the run's forward time as the engine saw it."""
@@ -127,7 +128,7 @@ def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_
     CausalLM.forward = recording  # type: ignore[method-assign]
     # the CPU in float32 whatever the machine has: the limits and byte counts are the CPU's
     cfg = EngineConfig(cpu_device="thread", device="cpu", dtype="float32", model=model_name,
-                       device_threads=torch.get_num_threads())
+                       device_threads=torch.get_num_threads(), weight_pack=weight_pack)
     engine = Engine(cfg, sinks=[], trace=None)
     try:
         run_workload(engine, warm)
@@ -165,7 +166,7 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
         with c.part("norm"):
             h = rms_norm(x, layer.input_layernorm, layer.eps)
         with c.part("qkv"):
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+            qkv = layer._linear(h, "qkv_proj", layer.qkv_proj, layer.qkv_bias)
         with c.part("rope"):
             qk = rope_qk(qkv, layer.q_size + layer.kv_size, layer.head_dim, cos, sin)
         q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads:]
@@ -176,18 +177,18 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
         with c.part("attention"):
             a = paged_attention(q, k, v, kc, vc, fb, plan)
         with c.part("o_proj"):
-            o = F.linear(a, layer.o_proj, layer.o_bias)
+            o = layer._linear(a, "o_proj", layer.o_proj, layer.o_bias)
         with c.part("residual"):
             x = x + o
         with c.part("norm"):
             h = rms_norm(x, layer.post_attention_layernorm, layer.eps)
         with c.part("gate_up"):
-            gu = F.linear(h, layer.gate_up_proj, layer.gate_up_bias)
+            gu = layer._linear(h, "gate_up_proj", layer.gate_up_proj, layer.gate_up_bias)
         with c.part("act"):
             gate, up = gu.chunk(2, dim=-1)
             m = F.silu(gate) * up
         with c.part("down"):
-            d = F.linear(m, layer.down_proj, layer.down_bias)
+            d = layer._linear(m, "down_proj", layer.down_proj, layer.down_bias)
         with c.part("residual"):
             x = x + d
     with c.part("logits"):
@@ -235,22 +236,33 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
 
 
 def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[str, float]:
-    """Each GEMM part alone at the batches' own shapes (random inputs, the real weights),
-    best of `reps` per batch, summed: what the part costs with no neighbours."""
+    """Each GEMM part alone at the batches' own shapes (random inputs, the real weights, through
+    the model's own GEMM: reordered where the run packed them), best of `reps` per batch, summed:
+    what the part costs with no neighbours."""
     lay = model.layers[0]
+    cfg = model.cfg
     n_layers = len(model.layers)
+    dtype = lay.input_layernorm.dtype
+    fan_in = {"qkv_proj": cfg.hidden_size, "o_proj": cfg.q_size, "gate_up_proj": cfg.hidden_size,
+              "down_proj": cfg.intermediate_size}
+    head, head_packed = model.lm_head, model.lm_head_packed
+    assert head is not None
+
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, head) if head_packed is None else packed_gemm.linear(x, head_packed, None)
+
     total: dict[str, float] = defaultdict(float)
     for fb in fbs:
         t = fb.num_tokens
-        for name, w, b in (("qkv", lay.qkv_proj, lay.qkv_bias), ("o_proj", lay.o_proj, lay.o_bias),
-                           ("gate_up", lay.gate_up_proj, lay.gate_up_bias), ("down", lay.down_proj, lay.down_bias)):
-            x = torch.randn(t, w.shape[1])
-            total[name] += n_layers * _best_s(lambda x=x, w=w, b=b: F.linear(x, w, b), reps)
+        for part, name, b in (("qkv", "qkv_proj", lay.qkv_bias), ("o_proj", "o_proj", lay.o_bias),
+                              ("gate_up", "gate_up_proj", lay.gate_up_bias), ("down", "down_proj", lay.down_bias)):
+            x = torch.randn(t, fan_in[name], dtype=dtype)
+            w = getattr(lay, name)
+            total[part] += n_layers * _best_s(lambda x=x, n=name, w=w, b=b: lay._linear(x, n, w, b), reps)
         rows = fb.num_sampled + fb.num_scored
         if rows:
-            assert model.lm_head is not None
-            x = torch.randn(rows, model.cfg.hidden_size)
-            total["logits"] += _best_s(lambda x=x: F.linear(x, model.lm_head), reps)
+            x = torch.randn(rows, cfg.hidden_size, dtype=dtype)
+            total["logits"] += _best_s(lambda x=x: logits(x), reps)
     return dict(total)
 
 
@@ -334,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-lib", type=Path, default=None,
                     help="decode attention from this build of _attention.c (an A/B of two builds)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
+    ap.add_argument("--weight-pack", choices=("auto", "on", "off"), default="auto",
+                    help="the engine's --weight-pack (its default: auto, measured at start)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from scheduler.model import native_attention
@@ -345,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         if native_attention._LIB is None:
             ap.error(f"--attention-lib {args.attention_lib}: not a loadable build")
     if args.capture_only:
-        *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed)
+        *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
+                                args.weight_pack)
         label = "gather" if args.gather else str(args.attention_lib or "default")
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label})")
         return 0
@@ -356,8 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     bw = bandwidth_gbs()
     print(f"{args.threads} thread(s): GEMM peak {peak:.1f} GFLOP/s ({', '.join(f'{k}: {v:.0f}' for k, v in peaks.items())}),"
           f" copy bandwidth {bw:.1f} GB/s; load {load_before}")
-    fbs, model, kv, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed)
-    print(f"captured {len(fbs)} batches; the engine's forward took {run_fwd_s:.2f} s in the run")
+    fbs, model, kv, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
+                                        args.weight_pack)
+    packed = bool(model.layers[0].packs)
+    print(f"captured {len(fbs)} batches; the engine's forward took {run_fwd_s:.2f} s in the run; "
+          f"weights reordered (--weight-pack {args.weight_pack}): {'yes' if packed else 'no'}")
     prefill_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode >= fb.num_decode]
     decode_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode < fb.num_decode]
     pre, dec = measure(model, prefill_heavy, kv, args.reps), measure(model, decode_heavy, kv, args.reps)
@@ -371,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"bench": "forward", "command": " ".join(["bench/bench_forward.py", *sys.argv[1:]]),
                                "started_utc": started.isoformat(timespec="seconds"), "threads": args.threads,
                                "peak_gflops": peaks, "bandwidth_gbs": bw, "load_before": load_before,
-                               "run_forward_s": run_fwd_s, "tables": tables}, indent=1))
+                               "run_forward_s": run_fwd_s, "weight_pack": args.weight_pack,
+                               "weights_reordered": packed, "tables": tables}, indent=1))
     print(f"wrote {out}")
     return 0
 
