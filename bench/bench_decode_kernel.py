@@ -1,8 +1,11 @@
 """The C decode attention kernel alone (scheduler/model/_attention.c), float32 and bfloat16,
 one thread, on the default preset's heads (8 query, 4 KV, head size 64) and decode shapes:
 16 and 64 rows of 128-192 tokens (bench_serve_peer's and bench_engine_vs_hf's rounds) and
-57 rows of 16-768. Several builds are timed call by call in turn, so each sees the same
-machine; without `--lib` the installed build alone.
+57 rows of 16-768. A call is a forward's worth: the preset's 8 layers, each with its own
+cache and its rows on their own shuffled blocks, so what a round reads is what a forward
+reads (57 rows of 16-768 read about 350 MB in float32, out of every cache, as in
+bench_forward's run; 16 rows of 128-192 about 40 MB). Several builds are timed call by call
+in turn, so each sees the same machine; without `--lib` the installed build alone.
 
     .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40]
 
@@ -28,7 +31,7 @@ from common import REPO
 sys.path.insert(0, str(REPO))
 from scheduler.model import native_attention  # noqa: E402
 
-BS, HEADS, KV_HEADS, D, BLOCKS = 16, 8, 4, 64, 4000
+BS, HEADS, KV_HEADS, D, LAYERS = 16, 8, 4, 64, 8
 SHAPES = ((16, 128, 192), (64, 128, 192), (57, 16, 768))  # rows, shortest and longest context
 
 
@@ -42,25 +45,32 @@ def main() -> None:
         raise SystemExit("a build did not load (or the install has none)")
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(BLOCKS * BS, KV_HEADS, D, generator=g)
-    v = torch.randn(BLOCKS * BS, KV_HEADS, D, generator=g)
     for rows, lo, hi in SHAPES:
+        nblk = hi // BS + 1
+        blocks_per_layer = rows * nblk
         ctx = torch.randint(lo, hi, (rows,), generator=g)
-        blocks = torch.stack([torch.randperm(BLOCKS, generator=g)[:hi // BS + 1] for _ in range(rows)])
+        blocks = torch.randperm(blocks_per_layer, generator=g).view(rows, nblk).contiguous()
         q = torch.randn(rows, HEADS, D, generator=g)
+        caches = [(torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g),
+                   torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g)) for _ in range(LAYERS)]
         for dtype in (torch.float32, torch.bfloat16):
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), blocks, ctx, BS, None)
+            layers = [(k.to(dtype), v.to(dtype)) for k, v in caches]
+            qd = q.to(dtype)
+            read = int(ctx.sum()) * KV_HEADS * D * 2 * qd.element_size() * LAYERS
             times: dict[str, list[float]] = {name: [] for name in libs}
             for _ in range(a.calls):
                 for name, lib in libs.items():
                     native_attention._LIB = lib
                     t = time.perf_counter()
-                    out = native_attention.decode(*args)
+                    for k, v in layers:
+                        out = native_attention.decode(qd, k, v, blocks, ctx, BS, None)
                     times[name].append(time.perf_counter() - t)
                     if out is None:
                         raise SystemExit(f"{name} does not take {dtype}")
-            cells = "; ".join(f"{name} {statistics.median(ts[5:]) * 1e3:.3f} ms" for name, ts in times.items())
-            print(f"{rows} rows of {lo}-{hi}, {str(dtype).removeprefix('torch.')}: {cells}", flush=True)
+            cells = "; ".join(f"{name} {statistics.median(ts[5:]) * 1e3:.3f} ms "
+                              f"({read / statistics.median(ts[5:]) / 1e9:.1f} GB/s)" for name, ts in times.items())
+            print(f"{rows} rows of {lo}-{hi}, {str(dtype).removeprefix('torch.')}, {LAYERS} layers "
+                  f"({read / 1e6:.0f} MB of K/V): {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ def _reference(q, k_cache, v_cache, blocks, ctx, bs, window):
     return torch.stack(out).float()
 
 
-def _case(heads: int, kv_heads: int, d: int, seed: int, dtype: torch.dtype):
+def _case(heads: int, kv_heads: int, d: int, seed: int, dtype: torch.dtype, bs: int = 16):
     """Caches of 64 blocks, rows of many lengths on scattered, shuffled blocks (a row's unused
     table entries point anywhere: block 0), q as the forward has it (a strided view)."""
     g = torch.Generator().manual_seed(seed)
-    bs, nblocks = 16, 64
+    nblocks = 64
     k_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(nblocks * bs, kv_heads, d, generator=g).to(dtype)
     ctx = torch.tensor([1, 16, 17, 100, 250, 3, 64], dtype=torch.int64)
@@ -61,6 +61,35 @@ def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
     out = _decode_on(threads, q, k_cache, v_cache, blocks, ctx, bs, window)
     assert out is not None and out.shape == (len(ctx), heads * d)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, blocks, ctx, bs, window), atol=2e-5, rtol=1e-5)
+
+
+# the kernel is compiled for 16-token blocks with head sizes 64 and 128; other block sizes take
+# its general build
+@pytest.mark.parametrize("bs", [8, 32])
+@pytest.mark.parametrize("d", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_block_sizes_agree(bs, d, dtype):
+    q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, d, bs + d, dtype, bs)
+    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, 37)
+    assert out is not None
+    want = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, 37)
+    tol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)  # bfloat16: its rounding of the output
+    torch.testing.assert_close(out.float(), want, atol=tol[0], rtol=tol[1])
+
+
+def test_a_nan_stays_in_its_heads():
+    """A NaN in one head's q makes that head's output NaN, as torch's softmax does, and leaves
+    every other head of the batch as it was."""
+    q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, 64, 3, torch.float32)
+    clean = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    q = q.clone()
+    q[3, 5, 7] = float("nan")
+    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    assert clean is not None and out is not None
+    head = out.view(len(ctx), 8, 64)
+    assert head[3, 5].isnan().all()
+    head[3, 5] = clean.view(len(ctx), 8, 64)[3, 5]
+    assert torch.equal(out, clean)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 20)])

@@ -20,13 +20,18 @@
  * register in the x86-64-v3 one; no intrinsics, so other architectures build too */
 typedef float v8 __attribute__((vector_size(32)));
 
+typedef int32_t v8i __attribute__((vector_size(32))); /* a comparison's lanes: -1 true, 0 false */
+
 /* lanes of a and b (b's numbered 8-15) picked by constant indices into a new v8 */
 #if defined(__clang__)
 #define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-typedef int32_t v8i __attribute__((vector_size(32)));
 #define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
+
+/* lane by lane, mask ? a : b (C has no ?: on vectors); a macro, as a function taking vectors
+ * by value draws GCC's note on the AVX argument ABI */
+#define SELECT8(mask, a, b) ((v8)(((v8i)(a) & (mask)) | ((v8i)(b) & ~(mask))))
 
 static inline __attribute__((always_inline)) v8 load8(const float *p) {
     v8 v;
