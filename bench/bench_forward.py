@@ -14,8 +14,8 @@ sampled rows), sample. What the parts' timers do not cover of the whole forward'
 time (the loop, attribute look-ups) is shown as `unattributed`.
 
 Limits, measured here before the replay, at the same thread count. Each part's limit is
-a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square float32
-GEMMs of 512-2048 with torch, `peak_gflops`) and the bytes it must read and write at the
+a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GEMMs of
+512-2048 with torch in the run's dtype, `peak_gflops`) and the bytes it must read and write at the
 memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
 padding, attention over its causal keys only, each tensor once. A decode round's GEMMs
 are bound by reading their weights, a prefill round's by their FLOPs. Beside the GEMM
@@ -27,6 +27,9 @@ whole run and for its prefill-heavy and decode-heavy rounds; JSON to bench/out/.
 
     .venv/bin/python bench/bench_forward.py                 # the default workload, 1 thread
     .venv/bin/python bench/bench_forward.py --requests 16   # smoke
+    # bench_serve_peer's load: 64 prompts of 128, 64 tokens each, 16 at a time, in bfloat16
+    .venv/bin/python bench/bench_forward.py --dtype bfloat16 --requests 64 --prompt-len 128-128 \
+        --output-len 64-64 --max-running 16
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def _best_s(fn: Any, reps: int) -> float:
     return best
 
 
-def peak_gflops() -> dict[str, float]:
-    """The best float32 GEMM rate over squares of 512-2048 (what "GEMM peak" means here)."""
+def peak_gflops(dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """The best GEMM rate in `dtype` over squares of 512-2048 (what "GEMM peak" means here)."""
     out = {}
     for n in (512, 1024, 1536, 2048):
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out[str(n)] = 2 * n ** 3 / _best_s(lambda a=a, b=b: torch.mm(a, b), 5) / 1e9
     return out
 
@@ -100,7 +103,8 @@ def bandwidth_gbs() -> float:
 
 # --------------------------------------------------------------------------- capture
 def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-            seed: int, weight_pack: str = "auto") -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
+            seed: int, weight_pack: str = "auto", dtype: str = "float32",
+            max_running: int | None = None) -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
     """Run the engine on the workload and keep every batch its model is given (the thread
     backend: the model runs in this process). Returns the batches, the model, its KV pool
     and the run's forward time as the engine saw it."""
@@ -126,9 +130,11 @@ def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_
                                                      shared_prefix_frac=0.0, rate=0.0, seed=seed + 1000))
     warm = [type(w)(f"warm-{i}", w.prompt, w.input_ids, w.params, w.arrival_s) for i, w in enumerate(warm)]
     CausalLM.forward = recording  # type: ignore[method-assign]
-    # the CPU in float32 whatever the machine has: the limits and byte counts are the CPU's
-    cfg = EngineConfig(cpu_device="thread", device="cpu", dtype="float32", model=model_name,
-                       device_threads=torch.get_num_threads(), weight_pack=weight_pack)
+    # the dtype asked (float32 by default, whatever `--dtype auto` would pick here): the limits
+    # and byte counts are that dtype's
+    cfg = EngineConfig(cpu_device="thread", device="cpu", dtype=dtype, model=model_name,
+                       device_threads=torch.get_num_threads(), weight_pack=weight_pack,
+                       **({"max_running": max_running} if max_running else {}))
     engine = Engine(cfg, sinks=[], trace=None)
     try:
         run_workload(engine, warm)
@@ -201,8 +207,9 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
 # --------------------------------------------------------------------------- work per part
 def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     """(FLOPs, bytes) each part must do for this batch, at the least: no padding, each
-    tensor read and written once."""
+    tensor read and written once, in the model's dtype (the logits and sampling in float32)."""
     cfg = model.cfg
+    es = model.layers[0].input_layernorm.element_size()  # bytes per element of the model's dtype
     t, hs, inter, v = fb.num_tokens, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qs, kvs = h * d, kvh * d
@@ -221,15 +228,15 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     gemm = {"qkv": (hs, qs + 2 * kvs), "o_proj": (qs, hs), "gate_up": (hs, 2 * inter), "down": (inter, hs)}
     out: dict[str, tuple[float, float]] = {}
     for name, (k_in, n_out) in gemm.items():
-        out[name] = (2.0 * t * k_in * n_out * n_layers, F32 * (t * k_in + k_in * n_out + t * n_out) * n_layers)
-    out["logits"] = (2.0 * rows * hs * v, F32 * (rows * hs + hs * v + rows * v))
-    out["attention"] = (4.0 * keys * h * d * n_layers, F32 * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
-    out["embed"] = (0.0, F32 * 2 * t * hs)
-    out["norm"] = (0.0, F32 * 2 * 2 * t * hs * n_layers)
-    out["rope"] = (0.0, F32 * 2 * t * (qs + kvs) * n_layers)
-    out["kv_write"] = (0.0, F32 * 2 * 2 * t * kvs * n_layers)
-    out["act"] = (0.0, F32 * 3 * t * inter * n_layers)
-    out["residual"] = (0.0, F32 * 2 * 3 * t * hs * n_layers)
+        out[name] = (2.0 * t * k_in * n_out * n_layers, es * (t * k_in + k_in * n_out + t * n_out) * n_layers)
+    out["logits"] = (2.0 * rows * hs * v, es * (rows * hs + hs * v) + F32 * rows * v)
+    out["attention"] = (4.0 * keys * h * d * n_layers, es * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
+    out["embed"] = (0.0, es * 2 * t * hs)
+    out["norm"] = (0.0, es * 2 * 2 * t * hs * n_layers)
+    out["rope"] = (0.0, es * 2 * t * (qs + kvs) * n_layers)
+    out["kv_write"] = (0.0, es * 2 * 2 * t * kvs * n_layers)
+    out["act"] = (0.0, es * 3 * t * inter * n_layers)
+    out["residual"] = (0.0, es * 2 * 3 * t * hs * n_layers)
     out["sample"] = (0.0, F32 * fb.num_sampled * v)
     out["plan"] = (0.0, 0.0)
     return out
@@ -346,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-lib", type=Path, default=None,
                     help="decode attention from this build of _attention.c (an A/B of two builds)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the engine's dtype; the GEMM peak is measured in it and the bytes counted in it")
+    ap.add_argument("--max-running", type=int, default=None,
+                    help="the engine's --max-running (its default: 256): a serving load's batch size")
     ap.add_argument("--weight-pack", choices=("auto", "on", "off"), default="auto",
                     help="the engine's --weight-pack (its default: auto, measured at start)")
     args = ap.parse_args(argv)
@@ -360,19 +371,19 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--attention-lib {args.attention_lib}: not a loadable build")
     if args.capture_only:
         *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
-                                args.weight_pack)
+                                args.weight_pack, args.dtype, args.max_running)
         label = "gather" if args.gather else str(args.attention_lib or "default")
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label})")
         return 0
     started = datetime.now(UTC)
     load_before = load()
-    peaks = peak_gflops()
+    peaks = peak_gflops(getattr(torch, args.dtype))
     peak = max(peaks.values())
     bw = bandwidth_gbs()
-    print(f"{args.threads} thread(s): GEMM peak {peak:.1f} GFLOP/s ({', '.join(f'{k}: {v:.0f}' for k, v in peaks.items())}),"
+    print(f"{args.threads} thread(s), {args.dtype}: GEMM peak {peak:.1f} GFLOP/s ({', '.join(f'{k}: {v:.0f}' for k, v in peaks.items())}),"
           f" copy bandwidth {bw:.1f} GB/s; load {load_before}")
     fbs, model, kv, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
-                                        args.weight_pack)
+                                        args.weight_pack, args.dtype, args.max_running)
     packed = bool(model.layers[0].packs)
     print(f"captured {len(fbs)} batches; the engine's forward took {run_fwd_s:.2f} s in the run; "
           f"weights reordered (--weight-pack {args.weight_pack}): {'yes' if packed else 'no'}")
@@ -389,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"bench": "forward", "command": " ".join(["bench/bench_forward.py", *sys.argv[1:]]),
                                "started_utc": started.isoformat(timespec="seconds"), "threads": args.threads,
                                "peak_gflops": peaks, "bandwidth_gbs": bw, "load_before": load_before,
-                               "run_forward_s": run_fwd_s, "weight_pack": args.weight_pack,
+                               "run_forward_s": run_fwd_s, "dtype": args.dtype, "max_running": args.max_running,
+                               "weight_pack": args.weight_pack,
                                "weights_reordered": packed, "tables": tables}, indent=1))
     print(f"wrote {out}")
     return 0
