@@ -134,7 +134,7 @@ def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_
     # and byte counts are that dtype's
     cfg = EngineConfig(cpu_device="thread", device="cpu", dtype=dtype, model=model_name,
                        device_threads=torch.get_num_threads(), weight_pack=weight_pack,
-                       **({"max_running": max_running} if max_running else {}))
+                       **({"max_running": max_running} if max_running is not None else {}))
     engine = Engine(cfg, sinks=[], trace=None)
     try:
         run_workload(engine, warm)

@@ -3,6 +3,8 @@ a plain softmax over each row's own context, and the forward with and without it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -67,29 +69,53 @@ def test_decode_matches_a_plain_softmax(heads, kv_heads, d, window, threads):
 # its general build
 @pytest.mark.parametrize("bs", [8, 32])
 @pytest.mark.parametrize("d", [64, 40])
+@pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_other_block_sizes_agree(bs, d, dtype):
+def test_other_block_sizes_agree(bs, d, window, dtype):
     q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, d, bs + d, dtype, bs)
-    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, 37)
+    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, window)
     assert out is not None
-    want = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, 37)
-    tol = (2e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1.6e-2)  # bfloat16: its rounding of the output
-    torch.testing.assert_close(out.float(), want, atol=tol[0], rtol=tol[1])
+    exact = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, window).double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=1e-5)
+    else:  # as test_bfloat16_is_the_float32_result_rounded_once
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+        assert ((out.double() - exact).abs() <= ulp + 1e-5).all()
+
+
+def _with_nan(seed: int, poison: Callable[..., None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 case's output, clean and after `poison(q, k_cache, blocks)` put a NaN in."""
+    q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, 64, seed, torch.float32)
+    clean = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    q, k_cache = q.clone(), k_cache.clone()
+    poison(q, k_cache, blocks)
+    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    assert clean is not None and out is not None
+    return clean.view(len(ctx), 8, 64), out.view(len(ctx), 8, 64)
 
 
 def test_a_nan_stays_in_its_heads():
     """A NaN in one head's q makes that head's output NaN, as torch's softmax does, and leaves
     every other head of the batch as it was."""
-    q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, 64, 3, torch.float32)
-    clean = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
-    q = q.clone()
-    q[3, 5, 7] = float("nan")
-    out = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
-    assert clean is not None and out is not None
-    head = out.view(len(ctx), 8, 64)
-    assert head[3, 5].isnan().all()
-    head[3, 5] = clean.view(len(ctx), 8, 64)[3, 5]
+    def poison(q, k_cache, blocks):
+        q[3, 5, 7] = float("nan")
+
+    clean, out = _with_nan(3, poison)
+    assert out[3, 5].isnan().all()
+    out[3, 5] = clean[3, 5]
     assert torch.equal(out, clean)
+
+
+def test_a_nan_key_spoils_its_group_only():
+    """A NaN in one token's K row of one KV head (row 3's token 97: in its scores' scalar tail,
+    past the last eight-token step) makes that row's two heads of the group NaN, and leaves its
+    other heads as they were."""
+    def poison(q, k_cache, blocks):
+        k_cache[int(blocks[3, 97 // 16]) * 16 + 97 % 16, 1, 5] = float("nan")
+
+    clean, out = _with_nan(4, poison)
+    assert out[3, 2:4].isnan().all()
+    assert torch.equal(out[3, :2], clean[3, :2]) and torch.equal(out[3, 4:], clean[3, 4:])
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 20)])

@@ -127,7 +127,8 @@ static inline __attribute__((always_inline)) v8 exp8_nonpositive(const v8 *xp) {
 }
 
 /* s[0:n] = softmax(s[0:n]): eight lanes whose order does not depend on the compiler; a tail
- * of under eight scores goes through the same exp, padded */
+ * of under eight scores goes through the same exp, padded with the maximum (e^0: no lane
+ * leaves exp8_nonpositive's domain) */
 static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
     v8 mx = (v8){0} + s[0];
     int64_t t = 0;
@@ -149,7 +150,8 @@ static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
     memcpy(lane, &acc, sizeof lane);
     float sum = lane_sum(lane);
     if (t < n) {
-        float tail[LANES] = {0};
+        float tail[LANES];
+        for (int j = 0; j < LANES; j++) tail[j] = m;
         memcpy(tail, s + t, sizeof(float) * (size_t)(n - t));
         const v8 x = load8(tail) - m, e = exp8_nonpositive(&x);
         memcpy(tail, &e, sizeof tail);
@@ -307,14 +309,18 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
     free(scores);
 }
 
-/* The engine's 16-token blocks with the common head sizes as constants: the loops over D unroll
- * and keep their vectors in registers, and a token's block is a shift, not a division (eight
- * divisions per eight tokens were a tenth of a call whose K/V sat in L2). */
+/* The common head sizes as constants: the loops over D unroll and keep their vectors in
+ * registers. With the engine's 16-token blocks also the block size: a token's block is then a
+ * shift, not a 64-bit division (eight divisions per eight tokens were a tenth of a call whose
+ * K/V sat in L2). */
 #define DISPATCH(j, bf16)                                                                  \
     do {                                                                                   \
-        if ((j)->block_size == 16 && (j)->head_dim == 64) rows(j, 64, 16, bf16);           \
-        else if ((j)->block_size == 16 && (j)->head_dim == 128) rows(j, 128, 16, bf16);    \
-        else rows(j, (j)->head_dim, (j)->block_size, bf16);                                \
+        const int64_t bs_ = (j)->block_size, d_ = (j)->head_dim;                          \
+        if (bs_ == 16 && d_ == 64) rows(j, 64, 16, bf16);                                 \
+        else if (bs_ == 16 && d_ == 128) rows(j, 128, 16, bf16);                          \
+        else if (d_ == 64) rows(j, 64, bs_, bf16);                                        \
+        else if (d_ == 128) rows(j, 128, bs_, bf16);                                      \
+        else rows(j, d_, bs_, bf16);                                                      \
     } while (0)
 
 MULTI_TARGET
