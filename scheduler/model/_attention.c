@@ -24,10 +24,13 @@
  * CPU has them.
  *
  * bfloat16 (`decode_attention_bf16`): q, the caches and the output are bfloat16, the
- * arithmetic float32 (the output rounded to nearest even once, as torch rounds). Each K and
- * V row of a KV head is widened once into a scratch row for the G query heads that read it:
- * widening per head cost a fifth of the kernel's time with the default preset's G = 2. The cache is read at half float32's bytes; torch's path
- * gathered the copy and ran SDPA in bfloat16, slower per byte than in float32 on a CPU.
+ * arithmetic float32 (the output rounded to nearest even once, as torch rounds). Where the
+ * head size is a multiple of 16, K and V rows are widened split, even and odd values apart
+ * (split16), with q and the output split the same way: two integer operations per sixteen
+ * values. Widening them in order into a scratch row shared by a KV group's heads had made the
+ * bfloat16 kernel 40-50% slower per token than float32's in cache; split, it is as fast. The
+ * cache is read at half float32's bytes; torch's path gathered the copy and ran SDPA in
+ * bfloat16, slower per byte than in float32 on a CPU.
  *
  * No Python API is used: the module init only exists so setuptools can build this as an
  * extension and pip can install it like one.
@@ -182,21 +185,58 @@ static inline __attribute__((always_inline)) void accumulate(float *y, const flo
         for (int64_t i = 0; i < count; i++) y[d] += p[i] * elem(x, i * stride + d, bf16);
 }
 
-/* out[0:8] = the scores of eight tokens' K rows (float) against qh, scaled */
-static inline __attribute__((always_inline)) void scores8(float *out, const float *qh, const float *const *krow,
-                                                           int64_t D, float scale) {
-    v8 p[LANES];
-    for (int i = 0; i < LANES; i++) p[i] = dot_lanes(qh, krow[i], D, 0);
-    const v8 sc = sum8(p) * scale;
-    store8(out, &sc);
+/* Sixteen bfloat16 values as float32, split: the even-indexed ones and the odd-indexed ones.
+ * A bfloat16 is float32's upper half, so of a 32-bit lane holding two, the odd one is the lane
+ * with its low half cleared and the even one the lane shifted up: two integer operations per
+ * sixteen values and no shuffle, where widening them in order takes a zero-extension and a
+ * shift per eight. q and the output are kept split the same way (a row's q split once, its
+ * output put back in order once), so each product pairs the same two values as in order. */
+static inline __attribute__((always_inline)) void split16(const uint16_t *p, v8 *even, v8 *odd) {
+    u32x8 u;
+    memcpy(&u, p, sizeof u);
+    const u32x8 e = u << 16, o = u & 0xFFFF0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
 }
 
-/* dst[0:D] = src[0:D] widened to float (D a multiple of 8) */
-static inline __attribute__((always_inline)) void widen_row(float *dst, const uint16_t *src, int64_t D) {
-    for (int64_t k = 0; k < D; k += LANES) {
-        const v8 f = widen8(src + k);
-        store8(dst + k, &f);
+/* q . k over D values (D a multiple of 16), q split as split16 splits, k bfloat16 in order: in
+ * 8 lanes, not yet summed */
+static inline __attribute__((always_inline)) v8 dot_split(const float *q, const uint16_t *k, int64_t D) {
+    v8 s0 = {0}, s1 = {0};
+    for (int64_t c = 0; c < D; c += 16) {
+        v8 e, o;
+        split16(k + c, &e, &o);
+        s0 += load8(q + c) * e;
+        s1 += load8(q + c + 8) * o;
     }
+    return s0 + s1;
+}
+
+/* dot_split with its lanes summed (lane_sum) */
+static inline __attribute__((always_inline)) float dot_split_sum(const float *q, const void *k, int64_t D) {
+    const v8 l = dot_split(q, (const uint16_t *)k, D);
+    float lanes[LANES];
+    memcpy(lanes, &l, sizeof lanes);
+    return lane_sum(lanes);
+}
+
+/* accumulate's bfloat16 form: y split as split16 splits, x's rows bfloat16 in order */
+static inline __attribute__((always_inline)) void accumulate_split(float *y, const float *p, const uint16_t *x,
+                                                                    int64_t count, int64_t stride, int64_t D) {
+    enum { MAXV = 256 / LANES };
+    v8 acc[MAXV];
+    const int64_t nv = D / LANES;
+    for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
+    for (int64_t i = 0; i < count; i++) {
+        const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+        for (int64_t k = 0; k < nv; k += 2) {
+            v8 e, o;
+            split16(x + i * stride + k * LANES, &e, &o);
+            acc[k] += w * e;
+            acc[k + 1] += w * o;
+        }
+    }
+    for (int64_t k = 0; k < nv; k++) store8(y + k * LANES, &acc[k]);
 }
 
 /* Tokens ahead of the one in use whose K or V rows are asked for. A row's blocks lie anywhere in
@@ -222,17 +262,14 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
     int64_t longest = 0;
     for (int64_t r = j->row0; r < j->row1; r++)
         if (j->ctx[r] > longest) longest = j->ctx[r];
-    /* the scores; for bfloat16 also the row's q widened, its output before rounding, and eight
-     * tokens' K rows or a block's V rows of one KV head widened once for the G heads that read them */
-    const int64_t rows_w = BS > LANES ? BS : LANES;
-    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1)
-                                                    + (bf16 ? 2 * H * D + rows_w * D : 0)));
+    /* the scores; for bfloat16 also the row's q widened and its output before rounding */
+    const int split = bf16 && D % 16 == 0; /* bfloat16 split (split16); else widened in order */
+    float *scores = malloc(sizeof(float) * (size_t)(H * (longest > 0 ? longest : 1) + (bf16 ? 2 * H * D : 0)));
     if (!scores) {
         j->status = -1;
         return;
     }
     float *wide = scores + H * (longest > 0 ? longest : 1);
-    float *kv_wide = wide + 2 * H * D; /* bfloat16 only */
     for (int64_t r = j->row0; r < j->row1; r++) {
         const int64_t L = j->ctx[r];
         const int64_t first = (j->window > 0 && L > j->window) ? L - j->window : 0;
@@ -241,7 +278,14 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
         float *o;
         if (bf16) {
             const uint16_t *qh = (const uint16_t *)j->q + r * j->q_stride;
-            for (int64_t i = 0; i < H * D; i++) wide[i] = widen(qh[i]);
+            if (split)
+                for (int64_t i = 0; i < H * D; i += 16)
+                    for (int m = 0; m < 8; m++) {
+                        wide[i + m] = widen(qh[i + 2 * m]);
+                        wide[i + 8 + m] = widen(qh[i + 2 * m + 1]);
+                    }
+            else
+                for (int64_t i = 0; i < H * D; i++) wide[i] = widen(qh[i]);
             q = wide;
             o = wide + H * D;
         } else {
@@ -251,32 +295,30 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
         memset(o, 0, sizeof(float) * (size_t)(H * D));
         if (n > 0) {
             int64_t t = first;
-            if (D % LANES == 0) /* eight tokens' scores at a time, their lanes summed together */
+            /* eight tokens' scores at a time, their lanes summed together; each head reads its KV
+             * head's rows where they lie (head by head: 3-4% faster than by KV head in float32) */
+            if (D % LANES == 0 && (!bf16 || split))
                 for (; t + LANES <= L; t += LANES) {
                     int64_t kt[LANES];
                     for (int i = 0; i < LANES; i++) kt[i] = bt_slot(j, r, t + i, BS) * tok;
                     for (int64_t a = t + AHEAD; a < t + AHEAD + LANES && a < L; a++)
                         prefetch(at(j->k, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
-                    const float *krow[LANES];
-                    if (bf16) /* each KV head's eight K rows widened once for the G heads that read them */
-                        for (int64_t kh = 0; kh < KVH; kh++) {
-                            for (int i = 0; i < LANES; i++) {
-                                widen_row(kv_wide + i * D, (const uint16_t *)j->k + kt[i] + kh * D, D);
-                                krow[i] = kv_wide + i * D;
-                            }
-                            for (int64_t h = kh * G; h < (kh + 1) * G; h++)
-                                scores8(scores + h * n + (t - first), q + h * D, krow, D, j->scale);
-                        }
-                    else /* float32 reads them where they lie (head by head: 3-4% faster than by KV head) */
-                        for (int64_t h = 0; h < H; h++) {
-                            for (int i = 0; i < LANES; i++) krow[i] = (const float *)j->k + kt[i] + (h / G) * D;
-                            scores8(scores + h * n + (t - first), q + h * D, krow, D, j->scale);
-                        }
+                    for (int64_t h = 0; h < H; h++) {
+                        v8 p[LANES];
+                        for (int i = 0; i < LANES; i++)
+                            p[i] = split ? dot_split(q + h * D, (const uint16_t *)j->k + kt[i] + (h / G) * D, D)
+                                         : dot_lanes(q + h * D, (const float *)j->k + kt[i] + (h / G) * D, D, 0);
+                        const v8 sc = sum8(p) * j->scale;
+                        store8(scores + h * n + (t - first), &sc);
+                    }
                 }
             for (; t < L; t++) {
                 const int64_t kt = bt_slot(j, r, t, BS) * tok;
-                for (int64_t h = 0; h < H; h++)
-                    scores[h * n + (t - first)] = dot(q + h * D, at(j->k, kt + (h / G) * D, bf16), D, bf16) * j->scale;
+                for (int64_t h = 0; h < H; h++) {
+                    const void *kr = at(j->k, kt + (h / G) * D, bf16);
+                    scores[h * n + (t - first)] = (split ? dot_split_sum(q + h * D, kr, D) : dot(q + h * D, kr, D, bf16))
+                                                  * j->scale;
+                }
             }
             for (int64_t a = first; a < first + AHEAD && a < L; a++) /* V's first rows, behind the softmax */
                 prefetch(at(j->v, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
@@ -288,22 +330,25 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                 const int64_t vt = bt_slot(j, r, t0, BS) * tok;
                 for (int64_t a = t0 + AHEAD; a < t1 + AHEAD && a < L; a++)
                     prefetch(at(j->v, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
-                if (bf16 && D % LANES == 0)
-                    for (int64_t kh = 0; kh < KVH; kh++) { /* the block's V rows widened once for the group */
-                        for (int64_t i = 0; i < t1 - t0; i++)
-                            widen_row(kv_wide + i * D, (const uint16_t *)j->v + vt + i * tok + kh * D, D);
-                        for (int64_t h = kh * G; h < (kh + 1) * G; h++)
-                            accumulate(o + h * D, scores + h * n + (t0 - first), kv_wide, t1 - t0, D, D, 0);
-                    }
-                else
-                    for (int64_t h = 0; h < H; h++)
-                        accumulate(o + h * D, scores + h * n + (t0 - first), at(j->v, vt + (h / G) * D, bf16), t1 - t0,
-                                   tok, D, bf16);
+                for (int64_t h = 0; h < H; h++) {
+                    const void *vr = at(j->v, vt + (h / G) * D, bf16);
+                    if (split)
+                        accumulate_split(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D);
+                    else
+                        accumulate(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D, bf16);
+                }
             }
         }
         if (bf16) {
             uint16_t *oh = (uint16_t *)j->out + r * H * D;
-            for (int64_t i = 0; i < H * D; i++) oh[i] = narrow(o[i]);
+            if (split) /* back in order */
+                for (int64_t i = 0; i < H * D; i += 16)
+                    for (int m = 0; m < 8; m++) {
+                        oh[i + 2 * m] = narrow(o[i + m]);
+                        oh[i + 2 * m + 1] = narrow(o[i + 8 + m]);
+                    }
+            else
+                for (int64_t i = 0; i < H * D; i++) oh[i] = narrow(o[i]);
         }
     }
     free(scores);
