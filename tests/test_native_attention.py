@@ -118,7 +118,9 @@ def test_a_nan_key_spoils_its_group_only():
     assert torch.equal(out[3, :2], clean[3, :2]) and torch.equal(out[3, 4:], clean[3, 4:])
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 20)])
+# 64 and 128: split widening with the head size compiled in; 96 and 256: split, the general
+# build; 20: widened in order
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 96), (2, 1, 256), (4, 2, 20)])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_bfloat16_is_the_float32_result_rounded_once(heads, kv_heads, d, window, threads):

@@ -92,7 +92,8 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
 /* {sum of p[0]'s lanes, ..., sum of p[7]'s}: an 8 x 8 transpose folded into its adds (14
  * shuffles and 7 adds for 8 sums, where 8 lane_sums take 56 scalar adds); each vector's lanes
  * summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), a fixed order, though not lane_sum's
- * pairing: a score from here and one from `dot` (the tail tokens) may differ by float rounding */
+ * pairing: a score from here and one from `dot` or `dot_split_sum` (the tail tokens) may differ
+ * by float rounding */
 static inline __attribute__((always_inline)) v8 sum8(const v8 *p) {
     v8 a[4], b[2];
     for (int i = 0; i < 4; i++)
@@ -194,7 +195,11 @@ static inline __attribute__((always_inline)) void accumulate(float *y, const flo
 static inline __attribute__((always_inline)) void split16(const uint16_t *p, v8 *even, v8 *odd) {
     u32x8 u;
     memcpy(&u, p, sizeof u);
-    const u32x8 e = u << 16, o = u & 0xFFFF0000u;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    const u32x8 e = u & 0xFFFF0000u, o = u << 16; /* the even value is the lane's upper half */
+#else
+    const u32x8 e = u << 16, o = u & 0xFFFF0000u; /* little-endian: the even value is the lower half */
+#endif
     memcpy(even, &e, sizeof e);
     memcpy(odd, &o, sizeof o);
 }
@@ -297,7 +302,7 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
             int64_t t = first;
             /* eight tokens' scores at a time, their lanes summed together; each head reads its KV
              * head's rows where they lie (head by head: 3-4% faster than by KV head in float32) */
-            if (D % LANES == 0 && (!bf16 || split))
+            if (D % LANES == 0)
                 for (; t + LANES <= L; t += LANES) {
                     int64_t kt[LANES];
                     for (int i = 0; i < LANES; i++) kt[i] = bt_slot(j, r, t + i, BS) * tok;
@@ -307,7 +312,7 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                         v8 p[LANES];
                         for (int i = 0; i < LANES; i++)
                             p[i] = split ? dot_split(q + h * D, (const uint16_t *)j->k + kt[i] + (h / G) * D, D)
-                                         : dot_lanes(q + h * D, (const float *)j->k + kt[i] + (h / G) * D, D, 0);
+                                         : dot_lanes(q + h * D, at(j->k, kt[i] + (h / G) * D, bf16), D, bf16);
                         const v8 sc = sum8(p) * j->scale;
                         store8(scores + h * n + (t - first), &sc);
                     }
