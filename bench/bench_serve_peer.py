@@ -3,12 +3,14 @@
 same intra-op thread budget.
 
     python bench/bench_serve_peer.py [--model default] [--num-prompts 64] [--max-concurrency 16]
-        [--input-len 128] [--output-len 64] [--threads N]
+        [--input-len 128] [--output-len 64] [--threads N] [--pairs N]
 
 Both servers get the same greedy requests (random token prompts, seeded), so with the same
 weights they generate the same tokens. transformers serve refuses `ignore_eos`, so neither
-run sends it. Prints both result blocks and the ratios; needs the bench extra
-(`pip install 'mstrace[bench]'`: bench-serve's aiohttp, `transformers[serving]`, accelerate).
+run sends it. Prints both result blocks and the ratio; with `--pairs N`, N alternated pairs and
+their median (a shared machine's speed drifts more between two runs a minute apart than most
+changes move either server). Needs the bench extra (`pip install 'mstrace[bench]'`: bench-serve's
+aiohttp, `transformers[serving]`, accelerate).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--dtype", default=None, help="both servers' dtype (default: the folder's config.json)")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="runs of each server, alternated (which goes first alternates too); prints the median ratio")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from scheduler.model.presets import resolve_model
@@ -85,40 +90,51 @@ def main() -> None:
     print(f"model folder {folder}; dtype {a.dtype}; {a.threads} intra-op threads each; load before: {load()}",
           flush=True)
 
+    ours_cmd = [sys.executable, "-m", "viewer.cli", "serve", "--model", str(folder), "--device-threads", str(a.threads),
+                "--dtype", a.dtype]
+    theirs_cmd = [str(Path(sys.executable).parent / "transformers"), "serve", str(folder), "--continuous-batching",
+                  "--device", "cpu", "--dtype", a.dtype, "--host", "127.0.0.1"]
+    theirs_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)}
+    ratios = []
+    for i in range(a.pairs):
+        tag = "" if i == 0 else f"-{i}"
+        trace = out / f"mstrace_trace{tag}"
+
+        def run_ours(tag: str = tag, trace: Path = trace) -> dict[str, object]:
+            return serve_and_bench([*ours_cmd, "--out", str(trace)], None, folder, a, out / f"mstrace{tag}.json",
+                                   trace)
+
+        def run_theirs(tag: str = tag) -> dict[str, object]:
+            return serve_and_bench(theirs_cmd, theirs_env, folder, a, out / f"transformers{tag}.json")
+
+        # alternate which server goes first, so a drift of the machine's speed does not
+        # favour one side in every pair
+        if i % 2 == 0:
+            ours, theirs = run_ours(), run_theirs()
+        else:
+            theirs, ours = run_theirs(), run_ours()
+        r = float(ours["output_throughput"]) / float(theirs["output_throughput"])  # type: ignore[arg-type]
+        ratios.append(r)
+        print(f"output tok/s mstrace / transformers: {r:.2f}x; "
+              f"TTFT p99 {ours['ttft_ms']['p99']:.1f} vs {theirs['ttft_ms']['p99']:.1f} ms; "  # type: ignore[index]
+              f"load after: {load()}", flush=True)
+    if len(ratios) > 1:
+        print(f"median of {len(ratios)} pairs: {statistics.median(ratios):.2f}x "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+def serve_and_bench(cmd: list[str], env: dict[str, str] | None, folder: Path, a: argparse.Namespace, save: Path,
+                    trace: Path | None = None) -> dict[str, object]:
+    """Start one server (`cmd` plus a free port), run bench-serve against it, stop it."""
     port = free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "viewer.cli", "serve", "--model", str(folder), "--port", str(port),
-                            "--out", str(out / "mstrace_trace"), "--device-threads", str(a.threads), "--dtype", a.dtype],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*cmd, "--port", str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
-        wait_ready(f"http://127.0.0.1:{port}/health", srv)
-        ours = bench(f"http://127.0.0.1:{port}", str(folder), folder, a, out / "mstrace.json",
-                     out / "mstrace_trace")
+        wait_ready(f"http://127.0.0.1:{port}/health", proc)
+        return bench(f"http://127.0.0.1:{port}", str(folder), folder, a, save, trace)
     finally:
-        srv.terminate()
-        srv.communicate(timeout=120)
-
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(a.threads)}
-    peer = subprocess.Popen([str(Path(sys.executable).parent / "transformers"), "serve", str(folder),
-                             "--continuous-batching", "--device", "cpu", "--dtype", a.dtype, "--host", "127.0.0.1", "--port",
-                             str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/health", peer)
-        theirs = bench(f"http://127.0.0.1:{port}", str(folder), folder, a, out / "transformers.json")
-    finally:
-        peer.terminate()
-        peer.communicate(timeout=120)
-
-    def ratio(key: str, stat: str | None = None) -> float:
-        x = ours[key] if stat is None else ours[key][stat]  # type: ignore[index]
-        y = theirs[key] if stat is None else theirs[key][stat]  # type: ignore[index]
-        return float(x) / float(y) if float(y) else float("nan")  # type: ignore[arg-type]
-
-    print(f"output tok/s mstrace / transformers: {ratio('output_throughput'):.2f}x; "
-          f"TTFT p99 {ours['ttft_ms']['p99']:.1f} vs {theirs['ttft_ms']['p99']:.1f} ms; "  # type: ignore[index]
-          f"load after: {load()}")
-
+        proc.terminate()
+        proc.communicate(timeout=120)
 
 if __name__ == "__main__":
     main()
