@@ -168,24 +168,6 @@ static inline __attribute__((always_inline)) void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
-/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D] (x of the kernel's
- * type); where D is a constant (see run) the accumulators live in registers across the
- * block's tokens */
-static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const void *x, int64_t count,
-                                                              int64_t stride, int64_t D, const int bf16) {
-    enum { MAXV = 256 / LANES };
-    v8 acc[MAXV];
-    const int64_t nv = D / LANES;
-    for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
-    for (int64_t i = 0; i < count; i++) {
-        const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-        for (int64_t k = 0; k < nv; k++) acc[k] += w * elem8(x, i * stride + k * LANES, bf16);
-    }
-    for (int64_t k = 0; k < nv; k++) store8(y + k * LANES, &acc[k]);
-    for (int64_t d = nv * LANES; d < D; d++)
-        for (int64_t i = 0; i < count; i++) y[d] += p[i] * elem(x, i * stride + d, bf16);
-}
-
 /* Sixteen bfloat16 values as float32, split: the even-indexed ones and the odd-indexed ones.
  * A bfloat16 is float32's upper half, so of a 32-bit lane holding two, the odd one is the lane
  * with its low half cleared and the even one the lane shifted up: two integer operations per
@@ -225,23 +207,32 @@ static inline __attribute__((always_inline)) float dot_split_sum(const float *q,
     return lane_sum(lanes);
 }
 
-/* accumulate's bfloat16 form: y split as split16 splits, x's rows bfloat16 in order */
-static inline __attribute__((always_inline)) void accumulate_split(float *y, const float *p, const uint16_t *x,
-                                                                    int64_t count, int64_t stride, int64_t D) {
+
+/* y[0:D] += sum over i < count of p[i] * x[i * stride : i * stride + D] (x of the kernel's
+ * type; with `split`, bfloat16 rows widened by split16 into a y split alike); where D is a
+ * constant (see run) the accumulators live in registers across the block's tokens */
+static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const void *x, int64_t count,
+                                                              int64_t stride, int64_t D, const int bf16,
+                                                              const int split) {
     enum { MAXV = 256 / LANES };
     v8 acc[MAXV];
     const int64_t nv = D / LANES;
     for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
     for (int64_t i = 0; i < count; i++) {
         const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-        for (int64_t k = 0; k < nv; k += 2) {
-            v8 e, o;
-            split16(x + i * stride + k * LANES, &e, &o);
-            acc[k] += w * e;
-            acc[k + 1] += w * o;
-        }
+        if (split)
+            for (int64_t k = 0; k < nv; k += 2) {
+                v8 e, o;
+                split16((const uint16_t *)x + i * stride + k * LANES, &e, &o);
+                acc[k] += w * e;
+                acc[k + 1] += w * o;
+            }
+        else
+            for (int64_t k = 0; k < nv; k++) acc[k] += w * elem8(x, i * stride + k * LANES, bf16);
     }
     for (int64_t k = 0; k < nv; k++) store8(y + k * LANES, &acc[k]);
+    for (int64_t d = nv * LANES; d < D; d++)
+        for (int64_t i = 0; i < count; i++) y[d] += p[i] * elem(x, i * stride + d, bf16);
 }
 
 /* Tokens ahead of the one in use whose K or V rows are asked for. A row's blocks lie anywhere in
@@ -337,10 +328,7 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                     prefetch(at(j->v, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
                 for (int64_t h = 0; h < H; h++) {
                     const void *vr = at(j->v, vt + (h / G) * D, bf16);
-                    if (split)
-                        accumulate_split(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D);
-                    else
-                        accumulate(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D, bf16);
+                    accumulate(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D, bf16, split);
                 }
             }
         }
