@@ -3,7 +3,7 @@ one thread, on the default preset's heads (8 query, 4 KV, head size 64) and deco
 16 and 64 rows of 128-192 tokens (bench_serve_peer's and bench_engine_vs_hf's rounds) and
 57 rows of 16-768. A call is a forward's worth: the preset's 8 layers, each with its own
 cache and its rows on their own shuffled blocks, so what a round reads is what a forward
-reads (57 rows of 16-768 read about 350 MB in float32, out of every cache, as in
+reads (57 rows of 16-768 read about 380 MB in float32, out of every cache, as in
 bench_forward's run; 16 rows of 128-192 about 40 MB). Several builds are timed call by call
 in turn, so each sees the same machine; without `--lib` the installed build alone.
 

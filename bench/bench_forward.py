@@ -13,7 +13,7 @@ residual (the two adds of each layer), logits (the final norm and the LM head ov
 sampled rows), sample. What the parts' timers do not cover of the whole forward's own
 time (the loop, attribute look-ups) is shown as `unattributed`.
 
-Limits, measured here before the replay, at the same thread count. Each part's limit is
+Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
 a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GEMMs of
 512-2048 with torch in the run's dtype, `peak_gflops`) and the bytes it must read and write at the
 memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "forward", "command": " ".join(["bench/bench_forward.py", *sys.argv[1:]]),
                                "started_utc": started.isoformat(timespec="seconds"), "threads": args.threads,
-                               "peak_gflops": peaks, "peak_gflops_after": peaks_after, "bandwidth_gbs": bw, "load_before": load_before,
+                               "peak_gflops": peaks, "peak_gflops_after": peaks_after, "peak_used_gflops": peak,
+                               "bandwidth_gbs": bw, "load_before": load_before,
                                "run_forward_s": run_fwd_s, "dtype": args.dtype, "max_running": args.max_running,
                                "weight_pack": args.weight_pack,
                                "weights_reordered": packed, "tables": tables}, indent=1))

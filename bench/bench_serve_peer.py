@@ -113,7 +113,8 @@ def main() -> None:
             ours, theirs = run_ours(), run_theirs()
         else:
             theirs, ours = run_theirs(), run_ours()
-        r = float(ours["output_throughput"]) / float(theirs["output_throughput"])  # type: ignore[arg-type]
+        theirs_tps = float(theirs["output_throughput"])  # type: ignore[arg-type]
+        r = float(ours["output_throughput"]) / theirs_tps if theirs_tps else float("nan")  # type: ignore[arg-type]
         ratios.append(r)
         print(f"output tok/s mstrace / transformers: {r:.2f}x; "
               f"TTFT p99 {ours['ttft_ms']['p99']:.1f} vs {theirs['ttft_ms']['p99']:.1f} ms; "  # type: ignore[index]
@@ -135,6 +136,7 @@ def serve_and_bench(cmd: list[str], env: dict[str, str] | None, folder: Path, a:
     finally:
         proc.terminate()
         proc.communicate(timeout=120)
+
 
 if __name__ == "__main__":
     main()

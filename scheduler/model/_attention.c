@@ -237,9 +237,9 @@ static inline __attribute__((always_inline)) void accumulate(float *y, const flo
 
 /* Tokens ahead of the one in use whose K or V rows are asked for. A row's blocks lie anywhere in
  * the cache and the hardware's prefetchers follow a stream only within a page, so out of cache
- * every block started with a wait for memory: asking eight tokens ahead (every line of their rows)
- * made a forward's worth of decode calls out of cache 13-27% faster, one whose K/V sat in cache
- * up to a seventh slower (bench/bench_decode_kernel.py). */
+ * every block (and page) started with a wait for memory: asking eight tokens ahead (every line
+ * of their rows) made a forward's worth of decode calls out of cache 10-27% faster, one whose
+ * K/V sat in cache up to 14% slower (bench/bench_decode_kernel.py). */
 enum { AHEAD = 8 };
 
 /* ask for the bytes at p on (each cache line once); a hint: it neither faults nor waits */
