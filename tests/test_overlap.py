@@ -35,10 +35,13 @@ def test_the_ordering_check_can_fail():
 
 
 def test_modes_give_identical_greedy_tokens():
+    # float32: the modes batch the same requests differently, and a bfloat16 GEMM's rounding
+    # depends on its row count, so where `--dtype auto` picks bfloat16 (an AMX CPU) a near-tie
+    # flipped a greedy token in about 1 of 7 repeats (with this and the stop before's kernels alike)
     outs = {}
     for mode, split in (("serial", False), ("timeslice", False), ("overlap", True), ("overlap", False)):
         eng = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode=mode, split_streams=split, block_size=8,
-                                      kv_blocks=1000), workload(16, seed=3))
+                                      kv_blocks=1000, dtype="float32"), workload(16, seed=3))
         outs[(mode, split)] = {r.request_id: r.output_ids for r in eng.rm.finished}
     first = next(iter(outs.values()))
     assert all(o == first for o in outs.values())
