@@ -45,6 +45,11 @@ def _case(heads: int, kv_heads: int, d: int, seed: int, dtype: torch.dtype, bs: 
     return qk[:, :heads], k_cache, v_cache, blocks, ctx, bs
 
 
+def _assert_within_a_bfloat16_ulp(out: torch.Tensor, exact: torch.Tensor) -> None:
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)  # the spacing at the value (2^-7 of it at most)
+    assert ((out.double() - exact).abs() <= ulp + 1e-5).all()
+
+
 def _decode_on(threads: int, *args):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -78,9 +83,8 @@ def test_other_block_sizes_agree(bs, d, window, dtype):
     exact = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, window).double()
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), exact, atol=2e-5, rtol=1e-5)
-    else:  # as test_bfloat16_is_the_float32_result_rounded_once
-        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
-        assert ((out.double() - exact).abs() <= ulp + 1e-5).all()
+    else:
+        _assert_within_a_bfloat16_ulp(out, exact)
 
 
 def _with_nan(seed: int, poison: Callable[..., None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,8 +135,7 @@ def test_bfloat16_is_the_float32_result_rounded_once(heads, kv_heads, d, window,
     out = _decode_on(threads, q, k_cache, v_cache, blocks, ctx, bs, window)
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == (len(ctx), heads * d)
     exact = _reference(q.double(), k_cache.double(), v_cache.double(), blocks, ctx, bs, window).double()
-    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)  # the spacing at the value (2^-7 of it at most)
-    assert ((out.double() - exact).abs() <= ulp + 1e-5).all()
+    _assert_within_a_bfloat16_ulp(out, exact)
     assert (out == exact.bfloat16()).float().mean() > 0.99  # mostly the very rounding
 
 
