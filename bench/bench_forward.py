@@ -64,7 +64,6 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
-from scheduler.model import packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import paged_attention, rms_norm, rope_qk  # noqa: E402
@@ -256,12 +255,6 @@ def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[st
     dtype = lay.input_layernorm.dtype
     fan_in = {"qkv_proj": cfg.hidden_size, "o_proj": cfg.q_size, "gate_up_proj": cfg.hidden_size,
               "down_proj": cfg.intermediate_size}
-    head, head_packed = model.lm_head, model.lm_head_packed
-    assert head is not None
-
-    def logits(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, head) if head_packed is None else packed_gemm.linear(x, head_packed, None)
-
     total: dict[str, float] = defaultdict(float)
     for fb in fbs:
         t = fb.num_tokens
@@ -273,7 +266,7 @@ def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[st
         rows = fb.num_sampled + fb.num_scored
         if rows:
             x = torch.randn(rows, cfg.hidden_size, dtype=dtype)
-            total["logits"] += _best_s(lambda x=x: logits(x), reps)
+            total["logits"] += _best_s(lambda x=x: model.head_gemm(x), reps)
     return dict(total)
 
 

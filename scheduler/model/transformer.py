@@ -136,5 +136,10 @@ class CausalLM(nn.Module):
         # Norm and LM head only on rows whose logits are needed: the vocab GEMM is the single
         # largest one for small models and most prefill rows are never sampled.
         h = rms_norm(x.index_select(0, batch.logits_indices), self.norm, self.cfg.rms_norm_eps)
+        return self.head_gemm(h).float()
+
+    def head_gemm(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's GEMM on normed rows, on the reordered weight where `pack_weights` made one."""
+        assert self.lm_head is not None
         packed = self.lm_head_packed
-        return (F.linear(h, self.lm_head) if packed is None else packed_gemm.linear(h, packed, None)).float()
+        return F.linear(h, self.lm_head) if packed is None else packed_gemm.linear(h, packed, None)
