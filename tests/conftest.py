@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.exact import F32_ARGS
 from tests.support.serve_proc import Served, serving
 from tests.support.tiny_runs import TinyRuns, session_root
 
@@ -62,11 +63,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """`mstrace serve --model tiny` with the default flags but float32 (its logprobs are
-    compared with transformers in float32; auto may pick bfloat16 on a GPU or an AMX CPU),
-    for the worker's whole session; it must stop cleanly (exit 0) at the end. A test that
-    stops or breaks its server starts its own."""
-    with serving(tmp_path_factory.mktemp("serve") / "trace", "--dtype", "float32") as s:
+    """`mstrace serve --model tiny` with the default flags but float32 and one GEMM (its
+    logprobs are compared with transformers in float32, its tokens with `mstrace run`'s;
+    auto may pick bfloat16 on a GPU or an AMX CPU), for the worker's whole session; it must
+    stop cleanly (exit 0) at the end. A test that stops or breaks its server starts its own."""
+    with serving(tmp_path_factory.mktemp("serve") / "trace", *F32_ARGS) as s:
         yield s
 
 

@@ -9,12 +9,13 @@ import pytest
 
 from scheduler.device.contention import ROUNDS, rates
 from tests.support.cli import mstrace
+from tests.support.exact import F32_ARGS
 from tracing.reader import Trace, read_table
 from viewer.analysis.whatif import whatif
 from viewer.analysis.whatif_share import Rates
 
 RUN = ["run", "--model", "tiny", "--requests", "12", "--prompt-len", "16-48", "--output-len", "8-16", "--seed", "3",
-       "-q"]
+       "-q", *F32_ARGS]  # the tokens of two runs are compared
 
 
 def test_rates_read_back_both_orders():

@@ -16,6 +16,7 @@ from scheduler.engine import Engine
 from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_workload
 from tests.support.cli import mstrace
 from tests.support.engines import fragmenting_workload, run_engine
+from tests.support.exact import F32
 from tracing.reader import read_table
 
 
@@ -42,12 +43,6 @@ def mixed_workload() -> list[WorkloadItem]:
         out.append(replace(it, params=sp))
     return out
 
-
-# float32: a preemption changes which rows share a round, and in bfloat16 (what --dtype auto
-# picks on an AMX CPU) a row's rounding depends on its round's other rows, so its tokens may too.
-# One GEMM for every engine: each start's --weight-pack auto measures for itself, and the two
-# kernels round differently
-F32 = {"dtype": "float32", "weight_pack": "off"}
 
 
 @pytest.mark.parametrize("mode", ["serial", "overlap"])
@@ -79,7 +74,8 @@ def test_sampled_tokens_do_not_depend_on_preemption_mode_or_device():
 
 
 def test_defragmentation_copies_run_on_the_device_process():
-    cfg = EngineConfig(cpu_device="thread", model="tiny", kv_layout="contiguous", block_size=16, kv_blocks=64)
+    cfg = EngineConfig(cpu_device="thread", model="tiny", kv_layout="contiguous", block_size=16, kv_blocks=64,
+                       **F32)
     local = run_engine(cfg, fragmenting_workload())
     remote = run_engine(replace(cfg, cpu_device="process"), fragmenting_workload())
     assert any(r.request_id == "big" for r in remote.rm.finished)

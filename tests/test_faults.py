@@ -13,14 +13,16 @@ from scheduler.config import EngineConfig
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.support.cli import mstrace
 from tests.support.engines import fragmenting_workload, run_engine
+from tests.support.exact import F32
 from tracing.reader import read_table
 
 
 def test_contiguous_layout_defragments_and_keeps_tokens_exact():
     items = fragmenting_workload()
-    paged = run_engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=64, watermark_frac=0), items)
+    paged = run_engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=64, watermark_frac=0,
+                                   **F32), items)
     contig = run_engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=64, watermark_frac=0,
-                                     kv_layout="contiguous", debug_kv_check=True), items)
+                                     kv_layout="contiguous", debug_kv_check=True, **F32), items)
     want = {r.request_id: r.output_ids for r in paged.rm.finished}
     got = {r.request_id: r.output_ids for r in contig.rm.finished}
     assert got == want and len(got) == 9

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.cli import mstrace
+from tests.support.exact import F32_ARGS
 from tests.support.serve_proc import Served, sse_events
 
 openai = pytest.importorskip("openai")
@@ -91,7 +92,7 @@ def test_greedy_output_equals_mstrace_run_on_the_same_prompt(client, tmp_path: P
     prompt = "class Stack:\n    def push(self, x):"
     w = tmp_path / "w.jsonl"
     w.write_text(json.dumps({"id": "one", "prompt": prompt, "max_new_tokens": 20, "ignore_eos": True}) + "\n")
-    p = mstrace("run", "--model", "tiny", "--workload", str(w), "--out", str(tmp_path / "t"), "-q")
+    p = mstrace("run", "--model", "tiny", "--workload", str(w), "--out", str(tmp_path / "t"), "-q", *F32_ARGS)
     assert p.returncode == 0, p.stderr
     want = pq.read_table(tmp_path / "t" / "requests").column("output_text").to_pylist()[0]
     got = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
