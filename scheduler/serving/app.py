@@ -3,23 +3,32 @@
 
 Nothing here runs a round or blocks the event loop: a request is submitted to the
 engine's tokenizer pool and answered from its queue (scheduler/serving/responses.py).
+
+The two generation routes are served by `GenerationRoutes`, in front of FastAPI: a body that
+parses and validates goes from there straight to its call, without FastAPI's routing and
+dependency solving (more than half of a request's time on the event loop, which a burst of
+arrivals queues behind); any other body goes on to FastAPI's routes, whose validation says
+what is wrong with it as it always has.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.serving.chat import ChatTemplate
 from scheduler.serving.engine_loop import EngineLoop
-from scheduler.serving.http_timing import http_times
+from scheduler.serving.http_timing import HttpTimes, http_times
 from scheduler.serving.metrics import ServerMetrics
 from scheduler.serving.protocol import (
     BadRequest,
@@ -85,9 +94,128 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
 
+def check_key(state: ServerState, headers: Mapping[str, str]) -> None:
+    if state.api_key is None:
+        return
+    got = headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
+        raise BadRequest("missing or wrong API key (Authorization: Bearer KEY)", status=401,
+                         kind="authentication_error", code="invalid_api_key")
+
+
+def _admit(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """The checks every generation request passes before it is submitted."""
+    if body.model != state.model:
+        raise BadRequest(f"the model `{body.model}` does not exist; this server serves `{state.model}`",
+                         param="model", code="model_not_found", status=404)
+    body.unsupported()
+    h = state.loop.health()
+    if not h.ok:
+        raise BadRequest(f"the engine is {h.state}: {h.detail}", status=503, kind="server_error",
+                         code="engine_unavailable")
+
+
+def completion_call(state: ServerState, body: CompletionRequest, http: HttpTimes | None) -> Call:
+    _admit(state, body)
+    return Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream, body.include_usage(),
+                state.model, body.add_special_tokens, echo=body.echo, logprobs=body.logprobs is not None,
+                drop_output=body.max_tokens == 0, n=body.n, http=http)
+
+
+def chat_call(state: ServerState, body: ChatCompletionRequest, http: HttpTimes | None) -> Call:
+    _admit(state, body)  # before the template is rendered: the checks are cheaper
+    return Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
+                body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n,
+                http=http)
+
+
+async def reply(state: ServerState, call: Call, request: Request) -> Response:
+    try:
+        out = await state.responder.answer(call, request.is_disconnected)
+    except ClientGone:
+        return JSONResponse({}, status_code=499)  # nobody reads it; the request is aborted
+    if isinstance(out, dict):
+        return JSONResponse(out)
+    return StreamingResponse(out, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class GenerationRoutes:
+    """POST /v1/completions and /v1/chat/completions in front of FastAPI (module docstring).
+
+    The key is checked first; the body is parsed by the same `json.loads` and validated by
+    the same model as FastAPI's route, so a body served here gets exactly the call it would
+    have got there. A body that fails either, or comes as another content type, is replayed
+    to FastAPI unchanged."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self.routes: dict[str, tuple[type[BaseModel], Any]] = {
+            "/v1/completions": (CompletionRequest, completion_call),
+            "/v1/chat/completions": (ChatCompletionRequest, chat_call),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            check_key(self.state, request.headers)
+        except BadRequest as e:
+            await _refusal(e)(scope, receive, send)
+            return
+        raw, disconnected = await _read_body(receive)
+        if disconnected:
+            return
+        model, make = route
+        body = _validated(model, raw, request.headers.get("content-type"))
+        if body is None:
+            replay: list[Message] = [{"type": "http.request", "body": raw, "more_body": False}]
+
+            async def replayed() -> Message:
+                return replay.pop() if replay else await receive()
+
+            await self.app(scope, replayed, send)
+            return
+        try:
+            response = await reply(self.state, make(self.state, body, http_times(scope)), request)
+        except BadRequest as e:
+            response = _refusal(e)
+        await response(scope, receive, send)
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    chunks: list[bytes] = []
+    while True:
+        m = await receive()
+        if m["type"] == "http.disconnect":
+            return b"", True
+        chunks.append(m.get("body", b""))
+        if not m.get("more_body"):
+            return b"".join(chunks), False
+
+
+def _validated(model: type[BaseModel], raw: bytes, content_type: str | None) -> Any:
+    """The body as FastAPI's route would get it, or None where FastAPI would refuse it or
+    read it otherwise (a content type that is not JSON: FastAPI validates its raw bytes)."""
+    if content_type is not None and content_type.split(";", 1)[0].strip().lower() != "application/json":
+        return None
+    try:
+        return model.model_validate(json.loads(raw))
+    except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+
+
+def _refusal(e: BadRequest) -> JSONResponse:
+    return _error(e.status, e.message, e.kind, e.param, e.code)
+
+
 def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="mstrace serve", version="1", docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(GenerationRoutes, state=state)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)  # the outer: the limit holds on both paths
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -107,63 +235,24 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.kind, exc.param, exc.code)
+        return _refusal(exc)
 
     # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop per request
     async def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-            raise BadRequest("missing or wrong API key (Authorization: Bearer KEY)", status=401,
-                             kind="authentication_error", code="invalid_api_key")
+        check_key(state, request.headers)
 
-    def check_model(name: str) -> None:
-        if name != state.model:
-            raise BadRequest(f"the model `{name}` does not exist; this server serves `{state.model}`",
-                             param="model", code="model_not_found", status=404)
-
-    def health_gate() -> None:
-        h = state.loop.health()
-        if not h.ok:
-            raise BadRequest(f"the engine is {h.state}: {h.detail}", status=503, kind="server_error",
-                             code="engine_unavailable")
-
-    async def reply(call: Call, request: Request) -> Any:
-        try:
-            out = await state.responder.answer(call, request.is_disconnected)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)  # nobody reads it; the request is aborted
-        if isinstance(out, dict):
-            return JSONResponse(out)
-        return StreamingResponse(out, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # the key is checked before the body is: a caller without it learns nothing of the API
+    # the key is checked before the body is: a caller without it learns nothing of the API.
+    # The generation routes here answer the bodies GenerationRoutes passes on: those that
+    # do not validate.
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        http = http_times(request.scope)  # first: the route's own checks are the next leg's
-        check_model(body.model)
-        body.unsupported()
-        health_gate()
-        call = Call(False, body.prompts(), body.sampling(), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model, body.add_special_tokens, echo=body.echo,
-                    logprobs=body.logprobs is not None, drop_output=body.max_tokens == 0, n=body.n,
-                    http=http)
-        return await reply(call, request)
+        return await reply(state, completion_call(state, body, http_times(request.scope)), request)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        http = http_times(request.scope)  # first: the route's own checks and the template are the next leg's
-        check_model(body.model)
-        body.unsupported()
-        health_gate()
-        call = Call(True, [state.chat.render(body.messages)], body.sampling(), body.stop_strings(), body.stream,
-                    body.include_usage(), state.model, body.add_special_tokens, logprobs=body.logprobs, n=body.n,
-                    http=http)
-        return await reply(call, request)
+        return await reply(state, chat_call(state, body, http_times(request.scope)), request)
 
     @v1.get("/models")
     async def models() -> Any:
