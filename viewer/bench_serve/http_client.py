@@ -30,6 +30,7 @@ class Reply:
     status: int = 0
     request_id: str = ""
     sent_ns: int = 0
+    written_ns: int = 0  # aiohttp wrote the request's last bytes to the socket (0: it never did)
     chunk_ns: list[int] = field(default_factory=list)  # when each chunk with choices arrived
     done_ns: int = 0
     text: str = ""
@@ -60,14 +61,18 @@ class Endpoint:
         pool = aiohttp.TCPConnector(limit=in_flight or 0, limit_per_host=in_flight or 0, keepalive_timeout=60,
                                     force_close=False)
         total = None if math.isinf(self.timeout_s) else self.timeout_s
+        # the client's own share of the hop in: from the send to its bytes on the socket
+        # (a burst's requests are built and written one after another on this loop)
+        written = aiohttp.TraceConfig()
+        written.on_request_chunk_sent.append(_written)
         return aiohttp.ClientSession(connector=pool, timeout=aiohttp.ClientTimeout(total=total),
-                                     headers=self.headers, trust_env=False)
+                                     headers=self.headers, trust_env=False, trace_configs=[written])
 
     async def stream(self, session: aiohttp.ClientSession, body: dict[str, Any], chat: bool) -> Reply:
         r = Reply()
         r.sent_ns = time.perf_counter_ns()  # before the pool: a connect, when one is needed, is the request's
         try:
-            async with session.post(self.url, json=body) as resp:
+            async with session.post(self.url, json=body, trace_request_ctx=r) as resp:
                 r.status = resp.status
                 if resp.status != 200:
                     r.error = f"HTTP {resp.status}: {_message(await resp.read())}"
@@ -78,6 +83,10 @@ class Endpoint:
         except (aiohttp.ClientError, OSError, ValueError) as e:
             r.error = f"{type(e).__name__}: {e}"
         return r
+
+
+async def _written(session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestChunkSentParams) -> None:
+    ctx.trace_request_ctx.written_ns = time.perf_counter_ns()  # each chunk: the last one's stays
 
 
 async def _read(resp: aiohttp.ClientResponse, r: Reply, chat: bool) -> None:

@@ -153,7 +153,7 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         hop_out.append((c.chunk_ns[0] - row["first_token_ns"]) * MS)
         h = http.get(rid)
         if h is not None:  # (every stamp: `_http_stamps` keeps only whole sets)
-            marks = [c.sent_ns, *h, row["arrival_ns"]]
+            marks = [c.sent_ns, c.written_ns or c.sent_ns, *h, row["arrival_ns"]]
             for k, a, b in zip(IN_LEGS, marks[:-1], marks[1:], strict=True):
                 legs[k].append((b - a) * MS)
     return {"matched": len(rows), "of": len(want), "server_ttft_ms": _dist(s_ttft), "server_e2el_ms": _dist(s_e2e),
@@ -166,12 +166,13 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
             "hop_in_legs_min_ms": min((x for v in legs.values() for x in v), default=float("nan"))}
 
 
-# The hop in, cut where the server stamped the request (scheduler/serving/http_timing.py):
-# the send -> the parser meets its first bytes (connect, accept, the kernel, the event loop's
-# turn to read) -> its body complete (the parse) -> the route begins (the ASGI task's turn,
-# the middleware, FastAPI's validation) -> the submit (the route: its checks, the engine's
-# submit). Per request they add up to hop_in_ms.
-IN_LEGS = ("hop_in_read_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
+# The hop in, cut where the client wrote the request and the server stamped it
+# (scheduler/serving/http_timing.py): the send -> its last bytes written to the socket (the
+# client's own loop: the pool, the request's build, the write) -> the parser meets its first
+# bytes (connect, accept, the kernel, the server loop's turn to read) -> its body complete
+# (the parse) -> the route begins (the ASGI task's turn, the middleware, the validation) ->
+# the submit (the route: its checks, the engine's submit). Per request they add up to hop_in_ms.
+IN_LEGS = ("hop_in_client_ms", "hop_in_socket_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
 
 
 def _http_stamps(trace: Path, ids: set[str]) -> dict[str, list[int]]:
@@ -199,7 +200,8 @@ def render_server_side(s: dict[str, Any]) -> str:
     w = 50
     lines = [f"{' Server side (mstrace trace) ':=^{w}}", f"{'Requests matched in the trace:':<40}{s['matched']}/{s['of']}"]
     for key, label in (("server_ttft_ms", "server TTFT"), ("hop_ttft_ms", "client - server TTFT"),
-                       ("hop_in_ms", "hop in: send -> submit"), ("hop_in_read_ms", "  send -> read"),
+                       ("hop_in_ms", "hop in: send -> submit"), ("hop_in_client_ms", "  send -> written"),
+                       ("hop_in_socket_ms", "  written -> read"),
                        ("hop_in_parse_ms", "  read -> parsed"), ("hop_in_route_ms", "  parsed -> route"),
                        ("hop_in_submit_ms", "  route -> submit"), ("hop_out_ms", "hop out: token -> read"),
                        ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
