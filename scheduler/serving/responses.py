@@ -14,17 +14,15 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
 from scheduler.core.request import SamplingParams
+from scheduler.serving.http_timing import OUT_STAGES, HttpTimes
 from scheduler.serving.logprobs import Scored, chat_logprobs, completion_logprobs
 from scheduler.serving.protocol import BadRequest, created, usage
 from scheduler.serving.streams import End, Event, ResponseStreams, Text
-
-if TYPE_CHECKING:
-    from scheduler.serving.http_timing import HttpTimes
 
 # How often a request waiting for its first or next token checks its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -103,6 +101,12 @@ class Responder:
         Step -1: no round; the one running meanwhile is not the request's."""
         if self._timeline is not None and call.http is not None:
             self._timeline.extend((ts, rid, stage, -1, 0) for ts, stage in call.http.events())
+
+    def _stamp_first(self, rid: str, posted_ns: int) -> None:
+        """Once a stream's first token is written: when the sender posted it and now, as
+        timeline events (OUT_STAGES) of the request. Step -1, as the HTTP stamps."""
+        if self._timeline is not None and posted_ns:
+            self._timeline.extend(((posted_ns, rid, OUT_STAGES[0], -1, 0), (now_ns(), rid, OUT_STAGES[1], -1, 0)))
 
     async def _many(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """A batch of prompts, `n` samples each: every choice an engine request of its own
@@ -216,6 +220,7 @@ class Responder:
             if call.chat:
                 yield chunks.role(0)
             last = None  # the final token's chunk carries the finish reason, as vLLM's does
+            first = ev.posted_ns if isinstance(ev, Text) else 0  # stamped once its chunk is written
             while isinstance(ev, Text):
                 nxt = q.get_nowait() if not q.empty() else None
                 if isinstance(nxt, End):
@@ -223,8 +228,11 @@ class Responder:
                     ev = nxt
                     break
                 yield chunks.text(0, ev)
+                self._stamp_first(rid, first)
+                first = 0
                 ev = nxt if nxt is not None else await self._next(q, disconnected, rid)
             yield last if last is not None else chunks.end(0, ev)
+            self._stamp_first(rid, first)  # (a one-token stream's first token went with the end)
             if call.include_usage:
                 yield chunks.usage(self._usage(call, [ev]))
             yield b"data: [DONE]\n\n"

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from probes.clock import now_ns
 from scheduler.core.request import TokenLogprob
 from scheduler.hops.sender import FinishedRecord
 from scheduler.serving.logprobs import Scored, scored
@@ -27,6 +28,7 @@ class Text:
     text: str
     logprobs: tuple[Scored, ...] = ()  # the token's, where asked (and of tokens whose event was skipped)
     prompt: tuple[Scored, ...] | None = None  # with the first token: the prompt's, where asked (echo)
+    posted_ns: int = 0  # when the sender posted it to the event loop (the hop out's legs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -118,7 +120,7 @@ class ResponseStreams:
             # for a stop string): the client's first chunk is then the server's first token
             lps, o.logprobs = tuple(o.logprobs), []
             prompt, o.prompt = o.prompt, None
-            self._post(o, Text(out, lps, prompt))
+            self._post(o, Text(out, lps, prompt, now_ns()))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
             self._abort(request_id, "stop string matched")
 

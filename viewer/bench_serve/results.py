@@ -138,9 +138,11 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         if len(rows) == len(want) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    http = _http_stamps(trace, set(rows))
+    from scheduler.serving.http_timing import OUT_STAGES, STAGES
+
+    stamps = _http_stamps(trace, set(rows), STAGES + OUT_STAGES)
     s_ttft, s_e2e, hop_ttft, hop_e2e, hop_in, hop_out = [], [], [], [], [], []
-    legs: dict[str, list[float]] = {k: [] for k in IN_LEGS}
+    legs: dict[str, list[float]] = {k: [] for k in (*IN_LEGS, *OUT_LEGS)}
     for rid, row in rows.items():
         c = want[rid]
         st = (row["first_token_ns"] - row["arrival_ns"]) * MS
@@ -151,10 +153,15 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         hop_e2e.append((c.done_ns - c.sent_ns) * MS - se)
         hop_in.append((row["arrival_ns"] - c.sent_ns) * MS)
         hop_out.append((c.chunk_ns[0] - row["first_token_ns"]) * MS)
-        h = http.get(rid)
-        if h is not None:  # (every stamp: `_http_stamps` keeps only whole sets)
+        h = _whole(stamps.get(rid, {}), STAGES)
+        if h is not None:
             marks = [c.sent_ns, c.written_ns or c.sent_ns, *h, row["arrival_ns"]]
             for k, a, b in zip(IN_LEGS, marks[:-1], marks[1:], strict=True):
+                legs[k].append((b - a) * MS)
+        f = _whole(stamps.get(rid, {}), OUT_STAGES)
+        if f is not None:
+            marks = [row["first_token_ns"], *f, c.chunk_ns[0]]
+            for k, a, b in zip(OUT_LEGS, marks[:-1], marks[1:], strict=True):
                 legs[k].append((b - a) * MS)
     return {"matched": len(rows), "of": len(want), "server_ttft_ms": _dist(s_ttft), "server_e2el_ms": _dist(s_e2e),
             "hop_ttft_ms": _dist(hop_ttft), "hop_e2el_ms": _dist(hop_e2e),
@@ -162,8 +169,10 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
             "hop_in_ms": _dist(hop_in), "hop_out_ms": _dist(hop_out),
             "hop_in_min_ms": min(hop_in) if hop_in else float("nan"),
             "hop_out_min_ms": min(hop_out) if hop_out else float("nan"),
-            "hop_in_legs_of": len(legs[IN_LEGS[0]]), **{k: _dist(v) for k, v in legs.items()},
-            "hop_in_legs_min_ms": min((x for v in legs.values() for x in v), default=float("nan"))}
+            "hop_in_legs_of": len(legs[IN_LEGS[0]]), "hop_out_legs_of": len(legs[OUT_LEGS[0]]),
+            **{k: _dist(v) for k, v in legs.items()},
+            "hop_in_legs_min_ms": min((x for k in IN_LEGS for x in legs[k]), default=float("nan")),
+            "hop_out_legs_min_ms": min((x for k in OUT_LEGS for x in legs[k]), default=float("nan"))}
 
 
 # The hop in, cut where the client wrote the request and the server stamped it
@@ -173,27 +182,36 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
 # (the parse) -> the route begins (the ASGI task's turn, the middleware, the validation) ->
 # the submit (the route: its checks, the engine's submit). Per request they add up to hop_in_ms.
 IN_LEGS = ("hop_in_client_ms", "hop_in_socket_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
+# The hop out, cut where the server stamped a stream's first token: its collection -> the
+# sender posted its text to the event loop (the sender's turn, the detokenizer) -> its chunk
+# written (the event loop's turn, the chunk's build, the write) -> the client read it (the
+# kernel, the client's own loop). Per request they add up to hop_out_ms.
+OUT_LEGS = ("hop_out_sender_ms", "hop_out_loop_ms", "hop_out_client_ms")
 
 
-def _http_stamps(trace: Path, ids: set[str]) -> dict[str, list[int]]:
-    """Per request id, its server's HTTP stamps in the order of their stages (a server that
-    wrote none, an older one or another framework's: none)."""
+def _whole(stamps: dict[str, int], stages: tuple[str, ...]) -> list[int] | None:
+    """The stamps of `stages` in their order, where the server wrote every one."""
+    return [stamps[s] for s in stages] if all(s in stamps for s in stages) else None
+
+
+def _http_stamps(trace: Path, ids: set[str], stages: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Per request id, its server's stamps of `stages` (a server that wrote none, an older
+    one or another framework's: none)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from scheduler.serving.http_timing import STAGES
     from tracing.reader import Trace, TraceError
 
     try:
         t = Trace.open(trace).table("timeline", ["request_id", "stage", "ts_ns"])
     except TraceError:
         return {}
-    t = t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(STAGES))))
+    t = t.filter(pc.is_in(t["stage"].cast(pa.string()), pa.array(list(stages))))
     got: dict[str, dict[str, int]] = {}
     for r in t.to_pylist():
         if r["request_id"] in ids:
             got.setdefault(r["request_id"], {})[str(r["stage"])] = r["ts_ns"]
-    return {rid: [d[s] for s in STAGES] for rid, d in got.items() if len(d) == len(STAGES)}
+    return got
 
 
 def render_server_side(s: dict[str, Any]) -> str:
@@ -204,8 +222,10 @@ def render_server_side(s: dict[str, Any]) -> str:
                        ("hop_in_socket_ms", "  written -> read"),
                        ("hop_in_parse_ms", "  read -> parsed"), ("hop_in_route_ms", "  parsed -> route"),
                        ("hop_in_submit_ms", "  route -> submit"), ("hop_out_ms", "hop out: token -> read"),
+                       ("hop_out_sender_ms", "  collected -> posted"), ("hop_out_loop_ms", "  posted -> written"),
+                       ("hop_out_client_ms", "  written -> read"),
                        ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
-        if key in IN_LEGS and not s.get("hop_in_legs_of"):
+        if (key in IN_LEGS and not s.get("hop_in_legs_of")) or (key in OUT_LEGS and not s.get("hop_out_legs_of")):
             continue  # a server that stamps no HTTP times (another framework, an older mstrace)
         for stat, name in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
             lines.append(f"{f'{name} {label} (ms):':<40}{s[key][stat]:<10.3f}")
