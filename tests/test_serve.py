@@ -247,11 +247,11 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     assert side["hop_in_legs_min_ms"] >= 0 and side["hop_in_client_ms"]["median"] > 0
     assert sum(side[k]["mean"] for k in legs) == pytest.approx(side["hop_in_ms"]["mean"])
     assert "send -> written" in p.stdout and "route -> submit" in p.stdout
-    # the hop out, cut where the sender posted the first token and its chunk was written
+    # the hop out, cut where the sender posted the first token and its chunk was handed over
     assert side["hop_out_legs_of"] == 12 and side["hop_out_legs_min_ms"] >= 0
-    out_legs = ("hop_out_sender_ms", "hop_out_loop_ms", "hop_out_client_ms")
+    out_legs = ("hop_out_sender_ms", "hop_out_loop_ms", "hop_out_read_ms")
     assert sum(side[k]["mean"] for k in out_legs) == pytest.approx(side["hop_out_ms"]["mean"])
-    assert "posted -> written" in p.stdout
+    assert "posted -> handed" in p.stdout
     # stamped outside any round: the round running meanwhile is not the request's
     from tracing.reader import Trace
 

@@ -21,9 +21,10 @@ from probes.clock import now_ns
 
 EXTENSION = "mstrace.http"  # the scope's `extensions` key (ASGI's place for a server's own)
 STAGES = ("http_read", "http_body", "http_route")
-# A stream's first token: the sender posted it to the event loop, its chunk was written
-# (scheduler/serving/responses.py); `bench-serve --trace` cuts the hop out at them
-OUT_STAGES = ("http_first_posted", "http_first_written")
+# A stream's first token: the sender posted it to the event loop, its chunk was handed to
+# the server to write (scheduler/serving/responses.py); `bench-serve --trace` cuts the hop
+# out at them
+OUT_STAGES = ("http_first_posted", "http_first_handed")
 
 
 @dataclass(slots=True, frozen=True)

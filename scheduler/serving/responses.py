@@ -103,8 +103,11 @@ class Responder:
             self._timeline.extend((ts, rid, stage, -1, 0) for ts, stage in call.http.events())
 
     def _stamp_first(self, rid: str, posted_ns: int) -> None:
-        """Once a stream's first token is written: when the sender posted it and now, as
-        timeline events (OUT_STAGES) of the request. Step -1, as the HTTP stamps."""
+        """As a stream's first token's chunk is handed to the server to write: when the
+        sender posted the token and now, as timeline events (OUT_STAGES) of the request.
+        Before the hand-over, not after: the server resumes this generator only after its
+        write, by which time another thread may have held the GIL and the client may have
+        read the chunk. Step -1, as the HTTP stamps."""
         if self._timeline is not None and posted_ns:
             self._timeline.extend(((posted_ns, rid, OUT_STAGES[0], -1, 0), (now_ns(), rid, OUT_STAGES[1], -1, 0)))
 
@@ -220,19 +223,21 @@ class Responder:
             if call.chat:
                 yield chunks.role(0)
             last = None  # the final token's chunk carries the finish reason, as vLLM's does
-            first = ev.posted_ns if isinstance(ev, Text) else 0  # stamped once its chunk is written
+            first = ev.posted_ns if isinstance(ev, Text) else 0  # stamped as its chunk is handed over
             while isinstance(ev, Text):
                 nxt = q.get_nowait() if not q.empty() else None
                 if isinstance(nxt, End):
                     last = chunks.text(0, ev, nxt)
                     ev = nxt
                     break
-                yield chunks.text(0, ev)
+                data = chunks.text(0, ev)
                 self._stamp_first(rid, first)
                 first = 0
+                yield data
                 ev = nxt if nxt is not None else await self._next(q, disconnected, rid)
-            yield last if last is not None else chunks.end(0, ev)
-            self._stamp_first(rid, first)  # (a one-token stream's first token went with the end)
+            data = last if last is not None else chunks.end(0, ev)
+            self._stamp_first(rid, first)  # (a one-token stream's first token goes with the end)
+            yield data
             if call.include_usage:
                 yield chunks.usage(self._usage(call, [ev]))
             yield b"data: [DONE]\n\n"

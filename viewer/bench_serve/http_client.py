@@ -30,7 +30,7 @@ class Reply:
     status: int = 0
     request_id: str = ""
     sent_ns: int = 0
-    written_ns: int = 0  # aiohttp wrote the request's last bytes to the socket (0: it never did)
+    written_ns: int = 0  # aiohttp began writing the body's last chunk to the socket (0: it never did)
     chunk_ns: list[int] = field(default_factory=list)  # when each chunk with choices arrived
     done_ns: int = 0
     text: str = ""
@@ -86,7 +86,8 @@ class Endpoint:
 
 
 async def _written(session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestChunkSentParams) -> None:
-    ctx.trace_request_ctx.written_ns = time.perf_counter_ns()  # each chunk: the last one's stays
+    # aiohttp signals a chunk as it begins its write; the last chunk's stamp stays
+    ctx.trace_request_ctx.written_ns = time.perf_counter_ns()
 
 
 async def _read(resp: aiohttp.ClientResponse, r: Reply, chat: bool) -> None:

@@ -184,9 +184,9 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
 IN_LEGS = ("hop_in_client_ms", "hop_in_socket_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
 # The hop out, cut where the server stamped a stream's first token: its collection -> the
 # sender posted its text to the event loop (the sender's turn, the detokenizer) -> its chunk
-# written (the event loop's turn, the chunk's build, the write) -> the client read it (the
-# kernel, the client's own loop). Per request they add up to hop_out_ms.
-OUT_LEGS = ("hop_out_sender_ms", "hop_out_loop_ms", "hop_out_client_ms")
+# handed to the server to write (the event loop's turn, the chunk's build) -> the client read
+# it (the write, the kernel, the client's own loop). Per request they add up to hop_out_ms.
+OUT_LEGS = ("hop_out_sender_ms", "hop_out_loop_ms", "hop_out_read_ms")
 
 
 def _whole(stamps: dict[str, int], stages: tuple[str, ...]) -> list[int] | None:
@@ -222,8 +222,8 @@ def render_server_side(s: dict[str, Any]) -> str:
                        ("hop_in_socket_ms", "  written -> read"),
                        ("hop_in_parse_ms", "  read -> parsed"), ("hop_in_route_ms", "  parsed -> route"),
                        ("hop_in_submit_ms", "  route -> submit"), ("hop_out_ms", "hop out: token -> read"),
-                       ("hop_out_sender_ms", "  collected -> posted"), ("hop_out_loop_ms", "  posted -> written"),
-                       ("hop_out_client_ms", "  written -> read"),
+                       ("hop_out_sender_ms", "  collected -> posted"), ("hop_out_loop_ms", "  posted -> handed"),
+                       ("hop_out_read_ms", "  handed -> read"),
                        ("server_e2el_ms", "server E2EL"), ("hop_e2el_ms", "client - server E2EL")):
         if (key in IN_LEGS and not s.get("hop_in_legs_of")) or (key in OUT_LEGS and not s.get("hop_out_legs_of")):
             continue  # a server that stamps no HTTP times (another framework, an older mstrace)
