@@ -260,6 +260,18 @@ def test_bench_serve_measures_at_the_client_and_matches_the_servers_trace(server
     assert len(http) >= 5 * 12 and set(http) == {-1}
 
 
+def test_a_chat_streams_hop_out_is_cut_at_its_role_chunk(server: Served, tmp_path: Path) -> None:
+    # the client counts the role chunk as the first (it has a choice): the second stamp is
+    # taken as that chunk is handed over, so no leg can come out negative
+    saved = tmp_path / "result.json"
+    p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--endpoint", "chat",
+                "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "1", "--max-concurrency", "3",
+                "--trace", str(server.out), "--save-result", str(saved), timeout=300)
+    assert p.returncode == 0, p.stderr
+    side = json.loads(saved.read_text())["server_side"]
+    assert side["matched"] == side["hop_out_legs_of"] == 6 and side["hop_out_legs_min_ms"] >= 0
+
+
 def test_bench_serve_random_prompts_are_as_long_as_the_server_counts_them(server: Served, tmp_path: Path) -> None:
     saved = tmp_path / "result.json"
     p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "16",

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,12 +86,17 @@ class BodyLimit:
                 return
             if not m.get("more_body"):
                 break
-        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        await self.app(scope, _replaying(b"".join(chunks), receive), send)
 
-        async def replayed() -> Message:
-            return replay.pop() if replay else await receive()
 
-        await self.app(scope, replayed, send)
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` that hands out `body` first, as one message, then the server's messages."""
+    replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return replay.pop() if replay else await receive()
+
+    return replayed
 
 
 def check_key(state: ServerState, headers: Mapping[str, str]) -> None:
@@ -167,17 +172,12 @@ class GenerationRoutes:
             await _refusal(e)(scope, receive, send)
             return
         raw, disconnected = await _read_body(receive)
-        if disconnected:
+        if disconnected:  # (not behind BodyLimit, which answers a client gone mid-body itself)
             return
         model, make = route
         body = _validated(model, raw, request.headers.get("content-type"))
         if body is None:
-            replay: list[Message] = [{"type": "http.request", "body": raw, "more_body": False}]
-
-            async def replayed() -> Message:
-                return replay.pop() if replay else await receive()
-
-            await self.app(scope, replayed, send)
+            await self.app(scope, _replaying(raw, receive), send)
             return
         try:
             response = await reply(self.state, make(self.state, body, http_times(scope)), request)
@@ -199,12 +199,13 @@ async def _read_body(receive: Receive) -> tuple[bytes, bool]:
 
 def _validated(model: type[BaseModel], raw: bytes, content_type: str | None) -> Any:
     """The body as FastAPI's route would get it, or None where FastAPI would refuse it or
-    read it otherwise (a content type that is not JSON: FastAPI validates its raw bytes)."""
-    if content_type is not None and content_type.split(";", 1)[0].strip().lower() != "application/json":
+    read it otherwise: no content type (FastAPI reads it strictly: it validates the raw
+    bytes) or another one than JSON."""
+    if not content_type or content_type.split(";", 1)[0].strip().lower() != "application/json":
         return None
     try:
         return model.model_validate(json.loads(raw))
-    except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except Exception:  # whatever it is (a RecursionError from deep nesting too), FastAPI says so
         return None
 
 

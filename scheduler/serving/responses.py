@@ -103,8 +103,9 @@ class Responder:
             self._timeline.extend((ts, rid, stage, -1, 0) for ts, stage in call.http.events())
 
     def _stamp_first(self, rid: str, posted_ns: int) -> None:
-        """As a stream's first token's chunk is handed to the server to write: when the
-        sender posted the token and now, as timeline events (OUT_STAGES) of the request.
+        """As a stream's first chunk with a choice is handed to the server to write: when
+        the sender posted the first token and now, as timeline events (OUT_STAGES) of the
+        request (nothing where `posted_ns` is 0: stamped already, or no token).
         Before the hand-over, not after: the server resumes this generator only after its
         write, by which time another thread may have held the GIL and the client may have
         read the chunk. Step -1, as the HTTP stamps."""
@@ -219,11 +220,16 @@ class Responder:
                    disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
         chunks = _Chunks(call, rid, self._prompt_text)
         done = False
+        # the first token's post, stamped as the first chunk a client counts is handed over:
+        # a chat stream's role chunk, written only once the first token is here
+        first = ev.posted_ns if isinstance(ev, Text) else 0
         try:
             if call.chat:
-                yield chunks.role(0)
+                data = chunks.role(0)
+                self._stamp_first(rid, first)
+                first = 0
+                yield data
             last = None  # the final token's chunk carries the finish reason, as vLLM's does
-            first = ev.posted_ns if isinstance(ev, Text) else 0  # stamped as its chunk is handed over
             while isinstance(ev, Text):
                 nxt = q.get_nowait() if not q.empty() else None
                 if isinstance(nxt, End):

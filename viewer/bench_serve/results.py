@@ -140,7 +140,12 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
         time.sleep(0.25)
     from scheduler.serving.http_timing import OUT_STAGES, STAGES
 
-    stamps = _http_stamps(trace, set(rows), STAGES + OUT_STAGES)
+    while True:  # a short stream's requests row can be committed a flush before its first token's stamps
+        stamps = _http_stamps(trace, set(rows), STAGES + OUT_STAGES)
+        stamped = [_whole(stamps.get(rid, {}), OUT_STAGES) is not None for rid in rows]
+        if all(stamped) or not any(stamped) or time.monotonic() > deadline:  # (none: a server that writes none)
+            break
+        time.sleep(0.25)
     s_ttft, s_e2e, hop_ttft, hop_e2e, hop_in, hop_out = [], [], [], [], [], []
     legs: dict[str, list[float]] = {k: [] for k in (*IN_LEGS, *OUT_LEGS)}
     for rid, row in rows.items():
@@ -176,9 +181,9 @@ def server_side(trace: Path, replies: list[Reply], wait_s: float = 5.0) -> dict[
 
 
 # The hop in, cut where the client wrote the request and the server stamped it
-# (scheduler/serving/http_timing.py): the send -> its last bytes written to the socket (the
-# client's own loop: the pool, the request's build, the write) -> the parser meets its first
-# bytes (connect, accept, the kernel, the server loop's turn to read) -> its body complete
+# (scheduler/serving/http_timing.py): the send -> its body's write begins (the client's own
+# loop: the pool, a new connection's connect, the request's build) -> the parser meets its
+# first bytes (accept, the kernel, the server loop's turn to read) -> its body complete
 # (the parse) -> the route begins (the ASGI task's turn, the middleware, the validation) ->
 # the submit (the route: its checks, the engine's submit). Per request they add up to hop_in_ms.
 IN_LEGS = ("hop_in_client_ms", "hop_in_socket_ms", "hop_in_parse_ms", "hop_in_route_ms", "hop_in_submit_ms")
