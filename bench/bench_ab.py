@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,6 +32,20 @@ def checkout(rev: str) -> Path:
         subprocess.run(["git", "worktree", "add", "--detach", str(dest), rev], cwd=REPO, check=True,
                        capture_output=True)
     return dest
+
+
+def alternated(measure: Callable[[Path], float], a_rev: str, b_rev: str | None, repeats: int, unit: str) -> float:
+    """`measure(source tree)` of revision A and of B (default: the working tree), `repeats`
+    times, the order alternating; prints each repeat and returns the median of the B/A ratios."""
+    srcs = {"A": checkout(a_rev), "B": checkout(b_rev) if b_rev else REPO}
+    ratios = []
+    for i in range(repeats):
+        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        res = {k: measure(srcs[k]) for k in order}
+        ratios.append(res["B"] / res["A"])
+        print(f"repeat {i + 1} ({order[0]} first): A {res['A']:.1f}  B {res['B']:.1f} {unit}  B/A {ratios[-1]:.3f}",
+              flush=True)
+    return statistics.median(ratios)
 
 
 def run(src: Path, out: Path, flags: list[str]) -> tuple[float, float]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_ab import checkout  # noqa: E402
+from bench.bench_ab import alternated  # noqa: E402
 
 CHILD = r'''
 import asyncio, json, sys, time
@@ -101,16 +100,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--requests", type=int, default=2000)
     a = ap.parse_args()
-    srcs = {"A": checkout(a.a), "B": checkout(a.b) if a.b else REPO}
-    ratios = []
-    for i in range(a.repeats):
-        order = ("A", "B") if i % 2 == 0 else ("B", "A")
-        res = {k: one(srcs[k], a.requests) for k in order}
-        ratios.append(res["B"] / res["A"])
-        print(f"repeat {i + 1} ({order[0]} first): A {res['A'] / 1e3:.1f} us  B {res['B'] / 1e3:.1f} us per request  "
-              f"B/A {ratios[-1]:.3f}", flush=True)
-    print(f"median B/A over {a.repeats} repeats: {statistics.median(ratios):.3f} (the app's event-loop CPU per "
-          f"streamed completion request; A = {a.a}, B = {a.b or 'working tree'})")
+    median = alternated(lambda src: one(src, a.requests) / 1e3, a.a, a.b, a.repeats, "us per request")
+    print(f"median B/A over {a.repeats} repeats: {median:.3f} (the app's event-loop CPU per streamed completion "
+          f"request; A = {a.a}, B = {a.b or 'working tree'})")
 
 
 if __name__ == "__main__":
