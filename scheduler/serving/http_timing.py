@@ -5,8 +5,8 @@ loop; what came before (the loop getting to the bytes, the parse, the task's wai
 seen from a route or a middleware. uvicorn's httptools protocol, subclassed
 (scheduler/serving/http_protocol.py), stamps the request's scope when the parser meets its
 first bytes and when its body is complete; the route stamps its own start once the body is
-validated (scheduler/serving/app.py). The responder writes the three as the `http_read`, `http_body` and
-`http_route` timeline events of each engine request it submits (docs/trace-schema.md),
+validated (scheduler/serving/app.py). The responder writes the three as the `http_read`,
+`http_body` and `http_route` timeline events of each engine request it submits (docs/trace-schema.md),
 beside the engine's `arrived` (the submit), so a request's hop in is cut in legs from the
 trace alone (`mstrace bench-serve --trace`).
 """

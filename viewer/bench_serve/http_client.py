@@ -61,8 +61,8 @@ class Endpoint:
         pool = aiohttp.TCPConnector(limit=in_flight or 0, limit_per_host=in_flight or 0, keepalive_timeout=60,
                                     force_close=False)
         total = None if math.isinf(self.timeout_s) else self.timeout_s
-        # the client's own share of the hop in: from the send to its bytes on the socket
-        # (a burst's requests are built and written one after another on this loop)
+        # the client's own share of the hop in: from the send to the body's write (a burst's
+        # requests are built and written one after another on this loop)
         written = aiohttp.TraceConfig()
         written.on_request_chunk_sent.append(_written)
         return aiohttp.ClientSession(connector=pool, timeout=aiohttp.ClientTimeout(total=total),
