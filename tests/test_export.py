@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.cli import mstrace
 from tests.support.otlp_receiver import Receiver, receiver
-from tests.support.tiny_runs import TinyRuns
+from tests.support.tiny_runs import TinyRuns, session_root
 from tracing.reader import read_table
 from viewer.export import wire
 
@@ -20,6 +20,22 @@ from viewer.export import wire
 @pytest.fixture(scope="module")
 def tp2(tiny_runs: TinyRuns) -> Path:
     return tiny_runs("--tp", "2", "--requests", "12", "--shared-prefix", "0.5", "-q").out
+
+
+@pytest.fixture(scope="module")
+def texts(tiny_runs: TinyRuns, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Twelve text prompts arriving together: all but the first wait in the tokenizer pool
+    (token-id prompts skip it)."""
+    import json
+    import os
+
+    wl = session_root(tmp_path_factory) / "twelve-texts.jsonl"
+    if not wl.exists():  # the same bytes whichever worker writes them
+        tmp = wl.with_suffix(f".{os.getpid()}")
+        tmp.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"def f{i}(x):\n    return x * {i} + " * (i + 2),
+                                           "max_new_tokens": 4, "arrival_s": 0}) + "\n" for i in range(12)))
+        os.replace(tmp, wl)
+    return tiny_runs("--workload", str(wl), "-q").out
 
 
 def _parse(path: Path) -> dict[str, Any]:
@@ -92,14 +108,14 @@ def test_a_tp2_export_has_every_probe_row_as_a_slice_with_valid_nesting(tp2: Pat
     assert [a.int_value for a in one.debug_annotations if a.name_iid == 1]
 
 
-def test_one_tokenizer_thread_is_one_track_its_queue_wait_on_the_requests(tp2: Path, tmp_path: Path) -> None:
+def test_one_tokenizer_thread_is_one_track_its_queue_wait_on_the_requests(texts: Path, tmp_path: Path) -> None:
     """A `tokenize` row spans a request's stay in the pool, queueing + encoding: twelve
     requests arriving at once overlapped on the one thread's track and took eleven more
     (`tokenizer #2`...). Now the thread's track holds each request from the end of the one
     before (the thread's busy part), and the wait before it is `tokenize wait` on the
     request's own track: each row's time exactly once, and one tokenizer track."""
     out = tmp_path / "t.pftrace"
-    assert mstrace("export", str(tp2), "--perfetto", str(out)).returncode == 0
+    assert mstrace("export", str(texts), "--perfetto", str(out)).returncode == 0
     got = _parse(out)
     tracks = got["tracks"]
     assert got["unpaired"] == 0
@@ -109,8 +125,8 @@ def test_one_tokenizer_thread_is_one_track_its_queue_wait_on_the_requests(tp2: P
     assert all(a[1] <= b[0] for a, b in zip(busy, busy[1:], strict=False))  # one thread: one at a time
     waits = {tracks[u].name: (t0, t1) for u, n, t0, t1, _ in got["slices"] if n == "tokenize wait"}
     assert waits  # the twelve arrive together: all but the first wait
-    q = read_table(tp2, "requests")
-    probes = read_table(tp2, "probes").to_pylist()
+    q = read_table(texts, "requests")
+    probes = read_table(texts, "probes").to_pylist()
     rows = sorted((r["ts_ns"], r["ts_ns"] + r["dur_ns"]) for r in probes if r["boundary"] == "tokenize")
     assert len(rows) == q.num_rows == len(busy)
     # every row is its wait (on its request's track, from its arrival) and its busy part, or just the busy part

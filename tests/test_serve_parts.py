@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from pydantic import ValidationError
 from scheduler.core.aborts import AbortInbox
 from scheduler.core.request import ReqSample, SamplingParams
 from scheduler.core.request_manager import RequestManager
+from scheduler.hops.tokenizer_pool import TokenizerPool
 from scheduler.serving.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
 from scheduler.serving.stop import StopMatcher
 
@@ -78,3 +81,19 @@ def test_a_chat_request_without_max_tokens_fills_what_the_context_leaves():
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert body.params(body.wanted_tokens()).fill_context
     assert not body.params(7).fill_context
+
+
+def test_token_ids_skip_the_tokenizer_pool():
+    # no tokenizer, so a text prompt is refused; token ids need none and are ready as the
+    # submit returns, without a pool thread's turn (a thread hop of milliseconds under a burst)
+    rows: list[tuple[int, int, str, str, int, int]] = []
+    pool = TokenizerPool(None, 1, SimpleNamespace(buffer=lambda: rows, rank=0))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ValueError, match="no tokenizer"):
+            pool.submit("text", "hello", SamplingParams(), 0)
+        pool.submit("ids", [5, 6, 7], SamplingParams(), 100)
+        got = pool.ready.get_nowait()
+        assert (got.request_id, got.input_ids, got.arrival_ns) == ("ids", [5, 6, 7], 100)
+        assert [(r[0], r[2]) for r in rows] == [(100, "tokenize")]  # its row: the hand-over alone
+    finally:
+        pool.shutdown()

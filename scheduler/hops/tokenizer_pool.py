@@ -24,24 +24,31 @@ class TokenizerPool:
 
     def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int,
                add_special_tokens: bool = True) -> None:
-        if isinstance(prompt, str) and self.tokenizer is None:
+        """A text prompt goes to a pool thread; token ids (a list the caller does not keep)
+        go straight to the queue: they need no tokenizer, and a pool thread's turn is a
+        thread hop that took milliseconds under a burst (the thread waits for the GIL
+        behind the scheduling thread's round)."""
+        if not isinstance(prompt, str):
+            self._ready(request_id, prompt, "", params, arrival_ns)
+            return
+        if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer; give input_ids instead of a prompt")
         self._pool.submit(self._tokenize, request_id, prompt, params, arrival_ns, add_special_tokens)
 
-    def _tokenize(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_ns: int,
+    def _tokenize(self, request_id: str, prompt: str, params: SamplingParams, arrival_ns: int,
                   add_special_tokens: bool) -> None:
         try:
-            if isinstance(prompt, str):
-                assert self.tokenizer is not None
-                ids = self.tokenizer.encode(prompt, add_special_tokens)
-            else:
-                ids = list(prompt)
-            error = ""
+            assert self.tokenizer is not None
+            ids, error = self.tokenizer.encode(prompt, add_special_tokens), ""
         except Exception as e:  # noqa: BLE001 - the request is rejected, the pool lives on
             ids, error = [], f"tokenization failed: {type(e).__name__}: {e}"
+        self._ready(request_id, ids, error, params, arrival_ns)
+
+    def _ready(self, request_id: str, ids: list[int], error: str, params: SamplingParams, arrival_ns: int) -> None:
         t1 = now_ns()
         if self._buf is not None:
-            # The row spans the request's whole stay in the pool (queueing + encoding).
+            # The row spans the request's whole stay in the pool (queueing + encoding; token
+            # ids: the hand-over alone).
             self._buf.append((arrival_ns, t1 - arrival_ns, TOKENIZE, "tokenizer", self._rank, -1))
         self.ready.put(ReqSample(request_id, ids, len(ids), params, arrival_ns, t1, error))
 
