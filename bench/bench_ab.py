@@ -27,9 +27,13 @@ OUT = REPO / "bench" / "out" / "ab"
 
 
 def checkout(rev: str) -> Path:
-    dest = OUT / f"src-{rev}"
+    # named by the commit, not by `rev`: a name such as HEAD moves, and a worktree made for it
+    # earlier would be reused stale
+    sha = subprocess.run(["git", "rev-parse", "--short=12", f"{rev}^{{commit}}"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    dest = OUT / f"src-{sha}"
     if not dest.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(dest), rev], cwd=REPO, check=True,
+        subprocess.run(["git", "worktree", "add", "--detach", str(dest), sha], cwd=REPO, check=True,
                        capture_output=True)
     return dest
 
