@@ -9,6 +9,7 @@ from scheduler.core.request import SamplingParams
 from scheduler.engine import Engine
 from scheduler.harness.workload import SyntheticSpec, synthetic_workload
 from tests.support.engines import run_engine
+from tests.support.exact import F32
 
 
 def workload(n=24, seed=0):
@@ -35,13 +36,12 @@ def test_the_ordering_check_can_fail():
 
 
 def test_modes_give_identical_greedy_tokens():
-    # float32: the modes batch the same requests differently, and a bfloat16 GEMM's rounding
-    # depends on its row count, so where `--dtype auto` picks bfloat16 (an AMX CPU) a near-tie
-    # flipped a greedy token in about 1 of 7 repeats (with this and the stop before's kernels alike)
+    # F32 (tests/support/exact.py): the modes batch the same requests differently; in bfloat16
+    # a near-tie flipped a greedy token in about 1 of 7 repeats on an AMX CPU
     outs = {}
     for mode, split in (("serial", False), ("timeslice", False), ("overlap", True), ("overlap", False)):
         eng = run_engine(EngineConfig(cpu_device="thread", model="tiny", mode=mode, split_streams=split, block_size=8,
-                                      kv_blocks=1000, dtype="float32"), workload(16, seed=3))
+                                      kv_blocks=1000, **F32), workload(16, seed=3))
         outs[(mode, split)] = {r.request_id: r.output_ids for r in eng.rm.finished}
     first = next(iter(outs.values()))
     assert all(o == first for o in outs.values())
