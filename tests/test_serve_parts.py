@@ -97,3 +97,40 @@ def test_token_ids_skip_the_tokenizer_pool():
         assert [(r[0], r[2]) for r in rows] == [(100, "tokenize")]  # its row: the hand-over alone
     finally:
         pool.shutdown()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.booleans(), st.text(min_size=1, max_size=12))
+def test_a_token_chunk_is_the_bytes_its_dict_encodes_to(text, chat, model):
+    """The chunk's frame, encoded once per response, around the token's text: the same bytes
+    as json.dumps of the whole chunk, whatever the text (escapes, surrogates, the frame's mark)."""
+    from scheduler.serving.responses import Call, _Chunks, _data
+    from scheduler.serving.streams import Text
+
+    chunks = _Chunks(Call(chat, ["p"], SamplingParams(), [], True, False, model, True), "cmpl-x", str)
+    for t in (text, "\x00text\x00" + text, ""):
+        assert chunks.text(0, Text(t)) == _data(chunks._dict(0, t, None, None))
+
+
+def test_an_inbox_hands_items_in_order_and_times_a_wait_out():
+    import asyncio
+
+    from scheduler.serving.streams import Inbox
+
+    async def main() -> None:
+        box: Inbox[int] = Inbox(asyncio.get_running_loop())
+        assert box.take() is None
+        assert await box.get(0.01) is None  # nothing came: the wait ends
+        asyncio.get_running_loop().call_later(0.01, box.put, 1)
+        asyncio.get_running_loop().call_later(0.01, box.put, 2)
+        assert await box.get(5) == 1  # woken by the first put, not by the timeout
+        assert box.take() == 2 and box.take() is None
+        waiting = asyncio.create_task(box.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a reader that goes away leaves the inbox usable
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        box.put(3)
+        assert await box.get() == 3
+
+    asyncio.run(main())

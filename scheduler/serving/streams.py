@@ -1,10 +1,10 @@
-"""From the sender thread to each HTTP response: one asyncio queue per request.
+"""From the sender thread to each HTTP response: one inbox per request.
 
 The scheduling thread hands a round's tokens to the sender (`response_send`); the
 sender detokenizes and calls this sink, which matches stop strings and posts the
-text to the request's queue on the event loop with `call_soon_threadsafe`. So
+text to the request's inbox on the event loop with `call_soon_threadsafe`. So
 neither the scheduling thread nor the sender ever touches a socket: a client that
-reads slowly only lets its own queue grow, and the socket write is probed as
+reads slowly only lets its own inbox grow, and the socket write is probed as
 `response_deliver` where the response is written (scheduler/serving/app.py).
 """
 
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from probes.clock import now_ns
 from scheduler.core.request import TokenLogprob
@@ -42,6 +44,50 @@ class End:
 
 
 Event = Text | End
+_T = TypeVar("_T")
+
+
+class Inbox(Generic[_T]):
+    """What one reader on the event loop waits for: the items in order, and at most one
+    reader waiting. A wait that blocks costs one future and one timer handle; asyncio.Queue
+    with asyncio.timeout or wait_for cost several times that per token of every stream."""
+
+    __slots__ = ("_items", "_waiter", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._items: deque[_T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = loop
+
+    def put(self, item: _T) -> None:
+        """On the event loop's thread (the sender posts it there)."""
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def take(self) -> _T | None:
+        """The next item if there is one, without waiting."""
+        return self._items.popleft() if self._items else None
+
+    async def get(self, timeout_s: float | None = None) -> _T | None:
+        """The next item, or None once `timeout_s` has passed without one."""
+        if self._items:
+            return self._items.popleft()
+        w = self._waiter = self._loop.create_future()
+        h = None if timeout_s is None else self._loop.call_later(timeout_s, _expire, w)
+        try:
+            await w
+        finally:
+            self._waiter = None
+            if h is not None:
+                h.cancel()
+        return self._items.popleft() if self._items else None
+
+
+def _expire(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_result(None)
 
 
 class _Open:
@@ -49,7 +95,7 @@ class _Open:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: Inbox[Event] = Inbox(loop)
         self.stop = StopMatcher(stops)
         self.logprobs: list[Scored] = []  # waiting for their token's text
         self.prompt: tuple[Scored, ...] | None = None
@@ -66,7 +112,7 @@ class ResponseStreams:
         self._lock = threading.Lock()  # open() against fail_all(): no request opened as the engine fails is missed
         self._failed: str | None = None
 
-    def open(self, request_id: str, stops: list[str]) -> asyncio.Queue[Event]:
+    def open(self, request_id: str, stops: list[str]) -> Inbox[Event]:
         """Event loop: register a request before it is submitted."""
         o = _Open(asyncio.get_running_loop(), stops)
         with self._lock:
@@ -135,6 +181,6 @@ class ResponseStreams:
     @staticmethod
     def _post(o: _Open, ev: Event) -> None:
         try:
-            o.loop.call_soon_threadsafe(o.queue.put_nowait, ev)
+            o.loop.call_soon_threadsafe(o.queue.put, ev)
         except RuntimeError:  # the event loop is closed: the server is gone
             pass
