@@ -133,3 +133,42 @@ def test_a_body_of_another_type_is_fastapis_to_refuse():
     app, rec = server()
     status, reply = post(app, "/v1/completions", json.dumps(COMPLETIONS[0]).encode(), "text/plain")
     assert status == 400 and rec.calls == []  # FastAPI validates a text body's bytes, not its JSON
+
+
+def test_an_event_stream_ends_its_body_when_the_client_goes() -> None:
+    """EventStream (uvicorn's ASGI 2.3: a write to a client that went away is dropped): the
+    disconnect ends the stream without an error, and the body's `finally` runs (where a served
+    stream aborts its request)."""
+    from scheduler.serving.app import EventStream
+
+    closed: list[bool] = []
+
+    async def body() -> Any:
+        try:
+            yield b"data: a\n\n"
+            await asyncio.sleep(3600)  # the next token never comes
+            yield b"data: b\n\n"
+        finally:
+            closed.append(True)
+
+    async def main() -> list[dict[str, Any]]:
+        gone = asyncio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(m: dict[str, Any]) -> None:
+            sent.append(m)
+            if m.get("body"):
+                asyncio.get_running_loop().call_later(0.01, gone.set)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/"}
+        await asyncio.wait_for(EventStream(body(), media_type="text/event-stream")(scope, receive, send), 10)
+        return sent
+
+    sent = asyncio.run(main())
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert closed == [True]

@@ -13,6 +13,7 @@ what is wrong with it as it always has.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Mapping
@@ -141,8 +142,40 @@ async def reply(state: ServerState, call: Call, request: Request) -> Response:
         return JSONResponse({}, status_code=499)  # nobody reads it; the request is aborted
     if isinstance(out, dict):
         return JSONResponse(out)
-    return StreamingResponse(out, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(out, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class EventStream(StreamingResponse):
+    """StreamingResponse's bytes, without its task group. uvicorn speaks ASGI 2.3, where a
+    write to a client that has gone is dropped, not refused, so Starlette runs the body and a
+    disconnect listener in an anyio task group: cancel scopes on every response and every
+    chunk, a tenth of the event loop's time per streamed request. Here the listener is a
+    plain task that cancels the stream, and the body's own `finally` aborts its request."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone: list[asyncio.Handle] = []
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            # on the next turn, as anyio does: a write that waited on a full socket is woken by
+            # the same disconnect, and gets to return (and its response_deliver row to be kept)
+            gone.append(asyncio.get_running_loop().call_soon(streaming.cancel))
+
+        listener = asyncio.create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()
+        finally:
+            listener.cancel()
+            for h in gone:  # the stream ended before the cancel came
+                h.cancel()
 
 
 class GenerationRoutes:
@@ -213,10 +246,11 @@ def _refusal(e: BadRequest) -> JSONResponse:
     return _error(e.status, e.message, e.kind, e.param, e.code)
 
 
-def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
+def make_app(state: ServerState, max_body_bytes: int) -> ASGIApp:
+    """The server's ASGI app: the body limit, then the generation routes, then FastAPI. The
+    two are outside FastAPI's own middleware, which wraps every `send` of a stream and looks
+    up OpenTelemetry's settings for every request; the limit holds on both paths."""
     app = FastAPI(title="mstrace serve", version="1", docs_url=None, redoc_url=None)
-    app.add_middleware(GenerationRoutes, state=state)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)  # the outer: the limit holds on both paths
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -271,4 +305,4 @@ def make_app(state: ServerState, max_body_bytes: int) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(v1)
-    return app
+    return BodyLimit(GenerationRoutes(app, state), max_body_bytes)
