@@ -70,10 +70,9 @@ class BodyLimit:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        too_big = _error(413, f"request body over {self.limit} bytes", code="body_too_large")
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            await too_big(scope, receive, send)
+            await self._too_big(scope, receive, send)
             return
         chunks, seen = [], 0
         while True:
@@ -83,11 +82,14 @@ class BodyLimit:
             chunks.append(m.get("body", b""))
             seen += len(chunks[-1])
             if seen > self.limit:
-                await too_big(scope, receive, send)
+                await self._too_big(scope, receive, send)
                 return
             if not m.get("more_body"):
                 break
         await self.app(scope, _replaying(b"".join(chunks), receive), send)
+
+    async def _too_big(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _error(413, f"request body over {self.limit} bytes", code="body_too_large")(scope, receive, send)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
