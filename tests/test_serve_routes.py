@@ -159,7 +159,7 @@ def test_an_event_stream_ends_its_body_when_the_client_goes() -> None:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        async def send(m: dict[str, Any]) -> None:
+        async def send(m: Any) -> None:
             sent.append(m)
             if m.get("body"):
                 asyncio.get_running_loop().call_later(0.01, gone.set)
@@ -172,3 +172,79 @@ def test_an_event_stream_ends_its_body_when_the_client_goes() -> None:
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
     assert closed == [True]
+
+
+def _stream_scenario(body: Any, *, outside_cancel: bool = False, refuse_writes: bool = False,
+                     seen: Any = lambda: "") -> str:
+    """Run an EventStream of `body` whose client leaves after the first chunk; `outside_cancel`:
+    something else cancels the stream in the same turn (a shutdown, a timeout); `refuse_writes`:
+    a write to the gone client raises OSError (ASGI 2.4). Returns how the stream's task ended,
+    with `seen()` as it ended."""
+    from scheduler.serving.app import EventStream
+
+    async def main() -> str:
+        gone = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        left: list[bool] = []
+
+        async def send(m: Any) -> None:
+            if left:
+                raise OSError("the client went away")
+            if m.get("body"):
+                loop.call_later(0.01, leave)
+
+        def leave() -> None:
+            if refuse_writes:  # ASGI 2.4: the write says so before any receive does
+                left.append(True)
+                return
+            gone.set()
+            if outside_cancel:
+                task.cancel()
+
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(EventStream(body, media_type="text/event-stream")(
+            {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/"},
+            receive, send))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 10)
+            return f"returned, cancelling {task.cancelling()}{seen()}"
+        except asyncio.CancelledError:
+            return f"cancelled{seen()}"
+
+    return asyncio.run(main())
+
+
+def test_an_event_stream_does_not_swallow_a_cancel_that_is_not_its_own() -> None:
+    async def body() -> Any:
+        yield b"data: a\n\n"
+        await asyncio.sleep(3600)
+
+    assert _stream_scenario(body()) == "returned, cancelling 0"
+    assert _stream_scenario(body(), outside_cancel=True) == "cancelled"
+
+
+def test_an_event_stream_ends_quietly_when_its_body_or_its_write_finds_the_client_gone() -> None:
+    from scheduler.serving.responses import ClientGone
+
+    closed: list[str] = []
+
+    async def polled() -> Any:  # the responder's own poll saw the disconnect first
+        yield b"data: a\n\n"
+        raise ClientGone
+
+    async def endless() -> Any:
+        try:
+            while True:
+                yield b"data: a\n\n"
+                await asyncio.sleep(0.02)
+        finally:
+            closed.append("closed")
+
+    assert _stream_scenario(polled()) == "returned, cancelling 0"
+    # closed as the stream ends, not when the loop shuts down (or the generator is collected)
+    assert _stream_scenario(endless(), refuse_writes=True, seen=lambda: f", {closed}") \
+        == "returned, cancelling 0, ['closed']"

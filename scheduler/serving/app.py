@@ -153,31 +153,50 @@ class EventStream(StreamingResponse):
     write to a client that has gone is dropped, not refused, so Starlette runs the body and a
     disconnect listener in an anyio task group: cancel scopes on every response and every
     chunk, a tenth of the event loop's time per streamed request. Here the listener is a
-    plain task that cancels the stream, and the body's own `finally` aborts its request."""
+    plain task that cancels the stream; a body that ends early is closed at once, so its own
+    `finally` aborts its request (a served stream's does)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streaming = asyncio.current_task()
         assert streaming is not None
-        gone: list[asyncio.Handle] = []
+        pending: list[asyncio.Handle] = []
+        fired = False
+
+        def cancel() -> None:
+            nonlocal fired
+            fired = True
+            streaming.cancel()
 
         async def listen() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
             # on the next turn, as anyio does: a write that waited on a full socket is woken by
             # the same disconnect, and gets to return (and its response_deliver row to be kept)
-            gone.append(asyncio.get_running_loop().call_soon(streaming.cancel))
+            pending.append(asyncio.get_running_loop().call_soon(cancel))
 
         listener = asyncio.create_task(listen())
+        ended = False
         try:
             await self.stream_response(send)
+            ended = True
         except asyncio.CancelledError:
-            if not gone:
+            # the listener's own cancel is taken back; any other (a shutdown, a timeout) goes on
+            if not fired or streaming.uncancel() > 0:
                 raise
-            streaming.uncancel()
+        except (ClientGone, OSError):  # the body's own disconnect poll; ASGI 2.4's refused write
+            pass
         finally:
             listener.cancel()
-            for h in gone:  # the stream ended before the cancel came
+            for h in pending:  # the stream ended before the cancel came
                 h.cancel()
+            if not ended:
+                await _close(self.body_iterator)
+
+
+async def _close(body: Any) -> None:
+    aclose = getattr(body, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 class GenerationRoutes:
