@@ -127,6 +127,8 @@ def test_an_inbox_hands_items_in_order_and_times_a_wait_out():
         assert box.take() == 2 and box.take() is None
         waiting = asyncio.create_task(box.get())
         await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="one reader"):
+            await box.get()
         waiting.cancel()  # a reader that goes away leaves the inbox usable
         with pytest.raises(asyncio.CancelledError):
             await waiting

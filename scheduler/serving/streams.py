@@ -74,6 +74,8 @@ class Inbox(Generic[_T]):
         """The next item, or None once `timeout_s` has passed without one."""
         if self._items:
             return self._items.popleft()
+        if self._waiter is not None:  # a second reader would take the first one's wake-up
+            raise RuntimeError("an Inbox has one reader")
         w = self._waiter = self._loop.create_future()
         h = None if timeout_s is None else self._loop.call_later(timeout_s, _expire, w)
         try:
