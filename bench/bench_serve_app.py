@@ -33,13 +33,49 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_ab import alternated  # noqa: E402
 
-CHILD = r'''
-import asyncio, json, sys, time
+# what both children share: the app `mstrace serve` builds around a responder, and a streamed
+# completion request for it (the body bench-serve sends: 128 token ids), called as uvicorn
+# calls it (ASGI 2.3), its chunks counted; no socket
+PRELUDE = r'''
+import asyncio, json, sys, threading, time
 from types import SimpleNamespace
 import uvloop
 from scheduler.serving.app import ServerState, make_app
 from scheduler.serving.engine_loop import Health
 
+
+def served(responder, tokens):
+    state = ServerState(loop=SimpleNamespace(health=lambda: Health(True, "running", "")), metrics=None,
+                        responder=responder, chat=None, model="m", max_model_len=4096, api_key=None, started=0)
+    app = make_app(state, 1 << 20)
+    body = json.dumps({"model": "m", "prompt": list(range(3, 131)), "max_tokens": tokens, "stream": True,
+                       "temperature": 0, "stream_options": {"include_usage": True}}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+             "headers": [(b"host", b"bench"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+
+    async def one():
+        msgs = [{"type": "http.request", "body": body, "more_body": False}]
+        chunks = 0
+
+        async def receive():
+            if msgs:
+                return msgs.pop()
+            await asyncio.sleep(3600)
+
+        async def send(m):
+            nonlocal chunks
+            chunks += m["type"] == "http.response.body"
+
+        await app({**scope, "state": {}, "extensions": {}}, receive, send)
+        return chunks
+
+    return one
+'''
+
+CHILD = PRELUDE + r'''
 n = int(sys.argv[1])
 
 
@@ -50,30 +86,7 @@ class Responder:
         return body()
 
 
-state = ServerState(loop=SimpleNamespace(health=lambda: Health(True, "running", "")), metrics=None,
-                    responder=Responder(), chat=None, model="m", max_model_len=4096, api_key=None, started=0)
-app = make_app(state, 1 << 20)
-body = json.dumps({"model": "m", "prompt": list(range(3, 131)), "max_tokens": 32, "stream": True,
-                   "temperature": 0, "stream_options": {"include_usage": True}}).encode()
-scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-         "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
-         "headers": [(b"host", b"bench"), (b"content-type", b"application/json"),
-                     (b"content-length", str(len(body)).encode())]}
-
-
-async def one():
-    msgs = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        if msgs:
-            return msgs.pop()
-        await asyncio.sleep(3600)
-
-    async def send(m):
-        pass
-
-    await app({**scope, "state": {}, "extensions": {}}, receive, send)
+one = served(Responder(), 32)
 
 
 async def main():
@@ -93,12 +106,7 @@ uvloop.run(main())
 '''
 
 
-STREAM_CHILD = r'''
-import asyncio, json, sys, threading, time
-from types import SimpleNamespace
-import uvloop
-from scheduler.serving.app import ServerState, make_app
-from scheduler.serving.engine_loop import Health
+STREAM_CHILD = PRELUDE + r'''
 from scheduler.serving.responses import Responder
 from scheduler.serving.streams import ResponseStreams
 
@@ -134,44 +142,18 @@ class Sender:
 sender = Sender()
 streams = ResponseStreams(lambda rid, why: None, lambda t: (str(t), False))
 probes, timeline = [], []
-responder = Responder(streams, sender.submit, lambda rid, why: None, probes, lambda: 0, None, timeline)
+one = served(Responder(streams, sender.submit, lambda rid, why: None, probes, lambda: 0, None, timeline), tokens)
 threading.Thread(target=sender.run, args=(streams,), daemon=True).start()
-state = ServerState(loop=SimpleNamespace(health=lambda: Health(True, "running", "")), metrics=None,
-                    responder=responder, chat=None, model="m", max_model_len=4096, api_key=None, started=0)
-app = make_app(state, 1 << 20)
-body = json.dumps({"model": "m", "prompt": list(range(3, 131)), "max_tokens": tokens, "stream": True,
-                   "temperature": 0, "stream_options": {"include_usage": True}}).encode()
-scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-         "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-         "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
-         "headers": [(b"host", b"bench"), (b"content-type", b"application/json"),
-                     (b"content-length", str(len(body)).encode())]}
-
-
-async def one():
-    msgs = [{"type": "http.request", "body": body, "more_body": False}]
-    chunks = []
-
-    async def receive():
-        if msgs:
-            return msgs.pop()
-        await asyncio.sleep(3600)
-
-    async def send(m):
-        if m["type"] == "http.response.body":
-            chunks.append(m)
-
-    await app({**scope, "state": {}, "extensions": {}}, receive, send)
-    assert len(chunks) >= tokens, len(chunks)
 
 
 async def main():
     per = []
     for i in range(batches + 2):  # two to warm up
         t0 = time.thread_time_ns()
-        await asyncio.gather(*(one() for _ in range(width)))
+        got = await asyncio.gather(*(one() for _ in range(width)))
         if i >= 2:
             per.append((time.thread_time_ns() - t0) / width)
+        assert min(got) >= tokens, got
         probes.clear()
         timeline.clear()
     per.sort()
