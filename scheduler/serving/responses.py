@@ -388,7 +388,8 @@ def _data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-_MARK = "\x00text\x00"  # no text a chunk carries is encoded as this: it has no JSON escape of its own
+_MARK = "\x00text\x00"  # the text's place as a frame is built (split at its last occurrence: an id or
+# model name holding it cannot move the split; a token's text is inserted, never split)
 _encode_str = json.encoder.encode_basestring_ascii  # json.dumps's own encoding of a str (ensure_ascii)
 
 

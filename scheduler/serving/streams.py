@@ -93,11 +93,11 @@ def _expire(w: asyncio.Future[None]) -> None:
 
 
 class _Open:
-    __slots__ = ("loop", "queue", "stop", "logprobs", "prompt")
+    __slots__ = ("loop", "inbox", "stop", "logprobs", "prompt")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop = loop
-        self.queue: Inbox[Event] = Inbox(loop)
+        self.inbox: Inbox[Event] = Inbox(loop)
         self.stop = StopMatcher(stops)
         self.logprobs: list[Scored] = []  # waiting for their token's text
         self.prompt: tuple[Scored, ...] | None = None
@@ -122,7 +122,7 @@ class ResponseStreams:
             failed = self._failed
         if failed is not None:
             self._post(o, End("abort", failed, 0, 0, "", failed=True))
-        return o.queue
+        return o.inbox
 
     def fail_all(self, why: str) -> None:
         """The scheduling thread, when the engine stops on a failure or a stall: every request
@@ -183,6 +183,6 @@ class ResponseStreams:
     @staticmethod
     def _post(o: _Open, ev: Event) -> None:
         try:
-            o.loop.call_soon_threadsafe(o.queue.put, ev)
+            o.loop.call_soon_threadsafe(o.inbox.put, ev)
         except RuntimeError:  # the event loop is closed: the server is gone
             pass
