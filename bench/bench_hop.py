@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -25,27 +24,16 @@ from pathlib import Path
 
 from bench_ab import checkout
 from bench_serve_peer import free_port, wait_ready
-from common import OUT, REPO
+from common import OUT, REPO, cpu_s
 
 LEGS = ["hop_ttft_ms", "hop_in_client_ms", "hop_in_socket_ms", "hop_in_parse_ms", "hop_in_route_ms",
         "hop_in_submit_ms", "hop_out_sender_ms", "hop_out_loop_ms", "hop_out_read_ms"]
-TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_ms(pid: int) -> tuple[float, float]:
     """(the main thread's, the other threads') CPU ms of process `pid` so far."""
-    main = rest = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # the thread ended
-            continue
-        ms = (int(fields[11]) + int(fields[12])) * TICK_MS  # utime, stime
-        if int(tid) == pid:
-            main += ms
-        else:
-            rest += ms
-    return main, rest
+    main = cpu_s(pid, pid) * 1e3
+    return main, cpu_s(pid) * 1e3 - main
 
 
 def turn(src: Path, runs: int, prompts: int, concurrency: int, output_len: int, work: Path) -> list[dict[str, float]]:

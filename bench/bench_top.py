@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import cpu_s
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out" / "top"
 TABLES = ("steps", "probes", "requests", "memory", "timeline")
@@ -237,13 +239,6 @@ def _top_process(trace: Path) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-def _cpu_s(pid: int, tid: int | None = None) -> float:
-    """A live process's user + system CPU time (its threads included), or one thread's, from /proc."""
-    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def one_run(out: Path, requests: int, watched: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     top = _top_process(out) if watched else None
@@ -254,7 +249,7 @@ def one_run(out: Path, requests: int, watched: bool) -> dict:
         wall = time.monotonic() - t0
     finally:
         if top is not None:
-            top_cpu = _cpu_s(top.pid) if top.poll() is None else None
+            top_cpu = cpu_s(top.pid) if top.poll() is None else None
             top.terminate()
             top.wait()
     from tracing.reader import read_table
@@ -320,7 +315,7 @@ def _tree_cpu_s(pid: int) -> float:
     total = 0.0
     for p in _tree(pid):
         try:
-            total += _cpu_s(p)
+            total += cpu_s(p)
         except OSError:  # gone meanwhile
             pass
     return total
@@ -370,11 +365,11 @@ def interleaved(rate: float, duration_s: float, window_s: float) -> dict:
         on = order.pop(0)
         os.kill(top.pid, signal.SIGCONT if on else signal.SIGSTOP)
         try:
-            top_now = _cpu_s(top.pid)
+            top_now = cpu_s(top.pid)
             if marks and marks[-1][3]:
                 top_cpu_s += top_now - top_before
             top_before = top_now
-            marks.append((time.monotonic_ns(), _tree_cpu_s(run.pid), _cpu_s(run.pid, run.pid), on))
+            marks.append((time.monotonic_ns(), _tree_cpu_s(run.pid), cpu_s(run.pid, run.pid), on))
         except OSError:  # the run ended between the poll and the read
             break
         time.sleep(window_s)
