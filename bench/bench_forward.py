@@ -7,10 +7,11 @@ is then run again through a mirror of `CausalLM.forward` that times each part, a
 mirror's logits are checked bit-equal to the model's own on every batch, so the parts are
 the forward's and nothing else.
 
-Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (both of each
-layer), qkv, rope, kv_write, attention, o_proj, gate_up, act (SiLU and gating), down,
-residual (the two adds of each layer), logits (the final norm and the LM head over the
-sampled rows), sample. What the parts' timers do not cover of the whole forward's own
+Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (each layer's
+input norm), qkv, rope_kv (RoPE and the KV write, one call), attention, o_proj, add_norm
+(the residual add after attention and the norm before the MLP, one call), gate_up, act
+(SiLU and gating), down, residual (the MLP's add), logits (the final norm and the LM head
+over the sampled rows), sample. What the parts' timers do not cover of the whole forward's own
 time (the loop, attribute look-ups) is shown as `unattributed`.
 
 Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
@@ -66,13 +67,13 @@ from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
-from scheduler.model.layers import paged_attention, rms_norm, rope_qk  # noqa: E402
+from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
 GEMMS = ("qkv", "o_proj", "gate_up", "down", "logits")
-BYTES_PARTS = ("embed", "norm", "rope", "kv_write", "act", "residual", "sample")
-PARTS = ("embed", "plan", "norm", "qkv", "rope", "kv_write", "attention", "o_proj", "gate_up", "act", "down",
+BYTES_PARTS = ("embed", "norm", "rope_kv", "add_norm", "act", "residual", "sample")
+PARTS = ("embed", "plan", "norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm", "gate_up", "act", "down",
          "residual", "logits", "sample")
 F32 = 4
 
@@ -171,26 +172,19 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
         cos, sin, plan = model.attention_inputs(fb)
     for i, layer in enumerate(model.layers):
         kc, vc = kv.k[i], kv.v[i]
-        t = x.shape[0]
         with c.part("norm"):
             h = rms_norm(x, layer.input_layernorm, layer.eps)
         with c.part("qkv"):
             qkv = layer._linear(h, "qkv_proj", layer.qkv_proj, layer.qkv_bias)
-        with c.part("rope"):
-            qk = rope_qk(qkv, layer.q_size + layer.kv_size, layer.head_dim, cos, sin)
-        q, k = qk[:, : layer.num_heads], qk[:, layer.num_heads:]
-        v = qkv[:, layer.q_size + layer.kv_size:].view(t, layer.num_kv_heads, layer.head_dim)
-        with c.part("kv_write"):
-            kc.index_copy_(0, fb.slot_mapping, k)
-            vc.index_copy_(0, fb.slot_mapping, v)
+        with c.part("rope_kv"):
+            q, k, v = rope_store(qkv, layer.num_heads, layer.num_kv_heads, layer.head_dim, cos, sin, kc, vc,
+                                 fb.slot_mapping)
         with c.part("attention"):
             a = paged_attention(q, k, v, kc, vc, fb, plan)
         with c.part("o_proj"):
             o = layer._linear(a, "o_proj", layer.o_proj, layer.o_bias)
-        with c.part("residual"):
-            x = x + o
-        with c.part("norm"):
-            h = rms_norm(x, layer.post_attention_layernorm, layer.eps)
+        with c.part("add_norm"):
+            x, h = add_norm(x, o, layer.post_attention_layernorm, layer.eps)
         with c.part("gate_up"):
             gu = layer._linear(h, "gate_up_proj", layer.gate_up_proj, layer.gate_up_bias)
         with c.part("act"):
@@ -235,11 +229,12 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     out["logits"] = (2.0 * rows * hs * v, es * (rows * hs + hs * v) + F32 * rows * v)
     out["attention"] = (4.0 * keys * h * d * n_layers, es * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
     out["embed"] = (0.0, es * 2 * t * hs)
-    out["norm"] = (0.0, es * 2 * 2 * t * hs * n_layers)
-    out["rope"] = (0.0, es * 2 * t * (qs + kvs) * n_layers)
-    out["kv_write"] = (0.0, es * 2 * 2 * t * kvs * n_layers)
+    out["norm"] = (0.0, es * 2 * t * hs * n_layers)  # the input norm; the other is add_norm's
+    # RoPE reads and writes q and k; the KV write reads k and v and writes them to the cache
+    out["rope_kv"] = (0.0, es * (2 * t * (qs + kvs) + 2 * 2 * t * kvs) * n_layers)
+    out["add_norm"] = (0.0, es * 4 * t * hs * n_layers)  # reads x and the attention's output, writes the sum and its norm
     out["act"] = (0.0, es * 3 * t * inter * n_layers)
-    out["residual"] = (0.0, es * 2 * 3 * t * hs * n_layers)
+    out["residual"] = (0.0, es * 3 * t * hs * n_layers)  # the MLP's add
     out["sample"] = (0.0, F32 * fb.num_sampled * v)
     out["plan"] = (0.0, 0.0)
     return out

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from scheduler.model import native_elementwise
-from scheduler.model.layers import apply_rope, rope_qk
+from scheduler.model.layers import add_norm, apply_rope, rope_qk, rope_store
 from tests.support.oracle import logits_with_and_without
 
 pytestmark = pytest.mark.skipif(not native_elementwise.AVAILABLE, reason="built without a C compiler")
@@ -72,6 +72,64 @@ def test_rope_in_bfloat16_is_torchs_expression_bit_for_bit(heads, d):
     want = apply_rope(qkv[:, :heads * d].view(t, heads, d), cos, sin)
     got = rope_qk(qkv, heads * d, d, cos, sin)
     assert got.data_ptr() == qkv.data_ptr() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [512, 20])
+def test_the_residual_join_is_the_add_then_the_norm_bit_for_bit(dtype, n):
+    """add_rms_norm gives what the add (torch's, rounding as its dtype does) and then the C
+    RMSNorm of the sum give: the same bits, the sum included."""
+    g = torch.Generator().manual_seed(n)
+    x, y = ((torch.randn(37, n, generator=g) * 4).to(dtype) for _ in range(2))
+    w = torch.randn(n, generator=g).to(dtype)
+    got = native_elementwise.add_rms_norm(x, y, w, 1e-5)
+    assert got is not None
+    total = x + y
+    assert torch.equal(got[0], total)
+    assert torch.equal(got[1], native_elementwise.rms_norm(total, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (6, 6, 40), (3, 1, 20)])
+def test_the_qkv_join_is_rope_then_the_two_index_copies_bit_for_bit(dtype, heads, kv_heads, d):
+    """rope_kv rotates q and k where they lie and stores each row's k and v at its slot: the
+    same bits as RoPE's torch expression and index_copy_, every other cache slot untouched."""
+    g = torch.Generator().manual_seed(heads * d + kv_heads)
+    t, slots_n = 11, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    cos, sin = (torch.randn(t, 1, d, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(slots_n, generator=g)[:t]
+    kc, vc = (torch.randn(slots_n, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    want_kc, want_vc, plain = kc.clone(), vc.clone(), qkv.clone()
+    qk = apply_rope(plain[:, :(heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+    want_kc.index_copy_(0, slots, qk[:, heads:])
+    want_vc.index_copy_(0, slots, plain[:, (heads + kv_heads) * d:].view(t, kv_heads, d))
+    q, k, v = rope_store(qkv, heads, kv_heads, d, cos, sin, kc, vc, slots)
+    assert q.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    assert torch.equal(q, qk[:, :heads]) and torch.equal(k, qk[:, heads:])
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+
+
+def test_a_slot_outside_the_cache_writes_nothing_and_index_copy_says_why():
+    t, heads, kv_heads, d = 3, 2, 1, 8
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    cs = torch.randn(t, 1, d)
+    kc, vc = torch.zeros(4, kv_heads, d), torch.zeros(4, kv_heads, d)
+    before = qkv.clone()
+    bad = torch.tensor([0, 1, 4])
+    assert not native_elementwise.rope_kv(qkv, heads, kv_heads, d, cs, cs, kc, vc, bad)
+    assert torch.equal(qkv, before) and not kc.any() and not vc.any()
+    with pytest.raises(IndexError):
+        rope_store(qkv, heads, kv_heads, d, cs, cs, kc, vc, bad)
+
+
+def test_the_joins_fall_back_to_torchs_ops_with_the_same_values():
+    x, y, w = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64), torch.randn(16)
+    assert native_elementwise.add_rms_norm(x, y, w.double(), 1e-5) is None  # float64
+    assert native_elementwise.add_rms_norm(x.float().t().contiguous().t(), y.float(), w, 1e-5) is None  # strided
+    total, h = add_norm(x.float(), y.float(), w, 1e-5)
+    assert torch.equal(total, x.float() + y.float())
+    torch.testing.assert_close(h, F.rms_norm(total, (16,), w, 1e-5), rtol=2e-6, atol=1e-6)
 
 
 def test_what_it_does_not_take_falls_back():

@@ -50,26 +50,61 @@ void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int6
 }
 
 
-/* bfloat16 rows, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
- * bfloat16, then times the bfloat16 weight (rounded again) */
+/* eight floats as bfloat16 holds them (rounded to nearest even, as `narrow`), back in float32 */
+static inline __attribute__((always_inline)) v8 round8(v8 f) {
+    uint16_t h[LANES];
+    narrow8(h, &f);
+    return widen8(h);
+}
+
+/* one bfloat16 row, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
+ * bfloat16, then times the bfloat16 weight (rounded again); the lanes sum as rms_norm's do */
+static inline __attribute__((always_inline)) void norm_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *o,
+                                                                 int64_t n, float eps) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const v8 v = widen8(xr + i);
+        acc += v * v;
+    }
+    float lanes[LANES];
+    memcpy(lanes, &acc, sizeof lanes);
+    float ss = lane_sum(lanes);
+    for (; i < n; i++) ss += widen(xr[i]) * widen(xr[i]);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i + LANES <= n; i += LANES) {
+        const v8 y = widen8(w + i) * round8(widen8(xr + i) * inv);
+        narrow8(o + i, &y);
+    }
+    for (; i < n; i++) o[i] = narrow(widen(w[i]) * widen(narrow(widen(xr[i]) * inv)));
+}
+
 MULTI_TARGET
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
                    float eps) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * x_stride;
-        uint16_t *o = out + r * n;
-        float lanes[LANES] = {0};
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int j = 0; j < LANES; j++) {
-                const float v = widen(xr[i + j]);
-                lanes[j] += v * v;
-            }
-        float ss = lane_sum(lanes);
-        for (; i < n; i++) ss += widen(xr[i]) * widen(xr[i]);
-        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (i = 0; i < n; i++) o[i] = narrow(widen(w[i]) * widen(narrow(widen(xr[i]) * inv)));
+    for (int64_t r = 0; r < rows; r++) norm_row_bf16(x + r * x_stride, w, out + r * n, n, eps);
+}
+
+/* The residual add and the next RMSNorm in one call: sum[r] = x[r] + y[r] (rounded to the
+ * type, as torch's add), then out[r] = rms_norm(sum[r]) as rms_norm / rms_norm_bf16 compute
+ * it. Rows of n values, all contiguous; sum may be x itself. */
+MULTI_TARGET
+void add_rms_norm(const float *x, const float *y, float *sum, const float *w, float *out, int64_t rows, int64_t n,
+                  float eps) {
+    for (int64_t i = 0; i < rows * n; i++) sum[i] = x[i] + y[i];
+    rms_norm(sum, n, w, out, rows, n, eps);
+}
+
+MULTI_TARGET
+void add_rms_norm_bf16(const uint16_t *x, const uint16_t *y, uint16_t *sum, const uint16_t *w, uint16_t *out,
+                       int64_t rows, int64_t n, float eps) {
+    int64_t i = 0;
+    for (; i + LANES <= rows * n; i += LANES) {
+        const v8 s = widen8(x + i) + widen8(y + i);
+        narrow8(sum + i, &s);
     }
+    for (; i < rows * n; i++) sum[i] = narrow(widen(x[i]) + widen(y[i]));
+    for (int64_t r = 0; r < rows; r++) norm_row_bf16(sum + r * n, w, out + r * n, n, eps);
 }
 
 /* x[t, h, :] = x * cos[t] + roll(x, D / 2) * sin[t] in place, for `heads` heads of D values
@@ -83,7 +118,23 @@ static inline __attribute__((always_inline)) void rope_rows(void *x, int64_t x_s
     for (int64_t t = 0; t < rows; t++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t v0 = t * x_stride + h * D, c0 = t * D;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+            for (; i + LANES <= half; i += LANES) { /* the same operations, eight lanes at a time */
+                const v8 a = elem8(x, v0 + i, bf16), b = elem8(x, v0 + i + half, bf16);
+                v8 lo = a * elem8(cos, c0 + i, bf16), lo_r = b * elem8(sin, c0 + i, bf16);
+                v8 hi = b * elem8(cos, c0 + i + half, bf16), hi_r = a * elem8(sin, c0 + i + half, bf16);
+                if (bf16) {
+                    lo = round8(lo), lo_r = round8(lo_r), hi = round8(hi), hi_r = round8(hi_r);
+                    const v8 first = lo + lo_r, second = hi + hi_r;
+                    narrow8((uint16_t *)x + v0 + i, &first);
+                    narrow8((uint16_t *)x + v0 + i + half, &second);
+                } else {
+                    const v8 first = lo + lo_r, second = hi + hi_r;
+                    store8((float *)x + v0 + i, &first);
+                    store8((float *)x + v0 + i + half, &second);
+                }
+            }
+            for (; i < half; i++) {
                 const float a = elem(x, v0 + i, bf16), b = elem(x, v0 + i + half, bf16);
                 const float lo = rounded(a * elem(cos, c0 + i, bf16), bf16);
                 const float lo_r = rounded(b * elem(sin, c0 + i, bf16), bf16);
@@ -104,6 +155,40 @@ MULTI_TARGET
 void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin, int64_t rows, int64_t heads,
                int64_t D) {
     rope_rows(x, x_stride, cos, sin, rows, heads, D, 1);
+}
+
+/* A qkv GEMM's output after it: RoPE on its q and k heads in place (as `rope`), then each
+ * row's k and v heads copied to its cache slot (caches [slots, kv_heads, D]), as the two
+ * index_copy_ calls did. Returns -1, with nothing written, where a slot lies outside the
+ * caches' num_slots (the caller then takes the torch path, whose index_copy_ says why). */
+static inline __attribute__((always_inline)) int rope_kv_rows(void *qkv, int64_t stride, const void *cos,
+                                                               const void *sin, int64_t rows, int64_t heads,
+                                                               int64_t kv_heads, int64_t D, void *k_cache,
+                                                               void *v_cache, const int64_t *slots, int64_t num_slots,
+                                                               const int bf16) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    rope_rows(qkv, stride, cos, sin, rows, heads + kv_heads, D, bf16);
+    const size_t es = bf16 ? 2 : 4, row = (size_t)(kv_heads * D) * es;
+    for (int64_t t = 0; t < rows; t++) {
+        const char *k = (const char *)qkv + (size_t)(t * stride + heads * D) * es;
+        memcpy((char *)k_cache + (size_t)slots[t] * row, k, row);
+        memcpy((char *)v_cache + (size_t)slots[t] * row, k + row, row);
+    }
+    return 0;
+}
+
+MULTI_TARGET
+int rope_kv(float *qkv, int64_t stride, const float *cos, const float *sin, int64_t rows, int64_t heads,
+            int64_t kv_heads, int64_t D, float *k_cache, float *v_cache, const int64_t *slots, int64_t num_slots) {
+    return rope_kv_rows(qkv, stride, cos, sin, rows, heads, kv_heads, D, k_cache, v_cache, slots, num_slots, 0);
+}
+
+MULTI_TARGET
+int rope_kv_bf16(uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, int64_t rows,
+                 int64_t heads, int64_t kv_heads, int64_t D, uint16_t *k_cache, uint16_t *v_cache,
+                 const int64_t *slots, int64_t num_slots) {
+    return rope_kv_rows(qkv, stride, cos, sin, rows, heads, kv_heads, D, k_cache, v_cache, slots, num_slots, 1);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};

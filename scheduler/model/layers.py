@@ -85,6 +85,32 @@ def rope_qk(qkv: torch.Tensor, q_kv_size: int, head_dim: int, cos: torch.Tensor,
     return qk if native_elementwise.rope_(qk, cos, sin) else apply_rope(qk, cos, sin)
 
 
+def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on a qkv GEMM's output and its new K/V rows stored at `slots` of the caches: q
+    [T, heads, D], k and v [T, kv_heads, D], views of qkv where the C call did it (one call for
+    what is otherwise RoPE and two index_copy_), else RoPE'd by `rope_qk`."""
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, heads + 2 * kv_heads, head_dim).split_with_sizes([heads, kv_heads, kv_heads], dim=1)
+    if not native_elementwise.rope_kv(qkv, heads, kv_heads, head_dim, cos, sin, k_cache, v_cache, slots):
+        qk = rope_qk(qkv, (heads + kv_heads) * head_dim, head_dim, cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+    return q, k, v
+
+
+def add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after an add and its RMSNorm: (x + y, rms_norm(x + y)), in one C
+    call where it applies, with the same values as the two ops."""
+    joined = native_elementwise.add_rms_norm(x, y, weight, eps)
+    if joined is not None:
+        return joined
+    total = x + y
+    return total, rms_norm(total, weight, eps)
+
+
 @dataclass(slots=True)
 class AttnPlan:
     """Per-forward attention masks, shared by all layers (built once, not per layer)."""
@@ -144,15 +170,16 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     nd = batch.num_decode
     bs = batch.block_size
-    # Block view of the cache: a gather index is a whole block (bs * KVH * hd values).
-    kb = k_cache.view(-1, bs * kvh * d)
-    vb = v_cache.view(-1, bs * kvh * d)
     native = None
     if nd:
         assert batch.decode_blocks is not None and plan.decode_ctx is not None
         # each row's context read once where it lies (C, float32 or bfloat16 on the CPU), else gathered
         native = native_attention.decode(q[:nd], k_cache, v_cache, batch.decode_blocks, plan.decode_ctx, bs,
                                          plan.window)
+    # Block view of the cache: a gather index is a whole block (bs * KVH * hd values). Made
+    # only where a gather reads it: a decode round through the C path makes none.
+    if (native is None and nd) or any(p.ctx_blocks is not None for p in batch.prefills):
+        kb, vb = k_cache.view(-1, bs * kvh * d), v_cache.view(-1, bs * kvh * d)
     if native is not None:
         outs.append(native)
     elif nd:
@@ -245,20 +272,18 @@ class DecoderLayer(nn.Module):
         plan: AttnPlan,
     ) -> torch.Tensor:
         """Norm, q/k/v, RoPE, KV write and attention: ``[T, q_size]``, the input of ``o_proj``."""
-        t = x.shape[0]
         qkv = self._linear(rms_norm(x, self.input_layernorm, self.eps), "qkv_proj", self.qkv_proj, self.qkv_bias)
-        qk = rope_qk(qkv, self.q_size + self.kv_size, self.head_dim, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        q, k, v = rope_store(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, k_cache, v_cache,
+                             batch.slot_mapping)
         return paged_attention(q, k, v, k_cache, v_cache, batch, plan)
 
     def mlp_core(self, x: torch.Tensor) -> torch.Tensor:
         """Norm, gate/up and SiLU-gating: ``[T, intermediate]``, the input of ``down_proj``."""
-        gu = self._linear(rms_norm(x, self.post_attention_layernorm, self.eps), "gate_up_proj", self.gate_up_proj,
-                          self.gate_up_bias)
-        gate, up = gu.chunk(2, dim=-1)
+        return self.gated(rms_norm(x, self.post_attention_layernorm, self.eps))
+
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        """Gate/up on normed rows and SiLU-gating: ``[T, intermediate]``."""
+        gate, up = self._linear(h, "gate_up_proj", self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     # The row-parallel halves without their bias: under TP these are the partial sums that go
@@ -291,9 +316,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         reduce = self.all_reduce
         if reduce is None:  # single rank: fused GEMM + bias, exactly the pre-TP forward
-            x = x + self._linear(self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan), "o_proj",
-                                 self.o_proj, self.o_bias)
-            return x + self._linear(self.mlp_core(x), "down_proj", self.down_proj, self.down_bias)
+            o = self._linear(self.attention_core(x, cos, sin, k_cache, v_cache, batch, plan), "o_proj", self.o_proj,
+                             self.o_bias)
+            x, h = add_norm(x, o, self.post_attention_layernorm, self.eps)
+            return x + self._linear(self.gated(h), "down_proj", self.down_proj, self.down_bias)
         # Reduce before the bias: every rank holds the full bias, adding it pre-reduce would
         # count it tp_size times.
         partial = self.attn_partial(x, cos, sin, k_cache, v_cache, batch, plan)

@@ -61,7 +61,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
     cache, as `build_forward_batch` checks when it makes them."""
     rows = q.shape[0]
     entry = _ENTRIES.get(q.dtype)
-    tensors_fit = (all(t.device.type == "cpu" for t in (q, k_cache, v_cache, blocks, ctx_lens))
+    tensors_fit = (q.device.type == k_cache.device.type == v_cache.device.type == blocks.device.type
+                   == ctx_lens.device.type == "cpu"
                    and q.dtype == k_cache.dtype == v_cache.dtype
                    and blocks.dtype == ctx_lens.dtype == torch.int64
                    and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape

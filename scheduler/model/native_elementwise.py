@@ -1,11 +1,18 @@
-"""RMSNorm and RoPE in one pass each (`_elementwise.c`), loaded with ctypes where the
-install built it.
+"""RMSNorm and RoPE in one pass each, and the two joins a decoder layer makes around its
+GEMMs (`_elementwise.c`), loaded with ctypes where the install built it:
+- `add_rms_norm`: the residual add and the RMSNorm after it;
+- `rope_kv`: RoPE on a qkv GEMM's q and k, then its k and v rows stored in the KV cache.
 
 Each function takes float32 or bfloat16 CPU tensors (all of one dtype) in the layouts the
 forward makes and returns None (or False) for anything else, or where the extension is
 absent: `layers` then runs the torch expression, which gives the same values up to float32
 rounding (tests/test_native_elementwise.py checks the two agree; bfloat16 rounds where
 torch's bfloat16 ops do).
+
+Why the joins: a decode round of 16 rows spends more on each small op's call (Python, the
+dispatcher, an allocation; slower still after a GEMM has streamed its weights through the
+caches) than on its arithmetic, so one call for what had been three to five ops saves more
+than the passes they fuse (BENCHMARKS.md, "The decoder layer's joins").
 """
 
 from __future__ import annotations
@@ -23,27 +30,37 @@ _N = ctypes.c_int64
 
 def _load() -> ctypes.CDLL | None:
     lib = open_library("_elementwise")
-    if lib is not None:
-        for suffix in ("", "_bf16"):
-            if hasattr(lib, "rms_norm" + suffix):  # an older build has no bfloat16 entries
-                norm, rope = getattr(lib, "rms_norm" + suffix), getattr(lib, "rope" + suffix)
-                norm.argtypes = [_P, _N, _P, _P, _N, _N, ctypes.c_float]
-                rope.argtypes = [_P, _N, _P, _P, _N, _N, _N]
-                norm.restype = rope.restype = None
+    if lib is None:
+        return None
+    kinds = {"rms_norm": ([_P, _N, _P, _P, _N, _N, ctypes.c_float], None),
+             "rope": ([_P, _N, _P, _P, _N, _N, _N], None),
+             "add_rms_norm": ([_P, _P, _P, _P, _P, _N, _N, ctypes.c_float], None),
+             "rope_kv": ([_P, _N, _P, _P, _N, _N, _N, _N, _P, _P, _P, _N], ctypes.c_int)}
+    for name, (args, res) in kinds.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, name + suffix, None)  # an older build lacks the later entries
+            if fn is not None:
+                fn.argtypes, fn.restype = args, res
+                _FNS[name, suffix] = fn
     return lib
 
 
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # each dtype's C entry points
+_FNS: dict[tuple[str, str], Any] = {}  # (name, suffix) -> the C function, with its argtypes set
 _LIB = _load()
 AVAILABLE = _LIB is not None
-_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # each dtype's C entry points
 
 
 def _entry(name: str, *ts: torch.Tensor) -> Any:
     """`name`'s C function for the tensors' one dtype, None where there is none for them."""
-    suffix = _SUFFIX.get(ts[0].dtype)
-    if _LIB is None or suffix is None or not all(t.device.type == "cpu" and t.dtype == ts[0].dtype for t in ts):
+    if _LIB is None:  # no build (or a test taking it away)
         return None
-    return getattr(_LIB, name + suffix, None)
+    dtype = ts[0].dtype
+    for t in ts:
+        if t.dtype != dtype or t.device.type != "cpu":
+            return None
+    suffix = _SUFFIX.get(dtype)
+    return None if suffix is None else _FNS.get((name, suffix))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -67,3 +84,36 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], x.shape[2])
     return True
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + y, rms_norm(x + y)) as two new [T, n] tensors, x and y contiguous [T, n]."""
+    fn = _entry("add_rms_norm", x, y, weight)
+    if not (fn is not None and x.dim() == 2 and x.shape == y.shape and x.is_contiguous() and y.is_contiguous()
+            and weight.is_contiguous() and weight.shape == (x.shape[1],)):
+        return None
+    total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    fn(x.data_ptr(), y.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return total, out
+
+
+def rope_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """RoPE on qkv's q and k heads in place, then row t's k and v heads stored at cache slot
+    slots[t]: qkv [T, (heads + 2 * kv_heads) * head_dim] (rows may be strided), cos and sin
+    [T, 1, head_dim] or [T, head_dim], caches [slots, kv_heads, head_dim], slots [T] int64.
+    False (nothing touched) where it does not apply, or a slot is outside the caches."""
+    fn = _entry("rope_kv", qkv, cos, sin, k_cache, v_cache)
+    t = qkv.shape[0]
+    if not (fn is not None and qkv.dim() == 2 and qkv.stride(1) == 1 and head_dim % 2 == 0
+            and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim
+            and cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == t * head_dim
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.dim() == 3 and k_cache.shape[1] == kv_heads and k_cache.shape[2] == head_dim
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == t
+            and slots.device.type == "cpu"):
+        return False
+    status: int = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, kv_heads, head_dim,
+                     k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0])
+    return status == 0
