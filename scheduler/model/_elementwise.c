@@ -1,5 +1,6 @@
-/* RMSNorm and RoPE in one pass each, on the CPU (float32 and bfloat16)
- * (scheduler/model/native_elementwise.py).
+/* RMSNorm and RoPE in one pass each, on the CPU (float32 and bfloat16), and a decoder
+ * layer's two joins: the residual add with the RMSNorm after it, and RoPE with the KV
+ * cache write (scheduler/model/native_elementwise.py says why).
  *
  * Why: torch runs each as several passes with a tensor between them (RMSNorm: square,
  * mean, rsqrt, two products; RoPE: a rolled copy, two products, a sum). On the default
@@ -50,39 +51,26 @@ void rms_norm(const float *x, int64_t x_stride, const float *w, float *out, int6
 }
 
 
-/* eight floats as bfloat16 holds them (rounded to nearest even, as `narrow`), back in float32 */
-static inline __attribute__((always_inline)) v8 round8(v8 f) {
-    uint16_t h[LANES];
-    narrow8(h, &f);
-    return widen8(h);
-}
-
-/* one bfloat16 row, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
- * bfloat16, then times the bfloat16 weight (rounded again); the lanes sum as rms_norm's do */
-static inline __attribute__((always_inline)) void norm_row_bf16(const uint16_t *xr, const uint16_t *w, uint16_t *o,
-                                                                 int64_t n, float eps) {
-    v8 acc = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const v8 v = widen8(xr + i);
-        acc += v * v;
-    }
-    float lanes[LANES];
-    memcpy(lanes, &acc, sizeof lanes);
-    float ss = lane_sum(lanes);
-    for (; i < n; i++) ss += widen(xr[i]) * widen(xr[i]);
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i + LANES <= n; i += LANES) {
-        const v8 y = widen8(w + i) * round8(widen8(xr + i) * inv);
-        narrow8(o + i, &y);
-    }
-    for (; i < n; i++) o[i] = narrow(widen(w[i]) * widen(narrow(widen(xr[i]) * inv)));
-}
-
+/* bfloat16 rows, as layers.rms_norm's torch path: float32 statistics, x * inv rounded to
+ * bfloat16, then times the bfloat16 weight (rounded again) */
 MULTI_TARGET
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
                    float eps) {
-    for (int64_t r = 0; r < rows; r++) norm_row_bf16(x + r * x_stride, w, out + r * n, n, eps);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *o = out + r * n;
+        float lanes[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int j = 0; j < LANES; j++) {
+                const float v = widen(xr[i + j]);
+                lanes[j] += v * v;
+            }
+        float ss = lane_sum(lanes);
+        for (; i < n; i++) ss += widen(xr[i]) * widen(xr[i]);
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) o[i] = narrow(widen(w[i]) * widen(narrow(widen(xr[i]) * inv)));
+    }
 }
 
 /* The residual add and the next RMSNorm in one call: sum[r] = x[r] + y[r] (rounded to the
@@ -98,13 +86,8 @@ void add_rms_norm(const float *x, const float *y, float *sum, const float *w, fl
 MULTI_TARGET
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *y, uint16_t *sum, const uint16_t *w, uint16_t *out,
                        int64_t rows, int64_t n, float eps) {
-    int64_t i = 0;
-    for (; i + LANES <= rows * n; i += LANES) {
-        const v8 s = widen8(x + i) + widen8(y + i);
-        narrow8(sum + i, &s);
-    }
-    for (; i < rows * n; i++) sum[i] = narrow(widen(x[i]) + widen(y[i]));
-    for (int64_t r = 0; r < rows; r++) norm_row_bf16(sum + r * n, w, out + r * n, n, eps);
+    for (int64_t i = 0; i < rows * n; i++) sum[i] = narrow(widen(x[i]) + widen(y[i]));
+    rms_norm_bf16(sum, n, w, out, rows, n, eps);
 }
 
 /* x[t, h, :] = x * cos[t] + roll(x, D / 2) * sin[t] in place, for `heads` heads of D values
@@ -118,23 +101,7 @@ static inline __attribute__((always_inline)) void rope_rows(void *x, int64_t x_s
     for (int64_t t = 0; t < rows; t++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t v0 = t * x_stride + h * D, c0 = t * D;
-            int64_t i = 0;
-            for (; i + LANES <= half; i += LANES) { /* the same operations, eight lanes at a time */
-                const v8 a = elem8(x, v0 + i, bf16), b = elem8(x, v0 + i + half, bf16);
-                v8 lo = a * elem8(cos, c0 + i, bf16), lo_r = b * elem8(sin, c0 + i, bf16);
-                v8 hi = b * elem8(cos, c0 + i + half, bf16), hi_r = a * elem8(sin, c0 + i + half, bf16);
-                if (bf16) {
-                    lo = round8(lo), lo_r = round8(lo_r), hi = round8(hi), hi_r = round8(hi_r);
-                    const v8 first = lo + lo_r, second = hi + hi_r;
-                    narrow8((uint16_t *)x + v0 + i, &first);
-                    narrow8((uint16_t *)x + v0 + i + half, &second);
-                } else {
-                    const v8 first = lo + lo_r, second = hi + hi_r;
-                    store8((float *)x + v0 + i, &first);
-                    store8((float *)x + v0 + i + half, &second);
-                }
-            }
-            for (; i < half; i++) {
+            for (int64_t i = 0; i < half; i++) {
                 const float a = elem(x, v0 + i, bf16), b = elem(x, v0 + i + half, bf16);
                 const float lo = rounded(a * elem(cos, c0 + i, bf16), bf16);
                 const float lo_r = rounded(b * elem(sin, c0 + i, bf16), bf16);

@@ -74,16 +74,6 @@ static inline __attribute__((always_inline)) uint16_t narrow(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* eight floats rounded to bfloat16 as `narrow` rounds each (nearest even, a NaN to 0x7FC0) */
-static inline __attribute__((always_inline)) void narrow8(uint16_t *p, const v8 *f) {
-    u32x8 u;
-    memcpy(&u, f, sizeof u);
-    const u32x8 nan = (u32x8)(*f != *f);
-    const u32x8 r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16 & ~nan) | (nan & 0x7FC0u);
-    const u16x8 h = __builtin_convertvector(r, u16x8);
-    memcpy(p, &h, sizeof h);
-}
-
 /* element i of a float (bf16 = 0) or bfloat16 (bf16 = 1) array, as float; bf16 is a
  * constant wherever these are inlined, so each kernel is compiled for one type */
 static inline __attribute__((always_inline)) v8 elem8(const void *x, int64_t i, const int bf16) {
