@@ -9,10 +9,11 @@ absent: `layers` then runs the torch expression, which gives the same values up 
 rounding (tests/test_native_elementwise.py checks the two agree; bfloat16 rounds where
 torch's bfloat16 ops do).
 
-Why the joins: a decode round of 16 rows spends more on each small op's call (Python, the
-dispatcher, an allocation; slower still after a GEMM has streamed its weights through the
-caches) than on its arithmetic, so one call for what had been three to five ops saves more
-than the passes they fuse (BENCHMARKS.md, "The decoder layer's joins").
+Why the joins: in a decode round of 16 rows a small op costs its call (Python, the
+dispatcher, an allocation, all slower right after a GEMM has streamed its weights through
+the caches) more than its arithmetic; one call for what had been three ops saves those
+calls. Measured: 1.6-2.5% of such a forward, nothing on larger batches (BENCHMARKS.md,
+"The decoder layer's joins").
 """
 
 from __future__ import annotations
