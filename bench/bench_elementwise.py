@@ -33,9 +33,12 @@ def main() -> None:
     a = ap.parse_args()
     owner = native_attention if a.library == "attention" else native_elementwise
     if not owner.AVAILABLE:
-        raise SystemExit(f"the C {a.library} are not built here")
+        raise SystemExit(f"scheduler/model/_{'attention' if a.library == 'attention' else 'elementwise'}.c "
+                         "is not built here")
     lib, fns = owner._LIB, dict(native_elementwise._FNS)
     joins = {k for k in fns if k[0] in ("add_rms_norm", "rope_kv")}
+    if a.library == "joins" and len(joins) < 4:
+        raise SystemExit("this build of _elementwise.c has no joins (rebuild: pip install -e .)")
 
     def use(on: bool) -> None:
         if a.library != "joins":
@@ -75,9 +78,9 @@ def main() -> None:
                     times[on].append(time.perf_counter() - t)
             use(True)
             c, t_ = statistics.median(times[True]), statistics.median(times[False])
-            on, off = ("joined", "apart") if a.library == "joins" else ("C", "torch")
-            print(f"{name}: {on} {c * 1e3:.2f} ms, {off} {t_ * 1e3:.2f} ms (medians of {a.repeats}), "
-                  f"{on} / {off} {c / t_:.3f}")
+            yes, no = ("joined", "apart") if a.library == "joins" else ("C", "torch")
+            print(f"{name}: {yes} {c * 1e3:.2f} ms, {no} {t_ * 1e3:.2f} ms (medians of {a.repeats}), "
+                  f"{yes} / {no} {c / t_:.3f}")
 
 
 if __name__ == "__main__":

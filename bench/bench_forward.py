@@ -230,8 +230,9 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     out["attention"] = (4.0 * keys * h * d * n_layers, es * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
     out["embed"] = (0.0, es * 2 * t * hs)
     out["norm"] = (0.0, es * 2 * t * hs * n_layers)  # the input norm; the other is add_norm's
-    # RoPE reads and writes q and k; the KV write reads k and v and writes them to the cache
-    out["rope_kv"] = (0.0, es * (2 * t * (qs + kvs) + 2 * 2 * t * kvs) * n_layers)
+    # reads q, k and v once; writes the rotated q in place and k and v to the cache (the
+    # rotated k straight there: its in-place copy is not needed)
+    out["rope_kv"] = (0.0, es * t * (2 * qs + 5 * kvs) * n_layers)
     out["add_norm"] = (0.0, es * 4 * t * hs * n_layers)  # reads x and the attention's output, writes the sum and its norm
     out["act"] = (0.0, es * 3 * t * inter * n_layers)
     out["residual"] = (0.0, es * 3 * t * hs * n_layers)  # the MLP's add

@@ -89,14 +89,17 @@ def test_the_residual_join_is_the_add_then_the_norm_bit_for_bit(dtype, n):
     assert torch.equal(got[1], native_elementwise.rms_norm(total, w, 1e-5))
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (6, 6, 40), (3, 1, 20)])
-def test_the_qkv_join_is_rope_then_the_two_index_copies_bit_for_bit(dtype, heads, kv_heads, d):
+def test_the_qkv_join_is_rope_then_the_two_index_copies_bit_for_bit(dtype, heads, kv_heads, d, strided):
     """rope_kv rotates q and k where they lie and stores each row's k and v at its slot: the
-    same bits as RoPE's torch expression and index_copy_, every other cache slot untouched."""
+    same bits as RoPE's torch expression and index_copy_, every other cache slot untouched;
+    also on rows strided apart (a qkv inside a wider row)."""
     g = torch.Generator().manual_seed(heads * d + kv_heads)
-    t, slots_n = 11, 64
-    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    t, slots_n, width = 11, 64, (heads + 2 * kv_heads) * d
+    base = torch.randn(t, width + (3 * d if strided else 0), generator=g).to(dtype)
+    qkv = base[:, d:d + width] if strided else base
     cos, sin = (torch.randn(t, 1, d, generator=g).to(dtype) for _ in range(2))
     slots = torch.randperm(slots_n, generator=g)[:t]
     kc, vc = (torch.randn(slots_n, kv_heads, d, generator=g).to(dtype) for _ in range(2))
@@ -123,13 +126,36 @@ def test_a_slot_outside_the_cache_writes_nothing_and_index_copy_says_why():
         rope_store(qkv, heads, kv_heads, d, cs, cs, kc, vc, bad)
 
 
-def test_the_joins_fall_back_to_torchs_ops_with_the_same_values():
+def test_the_joins_refuse_what_they_do_not_take():
     x, y, w = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64), torch.randn(16)
     assert native_elementwise.add_rms_norm(x, y, w.double(), 1e-5) is None  # float64
     assert native_elementwise.add_rms_norm(x.float().t().contiguous().t(), y.float(), w, 1e-5) is None  # strided
-    total, h = add_norm(x.float(), y.float(), w, 1e-5)
-    assert torch.equal(total, x.float() + y.float())
+    assert native_elementwise.add_rms_norm(x.float(), y.float(), torch.randn(8), 1e-5) is None  # weight's length
+
+
+def test_without_the_library_the_joins_are_torchs_ops(monkeypatch):
+    """An install without a C compiler: `add_norm` and `rope_store` run the ops apart, with
+    the values the C joins give (the sum and the KV rows bit for bit; RMSNorm and RoPE as
+    torch computes them)."""
+    g = torch.Generator().manual_seed(5)
+    x, y, w = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g), torch.randn(16, generator=g)
+    t, heads, kv_heads, d = 5, 4, 2, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(t, 1, d, generator=g), torch.randn(t, 1, d, generator=g)
+    slots = torch.tensor([7, 0, 3, 9, 2])
+    joined = add_norm(x, y, w, 1e-5), rope_store(qkv.clone(), heads, kv_heads, d, cos, sin,
+                                                  *(torch.zeros(10, kv_heads, d) for _ in range(2)), slots)
+    kc, vc = torch.zeros(10, kv_heads, d), torch.zeros(10, kv_heads, d)
+    monkeypatch.setattr(native_elementwise, "_LIB", None)
+    assert native_elementwise.add_rms_norm(x, y, w, 1e-5) is None
+    total, h = add_norm(x, y, w, 1e-5)
+    assert torch.equal(total, joined[0][0])
     torch.testing.assert_close(h, F.rms_norm(total, (16,), w, 1e-5), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(h, joined[0][1], rtol=2e-6, atol=1e-6)
+    q, k, v = rope_store(qkv.clone(), heads, kv_heads, d, cos, sin, kc, vc, slots)
+    for apart, c_join in zip((q, k, v), joined[1], strict=True):
+        torch.testing.assert_close(apart, c_join, rtol=0, atol=1e-6)
+    assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v) and not kc[[1, 4, 5, 6, 8]].any()
 
 
 def test_what_it_does_not_take_falls_back():

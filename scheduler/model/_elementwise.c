@@ -5,8 +5,10 @@
  * Why: torch runs each as several passes with a tensor between them (RMSNorm: square,
  * mean, rsqrt, two products; RoPE: a rolled copy, two products, a sum). On the default
  * preset they ran at 2-7 GB/s against a copy bandwidth of 10-17 GB/s
- * (bench/bench_forward.py: 19-22% of their limits). Here each reads its input once and
- * writes its output once; RoPE rotates q and k in place, in the GEMM's output.
+ * (bench/bench_forward.py: 19-22% of their limits). Here RMSNorm and RoPE each read their
+ * input once and write their output once; RoPE rotates q and k in place, in the GEMM's output.
+ * The joins make two passes over a row each (the sum, then its norm; the rotation, then the
+ * copy into the cache), the row still in cache for the second.
  * SiLU-gating is not here: a one-pass version (a vectorised exp) timed no faster than
  * torch's two passes on this machine, where that exp, not memory, bounds it.
  *
@@ -75,7 +77,7 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
 
 /* The residual add and the next RMSNorm in one call: sum[r] = x[r] + y[r] (rounded to the
  * type, as torch's add), then out[r] = rms_norm(sum[r]) as rms_norm / rms_norm_bf16 compute
- * it. Rows of n values, all contiguous; sum may be x itself. */
+ * it. Rows of n values, all contiguous. */
 MULTI_TARGET
 void add_rms_norm(const float *x, const float *y, float *sum, const float *w, float *out, int64_t rows, int64_t n,
                   float eps) {
@@ -126,8 +128,9 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
 
 /* A qkv GEMM's output after it: RoPE on its q and k heads in place (as `rope`), then each
  * row's k and v heads copied to its cache slot (caches [slots, kv_heads, D]), as the two
- * index_copy_ calls did. Returns -1, with nothing written, where a slot lies outside the
- * caches' num_slots (the caller then takes the torch path, whose index_copy_ says why). */
+ * index_copy_ calls did, a row at a time (rotated, then copied while in cache). Returns -1, with
+ * nothing written, where a slot lies outside the caches' num_slots (the caller then rotates
+ * and stores apart, and index_copy_ says why). */
 static inline __attribute__((always_inline)) int rope_kv_rows(void *qkv, int64_t stride, const void *cos,
                                                                const void *sin, int64_t rows, int64_t heads,
                                                                int64_t kv_heads, int64_t D, void *k_cache,
@@ -135,10 +138,12 @@ static inline __attribute__((always_inline)) int rope_kv_rows(void *qkv, int64_t
                                                                const int bf16) {
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    rope_rows(qkv, stride, cos, sin, rows, heads + kv_heads, D, bf16);
     const size_t es = bf16 ? 2 : 4, row = (size_t)(kv_heads * D) * es;
     for (int64_t t = 0; t < rows; t++) {
-        const char *k = (const char *)qkv + (size_t)(t * stride + heads * D) * es;
+        char *x = (char *)qkv + (size_t)(t * stride) * es;
+        rope_rows(x, stride, (const char *)cos + (size_t)(t * D) * es, (const char *)sin + (size_t)(t * D) * es, 1,
+                  heads + kv_heads, D, bf16);
+        const char *k = x + (size_t)(heads * D) * es;
         memcpy((char *)k_cache + (size_t)slots[t] * row, k, row);
         memcpy((char *)v_cache + (size_t)slots[t] * row, k + row, row);
     }
