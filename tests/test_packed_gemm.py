@@ -35,8 +35,8 @@ def test_auto_follows_its_own_and_an_independent_measurement(dtype: torch.dtype)
     before = torch.get_num_threads()
     c = choose_pack(torch.device("cpu"), dtype, "auto")
     assert torch.get_num_threads() == before
-    m = re.fullmatch(r"auto: (on|off), \w+ GEMMs of 16 and 64 rows x 512 x 1536 on the reordered weight measured "
-                     r"([\d.]+)x F.linear's speed on this CPU", c.why)
+    m = re.fullmatch(r"auto: (on|off), \w+ GEMMs of 16 and 64 rows x 512 x 1536 on the reordered weight "
+                     r"\((?:AMX tiles|oneDNN), one thread\) measured ([\d.]+)x F.linear's speed on this CPU", c.why)
     assert m, c.why
     assert c.packed == (m.group(1) == "on")
     # and a measurement of its own: where reordering plainly pays or plainly does not, the
@@ -52,16 +52,58 @@ def test_auto_follows_its_own_and_an_independent_measurement(dtype: torch.dtype)
         assert not c.packed, (own, c.why)
 
 
-@pytest.mark.parametrize("dtype,tol", [pytest.param(torch.float32, 1e-4, marks=needs(torch.float32)),
-                                       pytest.param(torch.bfloat16, 2 ** -7, marks=needs(torch.bfloat16))])
-def test_the_forward_on_reordered_weights_is_the_plain_one(dtype: torch.dtype, tol: float) -> None:
+AMX = pytest.mark.skipif(packed_gemm._AMX is None, reason="no AMX here (or _amx_gemm.c not built)")
+
+
+@AMX
+@pytest.mark.parametrize("m", [0, 1, 5, 16, 17, 64, 200])
+@pytest.mark.parametrize("k,n,bias,strided", [(512, 1536, False, False), (64, 96, True, True), (1536, 512, True, False)])
+def test_the_amx_gemm_is_f_linear_up_to_its_sum_order(m, k, n, bias, strided, monkeypatch):
+    """bfloat16 on one thread lays the weight out for the AMX kernel; its products are
+    F.linear's (oneDNN's) but for the order of the float32 sums: almost every output the same
+    bits, the rest one bfloat16 ulp off. Rows of x may be strided; the bias is added before
+    the one rounding, as oneDNN adds it."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    g = torch.Generator().manual_seed(m * 7 + k)
+    base = torch.randn(m, k + (32 if strided else 0), generator=g).bfloat16()
+    x = base[:, 16:16 + k] if strided else base
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = packed_gemm.pack(w)
+    assert packed.dim() == 4  # the AMX layout
+    y, want = packed_gemm.linear(x, packed, b), torch.nn.functional.linear(x, w, b)
+    assert y.shape == want.shape == (m, n) and y.dtype == torch.bfloat16
+    if m:
+        assert (y == want).float().mean() >= 0.999
+        torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+@AMX
+def test_what_the_amx_kernel_does_not_take_goes_to_onednn(monkeypatch):
+    w = torch.randn(100, 64).bfloat16()  # 100 columns: not a multiple of 32
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert packed_gemm.pack(w).dim() == 2 and packed_gemm.pack(torch.randn(96, 64)).dim() == 2  # float32
+    assert packed_gemm.kernel_name(torch.bfloat16) == "AMX tiles"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the kernel is one thread's; oneDNN splits
+    assert packed_gemm.pack(torch.randn(96, 64).bfloat16()).dim() == 2
+    assert packed_gemm.kernel_name(torch.bfloat16) == "oneDNN"
+
+
+@pytest.mark.parametrize("dtype,tol,amx", [pytest.param(torch.float32, 1e-4, False, marks=needs(torch.float32)),
+                                           pytest.param(torch.bfloat16, 2 ** -7, False, marks=needs(torch.bfloat16)),
+                                           pytest.param(torch.bfloat16, 2 ** -7, True, marks=AMX)])
+def test_the_forward_on_reordered_weights_is_the_plain_one(dtype: torch.dtype, tol: float, amx: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows and a prefill chunk, with the LM head: the same logits up to the GEMM's own
     summation order (float32: oneDNN against MKL, a few float32 ulps of the logits' size;
-    bfloat16: another oneDNN primitive may round a value either way, a bfloat16 ulp)."""
+    bfloat16: another oneDNN primitive, or the AMX kernel, may round a value either way, a
+    bfloat16 ulp)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1 if amx else 2)
     folder = ensure_preset("tiny")
     plain, _ = load_model(folder, "cpu", dtype)
     packed, _ = load_model(folder, "cpu", dtype, pack=True)
     assert packed.layers[0].packs and packed.lm_head_packed is not None and not plain.layers[0].packs
+    assert all((p.dim() == 4) == amx for p in packed.layers[0].packs.values())  # which GEMM this case runs
     # held once: the dense copies freed (the tiny preset's LM head is its own, untied)
     assert packed.layers[0].qkv_proj.numel() == 0 and packed.lm_head is not None and packed.lm_head.numel() == 0
     kv = plain.make_kv_cache(64, 4)

@@ -15,10 +15,17 @@ dtype, as `--dtype auto` does.
 The reordered weight is an opaque oneDNN tensor that only this GEMM reads; once it is made
 the dense one is freed (`free_dense`), so the weights are held once, except an LM head tied to
 the embedding, whose dense table the embedding still reads.
+
+In bfloat16 on a CPU with AMX, with one intra-op thread (the engine's default), the weight is
+laid out instead for `_amx_gemm.c`'s kernel (a 4-D [N / 16, K / 32, 16, 32] tensor, which is
+how `linear` tells the two apart): a decode round's GEMMs stream their weights from cache
+faster through it than through oneDNN's (BENCHMARKS.md, "The projections on AMX tiles").
+Sizes that are not multiples of 32, other dtypes, more threads or no AMX keep oneDNN's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -27,6 +34,7 @@ import torch.nn.functional as F
 
 from scheduler.model.auto_dtype import median_ratio
 from scheduler.model.dtypes import name_of
+from scheduler.model.native_attention import open_library
 
 # Decode rounds of 16 and 64 rows (the default preset's served and batch sizes) through a
 # 512 -> 1536 projection; the ratio, not the time, decides
@@ -64,8 +72,41 @@ def unpackable(dtype: torch.dtype) -> str | None:
     return None
 
 
+def _load_amx() -> ctypes.CDLL | None:
+    """The AMX kernel where it is built and this CPU and process can run it, else None."""
+    lib = open_library("_amx_gemm")
+    if lib is None or not hasattr(lib, "amx_linear"):
+        return None
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
+    lib.amx_pack.argtypes, lib.amx_pack.restype = [p, p, n, n], None
+    lib.amx_linear.argtypes, lib.amx_linear.restype = [p, n, p, p, p, n, n, n], ctypes.c_int
+    return lib if lib.amx_ready() == 1 else None
+
+
+_AMX = _load_amx()
+
+
+def amx_fits(weight: torch.Tensor) -> bool:
+    """Whether `pack` lays `weight` out for the AMX kernel (module docstring) on this thread count."""
+    return (_AMX is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and torch.get_num_threads() == 1)
+
+
+def kernel_name(dtype: torch.dtype) -> str:
+    """Which GEMM `pack` picks for a decode-shaped weight of `dtype` here, as the report says it."""
+    return "AMX tiles" if amx_fits(torch.empty(N, K, dtype=dtype)) else "oneDNN"
+
+
 def pack(weight: torch.Tensor, rows_hint: int = ROWS[-1]) -> torch.Tensor:
-    """`weight` [out, in] reordered for `linear`; `rows_hint` picks the blocking, any row count runs."""
+    """`weight` [out, in] laid out for `linear`: for the AMX kernel where `amx_fits`, else
+    reordered by oneDNN (`rows_hint` picks its blocking); any row count runs."""
+    if amx_fits(weight):
+        assert _AMX is not None
+        w = weight.detach().contiguous()
+        laid = torch.empty(w.shape[0] // 16, w.shape[1] // 32, 16, 32, dtype=torch.bfloat16)
+        _AMX.amx_pack(w.data_ptr(), laid.data_ptr(), w.shape[0], w.shape[1])
+        return laid
     out: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
     return out
 
@@ -77,6 +118,18 @@ def free_dense(weight: torch.Tensor) -> None:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` on `pack(weight)`."""
+    if packed.dim() == 4:  # the AMX kernel's layout
+        assert _AMX is not None
+        n, k = packed.shape[0] * 16, packed.shape[1] * 32
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1 or x2.dtype != torch.bfloat16:
+            x2 = x2.contiguous().to(torch.bfloat16)
+        b = None if bias is None else bias.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        if _AMX.amx_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                           y.data_ptr(), x2.shape[0], n, k) != 0:
+            raise RuntimeError(f"the AMX GEMM refused a [{x2.shape[0]}, {k}] x [{n}, {k}] product")
+        return y.view(*x.shape[:-1], n)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed, bias,
                                                            "none", [], "")
     return out
@@ -119,4 +172,5 @@ def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackCho
     on = ratio >= MIN_SPEEDUP
     rows = " and ".join(str(m) for m in ROWS)
     return PackChoice(on, f"auto: {'on' if on else 'off'}, {name_of(dtype)} GEMMs of {rows} rows x {K} x {N} on the "
-                          f"reordered weight measured {ratio:.2f}x F.linear's speed on this CPU")
+                          f"reordered weight ({kernel_name(dtype)}, one thread) measured {ratio:.2f}x F.linear's speed "
+                          "on this CPU")
