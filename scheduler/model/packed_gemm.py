@@ -166,11 +166,11 @@ def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackCho
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ratio is the kernels'; the pool's size is not decided yet
     try:
-        ratio = speedup(dtype)
+        ratio, kernel = speedup(dtype), kernel_name(dtype)
     finally:
         torch.set_num_threads(threads)
     on = ratio >= MIN_SPEEDUP
     rows = " and ".join(str(m) for m in ROWS)
     return PackChoice(on, f"auto: {'on' if on else 'off'}, {name_of(dtype)} GEMMs of {rows} rows x {K} x {N} on the "
-                          f"reordered weight ({kernel_name(dtype)}, one thread) measured {ratio:.2f}x F.linear's speed "
+                          f"reordered weight ({kernel}, one thread) measured {ratio:.2f}x F.linear's speed "
                           "on this CPU")
