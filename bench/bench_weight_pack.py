@@ -9,6 +9,9 @@ Batches: decode rounds of 16 and 64 rows (contexts 128-192: bench_serve_peer's a
 bench_engine_vs_hf's decode sizes) and prefill chunks of 128 and 512 tokens, in float32 and,
 where this CPU computes it natively, bfloat16 (what `--dtype auto` picks there). Prints each
 batch's medians and their ratio, and the GEMM that `--weight-pack auto` times at start-up.
+Where bfloat16's packed weights go to the AMX kernel (`_amx_gemm.c`: one thread, AMX), a
+third model packed for oneDNN (its weights reordered with two threads set) joins the
+alternation, and the line adds AMX / oneDNN.
 `--profile` prints instead, per batch and setting, torch.profiler's top ops over ten forwards
 beside the forward's wall time (the C kernels, called through ctypes, are not torch ops: the
 wall time less the ops' is theirs and Python's).
@@ -68,6 +71,11 @@ def main() -> None:
         print(choose_pack_line(dtype), flush=True)
         plain, _ = load_model(folder, "cpu", dtype)
         packed, _ = load_model(folder, "cpu", dtype, pack=True)
+        models = {"off": plain, "on": packed}
+        if packed.layers[0].packs["qkv_proj"].dim() == 4:  # the AMX layout: oneDNN's beside it
+            torch.set_num_threads(2)
+            models["oneDNN"], _ = load_model(folder, "cpu", dtype, pack=True)
+            torch.set_num_threads(1)
         kv = plain.make_kv_cache(2000, BS)
         with torch.inference_mode():
             for name, fb in batches(torch.Generator().manual_seed(0)).items():
@@ -75,17 +83,20 @@ def main() -> None:
                     for key, model in (("off", plain), ("on", packed)):
                         profile(f"{str(dtype).removeprefix('torch.')}, {name}, --weight-pack {key}", model, fb, kv)
                     continue
-                times: dict[str, list[float]] = {"off": [], "on": []}
+                times: dict[str, list[float]] = {k: [] for k in models}
                 for _ in range(3):
-                    plain(fb, kv), packed(fb, kv)
+                    for model in models.values():
+                        model(fb, kv)
                 for _ in range(a.repeats):
-                    for key, model in (("off", plain), ("on", packed)):
+                    for key, model in models.items():
                         t = time.perf_counter()
                         model(fb, kv)
                         times[key].append(time.perf_counter() - t)
-                off, on = (statistics.median(times[k]) * 1e3 for k in ("off", "on"))
-                print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {on:.2f} ms, off {off:.2f} ms (medians of "
-                      f"{a.repeats}), on / off {on / off:.3f}", flush=True)
+                med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                amx = (f"; AMX / oneDNN {med['on'] / med['oneDNN']:.3f} (oneDNN {med['oneDNN']:.2f} ms)"
+                       if "oneDNN" in med else "")
+                print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {med['on']:.2f} ms, off {med['off']:.2f} ms "
+                      f"(medians of {a.repeats}), on / off {med['on'] / med['off']:.3f}{amx}", flush=True)
 
 
 def profile(label: str, model: torch.nn.Module, fb: ForwardBatch, kv: object, calls: int = 10) -> None:
