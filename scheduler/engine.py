@@ -39,7 +39,7 @@ from scheduler.core.policy import Policy
 from scheduler.core.reclaim import Reclaimer
 from scheduler.core.request import FinishReason, Request, SamplingParams
 from scheduler.core.request_manager import RequestManager
-from scheduler.device.backend import choose_backend
+from scheduler.device.backend import choose_backend, device_of
 from scheduler.device.contention import NoRoom
 from scheduler.device.contention import measure as measure_contention
 from scheduler.device.executor import Executor
@@ -99,11 +99,11 @@ class Engine:
         self.settings = ProcessSettings()  # restored by close()
         # TP/PP (scheduler/parallel/coordinator.py): this process is rank 0 and holds one shard.
         self.parallel = parallel
+        if device_of(config).type == "cpu":  # before the weights load: their GEMM's layout follows it (packed_gemm)
+            self.settings.set_threads(config.resolved_device_threads())
         self.backend = choose_backend(config, self.model_dir, dtype_of(config.dtype), device_delay, parallel,
                                       device_seed)
         self.device = self.backend.device
-        if self.device.type == "cpu":
-            self.settings.set_threads(config.resolved_device_threads())
         self.model_config = self.backend.model_config
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_dir)

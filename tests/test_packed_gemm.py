@@ -79,6 +79,45 @@ def test_the_amx_gemm_is_f_linear_up_to_its_sum_order(m, k, n, bias, strided, mo
 
 
 @AMX
+def test_the_amx_gemm_reads_no_row_of_x_past_the_last(monkeypatch):
+    """x's last row ends where an unreadable page begins: a kernel that loaded a whole 16-row
+    tile for the 5 rows asked would fault (the process dies, the test fails)."""
+    import ctypes
+    import mmap
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    m, k, n, page = 5, 64, 96, mmap.PAGESIZE
+    buf = mmap.mmap(-1, 2 * page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert libc.mprotect(start + page, page, 0) == 0  # PROT_NONE
+    try:
+        x = torch.frombuffer(buf, dtype=torch.bfloat16, count=m * k, offset=page - 2 * m * k).view(m, k)
+        x.copy_(torch.randn(m, k).bfloat16())
+        w = torch.randn(n, k).bfloat16()
+        y = packed_gemm.linear(x, packed_gemm.pack(w), None)
+        torch.testing.assert_close(y.float(), torch.nn.functional.linear(x, w).float(), rtol=2 ** -7, atol=1e-2)
+    finally:
+        libc.mprotect(start + page, page, mmap.PROT_READ | mmap.PROT_WRITE)
+        del x
+
+
+@AMX
+def test_the_amx_gemm_refuses_what_f_linear_would(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    packed = packed_gemm.pack(torch.randn(64, 32).bfloat16())
+    assert packed.dim() == 4
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        packed_gemm.linear(torch.randn(3, 32), packed, None)  # float32 x
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        packed_gemm.linear(torch.randn(3, 32).bfloat16(), packed, torch.randn(64))  # a float32 bias
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        packed_gemm.linear(torch.randn(3, 32).bfloat16(), packed, torch.randn(32).bfloat16())  # too short
+    assert not packed_gemm.amx_fits(torch.empty(0, 32).bfloat16())  # nothing to lay out
+
+
+@AMX
 def test_what_the_amx_kernel_does_not_take_goes_to_onednn(monkeypatch):
     w = torch.randn(100, 64).bfloat16()  # 100 columns: not a multiple of 32
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)

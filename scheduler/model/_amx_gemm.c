@@ -16,7 +16,7 @@
  * Arithmetic: each output is the float32 sum of exact bfloat16 products, in the order the tile
  * unit adds them, plus the bias (float32), rounded to bfloat16 once (nearest even, as torch
  * rounds; VCVTNEPS2BF16, so AVX512-BF16 is needed too, which every AMX CPU has). oneDNN sums in another order, so an output can differ from its by one bfloat16 ulp
- * (tests/test_packed_gemm.py: almost all equal).
+ * (or two, where the sum cancels; tests/test_packed_gemm.py: almost all equal).
  *
  * Needs a CPU with AMX-TILE and AMX-BF16 and Linux's permission for the tile data
  * (`amx_ready`); anything else, or a compiler without the AMX intrinsics, builds the stubs and
@@ -47,10 +47,14 @@ typedef struct {
  * data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later), else 0 */
 int amx_ready(void) {
 #if HAVE_AMX
-    unsigned a, b, c, d;
+    unsigned a, b, c, d, lo, hi;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE: xgetbv may run */
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xE6u) != 0xE6u) return 0; /* the OS saves the AVX and AVX-512 state (store16's) */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    if (!(d & (1u << 24)) || !(d & (1u << 22))) return 0; /* AMX-TILE, AMX-BF16 */
+    if (!(b & (1u << 16)) || !(d & (1u << 24)) || !(d & (1u << 22))) return 0; /* AVX512F, AMX-TILE, AMX-BF16 */
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return 0; /* AVX512-BF16 (the rounding) */
+    (void)hi;
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 #else
     return 0;

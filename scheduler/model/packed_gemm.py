@@ -16,7 +16,8 @@ The reordered weight is an opaque oneDNN tensor that only this GEMM reads; once 
 the dense one is freed (`free_dense`), so the weights are held once, except an LM head tied to
 the embedding, whose dense table the embedding still reads.
 
-In bfloat16 on a CPU with AMX, with one intra-op thread (the engine's default), the weight is
+In bfloat16 on a CPU with AMX, with one intra-op thread (`--device-threads 1`, the default
+on a 2-core machine; the engine sets its threads before the weights load), the weight is
 laid out instead for `_amx_gemm.c`'s kernel (a 4-D [N / 16, K / 32, 16, 32] tensor, which is
 how `linear` tells the two apart): a decode round's GEMMs stream their weights from cache
 faster through it than through oneDNN's (BENCHMARKS.md, "The projections on AMX tiles").
@@ -90,7 +91,8 @@ _AMX = _load_amx()
 def amx_fits(weight: torch.Tensor) -> bool:
     """Whether `pack` lays `weight` out for the AMX kernel (module docstring) on this thread count."""
     return (_AMX is not None and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.device.type == "cpu"
-            and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and torch.get_num_threads() == 1)
+            and weight.numel() > 0 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+            and torch.get_num_threads() == 1)
 
 
 def kernel_name(dtype: torch.dtype) -> str:
@@ -121,9 +123,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     if packed.dim() == 4:  # the AMX kernel's layout
         assert _AMX is not None
         n, k = packed.shape[0] * 16, packed.shape[1] * 32
+        if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
+            raise RuntimeError(f"the AMX GEMM takes bfloat16 x and a bfloat16 [{n}] bias, not {x.dtype} x and "
+                               f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
         x2 = x.reshape(-1, k)
-        if x2.stride(1) != 1 or x2.dtype != torch.bfloat16:
-            x2 = x2.contiguous().to(torch.bfloat16)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
         b = None if bias is None else bias.contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
         if _AMX.amx_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
