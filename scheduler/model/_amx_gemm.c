@@ -18,8 +18,8 @@
  * rounds; VCVTNEPS2BF16, so AVX512-BF16 is needed too, which every AMX CPU has). oneDNN sums in another order, so an output can differ from its by one bfloat16 ulp
  * (or two, where the sum cancels; tests/test_packed_gemm.py: almost all equal).
  *
- * Needs a CPU with AMX-TILE and AMX-BF16 and Linux's permission for the tile data
- * (`amx_ready`); anything else, or a compiler without the AMX intrinsics, builds the stubs and
+ * Needs a CPU with AMX-TILE, AMX-BF16 and AVX512-BF16, the OS's AVX-512 state and Linux's
+ * permission for the tile data (`amx_ready`); anything else, or a compiler without the AMX intrinsics, builds the stubs and
  * packed_gemm uses oneDNN's GEMM. No Python API: the module init only lets setuptools build it.
  */
 #include <Python.h>
@@ -43,8 +43,9 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) TileCfg;
 
-/* 1 where this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile
- * data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later), else 0 */
+/* 1 where this CPU has AMX-TILE, AMX-BF16, AVX512F and AVX512-BF16, the OS saves the AVX-512
+ * state (XCR0), and the kernel lets this process use the tile data (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 and later), else 0 */
 int amx_ready(void) {
 #if HAVE_AMX
     unsigned a, b, c, d, lo, hi;
