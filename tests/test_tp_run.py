@@ -228,9 +228,10 @@ seeds = RankSeed.fork(2)
 me = open("/proc/self/cmdline", "rb").read()
 print([open(f"/proc/{s._seed[1].pid}/cmdline", "rb").read() == me for s in seeds])  # forked, not spawned
 print(seeds[0].start({"WORLD_SIZE": "2"}).wait(60))  # no RANK: fails as the module run would
-# a rank waiting for a rank 0 that never comes: stopped as a failed run stops its ranks
-env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-       PARENT_PID_ENV: str(os.getpid())}
+# a rank waiting for a rank 0 that never comes: stopped as a failed run stops its ranks (its
+# layout must fit the world, or it fails on that at once, before or after the stop: a race)
+env = {"RANK": "1", "WORLD_SIZE": "2", "MSTRACE_TP": "2", "MASTER_ADDR": "127.0.0.1",
+       "MASTER_PORT": str(free_port()), PARENT_PID_ENV: str(os.getpid())}
 hung = seeds[1].start(env)
 print(hung.poll(), stop_workers([hung], graceful=False), hung.poll())
 """
