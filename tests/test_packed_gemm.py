@@ -39,16 +39,18 @@ def test_auto_follows_its_own_and_an_independent_measurement(dtype: torch.dtype)
                      r"\((?:AMX tiles|oneDNN), one thread\) measured ([\d.]+)x F.linear's speed on this CPU", c.why)
     assert m, c.why
     assert c.packed == (m.group(1) == "on")
-    # and a measurement of its own: where reordering plainly pays or plainly does not, the
-    # choice must say so (near the threshold a busy machine could tip either)
+    # and measurements of its own: where reordering plainly pays or plainly does not, the
+    # choice must say so (near the threshold a busy machine could tip either). Three of them,
+    # all on one side, before a contradiction counts: under the suite's load one measurement
+    # read 0.62x where the choice's own had read 1.18x (float32, CI of 12-06).
     torch.set_num_threads(1)
     try:
-        own = packed_gemm.speedup(dtype)
+        own = [packed_gemm.speedup(dtype) for _ in range(3)]
     finally:
         torch.set_num_threads(before)
-    if own > 1.5 * MIN_SPEEDUP:
+    if min(own) > 1.5 * MIN_SPEEDUP:
         assert c.packed, (own, c.why)
-    elif own < 0.8 * MIN_SPEEDUP:
+    elif max(own) < 0.8 * MIN_SPEEDUP:
         assert not c.packed, (own, c.why)
 
 
