@@ -10,8 +10,9 @@ the forward's and nothing else.
 Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (each layer's
 input norm), qkv, rope_kv (RoPE and the KV write, one call), attention, o_proj, add_norm
 (the residual add after attention and the norm before the MLP, one call), gate_up, act
-(SiLU and gating), down, residual (the MLP's add), logits (the final norm and the LM head
-over the sampled rows), sample. What the parts' timers do not cover of the whole forward's own
+(SiLU and gating; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
+residual (the MLP's add), logits (the final norm and the LM head over the sampled rows),
+sample. What the parts' timers do not cover of the whole forward's own
 time (the loop, attribute look-ups) is shown as `unattributed`.
 
 Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
@@ -65,6 +66,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
+from scheduler.model import packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
@@ -185,11 +187,15 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
             o = layer._linear(a, "o_proj", layer.o_proj, layer.o_bias)
         with c.part("add_norm"):
             x, h = add_norm(x, o, layer.post_attention_layernorm, layer.eps)
-        with c.part("gate_up"):
-            gu = layer._linear(h, "gate_up_proj", layer.gate_up_proj, layer.gate_up_bias)
-        with c.part("act"):
-            gate, up = gu.chunk(2, dim=-1)
-            m = F.silu(gate) * up
+        if fused_gating(model):  # the SiLU-gating inside the GEMM's pass: the part is gate_up's
+            with c.part("gate_up"):
+                m = layer.gated(h)
+        else:
+            with c.part("gate_up"):
+                gu = layer._linear(h, "gate_up_proj", layer.gate_up_proj, layer.gate_up_bias)
+            with c.part("act"):
+                gate, up = gu.chunk(2, dim=-1)
+                m = F.silu(gate) * up
         with c.part("down"):
             d = layer._linear(m, "down_proj", layer.down_proj, layer.down_bias)
         with c.part("residual"):
@@ -199,6 +205,12 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
     with c.part("sample"):
         tokens = logits[: fb.num_sampled].argmax(dim=-1)
     return logits, tokens
+
+
+def fused_gating(model: CausalLM) -> bool:
+    """Whether the model's gate/up GEMM does the SiLU-gating in its own pass (packed_gemm.gated)."""
+    packed = model.layers[0].packs.get("gate_up_proj")
+    return packed is not None and packed_gemm.gates(packed)
 
 
 # --------------------------------------------------------------------------- work per part
@@ -235,6 +247,9 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     out["rope_kv"] = (0.0, es * t * (2 * qs + 5 * kvs) * n_layers)
     out["add_norm"] = (0.0, es * 4 * t * hs * n_layers)  # reads x and the attention's output, writes the sum and its norm
     out["act"] = (0.0, es * 3 * t * inter * n_layers)
+    if fused_gating(model):  # gate_up writes the gated [t, inter] rows; no pass of its own
+        out["gate_up"] = (out["gate_up"][0], out["gate_up"][1] - es * t * inter * n_layers)
+        out["act"] = (0.0, 0.0)
     out["residual"] = (0.0, es * 3 * t * hs * n_layers)  # the MLP's add
     out["sample"] = (0.0, F32 * fb.num_sampled * v)
     out["plan"] = (0.0, 0.0)
@@ -252,13 +267,17 @@ def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[st
     fan_in = {"qkv_proj": cfg.hidden_size, "o_proj": cfg.q_size, "gate_up_proj": cfg.hidden_size,
               "down_proj": cfg.intermediate_size}
     total: dict[str, float] = defaultdict(float)
+    fused = fused_gating(model)
     for fb in fbs:
         t = fb.num_tokens
         for part, name, b in (("qkv", "qkv_proj", lay.qkv_bias), ("o_proj", "o_proj", lay.o_bias),
                               ("gate_up", "gate_up_proj", lay.gate_up_bias), ("down", "down_proj", lay.down_bias)):
             x = torch.randn(t, fan_in[name], dtype=dtype)
             w = getattr(lay, name)
-            total[part] += n_layers * _best_s(lambda x=x, n=name, w=w, b=b: lay._linear(x, n, w, b), reps)
+            if part == "gate_up" and fused:
+                total[part] += n_layers * _best_s(lambda x=x: lay.gated(x), reps)
+            else:
+                total[part] += n_layers * _best_s(lambda x=x, n=name, w=w, b=b: lay._linear(x, n, w, b), reps)
         rows = fb.num_sampled + fb.num_scored
         if rows:
             x = torch.randn(rows, cfg.hidden_size, dtype=dtype)

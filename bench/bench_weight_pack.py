@@ -11,7 +11,9 @@ where this CPU computes it natively, bfloat16 (what `--dtype auto` picks there).
 batch's medians and their ratio, and the GEMM that `--weight-pack auto` times at start-up.
 Where bfloat16's packed weights go to the AMX kernel (`_amx_gemm.c`: one thread, AMX), a
 third model packed for oneDNN (its weights reordered with two threads set) joins the
-alternation, and the line adds AMX / oneDNN.
+alternation, and the line adds AMX / oneDNN; where the AMX kernel also does the MLP's
+SiLU-gating in its pass (`packed_gemm.gated`), the AMX model runs once more with the gating as
+torch's ops after the GEMM, and the line adds the ratio of the two.
 `--profile` prints instead, per batch and setting, torch.profiler's top ops over ten forwards
 beside the forward's wall time (the C kernels, called through ctypes, are not torch ops: the
 wall time less the ops' is theirs and Python's).
@@ -76,6 +78,7 @@ def main() -> None:
             torch.set_num_threads(2)
             models["oneDNN"], _ = load_model(folder, "cpu", dtype, pack=True)
             torch.set_num_threads(1)
+        gating = packed_gemm.gates(packed.layers[0].packs["gate_up_proj"])
         kv = plain.make_kv_cache(2000, BS)
         with torch.inference_mode():
             for name, fb in batches(torch.Generator().manual_seed(0)).items():
@@ -92,9 +95,17 @@ def main() -> None:
                         t = time.perf_counter()
                         model(fb, kv)
                         times[key].append(time.perf_counter() - t)
+                    if gating:  # the AMX model again, its SiLU-gating as torch's ops after the GEMM
+                        packed_gemm._EXPF16, saved = None, packed_gemm._EXPF16
+                        t = time.perf_counter()
+                        packed(fb, kv)
+                        times.setdefault("apart", []).append(time.perf_counter() - t)
+                        packed_gemm._EXPF16 = saved
                 med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
                 amx = (f"; AMX / oneDNN {med['on'] / med['oneDNN']:.3f} (oneDNN {med['oneDNN']:.2f} ms)"
                        if "oneDNN" in med else "")
+                if gating:
+                    amx += f"; gating in the GEMM / apart {med['on'] / med['apart']:.3f} (apart {med['apart']:.2f} ms)"
                 print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {med['on']:.2f} ms, off {med['off']:.2f} ms "
                       f"(medians of {a.repeats}), on / off {med['on'] / med['off']:.3f}{amx}", flush=True)
 

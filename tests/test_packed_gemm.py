@@ -80,6 +80,53 @@ def test_the_amx_gemm_is_f_linear_up_to_its_sum_order(m, k, n, bias, strided, mo
         torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
 
 
+GATES = pytest.mark.skipif(packed_gemm._EXPF16 is None,
+                           reason="no AMX here, or torch's AVX-512 exp not found: the gating runs as torch's ops")
+
+
+@GATES
+@pytest.mark.parametrize("m", [0, 1, 5, 16, 17, 64, 200])
+@pytest.mark.parametrize("k,inter,bias,strided", [(512, 1536, False, False), (64, 48, True, True)])
+def test_the_gating_in_the_gemm_is_torchs_ops_apart_bit_for_bit(m, k, inter, bias, strided, monkeypatch):
+    """`gated` on the packed gate/up weight: the same bits as F.silu(gate) * up on the GEMM's
+    own output, over sums large enough that exp(-x) overflows float32."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    g = torch.Generator().manual_seed(m * 5 + k)
+    base = (torch.randn(m, k + (32 if strided else 0), generator=g) * 4).bfloat16()
+    x = base[:, 16:16 + k] if strided else base
+    scale = torch.logspace(-2, 1, 2 * inter)[torch.randperm(2 * inter, generator=g)]  # small and large sums in each half
+    w = (torch.randn(2 * inter, k, generator=g) * scale[:, None]).bfloat16()
+    b = (torch.randn(2 * inter, generator=g) * 3).bfloat16() if bias else None
+    packed = packed_gemm.pack(w)
+    gate, up = packed_gemm.linear(x, packed, b).chunk(2, dim=-1)
+    y = packed_gemm.gated(x, packed, b)
+    assert y is not None and y.shape == (m, inter) and y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.nn.functional.silu(gate) * up)
+    if m:
+        assert gate.float().abs().max() > 88  # exp(-gate) overflows float32 for the largest
+
+
+@GATES
+def test_the_forward_is_the_same_bits_with_the_gating_in_the_gemm_or_apart(monkeypatch):
+    """The tiny preset's forward on AMX-packed weights, decode rows and a prefill chunk: the
+    logits of the MLP's gating in the GEMM's pass equal those of torch's ops after it (what
+    runs where torch's exp is not found: `gated` says None)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    model, _ = load_model(ensure_preset("tiny"), "cpu", torch.bfloat16, pack=True)
+    assert packed_gemm.gates(model.layers[0].packs["gate_up_proj"])
+    kv = model.make_kv_cache(64, 4)
+    g = torch.Generator().manual_seed(3)
+    chunks = [SeqChunk([int(t)], ctx, list(range(4 * i, 4 * i + 4)), True)
+              for i, (t, ctx) in enumerate(zip(torch.randint(5, 500, (4,), generator=g), (3, 7, 9, 14), strict=True))]
+    chunks.append(SeqChunk(torch.randint(5, 500, (21,), generator=g).tolist(), 0, [40, 41, 42, 43, 44, 45], True))
+    batch = build_forward_batch(chunks, 4, "cpu")
+    fused = model(batch, kv)
+    monkeypatch.setattr(packed_gemm, "_EXPF16", None)
+    assert packed_gemm.gated(torch.zeros(2, 64, dtype=torch.bfloat16), model.layers[0].packs["gate_up_proj"],
+                             None) is None
+    assert torch.equal(model(batch, kv), fused)
+
+
 @AMX
 def test_the_amx_gemm_reads_no_row_of_x_past_the_last(monkeypatch):
     """x's last row ends where an unreadable page begins: a kernel that loaded a whole 16-row

@@ -93,24 +93,90 @@ static void configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 sums (+ bias) to bfloat16, nearest even (VCVTNEPS2BF16: torch's rounding; a NaN stays a NaN) */
+/* 16 floats to bfloat16 and back: the value a bfloat16 tensor would hold */
 __attribute__((target("avx512f,avx512bf16")))
-static inline void store16(uint16_t *y, const float *acc, const uint16_t *bias) {
+static inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+/* 16 values (+ bias) as float32 */
+__attribute__((target("avx512f")))
+static inline __m512 load16(const float *acc, const uint16_t *bias) {
     __m512 v = _mm512_loadu_ps(acc);
     if (bias) /* bfloat16 bits shifted up are the float32 */
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16)));
-    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(v));
+    return v;
 }
 
+/* 16 sums (+ bias) to bfloat16, nearest even (VCVTNEPS2BF16: torch's rounding; a NaN stays a NaN) */
+__attribute__((target("avx512f,avx512bf16")))
+static inline void store16(uint16_t *y, const float *acc, const uint16_t *bias) {
+    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(load16(acc, bias)));
+}
+
+/* 16 floats rounded to bfloat16 as torch's own conversion rounds them (nearest even by the
+ * integer carry, a NaN to 0x7FC0), in the low halves of 32-bit lanes. Unlike VCVTNEPS2BF16 it
+ * keeps a subnormal: a SiLU of a large negative gate times a small up is one. */
+__attribute__((target("avx512f")))
+static inline __m512i torch_bf16(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), r);
+}
+
+/* silu(gate) * up for 16 columns, each step rounded to bfloat16 where torch's separate ops
+ * round: the GEMM's output as store16 rounds it, F.silu's and the product's as torch's
+ * conversion does. SiLU is torch's vectorised kernel's x / (1 + exp(-x)) with torch's own exp
+ * (`expf16`): the same bits as `F.silu(gate) * up` on this kernel's gate/up output. */
+typedef __m512 (*ExpF16)(__m512);
+
+__attribute__((target("avx512f,avx512bf16")))
+static inline void store_gated(uint16_t *y, const float *gate, const float *up, const uint16_t *gate_bias,
+                               const uint16_t *up_bias, ExpF16 expf16) {
+    const __m512 g = round_bf16(load16(gate, gate_bias)), u = round_bf16(load16(up, up_bias));
+    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
+    const __m512i s = torch_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), expf16(neg))));
+    const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(torch_bf16(_mm512_mul_ps(sf, u))));
+}
+
+/* What one call computes: y = x . W^T (+ bias), or with `expf16` the gating of W's two halves */
+typedef struct {
+    const uint16_t *p, *bias;
+    uint16_t *y;
+    int64_t n, ks, y_cols;
+    ExpF16 expf16; /* NULL: the plain product */
+} Gemm;
+
+/* rows of one 16-row block's sums (acc [16][32]: column tiles a, b) into y at pair q */
+__attribute__((target("avx512f,avx512bf16")))
+static inline void emit(const Gemm *g, float acc[16][32], int64_t row0, int rows, int64_t q) {
+    const uint16_t *bias = g->bias;
+    uint16_t *y = g->y + row0 * g->y_cols;
+    if (g->expf16) { /* gate tile q, up tile q + n / 32: output columns 16q.. */
+        const uint16_t *bg = bias ? bias + 16 * q : NULL, *bu = bias ? bias + g->n / 2 + 16 * q : NULL;
+        for (int r = 0; r < rows; r++) store_gated(y + r * g->y_cols + 16 * q, acc[r], acc[r] + 16, bg, bu, g->expf16);
+    } else { /* column tiles 2q, 2q + 1: output columns 32q.. */
+        const uint16_t *b0 = bias ? bias + 32 * q : NULL, *b1 = bias ? bias + 32 * q + 16 : NULL;
+        for (int r = 0; r < rows; r++) {
+            store16(y + r * g->y_cols + 32 * q, acc[r], b0);
+            store16(y + r * g->y_cols + 32 * q + 16, acc[r] + 16, b1);
+        }
+    }
+}
+
+/* Two column tiles at a time, 16 rows of x per pass. (Two row blocks by two column tiles, four
+ * sums at once, measured 1.3-1.5x slower here on 64-512 rows: BENCHMARKS.md.) */
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))
-static int gemm(const uint16_t *x, int64_t x_stride, const uint16_t *p, const uint16_t *bias, uint16_t *y,
-                int64_t m, int64_t n, int64_t k) {
+static void gemm(const uint16_t *x, int64_t x_stride, const Gemm *g, int64_t m) {
     float acc[16][32];
-    const int64_t ks = k / 32;
+    const int64_t ks = g->ks;
     int configured = -1;
-    for (int64_t j = 0; j < n / 16; j += 2) {
-        const uint16_t *b0 = p + j * ks * 512, *b1 = b0 + ks * 512;
+    for (int64_t q = 0; q < g->n / 32; q++) {
+        const int64_t ja = g->expf16 ? q : 2 * q, jb = g->expf16 ? q + g->n / 32 : 2 * q + 1;
+        const uint16_t *b0 = g->p + ja * ks * 512, *b1 = g->p + jb * ks * 512;
         for (int64_t m0 = 0; m0 < m; m0 += 16) {
             const int rows = (int)(m - m0 < 16 ? m - m0 : 16);
             if (rows != configured) {
@@ -129,15 +195,10 @@ static int gemm(const uint16_t *x, int64_t x_stride, const uint16_t *p, const ui
             }
             _tile_stored(0, &acc[0][0], 128);
             _tile_stored(1, &acc[0][16], 128);
-            for (int r = 0; r < rows; r++) {
-                uint16_t *yr = y + (m0 + r) * n + 16 * j;
-                store16(yr, acc[r], bias ? bias + 16 * j : NULL);
-                store16(yr + 16, acc[r] + 16, bias ? bias + 16 * j + 16 : NULL);
-            }
+            emit(g, acc, m0, rows, q);
         }
     }
     _tile_release();
-    return 0;
 }
 #endif
 
@@ -148,9 +209,28 @@ int amx_linear(const uint16_t *x, int64_t x_stride, const uint16_t *p, const uin
                int64_t n, int64_t k) {
 #if HAVE_AMX
     if (n % 32 || k % 32 || m < 0) return -1;
-    return gemm(x, x_stride, p, bias, y, m, n, k);
+    const Gemm g = {p, bias, y, n, k / 32, n, NULL};
+    gemm(x, x_stride, &g, m);
+    return 0;
 #else
     (void)x, (void)x_stride, (void)p, (void)bias, (void)y, (void)m, (void)n, (void)k;
+    return -1;
+#endif
+}
+
+/* y [m, n / 2] = silu(gate) * up where [gate | up] = x . W^T (+ bias [n]) (a gate/up projection,
+ * gate the first n / 2 columns), each step rounded to bfloat16 as torch's ops apart round;
+ * expf16 is torch's vectorised float exp (the caller passes Sleef_expf16_u10, which its silu
+ * calls). n and k multiples of 32. Returns 0 or -1 as amx_linear. */
+int amx_gated(const uint16_t *x, int64_t x_stride, const uint16_t *p, const uint16_t *bias, uint16_t *y, int64_t m,
+              int64_t n, int64_t k, void *expf16) {
+#if HAVE_AMX
+    if (n % 32 || k % 32 || m < 0 || !expf16) return -1;
+    const Gemm g = {p, bias, y, n, k / 32, n / 2, (ExpF16)expf16};
+    gemm(x, x_stride, &g, m);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)p, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)expf16;
     return -1;
 #endif
 }

@@ -283,6 +283,10 @@ class DecoderLayer(nn.Module):
 
     def gated(self, h: torch.Tensor) -> torch.Tensor:
         """Gate/up on normed rows and SiLU-gating: ``[T, intermediate]``."""
+        packed = self.packs.get("gate_up_proj")
+        fused = None if packed is None else packed_gemm.gated(h, packed, self.gate_up_bias)
+        if fused is not None:
+            return fused
         gate, up = self._linear(h, "gate_up_proj", self.gate_up_proj, self.gate_up_bias).chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +83,25 @@ def _load_amx() -> ctypes.CDLL | None:
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     lib.amx_pack.argtypes, lib.amx_pack.restype = [p, p, n, n], None
     lib.amx_linear.argtypes, lib.amx_linear.restype = [p, n, p, p, p, n, n, n], ctypes.c_int
+    lib.amx_gated.argtypes, lib.amx_gated.restype = [p, n, p, p, p, n, n, n, p], ctypes.c_int
     return lib if lib.amx_ready() == 1 else None
 
 
+def _torch_expf16() -> int | None:
+    """The address of the float exp torch's AVX-512 kernels call (`Sleef_expf16_u10`, exported by
+    libtorch_cpu), where torch runs those kernels here; else None. `gated` computes SiLU with it,
+    so its bits are F.silu's."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
 _AMX = _load_amx()
+_EXPF16 = _torch_expf16() if _AMX is not None else None
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
@@ -122,14 +138,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     """`F.linear(x, weight, bias)` on `pack(weight)`."""
     if packed.dim() == 4:  # the AMX kernel's layout
         assert _AMX is not None
-        n, k = packed.shape[0] * 16, packed.shape[1] * 32
-        if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
-            raise RuntimeError(f"the AMX GEMM takes bfloat16 x and a bfloat16 [{n}] bias, not {x.dtype} x and "
-                               f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
-        x2 = x.reshape(-1, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        b = None if bias is None else bias.contiguous()
+        x2, b, n, k = _amx_operands(x, packed, bias)
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
         if _AMX.amx_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
                            y.data_ptr(), x2.shape[0], n, k) != 0:
@@ -138,6 +147,41 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), packed, bias,
                                                            "none", [], "")
     return out
+
+
+def gated(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.silu(gate) * up` where `gate, up = linear(x, packed, bias).chunk(2, -1)`, the same bits,
+    in one pass of the AMX kernel: the SiLU and the product are computed on each tile's sums
+    before they leave the core, so the [rows, 2 x intermediate] output is never written and read
+    back. None where that pass does not apply (another layout, or torch's exp not found): the
+    caller then runs the ops apart."""
+    if not gates(packed):
+        return None
+    assert _AMX is not None
+    x2, b, n, k = _amx_operands(x, packed, bias)
+    y = torch.empty(x2.shape[0], n // 2, dtype=torch.bfloat16)
+    if _AMX.amx_gated(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+                      y.data_ptr(), x2.shape[0], n, k, _EXPF16) != 0:
+        raise RuntimeError(f"the AMX GEMM refused a [{x2.shape[0]}, {k}] x [{n}, {k}] gating")
+    return y.view(*x.shape[:-1], n // 2)
+
+
+def gates(packed: torch.Tensor) -> bool:
+    """Whether `gated` runs on this packed gate/up weight (else the caller runs the ops apart)."""
+    return packed.dim() == 4 and _EXPF16 is not None
+
+
+def _amx_operands(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """x as rows of unit stride, the bias contiguous, and the weight's N and K, checked as F.linear would."""
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
+        raise RuntimeError(f"the AMX GEMM takes bfloat16 x and a bfloat16 [{n}] bias, not {x.dtype} x and "
+                           f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, None if bias is None else bias.contiguous(), n, k
 
 
 def speedup(dtype: torch.dtype) -> float:
