@@ -187,6 +187,15 @@ static void gemm(const uint16_t *x, int64_t x_stride, const Gemm *g, int64_t m) 
             _tile_zero(1);
             const uint16_t *xa = x + m0 * x_stride;
             for (int64_t s = 0; s < ks; s++) {
+                /* the first row block asks for the weight four K steps ahead (every line of both
+                 * blocks; past the pair's end it is the next pair's): a forward's GEMMs measured
+                 * 1-9% faster, most where the host was slow and its L3 shared */
+                if (m0 == 0)
+                    for (int l = 0; l < 16; l++) {
+                        const uintptr_t ahead = (uintptr_t)(((s + 4) * 512 + 32 * l) * 2); /* may pass the end */
+                        _mm_prefetch((const char *)((uintptr_t)b0 + ahead), _MM_HINT_T0);
+                        _mm_prefetch((const char *)((uintptr_t)b1 + ahead), _MM_HINT_T0);
+                    }
                 _tile_loadd(2, xa + 32 * s, x_stride * 2);
                 _tile_loadd(3, b0 + s * 512, 64);
                 _tile_loadd(4, b1 + s * 512, 64);
