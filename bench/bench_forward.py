@@ -29,7 +29,9 @@ whole run and for its prefill-heavy and decode-heavy rounds, each headed by the 
 share of the GEMM peak and the share a forward with every part exactly at its limit would
 reach (the bound the machine and the model set); JSON to bench/out/. The peak is measured
 before and after the replay and the higher kept: a shared machine's speed moves within
-minutes.
+minutes. The forward in the tables runs its layers in Python, as the mirror does; where the
+engine runs a decode round's layers in one C call (scheduler/model/native_layers.py), a line
+under each table gives that forward's time too (the same logits, checked).
 
     .venv/bin/python bench/bench_forward.py                 # the default workload, 1 thread
     .venv/bin/python bench/bench_forward.py --requests 16   # smoke
@@ -66,7 +68,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
-from scheduler.model import packed_gemm  # noqa: E402
+from scheduler.model import native_layers, packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
@@ -290,27 +292,45 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
     """Per part: seconds in the mirror, FLOPs and bytes of its least work, and its GEMM alone
     at the batches' shapes; and the whole forward's own seconds."""
     c = Clock()
-    whole_ns = 0
+    whole_ns = native_ns = 0
     with torch.inference_mode():
         for fb in fbs:
             t0 = time.perf_counter_ns()
-            ref = model.forward(fb, kv)
-            ref[: fb.num_sampled].argmax(dim=-1)
-            whole_ns += time.perf_counter_ns() - t0
+            out = model.forward(fb, kv)  # as the engine runs it: a decode round's layers in one C call
+            out[: fb.num_sampled].argmax(dim=-1)
+            native_ns += time.perf_counter_ns() - t0
+            with python_layers():  # the forward the parts mirror
+                t0 = time.perf_counter_ns()
+                ref = model.forward(fb, kv)
+                ref[: fb.num_sampled].argmax(dim=-1)
+                whole_ns += time.perf_counter_ns() - t0
+            assert torch.equal(out, ref), "the layers in one C call drifted from the layers in Python"
             logits, _ = timed_forward(model, fb, kv, c)
             assert torch.equal(logits, ref), "the timed mirror drifted from CausalLM.forward"
         shape = shape_gemm_s(model, fbs, reps)
     per_batch = [work(model, fb) for fb in fbs]
     return {"batches": len(fbs), "tokens": sum(fb.num_tokens for fb in fbs),
-            "decode_rows": sum(fb.num_decode for fb in fbs), "whole_s": whole_ns / 1e9,
+            "decode_rows": sum(fb.num_decode for fb in fbs), "whole_s": whole_ns / 1e9, "native_s": native_ns / 1e9,
             "s": {p: c.ns.get(p, 0) / 1e9 for p in PARTS},
             "flops": {p: sum(w[p][0] for w in per_batch) for p in PARTS},
             "bytes": {p: sum(w[p][1] for w in per_batch) for p in PARTS},
             "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
 
 
+@contextmanager
+def python_layers() -> Iterator[None]:
+    """The decoder layers in Python, as the parts' mirror runs them (native_layers' one C call
+    for a decode round refused)."""
+    saved = native_layers.decode_layers
+    native_layers.decode_layers = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        native_layers.decode_layers = saved
+
+
 def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s")}
+    out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s", "native_s")}
     return out | {k: {p: a[k][p] + b[k][p] for p in PARTS} for k in ("s", "flops", "bytes", "shape_s")}
 
 
@@ -334,6 +354,7 @@ def table(name: str, m: dict[str, Any], peak: float, bw: float) -> dict[str, Any
     limits_s = sum(r["limit_ms"] for r in rows) / 1e3
     return {"name": name, "batches": m["batches"], "tokens": m["tokens"], "decode_rows": m["decode_rows"],
             "forward_ms": whole_s * 1e3, "parts_ms": timed_s * 1e3, "unattributed_ms": (whole_s - timed_s) * 1e3,
+            "native_forward_ms": m["native_s"] * 1e3,
             "gflops": total_flops / whole_s / 1e9 if whole_s else 0.0,
             "of_peak": total_flops / whole_s / 1e9 / peak if whole_s else 0.0,
             # the share of the peak a forward with every part exactly at its limit would reach
@@ -352,6 +373,9 @@ def print_table(t: dict[str, Any]) -> None:
         print(f"{r['part']:<10} {r['ms']:9.1f} {r['share']:6.1%} {r['limit_ms']:9.1f} {f(r['of_limit'], '8.1%')} "
               f"{r['lost_ms']:9.1f} {f(r['gflops'], '8.1f')} {f(r['gbs'], '6.1f')} {f(r['shape_ms'], '9.1f')}")
     print(f"{'unattributed':<10} {t['unattributed_ms']:9.1f} {t['unattributed_ms'] / t['forward_ms']:6.1%}")
+    print(f"the forward as the engine runs it, a decode round's layers in one C call where that applies "
+          f"(native_layers): {t['native_forward_ms']:.1f} ms, {t['native_forward_ms'] / t['forward_ms']:.3f}x "
+          "the forward above (the layers in Python, which the parts mirror)")
 
 
 def main(argv: list[str] | None = None) -> int:

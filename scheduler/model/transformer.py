@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import packed_gemm
+from . import native_layers, packed_gemm
 from .config import ModelConfig, ModelPart
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
@@ -66,6 +66,8 @@ class CausalLM(nn.Module):
             self.lm_head = new_param(vh, dtype, device)
         self.rope = RotaryTable(cfg.rope_inv_freq(), dtype, device)
         self.lm_head_packed: torch.Tensor | None = None  # pack_weights
+        # each layer's weights' addresses for a decode round's layers in one C call (pack_weights)
+        self.decode_weights: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
         """Every projection and the LM head reordered once for the CPU's GEMM (packed_gemm),
@@ -77,6 +79,7 @@ class CausalLM(nn.Module):
             self.lm_head_packed = packed_gemm.pack(self.lm_head)
             if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads the table
                 packed_gemm.free_dense(self.lm_head)
+        self.decode_weights = native_layers.weights_table(self)
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +125,10 @@ class CausalLM(nn.Module):
     def run_layers(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """This part's decoder layers over hidden states ``x [T, hidden]``."""
         self.check_kv(kv)
+        if self.decode_weights is not None:  # a decode round on AMX: the layers in one C call where it applies
+            out = native_layers.decode_layers(self, x, batch, kv, self.decode_weights)
+            if out is not None:
+                return out
         cos, sin, plan = self.attention_inputs(batch)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], batch, plan)
