@@ -10,7 +10,9 @@
  * The joins make two passes over a row each (the sum, then its norm; the rotation, then the
  * copy into the cache), the row still in cache for the second.
  * SiLU-gating is not here: a one-pass version (a vectorised exp) timed no faster than
- * torch's two passes on this machine, where that exp, not memory, bounds it.
+ * torch's two passes on this machine, where that exp, not memory, bounds it. Where the
+ * projections run on AMX tiles the gating is done in the gate/up GEMM's pass instead
+ * (_amx_gemm.c's amx_gated).
  *
  * The arithmetic is torch's, operation for operation (compiled without FMA contraction),
  * except the order of RMSNorm's sum of squares (lanes in a fixed tree). In bfloat16 that
