@@ -49,7 +49,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -62,13 +62,13 @@ for p in (ROOT, ROOT / "bench"):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_engine_vs_hf import make_workload, parse_range  # noqa: E402
-from common import OUT, load  # noqa: E402
+from common import OUT, load, python_layers  # noqa: E402
 
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
-from scheduler.model import native_layers, packed_gemm  # noqa: E402
+from scheduler.model import packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
@@ -294,16 +294,19 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
     c = Clock()
     whole_ns = native_ns = 0
     with torch.inference_mode():
-        for fb in fbs:
-            t0 = time.perf_counter_ns()
-            out = model.forward(fb, kv)  # as the engine runs it: a decode round's layers in one C call
-            out[: fb.num_sampled].argmax(dim=-1)
-            native_ns += time.perf_counter_ns() - t0
-            with python_layers():  # the forward the parts mirror
-                t0 = time.perf_counter_ns()
-                ref = model.forward(fb, kv)
-                ref[: fb.num_sampled].argmax(dim=-1)
-                whole_ns += time.perf_counter_ns() - t0
+        for i, fb in enumerate(fbs):
+            # as the engine runs it (a decode round's layers in one C call), and with the layers
+            # in Python (the forward the parts mirror); which goes first alternates
+            for native in (True, False) if i % 2 == 0 else (False, True):
+                with nullcontext() if native else python_layers():
+                    t0 = time.perf_counter_ns()
+                    logits = model.forward(fb, kv)
+                    logits[: fb.num_sampled].argmax(dim=-1)
+                    dt = time.perf_counter_ns() - t0
+                if native:
+                    native_ns, out = native_ns + dt, logits
+                else:
+                    whole_ns, ref = whole_ns + dt, logits
             assert torch.equal(out, ref), "the layers in one C call drifted from the layers in Python"
             logits, _ = timed_forward(model, fb, kv, c)
             assert torch.equal(logits, ref), "the timed mirror drifted from CausalLM.forward"
@@ -315,18 +318,6 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
             "flops": {p: sum(w[p][0] for w in per_batch) for p in PARTS},
             "bytes": {p: sum(w[p][1] for w in per_batch) for p in PARTS},
             "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
-
-
-@contextmanager
-def python_layers() -> Iterator[None]:
-    """The decoder layers in Python, as the parts' mirror runs them (native_layers' one C call
-    for a decode round refused)."""
-    saved = native_layers.decode_layers
-    native_layers.decode_layers = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        native_layers.decode_layers = saved
 
 
 def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

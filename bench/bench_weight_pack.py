@@ -13,7 +13,10 @@ Where bfloat16's packed weights go to the AMX kernel (`_amx_gemm.c`: one thread,
 third model packed for oneDNN (its weights reordered with two threads set) joins the
 alternation, and the line adds AMX / oneDNN; where the AMX kernel also does the MLP's
 SiLU-gating in its pass (`packed_gemm.gated`), the AMX model runs once more with the gating as
-torch's ops after the GEMM, and the line adds the ratio of the two.
+torch's ops after the GEMM, and the line adds the ratio of the two. All of these run the
+decoder layers in Python; where the engine runs a decode round's layers in one C call
+(scheduler/model/native_layers.py), the AMX model runs once more that way, and the line adds
+its ratio to the same model's layers in Python.
 `--profile` prints instead, per batch and setting, torch.profiler's top ops over ten forwards
 beside the forward's wall time (the C kernels, called through ctypes, are not torch ops: the
 wall time less the ops' is theirs and Python's).
@@ -27,7 +30,7 @@ import sys
 import time
 
 import torch
-from common import REPO
+from common import REPO, python_layers
 
 sys.path.insert(0, str(REPO))
 from scheduler.model import packed_gemm  # noqa: E402
@@ -91,21 +94,31 @@ def main() -> None:
                     for model in models.values():
                         model(fb, kv)
                 for _ in range(a.repeats):
-                    for key, model in models.items():
-                        t = time.perf_counter()
-                        model(fb, kv)
-                        times[key].append(time.perf_counter() - t)
-                    if gating:  # the AMX model again, its SiLU-gating as torch's ops after the GEMM
-                        packed_gemm._EXPF16, saved = None, packed_gemm._EXPF16
+                    with python_layers():  # the layouts compared under the same Python layers
+                        for key, model in models.items():
+                            t = time.perf_counter()
+                            model(fb, kv)
+                            times[key].append(time.perf_counter() - t)
+                        if gating:  # the AMX model again, its SiLU-gating as torch's ops after the GEMM
+                            packed_gemm._EXPF16, saved = None, packed_gemm._EXPF16
+                            try:
+                                t = time.perf_counter()
+                                packed(fb, kv)
+                                times.setdefault("apart", []).append(time.perf_counter() - t)
+                            finally:
+                                packed_gemm._EXPF16 = saved
+                    if packed.decode_weights is not None:  # the AMX model as the engine runs it
                         t = time.perf_counter()
                         packed(fb, kv)
-                        times.setdefault("apart", []).append(time.perf_counter() - t)
-                        packed_gemm._EXPF16 = saved
+                        times.setdefault("one call", []).append(time.perf_counter() - t)
                 med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
                 amx = (f"; AMX / oneDNN {med['on'] / med['oneDNN']:.3f} (oneDNN {med['oneDNN']:.2f} ms)"
                        if "oneDNN" in med else "")
                 if gating:
                     amx += f"; gating in the GEMM / apart {med['on'] / med['apart']:.3f} (apart {med['apart']:.2f} ms)"
+                if "one call" in med:
+                    amx += (f"; the engine's forward (a decode round's layers in one C call) / the layers in "
+                            f"Python {med['one call'] / med['on']:.3f} ({med['one call']:.2f} ms)")
                 print(f"  {str(dtype).removeprefix('torch.')}, {name}: on {med['on']:.2f} ms, off {med['off']:.2f} ms "
                       f"(medians of {a.repeats}), on / off {med['on'] / med['off']:.3f}{amx}", flush=True)
 

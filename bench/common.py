@@ -6,6 +6,8 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +51,19 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
     stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
     fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def python_layers() -> Iterator[None]:
+    """The model's decoder layers in Python: scheduler/model/native_layers.py's one C call for a
+    decode round refused, as on a CPU without AMX (for the benches that time the layers' parts
+    or compare GEMM layouts under them)."""
+    sys.path.insert(0, str(REPO))
+    from scheduler.model import native_layers
+
+    saved = native_layers.decode_layers
+    native_layers.decode_layers = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        native_layers.decode_layers = saved

@@ -17,8 +17,8 @@ from scheduler.model.presets import ensure_preset
 from scheduler.model.transformer import CausalLM
 
 pytestmark = pytest.mark.skipif(
-    native_layers._LIB is None or packed_gemm._EXPF16 is None,
-    reason="no AMX here (or the C layers not built): a decode round's layers run in Python")
+    native_layers._LIB is None or native_layers._kernels() is None,
+    reason="no AMX here, or a C build missing: a decode round's layers run in Python")
 
 BS = 4
 
@@ -71,6 +71,26 @@ def test_a_decode_round_in_one_call_is_the_python_layers_bit_for_bit(model, ctxs
     assert torch.equal(pool_c, pool_py)  # each layer's new K/V rows written alike
 
 
+def test_biases_are_added_where_the_python_layers_add_them(monkeypatch):
+    """Every projection with a bias (the tiny preset has none; Qwen2's qkv has one): the same bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        biased, _ = load_model(ensure_preset("tiny"), "cpu", torch.bfloat16, pack=True)
+    finally:
+        torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    for layer in biased.layers:
+        for name, proj in (("qkv_bias", "qkv_proj"), ("o_bias", "o_proj"), ("gate_up_bias", "gate_up_proj"),
+                           ("down_bias", "down_proj")):
+            rows = layer.packs[proj].shape[0] * 16
+            setattr(layer, name, torch.nn.Parameter(torch.randn(rows, generator=g).bfloat16(), requires_grad=False))
+    biased.decode_weights = native_layers.weights_table(biased)
+    assert biased.decode_weights is not None and bool((biased.decode_weights.table[:, 2] != 0).all())
+    c, py, pool_c, pool_py = both(biased, decode_batch(g, (3, 7, 9, 12, 15)), monkeypatch)
+    assert torch.equal(c, py) and torch.equal(pool_c, pool_py)
+
+
 def test_a_sliding_window_reads_the_same_keys(model, monkeypatch):
     monkeypatch.setattr(model.cfg, "sliding_window", 6)
     c, py, _, _ = both(model, decode_batch(torch.Generator().manual_seed(5), (3, 9, 14, 20)), monkeypatch)
@@ -95,6 +115,17 @@ def test_what_the_call_does_not_take_runs_in_python(model, monkeypatch):
     assert torch.equal(kv._pool, before)
     with pytest.raises(IndexError, match="out of bounds"):
         model(bad, kv)
+
+
+def test_a_cache_of_other_heads_is_refused(model):
+    """A KV cache whose rows are not the model's kv_heads x head_dim: the C call would write
+    other rows than the Python layers; it says None and they run (and raise)."""
+    from scheduler.model.kv_cache import PagedKVCache
+
+    cfg = model.cfg
+    batch = decode_batch(torch.Generator().manual_seed(4), (3, 7))
+    wide = PagedKVCache(len(model.layers), 64, BS, 2 * cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    assert native_layers.decode_layers(model, model.embed(batch), batch, wide, model.decode_weights) is None
 
 
 def test_without_the_gating_in_the_gemm_the_layers_run_in_python(model, monkeypatch):

@@ -103,7 +103,21 @@ def test_the_gating_in_the_gemm_is_torchs_ops_apart_bit_for_bit(m, k, inter, bia
     assert y is not None and y.shape == (m, inter) and y.dtype == torch.bfloat16
     assert torch.equal(y, torch.nn.functional.silu(gate) * up)
     if m:
-        assert gate.float().abs().max() > 88  # exp(-gate) overflows float32 for the largest
+        assert gate.float().min() < -88  # exp(-gate) overflows float32 for the most negative
+
+
+@GATES
+def test_the_gating_of_nan_and_infinity_writes_torchs_bits(monkeypatch):
+    """NaN and infinite sums: the same encodings as torch's vectorised ops (compared as bits:
+    `torch.equal` calls a NaN unequal to itself)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    x = torch.randn(16, 64).bfloat16()
+    x[0, 0], x[1, 0], x[2, 0] = float("nan"), float("inf"), float("-inf")
+    packed = packed_gemm.pack((torch.randn(64, 64) * 0.1).bfloat16())
+    gate, up = packed_gemm.linear(x, packed, None).chunk(2, dim=-1)
+    y = packed_gemm.gated(x, packed, None)
+    assert y is not None and bool(y[:3].isnan().any())
+    assert torch.equal(y.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
 
 
 @GATES

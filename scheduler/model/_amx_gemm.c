@@ -25,6 +25,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include "_kernels.h"
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define HAVE_AMX 1
@@ -115,15 +116,15 @@ static inline void store16(uint16_t *y, const float *acc, const uint16_t *bias) 
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(load16(acc, bias)));
 }
 
-/* 16 floats rounded to bfloat16 as torch's own conversion rounds them (nearest even by the
- * integer carry, a NaN to 0x7FC0), in the low halves of 32-bit lanes. Unlike VCVTNEPS2BF16 it
- * keeps a subnormal: a SiLU of a large negative gate times a small up is one. */
+/* 16 floats rounded to bfloat16 as torch's vectorised conversion rounds them (nearest even by
+ * the integer carry, a NaN to 0xFFFF), in the low halves of 32-bit lanes. Unlike
+ * VCVTNEPS2BF16 it keeps a subnormal: a SiLU of a large negative gate times a small up is one. */
 __attribute__((target("avx512f")))
 static inline __m512i torch_bf16(__m512 v) {
     const __m512i b = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7FC0), r);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), r);
 }
 
 /* silu(gate) * up for 16 columns, each step rounded to bfloat16 where torch's separate ops

@@ -43,6 +43,7 @@
 #include <string.h>
 
 #include "_vec.h"
+#include "_kernels.h"
 
 /* q, k, v and out hold float or uint16_t (bfloat16 bits) elements, as the entry point says */
 typedef struct {

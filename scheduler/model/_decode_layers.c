@@ -8,9 +8,9 @@
  * kernels the Python layer calls, in the same order on the same bits, with one call a round.
  *
  * It computes nothing of its own but the residual add (rounded as torch's bfloat16 add
- * rounds) and the RoPE tables' gather: the kernels are the other extensions' (`_amx_gemm`,
- * `_elementwise`, `_attention`), whose addresses the caller hands over in `Kernels`, so each
- * kernel has one source and this file needs no link to the others.
+ * rounds, _vec.h's `narrow`) and the RoPE tables' gather: the kernels are the other
+ * extensions' (`_amx_gemm`, `_elementwise`, `_attention`, declared once in _kernels.h), whose
+ * addresses the caller hands over in `Kernels`, so this file needs no link to the others.
  *
  * No Python API is used: the module init only exists so setuptools can build this as an
  * extension and pip can install it like one.
@@ -21,23 +21,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* the kernels, as _amx_gemm.c, _elementwise.c and _attention.c declare them */
+#include "_kernels.h"
+#include "_vec.h"
+
+/* the kernels' addresses, typed by their one declaration */
 typedef struct {
-    int (*linear)(const uint16_t *x, int64_t x_stride, const uint16_t *p, const uint16_t *bias, uint16_t *y,
-                  int64_t m, int64_t n, int64_t k);
-    int (*gated)(const uint16_t *x, int64_t x_stride, const uint16_t *p, const uint16_t *bias, uint16_t *y,
-                 int64_t m, int64_t n, int64_t k, void *expf16);
-    void (*rms_norm)(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
-                     float eps);
-    void (*add_rms_norm)(const uint16_t *x, const uint16_t *y, uint16_t *sum, const uint16_t *w, uint16_t *out,
-                         int64_t rows, int64_t n, float eps);
-    int (*rope_kv)(uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, int64_t rows,
-                   int64_t heads, int64_t kv_heads, int64_t D, uint16_t *k_cache, uint16_t *v_cache,
-                   const int64_t *slots, int64_t num_slots);
-    int (*attention)(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
-                     const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                     uint16_t *out, int64_t threads);
+    __typeof__(amx_linear) *linear;
+    __typeof__(amx_gated) *gated;
+    __typeof__(rms_norm_bf16) *rms_norm;
+    __typeof__(add_rms_norm_bf16) *add_rms_norm;
+    __typeof__(rope_kv_bf16) *rope_kv;
+    __typeof__(decode_attention_bf16) *attention;
     void *expf16;
 } Kernels;
 
@@ -45,31 +39,17 @@ typedef struct {
 enum { IN_NORM, QKV, QKV_BIAS, O, O_BIAS, POST_NORM, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, K_CACHE, V_CACHE,
        PER_LAYER };
 /* the model's sizes */
-enum { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SLOTS, THREADS, DIMS };
+enum { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SLOTS, THREADS, ROPE_ROWS, DIMS };
 
 #define P(a) ((uint16_t *)(uintptr_t)(a))
 
-static inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* nearest even, a NaN to 0x7FC0: torch's float -> bfloat16 conversion */
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* out [rows, hidden] = the decoder layers over x [rows, hidden] for decode rows at `positions`
  * (the new token's), their K/V written at `slots` of each layer's caches, their context read
- * through `blocks` [rows, max_blocks]. cos_table and sin_table are RotaryTable's [>= max
- * position + 1, head_dim]. `window`: the sliding window where some context exceeds it, else 0.
- * Returns 0, or -1 with `out` unwritten where a kernel refused (a slot outside the caches, the
- * attention's own limits) or scratch could not be allocated: the caller then runs the layers
+ * through `blocks` [rows, max_blocks]. cos_table and sin_table are RotaryTable's
+ * [dims[ROPE_ROWS], head_dim]. `window`: the sliding window where some context exceeds it, else 0.
+ * Returns 0, or -1 with `out` unwritten where a position lies past the tables, a kernel
+ * refused (a slot outside the caches, the attention's own limits) or scratch could not be
+ * allocated: the caller then runs the layers
  * in Python, which writes the same K/V again or raises why. */
 int decode_layers(const Kernels *kn, const int64_t *layers, int64_t n_layers, const int64_t *dims, float eps,
                   const uint16_t *x, uint16_t *out, int64_t rows, const uint16_t *cos_table,
@@ -88,26 +68,33 @@ int decode_layers(const Kernels *kn, const int64_t *layers, int64_t n_layers, co
     uint16_t *attn = qkv + rows * qkvw, *gated = attn + rows * qs, *y = gated + rows * inter, *cur = y + rows * hs;
     int64_t *ctx = (int64_t *)(void *)(buf + n16);
     for (int64_t r = 0; r < rows; r++) {
+        if (positions[r] < 0 || positions[r] >= dims[ROPE_ROWS]) {
+            free(buf);
+            return -1;
+        }
         memcpy(cos + r * d, cos_table + positions[r] * d, (size_t)d * 2);
         memcpy(sin + r * d, sin_table + positions[r] * d, (size_t)d * 2);
         ctx[r] = positions[r] + 1;
     }
     memcpy(cur, x, (size_t)(rows * hs) * 2);
     int status = 0;
-    for (int64_t i = 0; i < n_layers && status == 0; i++) {
+    for (int64_t i = 0; i < n_layers; i++) {
         const int64_t *w = layers + i * PER_LAYER;
+        /* a kernel that refuses stops the round before the next one reads its output */
         kn->rms_norm(cur, hs, P(w[IN_NORM]), h, rows, hs, eps);
-        status |= kn->linear(h, hs, P(w[QKV]), P(w[QKV_BIAS]), qkv, rows, qkvw, hs);
-        status |= kn->rope_kv(qkv, qkvw, cos, sin, rows, heads, kvh, d, P(w[K_CACHE]), P(w[V_CACHE]), slots,
-                              dims[NUM_SLOTS]);
-        if (status) break;
-        status |= kn->attention(qkv, qkvw, P(w[K_CACHE]), P(w[V_CACHE]), blocks, max_blocks, ctx, rows, heads, kvh,
-                                d, dims[BLOCK_SIZE], window, scale, attn, dims[THREADS]);
-        status |= kn->linear(attn, qs, P(w[O]), P(w[O_BIAS]), y, rows, hs, qs);
+        if ((status = kn->linear(h, hs, P(w[QKV]), P(w[QKV_BIAS]), qkv, rows, qkvw, hs))) break;
+        if ((status = kn->rope_kv(qkv, qkvw, cos, sin, rows, heads, kvh, d, P(w[K_CACHE]), P(w[V_CACHE]), slots,
+                                  dims[NUM_SLOTS])))
+            break;
+        if ((status = kn->attention(qkv, qkvw, P(w[K_CACHE]), P(w[V_CACHE]), blocks, max_blocks, ctx, rows, heads,
+                                    kvh, d, dims[BLOCK_SIZE], window, scale, attn, dims[THREADS])))
+            break;
+        if ((status = kn->linear(attn, qs, P(w[O]), P(w[O_BIAS]), y, rows, hs, qs))) break;
         kn->add_rms_norm(cur, y, sum, P(w[POST_NORM]), h, rows, hs, eps);
-        status |= kn->gated(h, hs, P(w[GATE_UP]), P(w[GATE_UP_BIAS]), gated, rows, 2 * inter, hs, kn->expf16);
-        status |= kn->linear(gated, inter, P(w[DOWN]), P(w[DOWN_BIAS]), y, rows, hs, inter);
-        for (int64_t e = 0; e < rows * hs; e++) cur[e] = narrow(widen(sum[e]) + widen(y[e]));
+        if ((status = kn->gated(h, hs, P(w[GATE_UP]), P(w[GATE_UP_BIAS]), gated, rows, 2 * inter, hs, kn->expf16)))
+            break;
+        if ((status = kn->linear(gated, inter, P(w[DOWN]), P(w[DOWN_BIAS]), y, rows, hs, inter))) break;
+        for (int64_t e = 0; e < rows * hs; e++) cur[e] = narrow(widen(sum[e]) + widen(y[e])); /* torch's add */
     }
     if (status == 0) memcpy(out, cur, (size_t)(rows * hs) * 2);
     free(buf);

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "_vec.h"
+#include "_kernels.h"
 
 /* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n floats (x's rows x_stride apart) */
 MULTI_TARGET

@@ -7,14 +7,17 @@ Why: a decode round's layer is nine calls from Python into those kernels, and on
 round each call's own cost (the interpreter, argument checks, ctypes, an output tensor,
 all slower right after a GEMM has streamed its weights through the caches) was a large part
 of the round (BENCHMARKS.md, "A decode round's layers in one call"). The C loop calls the
-same kernels in the same order on the same bits, so its output is the Python layers' bit for
-bit (tests/test_native_layers.py); everything else (prefill rows, float32, tensor or
-pipeline ranks' all-reduce, a missing build) runs the layers in Python.
+same kernels in the same order on the same bits, so its output and KV cache are the Python
+layers' bit for bit (a NaN's encoding aside: torch itself writes two; tests/test_native_layers.py).
+Everything else runs the layers in Python: rounds with prefill rows, float32, a tensor-parallel
+rank (its layers all-reduce), a missing build. A pipeline stage without tensor parallelism runs
+its own layers through the call like a whole model.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,57 +63,77 @@ def _address(fn: Any) -> int | None:
 
 def _kernels() -> _Kernels | None:
     """The kernels' addresses from the loaded builds; None where one is missing."""
-    amx, exp = packed_gemm._AMX, packed_gemm._EXPF16
-    ew, attn = native_elementwise._LIB, native_attention._LIB
-    key = (id(amx), exp, id(ew), id(attn))
-    if _CACHED.get("key") != key:
+    sources = (packed_gemm._AMX, packed_gemm._EXPF16, native_elementwise._LIB, native_attention._LIB)
+    cached = _CACHED.get("sources")
+    if cached is None or any(a is not b for a, b in zip(cached, sources, strict=True)):
+        amx, exp, ew, attn = sources
         fns = None
         if amx is not None and exp is not None and ew is not None and attn is not None:
             fns = (amx.amx_linear, amx.amx_gated, native_elementwise._FNS.get(("rms_norm", "_bf16")),
                    native_elementwise._FNS.get(("add_rms_norm", "_bf16")),
                    native_elementwise._FNS.get(("rope_kv", "_bf16")), getattr(attn, "decode_attention_bf16", None))
         addrs = None if fns is None or any(f is None for f in fns) else [_address(f) for f in fns]
-        _CACHED.update(key=key, kernels=None if addrs is None else _Kernels(*addrs, exp))
+        _CACHED.update(sources=sources, kernels=None if addrs is None else _Kernels(*addrs, exp))
     kernels: _Kernels | None = _CACHED["kernels"]
     return kernels
 
 
-def weights_table(model: CausalLM) -> torch.Tensor | None:
-    """[layers, 10] int64 addresses of each layer's norms, packed projections and biases (0 for
-    none), in `_decode_layers.c`'s order; None where a layer's projections are not all on the
-    AMX layout with the gating in the gate/up pass, or it all-reduces (tensor parallel)."""
+@dataclass(frozen=True, slots=True)
+class DecodeWeights:
+    """Each layer's weights for the C call: their addresses, and the tensors themselves, held so
+    the addresses stay theirs. Made by `pack_weights`, as the packs are: a weight changed after
+    it is not seen here (nor by the packs)."""
+
+    table: torch.Tensor  # [layers, 10] int64, PER_LAYER's order, 0 for an absent bias
+    held: tuple[torch.Tensor, ...]
+
+
+def weights_table(model: CausalLM) -> DecodeWeights | None:
+    """Each layer's norms, packed projections and biases for `_decode_layers.c`; None where a
+    layer's projections are not all on the AMX layout at the model's shapes with the gating in
+    the gate/up pass, or it all-reduces (tensor parallel)."""
+    cfg = model.cfg
+    hs, inter = cfg.hidden_size, cfg.intermediate_size
+    qs, qkvw = cfg.num_attention_heads * cfg.head_dim, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {"qkv_proj": (qkvw, hs), "o_proj": (hs, qs), "gate_up_proj": (2 * inter, hs), "down_proj": (hs, inter)}
     rows: list[list[int]] = []
+    held: list[torch.Tensor] = []
     for layer in model.layers:
         packs = layer.packs
-        if (layer.all_reduce is not None or len(packs) != 4 or any(p.dim() != 4 for p in packs.values())
+        if (layer.all_reduce is not None or set(packs) != set(shapes)
+                or any(p.dim() != 4 or (p.shape[0] * 16, p.shape[1] * 32) != shapes[n] for n, p in packs.items())
                 or not packed_gemm.gates(packs["gate_up_proj"])):
             return None
         row: list[int] = []
         for name in PER_LAYER:
             t = packs.get(name, getattr(layer, name))
+            if t is not None:
+                held.append(t)
             row.append(0 if t is None else t.data_ptr())
         rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64)
+    return DecodeWeights(torch.tensor(rows, dtype=torch.int64), tuple(held))
 
 
 def decode_layers(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
-                  weights: torch.Tensor) -> torch.Tensor | None:
+                  weights: DecodeWeights) -> torch.Tensor | None:
     """The model's decoder layers over the embedded rows `x` [T, hidden] of a decode-only batch,
     in one C call; None where the call does not apply (the caller runs the layers in Python)."""
     kernels = _kernels()
+    cfg = model.cfg
+    cache_shape = (cfg.num_key_value_heads, cfg.head_dim)
     if (_LIB is None or kernels is None or batch.num_decode != batch.num_tokens or batch.prefills
             or batch.decode_blocks is None or x.dtype != torch.bfloat16 or not x.is_contiguous()
-            or kv.k[0].dtype != torch.bfloat16):
+            or any(c.dtype != torch.bfloat16 or tuple(c.shape[1:]) != cache_shape or not c.is_contiguous()
+                   for c in (*kv.k, *kv.v))):
         return None
-    cfg = model.cfg
     window = cfg.sliding_window if cfg.sliding_window is not None and batch.max_context_len > cfg.sliding_window else 0
     rope = model.rope
     rope.ensure(batch.max_context_len)
     caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(kv.k, kv.v, strict=True)], dtype=torch.int64)
-    table = torch.cat((weights, caches), dim=1)
+    table = torch.cat((weights.table, caches), dim=1)
     dims = torch.tensor([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                         cfg.intermediate_size, batch.block_size, kv.k[0].shape[0], torch.get_num_threads()],
-                        dtype=torch.int64)
+                         cfg.intermediate_size, batch.block_size, kv.k[0].shape[0], torch.get_num_threads(),
+                         rope.cos.shape[0]], dtype=torch.int64)
     positions, slots = batch.positions.contiguous(), batch.slot_mapping.contiguous()
     blocks = batch.decode_blocks.contiguous()
     out = torch.empty_like(x)

@@ -66,8 +66,8 @@ class CausalLM(nn.Module):
             self.lm_head = new_param(vh, dtype, device)
         self.rope = RotaryTable(cfg.rope_inv_freq(), dtype, device)
         self.lm_head_packed: torch.Tensor | None = None  # pack_weights
-        # each layer's weights' addresses for a decode round's layers in one C call (pack_weights)
-        self.decode_weights: torch.Tensor | None = None
+        # each layer's weights for a decode round's layers in one C call (pack_weights)
+        self.decode_weights: native_layers.DecodeWeights | None = None
 
     def pack_weights(self) -> None:
         """Every projection and the LM head reordered once for the CPU's GEMM (packed_gemm),
