@@ -49,8 +49,9 @@ enum { HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK_SIZE, NUM_SLOTS, THREADS,
  * [dims[ROPE_ROWS], head_dim]. `window`: the sliding window where some context exceeds it, else 0.
  * Returns 0, or -1 with `out` unwritten where a position lies past the tables, a kernel
  * refused (a slot outside the caches, the attention's own limits) or scratch could not be
- * allocated: the caller then runs the layers
- * in Python, which writes the same K/V again or raises why. */
+ * allocated: the caller then runs the layers in Python, which writes the same K/V again or
+ * raises why. The residual add rounds as torch's does; only a NaN's encoding can differ
+ * (_vec.h's 0x7FC0, where torch's vectorised add writes 0xFFFF). */
 int decode_layers(const Kernels *kn, const int64_t *layers, int64_t n_layers, const int64_t *dims, float eps,
                   const uint16_t *x, uint16_t *out, int64_t rows, const uint16_t *cos_table,
                   const uint16_t *sin_table, const int64_t *positions, const int64_t *slots, const int64_t *blocks,
