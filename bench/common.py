@@ -58,7 +58,8 @@ def python_layers() -> Iterator[None]:
     """The model's decoder layers in Python: scheduler/model/native_layers.py's one C call for a
     decode round refused, as on a CPU without AMX (for the benches that time the layers' parts
     or compare GEMM layouts under them)."""
-    sys.path.insert(0, str(REPO))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from scheduler.model import native_layers
 
     saved = native_layers.decode_layers

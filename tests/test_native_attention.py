@@ -123,8 +123,9 @@ def test_a_nan_key_spoils_its_group_only():
 
 
 # 64 and 128: split widening with the head size compiled in; 96 and 256: split, the general
-# build; 20: widened in order
-@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 96), (2, 1, 256), (4, 2, 20)])
+# build; 80: split, an odd number of 16-value chunks; 20: widened in order
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 4, 64), (4, 4, 128), (4, 2, 96), (4, 2, 80), (2, 1, 256),
+                                              (4, 2, 20)])
 @pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_bfloat16_is_the_float32_result_rounded_once(heads, kv_heads, d, window, threads):
@@ -176,3 +177,16 @@ def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
     with a prefill chunk: the C path and the gather + SDPA path agree."""
     native, plain = logits_with_and_without(native_attention, monkeypatch)
     torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96])
+def test_a_kv_groups_two_heads_together_are_each_head_alone(d):
+    """bfloat16 with two query heads per KV head widens each K and V row once for both
+    (dot_split2, accumulate2); the same caches with each KV head repeated, one query head per KV
+    head, run the heads one at a time: the same bits."""
+    q, k_cache, v_cache, blocks, ctx, bs = _case(8, 4, d, d, torch.bfloat16)
+    paired = native_attention.decode(q, k_cache, v_cache, blocks, ctx, bs, None)
+    alone = native_attention.decode(q, k_cache.repeat_interleave(2, dim=1), v_cache.repeat_interleave(2, dim=1),
+                                    blocks, ctx, bs, None)
+    assert paired is not None and alone is not None
+    assert torch.equal(paired.view(torch.int16), alone.view(torch.int16))

@@ -109,7 +109,8 @@ def test_the_gating_in_the_gemm_is_torchs_ops_apart_bit_for_bit(m, k, inter, bia
 @GATES
 def test_the_gating_of_nan_and_infinity_writes_torchs_bits(monkeypatch):
     """NaN and infinite sums: the same encodings as torch's vectorised ops (compared as bits:
-    `torch.equal` calls a NaN unequal to itself)."""
+    `torch.equal` calls a NaN unequal to itself). 32 gated columns: torch's vectorised loop
+    covers them all (past a row's last 32 values its scalar tail writes another NaN)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     x = torch.randn(16, 64).bfloat16()
     x[0, 0], x[1, 0], x[2, 0] = float("nan"), float("inf"), float("-inf")

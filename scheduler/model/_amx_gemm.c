@@ -117,8 +117,9 @@ static inline void store16(uint16_t *y, const float *acc, const uint16_t *bias) 
 }
 
 /* 16 floats rounded to bfloat16 as torch's vectorised conversion rounds them (nearest even by
- * the integer carry, a NaN to 0xFFFF), in the low halves of 32-bit lanes. Unlike
- * VCVTNEPS2BF16 it keeps a subnormal: a SiLU of a large negative gate times a small up is one. */
+ * the integer carry, a NaN to 0xFFFF; torch's scalar tail, past a row's last 32 values, writes
+ * 0x7FC0), in the low halves of 32-bit lanes. Unlike VCVTNEPS2BF16 it keeps a subnormal: a
+ * SiLU of a large negative gate times a small up is one. */
 __attribute__((target("avx512f")))
 static inline __m512i torch_bf16(__m512 v) {
     const __m512i b = _mm512_castps_si512(v);

@@ -21,7 +21,7 @@
  * vectors (GCC/clang vector extensions) and sum their lanes in a fixed order, so nothing
  * depends on the compiler reassociating a sum (no -ffast-math); on x86-64 a clone for
  * AVX2 + FMA of the whole row loop (the helpers inlined) is picked at run time where the
- * CPU has them.
+ * CPU has them, and for bfloat16 one for AVX-512 before it (see accumulate2).
  *
  * bfloat16 (`decode_attention_bf16`): q, the caches and the output are bfloat16, the
  * arithmetic float32 (the output rounded to nearest even once, as torch rounds). Where the
@@ -430,7 +430,9 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
         else rows(j, d_, bs_, bf16);                                                      \
     } while (0)
 
-MULTI_TARGET_WIDE
+/* float32 keeps the AVX2 + FMA clone: an AVX-512 one ran its head-size tails (D % 8 of 4-7) as
+ * FMAs where that clone's vectorised tail does not fuse, so the bits would depend on the CPU */
+MULTI_TARGET
 static void *run(void *arg) {
     DISPATCH((Job *)arg, 0);
     return NULL;

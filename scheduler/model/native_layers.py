@@ -96,6 +96,9 @@ def weights_table(model: CausalLM) -> DecodeWeights | None:
     hs, inter = cfg.hidden_size, cfg.intermediate_size
     qs, qkvw = cfg.num_attention_heads * cfg.head_dim, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     shapes = {"qkv_proj": (qkvw, hs), "o_proj": (hs, qs), "gate_up_proj": (2 * inter, hs), "down_proj": (hs, inter)}
+    # the norms' and biases' lengths: each is read as that many bfloat16 values
+    lengths = {"input_layernorm": hs, "post_attention_layernorm": hs, "qkv_bias": qkvw, "o_bias": hs,
+               "gate_up_bias": 2 * inter, "down_bias": hs}
     rows: list[list[int]] = []
     held: list[torch.Tensor] = []
     for layer in model.layers:
@@ -107,8 +110,11 @@ def weights_table(model: CausalLM) -> DecodeWeights | None:
         row: list[int] = []
         for name in PER_LAYER:
             t = packs.get(name, getattr(layer, name))
+            if t is not None and name in lengths and not (t.dtype == torch.bfloat16 and t.is_contiguous()
+                                                          and tuple(t.shape) == (lengths[name],)):
+                return None
             if t is not None:
-                held.append(t)
+                held.append(t.detach())  # its storage, whatever later becomes of the parameter
             row.append(0 if t is None else t.data_ptr())
         rows.append(row)
     return DecodeWeights(torch.tensor(rows, dtype=torch.int64), tuple(held))
