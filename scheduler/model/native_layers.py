@@ -126,11 +126,11 @@ def decode_layers(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv: Pag
     in one C call; None where the call does not apply (the caller runs the layers in Python)."""
     kernels = _kernels()
     cfg = model.cfg
-    cache_shape = (cfg.num_key_value_heads, cfg.head_dim)
+    # each layer's K and V are views of the cache's one contiguous pool: its own sizes say theirs
     if (_LIB is None or kernels is None or batch.num_decode != batch.num_tokens or batch.prefills
             or batch.decode_blocks is None or x.dtype != torch.bfloat16 or not x.is_contiguous()
-            or any(c.dtype != torch.bfloat16 or tuple(c.shape[1:]) != cache_shape or not c.is_contiguous()
-                   for c in (*kv.k, *kv.v))):
+            or kv.dtype != torch.bfloat16 or kv.device.type != "cpu"
+            or (kv.num_kv_heads, kv.head_dim) != (cfg.num_key_value_heads, cfg.head_dim)):
         return None
     window = cfg.sliding_window if cfg.sliding_window is not None and batch.max_context_len > cfg.sliding_window else 0
     rope = model.rope
