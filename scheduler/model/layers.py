@@ -11,6 +11,7 @@ Without a hook the forward is exactly the single-process one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,36 +42,48 @@ class RotaryTable:
     ``sin`` carries the sign of ``rotate_half`` (-sin for the first half), so applying RoPE is
     ``x * cos + x.roll(half) * sin``: one fused expression, bit-identical to transformers'
     ``x * cos + rotate_half(x) * sin``.
+
+    The two streams of split scheduling run forwards on two threads over one table, so the
+    pair is swapped as one tuple, under a lock, and never for a shorter one: a caller that
+    holds the pair `tables` returned keeps it alive and whole while another forward grows it
+    (a C call reading its rows holds that pair; reading the attributes twice could get a
+    table grown and freed between the two reads).
     """
 
     def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         self.dtype = dtype
         self.device = device
-        self.cos = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
-        self.sin = torch.empty_like(self.cos)
+        empty = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
+        self._pair: tuple[torch.Tensor, torch.Tensor] = (empty, empty)
+        self._grow = threading.Lock()
 
-    def ensure(self, length: int) -> None:
-        if length <= self.cos.shape[0]:
-            return
-        cap = max(256, self.cos.shape[0])
-        while cap < length:
-            cap *= 2
-        pos = torch.arange(cap, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = freqs.shape[-1]
-        sign = torch.ones(2 * half, device=self.device)
-        sign[:half] = -1.0
-        self.cos = emb.cos().to(self.dtype)
-        self.sin = (emb.sin() * sign).to(self.dtype)
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [rows >= length, head_dim]."""
+        pair = self._pair
+        if length <= pair[0].shape[0]:
+            return pair
+        with self._grow:
+            pair = self._pair  # another thread may have grown it while this one waited
+            if length <= pair[0].shape[0]:
+                return pair
+            cap = max(256, pair[0].shape[0])
+            while cap < length:
+                cap *= 2
+            pos = torch.arange(cap, device=self.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            half = freqs.shape[-1]
+            sign = torch.ones(2 * half, device=self.device)
+            sign[:half] = -1.0
+            self._pair = pair = (emb.cos().to(self.dtype), (emb.sin() * sign).to(self.dtype))
+            return pair
 
     def lookup(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
-        self.ensure(max_len)
+        cos, sin = self.tables(max_len)
         # index_select, not advanced indexing: the latter is several times slower on CPU.
-        cos = self.cos.index_select(0, positions)[:, None, :]
-        return cos, self.sin.index_select(0, positions)[:, None, :]
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

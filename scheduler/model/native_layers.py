@@ -133,18 +133,17 @@ def decode_layers(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv: Pag
             or (kv.num_kv_heads, kv.head_dim) != (cfg.num_key_value_heads, cfg.head_dim)):
         return None
     window = cfg.sliding_window if cfg.sliding_window is not None and batch.max_context_len > cfg.sliding_window else 0
-    rope = model.rope
-    rope.ensure(batch.max_context_len)
+    cos, sin = model.rope.tables(batch.max_context_len)  # held through the call: a grown table replaces it
     caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(kv.k, kv.v, strict=True)], dtype=torch.int64)
     table = torch.cat((weights.table, caches), dim=1)
     dims = torch.tensor([cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.intermediate_size, batch.block_size, kv.k[0].shape[0], torch.get_num_threads(),
-                         rope.cos.shape[0]], dtype=torch.int64)
+                         cos.shape[0]], dtype=torch.int64)
     positions, slots = batch.positions.contiguous(), batch.slot_mapping.contiguous()
     blocks = batch.decode_blocks.contiguous()
     out = torch.empty_like(x)
     status = _LIB.decode_layers(ctypes.byref(kernels), table.data_ptr(), table.shape[0], dims.data_ptr(),
-                                cfg.rms_norm_eps, x.data_ptr(), out.data_ptr(), x.shape[0], rope.cos.data_ptr(),
-                                rope.sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(),
+                                cfg.rms_norm_eps, x.data_ptr(), out.data_ptr(), x.shape[0], cos.data_ptr(),
+                                sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), blocks.data_ptr(),
                                 blocks.shape[1], window)
     return out if status == 0 else None
