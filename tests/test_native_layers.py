@@ -135,3 +135,26 @@ def test_without_the_gating_in_the_gemm_the_layers_run_in_python(model, monkeypa
     kv = model.make_kv_cache(64, BS)
     monkeypatch.setattr(packed_gemm, "_EXPF16", None)
     assert native_layers.decode_layers(model, model.embed(batch), batch, kv, model.decode_weights) is None
+
+
+def test_layers_the_call_would_refuse_every_round_get_no_table(model, monkeypatch):
+    """A head size past the C attention's (it would refuse each round after layer 0's norm,
+    projection and KV write) and a tensor-parallel layer (its sums all-reduce): no table, so
+    the rounds go straight to the Python layers."""
+    assert native_layers.weights_table(model) is not None
+    with monkeypatch.context() as m:
+        m.setattr(native_layers.native_attention, "MAX_HEAD_DIM", model.cfg.head_dim - 1)
+        assert native_layers.weights_table(model) is None
+    with monkeypatch.context() as m:
+        m.setattr(model.layers[1], "all_reduce", lambda t: t)
+        assert native_layers.weights_table(model) is None
+
+
+def test_rows_that_are_not_the_batch_are_refused(model):
+    """`x` of other rows than the batch's tokens (a pipeline stage's received tensor, say): the
+    C loop would read the batch's positions and slots for rows that are not there."""
+    batch = decode_batch(torch.Generator().manual_seed(5), (3, 7, 9))
+    kv = model.make_kv_cache(64, BS)
+    x = model.embed(batch)
+    assert native_layers.decode_layers(model, x[:2].contiguous(), batch, kv, model.decode_weights) is None
+    assert native_layers.decode_layers(model, x, batch, kv, model.decode_weights) is not None

@@ -48,6 +48,7 @@ def load_library(path: Path | None = None) -> ctypes.CDLL | None:
 
 
 _LIB = load_library()
+MAX_HEAD_DIM = 256  # _attention.c's row sums hold this many values (split_rows refuses more)
 AVAILABLE = _LIB is not None
 # the C entry point for each dtype it takes
 _ENTRIES = {torch.float32: "decode_attention", torch.bfloat16: "decode_attention_bf16"}
@@ -66,7 +67,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
                    and q.dtype == k_cache.dtype == v_cache.dtype
                    and blocks.dtype == ctx_lens.dtype == torch.int64
                    and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape
-                   and k_cache.shape[2] == q.shape[2] and k_cache.shape[1] > 0
+                   and k_cache.shape[2] == q.shape[2] <= MAX_HEAD_DIM and k_cache.shape[1] > 0
                    and blocks.dim() == 2 and blocks.shape[0] >= rows and ctx_lens.numel() >= rows
                    and q.stride(2) == 1 and q.stride(1) == q.shape[2]
                    and k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -99,6 +99,8 @@ def weights_table(model: CausalLM) -> DecodeWeights | None:
     # the norms' and biases' lengths: each is read as that many bfloat16 values
     lengths = {"input_layernorm": hs, "post_attention_layernorm": hs, "qkv_bias": qkvw, "o_bias": hs,
                "gate_up_bias": 2 * inter, "down_bias": hs}
+    if cfg.head_dim > native_attention.MAX_HEAD_DIM:  # the attention would refuse every round, after layer 0's work
+        return None
     rows: list[list[int]] = []
     held: list[torch.Tensor] = []
     for layer in model.layers:
@@ -129,6 +131,7 @@ def decode_layers(model: CausalLM, x: torch.Tensor, batch: ForwardBatch, kv: Pag
     # each layer's K and V are views of the cache's one contiguous pool: its own sizes say theirs
     if (_LIB is None or kernels is None or batch.num_decode != batch.num_tokens or batch.prefills
             or batch.decode_blocks is None or x.dtype != torch.bfloat16 or not x.is_contiguous()
+            or x.shape != (batch.num_tokens, cfg.hidden_size)
             or kv.dtype != torch.bfloat16 or kv.device.type != "cpu"
             or (kv.num_kv_heads, kv.head_dim) != (cfg.num_key_value_heads, cfg.head_dim)):
         return None
