@@ -107,6 +107,26 @@ def test_the_gating_in_the_gemm_is_torchs_ops_apart_bit_for_bit(m, k, inter, bia
 
 
 @GATES
+def test_the_gating_is_torchs_for_every_finite_bfloat16_gate(monkeypatch):
+    """Every finite bfloat16 value as a gate sum (an identity weight passes x through the GEMM
+    unchanged), each times another as its up: the same bits as torch's ops apart. torch's
+    vectorised SiLU and its scalar tail (glibc's exp, not SLEEF's) agree on all of these too
+    (checked by hand, 0 of 65,280), so a row's tail computed by either is the kernel's."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = torch.where(values.float().isfinite(), values, torch.zeros((), dtype=torch.bfloat16))
+    x = values.reshape(1024, 64)
+    eye = torch.eye(64, dtype=torch.bfloat16)
+    packed = packed_gemm.pack(torch.cat((eye, eye.roll(1, dims=0))))  # up: the column before's value
+    gate, up = packed_gemm.linear(x, packed, None).chunk(2, dim=-1)
+    normal = x.float().abs() >= torch.finfo(torch.bfloat16).tiny
+    assert torch.equal(gate[normal], x[normal])  # every normal value reaches the gating as itself
+    y = packed_gemm.gated(x, packed, None)
+    assert y is not None
+    assert torch.equal(y.view(torch.int16), (torch.nn.functional.silu(gate) * up).view(torch.int16))
+
+
+@GATES
 def test_the_gating_of_nan_and_infinity_writes_torchs_bits(monkeypatch):
     """NaN and infinite sums: the same encodings as torch's vectorised ops (compared as bits:
     `torch.equal` calls a NaN unequal to itself). 32 gated columns: torch's vectorised loop
