@@ -402,3 +402,42 @@ def test_parts_read_uncombined_give_the_same_rows_one_chunk_a_part(tmp_path, mon
     uncombined = R._read_parts(parts, TABLES["requests"], cols, coalesce=False)
     assert uncombined.equals(whole) and whole.num_rows == src.num_rows
     assert uncombined["request_id"].num_chunks == len(parts) > whole["request_id"].num_chunks
+
+
+@pytest.mark.parametrize("where", ["before the rename", "after the rename"])
+def test_a_flush_whose_manifest_write_failed_commits_its_rows_once_on_the_next(tmp_path: Path, monkeypatch,
+                                                                                where: str) -> None:
+    """The manifest write fails (a full disk as its temp file is written, or the folder's
+    fsync after its rename): the flush raises and keeps its rows, and the next flush commits
+    each of them once, under an epoch above any a reader could have seen."""
+    import tracing.manifest as manifest_mod
+
+    w = TraceWriter(tmp_path, flush_interval_s=3600, targets=SMALL)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    buf = w.buffer("probes")
+    buf.extend(probe_row(i) for i in range(3))
+    w.flush()
+    buf.extend(probe_row(i) for i in range(3, 6))
+    real_write = Path.write_text
+
+    def full(self: Path, *a, **kw):
+        if self.name.startswith(".manifest"):
+            raise OSError(28, "No space left on device")
+        return real_write(self, *a, **kw)
+
+    def failing_fsync(d: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m:
+        if where == "before the rename":
+            m.setattr(Path, "write_text", full)
+        else:
+            m.setattr(manifest_mod, "fsync_dir", failing_fsync)
+        with pytest.raises(OSError):
+            w.flush()
+    seen = read_manifests(tmp_path)[0].epoch  # what a reader saw after the failed commit
+    buf.extend(probe_row(i) for i in range(6, 8))
+    w.flush()
+    assert read_manifests(tmp_path)[0].epoch > seen
+    w.close()
+    assert steps_of(tmp_path) == list(range(8))

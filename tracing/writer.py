@@ -208,13 +208,25 @@ class PartStore:
         return pa.concat_tables(tables).unify_dictionaries().combine_chunks()
 
     def commit(self, added: dict[str, list[PartEntry]]) -> None:
-        """The parts' names on disk, then the manifest naming them (tracing/durable.py's order)."""
+        """The parts' names on disk, then the manifest naming them (tracing/durable.py's order).
+        The manifest held here names the parts only once the write returns: a flush whose
+        commit failed writes its rows again, and a manifest that already named them would
+        commit them twice. A write that failed after its rename did commit them on disk; the
+        next commit names the rows' new parts instead (those become unnamed files, which
+        readers ignore and `compact` removes), under an epoch no reader has seen."""
         for name in added:
             fsync_dir(self.root / name)
+        m = self.manifest
+        tables = {name: list(entries) for name, entries in m.tables.items()}
         for name, entries in added.items():
-            self.manifest.tables.setdefault(name, []).extend(entries)
-        self.manifest.epoch += 1
-        write_manifest(self.root, self.manifest)
+            tables.setdefault(name, []).extend(entries)
+        new = Manifest(m.rank, m.epoch + 1, m.next_seq, tables)
+        try:
+            write_manifest(self.root, new)
+        except BaseException:
+            m.epoch = new.epoch
+            raise
+        m.epoch, m.tables = new.epoch, tables  # in place: `compact_trace` reads the object it handed over
 
     def compact(self, final: bool, cpu: dict[str, int] | None = None) -> int:
         """Merge until the plan has nothing left; returns the number of merges.
