@@ -13,6 +13,11 @@ from scheduler.core.request import ReqSample, SamplingParams
 from scheduler.hops.tokenizer import Tokenizer
 
 
+class NoTokenizer(ValueError):
+    """A text prompt for a model folder without a tokenizer: the caller's to fix (a server
+    answers it 400)."""
+
+
 class TokenizerPool:
     def __init__(self, tokenizer: Tokenizer | None, num_threads: int, probes: Probes) -> None:
         self.tokenizer = tokenizer
@@ -32,7 +37,7 @@ class TokenizerPool:
             self._ready(request_id, prompt, "", params, arrival_ns)
             return
         if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; give input_ids instead of a prompt")
+            raise NoTokenizer("this model folder has no tokenizer; give input_ids instead of a prompt")
         self._pool.submit(self._tokenize, request_id, prompt, params, arrival_ns, add_special_tokens)
 
     def _tokenize(self, request_id: str, prompt: str, params: SamplingParams, arrival_ns: int,

@@ -19,19 +19,41 @@ from typing import Any, TypeVar
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
 from scheduler.core.request import SamplingParams
+from scheduler.hops.tokenizer_pool import NoTokenizer
 from scheduler.serving.http_timing import OUT_STAGES, HttpTimes
 from scheduler.serving.logprobs import Scored, chat_logprobs, completion_logprobs
 from scheduler.serving.protocol import BadRequest, created, usage
 from scheduler.serving.streams import End, Event, Inbox, ResponseStreams, Text
 
-# How often a request waiting for its first or next token checks its client is still there.
+# How often a request checks its client is still there, waiting for a token or not.
 DISCONNECT_POLL_S = 0.25
+_POLL_NS = int(DISCONNECT_POLL_S * 1e9)
 
 _T = TypeVar("_T")  # what an inbox holds
 
 
 class ClientGone(Exception):
     pass
+
+
+class ClientWatch:
+    """Whether the client is still there, asked at most every DISCONNECT_POLL_S: on a wait
+    that times out, and between events. While tokens keep an inbox busy its waits never time
+    out, and a reply that is not streamed has no listener of its own, so it would run to its
+    last token (holding its KV blocks) for a client long gone."""
+
+    __slots__ = ("_ask", "_next_ns")
+
+    def __init__(self, ask: Callable[[], Awaitable[bool]]) -> None:
+        self._ask = ask
+        self._next_ns = now_ns() + _POLL_NS
+
+    def due(self) -> bool:
+        return now_ns() >= self._next_ns
+
+    async def gone(self) -> bool:
+        self._next_ns = now_ns() + _POLL_NS
+        return await self._ask()
 
 
 @dataclass(slots=True)
@@ -74,26 +96,42 @@ class Responder:
     async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
         """The reply's JSON, or the SSE body. BadRequest for a request the engine refused."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        watch = ClientWatch(disconnected)
         if len(call.prompts) * call.n > 1:
-            return await self._many(call, rid, disconnected)
+            return await self._many(call, rid, watch)
         q = self._streams.open(rid, call.stops)
-        self._submit(call.prompts[0], call.params, rid, call.add_special_tokens)
-        self._stamp(call, rid)
         try:
-            first = await self._next(q, disconnected, rid)
+            self._submit_one(call, call.prompts[0], call.params, rid)
         except BaseException:
             self._streams.close(rid)
             raise
-        if isinstance(first, End) and (first.finish_reason == "error" or first.failed):
-            self._streams.close(rid)
-            raise _refusal(first)
-        if call.stream:
-            return self._timed(self._sse(call, rid, first, q, disconnected))
         try:
-            ch, end = await self._collect(q, disconnected, rid, first)
-        finally:
+            first = await self._next(q, watch, rid)
+            if isinstance(first, End) and (first.finish_reason == "error" or first.failed):
+                raise _refusal(first)
+            if call.stream:
+                return self._timed(self._sse(call, rid, first, q, watch))
+            ch, end = await self._collect(q, watch, rid, first)
+        except ClientGone:  # aborted as its client was found gone
             self._streams.close(rid)
+            raise
+        except BaseException:
+            # cancelled (a server shutting down cancels its requests): the engine's request
+            # must not run on for nobody (a refused or ended one is not live: a no-op)
+            self._streams.close(rid)
+            self._abort(rid, "request cancelled")
+            raise
+        self._streams.close(rid)
         return self._reply(call, rid, [(ch, end)])
+
+    def _submit_one(self, call: Call, prompt: str | list[int], params: SamplingParams, rid: str) -> None:
+        """One engine request, stamped; a text prompt the model has no tokenizer for is the
+        caller's error (400), as a refusal."""
+        try:
+            self._submit(prompt, params, rid, call.add_special_tokens)
+        except NoTokenizer as e:
+            raise BadRequest(str(e), param="prompt" if not call.chat else "messages", code="no_tokenizer") from None
+        self._stamp(call, rid)
 
     def _stamp(self, call: Call, rid: str) -> None:
         """The HTTP server's stamps as timeline events of the engine request `rid`, once the
@@ -112,7 +150,7 @@ class Responder:
         if self._timeline is not None and posted_ns:
             self._timeline.extend(((posted_ns, rid, OUT_STAGES[0], -1, 0), (now_ns(), rid, OUT_STAGES[1], -1, 0)))
 
-    async def _many(self, call: Call, rid: str, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def _many(self, call: Call, rid: str, watch: ClientWatch) -> dict[str, Any] | AsyncIterator[bytes]:
         """A batch of prompts, `n` samples each: every choice an engine request of its own
         (`RID-i`, i = prompt * n + sample, OpenAI's order). A prompt's first sample is
         submitted at once; its other samples once it has its first token, when the prompt's
@@ -129,9 +167,8 @@ class Responder:
             if j:
                 await started[p].wait()
             try:
-                self._submit(call.prompts[p], _sample_params(call.params, j), rids[i], call.add_special_tokens)
-                self._stamp(call, rids[i])
-                return await self._next(queues[i], disconnected, rids[i])
+                self._submit_one(call, call.prompts[p], _sample_params(call.params, j), rids[i])
+                return await self._next(queues[i], watch, rids[i])
             finally:
                 if not j:
                     started[p].set()
@@ -151,9 +188,9 @@ class Responder:
             give_up("another choice of its request was refused")
             raise _refusal(refused, "prompt")
         if call.stream:
-            return self._timed(self._sse_many(call, rid, rids, queues, firsts, disconnected))
+            return self._timed(self._sse_many(call, rid, rids, queues, firsts, watch))
         try:
-            replies = await asyncio.gather(*(self._collect(q, disconnected, r, ev)
+            replies = await asyncio.gather(*(self._collect(q, watch, r, ev)
                                              for q, r, ev in zip(queues, rids, firsts, strict=True)))
         except BaseException:
             give_up("another choice of its request failed")
@@ -162,16 +199,16 @@ class Responder:
             self._streams.close(r)
         return self._reply(call, rid, replies)
 
-    async def _collect(self, q: Inbox[Event], disconnected: Callable[[], Awaitable[bool]],
+    async def _collect(self, q: Inbox[Event], watch: ClientWatch,
                        rid: str, ev: Event | None = None) -> tuple[Choice, End]:
         """A request's whole answer, and its end."""
         ch = Choice()
-        ev = ev if ev is not None else await self._next(q, disconnected, rid)
+        ev = ev if ev is not None else await self._next(q, watch, rid)
         while isinstance(ev, Text):
             ch.parts.append(ev.text)
             ch.logprobs += ev.logprobs
             ch.prompt = ev.prompt or ch.prompt
-            ev = await self._next(q, disconnected, rid)
+            ev = await self._next(q, watch, rid)
         ch.parts.append(ev.tail)
         return ch, ev
 
@@ -206,18 +243,20 @@ class Responder:
         return usage(sum(e.prompt_tokens for e in ends[:: call.n]),
                      0 if call.drop_output else sum(e.completion_tokens for e in ends))
 
-    async def _next(self, q: Inbox[_T], disconnected: Callable[[], Awaitable[bool]], *rids: str) -> _T:
+    async def _next(self, q: Inbox[_T], watch: ClientWatch, *rids: str) -> _T:
         while True:
             ev = await q.get(DISCONNECT_POLL_S)
-            if ev is not None:
+            if ev is not None and not watch.due():
                 return ev
-            if await disconnected():
+            if await watch.gone():
                 for rid in rids:
                     self._abort(rid, "client disconnected")
                 raise ClientGone
+            if ev is not None:
+                return ev
 
     async def _sse(self, call: Call, rid: str, ev: Event, q: Inbox[Event],
-                   disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+                   watch: ClientWatch) -> AsyncIterator[bytes]:
         chunks = _Chunks(call, rid, self._prompt_text)
         done = False
         # the first token's post, stamped as the first chunk a client counts is handed over:
@@ -240,7 +279,7 @@ class Responder:
                 self._stamp_first(rid, first)
                 first = 0
                 yield data
-                ev = nxt if nxt is not None else await self._next(q, disconnected, rid)
+                ev = nxt if nxt is not None else await self._next(q, watch, rid)
             data = last if last is not None else chunks.end(0, ev)
             self._stamp_first(rid, first)  # (a one-token stream's first token goes with the end)
             yield data
@@ -254,7 +293,7 @@ class Responder:
                 self._abort(rid, "client disconnected")
 
     async def _sse_many(self, call: Call, rid: str, rids: list[str], queues: list[Inbox[Event]],
-                        firsts: list[Event], disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+                        firsts: list[Event], watch: ClientWatch) -> AsyncIterator[bytes]:
         """Several choices in one stream: each chunk names its choice's `index`, in the order
         their tokens arrive (OpenAI's and vLLM's)."""
         chunks = _Chunks(call, rid, self._prompt_text)
@@ -276,7 +315,7 @@ class Responder:
                 for i in range(len(rids)):
                     yield chunks.role(i)
             while len(ends) < len(rids):
-                i, ev = await self._next(merged, disconnected, *rids)
+                i, ev = await self._next(merged, watch, *rids)
                 if isinstance(ev, Text):
                     yield chunks.text(i, ev)
                 else:
