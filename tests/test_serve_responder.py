@@ -5,11 +5,13 @@ the engine cannot take the prompt."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
-from scheduler.core.request import SamplingParams
+from scheduler.core.request import SamplingParams, TokenLogprob
+from scheduler.hops.sender import FinishedRecord
 from scheduler.hops.tokenizer_pool import NoTokenizer
 from scheduler.serving.protocol import BadRequest
 from scheduler.serving.responses import Call, ClientGone, Responder
@@ -111,3 +113,43 @@ def test_a_text_prompt_without_a_tokenizer_is_a_400_and_leaves_no_inbox(n):
         assert not streams._open
 
     asyncio.run(main())
+
+
+def finished(rid: str, reason: str = "aborted") -> FinishedRecord:
+    return FinishedRecord(rid, [1, 2], [3], 0, reason, "stop string matched", *[0] * 7, 0, 1, [0])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_string_in_the_first_token_still_echoes_the_prompt_and_its_logprobs(stream):
+    """The first token is the stop string: no text to answer, but the prompt is echoed (with
+    its logprobs, where asked) whether streamed or not, as it is after any other answer."""
+    async def main() -> list[Any]:
+        streams = ResponseStreams(lambda rid, why: None, lambda t: (f"<{t}>", False))
+        loop = asyncio.get_running_loop()
+
+        def submit(prompt: Any, params: SamplingParams, rid: str, special: bool) -> None:
+            def sender() -> None:  # the sender thread's calls, for the first token "\n"
+                streams.on_logprobs(rid, ([1, 2], [None, TokenLogprob(-0.5, [2], [-0.5])]), (3, TokenLogprob(-1.0, [3], [-1.0])))
+                streams.on_text(rid, "\n")
+                streams.on_finish(finished(rid), "\n")
+            loop.call_soon(sender)
+
+        r = Responder(streams, submit, lambda rid, why: None, None, lambda: 0)
+
+        async def here() -> bool:
+            return False
+
+        c = Call(False, ["Q:"], SamplingParams(logprobs=0), ["\n"], stream, False, "m", True, echo=True, logprobs=True)
+        out = await r.answer(c, here)
+        if isinstance(out, dict):
+            return [out]
+        return [json.loads(line[6:]) for chunk in [b async for b in out]
+                for line in chunk.decode().splitlines() if line.startswith("data: {")]
+
+    replies = asyncio.run(main())
+    choices = [ch for rep in replies for ch in rep["choices"]]
+    assert "".join(ch["text"] for ch in choices) == "Q:"
+    assert choices[-1]["finish_reason"] == "stop"
+    tokens = [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    # the prompt's two, then the first token's, as a stop string's token is scored later in an answer
+    assert tokens == ["<1>", "<2>", "<3>"]

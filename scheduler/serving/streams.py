@@ -93,7 +93,7 @@ def _expire(w: asyncio.Future[None]) -> None:
 
 
 class _Open:
-    __slots__ = ("loop", "inbox", "stop", "logprobs", "prompt")
+    __slots__ = ("loop", "inbox", "stop", "logprobs", "prompt", "posted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop = loop
@@ -101,6 +101,7 @@ class _Open:
         self.stop = StopMatcher(stops)
         self.logprobs: list[Scored] = []  # waiting for their token's text
         self.prompt: tuple[Scored, ...] | None = None
+        self.posted = False  # a Text posted: the first carries what goes before the answer
 
 
 class ResponseStreams:
@@ -163,11 +164,14 @@ class ResponseStreams:
         if o is None or o.stop.done:
             return
         out = o.stop.push(text)
-        if out or not o.stop.done:
+        if out or not o.stop.done or not o.posted:
             # one event per token, its text possibly "" (an incomplete character, or text held
-            # for a stop string): the client's first chunk is then the server's first token
+            # for a stop string): the client's first chunk is then the server's first token.
+            # A stop string in the first token still posts its (empty) Text: the first carries
+            # the prompt's logprobs, and the answer's echo starts with it
             lps, o.logprobs = tuple(o.logprobs), []
             prompt, o.prompt = o.prompt, None
+            o.posted = True
             self._post(o, Text(out, lps, prompt, now_ns()))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
             self._abort(request_id, "stop string matched")
