@@ -163,6 +163,35 @@ def test_the_sender_decodes_each_request_after_its_own_prompt(tok: Tokenizer) ->
         assert len(sink.text[r]) == len(o)  # one text per token
 
 
+def test_a_sink_that_raises_costs_only_its_own_call(tok: Tokenizer) -> None:
+    """A sink raising on one request's token or finish: the other sinks, and the round's other
+    requests, still get theirs (a stream left without its end would hang), and close() raises
+    the first error."""
+    class Broken(_Sink):
+        def on_text(self, request_id: str, text: str) -> None:
+            if request_id == "a":
+                raise KeyError(request_id)
+            super().on_text(request_id, text)
+
+        def on_finish(self, record: FinishedRecord, text: str) -> None:
+            if record.request_id == "a":
+                raise KeyError(record.request_id)
+            super().on_finish(record, text)
+
+    broken, sink = Broken(), _Sink()
+    s = Sender(tok, [broken, sink])
+    prompts = {r: tok.encode("hi") for r in "ab"}
+    outs = {r: tok.encode(" there", add_special_tokens=False) for r in "ab"}
+    for i in range(len(outs["a"])):
+        step = StepOutput(i, [(r, o[i]) for r, o in outs.items()], prompts if i == 0 else {})
+        step.finished = [_record(r, prompts[r], o) for r, o in outs.items() if i == len(o) - 1]
+        s.queue.put(step)
+    with pytest.raises(RuntimeError, match="output sink failed"):
+        s.close()
+    assert sink.final == {"a": " there", "b": " there"} and "".join(sink.text["a"]) == " there"
+    assert broken.final == {"b": " there"} and "a" not in broken.text
+
+
 def test_a_preset_is_read_as_autotokenizer_builds_it_without_importing_transformers() -> None:
     """A preset's tokenizer.json is read directly (scheduler/hops/tokenizer.py): it must be
     exactly the Rust tokenizer AutoTokenizer builds from the folder, added tokens included."""

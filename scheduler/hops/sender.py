@@ -138,19 +138,31 @@ class Sender:
                 else:  # the last token carries it: still one on_text per token
                     texts[i] = (rec.request_id, texts[i][1] + tail)
         asked = bool(self._lp_sinks) and bool(out.logprobs or out.prompt_logprobs)
+        # A sink that raises is reported on close(); its call is the only one skipped: the
+        # other sinks, and the round's other requests, still get theirs (a stream left without
+        # its End would hang until its client gave up).
         for i, (rid, text) in enumerate(texts):
             if asked and (i in out.logprobs or rid in out.prompt_logprobs):
                 self._logprobs(out, i)
             for s in self._sinks:  # every token, even one whose text is not complete yet
-                s.on_text(rid, text)
+                try:
+                    s.on_text(rid, text)
+                except Exception as e:  # noqa: BLE001 - see above
+                    self.error = self.error or e
         for rid, text in tails:
             for s in self._sinks:
-                s.on_text(rid, text)
+                try:
+                    s.on_text(rid, text)
+                except Exception as e:  # noqa: BLE001 - see above
+                    self.error = self.error or e
         for rec in out.finished:
             self._detok.pop(rec.request_id, None)
             parts = self._text.pop(rec.request_id, [])
             for s in self._sinks:
-                s.on_finish(rec, "".join(parts))
+                try:
+                    s.on_finish(rec, "".join(parts))
+                except Exception as e:  # noqa: BLE001 - see above
+                    self.error = self.error or e
 
     def _logprobs(self, out: StepOutput, i: int) -> None:
         rid, tok = out.tokens[i]
@@ -158,7 +170,10 @@ class Sender:
         prompt = (out.prompts[rid], entries) if entries is not None else None
         lp = out.logprobs.get(i)
         for s in self._lp_sinks:
-            s.on_logprobs(rid, prompt, (tok, lp) if lp is not None else None)
+            try:
+                s.on_logprobs(rid, prompt, (tok, lp) if lp is not None else None)
+            except Exception as e:  # noqa: BLE001 - as _deliver's sinks
+                self.error = self.error or e
 
     def _push(self, rid: str, tok: int, prompts: dict[str, list[int]], hidden: bool) -> str:
         if self._tok is None or hidden:
