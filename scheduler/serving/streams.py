@@ -136,8 +136,10 @@ class ResponseStreams:
             self._post(o, End("abort", why, 0, 0, "", failed=True))
 
     def close(self, request_id: str) -> None:
-        """Event loop: the response is over (sent, or its client went away)."""
-        self._open.pop(request_id, None)
+        """Event loop: the response is over (sent, or its client went away). Under the lock, as
+        fail_all copies the open requests: a dict that changes size mid-copy raises."""
+        with self._lock:
+            self._open.pop(request_id, None)
 
     def open_ids(self) -> list[str]:
         return list(self._open)
