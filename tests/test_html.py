@@ -211,6 +211,7 @@ def test_a_long_window_draws_at_most_its_share_around_its_longest_round() -> Non
     import pyarrow as pa
 
     from viewer.export import html_charts as charts
+    from viewer.export.html import timeline_note
     from viewer.export.window import Window
 
     n, ms = 1000, 1_000_000
@@ -228,3 +229,10 @@ def test_a_long_window_draws_at_most_its_share_around_its_longest_round() -> Non
     s2 = charts.timeline_span(steps, near_end)
     assert s2 is not None and (s2.lo, s2.hi, s2.in_window) == (590, 599, 10)
     assert charts.timeline_span(steps, Window(((int(ts[-1]) + 10**12, int(ts[-1]) + 2 * 10**12),), "t")) is None
+    # two rounds far apart (as --worst picks them): the stretch drawn around the longer one
+    # holds one of the window's two rounds, and the page's note says the other is left out
+    apart = Window(((int(ts[10]), int(ts[10] + dur[10])), (int(ts[700]), int(ts[700] + dur[700]))), "the 2 slowest")
+    s3 = charts.timeline_span(steps, apart)
+    assert s3 is not None and s3.in_window == 2 and s3.drawn_in_window == 1 and s3.lo <= 700 <= s3.hi
+    empty = pa.table({"ts_ns": pa.array([], pa.int64())})
+    assert "1 of the window's rounds left out" in timeline_note(apart, charts.ChartInputs(empty, steps, empty, s3))

@@ -97,9 +97,9 @@ def timeline_note(window: Window, inp: charts.ChartInputs) -> str:
     if span is None:
         return f"Timeline window: {window.what}: no round of the trace's {rounds} is in it; the timeline is empty."
     drawn = span.hi - span.lo + 1
-    cut = (f"; {span.in_window - drawn} of the window's rounds left out (a timeline draws at most "
-           f"{charts.TIMELINE_ROUNDS}: `mstrace export --perfetto` with the same window has them all)"
-           if span.in_window > drawn else "")
+    cut = (f"; {span.in_window - span.drawn_in_window} of the window's rounds left out (a timeline draws "
+           f"{charts.TIMELINE_ROUNDS} consecutive rounds at most: `mstrace export --perfetto` with the same "
+           "window has them all)" if span.in_window > span.drawn_in_window else "")
     return (f"Timeline window: {window.what}: rounds {int(span.step[span.lo])}-{int(span.step[span.hi])} drawn "
             f"({drawn} rounds, {inp.probes.num_rows} probe rows; the window holds {span.in_window} of the trace's "
             f"{rounds} rounds){cut}. The tables and the other pictures are the whole trace's.")

@@ -68,6 +68,9 @@ class Span:
     lo: int
     hi: int
     in_window: int = 0  # with a window: its rounds (the timeline draws lo..hi, maybe fewer)
+    # ... and how many of them lie in lo..hi: `--worst`'s rounds far apart leave rounds of
+    # other parts of the trace in that stretch and the window's others out of it
+    drawn_in_window: int = 0
 
     @property
     def t0(self) -> int:
@@ -96,7 +99,8 @@ def timeline_span(steps: pa.Table, window: Window | None = None) -> Span | None:
     worst = int(inside[np.argmax(dur[inside])])
     lo = max(int(inside[0]), min(worst - TIMELINE_ROUNDS // 2, int(inside[-1]) - TIMELINE_ROUNDS + 1))
     hi = min(int(inside[-1]), lo + TIMELINE_ROUNDS - 1)
-    return Span(ts, dur, step, worst, lo, hi, int(len(inside)))
+    drawn = int(np.count_nonzero((inside >= lo) & (inside <= hi)))
+    return Span(ts, dur, step, worst, lo, hi, int(len(inside)), drawn)
 
 
 def timeline(inp: ChartInputs) -> Any:
