@@ -299,6 +299,13 @@ def _overlapping(tp2: Path, lo: int, hi: int) -> Counter[tuple[int, str, str, in
                        (ts + dur)[keep].tolist(), strict=True))
 
 
+def cycle_end(steps: dict[str, list[int]], i: int) -> int:
+    """Where round i's cycle ends: the next round's start (the last round's: its end)."""
+    end = steps["ts_ns"][i] + steps["dur_ns"][i]
+    later = [t for t in steps["ts_ns"] if t > steps["ts_ns"][i]]
+    return max(end, min(later)) if later else end
+
+
 def test_a_rounds_window_holds_exactly_what_overlaps_those_rounds(tp2: Path, tmp_path: Path) -> None:
     from viewer.export.perfetto_bulk import ROUNDS
 
@@ -310,7 +317,8 @@ def test_a_rounds_window_holds_exactly_what_overlaps_those_rounds(tp2: Path, tmp
             if g == "prefill_chunk")
     a, b = max(min(steps["step"]), a - 2), a + 3
     sel = [i for i, s in enumerate(steps["step"]) if a <= s <= b]
-    lo, hi = min(steps["ts_ns"][i] for i in sel), max(steps["ts_ns"][i] + steps["dur_ns"][i] for i in sel)
+    # the rounds' cycles: the last one's runs to the next round's start (its response_send after its end)
+    lo, hi = min(steps["ts_ns"][i] for i in sel), max(cycle_end(steps, i) for i in sel)
     out = tmp_path / "w.pftrace"
     p = mstrace("export", str(tp2), "--perfetto", str(out), "--rounds", f"{a}-{b}")
     assert p.returncode == 0, p.stderr
@@ -453,3 +461,32 @@ def test_otlp_replay_to_a_collector_that_is_not_there_is_one_line(tp2: Path) -> 
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and len(lines) == 1, p.stderr
     assert "cannot reach the collector" in lines[0] and "Transient" not in p.stderr
+
+
+def test_a_time_window_cut_inside_rounds_takes_those_rounds_whole(tp2: Path) -> None:
+    """`--time` from the middle of one round to the middle of a later one: the window is those
+    rounds' cycles whole, so `view`'s per-round costs for them are the whole trace's (a round
+    cut at the window's edge had its full length beside only the costs of its rows inside;
+    the last round of any window lost its response_send, which comes after its end)."""
+    from tracing.reader import Trace
+    from viewer.export.window import parse_window
+    from viewer.tui.view_data import TraceBrowser
+
+    tr = Trace.open(tp2)
+    steps = read_table(tp2, "steps").sort_by("ts_ns").to_pydict()
+    t0 = tr.meta["run"]["start_ns"]
+    i = len(steps["step"]) // 2
+    mid = [steps["ts_ns"][j] + steps["dur_ns"][j] // 2 for j in (i, i + 2)]
+    w = parse_window(tr, time=f"{(mid[0] - t0) / 1e9!r}-{(mid[1] - t0) / 1e9!r}")
+    assert w is not None and w.spans == ((steps["ts_ns"][i], cycle_end(steps, i + 2)),)
+    whole = TraceBrowser(tp2).rounds()
+    rows = {r[0]: dict(zip(whole.columns, r, strict=True)) for r in whole.rows}
+    assert [r[0] for r in TraceBrowser(tp2, w).rounds().rows] == steps["step"][i:i + 3]
+    # and so for every kind of window (--worst's spans apart: each cycle ends in its own span)
+    for window in (w, parse_window(tr, rounds=f"{steps['step'][i]}-{steps['step'][i + 2]}"), parse_window(tr, worst=2),
+                   parse_window(tr, request=read_table(tp2, "requests")["request_id"][3].as_py())):
+        part = TraceBrowser(tp2, window).rounds()
+        assert part.rows
+        for r in part.rows:
+            got = dict(zip(part.columns, r, strict=True))
+            assert got == {c: v for c, v in rows[r[0]].items() if c in got}, (window.what, r[0])

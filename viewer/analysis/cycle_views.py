@@ -133,7 +133,7 @@ class _Rows:
 
 def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
               collectives: pa.Table | None = None, totals: bool = False,
-              chunk: int = 1) -> dict[str, np.ndarray]:
+              chunk: int = 1, bounds: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Both views, per cycle (what `diff` resamples; `totals`: summed over the cycles, what
     `cost_table` shows, each array then one entry long: start_ns the first cycle's start,
     end_ns the last one's end, and `cycles` their count). `chunk` > 1: an entry per `chunk`
@@ -158,9 +158,11 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
       host_ns:<b>        host view: the scheduling thread's own time in b, nested rows
                          taken out (unattributed: what no host row covers)
     Boundaries appear only when they have rows, except scheduler_barrier, device_compute
-    and unattributed. Empty dict when there are no steps.
+    and unattributed. Empty dict when there are no steps. `bounds`: the cycles' (start, end)
+    in time order, where the steps are some rounds of a trace (a window's: `cycle_bounds`
+    would run a cycle to the next round read, across a gap the window left out).
     """
-    S, E = cycle_bounds(steps)
+    S, E = bounds if bounds is not None else cycle_bounds(steps)
     if not len(S):
         return {}
     return window_views(probes, S, E, rank, collectives, totals, EVERY_ROW, chunk)

@@ -83,12 +83,13 @@ def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time
         sel = (steps["step"] >= a) & (steps["step"] <= b)
         if not sel.any():
             raise TraceError(f"--rounds {rounds}: the trace has rounds {_span_of(steps['step'])}")
-        spans = [(int(steps["ts"][sel].min()), int(steps["end"][sel].max()))]
+        spans = [(int(steps["ts"][sel].min()), int(steps["cycle_end"][sel].max()))]
         return Window(tuple(spans), f"rounds {a}-{b}")
     if time is not None:
         s, e = _range(time, "--time", float)
         t0 = _run_start(trace, steps)
-        return Window(((t0 + int(s * 1e9), t0 + int(e * 1e9)),), f"t = {s:g}-{e:g} s from the run's start")
+        return Window((_whole_rounds(steps, t0 + round(s * 1e9), t0 + round(e * 1e9)),),
+                      f"t = {s:g}-{e:g} s from the run's start, its rounds whole")
     if request is not None:
         q = trace.table("requests", ["request_id", "arrival_ns", "finish_ns"]) if trace.has_table("requests") \
             else TABLES["requests"].empty_table()
@@ -97,7 +98,8 @@ def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time
             raise TraceError(f"--request {request}: no such request in {trace.root}")
         a, f = int(hit["arrival_ns"][0].as_py()), int(hit["finish_ns"][0].as_py())
         end = f if f > 0 else int(steps["end"].max()) if len(steps["end"]) else a
-        return Window(((a, max(a, end)),), f"request {request}", request=request)
+        return Window((_whole_rounds(steps, a, max(a, end)),), f"request {request}, its rounds whole",
+                      request=request)
     assert worst is not None
     if worst < 1:
         raise TraceError(f"--worst must be >= 1, got {worst}")
@@ -110,7 +112,7 @@ def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time
     near = np.unique(np.clip(np.concatenate([pos + d for d in range(-WORST_NEIGHBOURS, WORST_NEIGHBOURS + 1)]),
                              0, len(order) - 1))
     idx = order[near]
-    spans = _merged(sorted(zip(steps["ts"][idx].tolist(), steps["end"][idx].tolist(), strict=True)))
+    spans = _merged(sorted(zip(steps["ts"][idx].tolist(), steps["cycle_end"][idx].tolist(), strict=True)))
     return Window(tuple(spans), f"the {len(top)} slowest rounds, each with {WORST_NEIGHBOURS} round(s) on "
                                 f"either side ({len(spans)} span(s))")
 
@@ -146,6 +148,17 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
             yield t.select(columns).filter(pa.array(keep))
 
 
+def window_cycles(steps: pa.Table, window: Window) -> tuple[np.ndarray, np.ndarray]:
+    """The cycles of a window's rounds (`steps`, in time order): each ends where the next round
+    read starts, or where its span ends (the window's spans end at a cycle's end) when that
+    round lies in another span or there is none."""
+    S = steps["ts_ns"].to_numpy().astype(np.int64)
+    lo = np.array([a for a, _ in window.spans], np.int64)
+    hi = np.array([b for _, b in window.spans], np.int64)
+    cap = hi[np.clip(np.searchsorted(lo, S, side="right") - 1, 0, len(hi) - 1)]
+    return S, np.minimum(np.append(S[1:], np.iinfo(np.int64).max), cap)
+
+
 def table_in(trace: Trace, name: str, columns: list[str], window: Window | None) -> pa.Table:
     """The table's columns, whole (no window) or only the rows in the window."""
     if not trace.has_table(name):
@@ -178,12 +191,30 @@ def _group_reach(md: pq.FileMetaData, start: str, other: str | None, is_dur: boo
     return lo, hi
 
 
+def _whole_rounds(steps: dict[str, np.ndarray], lo: int, hi: int) -> tuple[int, int]:
+    """[lo, hi] widened to the cycles that share some time with it, whole: a round cut at the
+    window's edge would keep only its rows inside (`view` would show that round's full length
+    beside a part of its costs). A window inside one cycle is that cycle."""
+    ts, end = steps["ts"], steps["cycle_end"]
+    sel = (ts < hi) & (end > lo) if lo < hi else (ts <= lo) & (end >= lo)
+    if not sel.any():
+        return lo, hi
+    return min(lo, int(ts[sel].min())), max(hi, int(end[sel].max()))
+
+
 def _steps(trace: Trace) -> dict[str, np.ndarray]:
+    """The rounds in time order: step, ts, end (ts + dur) and cycle_end, where the next round
+    starts (the last: its end). A window takes rounds by their cycles (cycle_views.py's
+    `cycle_bounds`): a round's response_send and the gap before the next round come after its
+    end, and a window that stopped there would leave them out of its last round's costs."""
     t = trace.table("steps", ["step", "ts_ns", "dur_ns"]) if trace.has_table("steps") else \
         TABLES["steps"].empty_table().select(["step", "ts_ns", "dur_ns"])
     ts = t["ts_ns"].to_numpy().astype(np.int64)
-    return {"step": t["step"].to_numpy().astype(np.int64), "ts": ts,
-            "end": ts + np.maximum(t["dur_ns"].to_numpy().astype(np.int64), 0)}
+    order = np.argsort(ts, kind="stable")
+    ts = ts[order]
+    end = ts + np.maximum(t["dur_ns"].to_numpy().astype(np.int64)[order], 0)
+    cycle_end = np.maximum(np.append(ts[1:], end[-1:]), end) if len(ts) else end
+    return {"step": t["step"].to_numpy().astype(np.int64)[order], "ts": ts, "end": end, "cycle_end": cycle_end}
 
 
 def _run_start(trace: Trace, steps: dict[str, np.ndarray]) -> int:

@@ -24,7 +24,7 @@ from tracing.reader import Trace
 from tracing.schema import TABLES
 from viewer.analysis.cycle_views import per_cycle
 from viewer.analysis.order import natural_key
-from viewer.export.window import Window, table_in
+from viewer.export.window import Window, table_in, window_cycles
 from viewer.tui.round_screen import RequestDetail, RoundDetail
 
 ROUND_COLS = ("step", "ms", "prefill", "prefill tok", "decode", "blocks", "waiting")
@@ -65,7 +65,7 @@ class TraceBrowser:
     # ---- lists --------------------------------------------------------------------
     def rounds(self) -> Rounds:
         s = self.steps
-        pcy = per_cycle(self.probes, s)
+        pcy = per_cycle(self.probes, s, bounds=None if self.window is None else window_cycles(s, self.window))
         names = sorted(k.split(":", 1)[1] for k in pcy if k.startswith("exposed_ns:"))
         names = [n for n in names if n != B.DEVICE_COMPUTE]
         cols = [*ROUND_COLS, *(f"{n} ms" for n in names)]
