@@ -19,9 +19,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Windows' fsync (`_commit`, FlushFileBuffers) needs a handle that may write; POSIX fsyncs
+# any descriptor, and a read-only one opens even a file the process may not write.
+_FSYNC_OPEN = os.O_RDWR if os.name == "nt" else os.O_RDONLY
+
 
 def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, _FSYNC_OPEN)
     try:
         os.fsync(fd)
     finally:
