@@ -490,3 +490,61 @@ def test_a_time_window_cut_inside_rounds_takes_those_rounds_whole(tp2: Path) -> 
         for r in part.rows:
             got = dict(zip(part.columns, r, strict=True))
             assert got == {c: v for c, v in rows[r[0]].items() if c in got}, (window.what, r[0])
+
+
+def _flushed(root: Path, flushes: int = 6, rows: int = 5) -> None:
+    """A trace of `flushes` probe parts, none merged: a killed run's (copied away from its
+    writer, whose lock `compact` would wait for)."""
+    import shutil
+
+    from tests.support.store import probe_row
+    from tracing.compaction import Targets
+    from tracing.writer import TraceWriter
+
+    w = TraceWriter(root.with_name(root.name + "-run"), flush_interval_s=3600,
+                    targets=Targets(fan_in=100, max_rows=1 << 20))
+    w.write_meta({"model": {"kv_blocks": 4}})
+    for f in range(flushes):
+        w.buffer("probes").extend(probe_row(f * rows + i) for i in range(rows))
+        w.flush()
+    shutil.copytree(w.root, root)
+
+
+def test_a_window_read_while_a_compaction_removes_its_parts_reads_the_merged_one(tmp_path: Path) -> None:
+    """The snapshot names parts a compaction then merges and removes: a window read as a table
+    (view, report --html) takes the newer snapshot; one read part by part (export --perfetto)
+    says so in one line."""
+    from tracing.compact_trace import compact_trace
+    from tracing.reader import Trace, TraceError
+    from viewer.export.window import Window, table_in, windowed
+
+    root = tmp_path / "t"
+    _flushed(root)
+    w = Window(((1005, 1020),), "t")
+    want = table_in(Trace.open(root), "probes", ["step"], w)["step"].to_pylist()
+    assert want == list(range(5, 20))
+    stale, stale2 = Trace.open(root), Trace.open(root)
+    assert len(stale.parts["probes"]) == 6
+    compact_trace(root)
+    assert table_in(stale, "probes", ["step"], w)["step"].to_pylist() == want
+    with pytest.raises(TraceError, match="was removed while it was read .* run the command again"):
+        list(windowed(stale2, "probes", ["step"], w))
+
+
+def test_a_windowed_part_that_is_not_what_its_manifest_says_is_one_line(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from tracing.reader import Trace, TraceError
+    from viewer.export.window import Window, windowed
+
+    root = tmp_path / "t"
+    _flushed(root, flushes=2)
+    part = Trace.open(root).parts["probes"][0].path
+    t = pq.read_table(part)
+    pq.write_table(t.slice(0, 3), part)  # fewer rows than committed
+    with pytest.raises(TraceError, match="holds 3 rows, the manifest committed 5"):
+        list(windowed(Trace.open(root), "probes", ["step"], Window(((0, 10**6),), "t")))
+    pq.write_table(t.drop_columns(["ts_ns"]), part)  # a footer without the window's column
+    with pytest.raises(TraceError) as e:
+        list(windowed(Trace.open(root), "probes", ["step"], Window(((0, 10**6),), "t")))
+    assert str(e.value).startswith("corrupt probes/ table") and "\n" not in str(e.value)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.reader import Trace, TraceError, read_parts, read_row_groups
+from tracing.reader import REOPEN_TRIES, Trace, TraceError, read_parts, read_row_groups
 from tracing.run_status import first_line
 from tracing.schema import TABLES
 
@@ -126,6 +126,9 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
         try:
             pf = pq.ParquetFile(part.path)
             n = pf.metadata.num_row_groups
+            if part.rows is not None and pf.metadata.num_rows != part.rows:  # (the left-out counts rely on it)
+                raise _Corrupt(f"{part.path.name} holds {pf.metadata.num_rows} rows, the manifest committed "
+                               f"{part.rows}")
             lo, hi = _group_reach(pf.metadata, start, other, is_dur)
             # (a group that only touches a span may hold an instant on its edge)
             groups = np.flatnonzero(window.mask(lo, hi) | window.mask(lo, lo) | window.mask(hi, hi)).tolist()
@@ -133,7 +136,11 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
                 continue
             t = read_parts([part], TABLES[name], cols) if len(groups) == n else \
                 read_row_groups(part, TABLES[name], cols, groups)
-        except (pa.ArrowException, OSError) as e:
+        except FileNotFoundError:
+            raise PartGone(f"{name}/ part {part.path.name} was removed while it was read (a compaction of the "
+                           f"trace, which is still being written): run the command again") from None
+        # garbage in a footer surfaces as any of these (as tracing/reader.py's reads catch them)
+        except (_Corrupt, pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as e:
             raise TraceError(f"corrupt {name}/ table in {trace.root}: {first_line(e)}") from None
         a = t[start].to_numpy().astype(np.int64)
         if other is None:
@@ -146,6 +153,14 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
         keep = window.mask(a, z)
         if keep.any():
             yield t.select(columns).filter(pa.array(keep))
+
+
+class PartGone(TraceError):
+    """A part the snapshot named was removed by a live compaction while a window read it."""
+
+
+class _Corrupt(Exception):
+    pass
 
 
 def window_cycles(steps: pa.Table, window: Window) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +180,14 @@ def table_in(trace: Trace, name: str, columns: list[str], window: Window | None)
         return TABLES[name].empty_table().select(columns)
     if window is None:
         return trace.table(name, columns)
-    got = list(windowed(trace, name, columns, window))
+    for attempt in range(REOPEN_TRIES):
+        try:
+            got = list(windowed(trace, name, columns, window))
+            break
+        except PartGone:  # a later snapshot names the merged part instead (rows only ever append)
+            if attempt == REOPEN_TRIES - 1:
+                raise
+            trace.reopen()
     return pa.concat_tables(got).unify_dictionaries() if got else TABLES[name].empty_table().select(columns)
 
 
