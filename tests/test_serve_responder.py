@@ -153,3 +153,45 @@ def test_a_stop_string_in_the_first_token_still_echoes_the_prompt_and_its_logpro
     tokens = [t for ch in choices if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
     # the prompt's two, then the first token's, as a stop string's token is scored later in an answer
     assert tokens == ["<1>", "<2>", "<3>"]
+
+
+def test_a_stop_string_finish_counts_the_tokens_answered_and_is_a_stop_in_the_metrics():
+    """The engine ran two rounds more before the sender's abort reached it: usage counts the
+    tokens through the one the stop string ended in, and /metrics counts the finish a
+    "stop", as the client sees it (the engine's record says aborted)."""
+    from prometheus_client import generate_latest
+
+    from scheduler.serving.metrics import ServerMetrics
+    from scheduler.serving.protocol import STOP_MATCHED
+
+    async def main() -> dict[str, Any]:
+        streams = ResponseStreams(lambda rid, why: None, lambda t: ("x", False))
+        loop = asyncio.get_running_loop()
+
+        def submit(prompt: Any, params: SamplingParams, rid: str, special: bool) -> None:
+            def sender() -> None:
+                for text in ("a", "b.", "c", "d"):  # the stop string "." in the second token
+                    streams.on_text(rid, text)
+                rec = finished(rid)
+                rec.output_ids, rec.finish_detail = [3, 4, 5, 6], STOP_MATCHED
+                streams.on_finish(rec, "ab.cd")
+            loop.call_soon(sender)
+
+        r = Responder(streams, submit, lambda rid, why: None, None, lambda: 0)
+
+        async def here() -> bool:
+            return False
+
+        out = await r.answer(Call(False, ["Q"], SamplingParams(), ["."], False, False, "m", True), here)
+        assert isinstance(out, dict)
+        return out
+
+    reply = asyncio.run(main())
+    assert reply["choices"][0]["text"] == "ab" and reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == 2
+    m = ServerMetrics("m", 64)
+    rec = finished("r")
+    rec.finish_detail = STOP_MATCHED
+    m.on_finish(rec, "")
+    text = generate_latest(m.registry).decode()
+    assert 'mstrace:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in text

@@ -22,7 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from scheduler.hops.sender import FinishedRecord
-from scheduler.serving.protocol import FINISH_REASON
+from scheduler.serving.protocol import FINISH_REASON, STOP_MATCHED
 
 P = "mstrace:"
 LABELS = ["model_name", "engine"]
@@ -100,11 +100,12 @@ class ServerMetrics:
                          ("gpu_prefix_cache_queries", "prefix_cache_queries"),
                          ("gpu_prefix_cache_hits", "prefix_cache_hits")):
             r.register(_Alias(fams[new], P + old, f"DEPRECATED: use {P}{new} instead (the same samples)."))
-        # Not an alias in vLLM: the longest output among a request's n sequences. Here n is
-        # always 1, so it is request_generation_tokens (as vLLM's design doc says for n = 1).
+        # Not an alias in vLLM: the longest output among a request's n sequences. Here each of
+        # n samples is an engine request of its own, so it is request_generation_tokens (as
+        # vLLM's design doc says for n = 1).
         r.register(_Alias(fams["request_generation_tokens"], P + "request_max_num_generation_tokens",
-                          f"(vLLM: of the longest of a request's n sequences; n is always 1 here, so the same "
-                          f"samples as {P}request_generation_tokens)"))
+                          f"(vLLM: of the longest of a request's n sequences; each sample is a request of its "
+                          f"own here, so the same samples as {P}request_generation_tokens)"))
 
     # ---- the scheduling thread -------------------------------------------
     def on_round(self, dur_ns: int, prefill_tokens: int, sampled: int) -> None:
@@ -118,7 +119,8 @@ class ServerMetrics:
             self._fold()
 
     def on_finish(self, r: FinishedRecord, text: str) -> None:
-        self.success[FINISH_REASON.get(r.finish_reason, "error")].inc()
+        stopped = r.finish_reason == "aborted" and r.finish_detail == STOP_MATCHED
+        self.success["stop" if stopped else FINISH_REASON.get(r.finish_reason, "error")].inc()
         self.preemptions.inc(r.num_preemptions)
         self.prompt_hist.observe(len(r.input_ids))
         self.gen_hist.observe(len(r.output_ids))

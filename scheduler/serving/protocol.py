@@ -21,6 +21,9 @@ from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 # Samples per prompt: each is an engine request, sharing the prompt's KV blocks
 MAX_N = 16
 
+# The engine finishes a request whose stop string matched as an abort with this detail: the
+# sender saw the match, the engine did not (the metrics count it a "stop", as the client sees it)
+STOP_MATCHED = "stop string matched"
 FINISH_REASON = {"eos": "stop", "stop_token": "stop", "length": "length", "aborted": "abort", "rejected": "error"}
 
 

@@ -21,7 +21,7 @@ from probes.clock import now_ns
 from scheduler.core.request import TokenLogprob
 from scheduler.hops.sender import FinishedRecord
 from scheduler.serving.logprobs import Scored, scored
-from scheduler.serving.protocol import FINISH_REASON
+from scheduler.serving.protocol import FINISH_REASON, STOP_MATCHED
 from scheduler.serving.stop import StopMatcher
 
 
@@ -93,7 +93,7 @@ def _expire(w: asyncio.Future[None]) -> None:
 
 
 class _Open:
-    __slots__ = ("loop", "inbox", "stop", "logprobs", "prompt", "posted")
+    __slots__ = ("loop", "inbox", "stop", "logprobs", "prompt", "posted", "tokens")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stops: list[str]) -> None:
         self.loop = loop
@@ -102,6 +102,7 @@ class _Open:
         self.logprobs: list[Scored] = []  # waiting for their token's text
         self.prompt: tuple[Scored, ...] | None = None
         self.posted = False  # a Text posted: the first carries what goes before the answer
+        self.tokens = 0  # tokens answered: up to the one a stop string ends in (usage counts those)
 
 
 class ResponseStreams:
@@ -165,6 +166,7 @@ class ResponseStreams:
         o = self._open.get(request_id)
         if o is None or o.stop.done:
             return
+        o.tokens += 1
         out = o.stop.push(text)
         if out or not o.stop.done or not o.posted:
             # one event per token, its text possibly "" (an incomplete character, or text held
@@ -176,15 +178,16 @@ class ResponseStreams:
             o.posted = True
             self._post(o, Text(out, lps, prompt, now_ns()))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
-            self._abort(request_id, "stop string matched")
+            self._abort(request_id, STOP_MATCHED)
 
     def on_finish(self, record: FinishedRecord, text: str) -> None:
         o = self._open.get(record.request_id)
         if o is None:
             return
-        reason = "stop" if o.stop.done else FINISH_REASON.get(record.finish_reason, "abort")
-        self._post(o, End(reason, record.finish_detail, len(record.input_ids), len(record.output_ids),
-                          o.stop.flush()))
+        done = o.stop.done  # the tokens the engine made after the match were never answered
+        reason = "stop" if done else FINISH_REASON.get(record.finish_reason, "abort")
+        self._post(o, End(reason, record.finish_detail, len(record.input_ids),
+                          o.tokens if done else len(record.output_ids), o.stop.flush()))
 
     @staticmethod
     def _post(o: _Open, ev: Event) -> None:
