@@ -56,6 +56,18 @@ def test_prompt_ids_equal_autotokenizer(tok: Tokenizer, hf, text: str) -> None: 
     assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
+def test_a_content_part_that_is_not_text_is_refused_alike_with_or_without_a_template(folder: Path) -> None:
+    """An image part: the same 400 (`messages.content`, unsupported_parameter) whether the
+    folder has a chat template or the plain one renders it, not the template's refusal."""
+    from scheduler.serving.protocol import BadRequest
+
+    msgs = [ChatMessage.model_validate({"role": "user", "content": [
+        {"type": "text", "text": "what is"}, {"type": "image_url", "image_url": {"url": "data:,"}}]})]
+    with pytest.raises(BadRequest) as e:
+        ChatTemplate(folder).render(msgs)
+    assert (e.value.param, e.value.code) == ("messages.content", "unsupported_parameter"), e.value.message
+
+
 def test_a_prompt_gets_the_bos_its_config_asks_for(folder: Path, tok: Tokenizer) -> None:
     assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
     ids = tok.encode("the argument parser")

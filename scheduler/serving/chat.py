@@ -32,9 +32,9 @@ class ChatTemplate:
     def render(self, messages: list[ChatMessage]) -> str:
         if self._tok is None:
             return self._prefix + "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+        turns = [{"role": m.role, "content": m.text()} for m in messages]  # a part refused: its own error
         try:
-            out = self._tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                                tokenize=False, add_generation_prompt=True)
+            out = self._tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages (roles, order)
             raise BadRequest(f"the model's chat template refused these messages: {str(e).splitlines()[0]}",
                              param="messages") from None
