@@ -195,3 +195,25 @@ def test_a_stop_string_finish_counts_the_tokens_answered_and_is_a_stop_in_the_me
     m.on_finish(rec, "")
     text = generate_latest(m.registry).decode()
     assert 'mstrace:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in text
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_closed_before_its_first_chunk_ends_its_requests(n):
+    """The server closes a body it never asked a chunk of (its response's start failed):
+    closing an async generator that never started skips its `finally`, so the body says
+    itself what that `finally` would have done: the requests aborted, their inboxes closed."""
+    async def main() -> None:
+        r, engine, streams = responder()
+
+        async def here() -> bool:
+            return False
+
+        body = await r.answer(call(stream=True, n=n), here)
+        assert len(streams._open) == n
+        await body.aclose()  # type: ignore[attr-defined]
+        assert sorted(why for _, why in engine.aborted) == ["client disconnected"] * n
+        assert not streams._open
+        for t in engine.feeding:
+            await t
+
+    asyncio.run(main())

@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from probes.boundaries import RESPONSE_DELIVER
@@ -110,7 +111,7 @@ class Responder:
             if isinstance(first, End) and (first.finish_reason == "error" or first.failed):
                 raise _refusal(first)
             if call.stream:
-                return self._timed(self._sse(call, rid, first, q, watch))
+                return self._timed(self._sse(call, rid, first, q, watch), partial(self._gone, rid))
             ch, end = await self._collect(q, watch, rid, first)
         except ClientGone:  # aborted as its client was found gone
             self._streams.close(rid)
@@ -123,6 +124,11 @@ class Responder:
             raise
         self._streams.close(rid)
         return self._reply(call, rid, [(ch, end)])
+
+    def _gone(self, rid: str) -> None:
+        """A stream ended before its first chunk was asked for: as `_sse`'s own end would."""
+        self._streams.close(rid)
+        self._abort(rid, "client disconnected")
 
     def _submit_one(self, call: Call, prompt: str | list[int], params: SamplingParams, rid: str) -> None:
         """One engine request, stamped; a text prompt the model has no tokenizer for is the
@@ -188,7 +194,8 @@ class Responder:
             give_up("another choice of its request was refused")
             raise _refusal(refused, "prompt")
         if call.stream:
-            return self._timed(self._sse_many(call, rid, rids, queues, firsts, watch))
+            return self._timed(self._sse_many(call, rid, rids, queues, firsts, watch),
+                               lambda: give_up("client disconnected"))
         try:
             replies = await asyncio.gather(*(self._collect(q, watch, r, ev)
                                              for q, r, ev in zip(queues, rids, firsts, strict=True)))
@@ -333,17 +340,44 @@ class Responder:
                 if not done:
                     self._abort(r, "client disconnected")
 
-    async def _timed(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`body`, each chunk's write timed: the server resumes this generator only once it
-        has sent the chunk (and waited for a slow client's socket to take it)."""
-        try:
-            async for data in body:
-                t0 = now_ns()
-                yield data
-                if self._buf is not None:
-                    self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "http", 0, self._step()))
-        finally:
-            await body.aclose()  # type: ignore[attr-defined]
+    def _timed(self, body: AsyncIterator[bytes], unstarted: Callable[[], None]) -> AsyncIterator[bytes]:
+        """`body`, each chunk's write timed (`_Timed`); `unstarted`: what closing it before its
+        first chunk must do that the body's own `finally` would have done."""
+        return _Timed(body, unstarted, self._buf, self._step)
+
+
+class _Timed:
+    """An SSE body, each chunk's write a `response_deliver` row: the server asks for the next
+    chunk only once it has sent this one (and waited for a slow client's socket to take it).
+    Closed before its first chunk (a response whose start failed), it runs `unstarted`:
+    closing an async generator that never started skips its `finally`, which ends the request
+    in the engine and in ResponseStreams."""
+
+    __slots__ = ("_body", "_unstarted", "_buf", "_step", "_t0", "_started")
+
+    def __init__(self, body: AsyncIterator[bytes], unstarted: Callable[[], None], buf: list[Any] | None,
+                 step: Callable[[], int]) -> None:
+        self._body, self._unstarted, self._buf, self._step = body, unstarted, buf, step
+        self._t0 = 0  # when the chunk being written was handed over (0: none)
+        self._started = False
+
+    def __aiter__(self) -> _Timed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self._started = True
+        if self._t0 and self._buf is not None:
+            self._buf.append((self._t0, now_ns() - self._t0, RESPONSE_DELIVER, "http", 0, self._step()))
+        self._t0 = 0
+        data = await self._body.__anext__()
+        self._t0 = now_ns()
+        return data
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._started = True
+            self._unstarted()
+        await self._body.aclose()  # type: ignore[attr-defined]
 
 
 class _Chunks:
