@@ -25,7 +25,7 @@ from tracing.schema import ADDED, NEVER_NULL, SCHEMA_VERSION, TABLES
 
 # A live writer may compact away a part between our manifest read and the part's;
 # the new manifest then names its replacement.
-REOPEN_TRIES = 5
+_REOPEN_TRIES = 5
 # Tables are read in chunks at least this long: half a compacted part (so those stay
 # uncopied), and long enough that a loop over chunks costs nothing beside the numpy
 # passes inside it.
@@ -122,7 +122,7 @@ class Trace:
         # A retry reads a later snapshot; rows only ever append (merges keep their order),
         # so each rank's rows are cut back to what the first snapshot committed.
         first = _rows_by_rank(self.parts.get(name, []))
-        for attempt in range(REOPEN_TRIES):
+        for attempt in range(_REOPEN_TRIES):
             parts = self.parts.get(name, [])
             gone = next((p for p in parts if not p.path.is_file()), None)
             if gone is None:
@@ -138,7 +138,7 @@ class Trace:
                     gone = next((p for p in parts if not p.path.is_file()), None)
                     if gone is None:
                         raise TraceError(f"corrupt {name}/ table in {self.root}: {_first_line(e)}") from None
-            if self.legacy or attempt == REOPEN_TRIES - 1:
+            if self.legacy or attempt == _REOPEN_TRIES - 1:
                 raise TraceError(f"corrupt {name}/ table in {self.root}: the manifest names "
                                  f"{gone.path.name}, which is missing")
             self.reopen()

@@ -48,7 +48,7 @@ def start_over(trace: Trace, name: str, read: Callable[[], T]) -> T:
             if trace.legacy or attempt == TRIES - 1:
                 raise TraceError(f"corrupt {name}/ table in {trace.root}: the manifest names {e}, "
                                  "which is missing") from None
-            trace.parts = Trace.open(trace.root).parts
+            trace.reopen()
             trace.status.clipped[name] = clipped
     raise AssertionError  # pragma: no cover - the loop returns or raises
 

@@ -19,9 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tracing.reader import REOPEN_TRIES, Trace, TraceError, read_parts, read_row_groups
+from tracing.reader import Trace, TraceError, read_parts, read_row_groups
 from tracing.run_status import first_line
 from tracing.schema import TABLES
+from tracing.sweep import Vanished, start_over
 
 # Each table's row interval: (its start column, the column that ends it or None for an
 # instant, whether that column is a duration rather than an end time).
@@ -117,9 +118,11 @@ def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time
                                 f"either side ({len(spans)} span(s))")
 
 
-def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Iterator[pa.Table]:
+def windowed(trace: Trace, name: str, columns: list[str], window: Window, vanish: bool = False) -> Iterator[pa.Table]:
     """The table's rows in the window, part by part, reading only the row groups that can
-    reach it (by their statistics)."""
+    reach it (by their statistics). A part a live compaction removed meanwhile: Vanished with
+    `vanish` (for `start_over`, which reads a newer snapshot), else a one-line TraceError (an
+    export that wrote some of its rows already cannot start over)."""
     start, other, is_dur = INTERVAL[name]
     cols = list(dict.fromkeys([*columns, start, *([other] if other else [])]))
     for part in trace.parts.get(name, []):
@@ -137,8 +140,10 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
             t = read_parts([part], TABLES[name], cols) if len(groups) == n else \
                 read_row_groups(part, TABLES[name], cols, groups)
         except FileNotFoundError:
-            raise PartGone(f"{name}/ part {part.path.name} was removed while it was read (a compaction of the "
-                           f"trace, which is still being written): run the command again") from None
+            if vanish:
+                raise Vanished(part.path.name) from None
+            raise TraceError(f"{name}/ part {part.path.name} was removed while it was read (a compaction of the "
+                             f"trace, which is still being written): run the command again") from None
         # garbage in a footer surfaces as any of these (as tracing/reader.py's reads catch them)
         except (_Corrupt, pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as e:
             raise TraceError(f"corrupt {name}/ table in {trace.root}: {first_line(e)}") from None
@@ -153,10 +158,6 @@ def windowed(trace: Trace, name: str, columns: list[str], window: Window) -> Ite
         keep = window.mask(a, z)
         if keep.any():
             yield t.select(columns).filter(pa.array(keep))
-
-
-class PartGone(TraceError):
-    """A part the snapshot named was removed by a live compaction while a window read it."""
 
 
 class _Corrupt(Exception):
@@ -180,14 +181,7 @@ def table_in(trace: Trace, name: str, columns: list[str], window: Window | None)
         return TABLES[name].empty_table().select(columns)
     if window is None:
         return trace.table(name, columns)
-    for attempt in range(REOPEN_TRIES):
-        try:
-            got = list(windowed(trace, name, columns, window))
-            break
-        except PartGone:  # a later snapshot names the merged part instead (rows only ever append)
-            if attempt == REOPEN_TRIES - 1:
-                raise
-            trace.reopen()
+    got = start_over(trace, name, lambda: list(windowed(trace, name, columns, window, vanish=True)))
     return pa.concat_tables(got).unify_dictionaries() if got else TABLES[name].empty_table().select(columns)
 
 
