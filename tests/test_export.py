@@ -479,6 +479,8 @@ def test_a_time_window_cut_inside_rounds_takes_those_rounds_whole(tp2: Path) -> 
     mid = [steps["ts_ns"][j] + steps["dur_ns"][j] // 2 for j in (i, i + 2)]
     w = parse_window(tr, time=f"{(mid[0] - t0) / 1e9!r}-{(mid[1] - t0) / 1e9!r}")
     assert w is not None and w.spans == ((steps["ts_ns"][i], cycle_end(steps, i + 2)),)
+    last = max(steps["step"])
+    assert parse_window(tr, rounds=f"{last - 1}-{last + 50}").what == f"rounds {last - 1}-{last}"  # what it holds
     whole = TraceBrowser(tp2).rounds()
     rows = {r[0]: dict(zip(whole.columns, r, strict=True)) for r in whole.rows}
     assert [r[0] for r in TraceBrowser(tp2, w).rounds().rows] == steps["step"][i:i + 3]

@@ -85,7 +85,8 @@ def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time
         if not sel.any():
             raise TraceError(f"--rounds {rounds}: the trace has rounds {_span_of(steps['step'])}")
         spans = [(int(steps["ts"][sel].min()), int(steps["cycle_end"][sel].max()))]
-        return Window(tuple(spans), f"rounds {a}-{b}")
+        have = steps["step"][sel]  # what the trace holds of A-B (a window past its ends says so)
+        return Window(tuple(spans), f"rounds {int(have.min())}-{int(have.max())}")
     if time is not None:
         s, e = _range(time, "--time", float)
         t0 = _run_start(trace, steps)
