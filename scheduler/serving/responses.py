@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from probes.boundaries import RESPONSE_DELIVER
 from probes.clock import now_ns
@@ -94,7 +94,7 @@ class Responder:
         self._timeline = timeline_buf  # the HTTP stamps of each request submitted (this loop's own list)
         self._decode = decode  # echo of a token-id prompt: its text
 
-    async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def answer(self, call: Call, disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any] | AsyncIterable[bytes]:
         """The reply's JSON, or the SSE body. BadRequest for a request the engine refused."""
         rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
         watch = ClientWatch(disconnected)
@@ -156,7 +156,7 @@ class Responder:
         if self._timeline is not None and posted_ns:
             self._timeline.extend(((posted_ns, rid, OUT_STAGES[0], -1, 0), (now_ns(), rid, OUT_STAGES[1], -1, 0)))
 
-    async def _many(self, call: Call, rid: str, watch: ClientWatch) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def _many(self, call: Call, rid: str, watch: ClientWatch) -> dict[str, Any] | AsyncIterable[bytes]:
         """A batch of prompts, `n` samples each: every choice an engine request of its own
         (`RID-i`, i = prompt * n + sample, OpenAI's order). A prompt's first sample is
         submitted at once; its other samples once it has its first token, when the prompt's
@@ -340,44 +340,45 @@ class Responder:
                 if not done:
                     self._abort(r, "client disconnected")
 
-    def _timed(self, body: AsyncIterator[bytes], unstarted: Callable[[], None]) -> AsyncIterator[bytes]:
-        """`body`, each chunk's write timed (`_Timed`); `unstarted`: what closing it before its
-        first chunk must do that the body's own `finally` would have done."""
-        return _Timed(body, unstarted, self._buf, self._step)
+    def _timed(self, body: AsyncIterator[bytes], unstarted: Callable[[], None]) -> AsyncIterable[bytes]:
+        """`body`, each chunk's write timed; `unstarted`: what closing it before its first chunk
+        must do that the body's own `finally` would have done (`_Body`)."""
+        return _Body(self._each_timed(body), unstarted)
+
+    async def _each_timed(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`body`, each chunk's write timed: the server resumes this generator only once it
+        has sent the chunk (and waited for a slow client's socket to take it)."""
+        try:
+            async for data in body:
+                t0 = now_ns()
+                yield data
+                if self._buf is not None:
+                    self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "http", 0, self._step()))
+        finally:
+            await body.aclose()  # type: ignore[attr-defined]
 
 
-class _Timed:
-    """An SSE body, each chunk's write a `response_deliver` row: the server asks for the next
-    chunk only once it has sent this one (and waited for a slow client's socket to take it).
-    Closed before its first chunk (a response whose start failed), it runs `unstarted`:
-    closing an async generator that never started skips its `finally`, which ends the request
-    in the engine and in ResponseStreams."""
+class _Body:
+    """An SSE body that ends its requests even when it is closed before it was iterated (a
+    response whose start failed): closing an async generator that never started skips its
+    `finally`, which ends the request in the engine and in ResponseStreams. Iterating it is
+    iterating the generator itself: nothing is added per chunk."""
 
-    __slots__ = ("_body", "_unstarted", "_buf", "_step", "_t0", "_started")
+    __slots__ = ("_gen", "_unstarted")
 
-    def __init__(self, body: AsyncIterator[bytes], unstarted: Callable[[], None], buf: list[Any] | None,
-                 step: Callable[[], int]) -> None:
-        self._body, self._unstarted, self._buf, self._step = body, unstarted, buf, step
-        self._t0 = 0  # when the chunk being written was handed over (0: none)
-        self._started = False
+    def __init__(self, gen: AsyncIterator[bytes], unstarted: Callable[[], None]) -> None:
+        self._gen: Any = gen
+        self._unstarted: Callable[[], None] | None = unstarted
 
-    def __aiter__(self) -> _Timed:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self._started = True
-        if self._t0 and self._buf is not None:
-            self._buf.append((self._t0, now_ns() - self._t0, RESPONSE_DELIVER, "http", 0, self._step()))
-        self._t0 = 0
-        data = await self._body.__anext__()
-        self._t0 = now_ns()
-        return data
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        self._unstarted = None  # its first __anext__ follows at once and enters the body's try
+        return cast(AsyncIterator[bytes], self._gen)
 
     async def aclose(self) -> None:
-        if not self._started:
-            self._started = True
+        if self._unstarted is not None:
             self._unstarted()
-        await self._body.aclose()  # type: ignore[attr-defined]
+            self._unstarted = None
+        await self._gen.aclose()
 
 
 class _Chunks:
