@@ -122,6 +122,27 @@ def test_prompt_that_never_fits_is_rejected_and_run_continues():
     assert [c.req.request_id for c in b.prefills] == ["ok"]
 
 
+def test_a_prompt_that_fits_only_the_reserve_is_rejected_not_waited_for():
+    """The watermark reserve is never handed out at admission: a prompt that needs the whole
+    pool (of 10 blocks, 1 kept back) can never be admitted, so it is rejected, saying why,
+    and the requests behind it run (it used to hold the queue, evicting every decode)."""
+    for contiguous in (False, True):
+        rm = RequestManager(lambda *e: None)
+        mm = MemoryManager(10, 4)
+        cfg = EngineConfig(block_size=4, prefill_chunk=100, watermark_frac=0.1, decode_max_wait_ms=1e9,
+                           prefill_max_wait_ms=0, kv_layout="contiguous" if contiguous else "paged")
+        policy = Policy(cfg, rm, mm)
+        small = add(rm, "small", 3)
+        run_round(rm, mm, policy, 1)
+        big = add(rm, "big", 38 if not contiguous else 30, max_new=2 if not contiguous else 10)
+        after = add(rm, "after", 3)
+        b = policy.schedule(2)
+        assert big.finish_reason is FinishReason.REJECTED, contiguous
+        assert "10 blocks at admission" in big.finish_detail and "1 are kept back" in big.finish_detail
+        assert small.status is RequestStatus.RUNNING and small.num_preemptions == 0
+        assert [c.req.request_id for c in b.prefills] == ["after"]
+
+
 def test_decode_growth_preempts_latest_when_pool_is_full():
     rm, mm, policy, events = make(num_blocks=4, block_size=4, chunk=100)
     a = add(rm, "a", 8, max_new=8)
