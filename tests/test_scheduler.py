@@ -143,6 +143,34 @@ def test_a_prompt_that_fits_only_the_reserve_is_rejected_not_waited_for():
         assert [c.req.request_id for c in b.prefills] == ["after"]
 
 
+def test_overlap_publishes_a_block_only_once_the_round_that_wrote_its_last_slot_is_collected():
+    """Overlap: round 2 (a's decode, writing K/V at position 7, the last of block 1) is
+    launched before round 1 is collected. Collecting round 1 makes token 7's id known, but its
+    K/V is still being written: block 1 is published only at round 2's collect (a prompt
+    matching it could be prefilled on the prefill stream meanwhile and read the stale slot)."""
+    rm, mm, policy, _ = make(num_blocks=16, block_size=4, chunk=100)
+    a = add(rm, "a", 7, max_new=8)
+
+    def launch(step):
+        b = policy.schedule(step)
+        sampled = [c for c in b.chunks if c.sample]
+        launched(b.chunks, sampled, list(range(len(sampled))))
+        return b, sampled
+
+    def collect_round(step, b, sampled, token):
+        collect([(c, s, token, None) for s, c in enumerate(sampled)], b.chunks, step, now_ns(), mm, rm,
+                frozenset(), lambda req, why: None, StepOutput(step))
+
+    b1 = launch(1)  # a's prompt, positions 0-6; samples token 7
+    b2 = launch(2)  # overlap: a's decode of token 7 (position 7, block 1's last slot) before round 1's collect
+    collect_round(1, *b1, token=9)
+    tokens = a.token_ids()[:8]
+    assert len(tokens) == 8 and tokens[7] == 9  # token 7's id is known now ...
+    assert mm.match_prefix(tokens + [1]).num_blocks == 1  # ... but not its K/V: block 1 waits
+    collect_round(2, *b2, token=9)
+    assert mm.match_prefix(tokens + [1]).num_blocks == 2
+
+
 def test_decode_growth_preempts_latest_when_pool_is_full():
     rm, mm, policy, events = make(num_blocks=4, block_size=4, chunk=100)
     a = add(rm, "a", 8, max_new=8)

@@ -93,9 +93,11 @@ def collect(
         req = c.req
         if req.status is not RequestStatus.RUNNING or c.generation != req.num_preemptions:
             continue
-        # Only tokens known on the host can be hashed; in overlap mode the
-        # next round may already have computed one more (a placeholder).
-        known = min(req.num_computed, req.sample.valid_len + req.num_real_outputs)
+        # A block is published once its tokens are known on the host and its K/V written:
+        # through this round's chunk, whose round is over. In overlap mode the next round is
+        # already in flight (num_computed counts it): the K/V it writes is not there yet, and
+        # a prompt matching the block could be prefilled on the prefill stream meanwhile.
+        known = min(c.start + c.num_tokens, req.sample.valid_len + req.num_real_outputs)
         if known // mm.block_size > req.num_hashed_blocks:
             req.num_hashed_blocks, req.last_block_hash = mm.register_full_blocks(
                 req.token_ids(), req.block_table, known, req.num_hashed_blocks, req.last_block_hash)
