@@ -135,7 +135,7 @@ def test_a_prompt_that_fits_only_the_reserve_is_rejected_not_waited_for():
         small = add(rm, "small", 3)
         run_round(rm, mm, policy, 1)
         big = add(rm, "big", 38 if not contiguous else 30, max_new=2 if not contiguous else 10)
-        after = add(rm, "after", 3)
+        add(rm, "after", 3)
         b = policy.schedule(2)
         assert big.finish_reason is FinishReason.REJECTED, contiguous
         assert "10 blocks at admission" in big.finish_detail and "1 are kept back" in big.finish_detail
