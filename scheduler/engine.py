@@ -469,6 +469,9 @@ class Engine:
         """
         t0 = now_ns()
         self._wait_streams_idle(step)
+        # every launch is done: the blocks held behind the KV fence (requests finished while
+        # their last round was in flight) are free now, and the runs may move over them
+        self.fence.free_completed(step)
         moves = plan_moves(self.rm.running, self.mm, self.rm.mark)
         if moves:
             src, dst = [a for a, _ in moves], [b for _, b in moves]

@@ -30,6 +30,44 @@ def test_contiguous_layout_defragments_and_keeps_tokens_exact():
     assert contig.mm.num_free == 64
 
 
+def test_defrag_takes_the_blocks_a_finished_request_held_behind_the_kv_fence():
+    """Overlap with split streams, contiguous runs: a request finished while its last round
+    was in flight holds its run behind the KV fence. Defragmentation waits for the streams,
+    so those blocks are free by then, and the runs move over them (they were taken for
+    another request's, and the move raised)."""
+    from scheduler.core.request import ReqSample, SamplingParams
+    from scheduler.engine import Engine
+
+    class Pending:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    eng = Engine(EngineConfig(cpu_device="thread", model="tiny", block_size=16, kv_blocks=40, watermark_frac=0,
+                              kv_layout="contiguous", mode="overlap"))
+    try:
+        assert eng.fence.split
+        reqs = {}
+        for rid in ("a", "x", "b"):  # runs 0-9, 10-19, 20-29
+            r = eng.rm.enqueue(ReqSample(rid, [1, 2, 3], 3, SamplingParams(4), 1, 2))
+            r.block_table = eng.mm.allocate_run(rid, 10)
+            eng.rm.admit(r)
+            reqs[rid] = r
+        eng.mm.free("x", reqs["x"].block_table)
+        reqs["x"].block_table = []
+        eng.rm.running.remove(reqs["x"])
+        last = Pending()  # a's last round, in flight as it finished
+        eng.rm.running.remove(reqs["a"])
+        eng.fence.release(reqs["a"], [last])
+        assert eng.fence.blocks == 10 and eng.mm.num_free == 20
+        last.done = True  # the streams finish it; the defrag waits for them first
+        eng._defrag(1)
+        assert reqs["b"].block_table == list(range(10)) and eng.mm.num_free == 30 and not eng.fence
+    finally:
+        eng.close()
+
+
 def test_defrag_pause_is_in_the_trace(tmp_path):
     import json
 
