@@ -69,3 +69,29 @@ def test_a_request_longer_than_the_models_context_is_rejected(tmp_path):
 
     req = read_table(out, "requests", ["request_id", "finish_reason"]).to_pydict()
     assert dict(zip(req["request_id"], req["finish_reason"], strict=True)) == {"long": "rejected", "ok": "length"}
+
+
+def test_a_rejected_request_is_in_no_e2e_the_report_sql_and_html_give(tmp_path):
+    """E2E is over the requests served, in every view (one number, one meaning): a rejected
+    request's arrival-to-finish is its refusal, not a latency (`top` masks it alike)."""
+    import pyarrow as pa
+
+    from tracing.reader import read_table
+    from viewer.analysis.report import build_report
+    from viewer.export.html_charts import ChartInputs, latency_cdfs
+    from viewer.export.sql import TraceDb
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text("\n".join(json.dumps({"id": f"r{i}", "input_ids": list(range(5, 205 if i == 0 else 12)),
+                                        "max_new_tokens": 4}) for i in range(4)) + "\n")
+    out = tmp_path / "o"
+    assert mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(out),
+                   "-q").returncode == 0
+    req = read_table(out, "requests")
+    assert req.num_rows == 4 and req["finish_reason"].to_pylist().count("rejected") == 1
+    rep = build_report(out)["latency"]["e2e_ms"]
+    sql = TraceDb(out).query("SELECT COUNT(e2e_ms), quantile_cont(e2e_ms, 0.5) FROM request_latency").rows[0]
+    assert rep["count"] == sql[0] == 3 and sql[1] == pytest.approx(rep["p50"], rel=1e-9)
+    fig = latency_cdfs([("", ChartInputs(pa.table({"ts_ns": pa.array([], pa.int64())}), pa.table({}), req))])
+    e2e = [t for t in fig.data if t.xaxis == "x3"][0]
+    assert len(e2e.x) == 3

@@ -193,7 +193,8 @@ def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
         arr, ft, fin = (q[c].to_numpy() for c in ("arrival_ns", "first_token_ns", "finish_ns"))
         itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) if "dur_itl_ns" in q.column_names \
             else np.empty(0)
-        for col, x in enumerate(((ft - arr)[ft > 0] / 1e6, itl / 1e6, (fin - arr) / 1e6), start=1):
+        served = ft > 0  # E2E over the requests served, as the report's (serving.RequestTimes)
+        for col, x in enumerate(((ft - arr)[served] / 1e6, itl / 1e6, (fin - arr)[served] / 1e6), start=1):
             xs, ys = _cdf(x)
             has_data[col - 1] |= len(xs) > 0
             # one trace: one line per panel, nothing for a legend to tell apart (its entry was blank)

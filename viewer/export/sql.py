@@ -46,11 +46,12 @@ CREATE VIEW request_latency AS
 SELECT request_id, prompt_len, output_len, cached_prefix_len, finish_reason, num_preemptions,
        arrival_ns, finish_ns,
        CASE WHEN first_token_ns > 0 THEN (first_token_ns - arrival_ns) / 1e6 END AS ttft_ms,
-       (finish_ns - arrival_ns) / 1e6 AS e2e_ms,
+       CASE WHEN first_token_ns > 0 THEN (finish_ns - arrival_ns) / 1e6 END AS e2e_ms,
        CASE WHEN admitted_ns > 0 THEN (admitted_ns - arrival_ns) / 1e6 END AS queue_ms,
        list_median(dur_itl_ns) / 1e6 AS itl_p50_ms,
        list_max(dur_itl_ns) / 1e6 AS itl_max_ms,
-       CASE WHEN delivered_ns > 0 THEN (delivered_ns - arrival_ns) / 1e6 END AS delivered_e2e_ms
+       CASE WHEN delivered_ns > 0 AND first_token_ns > 0 THEN (delivered_ns - arrival_ns) / 1e6 END
+           AS delivered_e2e_ms
 FROM requests
 """
 

@@ -311,8 +311,9 @@ class LiveState:
         order = np.argsort(fin, kind="stable")  # the sparklines run oldest to newest
         arr = q["arrival_ns"].to_numpy()[order]
         ft = q["first_token_ns"].to_numpy()[order]
-        ttft = ((ft - arr)[ft > 0]) / 1e6
-        e2e = (fin[order] - arr) / 1e6
+        served = ft > 0  # E2E over the requests served, as the report's (serving.RequestTimes)
+        ttft = ((ft - arr)[served]) / 1e6
+        e2e = (fin[order] - arr)[served] / 1e6
         itl = pc.list_flatten(q["dur_itl_ns"]).to_numpy(zero_copy_only=False) / 1e6
         newest = q["dur_itl_ns"].take(pa.array(order[-60:]))
         recent = pc.list_flatten(newest).to_numpy(zero_copy_only=False)[-60:] / 1e6
