@@ -78,6 +78,12 @@ def test_a_diff_page_draws_offline(traces: tuple[Path, Path], tmp_path: Path) ->
 def test_an_unwritable_page_is_one_line(traces: tuple[Path, Path], tmp_path: Path) -> None:
     p = mstrace("report", str(traces[0]), "--html", str(tmp_path / "no" / "such" / "dir.html"))
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    # a folder, or a path with no name (`.`), for the page: said before any work, nothing left behind
+    for out in (str(tmp_path), "."):
+        for cmd in (["report", str(traces[0])], ["diff", str(traces[0]), str(traces[1])]):
+            p = mstrace(*cmd, "--html", out)
+            assert p.returncode == 2 and "give a file to write" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert not list(tmp_path.parent.glob(f"{tmp_path.name}.tmp"))
 
 
 def test_a_page_says_no_data_and_names_what_it_shows() -> None:

@@ -140,6 +140,12 @@ def refused(*errors: type[Exception], io: str | None = None) -> Iterator[None]:
         fail(f"cannot {io}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
 
 
+def html_target(out: Path) -> None:
+    """Exit 2 with one line, before any work, for an --html OUT that names no file to write."""
+    if not out.name or out.is_dir():
+        fail(f"--html {out}: give a file to write (OUT.html), not a folder")
+
+
 def require(what: str, *extras: str) -> None:
     """Exit 2 with one line if an extra that `what` needs is not installed (viewer/extras.py)."""
     from viewer.extras import message, missing
@@ -209,6 +215,7 @@ def report(
              "add --html OUT.html")
     if html_out is not None:
         require("--html", "html")
+        html_target(html_out)
 
     from tracing.reader import TraceError
     from viewer.analysis.report import build_report
@@ -431,6 +438,7 @@ def diff(
 
     if html_out is not None:
         require("--html", "html")
+        html_target(html_out)
 
     # diff runs its bootstraps on threads of its own, one per core: OpenBLAS's threads beside
     # them only contend (a 10 M-row pair's statistics, 0.94 -> 0.83 s). Read when numpy loads.
