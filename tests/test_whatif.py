@@ -144,11 +144,17 @@ def test_a_speedup_scales_its_components_only():
 
 
 @pytest.mark.parametrize("spec", ["nope=1", "device_compute", "device_compute=-1", "device_compute=fast",
-                                  "device_compute=inf", "batch_prepare=2s"])
+                                  "device_compute=inf", "batch_prepare=2s", "device_compute=nanms",
+                                  "device_compute=-infms", "device_compute=nan"])
 def test_bad_speedups_are_one_line(spec):
     with pytest.raises(WhatIfError) as e:
         Speedup.parse(spec)
     assert "\n" not in str(e.value)
+
+
+def test_good_speedups_parse():
+    assert Speedup.parse("device_compute=0.8") == Speedup("device_compute", factor=0.8)
+    assert Speedup.parse("batch_prepare=-0.5ms") == Speedup("batch_prepare", delta_ms=-0.5)
 
 
 @pytest.mark.parametrize("sample", ["sample-serial", "sample-overlap"])

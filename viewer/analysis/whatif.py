@@ -9,6 +9,7 @@ predicted collect. The serving numbers use the report's own definitions
 
 from __future__ import annotations
 
+import math
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
@@ -55,11 +56,14 @@ class Speedup:
             raise WhatIfError(f"--speedup takes BOUNDARY=FACTOR or BOUNDARY=+-MSms with BOUNDARY one of "
                               f"{', '.join(SCALES)}, got {spec!r}")
         try:
-            if value.endswith("ms"):
-                return cls(name, delta_ms=float(value[:-2]))
-            factor = float(value)
+            number = float(value[:-2] if value.endswith("ms") else value)
         except ValueError:
             raise WhatIfError(f"--speedup {name}: {value!r} is neither a factor nor +-MSms") from None
+        if value.endswith("ms"):
+            if not math.isfinite(number):
+                raise WhatIfError(f"--speedup {name}: the change must be a finite number of ms, got {value!r}")
+            return cls(name, delta_ms=number)
+        factor = number
         if not factor >= 0 or factor == float("inf"):
             raise WhatIfError(f"--speedup {name}: the factor must be a finite number >= 0, got {value!r}")
         return cls(name, factor=factor)
