@@ -71,6 +71,14 @@ def test_no_probes_keeps_requests(tmp_path):
     assert read_table(out, "requests").num_rows == 6
     assert read_table(out, "probes").num_rows == 0 and read_table(out, "memory").num_rows == 0
     assert "no-probes" in mstrace("report", str(out)).stdout
+    # no advice drawn from a table no probe filled, in --json and on the HTML page alike
+    rep = json.loads(mstrace("report", str(out), "--json").stdout)
+    assert rep["probes"] is False and rep["worth_attacking"] == []
+    page = tmp_path / "np.html"
+    assert mstrace("report", str(out), "--html", str(page)).returncode == 0
+    text = page.read_text()
+    assert "recorded with --no-probes: no cost table" in text and "the device computes" not in text
+    assert "worth attacking" not in text.lower()
 
 
 @pytest.mark.slow

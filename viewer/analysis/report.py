@@ -233,7 +233,9 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),
-        worth_attacking=worth_attacking(cost, config.get("mode"), config, _gains(inp, cost, config)),
+        # no advice from a table no probe filled (--no-probes: every cycle is unattributed)
+        worth_attacking=(worth_attacking(cost, config.get("mode"), config, _gains(inp, cost, config))
+                         if config.get("probes", True) else []),
         throughput=Throughput(
             requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
             finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,

@@ -85,7 +85,10 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
         figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced"))
     body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep),
             *([f"<p class=note>{_e(timeline_note(window, inp))}</p>"] if window is not None else []),
-            "<h2>Sync cost</h2>", _cost_table(rep.cost), *_worth(rep), *_backend_notes(rep),
+            "<h2>Sync cost</h2>",
+            *([_cost_table(rep.cost), *_worth(rep)] if rep.probes else
+              ["<p class=note>this trace was recorded with --no-probes: no cost table</p>"]),
+            *_backend_notes(rep),
             "<h2>Throughput and latency</h2>",
             _latency_table(rep.latency)]
     _write(out, f"mstrace report {rep.trace}", body, figs)
@@ -160,9 +163,10 @@ def _facts(rep: ReportResult) -> str:
     dtype = f", dtype {_e(rep.dtype)}{why}" if rep.dtype else ""
     pack = rep.weight_pack_choice
     dtype += f", weight pack {_e(pack)}" if pack and pack.startswith("auto") else ""
+    # the device's share only where probes measured it (a --no-probes trace has no device rows)
+    busy = f"; the device computes {pct(c.device_busy)} of it" if rep.probes and c.cycles else ""
     return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}{dtype}, {_e(rep.status.state)}; "
-            f"{c.cycles} cycles of {ms(c.cycle_ms)} ms; the device computes "
-            f"{pct(c.device_busy)} of it. {t.completed}/{t.requests} requests in "
+            f"{c.cycles} cycles of {ms(c.cycle_ms)} ms{busy}. {t.completed}/{t.requests} requests in "
             f"{t.duration_s:.2f} s: {t.output_tok_per_s:.1f} output tok/s.</p>")
 
 
