@@ -403,8 +403,8 @@ class Engine:
 
     def _enqueue(self, sample: Any) -> None:
         self._received += 1
-        if sample.sampling_params.fill_context:
-            room = min(self.model_config.max_position_embeddings, self.mm.num_blocks * self.mm.block_size)
+        if sample.sampling_params.fill_context:  # what the context and the blocks one request may hold leave
+            room = min(self.model_config.max_position_embeddings, self.policy.capacity * self.mm.block_size)
             sample.sampling_params = replace(sample.sampling_params, max_new_tokens=max(room - sample.valid_len, 1))
         req = self.rm.enqueue(sample)
         if (why := self.aborts.arrived(sample.request_id)) is not None:

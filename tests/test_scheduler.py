@@ -122,25 +122,29 @@ def test_prompt_that_never_fits_is_rejected_and_run_continues():
     assert [c.req.request_id for c in b.prefills] == ["ok"]
 
 
-def test_a_prompt_that_fits_only_the_reserve_is_rejected_not_waited_for():
-    """The watermark reserve is never handed out at admission: a prompt that needs the whole
-    pool (of 10 blocks, 1 kept back) can never be admitted, so it is rejected, saying why,
-    and the requests behind it run (it used to hold the queue, evicting every decode)."""
+def test_a_request_that_fits_only_with_the_reserve_is_rejected_not_waited_for():
+    """The watermark reserve is never handed out at admission: a request whose prompt and
+    max_new_tokens need more than the pool less its reserve (10 blocks, 1 kept back) could run
+    only by growing into it, and once preempted never be admitted again. It is rejected,
+    saying why, and the requests behind it run (a prompt needing the whole pool used to hold
+    the queue, evicting every decode)."""
     for contiguous in (False, True):
-        rm = RequestManager(lambda *e: None)
-        mm = MemoryManager(10, 4)
-        cfg = EngineConfig(block_size=4, prefill_chunk=100, watermark_frac=0.1, decode_max_wait_ms=1e9,
-                           prefill_max_wait_ms=0, kv_layout="contiguous" if contiguous else "paged")
-        policy = Policy(cfg, rm, mm)
-        small = add(rm, "small", 3)
-        run_round(rm, mm, policy, 1)
-        big = add(rm, "big", 38 if not contiguous else 30, max_new=2 if not contiguous else 10)
-        add(rm, "after", 3)
-        b = policy.schedule(2)
-        assert big.finish_reason is FinishReason.REJECTED, contiguous
-        assert "10 blocks at admission" in big.finish_detail and "1 are kept back" in big.finish_detail
-        assert small.status is RequestStatus.RUNNING and small.num_preemptions == 0
-        assert [c.req.request_id for c in b.prefills] == ["after"]
+        for prompt, max_new in ((38, 2), (30, 10), (20, 17)):  # 10 blocks at admission, or by growth
+            rm = RequestManager(lambda *e: None)
+            mm = MemoryManager(10, 4)
+            cfg = EngineConfig(block_size=4, prefill_chunk=100, watermark_frac=0.1, decode_max_wait_ms=1e9,
+                               prefill_max_wait_ms=0, kv_layout="contiguous" if contiguous else "paged")
+            policy = Policy(cfg, rm, mm)
+            assert policy.capacity == 9
+            small = add(rm, "small", 3)
+            run_round(rm, mm, policy, 1)
+            big = add(rm, "big", prompt, max_new=max_new)
+            add(rm, "after", 3)
+            b = policy.schedule(2)
+            assert big.finish_reason is FinishReason.REJECTED, (contiguous, prompt)
+            assert "the KV pool has 10 less the 1 kept back at admission" in big.finish_detail, big.finish_detail
+            assert small.status is RequestStatus.RUNNING and small.num_preemptions == 0
+            assert [c.req.request_id for c in b.prefills] == ["after"]
 
 
 def test_overlap_publishes_a_block_only_once_the_round_that_wrote_its_last_slot_is_collected():

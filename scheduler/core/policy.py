@@ -117,12 +117,8 @@ class Policy:
                 break
             req = self.rm.waiting[0]
             worst = mm.blocks_needed(req.sample.valid_len + req.sample.sampling_params.max_new_tokens)
-            # what admission takes at once: a run for the whole life (contiguous), else the prompt's
-            # blocks, and never from the watermark reserve: more than the pool less its reserve
-            # can never be admitted, and waiting for it would hold the queue (evicting every decode)
-            first = worst if self._contiguous else mm.blocks_needed(req.sample.valid_len)
-            if worst > mm.num_blocks or first > mm.num_blocks - self._reserve:
-                self._reject(req, worst, first)
+            if worst > self.capacity:
+                self._reject(req, worst)
                 continue
             if self._contiguous:
                 if not self._admit_contiguous(req, worst):
@@ -202,16 +198,23 @@ class Policy:
         self.mm.free(req.request_id, req.block_table)
         req.block_table = []
 
-    def _reject(self, req: Request, worst: int, first: int) -> None:
+    @property
+    def capacity(self) -> int:
+        """The most blocks one request may ever hold: the pool less the watermark reserve,
+        which admission never hands out. A request whose prompt and max_new_tokens need more
+        could run only by growing into the reserve, and once preempted (its prompt and
+        outputs re-admitted together) never be admitted again: it would hold the queue, and
+        evict every decode behind it, for good. So it is rejected as it arrives."""
+        return self.mm.num_blocks - self._reserve
+
+    def _reject(self, req: Request, worst: int) -> None:
         sp = req.sample
         n = self.mm.num_blocks
-        if self.mm.blocks_needed(sp.valid_len) > n:
-            why = f"prompt of {sp.valid_len} tokens needs {self.mm.blocks_needed(sp.valid_len)} blocks; the KV pool has {n}"
-        elif worst > n:
-            why = (f"prompt + max_new_tokens = {sp.valid_len + sp.sampling_params.max_new_tokens} tokens "
-                   f"needs {worst} blocks; the KV pool has {n}")
+        kept = f" less the {self._reserve} kept back at admission (--watermark-frac)" if self._reserve else ""
+        if self.mm.blocks_needed(sp.valid_len) > self.capacity:
+            why = (f"prompt of {sp.valid_len} tokens needs {self.mm.blocks_needed(sp.valid_len)} blocks; "
+                   f"the KV pool has {n}{kept}")
         else:
-            what = "prompt + max_new_tokens" if self._contiguous else "prompt"
-            why = (f"{what} needs {first} blocks at admission; the KV pool has {n}, of which {self._reserve} are "
-                   f"kept back at admission (--watermark-frac)")
+            why = (f"prompt + max_new_tokens = {sp.valid_len + sp.sampling_params.max_new_tokens} tokens "
+                   f"needs {worst} blocks; the KV pool has {n}{kept}")
         self.rm.finish(req, FinishReason.REJECTED, why)
