@@ -485,7 +485,9 @@ def test_a_time_window_cut_inside_rounds_takes_those_rounds_whole(tp2: Path) -> 
     rows = {r[0]: dict(zip(whole.columns, r, strict=True)) for r in whole.rows}
     assert [r[0] for r in TraceBrowser(tp2, w).rounds().rows] == steps["step"][i:i + 3]
     # and so for every kind of window (--worst's spans apart: each cycle ends in its own span)
+    end_s = (steps["ts_ns"][-1] + steps["dur_ns"][-1] - t0) / 1e9
     for window in (w, parse_window(tr, rounds=f"{steps['step'][i]}-{steps['step'][i + 2]}"), parse_window(tr, worst=2),
+                   parse_window(tr, time=f"{end_s - 0.01!r}-{end_s + 1000!r}"),  # past the run's end
                    parse_window(tr, request=read_table(tp2, "requests")["request_id"][3].as_py())):
         part = TraceBrowser(tp2, window).rounds()
         assert part.rows

@@ -42,6 +42,7 @@ class Window:
     what: str  # what the output says it shows
     request: str | None = None  # --request: the only request on the requests track
     holds_last_round: bool = False  # it reaches the end of the run's last round
+    rounds_end: int | None = None  # that end: no cycle runs past it (`window_cycles`)
 
     def mask(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Rows that overlap a span for some time (a row that only touches one, ending where it
@@ -68,7 +69,7 @@ def parse_window(trace: Trace, rounds: str | None = None, time: str | None = Non
     if w is None or not len(steps["end"]):
         return w
     last = int(steps["end"].max())
-    return replace(w, holds_last_round=w.reaches(last, last))
+    return replace(w, holds_last_round=w.reaches(last, last), rounds_end=last)
 
 
 def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time: str | None, request: str | None,
@@ -168,10 +169,13 @@ class _Corrupt(Exception):
 def window_cycles(steps: pa.Table, window: Window) -> tuple[np.ndarray, np.ndarray]:
     """The cycles of a window's rounds (`steps`, in time order): each ends where the next round
     read starts, or where its span ends (the window's spans end at a cycle's end) when that
-    round lies in another span or there is none."""
+    round lies in another span or there is none; the run's last round where it ends (a
+    `--time` window past the run's end reaches further: the whole trace's last cycle does not)."""
     S = steps["ts_ns"].to_numpy().astype(np.int64)
     lo = np.array([a for a, _ in window.spans], np.int64)
     hi = np.array([b for _, b in window.spans], np.int64)
+    if window.rounds_end is not None:
+        hi = np.minimum(hi, max(window.rounds_end, int(S.max()) if len(S) else 0))
     cap = hi[np.clip(np.searchsorted(lo, S, side="right") - 1, 0, len(hi) - 1)]
     return S, np.minimum(np.append(S[1:], np.iinfo(np.int64).max), cap)
 
