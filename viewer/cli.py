@@ -140,8 +140,8 @@ def refused(*errors: type[Exception], io: str | None = None) -> Iterator[None]:
         fail(f"cannot {io}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""))
 
 
-def html_target(out: Path) -> None:
-    """Exit 2 with one line, before any work, for an --html OUT that names no file to write."""
+def html_target(out: Path) -> None:  # --html OUT: its extra, and a file to write (one line, before any work)
+    require("--html", "html")
     if not out.name or out.is_dir():
         fail(f"--html {out}: give a file to write (OUT.html), not a folder")
 
@@ -214,7 +214,6 @@ def report(
         fail("--rounds, --time, --request and --worst choose what the --html page's timeline draws: "
              "add --html OUT.html")
     if html_out is not None:
-        require("--html", "html")
         html_target(html_out)
 
     from tracing.reader import TraceError
@@ -437,7 +436,6 @@ def diff(
     import json
 
     if html_out is not None:
-        require("--html", "html")
         html_target(html_out)
 
     # diff runs its bootstraps on threads of its own, one per core: OpenBLAS's threads beside
