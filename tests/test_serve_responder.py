@@ -24,9 +24,11 @@ class Engine:
     def __init__(self, streams: ResponseStreams, every_s: float = 0.02, tokenizer: bool = True) -> None:
         self.streams, self.every_s, self.tokenizer = streams, every_s, tokenizer
         self.aborted: list[tuple[str, str]] = []
+        self.submitted: list[str] = []
         self.feeding: list[asyncio.Task[None]] = []
 
     def submit(self, prompt: Any, params: SamplingParams, rid: str, special: bool) -> None:
+        self.submitted.append(rid)
         if isinstance(prompt, str) and not self.tokenizer:
             raise NoTokenizer("this model folder has no tokenizer; give input_ids instead of a prompt")
         inbox = self.streams._open[rid].inbox
@@ -102,7 +104,7 @@ def test_a_cancelled_request_is_aborted_in_the_engine():
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_text_prompt_without_a_tokenizer_is_a_400_and_leaves_no_inbox(n):
     async def main() -> None:
-        r, _, streams = responder({"tokenizer": False})
+        r, engine, streams = responder({"tokenizer": False})
 
         async def here() -> bool:
             return False
@@ -111,6 +113,9 @@ def test_a_text_prompt_without_a_tokenizer_is_a_400_and_leaves_no_inbox(n):
             await r.answer(call(n=n), here)
         assert e.value.status == 400 and e.value.code == "no_tokenizer" and "input_ids" in e.value.message
         assert not streams._open
+        await asyncio.sleep(0.05)  # the other samples' tasks, cancelled: none submits after the refusal
+        assert len(engine.submitted) == 1
+        assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     asyncio.run(main())
 

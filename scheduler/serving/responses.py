@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -172,8 +172,9 @@ class Responder:
             p, j = divmod(i, n)
             if j:
                 await started[p].wait()
+            # a refused submit leaves the prompt's other samples waiting: `_all` cancels them
+            self._submit_one(call, call.prompts[p], _sample_params(call.params, j), rids[i])
             try:
-                self._submit_one(call, call.prompts[p], _sample_params(call.params, j), rids[i])
                 return await self._next(queues[i], watch, rids[i])
             finally:
                 if not j:
@@ -185,7 +186,7 @@ class Responder:
                 self._streams.close(r)
 
         try:
-            firsts = list(await asyncio.gather(*(first(i) for i in range(len(rids)))))
+            firsts = list(await _all(first(i) for i in range(len(rids))))
         except BaseException:
             give_up("another choice of its request failed")
             raise
@@ -197,8 +198,7 @@ class Responder:
             return self._timed(self._sse_many(call, rid, rids, queues, firsts, watch),
                                lambda: give_up("client disconnected"))
         try:
-            replies = await asyncio.gather(*(self._collect(q, watch, r, ev)
-                                             for q, r, ev in zip(queues, rids, firsts, strict=True)))
+            replies = await _all(self._collect(q, watch, r, ev) for q, r, ev in zip(queues, rids, firsts, strict=True))
         except BaseException:
             give_up("another choice of its request failed")
             raise
@@ -450,6 +450,20 @@ def _refusal(end: End, param: str | None = None) -> BadRequest:
     if end.failed:
         return BadRequest(end.detail, status=503, kind="server_error", code="engine_unavailable")
     return BadRequest(end.detail or "the engine refused the request", param=param)
+
+
+async def _all(coros: Iterable[Awaitable[_T]]) -> list[_T]:
+    """gather's results; where one raises, the others are cancelled (and awaited) before it
+    propagates: gather leaves them running, and a choice's task would submit its engine
+    request after the request was given up, or fail with nobody to see it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _sample_params(params: SamplingParams, j: int) -> SamplingParams:
