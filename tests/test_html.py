@@ -242,3 +242,23 @@ def test_a_long_window_draws_at_most_its_share_around_its_longest_round() -> Non
     assert s3 is not None and s3.in_window == 2 and s3.drawn_in_window == 1 and s3.lo <= 700 <= s3.hi
     empty = pa.table({"ts_ns": pa.array([], pa.int64())})
     assert "1 of the window's rounds left out" in timeline_note(apart, charts.ChartInputs(empty, steps, empty, s3))
+
+
+def test_the_timeline_reads_its_last_rounds_cycle(traces: tuple[Path, Path]) -> None:
+    """The probe rows a windowed timeline reads run to its last round's cycle end: that
+    round's response_send, which comes after the round's own end, is drawn with it."""
+    from tracing.reader import Trace, read_table
+    from viewer.export.html import chart_inputs
+    from viewer.export.window import parse_window
+
+    root = traces[0]
+    steps = read_table(root, "steps").sort_by("ts_ns").to_pydict()
+    i = len(steps["step"]) // 2
+    last = steps["step"][i]
+    end = steps["ts_ns"][i] + steps["dur_ns"][i]
+    probes = read_table(root, "probes").to_pydict()
+    after = [t for t, b, s in zip(probes["ts_ns"], probes["boundary"], probes["step"], strict=True)
+             if s == last and t >= end and b == "response_send"]
+    assert after  # the round's response_send starts after its end
+    inp = chart_inputs(root, parse_window(Trace.open(root), rounds=f"{steps['step'][i - 2]}-{last}"))
+    assert set(after) <= set(inp.probes["ts_ns"].to_pylist())

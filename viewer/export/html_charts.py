@@ -78,7 +78,10 @@ class Span:
 
     @property
     def t1(self) -> int:
-        return int(self.ts[self.hi] + self.dur[self.hi])
+        """The last drawn round's cycle end: the next round's start (its response_send comes
+        after its own end), or its end where it is the run's last."""
+        end = int(self.ts[self.hi] + self.dur[self.hi])
+        return max(end, int(self.ts[self.hi + 1])) if self.hi + 1 < len(self.ts) else end
 
 
 def timeline_span(steps: pa.Table, window: Window | None = None) -> Span | None:
