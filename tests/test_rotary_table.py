@@ -50,8 +50,10 @@ def grow_at_once(lengths: list[int]) -> tuple[RotaryTable, list[tuple[int, int, 
 
 
 def test_threads_growing_it_at_once_each_get_a_whole_pair():
-    """Before the pair was one tuple, cos and sin were swapped one after the other: a thread
-    could read a cos of one growth and a sin of another (or of none), shorter than it asked."""
+    """The contract under threads: each caller gets a whole pair, at least as long as it
+    asked. (Before the pair was one tuple, cos and sin were swapped one after the other and a
+    thread could read a cos of one growth and a sin of another; the GIL makes that interleaving
+    rare, so this test states the contract rather than reproducing the old race.)"""
     lengths = [300, 2000, 600, 5000, 1200, 40, 3000, 900]
     for _ in range(20):
         rope, got = grow_at_once(lengths)
