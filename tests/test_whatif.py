@@ -614,3 +614,23 @@ def test_the_remedy_says_when_overlap_would_not_hide_host_work():
     no = _remedy("bookkeeping", "serial", {}, {OVERLAP: WORTH})
     assert "would not hide it here" in no and "+2.0%" in no
     assert "by less than 2%" in _remedy("bookkeeping", "serial", {}, {OVERLAP: -WORTH / 2})
+
+
+def test_a_rejected_request_is_in_the_predicted_span_as_in_the_reports(tmp_path):
+    """The report's throughput runs over every request row, a rejected one too (it arrived
+    0.5 s before the others here); the model's fit must measure the same span, or every
+    prediction checked against a run with a rejection is off by it."""
+    import json as json_
+
+    from tests.support.cli import mstrace
+
+    wl = tmp_path / "w.jsonl"
+    rows = [{"id": "huge", "input_ids": list(range(5, 205)), "max_new_tokens": 2, "arrival_s": 0.0}]
+    rows += [{"id": f"r{i}", "input_ids": list(range(5, 14)), "max_new_tokens": 12, "ignore_eos": True,
+              "arrival_s": 0.5} for i in range(6)]
+    wl.write_text("\n".join(json_.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "t"
+    assert mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(out),
+                   "-q").returncode == 0
+    r = whatif(out)
+    assert r.measured.output_tok_per_s == pytest.approx(r.replayed.output_tok_per_s, rel=0.05)

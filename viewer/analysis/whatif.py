@@ -160,7 +160,10 @@ def _figures(run: Run, b: Batches, tl: Timeline) -> Figures:
     vals, w, _ = itl_rounds(run.requests["token_runs"].chunks, run.steps, collect)
     itl = Dist.weighted(vals, w)
     busy = busy_ns(b, tl)
-    duration_s = (finish.max() - run.arrival.min()) / 1e9
+    lo, hi = int(run.arrival.min()), int(finish.max())
+    if run.unserved_bounds is not None:  # the report's span: every request row's
+        lo, hi = min(lo, run.unserved_bounds[0]), max(hi, run.unserved_bounds[1])
+    duration_s = (hi - lo) / 1e9
     return Figures.of(np.array([busy / tl.rounds / 1e6, run.output_tokens / duration_s, np.percentile(ttft, 50),
                                 np.percentile(ttft, 90), itl.p50, itl.p90]))
 

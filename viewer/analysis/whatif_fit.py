@@ -44,6 +44,9 @@ class Run:
     last_idx: np.ndarray  # ... of its last token's round
     arrival: np.ndarray  # per served request, ns
     output_tokens: int
+    # the report's duration runs over every request row, the unserved (rejected, aborted
+    # before a token) too, which no prediction moves: their earliest arrival, latest finish
+    unserved_bounds: tuple[int, int] | None
     split: bool  # decodes and prefills ran on two streams (overlap mode's (b))
     decode_tokens: np.ndarray  # per batch
     prefill_tokens: np.ndarray  # per batch
@@ -143,6 +146,13 @@ def _hand_over_guesses(L_seen: np.ndarray, T_seen: np.ndarray, by_launch: np.nda
     return guess(L_s, T_s), guess(T_s, L_s)
 
 
+
+def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None:
+    if served.all():
+        return None
+    arr, fin = rq["arrival_ns"].to_numpy()[~served], rq["finish_ns"].to_numpy()[~served]
+    return int(arr.min()), int(fin.max())
+
 def load(root: str | Path) -> Run:
     tr = Trace.open(root)
     if "import" in tr.meta:
@@ -241,7 +251,7 @@ def load(root: str | Path) -> Run:
     W, C = _held_back(W_seen, C_seen, by_host, arrive - lc + through, through if med_C is None else med_C)
     W, C = np.maximum(W, 0), np.maximum(C, 0)
     # arrivals: a batch cannot start before the requests it admits arrived
-    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs"])
+    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs", "finish_ns"])
     t0 = int(start[0])
     not_before = np.zeros(len(b_idx))
     fs = rq["first_scheduled_ns"].to_numpy()
@@ -267,6 +277,6 @@ def load(root: str | Path) -> Run:
     broadcast = _per_step(rows[B.BATCH_BROADCAST], steps, "sum")[b_idx]
     return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, broadcast, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
-                int(rq["output_len"].to_numpy()[served].sum()), split,
+                int(rq["output_len"].to_numpy()[served].sum()), _unserved_bounds(rq, served), split,
                 s["num_decode_tokens"].to_numpy()[b_idx].astype(np.float64),
                 s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts, cold_at)
