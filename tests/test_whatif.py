@@ -634,3 +634,10 @@ def test_a_rejected_request_is_in_the_predicted_span_as_in_the_reports(tmp_path)
                    "-q").returncode == 0
     r = whatif(out)
     assert r.measured.output_tok_per_s == pytest.approx(r.replayed.output_tok_per_s, rel=0.05)
+
+
+def test_a_trace_without_probes_is_refused_saying_so(tmp_path):
+    out = tmp_path / "np"
+    assert mstrace("run", "--model", "tiny", "--requests", "6", "--no-probes", "--out", str(out), "-q").returncode == 0
+    rc, _, err = cli("whatif", str(out))
+    assert rc == 2 and "recorded with --no-probes" in err and len(err.strip().splitlines()) == 1, err

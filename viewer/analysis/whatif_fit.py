@@ -153,11 +153,17 @@ def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None
     arr, fin = rq["arrival_ns"].to_numpy()[~served], rq["finish_ns"].to_numpy()[~served]
     return int(arr.min()), int(fin.max())
 
+
 def load(root: str | Path) -> Run:
     tr = Trace.open(root)
     if "import" in tr.meta:
-        raise WhatIfError(f"{root} is an imported profiler trace: its rounds have no launch and collect "
-                          "moments for the model; whatif reads traces of mstrace run/serve")
+        imp = tr.meta["import"]
+        what = ("request spans received over OTLP" if isinstance(imp, dict) and imp.get("format") == "otlp"
+                else "an imported profiler trace")
+        raise WhatIfError(f"{root} is {what}: its rounds have no launch and collect moments for the model; "
+                          "whatif reads traces of mstrace run/serve")
+    if not tr.meta.get("config", {}).get("probes", True):
+        raise WhatIfError(f"{root} was recorded with --no-probes: the model is fitted to each round's probe rows")
     s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
