@@ -326,9 +326,11 @@ class Engine:
         if done is None:
             return []
         try:
-            return [self.executor.wait(la) for la in done.launches]
+            got = [self.executor.wait(la) for la in done.launches]
         except (WaitTimeout, RuntimeError) as e:
             raise self.stalls.stalled(e) from e
+        self.stalls.got_through()
+        return got
 
     def _housekeeping(self, step: int, now: int) -> tuple[int, int]:
         """Defragment, reclaim orphans, snapshot the block table, as due; the defrag pause's

@@ -31,6 +31,7 @@ class EngineStalled(RuntimeError):
 class StallGuard:
     def __init__(self, stall_buf: list[Any] | None) -> None:
         self.reports: list[StallReport] = []
+        self._settled = 0  # reports before this one came before a round the engine got through
         self._buf = stall_buf
 
     def on_stall(self, report: StallReport) -> None:
@@ -41,12 +42,33 @@ class StallGuard:
         print(report.render_summary(), file=sys.stderr, flush=True)
 
     def stalled(self, cause: BaseException) -> BaseException:
-        """What the round raises for a wait that failed with `cause`."""
+        """What the round raises for a wait that failed with `cause`: EngineStalled, naming
+        the reports made since the last round the engine got through, where there are any or
+        the wait timed out; any other error as it is. A stall the run got through (under
+        --on-stall warn) says nothing about a later error, a device's out-of-memory say."""
         # The watchdog reports at wait_timeout; the wait itself gives up a little
         # later, so by now the report exists (give its thread a moment if not).
+        timed_out = _timeout_in(cause) is not None
         deadline = now_ns() + 500_000_000
-        while not self.reports and now_ns() < deadline and isinstance(cause, WaitTimeout):
+        while len(self.reports) == self._settled and now_ns() < deadline and timed_out:
             time.sleep(0.01)
-        if self.reports or isinstance(cause, WaitTimeout):
-            return EngineStalled(list(self.reports), cause)
+        current = self.reports[self._settled:]
+        if current or timed_out:
+            return EngineStalled(current, cause)
         return cause
+
+    def got_through(self) -> None:
+        """The scheduling thread, after a round's barrier returned: the stalls reported so
+        far were got through (they stay in the trace, and in `reports`)."""
+        self._settled = len(self.reports)
+
+
+def _timeout_in(e: BaseException | None) -> WaitTimeout | None:
+    """The wait that timed out behind `e`: itself, or what it was raised from (a stream's
+    forward that failed on a wait: the barrier raises a RuntimeError from it)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, WaitTimeout):
+            return e
+        e, seen = e.__cause__, seen + 1
+    return None

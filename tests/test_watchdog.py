@@ -233,3 +233,28 @@ def test_stall_rows_round_trip_through_a_trace_and_the_cli(tmp_path):
     assert "0 free" in p.stdout and "[waiting]" not in p.stdout  # thread ids 1, 2 are not real threads
     d = json.loads(mstrace("stalls", str(tmp_path / "t"), "--json").stdout)
     assert d["count"] == 2 and d["stalls"][0]["graph"][-1]["label"] == "blocks held by req r7"
+
+
+def test_a_failure_is_blamed_on_a_stall_only_if_no_round_got_through_since():
+    """--on-stall warn: a stall the run got through is reported, then rounds go on. A later
+    error is raised as it is (a device's out-of-memory at the barrier), not as that stall;
+    a failure after a new report names only the new one (a device process's stream that
+    timed out reaches the barrier as a RuntimeError of its text)."""
+    from probes.boundaries import SCHEDULER_BARRIER
+    from probes.waits import ActiveWait
+    from probes.watchdog import StallReport
+    from scheduler.stall_guard import EngineStalled, StallGuard
+
+    def report(what: str, ts: int) -> StallReport:
+        w = ActiveWait("scheduler", what, "main-stream", SCHEDULER_BARRIER, ts - 5, 1)
+        return StallReport(ts, 0, 1, w, 5, [w], [], None)
+
+    g = StallGuard(None)
+    g.reports.append(report("event main#3", 1_000))  # an old stall ...
+    g.got_through()  # ... the engine got through: its barrier returned
+    oom = RuntimeError("CUDA out of memory")
+    assert g.stalled(oom) is oom
+    g.reports.append(report("event main#90", 12_000))
+    stalled = g.stalled(RuntimeError("forward failed on the main stream: TimeoutError: event prefill#3"))
+    assert isinstance(stalled, EngineStalled) and "event main#90" in str(stalled)
+    assert [r.wait.what for r in stalled.reports] == ["event main#90"]
