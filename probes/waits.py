@@ -94,9 +94,10 @@ def timed_wait(
     """
     t0 = now_ns()
     if ready(0.0):  # the common case: already done, no registry traffic
+        waited = now_ns() - t0  # one reading: the row and the return agree
         if buf is not None:
-            buf.append((t0, now_ns() - t0, boundary, stream, rank, step))
-        return now_ns() - t0
+            buf.append((t0, waited, boundary, stream, rank, step))
+        return waited
     w = ActiveWait(waiter, what, signaller, boundary, t0, threading.get_ident())
     k = registry.begin(w)
     deadline = t0 + int(timeout_s * 1e9)
@@ -104,9 +105,11 @@ def timed_wait(
         while True:
             left = (deadline - now_ns()) / 1e9
             if left <= 0:
+                # the wait is a row either way: a stalled run's longest interval is its
+                # timed-out wait, and it must not be left unattributed
+                if buf is not None:
+                    buf.append((t0, now_ns() - t0, boundary, stream, rank, step))
                 if not raise_on_timeout:
-                    if buf is not None:
-                        buf.append((t0, now_ns() - t0, boundary, stream, rank, step))
                     return -1
                 raise WaitTimeout(w, timeout_s)
             if ready(min(left, 0.1)):

@@ -258,3 +258,16 @@ def test_a_failure_is_blamed_on_a_stall_only_if_no_round_got_through_since():
     stalled = g.stalled(RuntimeError("forward failed on the main stream: TimeoutError: event prefill#3"))
     assert isinstance(stalled, EngineStalled) and "event main#90" in str(stalled)
     assert [r.wait.what for r in stalled.reports] == ["event main#90"]
+
+
+def test_a_wait_that_times_out_is_still_a_probe_row():
+    """The timed-out wait is a stalled run's longest interval: it is recorded as the wait it
+    was, then WaitTimeout is raised (before, only the waits that ended had rows)."""
+    from probes.waits import WaitTimeout
+
+    reg, buf = WaitRegistry(), []
+    with pytest.raises(WaitTimeout):
+        timed_wait(lambda s: time.sleep(min(s, 0.01)) or False, registry=reg, waiter="scheduler", what="event x",
+                   signaller="main-stream", boundary="scheduler_barrier", timeout_s=0.05, buf=buf, step=7)
+    assert len(buf) == 1 and buf[0][2:] == ("scheduler_barrier", "host", 0, 7) and buf[0][1] >= 50_000_000
+    assert not reg.snapshot()
