@@ -17,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from importers.otlp_spans import OtlpError, decode, request_row, span_row
 from tracing.run_status import end_record
 
@@ -54,7 +56,15 @@ class Collector:
 
     def take(self, body: bytes, content_type: str) -> int:
         spans = decode(body, content_type)  # raises OtlpError before anything is stored
-        rows = [(span_row(s), request_row(s)) for s in spans]
+        try:
+            rows = [(span_row(s), request_row(s)) for s in spans]
+            # converted as the writer will convert them: a value its columns cannot hold (a
+            # time past int64, a token count past int32) is this body's 400, not a flush
+            # that fails, keeps its rows and fails again every second after
+            for name, got in (("spans", [r for r, _ in rows]), ("requests", [q for _, q in rows if q is not None])):
+                pa.array(got, type=pa.struct(list(self.writer.schemas[name])))
+        except (ValueError, TypeError, OverflowError, pa.ArrowException) as e:
+            raise OtlpError(f"a span this trace cannot hold: {str(e).splitlines()[0][:200]}") from None
         with self._lock:
             for sr, rr in rows:
                 self._spans.append(sr)

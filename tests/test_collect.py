@@ -168,3 +168,37 @@ def test_a_body_that_is_not_a_trace_export_is_a_400_and_stores_nothing(tmp_path)
     from tracing.reader import read_table
 
     assert read_table(out, "spans").num_rows == 0 and read_table(out, "requests").num_rows == 0
+
+
+def test_a_span_whose_values_the_trace_cannot_hold_is_a_400_and_later_spans_are_kept(tmp_path):
+    """A time past int64, a token count past int32 or a latency that is no number: that body's
+    400, one line, and the spans sent after it are still committed (such a row used to fail
+    the writer's flush, which kept it and failed again every second, storing nothing more)."""
+    def body(start: str, attrs: list[dict]) -> bytes:
+        span = {"traceId": "0" * 31 + "1", "spanId": "0" * 15 + "1", "name": "llm_request",
+                "startTimeUnixNano": start, "endTimeUnixNano": "1700000000500000000", "attributes": attrs}
+        return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]}).encode()
+
+    ok_attrs = [{"key": "gen_ai.request.id", "value": {"stringValue": "r1"}},
+                {"key": "gen_ai.latency.time_to_first_token", "value": {"doubleValue": 0.1}},
+                {"key": "gen_ai.latency.e2e", "value": {"doubleValue": 0.5}},
+                {"key": "gen_ai.usage.prompt_tokens", "value": {"intValue": "12"}},
+                {"key": "gen_ai.usage.completion_tokens", "value": {"intValue": "3"}}]
+    bad = [body("18446744073709551615", ok_attrs),
+           body("1700000000000000000", [*ok_attrs[:4], {"key": "gen_ai.usage.completion_tokens",
+                                                        "value": {"intValue": "3000000000"}}]),
+           body("1700000000000000000", [*ok_attrs[:2], {"key": "gen_ai.latency.e2e", "value": {"stringValue": "x"}},
+                                        *ok_attrs[3:]])]
+    out = tmp_path / "c"
+    with collector(out) as url:
+        for b in bad:
+            req = urllib.request.Request(url, data=b, headers={"Content-Type": "application/json"}, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 400 and len(e.value.read().decode().strip().splitlines()) == 1
+        req = urllib.request.Request(url, data=body("1700000000000000000", ok_attrs),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        assert urllib.request.urlopen(req, timeout=10).status == 200
+    from tracing.reader import read_table
+
+    assert read_table(out, "spans").num_rows == 1 and read_table(out, "requests")["request_id"].to_pylist() == ["r1"]
