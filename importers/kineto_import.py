@@ -144,7 +144,12 @@ def import_kineto(paths: list[Path], out: Path, opts: ImportOptions) -> ImportRe
     ranks: dict[int, tuple[Path, KinetoFile, RankEvents]] = {}
     for i, f in enumerate(files):
         kf, ev = KinetoFile(f), RankEvents()
-        ev.add(kf.events())
+        try:
+            ev.add(kf.events())
+        except KinetoError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # an event without its ts, a null dur
+            raise KinetoError(f"{f}: a malformed event ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
         if not len(ev.h_ts) and not len(ev.d_ts):
             raise KinetoError(f"{f}: not a Kineto trace: no complete events (X) of a known category")
         dist = kf.meta.get("distributedInfo") or {}

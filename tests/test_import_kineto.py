@@ -129,6 +129,10 @@ def test_a_cut_off_file_imports_up_to_its_last_event(tmp_path):
     (b"\x00\x01garbage", "not JSON"),
     (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1', "not JSON"),
     (b'{"traceEvents": []}', "no complete events"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "dur": 1}]}', "a malformed event (KeyError"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1, "dur": null}]}', "a malformed event"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 2, "args": "x"}]}',
+     "a malformed event"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, content, why):
     bad = tmp_path / "bad.json"
