@@ -41,18 +41,24 @@ class ClientWatch:
     """Whether the client is still there, asked at most every DISCONNECT_POLL_S: on a wait
     that times out, and between events. While tokens keep an inbox busy its waits never time
     out, and a reply that is not streamed has no listener of its own, so it would run to its
-    last token (holding its KV blocks) for a client long gone."""
+    last token (holding its KV blocks) for a client long gone. `ask` None: a stream's body,
+    once the server runs it, where EventStream's listener task watches for the disconnect and
+    cancels the stream; asking too (Starlette's is_disconnected, a receive under an anyio
+    cancel scope beside the listener's) could reach the stream's task as a cancel the listener
+    did not send, and cut it short (seen in CI once streams were asked between events)."""
 
     __slots__ = ("_ask", "_next_ns")
 
-    def __init__(self, ask: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(self, ask: Callable[[], Awaitable[bool]] | None) -> None:
         self._ask = ask
-        self._next_ns = now_ns() + _POLL_NS
+        self._next_ns = now_ns() + _POLL_NS if ask is not None else 2**63 - 1
 
     def due(self) -> bool:
         return now_ns() >= self._next_ns
 
     async def gone(self) -> bool:
+        if self._ask is None:
+            return False
         self._next_ns = now_ns() + _POLL_NS
         return await self._ask()
 
@@ -111,7 +117,7 @@ class Responder:
             if isinstance(first, End) and (first.finish_reason == "error" or first.failed):
                 raise _refusal(first)
             if call.stream:
-                return self._timed(self._sse(call, rid, first, q, watch), partial(self._gone, rid))
+                return self._timed(self._sse(call, rid, first, q, ClientWatch(None)), partial(self._gone, rid))
             ch, end = await self._collect(q, watch, rid, first)
         except ClientGone:  # aborted as its client was found gone
             self._streams.close(rid)
@@ -195,7 +201,7 @@ class Responder:
             give_up("another choice of its request was refused")
             raise _refusal(refused, "prompt")
         if call.stream:
-            return self._timed(self._sse_many(call, rid, rids, queues, firsts, watch),
+            return self._timed(self._sse_many(call, rid, rids, queues, firsts, ClientWatch(None)),
                                lambda: give_up("client disconnected"))
         try:
             replies = await _all(self._collect(q, watch, r, ev) for q, r, ev in zip(queues, rids, firsts, strict=True))
