@@ -552,3 +552,24 @@ def test_a_windowed_part_that_is_not_what_its_manifest_says_is_one_line(tmp_path
     with pytest.raises(TraceError) as e:
         list(windowed(Trace.open(root), "probes", ["step"], Window(((0, 10**6),), "t")))
     assert str(e.value).startswith("corrupt probes/ table") and "\n" not in str(e.value)
+
+
+def test_a_request_never_scheduled_is_queued_to_its_end_not_prefilled(tmp_path: Path) -> None:
+    """A rejected request (its prompt past the KV pool) never ran: its Perfetto track shows it
+    queued from arrival to its refusal, with no prefill slice (it had one over its whole life)."""
+    import json
+
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 205)), "max_new_tokens": 2}) + "\n"
+                  + json.dumps({"id": "ok", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
+    tr = tmp_path / "t"
+    assert mstrace("run", "--model", "tiny", "--workload", str(wl), "--kv-blocks", "8", "--out", str(tr),
+                   "-q").returncode == 0
+    out = tmp_path / "t.pftrace"
+    assert mstrace("export", str(tr), "--perfetto", str(out)).returncode == 0
+    got = _parse(out)
+    by_track: dict[str, list[str]] = defaultdict(list)
+    for u, n, *_ in got["slices"]:
+        by_track[got["tracks"][u].name].append(n)
+    assert "prefill" not in by_track["big"] and "queued" in by_track["big"]
+    assert "prefill" in by_track["ok"]

@@ -45,8 +45,9 @@ def requests(trace: Trace, f: IO[bytes], names: dict[str, int], steps: pa.Table,
     w_req, w_a, w_s = who[waited], pa_[waited], ps[waited]
     chunks = _by_request(timeline, q["request_id"])
     a = q["arrival_ns"].to_numpy().astype(np.int64)
-    s = np.maximum(a, q["first_scheduled_ns"].to_numpy())
-    e = np.maximum(s, q["finish_ns"].to_numpy())
+    fs, fin = q["first_scheduled_ns"].to_numpy(), np.maximum(a, q["finish_ns"].to_numpy())
+    s = np.where(fs > 0, np.maximum(a, fs), fin)  # never scheduled (rejected, aborted waiting): queued to its end
+    e = np.maximum(s, fin)
     ft = q["first_token_ns"].to_numpy()
     p_end = np.where(ft > 0, np.clip(ft, s, e), e)
     # flows: the rounds of its prefill chunks, and the round of its last token
