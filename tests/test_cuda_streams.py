@@ -162,7 +162,7 @@ def test_host_work_on_a_stream_runs_after_its_earlier_work_and_holds_its_later_w
     s = _stream(cuda, rows)
     ran, release = [], threading.Event()
     s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)
-    s.submit_host(lambda: (ran.append(cuda.now()), release.wait(5.0)), "host#1", 1)
+    s.submit_host(lambda: (ran.append(cuda.now()), release.wait(5.0)), "host#1", 1, "kv_fence")
     s.submit(lambda: cuda.kernel(1 * MS), "forward#2", 2)
     end = s.record()
     time.sleep(0.05)
@@ -176,9 +176,11 @@ def test_host_work_on_a_stream_runs_after_its_earlier_work_and_holds_its_later_w
     assert not end.query()  # the stream's later work waits for the host function
     release.set()
     assert end.wait(5.0)
-    s.submit_host(lambda: 1 / 0, "host#2", 2)
+    s.submit_host(lambda: 1 / 0, "host#2", 2, "kv_fence")
     assert s.record().wait(5.0) and isinstance(s.error, ZeroDivisionError)  # surfaced at the barrier
     s.close()
+    # its row is of the boundary it was given, not the device's compute
+    assert {r[2] for r in rows if r[1] > 0 and r[2] != "device_compute"} >= {"kv_fence"}
 
 
 def test_the_injected_deadlock_on_gpu_streams_is_one_cycle_the_watchdog_names():

@@ -182,7 +182,7 @@ class CudaStream(RowsOff):
             self.error = e
         self._pending.append((start, self._event(), label, step, boundary))
 
-    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int, boundary: str) -> None:
         """`fn` on a host thread once the stream's earlier work is done; the stream's later work
         waits for it to return. Its exception becomes the stream's error. `fn` must not call
         CUDA (a host function may not)."""
@@ -198,7 +198,7 @@ class CudaStream(RowsOff):
         launch = getattr(self._cuda, "launch_host_func", None)  # the test stand-in's
         (launch or _launch_host_func)(self.stream, run)
         # its end completes when the function returns: the stall dump shows it in progress till then
-        self._pending.append((start, self._event(), label, step, DEVICE_COMPUTE))
+        self._pending.append((start, self._event(), label, step, boundary))
 
     def device_waits(self) -> list[ActiveWait]:
         """The wait registry's source (any thread): this stream's waits for other streams'

@@ -269,7 +269,7 @@ class ProcStream(RowsOff):
             raise TypeError(f"{label}: the device process runs RemoteOp work, not Python callables")
         self._enqueue(_Pending("op", label, step, boundary, fn.on_result), wire.Op(self.name, fn.kind, fn.payload))
 
-    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int, boundary: str) -> None:
         raise TypeError(f"{label}: the device process runs no host Python work on its streams")
 
     def reserve(self) -> ProcEvent:

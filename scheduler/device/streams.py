@@ -93,8 +93,8 @@ class CpuStream(RowsOff):
         self._queued += 1
         self._q.put((fn, label, step, boundary))
 
-    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
-        self.submit(fn, label, step)  # the stream's thread is a host thread
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int, boundary: str) -> None:
+        self.submit(fn, label, step, boundary)  # the stream's thread is a host thread
 
     def record(self) -> CpuEvent:
         self._events += 1

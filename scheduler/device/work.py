@@ -42,9 +42,10 @@ class Stream(Protocol):
 
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None: ...
 
-    def submit_host(self, fn: Callable[[], Any], label: str, step: int = -1) -> None:
+    def submit_host(self, fn: Callable[[], Any], label: str, step: int, boundary: str) -> None:
         """`fn` on a host thread once the stream's earlier work is done, the stream's later
-        work held behind it (a CPU stream's own thread; a GPU's host function)."""
+        work held behind it (a CPU stream's own thread; a GPU's host function); its row is of
+        `boundary` (what it does is not the device's compute)."""
         ...
 
     def record(self) -> Event: ...

@@ -233,5 +233,5 @@ def _deadlock(engine: FaultTarget, batch: ScheduleBatch, step: int, timeout_s: f
     main.submit_host(lambda: timed_wait(
         blocks_freed.wait, registry=engine.registry, waiter="main-stream",
         what=f"blocks held by req {victim.request_id}", signaller="prefill-stream", boundary=KV_FENCE,
-        timeout_s=timeout_s, step=step), f"injected: wait for free blocks#{step}", step)
+        timeout_s=timeout_s, step=step), f"injected: wait for free blocks#{step}", step, KV_FENCE)
     engine.streams[PREFILL].wait_event(main.record())
