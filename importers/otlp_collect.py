@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,24 @@ class Collector:
         self.server.shutdown()
 
 
+def _decoded(body: bytes, encoding: str | None) -> bytes:
+    """The body as sent: OTLP/HTTP exporters may gzip it (the OpenTelemetry Collector's
+    otlphttp exporter does by default); inflated to at most MAX_BODY."""
+    enc = (encoding or "identity").strip().lower()
+    if enc == "identity":
+        return body
+    if enc != "gzip":
+        raise OtlpError(f"Content-Encoding {encoding!r}: this receiver takes gzip or none")
+    d = zlib.decompressobj(wbits=31)  # the gzip wrapper
+    try:
+        out = d.decompress(body, MAX_BODY + 1)
+    except zlib.error as e:
+        raise OtlpError(f"a gzip body that does not inflate: {e}") from None
+    if len(out) > MAX_BODY or d.unconsumed_tail:
+        raise OtlpError("a gzip body past 64 MiB inflated")
+    return out
+
+
 def _handler(c: Collector) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -107,7 +126,7 @@ def _handler(c: Collector) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(n)
             ctype = self.headers.get("Content-Type") or "application/x-protobuf"
             try:
-                c.take(body, ctype)
+                c.take(_decoded(body, self.headers.get("Content-Encoding")), ctype)
             except OtlpError as e:
                 c.rejected += 1
                 return self._reply(400, f"{e}\n".encode(), "text/plain")
