@@ -132,7 +132,7 @@ class Responder:
         return self._reply(call, rid, [(ch, end)])
 
     def _gone(self, rid: str) -> None:
-        """A stream ended before its first chunk was asked for: as `_sse`'s own end would."""
+        """A stream whose client went away, before its first chunk or during it."""
         self._streams.close(rid)
         self._abort(rid, "client disconnected")
 
@@ -301,9 +301,10 @@ class Responder:
             yield b"data: [DONE]\n\n"
             done = True
         finally:
-            self._streams.close(rid)
-            if not done:  # the client went away (the server cancelled this generator)
-                self._abort(rid, "client disconnected")
+            if done:
+                self._streams.close(rid)
+            else:  # the client went away (the server cancelled this generator)
+                self._gone(rid)
 
     async def _sse_many(self, call: Call, rid: str, rids: list[str], queues: list[Inbox[Event]],
                         firsts: list[Event], watch: ClientWatch) -> AsyncIterator[bytes]:
