@@ -110,6 +110,28 @@ def _decoded(body: bytes, encoding: str | None) -> bytes:
     return out
 
 
+def _read_chunked(f: Any) -> bytes:
+    """A chunked transfer-coded body (RFC 9112 7.1), at most MAX_BODY; its trailers skipped."""
+    out = bytearray()
+    while True:
+        line = f.readline(1024)
+        try:
+            size = int(line.split(b";")[0].strip(), 16)
+        except ValueError:
+            raise OtlpError("a chunked body whose chunk size is not hexadecimal") from None
+        if size < 0 or len(out) + size > MAX_BODY:
+            raise OtlpError("a chunked body past 64 MiB")
+        if size == 0:
+            break
+        chunk = f.read(size)
+        if len(chunk) < size or f.read(2) != b"\r\n":
+            raise OtlpError("a chunked body cut short")
+        out += chunk
+    while (line := f.readline(1024)) not in (b"\r\n", b"\n", b""):
+        pass  # trailer fields: none of them changes the spans
+    return bytes(out)
+
+
 def _handler(c: Collector) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -117,14 +139,12 @@ def _handler(c: Collector) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if self.path.split("?")[0] != "/v1/traces":
                 return self._reply(404, b"only /v1/traces (OTLP/HTTP traces) is served here\n", "text/plain")
-            try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                n = -1
-            if not 0 <= n <= MAX_BODY:
-                return self._reply(400, b"a body of 0 to 64 MiB with its Content-Length\n", "text/plain")
-            body = self.rfile.read(n)
             ctype = self.headers.get("Content-Type") or "application/x-protobuf"
+            try:
+                body = self._body()
+            except OtlpError as e:
+                self.close_connection = True  # the rest of a body not read would be taken for a request
+                return self._reply(400, f"{e}\n".encode(), "text/plain")
             try:
                 c.take(_decoded(body, self.headers.get("Content-Encoding")), ctype)
             except OtlpError as e:
@@ -133,6 +153,19 @@ def _handler(c: Collector) -> type[BaseHTTPRequestHandler]:
             # an empty ExportTraceServiceResponse: no bytes in protobuf, {} in JSON
             self._reply(200, b"{}" if "json" in ctype else b"", "application/json" if "json" in ctype
                         else "application/x-protobuf")
+
+        def _body(self) -> bytes:
+            """The request's body, by its Content-Length or chunked (an exporter that streams
+            its body sends no length: read as empty, its spans were answered 200 and lost)."""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                return _read_chunked(self.rfile)
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if not 0 <= n <= MAX_BODY:
+                raise OtlpError("a body of 0 to 64 MiB with its Content-Length")
+            return self.rfile.read(n)
 
         def _reply(self, code: int, body: bytes, ctype: str) -> None:
             self.send_response(code)

@@ -205,3 +205,51 @@ def test_a_span_whose_values_the_trace_cannot_hold_is_a_400_and_later_spans_are_
     from tracing.reader import read_table
 
     assert read_table(out, "spans").num_rows == 1 and read_table(out, "requests")["request_id"].to_pylist() == ["r1"]
+
+
+def test_a_chunked_body_without_a_length_is_read_whole(tmp_path):
+    """An exporter that streams its body sends it chunked, with no Content-Length: its spans are
+    stored (it was read as an empty export, answered 200 and lost), the connection serves the
+    next request, and a chunked body cut short or of a bad chunk size is a 400."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    reqs = workload(6, seed=3)
+    vllm_spans(reqs)(provider.get_tracer("engine"))
+    body = encode_spans(mem.get_finished_spans()).SerializeToString()
+    out = tmp_path / "c"
+    with collector(out) as url:
+        u = urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+        pieces = [body[i:i + 100] for i in range(0, len(body), 100)]
+        for _ in range(2):  # twice on one connection: the first body was read to its end
+            conn.request("POST", u.path, body=iter(pieces), encode_chunked=True,
+                         headers={"Content-Type": "application/x-protobuf"})
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            r.read()
+        conn.close()
+        for raw in (b"zz\r\nabc\r\n0\r\n\r\n", b"10\r\nabc"):
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+            conn.putrequest("POST", u.path)
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.putheader("Content-Type", "application/x-protobuf")
+            conn.endheaders()
+            conn.send(raw)
+            if raw.endswith(b"abc"):
+                conn.sock.shutdown(1)  # the client's side ends: the body is cut short
+            r = conn.getresponse()
+            assert r.status == 400 and len(r.read().decode().strip().splitlines()) == 1
+            conn.close()
+    from tracing.reader import read_table
+
+    ids = read_table(out, "requests")["request_id"].to_pylist()
+    assert sorted(ids) == sorted(2 * [r["rid"] for r in reqs])
