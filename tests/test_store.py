@@ -441,3 +441,22 @@ def test_a_flush_whose_manifest_write_failed_commits_its_rows_once_on_the_next(t
     assert read_manifests(tmp_path)[0].epoch > seen
     w.close()
     assert steps_of(tmp_path) == list(range(8))
+
+
+def test_a_row_its_table_cannot_hold_is_set_aside_and_later_rows_are_committed(tmp_path: Path, capsys) -> None:
+    """A producer's bug (a step that is no number, a row of the wrong length) costs its own rows,
+    counted in the end record, not every flush after it: kept for the next flush, such a
+    row failed that one too, so nothing more was stored."""
+    w = TraceWriter(tmp_path, flush_interval_s=3600, targets=SMALL)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    buf = w.buffer("probes")
+    buf.extend([probe_row(0), probe_row(1)[:-1], probe_row(1), (*probe_row(2)[:-1], "two"), probe_row(2)])
+    w.flush()
+    buf.extend(probe_row(i) for i in range(3, 5))
+    w.flush()
+    w.close({"model": {"kv_blocks": 4}, "run": {"status": "complete"}})
+    assert steps_of(tmp_path) == list(range(5))
+    writer = json.loads((tmp_path / "meta.json").read_text())["run"]["writer"]
+    assert writer["refused"]["probes"] == 2 and writer["rows"]["probes"] == 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "probes rows its columns cannot hold are set aside" in err[0]

@@ -29,6 +29,7 @@ bench/bench_probe_cpu.py).
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +88,17 @@ def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     fsync_dir(path.parent)
 
 
+_UNFIT = (pa.ArrowException, TypeError, ValueError, OverflowError)  # a value its column cannot hold
+
+
+def _fits(row: tuple[Any, ...], struct: pa.DataType) -> bool:
+    try:
+        pa.array([row], type=struct)
+    except _UNFIT:
+        return False
+    return True
+
+
 _cpu = time.thread_time_ns  # the calling thread's own CPU clock (CLOCK_THREAD_CPUTIME_ID)
 
 
@@ -99,6 +111,7 @@ class WriterStats:
     table_cpu_ns: dict[str, int]  # per table: drain + build + write + merge, on either thread
     rows: dict[str, int]  # rows committed per table
     flushes: int  # flushes that committed rows
+    refused: dict[str, int]  # per table: rows its columns cannot hold, set aside (never committed)
 
     @property
     def cpu_ns(self) -> int:
@@ -106,7 +119,8 @@ class WriterStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu_ns": self.cpu_ns, "thread_cpu_ns": self.thread_cpu_ns, "close_cpu_ns": self.close_cpu_ns,
-                "table_cpu_ns": dict(self.table_cpu_ns), "rows": dict(self.rows), "flushes": self.flushes}
+                "table_cpu_ns": dict(self.table_cpu_ns), "rows": dict(self.rows), "flushes": self.flushes,
+                "refused": dict(self.refused)}
 
 
 CACHE_BYTES = 32 << 20  # the run's writer keeps up to this much of its unsealed parts in memory
@@ -311,6 +325,7 @@ class TraceWriter:
         self._buffers: dict[str, list[list[tuple[Any, ...]]]] = {name: [] for name in self.schemas}
         self._register_lock = threading.Lock()
         self._rows_written = {name: 0 for name in self.schemas}
+        self._refused = {name: 0 for name in self.schemas}
         self._table_cpu = {name: 0 for name in self.schemas}
         self._flushes = 0
         self._thread_cpu_ns = 0  # set by the writer thread as it ends
@@ -349,7 +364,7 @@ class TraceWriter:
     def stats(self) -> WriterStats:
         """The writer's cost so far; complete once close() has returned."""
         return WriterStats(self._thread_cpu_ns, self._close_cpu_ns, dict(self._table_cpu),
-                           dict(self._rows_written), self._flushes)
+                           dict(self._rows_written), self._flushes, dict(self._refused))
 
     @property
     def manifest(self) -> Manifest:
@@ -371,7 +386,7 @@ class TraceWriter:
                 for name, rows in drained:
                     if rows:
                         c0 = _cpu()
-                        tables[name] = self._table(name, rows)
+                        tables[name] = self._convert(name, rows)
                         added[name] = [self._store.write_part(name, tables[name])]
                         cpu[name] += _cpu() - c0
                 if added:
@@ -463,6 +478,24 @@ class TraceWriter:
             # Read inside the thread: its CPU clock counts from the thread's creation,
             # and only this thread can read it once the thread has ended.
             self._thread_cpu_ns = _cpu()
+
+    def _convert(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
+        """`rows` as a table; a row its columns cannot hold (a producer's bug) is set aside,
+        removed from `rows` in place, and counted: kept for the next flush, it would fail
+        that one too, and every flush after it, so nothing more would be stored."""
+        try:
+            return self._table(name, rows)
+        except _UNFIT as e:
+            struct = pa.struct(list(self.schemas[name]))
+            good = [r for r in rows if _fits(r, struct)]
+            if len(good) == len(rows):
+                raise  # not a row's fault
+            if not self._refused[name]:
+                print(f"trace writer: {name} rows its columns cannot hold are set aside "
+                      f"(meta.json run.writer.refused): {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+            self._refused[name] += len(rows) - len(good)
+            rows[:] = good
+            return self._table(name, rows)
 
     def _table(self, name: str, rows: list[tuple[Any, ...]]) -> pa.Table:
         schema = self.schemas[name]
