@@ -82,6 +82,10 @@ class RankEvents:
     d_corr: array[int] = field(default_factory=lambda: array("q"))
     tids: dict[Any, int] = field(default_factory=dict)  # Kineto's (pid, tid) -> a small int
     skipped: int = 0  # events of no category read here (python functions, instants, flows, metadata)
+    # added to every time as the arrays are handed out: this file's baseTimeNanoseconds less the
+    # reference rank's (Kineto writes each `ts` relative to its process's base; the bases of
+    # two ranks differ when they started on either side of a trimester's turn)
+    offset_ns: int = 0
 
     def add(self, events: Iterable[dict[str, Any]]) -> None:
         kinds: dict[int, int] = {}
@@ -125,13 +129,21 @@ class RankEvents:
                 self.skipped += 1
 
     def host(self) -> HostArrays:
-        return HostArrays(*(np.frombuffer(a, dtype=a.typecode) if len(a) else np.zeros(0, a.typecode)
-                            for a in (self.h_tid, self.h_ts, self.h_end, self.h_name, self.h_cat, self.h_corr)))
+        h = HostArrays(*(_np(a) for a in (self.h_tid, self.h_ts, self.h_end, self.h_name, self.h_cat, self.h_corr)))
+        if self.offset_ns:
+            h.ts, h.end = h.ts + self.offset_ns, h.end + self.offset_ns
+        return h
 
     def device(self) -> DeviceArrays:
-        return DeviceArrays(*(np.frombuffer(a, dtype=a.typecode) if len(a) else np.zeros(0, a.typecode)
-                              for a in (self.d_ts, self.d_dur, self.d_dev, self.d_stream, self.d_kind,
-                                        self.d_name, self.d_corr)))
+        d = DeviceArrays(*(_np(a) for a in (self.d_ts, self.d_dur, self.d_dev, self.d_stream, self.d_kind,
+                                            self.d_name, self.d_corr)))
+        if self.offset_ns:
+            d.ts = d.ts + self.offset_ns
+        return d
+
+
+def _np(a: array[int]) -> np.ndarray:
+    return np.frombuffer(a, dtype=a.typecode) if len(a) else np.zeros(0, a.typecode)
 
 
 @dataclass(slots=True)

@@ -157,9 +157,12 @@ def import_kineto(paths: list[Path], out: Path, opts: ImportOptions) -> ImportRe
         if rank in ranks:
             raise KinetoError(f"{f} and {ranks[rank][0]} both claim rank {rank}")
         ranks[rank] = (f, kf, ev)
+    ref = min(ranks)
+    base = {r: _base_ns(f, kf) for r, (f, kf, _) in ranks.items()}
+    for r, (_, _, ev) in ranks.items():
+        ev.offset_ns = base[r] - base[ref]  # every rank on the reference rank's clock
     built = {r: _build(r, kf, ev, round_re, maps, preset) for r, (_, kf, ev) in sorted(ranks.items())}
-    ref = min(built)
-    _write(out, files, ranks, built, ref, opts, preset, round_re.pattern)
+    _write(out, files, ranks, built, ref, opts, preset, round_re.pattern, base[ref])
     return ImportResult(out, sorted(built), sum(kf.events_read for _, kf, _ in ranks.values()),
                         len(built[ref].rounds.ts), sum(len(b.kernels) for b in built.values()),
                         [f"{p}: {kf.truncated}" for p, kf, _ in ranks.values() if kf.truncated])
@@ -279,7 +282,8 @@ def _steps(b: _Built, preset: Preset, mode: str) -> pa.Table:
 
 
 def _write(out: Path, files: list[Path], ranks: dict[int, tuple[Path, KinetoFile, RankEvents]],
-           built: dict[int, _Built], ref: int, opts: ImportOptions, preset: Preset, round_pattern: str) -> None:
+           built: dict[int, _Built], ref: int, opts: ImportOptions, preset: Preset, round_pattern: str,
+           base_ns: int) -> None:
     from tracing.writer import TraceWriter
 
     tmp = out.with_name(out.name + ".importing")
@@ -297,6 +301,8 @@ def _write(out: Path, files: list[Path], ranks: dict[int, tuple[Path, KinetoFile
                        "maps": {b: r for b, r in opts.maps}, "reference_rank": ref, "ranks": src},
             "ranks": {str(r): {"offset_ns": 0} for r in built},
         }
+        if base_ns:  # the trace's times are the reference rank's ts: on the wall clock, its base later
+            meta["clock"] = {"name": "kineto", "anchor_monotonic_ns": 0, "anchor_unix_ns": base_ns}
         w.write_meta(meta)
         tables = {"steps": _steps(built[ref], preset, "imported"),
                   "probes": pa.concat_tables([b.probes for b in built.values()]).combine_chunks(),
@@ -322,6 +328,16 @@ def _unify(t: pa.Table, schema: pa.Schema) -> pa.Table:
     return pa.table({f.name: t[f.name].cast(f.type) for f in schema}, schema=schema)
 
 
+def _base_ns(path: Path, kf: KinetoFile) -> int:
+    """The file's baseTimeNanoseconds (Kineto since 2023: its `ts` are relative to it), or 0
+    (older files' `ts` are the wall clock's own)."""
+    v = kf.meta.get("baseTimeNanoseconds", 0)
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        raise KinetoError(f"{path}: baseTimeNanoseconds {v!r} is not a number of ns") from None
+
+
 def _source(path: Path, kf: KinetoFile) -> dict[str, Any]:
     m = kf.meta
     devices = [d.get("name") for d in m.get("deviceProperties") or [] if isinstance(d, dict)]
@@ -329,5 +345,6 @@ def _source(path: Path, kf: KinetoFile) -> dict[str, Any]:
     runtime = {k: m[k] for k in ("cupti_version", "cuda_runtime_version", "roctracer_version", "hip_runtime_version")
                if k in m}
     return {"file": str(path), "schema_version": m.get("schemaVersion"), "trace_name": m.get("traceName"),
+            "base_time_ns": m.get("baseTimeNanoseconds"),
             "devices": devices, "world_size": dist.get("world_size"), "backend": dist.get("backend"),
             "runtime": runtime, "events": kf.events_read, "truncated": kf.truncated}

@@ -195,3 +195,22 @@ def test_map_turns_annotations_into_boundary_rows(tmp_path):
     assert sum(r["dur_ns"] for r in rows) <= sum(round(e["dur"] * 1000) for e in fwd)
     p = mstrace("import", str(src), "--out", str(tmp_path / "bad"), "--map", "forward=^## forward ##$")
     assert p.returncode == 2 and "not a boundary" in p.stderr and not (tmp_path / "bad").exists()
+
+
+def test_each_ranks_times_are_moved_by_its_base_time(tmp_path):
+    """Kineto writes `ts` relative to its process's baseTimeNanoseconds (a trimester's start):
+    two ranks that started on either side of a trimester's turn have bases one trimester
+    apart, and their events line up only once each is moved by its base."""
+    trimester_ns = 7_889_238 * 1_000_000_000
+    src = json.load(gzip.open(DATA / "hta_cuda_event_sync.json.gz"))
+    base = 1_780_000_000 * 1_000_000_000
+    for rank, shift in ((0, 0), (1, trimester_ns)):
+        d = {**src, "baseTimeNanoseconds": base + shift, "distributedInfo": {"rank": rank, "world_size": 2}}
+        d["traceEvents"] = [{**e, "ts": e["ts"] - shift / 1000} if "ts" in e else e for e in src["traceEvents"]]
+        (tmp_path / f"r{rank}.json").write_text(json.dumps(d))
+    out = imported(tmp_path, tmp_path / "r0.json", tmp_path / "r1.json")
+    k = read_table(out, "kernels").to_pydict()
+    by_rank = {r: sorted(t for t, rr in zip(k["ts_ns"], k["rank"], strict=True) if rr == r) for r in (0, 1)}
+    assert by_rank[0] and by_rank[0] == by_rank[1]
+    clock = Trace.open(out).meta["clock"]
+    assert clock["anchor_unix_ns"] == base and clock["anchor_monotonic_ns"] == 0
