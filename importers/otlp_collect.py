@@ -44,7 +44,7 @@ class Collector:
             "model": {"name": None},
             "workload": {"source": "otlp", "requests": 0},
             # spans carry the wall clock: the trace's clock is it (no monotonic anchor to apply)
-            "clock": {"monotonic_ns": now, "unix_ns": now},
+            "clock": {"name": "CLOCK_REALTIME", "anchor_monotonic_ns": now, "anchor_unix_ns": now},
             "import": {"format": "otlp", "endpoint": f"http://{host}:{port}/v1/traces"},
         }
         self.writer.write_meta(self.meta)

@@ -253,3 +253,19 @@ def test_a_chunked_body_without_a_length_is_read_whole(tmp_path):
 
     ids = read_table(out, "requests")["request_id"].to_pylist()
     assert sorted(ids) == sorted(2 * [r["rid"] for r in reqs])
+
+
+def test_a_collected_trace_is_replayed_to_another_collector(tmp_path):
+    """`export --otlp` of a collected trace sends its spans on, times unchanged (the clock
+    anchor the collector writes is the one `export` reads: spans carry the wall clock)."""
+    reqs = workload(5, seed=4)
+    with collector(tmp_path / "a") as url:
+        export(url, vllm_spans(reqs))
+    with collector(tmp_path / "b") as url:
+        p = mstrace("export", str(tmp_path / "a"), "--otlp", url)
+        assert p.returncode == 0, p.stderr
+    from tracing.reader import read_table
+
+    cols = ["request_id", "arrival_ns", "first_token_ns", "finish_ns"]
+    a, b = (read_table(tmp_path / n, "requests").select(cols).sort_by("request_id") for n in "ab")
+    assert a.num_rows == 5 and a.equals(b)
