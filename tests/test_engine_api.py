@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
-from tests.support.checkpoints import build_llama
+from tests.support.checkpoints import build_llama, set_eos
 from tests.support.engines import drive
 from tests.support.exact import F32
 
@@ -28,9 +27,7 @@ def test_eos_finishes_a_request(tmp_path):
     first = ref.index(eos)
     eos_dir = tmp_path / "eos"
     shutil.copytree(ckpt, eos_dir)
-    cfg = json.loads((eos_dir / "config.json").read_text())
-    cfg["eos_token_id"] = [eos]
-    (eos_dir / "config.json").write_text(json.dumps(cfg))
+    set_eos(eos_dir, [eos])
     eng = Engine(EngineConfig(cpu_device="thread", model=str(eos_dir), block_size=4, kv_blocks=64, **F32))
     try:
         eng.submit(prompt, SamplingParams(12), "a")

@@ -188,6 +188,25 @@ def test_config_fields(ckpt_root: Path) -> None:
     assert qwen.eos_token_id == [5] and qwen.head_dim == 20
 
 
+def test_eos_ids_of_generation_config_are_added(ckpt_root: Path) -> None:
+    """Llama 3 Instruct's config.json names <|end_of_text|>, its generation_config.json
+    <|eot_id|> too (the chat turn's end): the engine stops on both, as generate() does."""
+    from tests.support.checkpoints import set_eos
+
+    d = build_llama(ckpt_root / "gen_eos")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7], "do_sample": False}))
+    assert ModelConfig.from_file(d / "config.json").eos_token_id == [2, 3, 7]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert ModelConfig.from_file(d / "config.json").eos_token_id == [2, 3, 9]
+    (d / "generation_config.json").unlink()
+    assert ModelConfig.from_file(d / "config.json").eos_token_id == [2, 3]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelLoadError, match="eos_token_id"):
+        ModelConfig.from_file(d / "config.json")
+    set_eos(d, [5])
+    assert ModelConfig.from_file(d / "config.json").eos_token_id == [5]
+
+
 def test_legacy_rope_theta_and_rejected_rope_type() -> None:
     base = {
         "architectures": ["LlamaForCausalLM"],

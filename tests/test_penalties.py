@@ -5,7 +5,6 @@ on the device)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
 from scheduler.engine import Engine
 from scheduler.model.penalties import apply
+from tests.support.checkpoints import set_eos
 from tests.support.engines import drive
 
 V = 300
@@ -123,9 +123,7 @@ def test_stop_token_ids_and_min_tokens(ckpt: Path, tmp_path: Path) -> None:
     # min_tokens bans EOS (and the stop tokens) until that many are out
     eos_dir = tmp_path / "eos"
     shutil.copytree(ckpt, eos_dir)
-    cfg = json.loads((eos_dir / "config.json").read_text())
-    cfg["eos_token_id"] = [ref[0]]
-    (eos_dir / "config.json").write_text(json.dumps(cfg))
+    set_eos(eos_dir, [ref[0]])
     early = finished(eos_dir, {"a": (prompt, SamplingParams(12))})["a"]
     assert early.finish_reason is FinishReason.EOS and early.output_ids == ref[:1]
     late = finished(eos_dir, {"a": (prompt, SamplingParams(12, min_tokens=4))})["a"]

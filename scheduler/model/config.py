@@ -101,7 +101,13 @@ class ModelConfig:
             raise ModelLoadError(f"cannot read {path}: {e}") from None
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} is not a JSON object")
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        # An instruct model's turn end is often only in generation_config.json (Llama 3's
+        # <|eot_id|>, Qwen2.5's <|endoftext|>): generate() and vLLM stop on its list too.
+        for eid in _eos_ids(_generation_config(path.with_name("generation_config.json")).get("eos_token_id")):
+            if eid not in cfg.eos_token_id:
+                cfg.eos_token_id.append(eid)
+        return cfg
 
     @classmethod
     def _parse(cls, arch: str, raw: dict[str, Any]) -> ModelConfig:
@@ -160,8 +166,7 @@ class ModelConfig:
             mlp_bias = bool(raw.get("mlp_bias", False))
             sliding = None
 
-        eos = raw.get("eos_token_id")
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        eos_ids = _eos_ids(raw.get("eos_token_id"))
         bos = raw.get("bos_token_id")
         dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         dtype = dtype_of(str(dtype_name))
@@ -258,3 +263,25 @@ def _qwen2_sliding_window(raw: dict[str, Any]) -> int | None:
     if all(t == "sliding_attention" for t in layer_types):
         return int(raw["sliding_window"])
     raise ModelLoadError("Qwen2ForCausalLM: mixed sliding/full attention layers are unsupported")
+
+
+def _eos_ids(eos: Any) -> list[int]:
+    """config.json's or generation_config.json's eos_token_id (an id, a list of them, or none)."""
+    if eos is None:
+        return []
+    try:
+        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"eos_token_id {eos!r} is not a token id or a list of them") from None
+
+
+def _generation_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return raw

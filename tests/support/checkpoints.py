@@ -7,6 +7,7 @@ spread makes greedy decisions robust to float32 rounding differences between imp
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,3 +114,12 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "qwen2": build_qwen2,
     "mistral": build_mistral,
 }
+
+
+def set_eos(folder: Path, ids: list[int]) -> None:
+    """The folder's EOS ids, in config.json and generation_config.json alike (the engine stops
+    on both files' ids, as generate() and vLLM do)."""
+    for name in ("config.json", "generation_config.json"):
+        f = folder / name
+        raw = json.loads(f.read_text()) if f.exists() else {}
+        f.write_text(json.dumps({**raw, "eos_token_id": ids}))
