@@ -122,6 +122,22 @@ def test_streamed_text_equals_the_full_decode(tok: Tokenizer, prompt: str, outpu
 
 
 @EXAMPLES
+@given(text=st.text(ALPHABET, min_size=2, max_size=40), cut=st.integers(1, 200))
+def test_a_prompt_that_ends_inside_a_character_gets_that_character_with_the_output(
+        tok: Tokenizer, text: str, cut: int) -> None:
+    """A continuation of an output cut inside a character (its ids sent back as the prompt):
+    the output's text starts with the whole character its first tokens complete. The
+    prompt's tokens of that character were counted as emitted: the character was lost, and
+    every later chunk cut at the wrong place."""
+    ids = tok.encode(text, add_special_tokens=False)
+    p, o = ids[:cut % len(ids)], ids[cut % len(ids):]
+    whole = len(p)
+    while whole and tok.decode(p[:whole]).endswith("\ufffd"):
+        whole -= 1  # the prompt's tokens up to its last whole character
+    assert "".join(_stream(tok, p, o)) == tok.decode(ids)[len(tok.decode(p[:whole])):]
+
+
+@EXAMPLES
 @given(prompt=TEXT, output=st.text(ALPHABET, min_size=4, max_size=40), cut=st.tuples(st.integers(0, 39),
        st.integers(1, 4)), specials=SPECIALS)
 def test_stop_strings_split_across_tokens_end_the_text_where_the_full_decode_has_them(

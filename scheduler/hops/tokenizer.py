@@ -132,6 +132,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(context or ())
         self._prefix = 0
         self._read = len(self._ids)
+        # A prompt that ends inside a character (a continuation of an output cut there): its
+        # last tokens are emitted with the output that completes the character. Counted as
+        # emitted, the completed character's text fell short of the prefix's U+FFFD and was
+        # lost, and every later push sliced the window at that wrong length.
+        while self._read and tok.decode(self._ids[: self._read]).endswith("\ufffd"):
+            self._read -= 1
 
     def push(self, ids: list[int]) -> str:
         self._ids.extend(ids)
