@@ -226,6 +226,10 @@ def cross_field_problems(c: EngineConfig) -> Iterator[str]:
     if c.cpu_device == "process" and (clash := c._needs_in_process_device()):  # (auto picks thread for these)
         # These hand the device Python callables or host objects, which cannot cross a process.
         yield f"--cpu-device process does not support {', '.join(clash)}; use --cpu-device thread"
+    if c.world_size > 1 and c.kv_layout == "contiguous":
+        # defragmentation moves rank 0's KV shard only: the other ranks would read their old
+        # block ids (the batch wire carries rounds, not block moves)
+        yield "--kv-layout contiguous cannot be used with --tp/--pp > 1 (its block moves reach rank 0's cache only)"
     if c.world_size > 1 and (c.overlap_on or c.split_on):
         # Rounds run serially across ranks (scheduler/parallel/coordinator.py): a placeholder
         # token lives in rank 0's future ring only, and split streams would interleave two

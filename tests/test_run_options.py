@@ -253,6 +253,7 @@ def test_a_fields_own_check_says_what_bounds_cannot(kw, says):
     ({"pp": 2, "mode": "overlap", "split_streams": False}, "--mode overlap needs overlap scheduling"),
     ({"tp": 2, "overlap_schedule": True}, "--overlap-schedule and --split-streams cannot be used with --tp/--pp"),
     ({"pp": 2, "split_streams": True}, "--overlap-schedule and --split-streams cannot be used with --tp/--pp"),
+    ({"tp": 2, "kv_layout": "contiguous"}, "--kv-layout contiguous cannot be used with --tp/--pp"),
 ])
 def test_cross_field_rules(kw, says):
     with pytest.raises(ConfigError, match=says):
@@ -265,6 +266,7 @@ def test_cross_field_rules(kw, says):
     {"inject": ("stall-rank",), "tp": 2},
     {"cpu_device": "thread", "debug_kv_check": True, "tp": 2},
     {"tp": 2, "mode": "timeslice"},
+    {"kv_layout": "contiguous"},
     {"tp": 2, "pp": 2, "mode": "overlap", "overlap_schedule": False, "split_streams": False},
 ])
 def test_cross_field_rules_let_their_neighbours_pass(kw):
