@@ -90,6 +90,8 @@ class Job:
     pp: int
     overlaps: tuple[bool, ...]
     extras: bool = False  # also measure all-reduce latency and provoke a timed-out wait
+    init_timeout_s: float = RANK_TIMEOUT_S
+    late_peer_s: float = 0.0  # > 0: only an all-reduce that rank 1 joins this late, no generation
 
 
 def _rank_main(rank: int, job: Job) -> None:
@@ -99,8 +101,11 @@ def _rank_main(rank: int, job: Job) -> None:
     try:
         state = init_distributed(
             "gloo", rank, job.world, job.init_method, tp_size=job.tp, pp_size=job.pp,
-            timeout_s=RANK_TIMEOUT_S,
+            timeout_s=job.init_timeout_s,
         )
+        if job.late_peer_s:
+            res["late"] = _late_peer(state, job.late_peer_s)
+            return
         res["runs"] = [_run(job, state, overlap) for overlap in job.overlaps]
         if job.extras:
             res["ar_p50_us"] = _all_reduce_p50_us(state)
@@ -192,6 +197,14 @@ def _stall(state: ParallelState) -> dict[str, Any]:
     comm.wait(p)
     out["sum"] = t.tolist()
     return out
+
+
+def _late_peer(state: ParallelState, late_s: float) -> list[float]:
+    """An all-reduce rank 1 joins `late_s` after rank 0, inside the wait's own timeout."""
+    comm = AllReduce(state.tp_group, state.rank, timeout_s=RANK_TIMEOUT_S)
+    if state.rank == 1:
+        time.sleep(late_s)
+    return comm(torch.full((2,), float(state.rank + 1))).tolist()
 
 
 def _free_port() -> int:
@@ -563,3 +576,12 @@ def test_sharded_model_single_rank(tmp_path: Path) -> None:
         got = sm.step(fb, kv_a)
         assert got is not None
         torch.testing.assert_close(got, model(fb, kv_b), atol=0, rtol=0)
+
+
+def test_a_tp_collective_waits_as_long_as_its_waiter_allows_not_the_groups_setup_timeout(tmp_path: Path) -> None:
+    """gloo applies a group's timeout to each collective: the TP group took the setup's (60 s
+    in a run), which cut an all-reduce whose waiter allows longer (--on-stall continue, a long
+    --wait-timeout) with a raw gloo error. Here setup's is 1 s and the peer is 2.5 s late."""
+    results = launch({"ckpt": "", "world": 2, "tp": 2, "pp": 1, "overlaps": (), "init_timeout_s": 1.0,
+                      "late_peer_s": 2.5}, tmp_path)
+    assert [r["late"] for r in results] == [[3.0, 3.0], [3.0, 3.0]]

@@ -17,6 +17,10 @@ import torch.distributed as dist
 # Also bounds every gloo/nccl operation that is not waited through probes.waits.timed_wait
 # (process-group setup, barriers): generous, because ranks load weights at different speeds.
 INIT_TIMEOUT_S = 60.0
+# The TP and PP groups' own timeout. gloo applies a group's timeout to each of its
+# collectives, under the waiter's: every op on these groups is waited through timed_wait
+# (the hard wait timeout, and --on-stall), which must be the bound that ends it.
+GROUP_OP_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ def init_distributed(
     )
     pp_rank, tp_rank = divmod(rank, tp_size)
     tp_group = pp_group = None
+    timeout = timedelta(seconds=GROUP_OP_TIMEOUT_S)
     if tp_size > 1:
         for p in range(pp_size):
             g = dist.new_group([p * tp_size + t for t in range(tp_size)], timeout=timeout)
