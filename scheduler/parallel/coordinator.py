@@ -114,7 +114,7 @@ class Coordinator:
         try:
             state = init_distributed(backend, 0, world, init_method, tp_size=cfg.tp, pp_size=cfg.pp)
             control = control_group(world)
-            offsets = measure_offsets(world)
+            offsets = measure_offsets(control, world)
         except BaseException:
             stop_workers(procs, graceful=False)
             raise
@@ -137,7 +137,7 @@ class Coordinator:
         cfg = self.cfg
         from scheduler.harness.faults import STALL_RANK_STEP
 
-        send_spec(RunSpec(
+        send_spec(self.control, RunSpec(
             model_dir=str(model_dir), trace_dir=str(self.trace_dir), tp=cfg.tp, pp=cfg.pp,
             dtype=name_of(dtype), device_threads=cfg.resolved_device_threads(),
             block_size=cfg.block_size, num_blocks=num_blocks, comm_overlap=cfg.comm_overlap,

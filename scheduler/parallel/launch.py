@@ -43,6 +43,7 @@ from probes.recorder import Row
 
 from .batch_wire import IDLE_TIMEOUT_S
 from .comm import AllReduce
+from .group import INIT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from .worker import RankSeed
@@ -238,7 +239,7 @@ def clock_domain() -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little", signed=True)
 
 
-def measure_offsets(world: int, rounds: int = HANDSHAKE_ROUNDS) -> dict[int, ClockOffset]:
+def measure_offsets(control: dist.ProcessGroup, world: int, rounds: int = HANDSHAKE_ROUNDS) -> dict[int, ClockOffset]:
     """Rank 0: each rank's clock offset from rank 0's.
 
     Ping-pong (NTP's idea): rank 0 sends its time t0, the rank answers with its own time t_r,
@@ -257,50 +258,70 @@ def measure_offsets(world: int, rounds: int = HANDSHAKE_ROUNDS) -> dict[int, Clo
         for _ in range(rounds):
             t0 = now_ns()
             buf[0] = t0
-            dist.send(buf, dst=r)
-            dist.recv(buf, src=r)
+            _send(buf, r, control)
+            _recv(buf, r, control)
             t1 = now_ns()
             rtt, off = t1 - t0, int(buf[0]) - (t0 + t1) // 2
             if best is None or rtt < best[1]:
                 best = (off, rtt)
         assert best is not None
-        dist.recv(buf, src=r)
+        _recv(buf, r, control)
         same = int(buf[0]) == mine
         out[r] = ClockOffset(0 if same else best[0], best[0], best[1], same)
         buf[0] = out[r].offset_ns
-        dist.send(buf, dst=r)
+        _send(buf, r, control)
     return out
 
 
-def answer_offsets(rounds: int = HANDSHAKE_ROUNDS) -> int:
+def answer_offsets(control: dist.ProcessGroup, rounds: int = HANDSHAKE_ROUNDS) -> int:
     """Rank r > 0: the other half of :func:`measure_offsets`; returns the offset to apply."""
     buf = torch.zeros(1, dtype=torch.int64)
     for _ in range(rounds):
-        dist.recv(buf, src=0)
+        _recv(buf, 0, control)
         buf[0] = now_ns()
-        dist.send(buf, dst=0)
+        _send(buf, 0, control)
     buf[0] = clock_domain()
-    dist.send(buf, dst=0)
-    dist.recv(buf, src=0)
+    _send(buf, 0, control)
+    _recv(buf, 0, control)
     return int(buf[0])
 
 
 # ----------------------------------------------------------------------------- the run spec
 
 
-def send_spec(spec: RunSpec) -> None:
-    """Rank 0: broadcast ``spec`` (length, then UTF-8 JSON bytes) on the default group."""
+def send_spec(control: dist.ProcessGroup, spec: RunSpec) -> None:
+    """Rank 0: broadcast ``spec`` (length, then UTF-8 JSON bytes) on the control group."""
     data = torch.tensor(list(json.dumps(asdict(spec)).encode()), dtype=torch.uint8)
-    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0)
-    dist.broadcast(data, src=0)
+    _bcast(torch.tensor([data.numel()], dtype=torch.int64), control)
+    _bcast(data, control)
 
 
-def recv_spec() -> RunSpec:
+def recv_spec(control: dist.ProcessGroup) -> RunSpec:
     n = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(n, src=0)
+    _bcast(n, control)
     data = torch.empty(int(n[0]), dtype=torch.uint8)
-    dist.broadcast(data, src=0)
+    _bcast(data, control)
     return RunSpec(**json.loads(bytes(data.tolist()).decode()))
+
+
+# The start-up's host tensors go over the gloo control group: under nccl the default group
+# takes CUDA tensors only. Its own timeout is the idle one (a week), so each op is bounded
+# here by the setup's, as it was on the default group.
+def _wait_setup(work: dist.Work | None) -> None:
+    assert work is not None
+    work.wait(timedelta(seconds=INIT_TIMEOUT_S))
+
+
+def _send(buf: torch.Tensor, dst: int, control: dist.ProcessGroup) -> None:
+    _wait_setup(dist.isend(buf, dst=dst, group=control))
+
+
+def _recv(buf: torch.Tensor, src: int, control: dist.ProcessGroup) -> None:
+    _wait_setup(dist.irecv(buf, src=src, group=control))
+
+
+def _bcast(t: torch.Tensor, control: dist.ProcessGroup) -> None:
+    _wait_setup(dist.broadcast(t, src=0, group=control, async_op=True))
 
 
 # ----------------------------------------------------------------------------- collectives table
