@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import pyarrow as pa
@@ -403,3 +403,46 @@ def test_p2p_wait_is_one_blocking_call_not_slices() -> None:
     with pytest.raises(WaitTimeout):
         timed_wait(p2p_ready(cast(Any, stuck), 0.3), registry=WaitRegistry(), waiter="r0", what="x",
                    signaller="r1", boundary=B.PP_BUBBLE, timeout_s=0.3)
+
+
+def test_a_rank_that_did_not_exit_cleanly_after_stop_makes_the_run_an_error(tmp_path):
+    """After STOP a worker flushes its trace and exits 0; one that exits otherwise (its last
+    flush failed, or it was stopped in it) may have left its part short. The run said
+    `complete` and exit 0; now it is `error` naming the rank, and the command fails."""
+    from types import SimpleNamespace
+
+    from scheduler.config import EngineConfig
+    from scheduler.harness.session import TracedSession
+    from scheduler.parallel.coordinator import Coordinator
+
+    class Exited:
+        def __init__(self, code: int) -> None:
+            self.returncode = code
+
+        def poll(self) -> int:
+            return self.returncode
+
+        def wait(self, timeout: float | None = None) -> int:
+            return self.returncode
+
+    def coordinator(*codes: int) -> Any:
+        return SimpleNamespace(channel=None, procs=[Exited(c) for c in codes], exit_codes=[],
+                               log=SimpleNamespace(drain=lambda final: None))
+
+    assert Coordinator.close(coordinator(0, 0), ok=True) is None
+    assert Coordinator.close(coordinator(1, 0), ok=False) is None  # a failed run says why itself
+    said = Coordinator.close(coordinator(0, 1, -9), ok=True)
+    assert said is not None and "rank 2 exited with code 1" in said and "rank 3 was killed by signal 9" in said
+
+    failed: list[str] = []
+
+    def fail(msg: str) -> NoReturn:
+        failed.append(msg)
+        raise SystemExit(2)
+
+    out = tmp_path / "t"
+    with pytest.raises(SystemExit), TracedSession(EngineConfig(), out, None, [], "test", fail) as s:
+        s.on_close(lambda ok: Coordinator.close(coordinator(0, 1), ok))
+        s.ended("complete")
+    # (no engine ran here, so the session removes its folder: the end record is the state's)
+    assert s.state == "error" and "rank 2 exited with code 1" in s.detail and failed == [s.detail]

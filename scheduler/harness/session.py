@@ -98,7 +98,7 @@ class TracedSession:
         self.state, self.detail = "error", NO_DETAIL
         self._span: tuple[int | None, int | None, int, dict[str, Any] | None] = (None, None, 0, None)
         self._requests: int | None = None
-        self._closers: list[Callable[[bool], None]] = []
+        self._closers: list[Callable[[bool], str | None]] = []
         self._extra: dict[str, Any] = {}  # more of the end record (run --torch-profile's cost)
 
     def start(self, sinks: list[OutputSink], parallel: Callable[[], Coordinator] | None = None) -> Engine:
@@ -122,9 +122,10 @@ class TracedSession:
         self.writer.write_meta(run_meta(engine, self.items, self.source, self.anchor))
         return engine
 
-    def on_close(self, close: Callable[[bool], None]) -> None:
+    def on_close(self, close: Callable[[bool], str | None]) -> None:
         """Something to close after the engine, before the last commit; it is told whether
-        the session completed (a TP coordinator stops its ranks, or kills them)."""
+        the session completed (a TP coordinator stops its ranks, or kills them), and returns
+        what went wrong in closing it, which makes a completed session an error."""
         self._closers.append(close)
 
     def ended(self, state: str, detail: str = "") -> None:
@@ -167,11 +168,18 @@ class TracedSession:
                 self.state, self.detail = "error", first_line(e)
             raise
         finally:
+            problem = None
             for close in self._closers:
-                close(self.state == "complete")
+                problem = close(self.state == "complete") or problem
+            if problem and self.state == "complete":
+                self.state, self.detail = "error", problem
+            else:
+                problem = None
             if self.device_seed is not None:  # one no engine took
                 self.device_seed.close()
             self._commit_end(engine)
+        if problem:
+            self.fail(problem)
 
     def _commit_end(self, engine: Engine | None) -> None:
         meta = (run_meta(engine, self.items, self.source, self.anchor) if engine is not None

@@ -204,11 +204,14 @@ class Coordinator:
                          "launcher": "mstrace" if self.procs else "torchrun"},
         }
 
-    def close(self, ok: bool) -> None:
+    def close(self, ok: bool) -> str | None:
         """End the run on every rank.  ``ok``: broadcast STOP and let the workers flush and exit;
         otherwise (a stall, an error) terminate them (they flush on SIGTERM), then kill.  Either
         way no child survives this call.  Rank 0's collectives still in flight are written last:
-        they are the evidence of a collective that a peer never joined."""
+        they are the evidence of a collective that a peer never joined.  Returns what went
+        wrong where the run had completed: a worker that did not exit cleanly after STOP (its
+        last flush failed, or it was stopped in it) may have left its part of the trace short."""
+        told = ok
         try:
             if ok and self.channel is not None:
                 self.channel.send(WireBatch(STOP, -1))
@@ -219,3 +222,8 @@ class Coordinator:
             self.log.drain(final=True)
         if ok:
             destroy()
+        bad = [f"rank {r} {'was killed by signal ' + str(-c) if c < 0 else 'exited with code ' + str(c)}"
+               for r, c in enumerate(self.exit_codes, start=1) if c]
+        if told and (bad or not ok):
+            return (", ".join(bad) or "a rank was gone at the end") + " after the run: its part of the trace may be short"
+        return None
