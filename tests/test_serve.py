@@ -366,10 +366,11 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
 REFUSED_COMPLETION = [("best_of", 2), ("response_format", {"type": "json_object"}),
                       ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
                       ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
-                      ("suffix", "end")]
+                      ("suffix", "end"), ("top_k", 1), ("min_p", 0.5)]
 REFUSED_CHAT = [("echo", True), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")]
 NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0,
-           "logit_bias": {}, "stop_token_ids": [], "min_tokens": 0, "response_format": {"type": "text"}}
+           "logit_bias": {}, "stop_token_ids": [], "min_tokens": 0, "response_format": {"type": "text"},
+           "top_k": -1, "min_p": 0}
 
 
 def test_known_unsupported_fields_are_refused_by_name_and_neutral_values_accepted(server: Served) -> None:

@@ -56,6 +56,8 @@ class _Sampling(_Body):
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM's: EOS and stop_token_ids banned until then
     # Known fields not implemented: their neutral value is accepted, any other refused.
     best_of: int | None = None
+    top_k: int | None = None  # vLLM's; -1 and 0 (vLLM's and HF's "off") are the neutral values
+    min_p: float | None = None  # vLLM's
     response_format: dict[str, Any] | None = None
     guided_json: Any = None  # vLLM's guided decoding (and its successor, structured_outputs)
     guided_regex: Any = None
@@ -73,6 +75,8 @@ class _Sampling(_Body):
         """BadRequest for the first field asked for that this server does not implement."""
         checks: list[tuple[str, bool]] = [
             ("best_of", self.best_of not in (None, self.n)),
+            ("top_k", self.top_k not in (None, -1, 0)),
+            ("min_p", self.min_p not in (None, 0.0)),
             ("response_format", self.response_format is not None and self.response_format.get("type") != "text"),
             *((g, getattr(self, g) is not None) for g in ("guided_json", "guided_regex", "guided_choice",
                                                           "guided_grammar", "structured_outputs")),
