@@ -331,3 +331,16 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_in_bfloat16(checkpoint:
     clear = (top2[:, 0] - top2[:, 1]) > 2 * max(err_engine, err_hf)
     assert clear.any()
     assert torch.equal(engine.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_a_safetensors_file_beside_model_safetensors_is_not_loaded(ckpt_root: Path) -> None:
+    """A LoRA adapter (adapter_model.safetensors) or a consolidated copy beside the model's own
+    file, no index: transformers loads model.safetensors alone, and so does the engine (it
+    loaded every *.safetensors and refused the adapter's tensors)."""
+    from scheduler.model.loader import safetensors_files
+
+    d = build_llama(ckpt_root / "with_adapter")
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 96)},
+              str(d / "adapter_model.safetensors"))
+    assert safetensors_files(d) == [d / "model.safetensors"]
+    load_model(d)

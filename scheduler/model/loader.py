@@ -86,6 +86,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if missing:
             raise ModelLoadError(f"{index} names missing shard(s): {', '.join(missing)}")
         return files
+    if (single := model_dir / "model.safetensors").is_file():
+        return [single]  # transformers' own order: a LoRA adapter or consolidated copy beside it is not the model
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {model_dir}")
