@@ -3,6 +3,7 @@ TUI's snapshots and window checks (a real run's timings differ every time)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from probes import boundaries as B
@@ -14,7 +15,8 @@ ROUND_NS = 10 * MS
 
 
 def synthetic_trace(root: Path, rounds: int = 60, requests: int = 12, stall: bool = False, leak: bool = False,
-                    complete: bool = True, flushes: int = 3) -> Path:
+                    complete: bool = True, flushes: int = 3, on_flush: Callable[[int], None] | None = None) -> Path:
+    """`on_flush(k)` runs after the k-th commit (a reader opening the trace while it is written)."""
     w = TraceWriter(root, flush_interval_s=3600)
     meta = {"tool": "mstrace", "model": {"name": "tiny", "kv_blocks": 256},
             "config": {"mode": "serial", "cpu_device": "process", "device": "cpu", "model": "tiny"},
@@ -59,6 +61,8 @@ def synthetic_trace(root: Path, rounds: int = 60, requests: int = 12, stall: boo
                            "scheduler", "[]", "[]", "[]", "{}", "[]"))
         if (i + 1) % per_flush == 0:
             w.flush()
+            if on_flush is not None:
+                on_flush((i + 1) // per_flush)
     w.close({**meta, "run": {"status": "stalled" if stall else "complete", "detail": "", "submitted": requests}}
             if complete else None)
     return root

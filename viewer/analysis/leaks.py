@@ -109,11 +109,13 @@ def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) ->
     its memory events read a window at a time (leak_stream.py)."""
     if not tr.has_table("memory"):
         raise TraceError(f"trace {tr.root} has no memory/ table")
-    steps = read_steps(tr, ["step"], references=False)
     capacity = int(tr.meta.get("model", {}).get("kv_blocks") or 0)
 
     def replay() -> tuple[stream.WindowedReplay, bool]:
-        clip = step_clip(tr, "memory", steps)
+        # each attempt clips by the steps of the snapshot it reads: after a start-over, the
+        # first snapshot's steps dropped the rounds committed since, whose frees then went
+        # missing beside the newer snapshot's finished requests (false leaks)
+        clip = step_clip(tr, "memory", read_steps(tr, ["step"], references=False))
         cap, inferred = (capacity, False) if capacity > 0 else (_largest_block(tr, clip) + 1, True)
         rp = stream.WindowedReplay(cap)
         for w in stream.trace_windows(tr, clip, window_rows):
@@ -122,9 +124,9 @@ def build_leaks(tr: Trace, trace: str, window_rows: int = stream.WINDOW_ROWS) ->
 
     try:
         rp, inferred = start_over(tr, "memory", replay)
+        rep = _report(rp, inferred, tr.status.complete, lambda names: _finished_in_trace(tr, names))
     except Unordered as e:
         raise TraceError(f"corrupt memory/ table in {tr.root}: {e}") from None
-    rep = _report(rp, inferred, tr.status.complete, lambda names: _finished_in_trace(tr, names))
     return LeaksResult(trace, tr.status, rep)
 
 
