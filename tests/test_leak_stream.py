@@ -183,3 +183,50 @@ def test_no_memory_table_and_negative_block_ids(tmp_path: Path) -> None:
     shutil.rmtree(root / "memory")
     with pytest.raises(TraceError, match="no memory/ table"):
         build_leaks(Trace.open(root), str(root))
+
+
+def test_a_replay_started_over_on_a_newer_snapshot_clips_by_that_snapshots_rounds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`leaks` opened a live trace at its second commit; two more were committed and
+    compacted, and a part it read went missing: it starts over on the newer snapshot, and
+    clips the memory events by that snapshot's rounds too. It clipped by the first one's,
+    dropping the later rounds' frees beside the newer requests table: false leaks, exit 1."""
+    import tracing.sweep as sweep_mod
+    from tests.support.tui_trace import synthetic_trace
+
+    opened: list[Trace] = []
+    root = synthetic_trace(tmp_path / "t", rounds=60, requests=12, complete=False, flushes=4,
+                           on_flush=lambda k: opened.append(Trace.open(tmp_path / "t")) if k == 2 else None)
+    fresh = build_leaks(Trace.open(root), str(root)).report
+    assert not fresh.leaks and fresh.events > 40
+    real, calls = sweep_mod.read_row_groups, {"n": 0}
+
+    def vanished_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FileNotFoundError(2, "gone", "part-x.parquet")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "read_row_groups", vanished_once)
+    assert build_leaks(opened[0], str(root)).report == fresh and calls["n"] > 1
+
+
+def test_a_reclaim_row_without_a_block_is_a_corrupt_table_error(tmp_path: Path) -> None:
+    """A `reclaim` row whose block id is null (a damaged part): one TraceError naming the
+    table, as other disorder is, not a traceback from the report's reclaim pass."""
+    from tracing.reader import TraceError
+
+    root = _variant(SAMPLES / "sample-serial", tmp_path / "null", 3, False, False)
+    part = next((root / "memory").glob("*.parquet"))
+    t = pq.read_table(part)
+    last = t.slice(t.num_rows - 1).to_pydict()
+    extra = {**last, "ts_ns": [last["ts_ns"][0] + 1, last["ts_ns"][0] + 2], "kind": ["reclaim", "reclaim"],
+             "block_id": [None, 3], "ref_count": [0, 0]}
+    extra = {k: (v * 2 if len(v) == 1 else v) for k, v in extra.items()}
+    pq.write_table(pa.concat_tables([t, pa.table(extra, schema=t.schema)]), part, **parquet_options(t.schema))
+    _manifest_rows(root, "memory", part)
+    with pytest.raises(TraceError, match="corrupt memory/ table"):
+        build_leaks(Trace.open(root), str(root))
+    from viewer.tui.view_data import TraceBrowser
+
+    assert "corrupt memory/ table" in TraceBrowser(root).leaks_text(100).plain  # `view`'s leaks tab

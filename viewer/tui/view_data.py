@@ -152,8 +152,13 @@ class TraceBrowser:
         if self.window is not None:
             return Text(f"a window ({self.window.what}) holds part of the run's memory events, and a leak is "
                         f"a block the whole run left held: `mstrace leaks {self.root}` reads them all")
-        rep = leak_report(self.memory, self.requests.select(["request_id", "finish_reason"]),
-                          int(self.meta.get("model", {}).get("kv_blocks") or 0), run_ended=self.trace.status.complete)
+        from viewer.analysis.leak_replay import Unordered
+
+        try:
+            rep = leak_report(self.memory, self.requests.select(["request_id", "finish_reason"]),
+                              int(self.meta.get("model", {}).get("kv_blocks") or 0), run_ended=self.trace.status.complete)
+        except Unordered as e:  # a damaged memory table costs this tab, not the whole view
+            return Text(f"corrupt memory/ table in {self.root}: {e}")
         return _rendered(width, lambda c: render_leaks(c, str(self.root), rep))
 
 
