@@ -124,6 +124,7 @@ class LiveState:
         self.committed: dict[str, int] = {}
         self._probes: pa.Table | None = None
         self._steps: pa.Table | None = None
+        self._first_ns: int | None = None  # the first round seen: the steps kept are trimmed
         self._requests: pa.Table | None = None
         self._held: dict[str, int] = {}  # request id -> blocks it holds a reference to
         self._busy = np.zeros(0, dtype=bool)  # per block: some request holds it
@@ -147,6 +148,8 @@ class LiveState:
                 end = pc.max(pc.add(r[name]["ts_ns"], r[name]["dur_ns"])).as_py()
                 self._now = max(self._now, int(end or 0))
         if "steps" in r and r["steps"].num_rows:
+            if self._first_ns is None:
+                self._first_ns = int(pc.min(r["steps"]["ts_ns"]).as_py())
             self._steps = _keep_last(_cat(self._steps, r["steps"]), max(4 * self.rounds, 4096))
         now = self._now
         if "probes" in r and r["probes"].num_rows:
@@ -325,7 +328,7 @@ class LiveState:
             return 0.0
         lo = now - int(self.rate_s * 1e9)
         n = pc.sum(pc.greater_equal(q["finish_ns"], lo)).as_py() or 0
-        return float(n) / self._span(now)
+        return float(n) / self._span(now, self._first_ns)
 
     def _rate_tokens(self, now: int) -> float:
         s = self._steps
@@ -333,12 +336,12 @@ class LiveState:
             return 0.0
         lo = now - int(self.rate_s * 1e9)
         got = s.filter(pc.greater_equal(s["ts_ns"], lo))
-        return float(pc.sum(got["num_decode_tokens"]).as_py() or 0) / self._span(now)
+        # over the rounds kept: past 4,096 rounds in the window they cover less of it
+        return float(pc.sum(got["num_decode_tokens"]).as_py() or 0) / self._span(now, int(s["ts_ns"][0].as_py()))
 
-    def _span(self, now: int) -> float:
-        """The rate window, shorter while the run is younger than it."""
-        first = int(self._steps["ts_ns"][0].as_py()) if self._steps is not None and self._steps.num_rows else now
-        return max(1e-3, min(self.rate_s, (now - first) / 1e9))
+    def _span(self, now: int, first: int | None) -> float:
+        """The rate window, shorter while what it counts (the run, or the rounds kept) is younger."""
+        return max(1e-3, min(self.rate_s, (now - (now if first is None else first)) / 1e9))
 
     def _kv(self, last: dict[str, Any]) -> KvView | None:
         if not last:
