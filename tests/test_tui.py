@@ -113,6 +113,19 @@ def test_the_lanes_hold_only_the_window_and_latency_only_recent_requests(tmp_pat
     assert len(lat["ITL"].series) == min(60, 29 * recent.num_rows)
 
 
+def test_the_rates_past_the_rounds_kept_count_over_the_time_they_span(tmp_path: Path) -> None:
+    """More rounds in the rate window than `top` keeps (4,096): req/s is over the run's time,
+    not the rounds kept (it divided the window's requests by their shorter span: 1.22x), and
+    decode tok/s over the rounds kept."""
+    root = synthetic_trace(tmp_path / "t", rounds=5000, flushes=5)
+    st = _state(root, rate_s=60.0)
+    v = st.snapshot()
+    steps = read_table(root, "steps")
+    now = max(a + b for a, b in zip(steps["ts_ns"].to_pylist(), steps["dur_ns"].to_pylist(), strict=True))
+    assert v.req_per_s == pytest.approx(12 / ((now - T0) / 1e9), rel=1e-3)  # (its clock: the last probe)
+    assert v.decode_tok_per_s == pytest.approx(800, rel=0.01)  # 8 decode rows every 10 ms
+
+
 def test_the_kv_panel_and_a_leak_and_a_stall_as_they_happen(tmp_path: Path) -> None:
     v = _state(synthetic_trace(tmp_path / "ok", rounds=60)).snapshot()
     assert v.kv is not None and v.kv.exact and v.kv.capacity == 256
@@ -123,6 +136,12 @@ def test_the_kv_panel_and_a_leak_and_a_stall_as_they_happen(tmp_path: Path) -> N
     assert v.leaks == [("req-3", 2)]
     line = render.banner(v)
     assert line is not None and "STALL at round 59" in line.plain and "wait cycle: scheduler -> " in line.plain
+    # the banner names the first stall noticed (`mstrace stalls`' stall 1), not the list's last
+    first = v.stalls[0]
+    v.stalls = [{**first, "ts_ns": first["ts_ns"] + 5, "rank": 0, "step": 61},
+                {**first, "ts_ns": first["ts_ns"] - 5, "rank": 1, "step": 58, "cycle": ""}, first]
+    line = render.banner(v)
+    assert line is not None and "STALL at round 58" in line.plain and "(+2 more: mstrace stalls)" in line.plain
 
 
 def test_a_live_trace_says_it_is_live_and_a_missing_one_waits(tmp_path: Path) -> None:

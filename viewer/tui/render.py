@@ -66,10 +66,13 @@ def banner(v: TopView, note: str | None = None) -> Text | None:
     """The stall, leak or end-of-run line (`note`: what the run's process did), or None
     when all is well."""
     if v.stalls:
-        s = v.stalls[-1]
+        # the first noticed, as `mstrace stalls` numbers them (stall 1 is often the cause of
+        # the rest); rows come rank by rank, so the list's last is not even the newest
+        s = min(v.stalls, key=lambda r: (r["ts_ns"], r["rank"]))
+        more = f" (+{len(v.stalls) - 1} more: mstrace stalls)" if len(v.stalls) > 1 else ""
         cyc = f"; wait cycle: {s['cycle']}" if s.get("cycle") else ""
         return Text(f"STALL at round {s['step']}: {s['waiter']} waited {s['waited_ns'] / 1e9:.1f} s on {s['what']} "
-                    f"({s['signaller']}){cyc}", style="bold white on red")
+                    f"({s['signaller']}){cyc}{more}", style="bold white on red")
     if v.leaks:
         rid, n = v.leaks[0]
         more = f" (+{len(v.leaks) - 1} more)" if len(v.leaks) > 1 else ""
