@@ -211,3 +211,73 @@ def test_the_injected_deadlock_on_gpu_streams_is_one_cycle_the_watchdog_names():
     assert blocked.wait(5.0) and streams["main"].error is not None  # the host function gave up at its timeout
     for s in streams.values():
         s.close()
+
+
+def test_a_cuda_error_in_a_sync_is_raised_by_the_wait_and_later_waits_still_answer():
+    """cudaEventSynchronize raising (an illegal address): the waiter raises it (it was told the
+    event completed, and read host buffers whose copies never ran), and the stream's sync
+    thread lives on, so the next wait is answered, not timed out as a stall."""
+    import pytest
+
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)
+    bad = s.record()
+
+    def illegal() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    bad.ev.synchronize = illegal
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bad.wait(5.0)
+    s.submit(lambda: cuda.kernel(1 * MS), "forward#2", 2)
+    nxt = s.record()
+    cuda.skew += 2 * HOUR
+    t = time.monotonic()
+    assert nxt.wait(5.0) and time.monotonic() - t < 2.0
+    s.close()
+
+
+def test_a_stall_names_the_launch_still_running_not_one_finished_since_the_last_launch():
+    """In a stall no launch drains the pending list: the state skips its finished head."""
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    s.submit(lambda: cuda.kernel(1 * MS), "forward#1", 1)
+    s.submit(lambda: cuda.kernel(HOUR), "forward#2", 2)  # hangs
+    cuda.skew += 10 * MS
+    st = s.state()
+    assert st["in_progress"] == "forward#2" and st["queue_depth"] == 1
+    assert [r[0] for r in st["recent"]] == ["forward#1"]
+    cuda.skew += 2 * HOUR
+    s.close()
+
+
+def test_a_launch_after_an_idle_hour_is_timed_to_the_nanosecond_of_its_own_pair():
+    """A launch's span is its own two events' reading, not two readings from an anchor as
+    old as the device's idle (float32 ms: 0.25 ms steps after an hour; a 300 us kernel read
+    250 us)."""
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    cuda.skew += HOUR  # the server idles an hour
+    s.submit(lambda: cuda.kernel(300_123), "forward#1", 1)
+    start, end = s._pending[0][:2]
+    cuda.skew += 10 * MS
+    s.close()
+    truth = end.t - start.t  # the kernel and its launch, on the stand-in's device clock
+    assert truth >= 300_123 and abs(rows[0][1] - truth) < 100
+
+
+def test_closing_a_stream_with_a_kernel_that_never_ends_returns(monkeypatch):
+    """A hung kernel (the stall the barrier reported, an all-reduce a dead peer never joins):
+    close() gives up after its timeout and the run goes on to write its trace (an untimed
+    synchronize hung it)."""
+    cuda, rows = FakeCuda(), []
+    s = _stream(cuda, rows)
+    s.submit(lambda: cuda.kernel(HOUR), "forward#1", 1)
+    import scheduler.device.cuda_streams as cs
+
+    monkeypatch.setattr(cs, "CLOSE_TIMEOUT_S", 0.2, raising=False)
+    closer = threading.Thread(target=s.close, daemon=True)
+    closer.start()
+    closer.join(10.0)
+    assert not closer.is_alive() and not rows

@@ -13,6 +13,7 @@ events. Read from one anchor for the whole run they would coarsen as it grows (a
 millisecond count has 0.25 ms steps after an hour), so the clock re-anchors on every
 resolved launch's end event: each reading spans about one launch, and the chain's
 rounding errors are unbiased, growing with the square root of the number of launches.
+A launch's length is its own two events' reading, however long the device idled before it.
 
 Waits: an event is created with blocking sync, and a stream's waits are made by its own
 sync thread (cudaEventSynchronize, which sleeps in the driver), which sets a host event;
@@ -48,6 +49,8 @@ from probes.recorder import Probes
 from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
 from scheduler.device.work import Event, OpRecord, RowsOff, Work
 
+CLOSE_TIMEOUT_S = 30.0  # how long closing waits for a stream's queued work to finish
+
 
 class DeviceClock:
     """Device event times on the host's CLOCK_MONOTONIC (see the module's notes)."""
@@ -70,28 +73,43 @@ class DeviceClock:
         self._anchor = (ev, ts)
 
 
+class _Synced:
+    """One sync request: set once the event completed, or once its sync raised (`error`: a
+    CUDA error, such as an illegal address, which the waiter raises)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
 class _Syncer:
     """A stream's sync thread. Its events complete in stream order, so one thread per
     stream waits for them one after another; another stream's waits never queue behind a
     hung one."""
 
     def __init__(self, name: str) -> None:
-        self._q: queue.SimpleQueue[tuple[Any, threading.Event] | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Any, _Synced] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"cuda-sync-{name}", daemon=True)
         self._thread.start()
 
-    def request(self, ev: Any) -> threading.Event:
-        done = threading.Event()
-        self._q.put((ev, done))
-        return done
+    def request(self, ev: Any) -> _Synced:
+        req = _Synced()
+        self._q.put((ev, req))
+        return req
 
     def _loop(self) -> None:
+        # the loop outlives a failed sync: every later wait on the stream gets its answer
+        # (the error again, from CUDA's sticky state), not a timeout read as a stall
         while (item := self._q.get()) is not None:
-            ev, done = item
+            ev, req = item
             try:
                 ev.synchronize()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, who raises it
+                req.error = e
             finally:
-                done.set()
+                req.done.set()
 
     def close(self) -> None:
         self._q.put(None)
@@ -103,7 +121,7 @@ class CudaEvent:
     def __init__(self, label: str, stream: str, ev: Any, clock: DeviceClock, syncer: _Syncer) -> None:
         self.label, self.stream, self.ev = label, stream, ev
         self._clock, self._syncer = clock, syncer
-        self._done: threading.Event | None = None
+        self._done: _Synced | None = None
         self._ts: int | None = None
 
     def query(self) -> bool:
@@ -116,7 +134,11 @@ class CudaEvent:
             return False
         if self._done is None:  # one sync request per event, however many slices the wait takes
             self._done = self._syncer.request(self.ev)
-        return self._done.wait(timeout_s)
+        if not self._done.done.wait(timeout_s):
+            return False
+        if self._done.error is not None:
+            raise self._done.error  # its copies never ran: what the barrier would read is garbage
+        return True
 
     @property
     def ts_ns(self) -> int | None:
@@ -222,7 +244,10 @@ class CudaStream(RowsOff):
         clock = self.clock
         while self._pending and self._pending[0][1].query():
             start, end, label, step, boundary = self._pending.popleft()
-            t0, t1 = clock.ts(start), clock.ts(end)
+            # the span from its own pair: read from the anchor, which is as old as the
+            # device's last idle, a float32 count of an hour's milliseconds has 0.25 ms steps
+            t0 = clock.ts(start)
+            t1 = t0 + round(start.elapsed_time(end) * 1e6)
             clock.advance(end, t1)
             self.completed.append(OpRecord(label, step, t0, t1))
             if self._buf is not None:
@@ -238,18 +263,31 @@ class CudaStream(RowsOff):
         self.stream.wait_event(ev.ev)
 
     def state(self) -> dict[str, Any]:
+        # the pending list is drained at launches only: in a stall, finished launches wait
+        # at its head (they complete in order, so the first not done is the one in progress)
+        pending = tuple(self._pending)
+        done = next((i for i, p in enumerate(pending) if not p[1].query()), len(pending))
         return {
             "stream": self.name,
-            "queue_depth": len(self._pending),
-            "in_progress": self._pending[0][2] if self._pending else None,
-            "recent": [(o.label, o.step, o.start_ns, o.end_ns) for o in list(self.completed)],
+            "queue_depth": len(pending) - done,
+            "in_progress": pending[done][2] if done < len(pending) else None,
+            "recent": [(o.label, o.step, o.start_ns, o.end_ns) for o in list(self.completed)]
+            + [(p[2], p[3], self.clock.ts(p[0]), self.clock.ts(p[1])) for p in pending[:done]],
             "error": None if self.error is None else repr(self.error),
             "backend": "cuda",
         }
 
     def close(self) -> None:
-        self.stream.synchronize()
-        self.drain()
+        """The stream's last launches drained into probe rows, once done; a stream still busy
+        after CLOSE_TIMEOUT_S (a kernel that never ends, the stall the barrier reported; an
+        all-reduce a dead peer never joins) is left running, its launches unrecorded, so the
+        run ends and writes its trace (an untimed synchronize here hung it)."""
+        try:
+            finished = self.record().wait(CLOSE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a CUDA error: already the stream's or the barrier's
+            finished = False
+        if finished:
+            self.drain()
         self._syncer.close()
 
 
