@@ -336,11 +336,13 @@ def append_snapshot(buf: list[Any], step: int, mm: MemoryManager, running: Itera
     snapshot; the marker's ref_count carries the free count."""
     ts = now_ns()
     blocks = mm.blocks
-    buf.append((ts, step, "snapshot_begin", -1, "", mm.num_free))
-    for req in running:
-        rid = req.request_id
-        for bid in req.block_table:
-            buf.append((ts, step, "snapshot", bid, rid, blocks[bid].ref_count))
+    rows = [(ts, step, "snapshot_begin", -1, "", mm.num_free)]
+    rows += [(ts, step, "snapshot", bid, req.request_id, blocks[bid].ref_count)
+             for req in running for bid in req.block_table]
+    # one extend (atomic under the GIL): a flush takes the whole listing or none of it. Row by
+    # row, a flush could commit the marker and part of the list, and `top`, restarting its
+    # holders at the marker, lost the rest (weighted as a snapshot it had already taken)
+    buf.extend(rows)
 
 
 def plan_moves(running: Iterable[Request], mm: MemoryManager,
