@@ -126,6 +126,16 @@ def test_the_rates_past_the_rounds_kept_count_over_the_time_they_span(tmp_path: 
     assert v.decode_tok_per_s == pytest.approx(800, rel=0.01)  # 8 decode rows every 10 ms
 
 
+def test_a_lane_shows_the_outer_row_again_once_a_row_nested_in_it_ends() -> None:
+    """A kv_fence wait inside a defrag row: the wait wins where it runs, and the defrag row
+    shows before and after it (after, the columns were blank)."""
+    from viewer.live.state import Lane
+
+    lane = Lane(0, "host", np.array([0, 10]), np.array([100, 20]), [B.DEFRAG, B.KV_FENCE], np.array([1, 1]),
+                B.KV_FENCE, False)
+    assert lane.cells(0, 100, 10) == [B.DEFRAG, B.KV_FENCE] + [B.DEFRAG] * 8
+
+
 def test_the_kv_panel_and_a_leak_and_a_stall_as_they_happen(tmp_path: Path) -> None:
     v = _state(synthetic_trace(tmp_path / "ok", rounds=60)).snapshot()
     assert v.kv is not None and v.kv.exact and v.kv.capacity == 256

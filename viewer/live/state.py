@@ -58,7 +58,14 @@ class Lane:
         k = 4
         s = t0 + (np.arange(width * k) + 0.5) * ((t1 - t0) / (width * k))
         i = np.searchsorted(self.start, s, side="right") - 1
-        hit = (i >= 0) & (self.end[np.maximum(i, 0)] > s)
+        ok = np.maximum(i, 0)
+        hit = (i >= 0) & (self.end[ok] > s)
+        # past the end of a nested row, the row around it (the one reaching furthest so far)
+        reach = np.maximum.accumulate(self.end)
+        outer = np.maximum.accumulate(np.where(self.end >= reach, np.arange(len(self.end)), 0))
+        around = (i >= 0) & ~hit & (reach[ok] > s)
+        i = np.where(around, outer[ok], i)
+        hit |= around
         out: list[str] = []
         for c in range(width):
             got = [self.boundary[i[j]] for j in range(c * k, c * k + k) if hit[j]]
