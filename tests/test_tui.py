@@ -136,6 +136,34 @@ def test_a_lane_shows_the_outer_row_again_once_a_row_nested_in_it_ends() -> None
     assert lane.cells(0, 100, 10) == [B.DEFRAG, B.KV_FENCE] + [B.DEFRAG] * 8
 
 
+def test_attached_at_a_snapshot_that_does_not_list_every_held_block_fragmentation_is_unknown() -> None:
+    """A snapshot lists the running requests' blocks; a leaked block, or one behind the KV
+    fence, is held though not listed. Attached there, `top` took it for free and showed a
+    free run longer than the free count (fragmentation "-0%"); now it says it does not know,
+    and a snapshot whose listing and free count add up to the pool gives the run."""
+    from tracing.run_status import RunStatus
+    from tracing.schema import TABLES
+    from viewer.live.tail import COLUMNS, Poll
+
+    def poll(free: int) -> Poll:
+        rows = [(T0, 5, "snapshot_begin", -1, "", free), (T0, 5, "snapshot", 0, "req-a", 1),
+                (T0, 5, "snapshot", 1, "req-a", 1)]
+        mem = pa.table(dict(zip(COLUMNS["memory"], map(list, zip(*rows)), strict=True)),
+                       schema=pa.schema([TABLES["memory"].field(c) for c in COLUMNS["memory"]]))
+        schema = pa.schema([TABLES["steps"].field(c) for c in COLUMNS["steps"]])
+        step = {f.name: ["serial" if pa.types.is_dictionary(f.type) else 0] for f in schema}
+        step |= {"ts_ns": [T0], "blocks_used": [16 - free], "blocks_free": [free]}
+        steps = pa.table(step, schema=schema)
+        return Poll({"model": {"kv_blocks": 16}}, RunStatus("truncated", live=True), {"memory": mem, "steps": steps},
+                    {}, {"memory": 40})
+
+    for free, run in ((12, None), (14, 14)):  # blocks 5 and 6 leaked, unlisted; then none
+        st = LiveState()
+        st.update(poll(free))
+        kv = st.snapshot().kv
+        assert kv is not None and kv.largest_free_run == run, (free, kv)
+
+
 def test_the_kv_panel_and_a_leak_and_a_stall_as_they_happen(tmp_path: Path) -> None:
     v = _state(synthetic_trace(tmp_path / "ok", rounds=60)).snapshot()
     assert v.kv is not None and v.kv.exact and v.kv.capacity == 256
