@@ -148,7 +148,7 @@ def test_attached_at_a_snapshot_that_does_not_list_every_held_block_fragmentatio
     def poll(free: int) -> Poll:
         rows = [(T0, 5, "snapshot_begin", -1, "", free), (T0, 5, "snapshot", 0, "req-a", 1),
                 (T0, 5, "snapshot", 1, "req-a", 1)]
-        mem = pa.table(dict(zip(COLUMNS["memory"], map(list, zip(*rows)), strict=True)),
+        mem = pa.table(dict(zip(COLUMNS["memory"], map(list, zip(*rows, strict=True)), strict=True)),
                        schema=pa.schema([TABLES["memory"].field(c) for c in COLUMNS["memory"]]))
         schema = pa.schema([TABLES["steps"].field(c) for c in COLUMNS["steps"]])
         step = {f.name: ["serial" if pa.types.is_dictionary(f.type) else 0] for f in schema}
