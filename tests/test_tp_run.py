@@ -446,3 +446,20 @@ def test_a_rank_that_did_not_exit_cleanly_after_stop_makes_the_run_an_error(tmp_
         s.ended("complete")
     # (no engine ran here, so the session removes its folder: the end record is the state's)
     assert s.state == "error" and "rank 2 exited with code 1" in s.detail and failed == [s.detail]
+
+
+def test_torchrun_starts_every_rank_from_one_command_line_with_its_config_file(tmp_path):
+    """Under torchrun (the tool a multi-node user runs) every rank gets rank 0's command line;
+    the workers read the group sizes and the device from its --config file too (they read
+    only the flags: with `tp = 2` in the file they raised tp 1 x pp 1 != world 2)."""
+    conf = tmp_path / "c.toml"
+    conf.write_text('tp = 2\ndevice = "cpu"\n')
+    out = tmp_path / "t"
+    p = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+                        "-m", "viewer.commands.torchrun", "run", "--model", "tiny", "--config", str(conf),
+                        "--requests", "4", "--out", str(out), "-q"],
+                       cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-2000:]
+    meta = read_meta(out)
+    assert meta["run"]["status"] == "complete" and meta["parallel"]["launcher"] == "torchrun"
+    assert set(read_table(out, "probes")["rank"].to_pylist()) == {0, 1}

@@ -35,9 +35,11 @@ from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
 from probes.watchdog import StallReport, Watchdog
+from scheduler.config import EngineConfig
 from scheduler.model.dtypes import DTYPES
 from scheduler.model.forward_batch import build_forward_batch
 from scheduler.model.forward_step import SamplingArgs, forward_step
+from scheduler.options import read_toml
 from scheduler.seeds import Seed, fork_seeds
 from tracing.writer import TraceWriter
 
@@ -68,9 +70,12 @@ def worker_main(argv: list[str]) -> int:
     die_with_parent()
     signal.signal(signal.SIGTERM, _sigterm)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    tp = int(os.environ.get("MSTRACE_TP") or argv_option(argv, "--tp", "1"))
-    pp = int(os.environ.get("MSTRACE_PP") or argv_option(argv, "--pp", "1"))
-    device = os.environ.get("MSTRACE_DEVICE") or argv_option(argv, "--device", "auto")
+    # under torchrun: rank 0's command line, whose --config file may set them too (a flag wins)
+    conf = argv_option(argv, "--config", "")
+    toml = read_toml(conf, (EngineConfig,)) if conf and "MSTRACE_TP" not in os.environ else {}
+    tp = int(os.environ.get("MSTRACE_TP") or argv_option(argv, "--tp", str(toml.get("tp", 1))))
+    pp = int(os.environ.get("MSTRACE_PP") or argv_option(argv, "--pp", str(toml.get("pp", 1))))
+    device = os.environ.get("MSTRACE_DEVICE") or argv_option(argv, "--device", str(toml.get("device", "auto")))
     state = init_distributed(backend_for(device), rank, world, "env://", tp_size=tp, pp_size=pp)
     control = control_group(world)
     offset = answer_offsets(control)
