@@ -463,3 +463,20 @@ def test_torchrun_starts_every_rank_from_one_command_line_with_its_config_file(t
     meta = read_meta(out)
     assert meta["run"]["status"] == "complete" and meta["parallel"]["launcher"] == "torchrun"
     assert set(read_table(out, "probes")["rank"].to_pylist()) == {0, 1}
+
+
+def test_a_worker_whose_sigterm_waits_for_a_point_to_point_receive_is_given_that_long():
+    """A PP worker blocked in a receive (gloo cannot wait for one in slices) takes SIGTERM only
+    when the wait returns: rank 0 allows the hard wait timeout before it kills, so the
+    worker's last rows and in-flight collectives reach the trace (3 s, then SIGKILL, lost
+    them)."""
+    from scheduler.parallel.launch import KILL_GRACE_S, stop_workers
+
+    late = KILL_GRACE_S + 1.0  # the handler runs this late, as after a receive's timeout
+    code = ("import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (time.sleep({late}), sys.exit(0)))\n"
+            "print('ready', flush=True)\ntime.sleep(60)\n")
+    for wait_s, want in ((late + 2.0, 0), (0.0, -9)):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        assert stop_workers([p], graceful=False, wait_s=wait_s) == [want]

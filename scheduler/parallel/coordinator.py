@@ -218,7 +218,9 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a peer already gone: fall back to terminating
             ok = False
         finally:
-            self.exit_codes = stop_workers(self.procs, graceful=ok)
+            # a worker in a point-to-point wait (PP's hidden states) takes SIGTERM only when the
+            # wait returns: gloo cannot wait for one in slices (comm.p2p_ready)
+            self.exit_codes = stop_workers(self.procs, graceful=ok, wait_s=self.cfg.hard_wait_timeout_s)
             self.log.drain(final=True)
         if ok:
             destroy()

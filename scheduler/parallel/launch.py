@@ -151,19 +151,20 @@ def spawn_workers(world: int, port: int, extra_env: dict[str, str],
     return procs
 
 
-def stop_workers(procs: Sequence[RankProcess], graceful: bool) -> list[int | None]:
+def stop_workers(procs: Sequence[RankProcess], graceful: bool, wait_s: float = 0.0) -> list[int | None]:
     """End every child, whatever state it is in; returns the exit codes.
 
     ``graceful``: they were told STOP and exit on their own within :data:`STOP_GRACE_S`.
     Otherwise (or after that) SIGTERM, which a worker turns into a trace flush and exit, then
-    SIGKILL after :data:`KILL_GRACE_S`.
+    SIGKILL after :data:`KILL_GRACE_S`, or after ``wait_s`` more where a worker's wait cannot
+    be cut (``wait_s``: the run's longest such wait, a point-to-point receive).
     """
     if graceful:
         _wait_all(procs, STOP_GRACE_S)
     for p in procs:
         if p.poll() is None:
             p.terminate()
-    _wait_all(procs, KILL_GRACE_S)
+    _wait_all(procs, KILL_GRACE_S + wait_s)
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -61,8 +61,10 @@ from .runner import ShardedModel
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
-    # Unwinds the main thread (every wait here is sliced, so it runs within ~0.1 s) through
-    # worker_main's finally: the in-flight collectives and the trace buffers get written.
+    # Unwinds the main thread through worker_main's finally: the in-flight collectives and the
+    # trace buffers get written. It runs within ~0.1 s of the signal in a sliced wait; in a
+    # point-to-point one (PP's hidden states; gloo cannot slice it) once that wait returns,
+    # within the hard wait timeout, which rank 0 allows before it kills (stop_workers).
     raise SystemExit(128 + signum)
 
 
