@@ -121,6 +121,38 @@ def test_a_dead_device_fails_the_run_at_once():
         eng.close()
 
 
+def test_a_device_that_stops_reading_fails_the_send_after_the_wait_timeout():
+    """A device process that stops reading its pipe (stopped here; a stuck dispatcher): once
+    the pipe is full a send waits at most the hard wait timeout, then the streams fail with
+    one line. It blocked for good, outside any wait the watchdog sees."""
+    import os
+    import signal
+    import threading
+
+    from scheduler.device.work import MAIN, RemoteOp
+
+    eng = Engine(EngineConfig(model="tiny", cpu_device="process", wait_timeout_s=0.5))
+    try:
+        assert eng.device_proc is not None
+        s = eng.device_proc.streams[MAIN]
+        os.kill(eng.device_proc._proc.pid, signal.SIGSTOP)
+
+        def flood() -> None:
+            for i in range(400):  # ~160 KB each: far past a socket pair's buffer
+                s.submit(RemoteOp("sleep", (0.0, list(range(20_000)))), f"op{i}")
+                if s.error is not None:
+                    return
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive() and "stopped reading its pipe" in repr(s.error)
+    finally:
+        if eng.device_proc is not None:  # half a message is in its pipe: it cannot go on
+            eng.device_proc._proc.kill()
+        eng.close()
+
+
 def test_stream_answers_stay_paired_after_a_failed_send_and_a_failed_op():
     from scheduler.device.work import MAIN, RemoteOp
 

@@ -25,6 +25,9 @@ this backend `batch_prepare` on the host covers only the wire.
 from __future__ import annotations
 
 import itertools
+import os
+import socket
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -167,6 +170,7 @@ class DeviceProcess:
             self._stop_failed()
             why = msg.why if isinstance(msg, wire.StartFailed | wire.Dead) else repr(msg)
             raise RuntimeError(f"the device process failed to start: {why}")
+        _bound_sends(self._conn, spec.wait_timeout_s)
         for n in STREAM_NAMES:
             self.streams[n] = ProcStream(n, self)
         self._reader = threading.Thread(target=self._read, name="device-reader", daemon=True)
@@ -188,6 +192,8 @@ class DeviceProcess:
         with self._send_lock:
             try:
                 self._conn.send(msg)
+            except BlockingIOError:  # the pipe stayed full (_bound_sends): part of a message is in it
+                self._fail(f"the device process stopped reading its pipe for {self.spec.wait_timeout_s:g} s")
             except (BrokenPipeError, OSError) as e:
                 self._fail(f"the device process is gone: {e!r}")
 
@@ -240,6 +246,21 @@ class DeviceProcess:
             self._proc.join(5)
         self._reader.join(5)
         self._conn.close()
+
+
+def _bound_sends(conn: Any, timeout_s: float) -> None:
+    """A send to a device process that stops reading (stopped, or its dispatcher stuck) waits
+    at most `timeout_s` for room in the pipe, then fails (SO_SNDTIMEO on the socket pair
+    under the Connection). Blocking for good, the scheduling thread hung outside any wait
+    the watchdog sees. Where the option is missing, sends block as before."""
+    opt = getattr(socket, "SO_SNDTIMEO", None)
+    if opt is None:
+        return
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:  # its own fd: closing it keeps conn's
+            sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6)))
+    except OSError:
+        pass  # not a socket (a platform's other Pipe): as before
 
 
 class ProcStream(RowsOff):
