@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -322,3 +323,24 @@ def test_default_preset_builds_and_loads(tmp_path_factory: pytest.TempPathFactor
     config = json.loads((folder / "config.json").read_text())
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
     assert config["tie_word_embeddings"] is False
+
+
+def test_a_build_renamed_in_after_the_check_is_kept_not_removed(tiny_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Process A finds no complete preset; B renames its finished build into place; A then
+    saw a folder under the final name and removed it, deleting B's under B's load. It is
+    moved aside, found complete, and put back: no rebuild, B's files untouched."""
+    final = tmp_path / tiny_dir.name
+    shutil.copytree(tiny_dir, final)
+    (final / "b.sentinel").write_text("B's build")
+    real, calls = presets._is_complete, {"n": 0}
+
+    def stale_first(folder: Path) -> bool:
+        calls["n"] += 1
+        return False if calls["n"] == 1 else real(folder)  # A's check, just before B's rename
+
+    monkeypatch.setattr(presets, "_is_complete", stale_first)
+    monkeypatch.setattr(presets, "build_preset", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rebuilt")))
+    assert ensure_preset("tiny", tmp_path) == final
+    assert (final / "b.sentinel").read_text() == "B's build" and real(final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]

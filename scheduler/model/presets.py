@@ -354,6 +354,27 @@ def _remove_stale_tmp(parent: Path, key: str) -> None:
             pass
 
 
+def _set_aside_incomplete(final: Path, parent: Path, key: str) -> bool:
+    """An incomplete folder under the final name (files deleted by hand) is moved aside and
+    removed, so the build can take the name; True where it turned out complete after all: a
+    racing build renamed its folder in after the caller's check (removing it in place
+    deleted that build under the process about to load it)."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))  # swept as a stale build if killed
+    try:
+        os.rename(final, aside)  # atomic: what is moved is whatever holds the name now
+    except OSError:
+        aside.rmdir()
+        return _is_complete(final)
+    if _is_complete(aside):
+        try:
+            os.rename(aside, final)
+            return True
+        except OSError:  # a third build took the name meanwhile
+            pass
+    shutil.rmtree(aside, ignore_errors=True)
+    return _is_complete(final)
+
+
 def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
     """Return the folder of preset ``name``, building it on first use.
 
@@ -369,9 +390,8 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
     if _is_complete(final):
         return final
     parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        # Only reachable if someone deleted files by hand: rebuild it.
-        shutil.rmtree(final, ignore_errors=True)
+    if final.exists() and _set_aside_incomplete(final, parent, key):
+        return final  # another process's build was renamed in after the check above
     _remove_stale_tmp(parent, key)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
     try:
