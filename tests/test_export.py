@@ -573,3 +573,18 @@ def test_a_request_never_scheduled_is_queued_to_its_end_not_prefilled(tmp_path: 
         by_track[got["tracks"][u].name].append(n)
     assert "prefill" not in by_track["big"] and "queued" in by_track["big"]
     assert "prefill" in by_track["ok"]
+
+
+def test_overlapping_rows_past_256_lanes_get_track_uuids_of_their_own() -> None:
+    """300 rows of one stream that all overlap (a tokenizer pool under a burst): 300 lanes,
+    each a uuid no other track has (base + (lane << 12) reached ROUNDS' uuid at lane 256)."""
+    from viewer.export.perfetto import _Lanes
+    from viewer.export.perfetto_bulk import COUNTER, PROCESS, REQUEST, REQUESTS, ROUNDS, THREAD
+
+    lanes = _Lanes({(0, "tokenizer"): THREAD, (0, "host"): THREAD + 1})
+    start = np.arange(300, dtype=np.int64)
+    got = lanes.assign(0, "tokenizer", start, start + 1000)  # each overlaps the next without nesting
+    assert len(set(got.tolist())) == 300
+    reserved = {THREAD, THREAD + 1, PROCESS, ROUNDS, REQUESTS, COUNTER, REQUEST}
+    assert not reserved & set(got.tolist()[1:])
+    assert len({t for _, (_, t, _) in lanes.new()}) == 299  # the lanes' threads: distinct tids too

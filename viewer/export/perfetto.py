@@ -46,6 +46,7 @@ from viewer.export.perfetto_bulk import (
     ARGS,
     COUNTER,
     COUNTERS,
+    LANE,
     NAMES,
     PROCESS,
     REQUESTS,
@@ -361,7 +362,8 @@ class _Lanes:
         key = (rank, stream, lane)
         if key not in self._uuid:
             base = self._threads[(rank, stream)]
-            self._uuid[key] = base + (lane << 12)
+            # a range of their own: base + (lane << 12) ran into ROUNDS' uuid past 255 lanes
+            self._uuid[key] = LANE + len(self._uuid)
             self._fresh.append((self._uuid[key], (rank + 1, (rank + 1) * 1000 + (base - THREAD) + (lane << 12),
                                                   f"{stream} #{lane + 1}")))
         return self._uuid[key]

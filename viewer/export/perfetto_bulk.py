@@ -18,7 +18,7 @@ from viewer.export.wire import Piece, Raw
 
 SEQ = 1
 # Track uuids: disjoint ranges per kind of track.
-PROCESS, THREAD, ROUNDS, REQUESTS, COUNTER, REQUEST = 1 << 10, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 32
+PROCESS, THREAD, ROUNDS, REQUESTS, COUNTER, LANE, REQUEST = 1 << 10, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 24, 1 << 32
 COUNTERS = (("blocks_free", "KV blocks free"), ("blocks_used", "KV blocks used"),
             ("blocks_fenced", "KV blocks fenced"), ("num_waiting", "requests waiting"),
             ("num_running", "requests running"), ("num_prefill_tokens", "prefill tokens / round"),
@@ -28,7 +28,6 @@ NAMES = ("round", "request", "queued", "tokenize wait", "prefill", "prefill chun
 ARGS = {n: i + 1 for i, n in enumerate(("round", "prompt_len", "output_len", "cached_prefix_len", "num_preemptions",
                                         "tokens", "finish_reason", "computed_tokens"))}  # interned arg names
 U = np.uint64
-BEGIN, END, INSTANT, COUNTER = 1, 2, 3, 4
 FLOW_OUT = b"\xf9\x02"  # TrackEvent.flow_ids (47, fixed64)
 FLOW_END = b"\x81\x03"  # TrackEvent.terminating_flow_ids (48, fixed64)
 
