@@ -49,6 +49,11 @@
 #include "_vec.h"
 #include "_kernels.h"
 
+/* The largest head size: accumulate's row sums live in MAX_HEAD_DIM / LANES vectors.
+ * Exported so that Python reads the limit from here (native_attention.MAX_HEAD_DIM). */
+#define MAX_HEAD_DIM 256
+const int64_t attention_max_head_dim = MAX_HEAD_DIM;
+
 /* q, k, v and out hold float or uint16_t (bfloat16 bits) elements, as the entry point says */
 typedef struct {
     const void *q;           /* [rows, q_stride]: row r's heads at q + r * q_stride */
@@ -236,7 +241,7 @@ static inline __attribute__((always_inline)) float dot_split_sum(const float *q,
 static inline __attribute__((always_inline)) void accumulate(float *y, const float *p, const void *x, int64_t count,
                                                               int64_t stride, int64_t D, const int bf16,
                                                               const int split) {
-    enum { MAXV = 256 / LANES };
+    enum { MAXV = MAX_HEAD_DIM / LANES };
     v8 acc[MAXV];
     const int64_t nv = D / LANES;
     for (int64_t k = 0; k < nv; k++) acc[k] = load8(y + k * LANES);
@@ -262,7 +267,7 @@ static inline __attribute__((always_inline)) void accumulate(float *y, const flo
 static inline __attribute__((always_inline)) void accumulate2(float *y0, float *y1, const float *p0, const float *p1,
                                                                const void *x, int64_t count, int64_t stride,
                                                                int64_t D) {
-    enum { MAXV = 256 / LANES };
+    enum { MAXV = MAX_HEAD_DIM / LANES };
     v8 acc0[MAXV], acc1[MAXV];
     const int64_t nv = D / LANES;
     for (int64_t k = 0; k < nv; k++) {
@@ -449,7 +454,7 @@ static int split_rows(void *(*body)(void *), const void *q, int64_t q_stride, co
                       const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t window, float scale, void *out, int64_t threads) {
-    if (head_dim > 256 || kv_heads < 1 || block_size < 1 || heads % kv_heads)
+    if (head_dim > MAX_HEAD_DIM || kv_heads < 1 || block_size < 1 || heads % kv_heads)
         return -1; /* accumulate's 32 vectors; whole groups */
     if (threads < 1) threads = 1;
     if (threads > rows) threads = rows > 0 ? rows : 1;
@@ -487,7 +492,7 @@ static int split_rows(void *(*body)(void *), const void *q, int64_t q_stride, co
 
 /* out[r, h] = softmax(q[r, h] . K[ctx of r, h / G] * scale) . V[...] for every decode row r.
  * Returns 0, or -1 where a buffer could not be allocated or a thread not started (the
- * caller then falls back to the gather), as for a head size over 256. */
+ * caller then falls back to the gather), as for a head size over MAX_HEAD_DIM. */
 int decode_attention(const float *q, int64_t q_stride, const float *k, const float *v,
                      const int64_t *blocks, int64_t max_blocks, const int64_t *ctx, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,

@@ -47,8 +47,14 @@ def load_library(path: Path | None = None) -> ctypes.CDLL | None:
     return lib
 
 
+def max_head_dim(lib: ctypes.CDLL | None) -> int:
+    """The largest head size the library takes (_attention.c's MAX_HEAD_DIM: its row sums
+    hold that many values); 0 without one."""
+    return int(ctypes.c_int64.in_dll(lib, "attention_max_head_dim").value) if lib is not None else 0
+
+
 _LIB = load_library()
-MAX_HEAD_DIM = 256  # _attention.c's row sums hold this many values (split_rows refuses more)
+MAX_HEAD_DIM = max_head_dim(_LIB)
 AVAILABLE = _LIB is not None
 # the C entry point for each dtype it takes
 _ENTRIES = {torch.float32: "decode_attention", torch.bfloat16: "decode_attention_bf16"}
