@@ -460,3 +460,24 @@ def test_a_row_its_table_cannot_hold_is_set_aside_and_later_rows_are_committed(t
     assert writer["refused"]["probes"] == 2 and writer["rows"]["probes"] == 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "probes rows its columns cannot hold are set aside" in err[0]
+
+
+def test_a_tap_that_raises_costs_its_own_view_not_the_writers_bookkeeping_or_close(tmp_path: Path) -> None:
+    """A live view's tap raising after a commit (serve's cost table): the rows are committed
+    and counted, the next taps run, and close() completes (it raised on every flush after)."""
+    w = TraceWriter(tmp_path, flush_interval_s=3600, targets=SMALL)
+    w.write_meta({"model": {"kv_blocks": 4}})
+    seen: list[int] = []
+
+    def broken(t: pa.Table) -> None:
+        raise ValueError("a view's bug")
+
+    w.tap("probes", broken)
+    w.tap("probes", lambda t: seen.append(t.num_rows))
+    buf = w.buffer("probes")
+    for f in range(2):
+        buf.extend(probe_row(3 * f + i) for i in range(3))
+        w.flush()
+    w.close({"model": {"kv_blocks": 4}, "run": {"status": "complete"}})
+    assert seen == [3, 3] and w.rows_written("probes") == 6 and isinstance(w.last_error, ValueError)
+    assert steps_of(tmp_path) == list(range(6))

@@ -401,7 +401,11 @@ class TraceWriter:
             self._flushes += bool(added)
             for name, t in tables.items():
                 for fn in self._taps.get(name, ()):
-                    fn(t)
+                    try:
+                        fn(t)
+                    except Exception as e:  # noqa: BLE001 - a view's failure; the rows are committed
+                        # raising here skipped the bookkeeping below, and failed close() for good
+                        self.last_error = e
             for name, rows in drained:
                 self._rows_written[name] += len(rows)
                 if rows:  # freeing the rows' tuples is this table's cost too
