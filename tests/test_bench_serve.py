@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,8 +48,8 @@ class CrlfServer:
     (one piece ending in the CR whose LF starts the next). Keep-alive, chunked bodies.
     With `stall`, it sends the head and a ping, then nothing."""
 
-    def __init__(self, count: Callable[[str], int], stall: bool = False) -> None:
-        self.count, self.stall = count, stall
+    def __init__(self, count: Callable[[str], int], stall: bool = False, odd: str = "") -> None:
+        self.count, self.stall, self.odd = count, stall, odd
         self.connections = self.requests = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -108,6 +109,9 @@ class CrlfServer:
         chat = path.endswith("/chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         rid, n = f"cmpl-{self.requests}", int(body["max_tokens"])
+        if self.odd:
+            await self._odd(writer, rid, n, chat)
+            return
         for i in range(n):
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if i == n - 1 else None}
             choice.update({"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "})
@@ -120,6 +124,29 @@ class CrlfServer:
                  "total_tokens": self.count(prompt) + n}
         await self._piece(writer, f"data:{json.dumps({'id': rid, 'choices': [], 'usage': usage})}\r\n\r".encode())
         await self._piece(writer, b"\ndata:[DONE]\r\n\r\n")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+    async def _odd(self, writer: asyncio.StreamWriter, rid: str, n: int, chat: bool) -> None:
+        """`shape`: a chunk whose choices are not objects (on the first request only);
+        `error`: an error object then [DONE], as vLLM and SGLang end a failed stream;
+        `nousage`: chat's role chunk, n tokens, an empty finish chunk, and no usage."""
+        def ev(obj: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(obj)}\r\n\r\n".encode()
+
+        if self.odd == "shape" and self.requests == 1:
+            await self._piece(writer, ev({"id": rid, "choices": ["x"]}))
+        elif self.odd == "error":
+            await self._piece(writer, ev({"error": {"message": "boom", "type": "InternalServerError"}}))
+        else:
+            choices: list[dict[str, Any]] = [{"index": 0, "delta": {"role": "assistant", "content": ""}}] if chat else []
+            choices += [{"index": 0, **({"delta": {"content": f" w{i}"}} if chat else {"text": f" w{i}"}),
+                         "finish_reason": None} for i in range(n)]
+            choices.append({"index": 0, **({"delta": {}} if chat else {"text": ""}), "finish_reason": "length"})
+            for c in choices:
+                await self._piece(writer, ev({"id": rid, "choices": [c]}))
+        await self._piece(writer, b"data: [DONE]\r\n\r\n")
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
@@ -228,3 +255,55 @@ def test_random_prompts_count_what_the_tokenizer_adds(tiny_tok: Any) -> None:
 def test_a_bad_range_ratio_is_refused() -> None:
     p = mstrace("bench-serve", "--model", "tiny", "--random-range-ratio", "1")
     assert p.returncode == 2 and "--random-range-ratio must be in [0, 1)" in p.stderr
+
+
+@pytest.mark.parametrize("odd", ["shape", "error", "nousage"])
+def test_odd_replies_fail_with_their_reason_or_are_counted_by_their_text(odd: str, tiny_tok: Any,
+                                                                        tiny_count: Callable[[str], int],
+                                                                        tmp_path: Path) -> None:
+    """A chunk of another shape is that request's failure, not the run's traceback (every
+    result was lost); an error object then [DONE] is a failure with its message, not a
+    success of 0 tokens; without usage, output tokens are the text's tokens (chunks counted
+    chat's role chunk and the empty finish chunk as tokens)."""
+    srv = CrlfServer(tiny_count, odd=odd)
+    saved = tmp_path / "r.json"
+    try:
+        p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{srv.port}", "--endpoint", "chat",
+                    "--model", "tiny", "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "5",
+                    "--max-concurrency", "1", "--save-result", str(saved), "--save-detailed", timeout=300)
+    finally:
+        srv.close()
+    assert "Traceback" not in p.stderr, p.stderr
+    res = json.loads(saved.read_text()) if saved.exists() else {}
+    if odd == "shape":
+        assert p.returncode == 0 and res["failed_requests"] == 1 and res["successful_requests"] == 2
+        assert any("choices are not a list of objects" in e for e in res["errors"]), res["errors"]
+    elif odd == "error":
+        assert p.returncode == 4 and res["failed_requests"] == 3, p.stdout
+        assert any("boom" in e for e in res["errors"]), res["errors"]
+    else:
+        want = len(tiny_tok.encode("".join(f" w{i}" for i in range(5)), add_special_tokens=False))
+        assert p.returncode == 0 and res["total_output_tokens"] == 3 * want
+        assert all(r["output_tokens"] == want and r["chunks"] == 7 for r in res["requests"])
+
+
+def test_bad_rates_and_a_save_path_that_cannot_be_written_are_refused_before_the_run(tmp_path: Path) -> None:
+    """A NaN burstiness hung the arrival draw, a NaN rate sent everything at once, a negative
+    concurrency was asyncio's traceback, and an unwritable --save-result lost the run's figures
+    after it; each is one line, exit 2, before a request is sent (no server is running here)."""
+    base = ["bench-serve", "--base-url", "http://127.0.0.1:9", "--model", "tiny", "--num-prompts", "2"]
+    for extra, says in ((["--request-rate", "1", "--burstiness", "nan"], "--burstiness positive and finite"),
+                        (["--request-rate", "nan"], "--request-rate must be positive"),
+                        (["--max-concurrency", "-1"], "--max-concurrency must be at least 1"),
+                        (["--save-result", str(tmp_path / "no" / "r.json")], "--save-result"),
+                        (["--trace", str(tmp_path / "missing")], "no such trace folder")):
+        p = mstrace(*base, *extra, timeout=60)
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, (extra, p.stderr)
+
+
+def test_the_saved_figures_are_strict_json() -> None:
+    from viewer.bench_serve.results import strict_json
+
+    got = strict_json({"request_rate": math.inf, "tpot_ms": {"mean": math.nan}, "xs": [1.0, -math.inf]})
+    assert json.loads(json.dumps(got, allow_nan=False)) == {"request_rate": "inf", "tpot_ms": {"mean": None},
+                                                            "xs": [1.0, "-inf"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,14 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         fail("--save-detailed needs --save-result FILE")
     if a["dataset_name"] != "random" and a["dataset_path"] is None:
         fail(f"--dataset-name {a['dataset_name']} needs --dataset-path FILE")
+    if a["max_concurrency"] is not None and a["max_concurrency"] < 0:
+        fail("--max-concurrency must be at least 1 (0: no limit)")
+    # checked before the run, whose figures a bad path lost after it
+    out = a["save_result"]
+    if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
+        fail(f"--save-result {out}: not a file in a folder this user can write")
+    if a["trace"] is not None and not a["trace"].is_dir():
+        fail(f"--trace {a['trace']}: no such trace folder")
     chat = a["endpoint"] == "chat"
     try:
         ep = Endpoint(a["base_url"], "/v1/chat/completions" if chat else "/v1/completions", a["api_key"],
@@ -108,30 +117,37 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
         task = progress.add_task("", total=len(prompts))
         replies, duration = runner.run(ep, prompts, offsets, model, chat, a["ignore_eos"], a["max_concurrency"],
                                        lambda _: progress.advance(task))
-    res = results.summarize(prompts, replies, duration)
+    def count(text: str) -> int:  # a reply's tokens where the server sent no usage (vLLM's count)
+        return len(tok.encode(text, add_special_tokens=False))
+
+    res = results.summarize(prompts, replies, duration, count)
     print(results.render(res))
     if a["trace"] is not None:
         res["server_side"] = results.server_side(a["trace"], replies)
         print(results.render_server_side(res["server_side"]))
     res["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in a.items() if k != "api_key"}
     if a["save_detailed"]:
-        res["requests"] = results.details(prompts, replies)
-    if a["save_result"] is not None:
-        a["save_result"].write_text(json.dumps(res, indent=2, default=str))
+        res["requests"] = results.details(prompts, replies, count)
+    if out is not None:
+        try:
+            out.write_text(json.dumps(results.strict_json(res), indent=2, default=str, allow_nan=False))
+        except OSError as e:
+            fail(f"--save-result {out}: {e.strerror or e}")
     if res["successful_requests"] == 0:
         fail("no request succeeded", 4)
 
 
 def _first_model(base_url: str, api_key: str | None, fail: Fail) -> str:
     from urllib.error import URLError
-    from urllib.request import Request, urlopen
+    from urllib.request import ProxyHandler, Request, build_opener
 
     req = Request(base_url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urlopen(req, timeout=30) as r:
+        # no proxy, as the benchmark's own session (trust_env=False): the server is asked directly
+        with build_opener(ProxyHandler({})).open(req, timeout=30) as r:
             data = json.loads(r.read())
         return str(data["data"][0]["id"])
-    except (URLError, OSError, ValueError, KeyError, IndexError) as e:
+    except (URLError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
         fail(f"could not ask {base_url}/v1/models for a model name (give --model): {e}")
 
 
@@ -143,8 +159,8 @@ class _Tok:
         cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
         self.vocab_size = int(cfg.get("vocab_size") or self._t.vocab_size())
 
-    def encode(self, text: str) -> list[int]:
-        return self._t.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._t.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self._t.decode(ids)

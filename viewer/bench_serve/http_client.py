@@ -32,9 +32,15 @@ class Reply:
     sent_ns: int = 0
     written_ns: int = 0  # aiohttp began writing the body's last chunk to the socket (0: it never did)
     chunk_ns: list[int] = field(default_factory=list)  # when each chunk with choices arrived
-    done_ns: int = 0
+    done_ns: int = 0  # [DONE], or the stream's end
     text: str = ""
     usage: dict[str, int] | None = None
+
+    @property
+    def end_ns(self) -> int:
+        """Where E2E ends, as vLLM's bench ends it: the last chunk with a choice (the trailing
+        usage chunk and [DONE] carry no token)."""
+        return self.chunk_ns[-1] if self.chunk_ns else self.done_ns
 
 
 class Endpoint:
@@ -80,7 +86,7 @@ class Endpoint:
                 await _read(resp, r, chat)
         except TimeoutError:
             r.error = f"no complete reply within --request-timeout {self.timeout_s:g} s"
-        except (aiohttp.ClientError, OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - one reply's failure, with its reason; never the run's
             r.error = f"{type(e).__name__}: {e}"
         return r
 
@@ -109,15 +115,21 @@ async def _read(resp: aiohttp.ClientResponse, r: Reply, chat: bool) -> None:
             obj = json.loads(ev.data)
             if not isinstance(obj, dict):
                 raise ValueError(f"an SSE event's data is not a JSON object: {ev.data[:200]}")
+            if obj.get("error"):  # vLLM's and SGLang's error mid-stream, then [DONE]
+                raise ValueError(f"the server sent an error: {_message(ev.data.encode())}")
             r.request_id = r.request_id or str(obj.get("id") or "")
-            if obj.get("usage"):
-                r.usage = obj["usage"]
-            choices = obj.get("choices") or ()
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and usage:
+                r.usage = usage
+            choices = obj.get("choices") or []
+            if not isinstance(choices, list) or not all(isinstance(ch, dict) for ch in choices):
+                raise ValueError(f"a chunk whose choices are not a list of objects: {ev.data[:200]}")
             if choices:  # a token's chunk, its text possibly empty (vLLM's bench counts it too)
                 r.chunk_ns.append(now)
             for ch in choices:
-                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                parts.append(text or "")
+                delta = ch.get("delta") if chat else None
+                text = (delta.get("content") if isinstance(delta, dict) else None) if chat else ch.get("text")
+                parts.append(text if isinstance(text, str) else "")
                 finished = finished or bool(ch.get("finish_reason"))
     parser.close()
     r.text = "".join(parts)
@@ -126,12 +138,16 @@ async def _read(resp: aiohttp.ClientResponse, r: Reply, chat: bool) -> None:
         if not finished:  # some servers (transformers serve) end after the finish_reason, without [DONE]
             r.error = "the stream ended before a finish_reason or [DONE]"
             return
+    if not r.chunk_ns:  # vLLM's bench: "Never received a valid chunk to calculate TTFT"
+        r.error = "the stream held no chunk with a choice"
+        return
     r.ok = True
 
 
 def _message(raw: bytes) -> str:
     try:
         obj = json.loads(raw)
-        return str(obj.get("error", {}).get("message") or obj)[:200]
-    except (ValueError, AttributeError):
+        err = obj.get("error") if isinstance(obj, dict) else None
+        return str((err.get("message") if isinstance(err, dict) else err) or obj)[:200]
+    except ValueError:
         return raw[:200].decode("utf-8", "replace")

@@ -3,11 +3,15 @@ and, given the server's mstrace trace, the same requests as the server saw them.
 
 Definitions (vLLM's): TTFT = request sent -> first chunk with a choice (its text may
 be empty); TPOT = (E2E - TTFT) / (output tokens - 1); ITL = gaps between those
-chunks; E2E = sent -> [DONE]. Output tokens come from the final usage chunk when the server sends one.
+chunks; E2E = sent -> the last chunk with a choice (the trailing usage chunk and [DONE] carry
+no token). Output tokens come from the final usage chunk when the server sends one, else from
+the text, tokenized without special tokens (vLLM's count; counting chunks counted a chat role
+chunk and an empty finish chunk as tokens, and a chunk of several tokens as one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +30,20 @@ def _dist(xs: list[float]) -> dict[str, float]:
     return {"mean": d.mean, "median": d.p50, "p99": d.p99}
 
 
-def _output_tokens(r: Reply) -> int:
-    return r.usage["completion_tokens"] if r.usage else len(r.chunk_ns)
+Count = Callable[[str], int]  # a text's tokens, without special tokens
 
 
-def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) -> dict[str, Any]:
+def _usage(r: Reply, key: str) -> int | None:
+    v = r.usage.get(key) if r.usage else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _output_tokens(r: Reply, count: Count) -> int:
+    n = _usage(r, "completion_tokens")
+    return n if n is not None else count(r.text)
+
+
+def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float, count: Count) -> dict[str, Any]:
     ok = [(p, r) for p, r in zip(prompts, replies, strict=True) if r.ok]
     ttft: list[float] = []
     tpot: list[float] = []
@@ -38,10 +51,11 @@ def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) ->
     e2e: list[float] = []
     out_tokens = in_tokens = 0
     for p, r in ok:
-        n = _output_tokens(r)
+        n = _output_tokens(r, count)
         out_tokens += n
-        in_tokens += r.usage["prompt_tokens"] if r.usage else p.input_len
-        lat = (r.done_ns - r.sent_ns) * MS
+        n_in = _usage(r, "prompt_tokens")
+        in_tokens += p.input_len if n_in is None else n_in
+        lat = (r.end_ns - r.sent_ns) * MS
         e2e.append(lat)
         if r.chunk_ns:
             first = (r.chunk_ns[0] - r.sent_ns) * MS
@@ -63,7 +77,7 @@ def summarize(prompts: list[Prompt], replies: list[Reply], duration_s: float) ->
     }
 
 
-def details(prompts: list[Prompt], replies: list[Reply]) -> list[dict[str, Any]]:
+def details(prompts: list[Prompt], replies: list[Reply], count: Count) -> list[dict[str, Any]]:
     """Every request as the client saw it (--save-detailed), in the order sent: its lengths
     as the dataset counted them and as the server's usage did, and its times in ms from
     its send."""
@@ -71,11 +85,11 @@ def details(prompts: list[Prompt], replies: list[Reply]) -> list[dict[str, Any]]
     for p, r in zip(prompts, replies, strict=True):
         rows.append({
             "ok": r.ok, "error": r.error, "request_id": r.request_id,
-            "input_len": p.input_len, "prompt_tokens": r.usage.get("prompt_tokens") if r.usage else None,
-            "output_len": p.output_len, "output_tokens": _output_tokens(r), "chunks": len(r.chunk_ns),
+            "input_len": p.input_len, "prompt_tokens": _usage(r, "prompt_tokens"),
+            "output_len": p.output_len, "output_tokens": _output_tokens(r, count), "chunks": len(r.chunk_ns),
             "ttft_ms": (r.chunk_ns[0] - r.sent_ns) * MS if r.chunk_ns else None,
             "itl_ms": [float(b - a) * MS for a, b in zip(r.chunk_ns, r.chunk_ns[1:], strict=False)],
-            "e2el_ms": (r.done_ns - r.sent_ns) * MS if r.done_ns else None,
+            "e2el_ms": (r.end_ns - r.sent_ns) * MS if r.end_ns else None,
             "text": r.text,
         })
     return rows
@@ -237,3 +251,15 @@ def render_server_side(s: dict[str, Any]) -> str:
     lines.append(f"{'Min client - server TTFT (ms):':<40}{s['hop_ttft_min_ms']:<10.3f}")
     lines.append("=" * w)
     return "\n".join(lines)
+
+
+def strict_json(obj: Any) -> Any:
+    """`obj` as strict JSON takes it: an empty distribution's NaN is null, an infinite rate
+    "inf" (vLLM's spelling); json.dumps wrote NaN and Infinity, which JSON parsers refuse."""
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None if obj != obj else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict_json(v) for v in obj]
+    return obj

@@ -19,10 +19,11 @@ from viewer.bench_serve.http_client import Endpoint, Reply
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    # `not x > 0` refuses NaN too: a NaN rate sent everything at once, a NaN shape hung gammavariate
+    if not rate > 0 or not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError("--request-rate must be positive (inf: all at once) and --burstiness positive and finite")
     if math.isinf(rate):
         return [0.0] * n
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("--request-rate and --burstiness must be positive")
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
