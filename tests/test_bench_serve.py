@@ -307,3 +307,30 @@ def test_the_saved_figures_are_strict_json() -> None:
     got = strict_json({"request_rate": math.inf, "tpot_ms": {"mean": math.nan}, "xs": [1.0, -math.inf]})
     assert json.loads(json.dumps(got, allow_nan=False)) == {"request_rate": "inf", "tpot_ms": {"mean": None},
                                                             "xs": [1.0, "-inf"]}
+
+
+def test_sharegpt_prompts_are_sampled_as_vllm_samples_them(tiny_tok: Any, tmp_path: Path) -> None:
+    """Shuffled, then taken while they pass vLLM's filter (prompt and reply at least 4
+    tokens, a prompt at most 1,024, both at most 2,048) until --num-prompts: the first n
+    after the shuffle were taken as they came, so a file with enough usable conversations
+    could be refused and a 3,000-token prompt sent."""
+    from viewer.bench_serve.datasets import sharegpt_prompts
+
+    def conv(prompt: str, reply: str) -> dict[str, Any]:
+        return {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+
+    good = [conv(f"question number {i} about the weather today", f"an answer of some length {i}") for i in range(4)]
+    bad = [conv("hi", "a fine long enough reply"), conv("a fine long enough question", "ok"),
+           conv("word " * 3000, "a fine long enough reply")]
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps(bad * 3 + good))
+
+    def n_tok(t: str) -> int:
+        return len(tiny_tok.encode(t))
+
+    for seed in range(5):
+        got = sharegpt_prompts(f, 4, tiny_tok.encode, None, seed)
+        assert sorted(p.text for p in got) == sorted(c["conversations"][0]["value"] for c in good)
+        assert all(4 <= p.input_len <= 1024 and p.output_len >= 4 for p in got)
+    fixed = sharegpt_prompts(f, 5, tiny_tok.encode, 2, 0)  # a fixed output length: the reply's own is not filtered
+    assert {p.output_len for p in fixed} == {2} and all(n_tok(str(p.text)) >= 4 for p in fixed)

@@ -103,9 +103,16 @@ def _fit(head: str, want: int, lo: int, hi: int, draw: Callable[[int], list[int]
     return best[1]
 
 
+# vLLM's ShareGPT filter (benchmarks' is_valid_sequence): a prompt or a reply shorter than
+# this, a prompt longer than that, or the two together longer, is skipped
+SHAREGPT_MIN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
 def sharegpt_prompts(path: Path, n: int, encode: Any, output_len: int | None, seed: int) -> list[Prompt]:
-    """The first human turn of each conversation; its output length is the first reply's
-    length in tokens unless `output_len` is given."""
+    """The first human turn of each conversation, as `vllm bench serve` samples them: the
+    conversations shuffled, then taken in that order while they pass vLLM's filter, until
+    `n`; its output length is the first reply's length in tokens unless `output_len` is given
+    (then the reply's own length is not filtered)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -122,11 +129,15 @@ def sharegpt_prompts(path: Path, n: int, encode: Any, output_len: int | None, se
         pairs.append((turns[0]["value"], turns[1]["value"]))
     random.Random(seed).shuffle(pairs)
     out = []
-    for prompt, reply in pairs[:n]:
-        ids = encode(prompt)
-        if not ids:
+    for prompt, reply in pairs:
+        if len(out) == n:
+            break
+        p_len = len(encode(prompt))
+        o_len = output_len or len(encode(reply))
+        if (p_len < SHAREGPT_MIN or (output_len is None and o_len < SHAREGPT_MIN) or p_len > SHAREGPT_MAX_PROMPT
+                or p_len + o_len > SHAREGPT_MAX_TOTAL):
             continue
-        out.append(Prompt(prompt, len(ids), output_len or max(1, len(encode(reply)))))
+        out.append(Prompt(prompt, p_len, o_len))
     if len(out) < n:
         raise DatasetError(f"{path}: {len(out)} usable conversations, --num-prompts asks for {n}")
     return out
