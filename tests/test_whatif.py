@@ -143,6 +143,24 @@ def test_a_speedup_scales_its_components_only():
     assert b.sped_up("device_compute", 0.5, None).D == pytest.approx(np.full(4, 1 * MS))
 
 
+def test_a_change_to_the_barrier_goes_to_both_inputs_of_each_max():
+    """L or T, then C or W: +1 ms on the barrier lengthens each serial round by 1 ms (shared
+    four ways it added 0.63 ms: half went to the inputs the max() did not take)."""
+    b = batches(10, P_prep=1, L=0.2, T=0.05, D=3, C=0.3, W=0.1, Q_book=0.5)
+    base = simulate(b, overlap=False).end
+    assert simulate(b.sped_up("scheduler_barrier", None, 1 * MS), overlap=False).end == pytest.approx(base + 10 * MS)
+
+
+def test_a_launch_never_starts_the_device_before_its_prepare_began():
+    """L < 0 (the device started before the prepare row's end) is kept, down to -P_prep: a
+    faster prepare cannot start the device before the round (a serial trace's negative L was
+    clamped to 0, and its replay ran long by their sum)."""
+    b = batches(4, P_book=0.5, P_prep=1, L=-0.4, D=2)
+    assert b.sped_up("batch_prepare", 0.25, None).L == pytest.approx(np.full(4, -0.25 * MS))
+    tl = simulate(b.sped_up("batch_prepare", 0.0, None), overlap=False)
+    assert np.all(tl.dev_start >= tl.start + 0.5 * MS - 1e-3)
+
+
 @pytest.mark.parametrize("spec", ["nope=1", "device_compute", "device_compute=-1", "device_compute=fast",
                                   "device_compute=inf", "batch_prepare=2s", "device_compute=nanms",
                                   "device_compute=-infms", "device_compute=nan"])
