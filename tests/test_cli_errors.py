@@ -118,6 +118,35 @@ def test_force_replaces_a_trace_and_only_a_trace(tmp_path):
     assert "holds other files" in line and (other / "thesis.tex").read_text() == "keep me"
 
 
+def test_force_never_removes_a_trace_it_would_not_replace(tmp_path):
+    """--force removed a trace before the workload was checked (a bad line cost the old
+    trace), a folder of other runs' traces (every one), and a trace a running mstrace was
+    still writing (the two writers then corrupted each other): each is kept, one line."""
+    from tracing.writer import TraceWriter
+
+    out = tmp_path / "o"
+    assert mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(out), "-q").returncode == 0
+    before = (out / "meta.json").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    one_line_error(mstrace("run", "--model", "tiny", "--workload", str(bad), "--out", str(out), "-q", "--force"))
+    assert (out / "meta.json").read_text() == before
+    runs = tmp_path / "runs"
+    (runs / "run-a").mkdir(parents=True)
+    (runs / "run-b").mkdir()
+    for r in ("run-a", "run-b"):
+        (runs / r / "meta.json").write_text("{}")
+    line = one_line_error(mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(runs), "-q", "--force"))
+    assert "holds other files" in line and (runs / "run-a" / "meta.json").exists()
+    w = TraceWriter(out)  # a run still writing it: its writer holds the trace's lock
+    try:
+        line = one_line_error(mstrace("run", "--model", "tiny", "--requests", "2", "--out", str(out), "-q",
+                                      "--force"))
+        assert "being written by a running mstrace" in line and (out / "meta.json").read_text() == before
+    finally:
+        w.close()
+
+
 # ---------------------------------------------------------------- issue 12, point 8
 def test_leaks_cannot_judge_a_trace_without_probes(tiny_runs: TinyRuns):
     out = tiny_runs("--requests", "16", "-q", "--no-probes").out  # test_diff's np trace

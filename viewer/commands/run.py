@@ -73,11 +73,6 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
             fail("--live follows one trace: choose --mode serial, timeslice or overlap")
         if not sys.stdout.isatty():  # before --force removes anything
             fail("--live draws in a terminal, and stdout is not one: drop --live")
-        from viewer.commands.live_run import run_live
-
-        claim_out(out, opts.force, fail)
-        run_live(out)
-        return
     from scheduler.harness.session import fork_device_seeds, fork_rank_seeds
 
     # before a preset's first build runs a torch op
@@ -86,7 +81,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
-    claim_out(out, opts.force, fail)
+    check_out(out, opts.force, fail)  # claimed (a --force'd trace removed) only once every input is checked
     if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
         from tracing.otel import OtlpUnavailableError, otlp_exporter
         try:
@@ -116,7 +111,17 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     except (WorkloadError, ModelLoadError, ConfigError) as e:
         fail(str(e))
     if opts.save_workload is not None:
-        save_workload(items, opts.save_workload)
+        try:
+            save_workload(items, opts.save_workload)
+        except OSError as e:
+            fail(f"--save-workload {opts.save_workload}: {e.strerror or e}")
+    if opts.live:
+        from viewer.commands.live_run import run_live
+
+        claim_out(out, opts.force, fail)
+        run_live(out)
+        return
+    claim_out(out, opts.force, fail)
 
     from scheduler.stall_guard import EngineStalled
 
@@ -192,8 +197,14 @@ def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def claim_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
-    """--out must be new, empty, or (with --force) a trace to replace."""
+MODES_FOLDERS = {"serial", "timeslice", "overlap"}  # a `--mode all` run's traces
+
+
+def check_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
+    """--out must be new, empty, or (with --force) a trace to replace that no writer holds.
+    Checks only: `claim_out` removes, once every other input has been checked."""
+    if out.is_symlink() and force:
+        fail(f"--out {out} is a symbolic link: give the folder itself")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()):
@@ -202,15 +213,32 @@ def claim_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
             fail(f"output folder {out} is not empty; choose another --out{hint}")
         if not is_trace_folder(out):
             fail(f"--force replaces a trace, and {out} holds other files: choose another --out")
-        shutil.rmtree(out)
+        from tracing.store_lock import live_ranks
+
+        for t in (out, *(p for p in out.iterdir() if p.name in MODES_FOLDERS)):
+            if live_ranks(t):  # its writer would go on into the new run's folder, corrupting both
+                fail(f"{t} is being written by a running mstrace (its writer holds the trace's lock): "
+                     "--force replaces only a finished or killed trace")
+
+
+def claim_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
+    """`check_out`, then a --force'd trace removed."""
+    check_out(out, force, fail)
+    if out.exists() and any(out.iterdir()):
+        try:
+            shutil.rmtree(out)
+        except OSError as e:
+            fail(f"--force could not remove {out}: {e.strerror or e}")
 
 
 def is_trace_folder(path: Path) -> bool:
-    """A trace, or a `--mode all` run's folder of traces: what --force may replace."""
+    """A trace, or a `--mode all` run's folder of traces (serial/, timeslice/, overlap/):
+    what --force may replace. A folder of other runs' traces is not one (all were removed)."""
     def trace(p: Path) -> bool:
         return (p / "meta.json").is_file() or (p / "manifest.json").is_file()
 
-    return trace(path) or (any(path.iterdir()) and all(p.is_dir() and trace(p) for p in path.iterdir()))
+    subs = list(path.iterdir())
+    return trace(path) or (bool(subs) and all(p.name in MODES_FOLDERS and p.is_dir() and trace(p) for p in subs))
 
 
 def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload: Path) -> None:

@@ -34,7 +34,7 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     from scheduler.model.loader import safetensors_files
     from scheduler.model.presets import resolve_model
     from scheduler.options import ConfigError
-    from viewer.commands.run import check_device, claim_out
+    from viewer.commands.run import check_device, check_out, claim_out
 
     if cfg.world_size > 1:
         fail("serve runs one rank: --tp/--pp > 1 are for `mstrace run`")
@@ -52,14 +52,16 @@ def execute_serve(cfg: EngineConfig, opts: ServeOptions, console: Console, fail:
     except (ConfigError, FileNotFoundError, ValueError, ModelLoadError) as e:
         fail(str(e))
     out = opts.out or Path("traces") / datetime.now().strftime("serve-%Y%m%d-%H%M%S")
-    claim_out(out, opts.force, fail)
-    made = not out.exists()  # removed again if the engine never starts
+    check_out(out, opts.force, fail)  # removed (--force) only once the port is bound
     try:
-        sock = socket.create_server((opts.host, opts.port))
+        sock = socket.create_server((opts.host, opts.port), family=socket.AF_INET6 if ":" in opts.host
+                                    else socket.AF_INET)
         if opts.send_buffer_bytes:  # accepted connections inherit it
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, opts.send_buffer_bytes)
     except OSError as e:
         fail(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
+    claim_out(out, opts.force, fail)
+    made = not out.exists()  # removed again if the engine never starts
     if opts.host not in LOOPBACK and not opts.api_key:
         print(f"warning: serving on {opts.host} without --api-key: anyone who can reach this address "
               "can use the model", file=sys.stderr, flush=True)
@@ -118,6 +120,7 @@ def _serve(cfg: EngineConfig, opts: ServeOptions, context: int, out: Path, made:
                                                    timeout_graceful_shutdown=max(1, int(opts.shutdown_timeout_s))))
             loop.start()
             host, port = sock.getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
             console.print(f"serving {escape(name)} on http://{host}:{port} (trace: {escape(str(out))}); "
                           "Ctrl-C stops", highlight=False)
             # asyncio warns on every write to a socket whose client just left, until the
