@@ -45,6 +45,23 @@ def test_a_run_whose_every_request_is_rejected_says_why_and_fails(tmp_path, kind
     assert (out / "meta.json").exists()  # the run happened: its trace stays
 
 
+def test_mode_all_says_what_a_single_mode_says(tmp_path):
+    """--mode all took none of a single run's endings: a workload whose every request was
+    rejected exited 0 without a word, and a run that failed was a traceback, exit 1."""
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 10**9}) + "\n")
+    f32 = ("--dtype", "float32")  # (auto's bfloat16 note is a line too on an AMX CPU)
+    p = mstrace("run", "--model", "tiny", "--workload", str(wl), "--mode", "all", *f32, "--out", str(tmp_path / "a"),
+                "-q")
+    assert p.returncode == 2 and "every request was rejected" in one_line_error(p)
+    late = tmp_path / "late.jsonl"  # an arrival the run cannot wait for: the run fails, one line
+    late.write_text(json.dumps({"input_ids": [5, 6, 7], "max_new_tokens": 2, "arrival_s": 1e300}) + "\n")
+    p = mstrace("run", "--model", "tiny", "--workload", str(late), "--mode", "all", *f32, "--out",
+                str(tmp_path / "b"), "-q", timeout=180)
+    assert p.returncode in (2, 4) and "Traceback" not in p.stderr, p.stderr
+    one_line_error(p)
+
+
 def test_rejections_are_counted_on_stderr_when_others_ran(tmp_path):
     wl = tmp_path / "w.jsonl"
     wl.write_text(json.dumps({"id": "big", "input_ids": list(range(5, 205)), "max_new_tokens": 2}) + "\n"

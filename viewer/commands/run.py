@@ -126,17 +126,21 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     from scheduler.stall_guard import EngineStalled
 
     made = None if out.exists() else out  # what to remove if no run ever starts
-    if not all_modes:
+
+    def one(c: EngineConfig, to: Path, made: Path | None, seed: Any, ranks: Any = None) -> None:
+        """A run, its failure one line with its exit code (3 stalled, 4 failed), its trace kept."""
         try:
-            _run_one(opts, cfg, items, source, out, console, fail, made, seeds[0], ranks)
+            _run_one(opts, c, items, source, to, console, fail, made, seed, ranks)
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
-            fail(f"{e}; trace flushed to {out}, see `mstrace stalls {out}`", 3)
+            fail(f"{e}; trace flushed to {to}, see `mstrace stalls {to}`", 3)
         except typer.Exit:  # fail() inside the run: already said (click's Exit is a RuntimeError)
             raise
         except Exception as e:  # noqa: BLE001 - a thread of the run failed: one line, and the trace
-            why = first_line(e)
-            fail(f"the run failed: {why}; trace flushed to {out}", 4)
+            fail(f"the run failed: {first_line(e)}; trace flushed to {to}", 4)
+
+    if not all_modes:
+        one(cfg, out, made, seeds[0], ranks)
         render_report(console, build_report(out))
         console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
         _say_rejections(out, fail)
@@ -145,8 +149,10 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     outs = {}
     for mode, seed in zip(("serial", "timeslice", "overlap"), seeds, strict=True):
         outs[mode] = out / mode
-        _run_one(opts, replace(cfg, mode=mode), items, source, outs[mode], console, fail, made, seed)
+        one(replace(cfg, mode=mode), outs[mode], made, seed)
         made = None  # a later mode's failure leaves the earlier modes' traces
+        if mode == "serial":  # the workload's rejections: every mode rejects the same requests
+            _say_rejections(outs[mode], fail)
     render_modes(console, {m: build_report(o) for m, o in outs.items()})
     console.print(f"traces written to [bold]{escape(str(out))}[/]/{{serial,timeslice,overlap}}; "
                   f"compare two with `mstrace diff {outs['serial']} {outs['overlap']}`", highlight=False)
