@@ -81,3 +81,21 @@ def test_synthetic_is_seeded_and_round_trips(tmp_path):
     p = tmp_path / "s.jsonl"
     save_workload(a, p)
     assert workload_digest(load_workload(p)) == workload_digest(a)
+
+
+def test_lines_are_cut_at_newlines_only_and_bad_json_of_any_kind_is_one_line(tmp_path):
+    """A prompt holding U+2028, U+2029 or U+0085 (json.dumps with ensure_ascii=False writes
+    them as they are) is one line, as JSON Lines says (splitlines() cut it: "not valid
+    JSON"); a BOM is not the first line's; CRLF ends are read; nesting too deep and an
+    integer past Python's digit limit are "not valid JSON", not tracebacks."""
+    import json
+
+    rows = [{"id": f"r{i}", "prompt": f"a{c}b", "max_new_tokens": 1} for i, c in enumerate("\u2028\u2029\u0085")]
+    p = tmp_path / "w.jsonl"
+    p.write_text("\ufeff" + "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n", encoding="utf-8")
+    assert [it.prompt for it in load_workload(p)] == [r["prompt"] for r in rows]
+    for bad in ("[" * 100_000 + "]" * 100_000, '{"id": "x", "max_new_tokens": ' + "9" * 5000 + "}"):
+        p.write_text(json.dumps({"id": "ok", "prompt": "x", "max_new_tokens": 1}) + "\n" + bad + "\n")
+        with pytest.raises(WorkloadError, match=r"w.jsonl:2: not valid JSON") as e:
+            load_workload(p)
+        assert "\n" not in str(e.value)

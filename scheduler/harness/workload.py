@@ -131,14 +131,17 @@ def parse_item(obj: Any, index: int, where: str, vocab_size: int | None = None) 
 def load_workload(path: str | Path, vocab_size: int | None = None) -> list[WorkloadItem]:
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows editors write one) is not the first line's
     except FileNotFoundError:
         raise WorkloadError(f"workload file not found: {p}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"cannot read workload {p}: {e}") from None
     items: list[WorkloadItem] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end lines with \n (or \r\n) only: splitlines() also cut at U+2028, U+2029 and
+    # U+0085, which json.dumps(ensure_ascii=False) leaves unescaped inside a prompt
+    for lineno, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"{p.name}:{lineno}"
@@ -146,6 +149,8 @@ def load_workload(path: str | Path, vocab_size: int | None = None) -> list[Workl
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise WorkloadError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting too deep
+            raise WorkloadError(f"{where}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
         item = parse_item(obj, len(items), where, vocab_size)
         if item.request_id in seen:
             raise WorkloadError(f"{where}: field 'id': duplicate request id {item.request_id!r}")
