@@ -81,7 +81,7 @@ class EngineConfig:
     kv_blocks: int | None = option(None, f"KV pool size in blocks (default: {DEFAULT_KV_TOKENS} tokens' worth, or "
                                    "--kv-bytes).", MEMORY, ge=1)
     kv_bytes: int | None = option(None, "KV pool size in bytes (e.g. 256MiB).", MEMORY, cli_type=str | None,
-                                  parse=_size, ge=1)
+                                  parse=_size, ge=1, le=2**50)
     prefill_chunk: int = option(512, "Max prefill tokens per round (chunked prefill).", SCHEDULING, ge=1)
     timeslice_chunk: int = option(256, "timeslice mode: one prefill chunk of this many tokens per cycle.", SCHEDULING,
                                   ge=1)
@@ -135,7 +135,7 @@ class EngineConfig:
     seed: int = option(0, "Seed for the synthetic workload and unseeded sampling.", WORKLOAD)
     probes: bool = option(True, "Probe and memory tables (--no-probes: requests, timeline and steps only).", OUTPUT)
     wait_timeout_s: float = option(5.0, "Timeout in seconds of every wait in the engine.", FAULTS,
-                                   flag="wait-timeout", gt=0)
+                                   flag="wait-timeout", gt=0, le=7 * 24 * 3600)
     snapshot_every: int = option(50, "Full block-table snapshot every N rounds (0 = never).", OUTPUT, ge=0)
     # The truth harness (scheduler/harness/debug_delay.py): (place, ms) delays that a test checks
     # the cost table charges to the right row.
@@ -253,5 +253,5 @@ def parse_size(text: str) -> int:
         raise ConfigError(f"cannot read size {text!r} (examples: 268435456, 256MiB, 1G)")
     try:
         return int(float(num) * units[unit])
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # "1e999" is inf
         raise ConfigError(f"cannot read size {text!r}") from e

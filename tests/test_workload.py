@@ -99,3 +99,25 @@ def test_lines_are_cut_at_newlines_only_and_bad_json_of_any_kind_is_one_line(tmp
         with pytest.raises(WorkloadError, match=r"w.jsonl:2: not valid JSON") as e:
             load_workload(p)
         assert "\n" not in str(e.value)
+
+
+def test_arrivals_and_sizes_no_clock_can_hold_are_one_line(tmp_path):
+    """arrival_s 1e300 passed the check and failed the run after the model loaded (exit 4), as
+    --rate 1e-300 did; --kv-bytes 1e999 was an OverflowError traceback and --wait-timeout
+    1e308 a device process's: each is refused before anything runs."""
+    import json
+
+    from scheduler.config import ConfigError, EngineConfig, parse_size
+    from scheduler.harness.workload import SyntheticSpec
+
+    p = tmp_path / "w.jsonl"
+    p.write_text(json.dumps({"prompt": "x", "max_new_tokens": 1, "arrival_s": 1e300}) + "\n")
+    with pytest.raises(WorkloadError, match="arrival_s' must be between 0 and"):
+        load_workload(p)
+    with pytest.raises(WorkloadError, match="--rate 1e-300"):
+        SyntheticSpec(8, rate=1e-300).check()
+    with pytest.raises(ConfigError, match="cannot read size"):
+        parse_size("1e999")
+    for kw in ({"kv_bytes": parse_size("1e30")}, {"wait_timeout_s": 1e308}):
+        with pytest.raises(ConfigError):
+            EngineConfig(**kw).validate()

@@ -22,6 +22,7 @@ from typing import Any
 
 from scheduler.core.request import MAX_LOGPROBS, SamplingParams
 
+MAX_ARRIVAL_S = 1e8  # three years: an arrival's ns stay far inside int64
 FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s",
           "add_special_tokens", "logprobs", "prompt_logprobs"}
 
@@ -117,8 +118,8 @@ def parse_item(obj: Any, index: int, where: str, vocab_size: int | None = None) 
     if ids is not None and "add_special_tokens" in obj:
         raise WorkloadError(f"{where}: field 'add_special_tokens' applies to a 'prompt', not to 'input_ids'")
     arrival = float(_field(obj, "arrival_s", (int, float), 0.0, where))
-    if arrival < 0:
-        raise WorkloadError(f"{where}: field 'arrival_s' must be >= 0, got {arrival}")
+    if not 0 <= arrival <= MAX_ARRIVAL_S:  # (a NaN fails it too) past it: no int64 ns clock holds the moment
+        raise WorkloadError(f"{where}: field 'arrival_s' must be between 0 and {MAX_ARRIVAL_S:g} s, got {arrival}")
     lps = {}
     for name in ("logprobs", "prompt_logprobs"):
         k = lps[name] = _field(obj, name, int, None, where)
@@ -183,6 +184,10 @@ class SyntheticSpec:
             raise WorkloadError("--shared-prefix must be in [0, 1]")
         if not (math.isfinite(self.rate) and self.rate >= 0):
             raise WorkloadError(f"--rate must be a finite number of requests/s >= 0 (0: all at t=0), got {self.rate}")
+        if self.rate and self.requests / self.rate > MAX_ARRIVAL_S / 100:  # the last arrival, with room to spare
+            raise WorkloadError(f"--rate {self.rate:g}: {self.requests} requests would arrive over "
+                                f"{self.requests / self.rate:.3g} s; give a rate of at least "
+                                f"{100 * self.requests / MAX_ARRIVAL_S:.3g} requests/s")
 
 
 def synthetic_workload(spec: SyntheticSpec, vocab_size: int, special_ids: set[int]) -> list[WorkloadItem]:
