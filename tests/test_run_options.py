@@ -282,7 +282,7 @@ def test_help_shows_the_declared_bounds():
     params = _run_params()
     assert params["block_size"].help.endswith("[>= 1]")
     assert params["watermark_frac"].help.endswith("[>= 0, < 1]")
-    assert params["wait_timeout_s"].help.endswith("[> 0]")
+    assert params["wait_timeout_s"].help.endswith("[> 0, <= 604800]")
     assert not params["seed"].help.endswith("]")
 
 
