@@ -194,3 +194,17 @@ def test_progress_never_goes_into_a_pipe(tmp_path):
     assert p.returncode == 0, p.stderr
     for stream in (p.stdout, p.stderr):
         assert "serial run" not in stream  # the progress bar's label
+
+
+def test_the_live_views_child_run_is_not_live_whatever_the_config_file_says(tmp_path):
+    """`run --live` runs the workload in a child without a terminal: a --config file's
+    `live = true` made the child go live too, and fail ("stdout is not one")."""
+    from viewer.commands.live_run import child_argv
+
+    conf = tmp_path / "c.toml"
+    conf.write_text("live = true\nforce = true\n")
+    argv = child_argv(["mstrace", "run", "--config", str(conf), "--model", "tiny", "--requests", "2", "--live"],
+                      tmp_path / "o")
+    p = mstrace(*argv, timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "o" / "meta.json").exists()

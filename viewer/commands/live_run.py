@@ -22,12 +22,13 @@ INTERRUPTED = 130  # a run stopped by Ctrl-C (typer's exit code for it)
 
 
 def child_argv(argv: list[str], out: Path) -> list[str]:
-    """`mstrace run ...` as typed, minus --live and --force (the folder is claimed here),
+    """`mstrace run ...` as typed, with --no-live and --no-force (the folder is claimed here; a
+    --config file's `live = true` made the child go live too, and fail without a terminal),
     plus --out (a default one chosen here) and --quiet."""
     i = argv.index("run") if "run" in argv else -1
     rest = [a for a in argv[i + 1:] if a not in ("--live", "--force")]
     has_out = any(a == "--out" or a.startswith("--out=") for a in rest)
-    return ["run", *rest, *([] if has_out else ["--out", str(out)]), "--quiet"]
+    return ["run", *rest, *([] if has_out else ["--out", str(out)]), "--no-live", "--no-force", "--quiet"]
 
 
 def run_live(out: Path) -> None:
