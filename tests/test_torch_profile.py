@@ -40,3 +40,25 @@ def test_the_profilers_host_view_agrees_with_the_probes(tmp_path, mode, device):
     # nothing to do (scheduler/harness/torch_profile.py), and how many depends on the
     # machine's load (a fixed bound of 3 failed with 4 when three workers shared 2 cores)
     assert prof_rep["cycles"] >= probe["cycles"]
+
+
+def test_mode_all_writes_a_profile_per_mode_and_a_file_is_not_a_folder(tmp_path):
+    """--mode all wrote its three profiles to one DIR/rank0.pt.trace.json (the serial and
+    time-slice ones overwritten, while their meta.json named it); a --torch-profile that
+    is a file failed after the model loaded (exit 4): one line before anything runs."""
+    import json
+
+    from tests.support.cli import mstrace
+
+    prof, out = tmp_path / "prof", tmp_path / "t"
+    p = mstrace("run", "--model", "tiny", "--requests", "4", "--mode", "all", "--torch-profile", str(prof),
+                "--out", str(out), "-q", timeout=300)
+    assert p.returncode == 0, p.stderr
+    for mode in ("serial", "timeslice", "overlap"):
+        f = json.loads((out / mode / "meta.json").read_text())["run"]["torch_profile"]["file"]
+        assert f == str(prof / mode / "rank0.pt.trace.json") and (prof / mode / "rank0.pt.trace.json").is_file()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    p = mstrace("run", "--model", "tiny", "--requests", "2", "--torch-profile", str(afile), "--out",
+                str(tmp_path / "u"), "-q")
+    assert p.returncode == 2 and "is a file" in p.stderr and len(p.stderr.strip().splitlines()) == 1

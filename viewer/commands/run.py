@@ -82,6 +82,8 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     except (ConfigError, FileNotFoundError, ValueError) as e:
         fail(str(e))
     check_out(out, opts.force, fail)  # claimed (a --force'd trace removed) only once every input is checked
+    if opts.torch_profile is not None and opts.torch_profile.exists() and not opts.torch_profile.is_dir():
+        fail(f"--torch-profile {opts.torch_profile} is a file: it names the folder the profile goes in")
     if opts.otlp_endpoint:  # before any folder is made: a missing exporter is a usage error
         from tracing.otel import OtlpUnavailableError, otlp_exporter
         try:
@@ -127,10 +129,10 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
 
     made = None if out.exists() else out  # what to remove if no run ever starts
 
-    def one(c: EngineConfig, to: Path, made: Path | None, seed: Any, ranks: Any = None) -> None:
+    def one(o: RunOptions, c: EngineConfig, to: Path, made: Path | None, seed: Any, ranks: Any = None) -> None:
         """A run, its failure one line with its exit code (3 stalled, 4 failed), its trace kept."""
         try:
-            _run_one(opts, c, items, source, to, console, fail, made, seed, ranks)
+            _run_one(o, c, items, source, to, console, fail, made, seed, ranks)
         except EngineStalled as e:
             # The trace is flushed (the writer closes in _run_one's finally); exit 3 = stalled.
             fail(f"{e}; trace flushed to {to}, see `mstrace stalls {to}`", 3)
@@ -140,7 +142,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
             fail(f"the run failed: {first_line(e)}; trace flushed to {to}", 4)
 
     if not all_modes:
-        one(cfg, out, made, seeds[0], ranks)
+        one(opts, cfg, out, made, seeds[0], ranks)
         render_report(console, build_report(out))
         console.print(f"trace written to [bold]{escape(str(out))}[/]", soft_wrap=True)
         _say_rejections(out, fail)
@@ -149,7 +151,9 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     outs = {}
     for mode, seed in zip(("serial", "timeslice", "overlap"), seeds, strict=True):
         outs[mode] = out / mode
-        one(replace(cfg, mode=mode), outs[mode], made, seed)
+        # a profile each, beside the other modes' (their one file was overwritten twice)
+        o = replace(opts, torch_profile=opts.torch_profile / mode) if opts.torch_profile is not None else opts
+        one(o, replace(cfg, mode=mode), outs[mode], made, seed)
         made = None  # a later mode's failure leaves the earlier modes' traces
         if mode == "serial":  # the workload's rejections: every mode rejects the same requests
             _say_rejections(outs[mode], fail)
