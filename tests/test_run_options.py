@@ -299,3 +299,14 @@ def test_a_declared_rule_broken_on_the_command_line_is_one_line(tmp_path, comman
     line = one_line_error(p)
     assert p.returncode == 2 and line.startswith(says), line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_length_in_a_config_file_may_be_one_integer():
+    """`prompt_len = 64` in TOML is 64-64, as the flag's "64" is (it was refused: "must look
+    like 16-512 or 64, got 64"); true is not a length."""
+    from scheduler.harness.run_options import _length_range
+
+    parse = _length_range("prompt_len")
+    assert parse(64) == parse("64") == (64, 64) and parse([8, 24]) == (8, 24)
+    with pytest.raises(ConfigError):
+        parse(True)

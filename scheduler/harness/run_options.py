@@ -13,10 +13,12 @@ from scheduler.options import OUTPUT, WORKLOAD, ConfigError, check_fields, optio
 
 def _length_range(flag: str) -> Any:
     def parse(v: Any) -> tuple[int, int]:
-        """"16-512", "64", or (in a TOML file) [16, 512] -> (min, max)."""
+        """"16-512", "64", or (in a TOML file) [16, 512] or 64 -> (min, max)."""
         try:
             if isinstance(v, list | tuple) and len(v) == 2 and all(type(x) is int for x in v):
                 a, b = v
+            elif type(v) is int:
+                a = b = v
             elif isinstance(v, str):
                 lo, _, hi = v.partition("-")
                 a, b = int(lo), int(hi or lo)
