@@ -164,8 +164,9 @@ class TracedSession:
             if engine is not None:
                 engine.close()
         except BaseException as e:
-            if self.state == "complete":  # the run's threads failed as they stopped
-                self.state, self.detail = "error", first_line(e)
+            if self.state == "complete":  # the run's threads failed as they stopped, or Ctrl-C came then
+                self.state, self.detail = ("interrupted", "Ctrl-C") if isinstance(e, KeyboardInterrupt) \
+                    else ("error", first_line(e))
             raise
         finally:
             problem = None
