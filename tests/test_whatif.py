@@ -659,3 +659,13 @@ def test_a_trace_without_probes_is_refused_saying_so(tmp_path):
     assert mstrace("run", "--model", "tiny", "--requests", "6", "--no-probes", "--out", str(out), "-q").returncode == 0
     rc, _, err = cli("whatif", str(out))
     assert rc == 2 and "recorded with --no-probes" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_interval_never_reaches_below_zero():
+    """Every figure is a time or a rate: a spread wider than the point stops at 0."""
+    from viewer.analysis.whatif import _interval
+
+    rng = np.random.default_rng(0)
+    own, table = rng.normal(0, 5, (50, 6)), rng.normal(0, 5, (50, 6))
+    lo, hi = _interval(own, table, np.full(6, 1.0))
+    assert min(lo.array()) >= 0 and min(hi.array()) > 1
