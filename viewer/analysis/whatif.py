@@ -35,7 +35,7 @@ from viewer.analysis.whatif_model import (
 )
 from viewer.analysis.whatif_probe import Probe, measured, own, replayed, rounds
 from viewer.analysis.whatif_share import Rates, as_run
-from viewer.analysis.whatif_streams import converted, split_on
+from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
 
 MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
@@ -194,7 +194,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     point, source, streams_source = measured(run.trace.meta, contention)
     share, streams = point.share, point.streams
     speedups = speedups or []
-    tr_mode = run.trace.meta.get("config", {}).get("mode", "serial")
+    tr_mode = rounds_mode(run.trace.meta.get("config", {}))
     tr_comm = trace_setting(run.trace.meta)
     _comm_asked(run, tr_comm, comm_overlap)
     target = mode or tr_mode
@@ -266,10 +266,10 @@ def _comparable(other: Trace, name: str, root: str | Path, run: Run, target: str
     if Path(other.root).resolve() == Path(root).resolve():
         raise WhatIfError(f"--against: {name} is the trace the prediction is made from")
     cfg = other.meta.get("config", {})
-    mode = cfg.get("mode", "serial")
+    mode = rounds_mode(cfg)
     if mode != target:
         raise WhatIfError(f"--against: {name} ran in {mode} mode; this prediction is of {target} mode")
-    if split_on(cfg, mode) != split:
+    if split_on(cfg, str(cfg.get("mode", "serial"))) != split:
         raise WhatIfError(f"--against: {name} ran with split streams {'on' if not split else 'off'}; this "
                           f"prediction has them {'on' if split else 'off'}")
     layout = tp_pp(run.trace.meta.get("config", {}))
@@ -313,7 +313,7 @@ def _check(other: Trace, name: str, predicted: Figures, lo: Figures, hi: Figures
     bounded = has & ~np.isnan(low) & ~np.isnan(high)
     inside = bounded & (low <= got) & (got <= high)
     names = [f.name for f in fields(Figures)]
-    return Check(name, other.meta.get("config", {}).get("mode", "serial"), m, Figures.of(err),
+    return Check(name, rounds_mode(other.meta.get("config", {})), m, Figures.of(err),
                  {k: bool(inside[i]) if bounded[i] else None for i, k in enumerate(names)},
                  int(inside.sum()), int(bounded.sum()))
 
@@ -366,7 +366,7 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
         return None
     if len(run.steps) > GAINS_MAX_ROUNDS:
         return None
-    overlap = run.trace.meta.get("config", {}).get("mode") == "overlap"
+    overlap = rounds_mode(run.trace.meta.get("config", {})) == "overlap"
     b, tl = replayed(run, measured(run.trace.meta)[0], overlap)
     return _path_table(b, tl, overlap)
 

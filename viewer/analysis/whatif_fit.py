@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from probes import boundaries as B
 from tracing.reader import Trace
 from viewer.analysis.whatif_model import COLD_GAP_NS, Batches
-from viewer.analysis.whatif_streams import split_on
+from viewer.analysis.whatif_streams import rounds_mode, split_on
 
 
 class WhatIfError(ValueError):
@@ -173,7 +173,7 @@ def load(root: str | Path) -> Run:
     start = s["ts_ns"].to_numpy()
     housekept = start + s["dur_ns"].to_numpy()
     collect = s["collect_ns"].to_numpy()
-    overlap = s["mode"][0].as_py() == "overlap"
+    overlap = rounds_mode(tr.meta.get("config", {})) == "overlap"
     rows = _rows(tr)
     # the round's first bookkeeping row (it starts with the round) is intake and scheduling,
     # before the launch; the others are the collect and housekeeping after the barrier

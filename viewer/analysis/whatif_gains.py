@@ -12,7 +12,7 @@ from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
 from viewer.analysis.whatif_probe import measured, own, replayed
 from viewer.analysis.whatif_share import as_run
-from viewer.analysis.whatif_streams import converted, split_on
+from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -30,6 +30,8 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
         run = load(root)
     except WhatIfError:
         return {}
+    cfg = run.trace.meta.get("config", {})
+    mode = rounds_mode(cfg)  # how its rounds ran (--overlap-schedule may say other than --mode)
     overlap = mode == "overlap"
     point, _, _ = measured(run.trace.meta)  # the CPU emulation's host, device and streams slowing each other
     share, streams = point.share, point.streams
@@ -43,7 +45,6 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
     fit, tl = replayed(run, point, overlap, trace_cold=False)  # cold starts found as the predictions find them
     base = busy_ns(fit, tl) / tl.rounds
     out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
-    cfg = run.trace.meta.get("config", {})
     if mode == "serial" and tp_pp(cfg) == (1, 1):
         split = split_on(cfg, "overlap")
         out[OVERLAP] = cycle(converted(run, alone, split), True, split) / base - 1

@@ -36,6 +36,20 @@ def split_on(cfg: dict[str, Any], mode: str) -> bool:
     return mode == "overlap" if asked is None else bool(asked)
 
 
+def rounds_mode(cfg: dict[str, Any]) -> str:
+    """How the trace's rounds ran, which is what the model replays: `overlap` where each round
+    collected the batch before it (the engine's rule, scheduler/config.py `overlap_on`:
+    --mode overlap unless --overlap-schedule says otherwise), else `timeslice` or `serial`.
+    Read from `mode` alone, --mode overlap --no-overlap-schedule was refused as a truncated
+    run, and --mode serial --overlap-schedule was replayed as serial (cycle 1.05 ms against
+    0.80)."""
+    mode = str(cfg.get("mode", "serial"))
+    asked = cfg.get("overlap_schedule")
+    if mode == "overlap" if asked is None else bool(asked):
+        return "overlap"
+    return "serial" if mode == "overlap" else mode
+
+
 @dataclass(slots=True, frozen=True)
 class Cost:
     """A forward's device time: `fixed` plus `per_decode` a decode row plus `per_prefill` a
