@@ -259,16 +259,11 @@ def load(root: str | Path) -> Run:
     W, C = _held_back(W_seen, C_seen, by_host, arrive - lc + through, through if med_C is None else med_C)
     W, C = np.maximum(W, 0), np.maximum(C, 0)
     # arrivals: a batch cannot start before the requests it admits arrived
-    rq = tr.table("requests", ["arrival_ns", "queued_ns", "first_scheduled_ns", "output_len", "token_runs",
-                               "finish_ns"])
+    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs", "finish_ns"])
     t0 = int(start[0])
     not_before = np.zeros(len(b_idx))
     fs = rq["first_scheduled_ns"].to_numpy()
-    # a round can take a request once it is queued (tokenized): from its arrival, the round
-    # after an idle wait started 0.1-0.3 ms early and TTFT came out low (a trace without the
-    # queued moment: its arrival)
-    queued = rq["queued_ns"].to_numpy()
-    arr = np.where(queued > 0, np.maximum(queued, rq["arrival_ns"].to_numpy()), rq["arrival_ns"].to_numpy())
+    arr = rq["arrival_ns"].to_numpy()
     has = fs > 0
     rb = np.searchsorted(start[b_idx], fs[has], side="right") - 1
     ok = rb >= 0
