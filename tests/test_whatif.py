@@ -684,3 +684,14 @@ def test_the_rounds_are_replayed_as_the_overlap_schedule_ran_them(tmp_path, flag
     r = whatif(out)
     assert r.mode == ("overlap" if "--overlap-schedule" in flags else "serial")
     assert r.replayed.cycle_ms == pytest.approx(r.measured.cycle_ms, rel=0.03)
+
+
+def test_a_serial_run_has_no_slack_and_the_barrier_counts_the_inputs_it_took():
+    """Serial: every row is on the path. The barrier's row counted both inputs of each max()
+    (L and T, C and W), so it showed slack a speedup of it did not have."""
+    from viewer.analysis.whatif import _path_table
+
+    b = batches(10, P_prep=1, L=0.2, T=0.5, D=3, C=0.3, W=0.1, Q_book=0.5)
+    rows = {r.boundary: r for r in _path_table(b, simulate(b, overlap=False), False)}
+    assert all(r.slack_ms_per_round == pytest.approx(0, abs=1e-9) for r in rows.values())
+    assert rows["scheduler_barrier"].ms_per_round == pytest.approx(0.2 + 0.3)

@@ -382,12 +382,19 @@ def _device_busy(tl: Timeline) -> float:
 def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
     """The critical path per boundary, ms per round, largest first."""
     path = critical_path(b, tl, overlap)
+    # of the two inputs of a max() (L or T: what held the batch's start; C or W: its collect)
+    # only the one it took is time the run spent; counting both showed the barrier slack it
+    # does not have (a speedup of it "within its slack" still lengthened the run)
+    nxt = np.arange(b.n) + (1 if overlap else 0)
+    by_c = tl.dev_end + b.C >= tl.launched[nxt] + b.W
+    taken = {"L": np.where(tl.held, 0.0, b.L), "T": np.where(tl.held, np.maximum(b.T, 0), 0.0),  # (as the path counts them)
+             "C": np.where(by_c, b.C, 0.0), "W": np.where(by_c, 0.0, b.W)}
     rows: dict[str, list[float]] = {}
     for comp in (*COMPONENTS, "idle"):
         if comp == "D_pre":  # inside the batches' device spans, which D's row counts
             continue
         total = path["idle"] if comp == "idle" else _device_busy(tl) - float(b.A.sum()) if comp == "D" \
-            else float(getattr(b, comp).sum())
+            else float(taken[comp].sum()) if comp in taken else float(getattr(b, comp).sum())
         r = rows.setdefault(COMPONENT_BOUNDARY[comp], [0.0, 0.0])
         r[0] += total
         r[1] += path[comp]
