@@ -427,6 +427,7 @@ def test_a_rank_that_did_not_exit_cleanly_after_stop_makes_the_run_an_error(tmp_
 
     def coordinator(*codes: int) -> Any:
         return SimpleNamespace(channel=None, procs=[Exited(c) for c in codes], exit_codes=[],
+                               cfg=SimpleNamespace(hard_wait_timeout_s=0.0),
                                log=SimpleNamespace(drain=lambda final: None))
 
     assert Coordinator.close(coordinator(0, 0), ok=True) is None

@@ -128,7 +128,7 @@ def sharegpt_prompts(path: Path, n: int, encode: Any, output_len: int | None, se
             raise DatasetError(f"{path}: conversation {i} has a turn without a string 'value'")
         pairs.append((turns[0]["value"], turns[1]["value"]))
     random.Random(seed).shuffle(pairs)
-    out = []
+    out: list[Prompt] = []
     for prompt, reply in pairs:
         if len(out) == n:
             break
