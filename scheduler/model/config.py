@@ -95,16 +95,11 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise ModelLoadError(f"config.json not found: {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot read {path}: {e}") from None
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{path} is not a JSON object")
-        cfg = cls.from_dict(raw)
+        cfg = cls.from_dict(_json_object(path))
         # An instruct model's turn end is often only in generation_config.json (Llama 3's
         # <|eot_id|>, Qwen2.5's <|endoftext|>): generate() and vLLM stop on its list too.
-        for eid in _eos_ids(_generation_config(path.with_name("generation_config.json")).get("eos_token_id")):
+        gen = path.with_name("generation_config.json")
+        for eid in _eos_ids(_json_object(gen).get("eos_token_id") if gen.is_file() else None):
             if eid not in cfg.eos_token_id:
                 cfg.eos_token_id.append(eid)
         return cfg
@@ -275,9 +270,7 @@ def _eos_ids(eos: Any) -> list[int]:
         raise ModelLoadError(f"eos_token_id {eos!r} is not a token id or a list of them") from None
 
 
-def _generation_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+def _json_object(path: Path) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
