@@ -50,6 +50,7 @@ class CrlfServer:
 
     def __init__(self, count: Callable[[str], int], stall: bool = False, odd: str = "") -> None:
         self.count, self.stall, self.odd = count, stall, odd
+        self.bodies: list[dict[str, Any]] = []  # as they came
         self.connections = self.requests = 0
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -90,6 +91,7 @@ class CrlfServer:
                 fields = dict(h.split(": ", 1) for h in lines[1:] if ": " in h)
                 n = int({k.lower(): v for k, v in fields.items()}.get("content-length", "0"))
                 body = json.loads(await reader.readexactly(n)) if n else {}
+                self.bodies.append(body)
                 self.requests += 1
                 await self._answer(writer, path, body)
         finally:
@@ -334,3 +336,25 @@ def test_sharegpt_prompts_are_sampled_as_vllm_samples_them(tiny_tok: Any, tmp_pa
         assert all(4 <= p.input_len <= 1024 and p.output_len >= 4 for p in got)
     fixed = sharegpt_prompts(f, 5, tiny_tok.encode, 2, 0)  # a fixed output length: the reply's own is not filtered
     assert {p.output_len for p in fixed} == {2} and all(n_tok(str(p.text)) >= 4 for p in fixed)
+
+
+def test_a_workload_replays_its_items_own_fields_and_schedule(tiny_count: Callable[[str], int], tmp_path: Path) -> None:
+    """--dataset-name workload sent each item's prompt and max_new_tokens only: its sampling,
+    ignore_eos, add_special_tokens and arrival_s were dropped (every request greedy, at once)."""
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "late", "prompt": "hello there", "max_new_tokens": 3, "temperature": 0.7,
+                              "top_p": 0.9, "seed": 5, "ignore_eos": True, "add_special_tokens": False,
+                              "arrival_s": 2.0}) + "\n"
+                  + json.dumps({"id": "early", "input_ids": [5, 6, 7], "max_new_tokens": 2}) + "\n")
+    srv = CrlfServer(tiny_count)
+    try:
+        p = mstrace("bench-serve", "--base-url", f"http://127.0.0.1:{srv.port}", "--model", "tiny",
+                    "--dataset-name", "workload", "--dataset-path", str(wl), "--num-prompts", "2", timeout=120)
+    finally:
+        srv.close()
+    assert p.returncode == 0, p.stdout + p.stderr
+    early, late = srv.bodies  # in the workload's order of arrival, not the file's
+    assert early["prompt"] == [5, 6, 7] and early["temperature"] == 0.0 and "ignore_eos" not in early
+    assert late["prompt"] == "hello there" and late["max_tokens"] == 3
+    assert (late["temperature"], late["top_p"], late["seed"], late["ignore_eos"], late["add_special_tokens"]) == \
+        (0.7, 0.9, 5, True, False)

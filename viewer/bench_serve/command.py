@@ -107,6 +107,8 @@ def _run(a: dict[str, Any], fail: Fail) -> None:
                                        a["seed"])
         else:
             prompts = workload_prompts(a["dataset_path"], a["num_prompts"], tok.encode)
+            if math.isinf(a["request_rate"]) and any(p.arrival_s for p in prompts):
+                offsets = [p.arrival_s for p in prompts]  # the workload's own schedule, unless a rate is given
     except DatasetError as e:
         fail(str(e))
     if chat and any(not isinstance(p.text, str) for p in prompts):

@@ -7,7 +7,7 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,10 @@ class Prompt:
     text: str | list[int]  # token ids go to /v1/completions as they are
     input_len: int  # tokens, as the dataset counted them
     output_len: int
+    # a workload item's own request fields (its sampling, ignore_eos, add_special_tokens)
+    # and arrival, which the request carries and the schedule keeps
+    body: dict[str, object] = field(default_factory=dict)
+    arrival_s: float = 0.0
 
 
 class DatasetError(ValueError):
@@ -154,8 +158,16 @@ def workload_prompts(path: Path, n: int, encode: Any) -> list[Prompt]:
     out = []
     for it in items[:n]:
         text: str | list[int] = it.prompt if it.prompt is not None else list(it.input_ids or ())
-        out.append(Prompt(text, len(encode(text)) if isinstance(text, str) and encode else len(text),
-                          it.params.max_new_tokens))
+        sp = it.params
+        body: dict[str, object] = {"temperature": sp.temperature, "top_p": sp.top_p}
+        if sp.seed is not None:
+            body["seed"] = sp.seed
+        if sp.ignore_eos:
+            body["ignore_eos"] = True
+        if isinstance(text, str) and not it.add_special_tokens:
+            body["add_special_tokens"] = False  # vLLM's field: the text's own tokens, no BOS
+        n_in = len(encode(text, add_special_tokens=it.add_special_tokens)) if isinstance(text, str) else len(text)
+        out.append(Prompt(text, n_in, sp.max_new_tokens, body, it.arrival_s))
     if len(out) < n:
         raise DatasetError(f"{path}: {len(out)} requests, --num-prompts asks for {n}")
     return out

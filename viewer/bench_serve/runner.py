@@ -35,9 +35,11 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
 def body_for(p: Prompt, model: str, chat: bool, ignore_eos: bool) -> dict[str, object]:
     b: dict[str, object] = {"model": model, "max_tokens": p.output_len, "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
-    if ignore_eos:
+    b.update(p.body)  # a workload item's own fields over the defaults
+    if ignore_eos:  # (the flag asks it of every request)
         b["ignore_eos"] = True
     if chat:  # (the command refuses token-id prompts for chat)
+        b.pop("add_special_tokens", None)  # a chat template writes its own
         b["messages"] = [{"role": "user", "content": p.text}]
     else:
         b["prompt"] = p.text
