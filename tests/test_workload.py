@@ -121,3 +121,19 @@ def test_arrivals_and_sizes_no_clock_can_hold_are_one_line(tmp_path):
     for kw in ({"kv_bytes": parse_size("1e30")}, {"wait_timeout_s": 1e308}):
         with pytest.raises(ConfigError):
             EngineConfig(**kw).validate()
+
+
+def test_a_line_without_an_id_takes_a_default_no_other_line_has(tmp_path):
+    """Line 1 named "req-1"; line 2, unnamed, defaulted to req-1 too and was refused as a
+    duplicate on a line that names no id. It takes another default; two lines that name one
+    id are still refused."""
+    import json
+
+    p = tmp_path / "w.jsonl"
+    p.write_text(json.dumps({"id": "req-1", "prompt": "a", "max_new_tokens": 1}) + "\n"
+                 + json.dumps({"prompt": "b", "max_new_tokens": 1}) + "\n")
+    assert [it.request_id for it in load_workload(p)] == ["req-1", "req-1-2"]
+    p.write_text(json.dumps({"id": "x", "prompt": "a", "max_new_tokens": 1}) + "\n"
+                 + json.dumps({"id": "x", "prompt": "b", "max_new_tokens": 1}) + "\n")
+    with pytest.raises(WorkloadError, match="duplicate request id 'x'"):
+        load_workload(p)

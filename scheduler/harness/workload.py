@@ -13,10 +13,11 @@ The whole file is validated before anything runs; an error names the line and fi
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,11 @@ def load_workload(path: str | Path, vocab_size: int | None = None) -> list[Workl
         except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting too deep
             raise WorkloadError(f"{where}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
         item = parse_item(obj, len(items), where, vocab_size)
+        if item.request_id in seen and isinstance(obj, dict) and "id" not in obj:
+            # a line without an id whose default (req-N) another line took by name: another
+            # default, not a "duplicate" refused on a line that names none
+            k = next(k for k in itertools.count(2) if f"{item.request_id}-{k}" not in seen)
+            item = replace(item, request_id=f"{item.request_id}-{k}")
         if item.request_id in seen:
             raise WorkloadError(f"{where}: field 'id': duplicate request id {item.request_id!r}")
         seen.add(item.request_id)
