@@ -454,11 +454,11 @@ def test_torchrun_starts_every_rank_from_one_command_line_with_its_config_file(t
     the workers read the group sizes and the device from its --config file too (they read
     only the flags: with `tp = 2` in the file they raised tp 1 x pp 1 != world 2)."""
     conf = tmp_path / "c.toml"
-    conf.write_text('tp = 2\ndevice = "cpu"\n')
+    conf.write_text('tp = 2\ndevice = "cpu"\nrequests = 4\n')  # a run option too (workers refused it)
     out = tmp_path / "t"
     p = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
                         "-m", "viewer.commands.torchrun", "run", "--model", "tiny", "--config", str(conf),
-                        "--requests", "4", "--out", str(out), "-q"],
+                        "--out", str(out), "-q"],
                        cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert p.returncode == 0, p.stderr[-2000:]
     meta = read_meta(out)

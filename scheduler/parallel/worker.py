@@ -35,11 +35,9 @@ from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import WaitRegistry, timed_wait
 from probes.watchdog import StallReport, Watchdog
-from scheduler.config import EngineConfig
 from scheduler.model.dtypes import DTYPES
 from scheduler.model.forward_batch import build_forward_batch
 from scheduler.model.forward_step import SamplingArgs, forward_step
-from scheduler.options import read_toml
 from scheduler.seeds import Seed, fork_seeds
 from tracing.writer import TraceWriter
 
@@ -68,13 +66,23 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def _sizes_in(conf: str) -> dict[str, object]:
+    """tp, pp and device from rank 0's --config file. Rank 0 checks the whole file (its run
+    options too, which the engine's config does not name: read as it, they were refused here)."""
+    import tomllib
+
+    with open(conf, "rb") as fh:
+        data = tomllib.load(fh)
+    return {k: data[k] for k in ("tp", "pp", "device") if k in data}
+
+
 def worker_main(argv: list[str]) -> int:
     die_with_parent()
     signal.signal(signal.SIGTERM, _sigterm)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # under torchrun: rank 0's command line, whose --config file may set them too (a flag wins)
     conf = argv_option(argv, "--config", "")
-    toml = read_toml(conf, (EngineConfig,)) if conf and "MSTRACE_TP" not in os.environ else {}
+    toml = _sizes_in(conf) if conf and "MSTRACE_TP" not in os.environ else {}
     tp = int(os.environ.get("MSTRACE_TP") or argv_option(argv, "--tp", str(toml.get("tp", 1))))
     pp = int(os.environ.get("MSTRACE_PP") or argv_option(argv, "--pp", str(toml.get("pp", 1))))
     device = os.environ.get("MSTRACE_DEVICE") or argv_option(argv, "--device", str(toml.get("device", "auto")))
