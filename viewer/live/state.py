@@ -210,8 +210,10 @@ class LiveState:
             # the listing names the running requests' blocks only: a leaked block, or one
             # behind the KV fence, is held though not listed. Then where the free blocks lie
             # is not known (they counted as free: a free run longer than the free count)
+            # (the listing's own blocks: the poll's later events move both sides of the sum)
             cap = int((self.meta.get("model") or {}).get("kv_blocks") or 0)
-            listed = int(np.count_nonzero(self._busy))
+            snap = mem.filter(pc.equal(mem["kind"], "snapshot").fill_null(False))["block_id"]
+            listed = len(pc.unique(snap.filter(pc.greater_equal(snap, 0))))
             self._busy_known = not cap or free_then is None or listed + free_then == cap
 
     def round_rows(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
