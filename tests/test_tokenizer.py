@@ -235,3 +235,11 @@ def test_a_preset_is_read_as_autotokenizer_builds_it_without_importing_transform
     code = (f"import sys; from scheduler.hops.tokenizer import Tokenizer; Tokenizer({str(folder)!r}); "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], timeout=120).returncode == 0
+
+
+def test_a_prompt_ending_in_a_literal_replacement_character_is_not_taken_for_a_cut_one(tok: Tokenizer) -> None:
+    """U+FFFD typed in the prompt is a whole character: the output does not repeat it (the
+    walk back over a prompt cut inside a character took it for one and echoed it)."""
+    p = tok.encode("price: 5\ufffd", add_special_tokens=False)
+    o = tok.encode(" dollars", add_special_tokens=False)
+    assert "".join(_stream(tok, p, o)) == tok.decode(p + o)[len(tok.decode(p)):]

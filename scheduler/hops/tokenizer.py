@@ -10,6 +10,7 @@ first output token survives, exactly as `decode(prompt + output)` minus
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size()) if self._fast else len(self._tok)
 
+    @functools.cached_property
+    def replacement_ids(self) -> list[int]:
+        """The tokens of a literal U+FFFD: a prompt ending in them ends on a whole character."""
+        return self.encode("\ufffd", add_special_tokens=False)
+
     def prompt_context(self, prompt_ids: list[int]) -> list[int]:
         """The suffix of a prompt that output text is decoded after (PROMPT_CONTEXT_MIN)."""
         n, plain = 0, 0
@@ -136,7 +142,10 @@ class IncrementalDetokenizer:
         # last tokens are emitted with the output that completes the character. Counted as
         # emitted, the completed character's text fell short of the prefix's U+FFFD and was
         # lost, and every later push sliced the window at that wrong length.
+        lit = tok.replacement_ids
         while self._read and tok.decode(self._ids[: self._read]).endswith("\ufffd"):
+            if lit and self._ids[max(0, self._read - len(lit)): self._read] == lit:
+                break  # a literal U+FFFD in the prompt: a whole character
             self._read -= 1
 
     def push(self, ids: list[int]) -> str:
