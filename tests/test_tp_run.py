@@ -437,16 +437,17 @@ def test_a_rank_that_did_not_exit_cleanly_after_stop_makes_the_run_an_error(tmp_
 
     failed: list[str] = []
 
-    def fail(msg: str) -> NoReturn:
-        failed.append(msg)
-        raise SystemExit(2)
+    def fail(msg: str, code: int = 2) -> NoReturn:
+        failed.append(f"{code}: {msg}")
+        raise SystemExit(code)
 
     out = tmp_path / "t"
     with pytest.raises(SystemExit), TracedSession(EngineConfig(), out, None, [], "test", fail) as s:
         s.on_close(lambda ok: Coordinator.close(coordinator(0, 1), ok))
         s.ended("complete")
     # (no engine ran here, so the session removes its folder: the end record is the state's)
-    assert s.state == "error" and "rank 2 exited with code 1" in s.detail and failed == [s.detail]
+    assert s.state == "error" and "rank 2 exited with code 1" in s.detail
+    assert len(failed) == 1 and failed[0].startswith("4: the run failed: ") and s.detail in failed[0]  # exit 4
 
 
 def test_torchrun_starts_every_rank_from_one_command_line_with_its_config_file(tmp_path):

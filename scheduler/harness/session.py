@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from scheduler.parallel.worker import RankSeed
     from tracing.writer import TraceWriter
 
-Fail = Callable[[str], NoReturn]
+Fail = Callable[..., NoReturn]  # (message, exit code = 2)
 NO_DETAIL = "the run ended without saying why"
 
 
@@ -179,8 +179,8 @@ class TracedSession:
             if self.device_seed is not None:  # one no engine took
                 self.device_seed.close()
             self._commit_end(engine)
-        if problem:
-            self.fail(problem)
+        if problem:  # the run's exit code for a failure, as a failed engine thread gets
+            self.fail(f"the run failed: {problem}; trace flushed to {self.out}", 4)
 
     def _commit_end(self, engine: Engine | None) -> None:
         meta = (run_meta(engine, self.items, self.source, self.anchor) if engine is not None

@@ -76,7 +76,9 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
     from scheduler.harness.session import fork_device_seeds, fork_rank_seeds
 
     # before a preset's first build runs a torch op
-    seeds, ranks = fork_device_seeds(cfg, 3 if all_modes else 1), fork_rank_seeds(cfg)
+    # (none for --live: its child run forks its own, and these would sit idle beside it)
+    seeds, ranks = ([None], []) if opts.live else (fork_device_seeds(cfg, 3 if all_modes else 1),
+                                                   fork_rank_seeds(cfg))
     try:
         model_dir = resolve_model(cfg.model)
     except (ConfigError, FileNotFoundError, ValueError) as e:
