@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from importers.otlp_spans import OtlpError, decode, request_row, span_row
+from probes.clock import clock_record
 from tracing.run_status import end_record
 
 MAX_BODY = 64 << 20
@@ -44,7 +45,7 @@ class Collector:
             "model": {"name": None},
             "workload": {"source": "otlp", "requests": 0},
             # spans carry the wall clock: the trace's clock is it (no monotonic anchor to apply)
-            "clock": {"name": "CLOCK_REALTIME", "anchor_monotonic_ns": now, "anchor_unix_ns": now},
+            "clock": clock_record((now, now), "CLOCK_REALTIME"),
             "import": {"format": "otlp", "endpoint": f"http://{host}:{port}/v1/traces"},
         }
         self.writer.write_meta(self.meta)

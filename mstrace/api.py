@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from probes import boundaries as B
-from probes.clock import now_ns, wall_anchor
+from probes.clock import clock_record, now_ns, wall_anchor
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, WaitTimeout, timed_wait
 from probes.watchdog import StallReport, Watchdog
 from tracing.run_status import end_record
@@ -70,7 +70,7 @@ class Tracer:
                        "api": API_VERSION},
             "model": {"name": engine},
             "workload": {"source": f"{engine} (mstrace API v{API_VERSION})", "requests": 0},
-            "clock": {"monotonic_ns": mono, "unix_ns": unix},
+            "clock": clock_record((mono, unix)),  # (the old keys were read by nothing: a stall said "ts N")
             "host": {"hostname": platform.node(), "pid": os.getpid()},
             "api": {"version": API_VERSION, "engine": engine},
         }

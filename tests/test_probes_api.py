@@ -78,3 +78,6 @@ def test_a_wait_that_never_ends_is_caught_by_the_watchdog_and_named(tmp_path):
     assert any("wait" in f for s in st[0]["stacks"] for f in s["frames"])  # the waiting thread's stack, live
     first = cli("report", str(out)).stdout.splitlines()[0]
     assert first.startswith("STALLED")
+    # the clock anchor under the keys every reader takes (the API wrote others: a stall said "ts N")
+    clock = json.loads((out / "meta.json").read_text())["clock"]
+    assert {"anchor_monotonic_ns", "anchor_unix_ns"} <= clock.keys()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from probes.clock import now_ns, wall_anchor
+from probes.clock import clock_record, now_ns, wall_anchor
 from probes.cpu import cpu_record, sample_cpu
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine, StepStats
@@ -149,7 +149,7 @@ def start_meta(
         # a server's workload is whatever arrives: no digest (two served traces are not one workload)
         "workload": {"source": workload_source, "requests": len(items),
                      "digest": workload_digest(items) if items else None},
-        "clock": {"name": "CLOCK_MONOTONIC", "anchor_monotonic_ns": mono, "anchor_unix_ns": unix},
+        "clock": clock_record((mono, unix)),
     }
 
 
