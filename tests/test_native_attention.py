@@ -190,3 +190,14 @@ def test_a_kv_groups_two_heads_together_are_each_head_alone(d):
                                     blocks, ctx, bs, None)
     assert paired is not None and alone is not None
     assert torch.equal(paired.view(torch.int16), alone.view(torch.int16))
+
+
+def test_a_build_without_the_exported_limit_is_no_library_not_a_failed_import():
+    """An in-place build from before MAX_HEAD_DIM was exported has no such symbol: the torch
+    path takes over (ctypes' ValueError failed the import)."""
+    import ctypes
+
+    from scheduler.model import native_attention
+
+    assert native_attention.max_head_dim(ctypes.CDLL(None)) == 0 and native_attention.max_head_dim(None) == 0
+    assert native_attention.MAX_HEAD_DIM == 256 or not native_attention.AVAILABLE

@@ -49,12 +49,17 @@ def load_library(path: Path | None = None) -> ctypes.CDLL | None:
 
 def max_head_dim(lib: ctypes.CDLL | None) -> int:
     """The largest head size the library takes (_attention.c's MAX_HEAD_DIM: its row sums
-    hold that many values); 0 without one."""
-    return int(ctypes.c_int64.in_dll(lib, "attention_max_head_dim").value) if lib is not None else 0
+    hold that many values); 0 without one, or for a build from before the limit was exported
+    (an in-place build left behind: the torch path, not a failed import)."""
+    try:
+        return int(ctypes.c_int64.in_dll(lib, "attention_max_head_dim").value) if lib is not None else 0
+    except ValueError:  # ctypes: no such symbol
+        return 0
 
 
 _LIB = load_library()
 MAX_HEAD_DIM = max_head_dim(_LIB)
+_LIB = _LIB if MAX_HEAD_DIM else None
 AVAILABLE = _LIB is not None
 # the C entry point for each dtype it takes
 _ENTRIES = {torch.float32: "decode_attention", torch.bfloat16: "decode_attention_bf16"}
