@@ -581,7 +581,8 @@ def test_sharded_model_single_rank(tmp_path: Path) -> None:
 def test_a_tp_collective_waits_as_long_as_its_waiter_allows_not_the_groups_setup_timeout(tmp_path: Path) -> None:
     """gloo applies a group's timeout to each collective: the TP group took the setup's (60 s
     in a run), which cut an all-reduce whose waiter allows longer (--on-stall continue, a long
-    --wait-timeout) with a raw gloo error. Here setup's is 1 s and the peer is 2.5 s late."""
-    results = launch({"ckpt": "", "world": 2, "tp": 2, "pp": 1, "overlaps": (), "init_timeout_s": 1.0,
-                      "late_peer_s": 2.5}, tmp_path)
+    --wait-timeout) with a raw gloo error. Here setup's is 5 s (room for two forked ranks to meet
+    on a loaded host) and the peer is 7 s late."""
+    results = launch({"ckpt": "", "world": 2, "tp": 2, "pp": 1, "overlaps": (), "init_timeout_s": 5.0,
+                      "late_peer_s": 7.0}, tmp_path)
     assert [r["late"] for r in results] == [[3.0, 3.0], [3.0, 3.0]]
