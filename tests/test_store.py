@@ -462,7 +462,7 @@ def test_a_row_its_table_cannot_hold_is_set_aside_and_later_rows_are_committed(t
     assert len(err) == 1 and "probes rows its columns cannot hold are set aside" in err[0]
 
 
-def test_a_tap_that_raises_costs_its_own_view_not_the_writers_bookkeeping_or_close(tmp_path: Path) -> None:
+def test_a_tap_that_raises_costs_its_own_view_not_the_writers_bookkeeping_or_close(tmp_path: Path, capsys) -> None:
     """A live view's tap raising after a commit (serve's cost table): the rows are committed
     and counted, the next taps run, and close() completes (it raised on every flush after)."""
     w = TraceWriter(tmp_path, flush_interval_s=3600, targets=SMALL)
@@ -480,4 +480,6 @@ def test_a_tap_that_raises_costs_its_own_view_not_the_writers_bookkeeping_or_clo
         w.flush()
     w.close({"model": {"kv_blocks": 4}, "run": {"status": "complete"}})
     assert seen == [3, 3] and w.rows_written("probes") == 6 and isinstance(w.last_error, ValueError)
+    err = capsys.readouterr().err.strip().splitlines()  # said once, not every flush
+    assert len(err) == 1 and "a live view of the probes rows failed" in err[0] and "a view's bug" in err[0]
     assert steps_of(tmp_path) == list(range(6))

@@ -46,6 +46,7 @@ from tracing.compaction import Merge, Targets, plan_full, plan_tiered
 from tracing.durable import fsync_dir, replace_durably
 from tracing.manifest import SEALED, STORE, Manifest, ManifestError, PartEntry, write_manifest
 from tracing.reader import Part, part_batches
+from tracing.run_status import first_line
 from tracing.schema import DRAIN_ORDER, SCHEMA_VERSION, TABLES, TIMESTAMPS
 from tracing.store_lock import WriterLock
 
@@ -337,6 +338,7 @@ class TraceWriter:
         self.last_error: BaseException | None = None  # the background thread's, kept for diagnosis
         self._closed = False
         self._taps: dict[str, list[Callable[[pa.Table], None]]] = {}
+        self._tap_failed = False
         self._thread = threading.Thread(target=self._loop, name="trace-writer", daemon=True)
         self._thread.start()
 
@@ -405,6 +407,10 @@ class TraceWriter:
                         fn(t)
                     except Exception as e:  # noqa: BLE001 - a view's failure; the rows are committed
                         # raising here skipped the bookkeeping below, and failed close() for good
+                        if not self._tap_failed:  # said once: the view may go stale, the trace does not
+                            print(f"trace writer: a live view of the {name} rows failed (they are committed "
+                                  f"all the same): {first_line(e)}", file=sys.stderr, flush=True)
+                        self._tap_failed = True
                         self.last_error = e
             for name, rows in drained:
                 self._rows_written[name] += len(rows)
