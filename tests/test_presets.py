@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -192,7 +193,7 @@ def test_second_call_reuses_cache(tiny_dir: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_build_leaves_only_the_final_folder(tmp_path: Path) -> None:
     folder = ensure_preset("tiny", tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([folder.name, f".{folder.name}.lock"])
     assert folder.stat().st_mode & 0o755 == 0o755  # not mkdtemp's owner-only mode
 
 
@@ -204,7 +205,7 @@ def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
         m.setattr(presets, "generate_weights", fail)
         with pytest.raises(RuntimeError, match="killed"):
             ensure_preset("tiny", tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
     assert presets._is_complete(ensure_preset("tiny", tmp_path))
 
 
@@ -220,14 +221,16 @@ def test_stale_temp_folder_is_swept(tmp_path: Path) -> None:
 
 
 def test_concurrent_builds_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Make both threads finish building before either renames, forcing one to
-    # lose the rename race.
-    barrier = threading.Barrier(2, timeout=60)
+    """Two callers at once: one builds, the other waits on the build's lock and takes its
+    folder (both built, and the one that found the folder incomplete could remove it under
+    the other's load)."""
     real_build = presets.build_preset
+    builds: list[Path] = []
 
     def slow_build(spec: presets.PresetSpec, out_dir: Path, name: str = "custom") -> None:
+        builds.append(out_dir)
+        time.sleep(0.5)  # the other caller arrives meanwhile (it waits either way: no assert times it)
         real_build(spec, out_dir, name)
-        barrier.wait()
 
     monkeypatch.setattr(presets, "build_preset", slow_build)
     results: list[Path] = []
@@ -245,8 +248,8 @@ def test_concurrent_builds_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for t in threads:
         t.join()
     assert not errors
-    assert len(results) == 2 and results[0] == results[1]
-    assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
+    assert len(results) == 2 and results[0] == results[1] and len(builds) == 1
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [results[0].name]
     assert presets._is_complete(results[0])
 
 
@@ -328,8 +331,8 @@ def test_default_preset_builds_and_loads(tmp_path_factory: pytest.TempPathFactor
 def test_a_build_renamed_in_after_the_check_is_kept_not_removed(tiny_dir: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Process A finds no complete preset; B renames its finished build into place; A then
-    saw a folder under the final name and removed it, deleting B's under B's load. It is
-    moved aside, found complete, and put back: no rebuild, B's files untouched."""
+    saw a folder under the final name and removed it, deleting B's under B's load. A looks
+    again under the build lock and takes B's folder: no rebuild, B's files untouched."""
     final = tmp_path / tiny_dir.name
     shutil.copytree(tiny_dir, final)
     (final / "b.sentinel").write_text("B's build")
@@ -343,4 +346,4 @@ def test_a_build_renamed_in_after_the_check_is_kept_not_removed(tiny_dir: Path, 
     monkeypatch.setattr(presets, "build_preset", lambda *a, **k: (_ for _ in ()).throw(AssertionError("rebuilt")))
     assert ensure_preset("tiny", tmp_path) == final
     assert (final / "b.sentinel").read_text() == "B's build" and real(final)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [final.name]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 if sys.platform == "win32":
@@ -45,6 +47,25 @@ else:
 
     def _unlock(fd: int) -> None:
         pass  # closing the descriptor drops the flock
+
+
+@contextmanager
+def exclusive(path: Path, timeout_s: float) -> Iterator[None]:
+    """`path`'s lock held for the block, by this process alone: other processes wait (up to
+    `timeout_s`, then RuntimeError). Dropped by the kernel if the process dies in the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _try_lock(fd, exclusive=True):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{path} is held by another process for more than {timeout_s:.0f} s")
+            time.sleep(0.05)
+        try:
+            yield
+        finally:
+            _unlock(fd)
+    finally:
+        os.close(fd)
 
 
 def lock_path(root: Path, rank: int) -> Path:

@@ -354,25 +354,7 @@ def _remove_stale_tmp(parent: Path, key: str) -> None:
             pass
 
 
-def _set_aside_incomplete(final: Path, parent: Path, key: str) -> bool:
-    """An incomplete folder under the final name (files deleted by hand) is moved aside and
-    removed, so the build can take the name; True where it turned out complete after all: a
-    racing build renamed its folder in after the caller's check (removing it in place
-    deleted that build under the process about to load it)."""
-    aside = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))  # swept as a stale build if killed
-    try:
-        os.rename(final, aside)  # atomic: what is moved is whatever holds the name now
-    except OSError:
-        aside.rmdir()
-        return _is_complete(final)
-    if _is_complete(aside):
-        try:
-            os.rename(aside, final)
-            return True
-        except OSError:  # a third build took the name meanwhile
-            pass
-    shutil.rmtree(aside, ignore_errors=True)
-    return _is_complete(final)
+BUILD_LOCK_TIMEOUT_S = 1800.0  # another process's build of the same preset: the default preset takes minutes
 
 
 def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
@@ -380,8 +362,9 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
 
     The build happens in a temp folder next to the final one and is renamed
     into place in one step, so a reader never sees a half-written preset and a
-    killed build leaves nothing under the final name. Two processes racing
-    both build; the first rename wins and the loser discards its copy.
+    killed build leaves nothing under the final name. One build at a time (a
+    lock file beside it, `.KEY.lock`): a second process waits and takes the
+    first's folder.
     """
     spec = get_spec(name)
     parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -390,8 +373,21 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
     if _is_complete(final):
         return final
     parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and _set_aside_incomplete(final, parent, key):
-        return final  # another process's build was renamed in after the check above
+    from tracing.store_lock import exclusive
+
+    # One build at a time: a second process waits, then finds the first's folder complete.
+    # (Without it, a process that found the folder incomplete removed it under another that
+    # had just renamed its build in and was about to load it.)
+    with exclusive(parent / f".{key}.lock", BUILD_LOCK_TIMEOUT_S):
+        if _is_complete(final):
+            return final
+        if final.exists():  # files deleted by hand; no build runs now (the lock), so none is lost
+            shutil.rmtree(final, ignore_errors=True)
+        _build_into(spec, name, parent, key, final)
+    return final
+
+
+def _build_into(spec: PresetSpec, name: str, parent: Path, key: str, final: Path) -> None:
     _remove_stale_tmp(parent, key)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
     try:
@@ -400,8 +396,8 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
         # and a cache shared between users or containers must be readable.
         os.chmod(tmp, 0o755)
         try:
-            # rename(2) of a directory is atomic and refuses to replace a
-            # non-empty one, which is how a lost race shows up.
+            # rename(2) of a directory is atomic and refuses to replace a non-empty one:
+            # a build by a process that took no lock (an older mstrace) got there first
             os.rename(tmp, final)
         except OSError:
             if not _is_complete(final):
@@ -409,7 +405,6 @@ def ensure_preset(name: str, cache_dir: Path | None = None) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
