@@ -134,6 +134,10 @@ def test_a_lane_shows_the_outer_row_again_once_a_row_nested_in_it_ends() -> None
     lane = Lane(0, "host", np.array([0, 10]), np.array([100, 20]), [B.DEFRAG, B.KV_FENCE], np.array([1, 1]),
                 B.KV_FENCE, False)
     assert lane.cells(0, 100, 10) == [B.DEFRAG, B.KV_FENCE] + [B.DEFRAG] * 8
+    # three deep: past the innermost's end, the middle row, not the outermost
+    lane = Lane(0, "host", np.array([0, 10, 20]), np.array([100, 60, 30]), [B.DEFRAG, B.BOOKKEEPING, B.KV_FENCE],
+                np.array([1, 1, 1]), B.KV_FENCE, False)
+    assert lane.cells(0, 100, 10) == [B.DEFRAG, B.BOOKKEEPING, B.KV_FENCE] + [B.BOOKKEEPING] * 3 + [B.DEFRAG] * 4
 
 
 def test_attached_at_a_snapshot_that_does_not_list_every_held_block_fragmentation_is_unknown() -> None:

@@ -58,19 +58,34 @@ class Lane:
         k = 4
         s = t0 + (np.arange(width * k) + 0.5) * ((t1 - t0) / (width * k))
         i = np.searchsorted(self.start, s, side="right") - 1
-        ok = np.maximum(i, 0)
-        hit = (i >= 0) & (self.end[ok] > s)
-        # past the end of a nested row, the row around it (the one reaching furthest so far)
-        reach = np.maximum.accumulate(self.end)
-        outer = np.maximum.accumulate(np.where(self.end >= reach, np.arange(len(self.end)), 0))
-        around = (i >= 0) & ~hit & (reach[ok] > s)
-        i = np.where(around, outer[ok], i)
-        hit |= around
+        hit = (i >= 0) & (self.end[np.maximum(i, 0)] > s)
+        missed = np.flatnonzero((i >= 0) & ~hit)
+        if len(missed):  # past the end of a nested row: the innermost row around it still open
+            parent = self._parents()
+            for j in missed.tolist():
+                r = parent[i[j]]
+                while r >= 0 and self.end[r] <= s[j]:
+                    r = parent[r]
+                if r >= 0:
+                    i[j], hit[j] = r, True
         out: list[str] = []
         for c in range(width):
             got = [self.boundary[i[j]] for j in range(c * k, c * k + k) if hit[j]]
             # a tie goes to the earlier sample: a set's order changes with the hash seed
             out.append(max(got, key=lambda b: (got.count(b), -got.index(b))) if got else "")
+        return out
+
+
+    def _parents(self) -> list[int]:
+        """Per row, the row it started inside (the latest-starting one still open), -1 for none."""
+        out: list[int] = [-1] * len(self.start)
+        open_: list[int] = []
+        for r, (a, z) in enumerate(zip(self.start.tolist(), self.end.tolist(), strict=True)):
+            while open_ and self.end[open_[-1]] <= a:
+                open_.pop()
+            out[r] = open_[-1] if open_ else -1
+            if z > a:
+                open_.append(r)
         return out
 
 
