@@ -40,6 +40,14 @@ def test_the_profilers_host_view_agrees_with_the_probes(tmp_path, mode, device):
     # nothing to do (scheduler/harness/torch_profile.py), and how many depends on the
     # machine's load (a fixed bound of 3 failed with 4 when three workers shared 2 cores)
     assert prof_rep["cycles"] >= probe["cycles"]
+    # on the wall clock both traces start the run together: the import moved the profiler's
+    # times by its file's baseTimeNanoseconds (Kineto writes ts relative to it)
+    base = json.loads((prof / "rank0.pt.trace.json").read_text())["baseTimeNanoseconds"]
+    m_run, m_imp = (json.loads((d / "meta.json").read_text()) for d in (run, imp))
+    assert m_imp["clock"]["anchor_unix_ns"] == base
+    unix_run = m_run["run"]["start_ns"] - m_run["clock"]["anchor_monotonic_ns"] + m_run["clock"]["anchor_unix_ns"]
+    unix_imp = m_imp["run"]["start_ns"] - m_imp["clock"]["anchor_monotonic_ns"] + m_imp["clock"]["anchor_unix_ns"]
+    assert abs(unix_imp - unix_run) < 1_000_000_000, (unix_imp - unix_run) / 1e9
 
 
 def test_mode_all_writes_a_profile_per_mode_and_a_file_is_not_a_folder(tmp_path):
