@@ -502,7 +502,7 @@ class TraceWriter:
                 raise  # not a row's fault
             if not self._refused[name]:
                 print(f"trace writer: {name} rows its columns cannot hold are set aside "
-                      f"(meta.json run.writer.refused): {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+                      f"(meta.json run.writer.refused): {first_line(e)[:200]}", file=sys.stderr, flush=True)
             self._refused[name] += len(rows) - len(good)
             rows[:] = good
             return self._table(name, rows)

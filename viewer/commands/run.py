@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from scheduler.config import EngineConfig
+from scheduler.config import MODES, EngineConfig
 from scheduler.harness.run_options import RunOptions
 from tracing.run_status import first_line
 from viewer.analysis.report import build_report
@@ -151,7 +151,7 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
         return
     # The control group: the same workload through all three modes.
     outs = {}
-    for mode, seed in zip(("serial", "timeslice", "overlap"), seeds, strict=True):
+    for mode, seed in zip(MODES, seeds, strict=True):
         outs[mode] = out / mode
         # a profile each, beside the other modes' (their one file was overwritten twice)
         o = replace(opts, torch_profile=opts.torch_profile / mode) if opts.torch_profile is not None else opts
@@ -167,7 +167,6 @@ def execute_run(cfg: EngineConfig, opts: RunOptions, console: Console, fail: Fai
 def checked(cfg: EngineConfig, opts: RunOptions) -> EngineConfig:
     """The configuration that runs (its first mode's, for --mode all), once `opts` and the
     configuration of every mode it runs are valid; ConfigError otherwise."""
-    from scheduler.config import MODES
     from scheduler.options import ConfigError
 
     opts.validate()
@@ -209,9 +208,6 @@ def _say_rejections(out: Path, fail: Callable[..., NoReturn]) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-MODES_FOLDERS = {"serial", "timeslice", "overlap"}  # a `--mode all` run's traces
-
-
 def check_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
     """--out must be new, empty, or (with --force) a trace to replace that no writer holds.
     Checks only: `claim_out` removes, once every other input has been checked."""
@@ -227,7 +223,7 @@ def check_out(out: Path, force: bool, fail: Callable[[str], NoReturn]) -> None:
             fail(f"--force replaces a trace, and {out} holds other files: choose another --out")
         from tracing.store_lock import live_ranks
 
-        for t in (out, *(p for p in out.iterdir() if p.name in MODES_FOLDERS)):
+        for t in (out, *(p for p in out.iterdir() if p.name in MODES)):
             if live_ranks(t):  # its writer would go on into the new run's folder, corrupting both
                 fail(f"{t} is being written by a running mstrace (its writer holds the trace's lock): "
                      "--force replaces only a finished or killed trace")
@@ -250,7 +246,7 @@ def is_trace_folder(path: Path) -> bool:
         return (p / "meta.json").is_file() or (p / "manifest.json").is_file()
 
     subs = list(path.iterdir())
-    return trace(path) or (bool(subs) and all(p.name in MODES_FOLDERS and p.is_dir() and trace(p) for p in subs))
+    return trace(path) or (bool(subs) and all(p.name in MODES and p.is_dir() and trace(p) for p in subs))
 
 
 def _check_prompts_have_a_tokenizer(items: list[Any], model_dir: Path, workload: Path) -> None:
