@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from probes import boundaries as B
+from scheduler.config import MODES  # (no torch: the viewer stays light)
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.records import OMITTED, JsonRecord, Omitted
@@ -37,7 +38,6 @@ from viewer.analysis.whatif_probe import Probe, measured, own, replayed, rounds
 from viewer.analysis.whatif_share import Rates, as_run
 from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
 
-MODES = ("serial", "timeslice", "overlap")
 DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
 # Which boundary each component is, for the critical-path table: SCALES read backwards.
 COMPONENT_BOUNDARY = {c: boundary for boundary, comps in SCALES.items() for c in comps} | {"idle": B.IDLE}
