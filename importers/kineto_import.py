@@ -39,7 +39,7 @@ from importers.kineto_events import (
 from importers.kineto_host import Rounds, find_rounds, host_rows, idle_by_range, scheduling_thread
 from importers.kineto_stream import KinetoError, KinetoFile
 from probes import boundaries as B
-from tracing.run_status import end_record
+from tracing.run_status import end_record, first_line
 from tracing.schema import TABLES
 from viewer.analysis.intervals import Coverage, subtract
 
@@ -149,7 +149,7 @@ def import_kineto(paths: list[Path], out: Path, opts: ImportOptions) -> ImportRe
         except KinetoError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # an event without its ts, a null dur
-            raise KinetoError(f"{f}: a malformed event ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+            raise KinetoError(f"{f}: a malformed event ({type(e).__name__}: {first_line(e)[:120]})") from None
         if not len(ev.h_ts) and not len(ev.d_ts):
             raise KinetoError(f"{f}: not a Kineto trace: no complete events (X) of a known category")
         dist = kf.meta.get("distributedInfo") or {}

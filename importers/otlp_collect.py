@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from importers.otlp_spans import OtlpError, decode, request_row, span_row
 from probes.clock import clock_record
-from tracing.run_status import end_record
+from tracing.run_status import end_record, first_line
 
 MAX_BODY = 64 << 20
 
@@ -66,7 +66,7 @@ class Collector:
             for name, got in (("spans", [r for r, _ in rows]), ("requests", [q for _, q in rows if q is not None])):
                 pa.array(got, type=pa.struct(list(self.writer.schemas[name])))
         except (ValueError, TypeError, OverflowError, pa.ArrowException) as e:
-            raise OtlpError(f"a span this trace cannot hold: {str(e).splitlines()[0][:200]}") from None
+            raise OtlpError(f"a span this trace cannot hold: {first_line(e)[:200]}") from None
         with self._lock:
             for sr, rr in rows:
                 self._spans.append(sr)

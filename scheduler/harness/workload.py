@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.core.request import MAX_LOGPROBS, SamplingParams
+from tracing.run_status import first_line
 
 MAX_ARRIVAL_S = 1e8  # three years: an arrival's ns stay far inside int64
 FIELDS = {"id", "prompt", "input_ids", "max_new_tokens", "temperature", "top_p", "seed", "ignore_eos", "arrival_s",
@@ -152,7 +153,7 @@ def load_workload(path: str | Path, vocab_size: int | None = None) -> list[Workl
         except json.JSONDecodeError as e:
             raise WorkloadError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting too deep
-            raise WorkloadError(f"{where}: not valid JSON ({str(e).splitlines()[0][:120]})") from None
+            raise WorkloadError(f"{where}: not valid JSON ({first_line(e)[:120]})") from None
         item = parse_item(obj, len(items), where, vocab_size)
         if item.request_id in seen and isinstance(obj, dict) and "id" not in obj:
             # a line without an id whose default (req-N) another line took by name: another
