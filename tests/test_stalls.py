@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -98,13 +99,20 @@ def test_leak_report_lists_exactly_the_injected_blocks(tmp_path, tiny_runs: Tiny
 
 
 def test_watchdog_costs_under_one_percent():
+    # The claim is a rate (checking time over the run's), so the run must span several
+    # checks whatever the host's speed: one workload took 0.39 s here (3 checks) and
+    # under 0.3 s on CI (2). It is repeated, under new ids, until 5 checks (at most 10 times).
+    items = synthetic_workload(SyntheticSpec(64, (16, 128), (64, 128)), 500, {0, 1, 2})
     eng = Engine(EngineConfig(cpu_device="thread", model="tiny"))
     try:
         t0 = time.monotonic_ns()
-        run_workload(eng, synthetic_workload(SyntheticSpec(64, (16, 128), (64, 128)), 500, {0, 1, 2}))
+        for rep in range(10):
+            run_workload(eng, [replace(it, request_id=f"{rep}-{it.request_id}") for it in items])
+            if eng.watchdog.checks >= 5:
+                break
         wall = time.monotonic_ns() - t0
     finally:
         eng.close()
     wd = eng.watchdog
-    assert wd.checks >= 3 and wd.stalls_reported == 0
+    assert wd.checks >= 5 and wd.stalls_reported == 0
     assert wd.busy_ns / wall < 0.01, (wd.busy_ns, wall)
