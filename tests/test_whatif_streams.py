@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.cli import mstrace
+from tests.support.whatif_batches import random_drains
 from tests.test_whatif import MS, SAMPLES, batches
 from viewer.analysis.whatif import whatif
 from viewer.analysis.whatif_fit import _cold_starts, load
@@ -51,7 +52,7 @@ def _random(data: st.DataObject, n: int, with_pre: bool) -> Batches:
     arr["D"] += 0.01 * MS  # every batch has device work (one without would have no turn either)
     if not with_pre:
         arr["D_pre"] = np.zeros(n)
-    return Batches(**arr, not_before=np.zeros(n), head_Q=data.draw(comp) * MS, tail_P=data.draw(comp) * MS)
+    return Batches(**arr, not_before=np.zeros(n), **random_drains(data, n))
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,7 +69,7 @@ def test_without_prefill_parts_two_streams_are_one(n, overlap, m, p, data):
 def test_the_critical_path_of_two_streams_is_the_whole_run(n, overlap, m, p, data):
     b = _random(data, n, with_pre=True)
     tl = simulate(b, overlap, StreamShare(m, p))
-    assert sum(critical_path(b, tl, overlap).values()) == pytest.approx(tl.end, rel=1e-9, abs=1e-3)
+    assert sum(critical_path(b, tl).values()) == pytest.approx(tl.end, rel=1e-9, abs=1e-3)
 
 
 @settings(max_examples=60, deadline=None)

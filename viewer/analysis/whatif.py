@@ -159,7 +159,7 @@ def _figures(run: Run, b: Batches, tl: Timeline) -> Figures:
     ttft = (first - run.arrival) / 1e6
     vals, w, _ = itl_rounds(run.requests["token_runs"].chunks, run.steps, collect)
     itl = Dist.weighted(vals, w)
-    busy = busy_ns(b, tl)
+    busy = busy_ns(tl)
     lo, hi = int(run.arrival.min()), int(finish.max())
     if run.unserved_bounds is not None:  # the report's span: every request row's
         lo, hi = min(lo, run.unserved_bounds[0]), max(hi, run.unserved_bounds[1])
@@ -248,7 +248,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         streams_source=streams_source, cold_start_ms=point.cold_ns / 1e6, backend=_backend(run.trace),
         batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, fit_tl),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
-        critical_path=_path_table(b, tl, overlap), device_bound_batches=b.n - host, host_bound_batches=host,
+        critical_path=_path_table(b, tl), device_bound_batches=b.n - host, host_bound_batches=host,
         against=check,
     )
 
@@ -368,7 +368,7 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
         return None
     overlap = rounds_mode(run.trace.meta.get("config", {})) == "overlap"
     b, tl = replayed(run, measured(run.trace.meta)[0], overlap)
-    return _path_table(b, tl, overlap)
+    return _path_table(b, tl)
 
 
 def _device_busy(tl: Timeline) -> float:
@@ -379,16 +379,19 @@ def _device_busy(tl: Timeline) -> float:
     return float(np.maximum(iv[:, 1] - np.maximum(iv[:, 0], before), 0.0).sum())
 
 
-def _path_table(b: Batches, tl: Timeline, overlap: bool) -> list[PathRow]:
+def _path_table(b: Batches, tl: Timeline) -> list[PathRow]:
     """The critical path per boundary, ms per round, largest first."""
-    path = critical_path(b, tl, overlap)
+    path = critical_path(b, tl)
     # of the two inputs of a max() (L or T: what held the batch's start; C or W: its collect)
     # only the one it took is time the run spent; counting both showed the barrier slack it
     # does not have (a speedup of it "within its slack" still lengthened the run)
-    nxt = np.arange(b.n) + (1 if overlap else 0)
-    by_c = tl.dev_end + b.C >= tl.launched[nxt] + b.W
+    by_c = tl.dev_end + b.C >= tl.launched[tl.collect_round] + b.W
     taken = {"L": np.where(tl.held, 0.0, b.L), "T": np.where(tl.held, np.maximum(b.T, 0), 0.0),  # (as the path counts them)
              "C": np.where(by_c, b.C, 0.0), "W": np.where(by_c, 0.0, b.W)}
+    # overlap's rounds that launch or collect nothing: their intake and their hand-off
+    drains, fresh = tl.launches < 0, tl.collects < 0
+    taken["P_book"] = np.append(b.P_book, b.tail_P[tl.collects[drains]])
+    taken["Q_book"] = np.append(b.Q_book, b.head_Q[tl.launches[fresh]])
     rows: dict[str, list[float]] = {}
     for comp in (*COMPONENTS, "idle"):
         if comp == "D_pre":  # inside the batches' device spans, which D's row counts

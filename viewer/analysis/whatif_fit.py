@@ -147,6 +147,24 @@ def _hand_over_guesses(L_seen: np.ndarray, T_seen: np.ndarray, by_launch: np.nda
 
 
 
+def _drains(overlap: bool, b_idx: np.ndarray, pre_book: np.ndarray, post: np.ndarray,
+            left: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Overlap's rounds that launch or collect nothing (`Batches.drained`, `head_Q`, `tail_P`).
+    An overlap trace shows them: a batch whose next round launched nothing. A serial trace
+    has none, but an overlap run of it would after each batch that left no request running or
+    waiting (`left`, counted at the round's end): the draining round's intake and the next
+    round's hand-off, which that trace never ran, are its rounds' medians (intake; hand-off and gap)."""
+    if overlap:
+        drained = np.append(b_idx[1:] != b_idx[:-1] + 1, True)
+        fresh = np.concatenate([[True], drained[:-1]])
+        return (drained, np.where(fresh, post[b_idx], 0.0).astype(np.float64),
+                np.where(drained, pre_book[b_idx + 1], 0.0).astype(np.float64))
+    drained = np.append(left[:-1] == 0, True)
+    fresh = np.concatenate([[True], drained[:-1]])
+    return (drained, np.where(fresh, float(np.median(post[b_idx])), 0.0),
+            np.where(drained, float(np.median(pre_book[b_idx])), 0.0))
+
+
 def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None:
     if served.all():
         return None
@@ -164,7 +182,8 @@ def load(root: str | Path) -> Run:
                           "whatif reads traces of mstrace run/serve")
     if not tr.meta.get("config", {}).get("probes", True):
         raise WhatIfError(f"{root} was recorded with --no-probes: the model is fitted to each round's probe rows")
-    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens"])
+    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens",
+                           "num_waiting", "num_running"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
     order = pc.sort_indices(s, [("step", "ascending")])
@@ -268,12 +287,13 @@ def load(root: str | Path) -> Run:
     rb = np.searchsorted(start[b_idx], fs[has], side="right") - 1
     ok = rb >= 0
     np.maximum.at(not_before, rb[ok], (arr[has][ok] - t0).astype(np.float64))
-    tail_P = float(pre_book[-1]) if overlap else 0.0
-    head_Q = float(post_book[0] + send[0] + defrag[0] + gap[0]) if overlap else 0.0
+    drained, head_Q, tail_P = _drains(overlap, b_idx, pre_book, post_book + send + defrag + gap,
+                                      (s["num_waiting"].to_numpy() + s["num_running"].to_numpy())[b_idx])
     bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, D_pre=D_pre,
                  C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
-                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), head_Q=head_Q, tail_P=tail_P)
+                 G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), drained=drained,
+                 head_Q=head_Q, tail_P=tail_P)
     runs = rq["token_runs"]
     lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(runs).to_numpy()

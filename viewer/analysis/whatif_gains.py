@@ -40,10 +40,10 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, round
     def cycle(b: Batches, overlapped: bool, split: bool = run.split) -> float:
         b = as_run(b, share, overlapped)
         t = simulate(b, overlapped, streams if split else None)
-        return busy_ns(b, t) / t.rounds
+        return busy_ns(t) / t.rounds
 
     fit, tl = replayed(run, point, overlap, trace_cold=False)  # cold starts found as the predictions find them
-    base = busy_ns(fit, tl) / tl.rounds
+    base = busy_ns(tl) / tl.rounds
     out = {name: cycle(alone.sped_up(name, 0.5, None), overlap) / base - 1 for name in boundaries if name in SCALES}
     if mode == "serial" and tp_pp(cfg) == (1, 1):
         split = split_on(cfg, "overlap")

@@ -28,7 +28,9 @@ later), Q, G one after another. Overlap: round r prepares and launches batch r, 
   start[r+1]  = max(synced[r-1] + Q[r-1] + G[r-1], arrival of r+1's new requests)
 
 Overlap's first round collects nothing (its post work is `head_Q`) and its last launches
-nothing (its prepare is `tail_P`). Split streams (`StreamShare`) put each batch's D and D_pre
+nothing (its prepare is `tail_P`); so does every round after one that found nothing to launch
+mid-run (`drained`: the running requests all finished with the batch in flight), which
+collects that batch at once rather than with the next arrival's launch. Split streams (`StreamShare`) put each batch's D and D_pre
 on two queues of their own (`two_streams`).
 
 The batches themselves (who runs in which round) are the trace's: the model moves
@@ -47,7 +49,7 @@ SCALES: dict[str, tuple[str, ...]] = {
     "device_compute": ("D", "D_pre"),
     "all_reduce": ("A",),  # TP's collectives, as far as the device span waited on them
     "batch_prepare": ("P_prep",),
-    "bookkeeping": ("P_book", "Q_book"),
+    "bookkeeping": ("P_book", "Q_book", "tail_P"),  # (tail_P: a draining round's intake)
     "response_send": ("Q_send",),
     "defrag": ("Q_defrag",),
     "scheduler_barrier": ("L", "T", "C", "W"),  # the barrier's own cost: hand-over and wake-up latency, not the device's work
@@ -63,7 +65,8 @@ MAX_INPUTS: dict[str, tuple[tuple[str, ...], ...]] = {"scheduler_barrier": (("L"
 @dataclass(slots=True)
 class Batches:
     """Per batch b (the round that launched it), in ns. Rounds that launched nothing
-    (overlap's last, draining round) have no batch; their prepare time is in `tail_P`."""
+    (overlap's draining rounds) have no batch; their prepare time is the `tail_P` of the
+    batch they collect."""
 
     P_book: np.ndarray
     P_prep: np.ndarray
@@ -79,13 +82,29 @@ class Batches:
     Q_defrag: np.ndarray
     G: np.ndarray
     not_before: np.ndarray  # the latest arrival among the requests the batch admits (0: none)
-    head_Q: float  # overlap's first round: hand-off and gap, with nothing collected
-    tail_P: float  # overlap's draining round: intake, with nothing launched
+    # overlap: the batch is collected by a round that launches nothing (the last batch always;
+    # mid-run, where its requests all finished with it and none was waiting), so the round
+    # launching the next batch collects nothing
+    drained: np.ndarray
+    head_Q: np.ndarray  # overlap, where the round launching the batch collects nothing: its hand-off and gap
+    tail_P: np.ndarray  # overlap, where the batch is drained: the draining round's intake
     cold: float = 0.0  # what a forward takes longer when the device idled COLD_GAP_NS or more before it
 
     @property
     def n(self) -> int:
         return len(self.D)
+
+    @property
+    def drains(self) -> np.ndarray:
+        """Overlap: the batches a round launching nothing collects (`drained`, and the last)."""
+        out: np.ndarray = np.append(self.drained[:-1], True)
+        return out
+
+    @property
+    def fresh(self) -> np.ndarray:
+        """Overlap: the round launching each batch collects nothing (the first, and after a drain)."""
+        out: np.ndarray = np.concatenate([[True], self.drained[:-1]])
+        return out
 
     @property
     def P(self) -> np.ndarray:
@@ -174,13 +193,34 @@ def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
     return out
 
 
+def round_plan(b: Batches, overlap: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per round, the batch it launches and the batch it collects (-1: none). Serial: round i
+    both launches and collects batch i. Overlap: round i launches batch i and collects the
+    one launched a round before, if any; a drained batch gets a round of its own that
+    launches nothing (the last batch's always)."""
+    if not overlap:
+        r = np.arange(b.n)
+        return r, r
+    drained = b.drains
+    launches = np.arange(b.n)
+    rounds = np.insert(launches, np.flatnonzero(drained) + 1, -1)  # -1: a draining round
+    collects = np.full(len(rounds), -1)
+    at = np.flatnonzero(rounds >= 0)
+    collects[at[~b.fresh]] = launches[~b.fresh] - 1  # launching i collects i-1 unless fresh
+    collects[rounds < 0] = np.flatnonzero(drained)
+    return rounds, collects
+
+
 @dataclass(slots=True)
 class Timeline:
-    """Predicted moments, ns from the first round's start. `start` and `launched` have one
-    entry per round (overlap's draining round last); the rest one per batch."""
+    """Predicted moments, ns from the first round's start. `start`, `launched`, `ended`,
+    `launches` and `collects` have one entry per round; the rest one per batch."""
 
     start: np.ndarray
     launched: np.ndarray
+    ended: np.ndarray  # the round's hand-off plus its gap: the next round may start
+    launches: np.ndarray  # the batch the round launches (-1: none, a draining round)
+    collects: np.ndarray  # the batch it collects (-1: none)
     dev_start: np.ndarray
     dev_end: np.ndarray
     synced: np.ndarray  # the batch's tokens are on the host
@@ -192,6 +232,19 @@ class Timeline:
     @property
     def rounds(self) -> int:
         return len(self.start)
+
+    @property
+    def launch_round(self) -> np.ndarray:
+        """Per batch: the round that launched it."""
+        out: np.ndarray = np.flatnonzero(self.launches >= 0)
+        return out
+
+    @property
+    def collect_round(self) -> np.ndarray:
+        """Per batch: the round that collected it."""
+        at = np.flatnonzero(self.collects >= 0)
+        out: np.ndarray = at[np.argsort(self.collects[at], kind="stable")]
+        return out
 
 
 @dataclass(slots=True, frozen=True)
@@ -254,19 +307,21 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
     components, can put on the other side of the threshold from the trace's own."""
     n = b.n
     P, Q = b.P, b.Q
-    rounds = n + 1 if overlap else n
-    start, launched = np.zeros(rounds), np.zeros(rounds)
+    launches, collects = round_plan(b, overlap)
+    rounds = len(launches)
+    start, launched, ended = np.zeros(rounds), np.zeros(rounds), np.zeros(rounds)
     dev_start, dev_end, synced = np.zeros(n), np.zeros(n), np.zeros(n)
     held = np.zeros(n, dtype=bool)
     busy = np.full((n, 2, 2), np.nan)  # per batch: its main (or only) part, its prefill part
     main_end = pre_end = 0.0
     t = 0.0
-    for i in range(rounds):
-        t = max(t, b.not_before[i]) if i < n else t
-        start[i] = t
-        launched[i] = t + (P[i] if i < n else b.tail_P)
-        if i < n:
-            ready = launched[i] + b.L[i]
+    for r in range(rounds):
+        i, j = int(launches[r]), int(collects[r])
+        t = max(t, b.not_before[i]) if i >= 0 else t
+        start[r] = t
+        launched[r] = t + (P[i] if i >= 0 else b.tail_P[j])
+        if i >= 0:
+            ready = launched[r] + b.L[i]
             idle_since = max(main_end, pre_end) if i else -np.inf  # the device's last work (one stream: main_end)
             if split is None:
                 by_device = dev_end[i - 1] + b.T[i] if i else 0.0
@@ -308,28 +363,27 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
                 dev_end[i] = m_end if last_main else p_end
                 main_end = m_end if has_main else before
                 pre_end = p_end if has_pre else pre_end
-        j = i - 1 if overlap else i  # the batch this round collects
-        if j < 0:
-            t = launched[i] + b.head_Q  # overlap's first round: nothing to collect yet
-            continue
-        synced[j] = max(launched[i] + b.W[j], dev_end[j] + b.C[j])
-        t = synced[j] + Q[j] + b.G[j]
+        if j < 0:  # overlap: nothing in flight to collect yet
+            t = launched[r] + b.head_Q[i]
+        else:
+            synced[j] = max(launched[r] + b.W[j], dev_end[j] + b.C[j])
+            t = synced[j] + Q[j] + b.G[j]
+        ended[r] = t
     turn = dev_start - np.concatenate([[0.0], dev_end[:-1]])
-    return Timeline(start, launched, dev_start, dev_end, synced, t, held, turn, busy.reshape(-1, 2))
+    return Timeline(start, launched, ended, launches, collects, dev_start, dev_end, synced, t, held, turn,
+                    busy.reshape(-1, 2))
 
 
-def busy_ns(b: Batches, tl: Timeline) -> float:
+def busy_ns(tl: Timeline) -> float:
     """The run's length less its waits for arrivals (the report's cycles exclude them too)."""
-    post = tl.synced + b.Q + b.G  # when each round handed off, so the next could start
-    ends = post if tl.rounds == b.n else np.concatenate([[tl.launched[0] + b.head_Q], post])
-    idle = tl.start - np.concatenate([[0.0], ends[:-1]])
+    idle = tl.start - np.concatenate([[0.0], tl.ended[:-1]])
     return tl.end - float(np.maximum(idle, 0).sum())
 
 
 COMPONENTS = ("P_book", "P_prep", "L", "T", "D", "A", "D_pre", "C", "W", "Q_book", "Q_send", "Q_defrag", "G")
 
 
-def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
+def critical_path(b: Batches, tl: Timeline) -> dict[str, float]:
     """ns of each component on the run's critical path, walked back from its end through
     whichever input each max() took. `idle`: waiting for requests to arrive. The values
     sum to the run's length; whatever is not on the path is slack."""
@@ -343,17 +397,30 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
         on["A"] += a
         on["D"] += x - a
 
-    def post(j: int) -> None:
+    def post(r: int) -> None:
+        """Round r's hand-off and gap: its collect's, or, collecting nothing, its `head_Q`."""
+        j = int(tl.collects[r])
+        if j < 0:
+            on["Q_book"] += b.head_Q[tl.launches[r]]
+            return
         for k in ("Q_book", "Q_send", "Q_defrag", "G"):
             on[k] += getattr(b, k)[j]
 
-    n = b.n
-    j = n - 1
-    post(j)
+    def prepare(r: int) -> None:
+        i = int(tl.launches[r])
+        if i < 0:  # a draining round: its intake
+            on["P_book"] += b.tail_P[tl.collects[r]]
+            return
+        on["P_book"] += b.P_book[i]
+        on["P_prep"] += b.P_prep[i]
+
+    launch_round = tl.launch_round
+    r = tl.rounds - 1
+    post(r)
     while True:
-        # batch j's tokens: round i collected them, once its own launch and the device were done
-        i = j + 1 if overlap else j
-        if tl.dev_end[j] + b.C[j] >= tl.launched[i] + b.W[j]:
+        j = int(tl.collects[r])
+        # batch j's tokens: round r collected them, once its own launch and the device were done
+        if j >= 0 and tl.dev_end[j] + b.C[j] >= tl.launched[r] + b.W[j]:
             on["C"] += b.C[j]
             k, cut = j, 0.0
             while k > 0 and tl.held[k]:
@@ -363,27 +430,14 @@ def critical_path(b: Batches, tl: Timeline, overlap: bool) -> dict[str, float]:
                 k -= 1
             device(k, cut)
             on["L"] += b.L[k]
-            i = k  # the device chain began with round k's launch
-        else:
+            r = int(launch_round[k])  # the device chain began with round r's launch
+        elif j >= 0:
             on["W"] += b.W[j]
-        if i < n:
-            on["P_book"] += b.P_book[i]
-            on["P_prep"] += b.P_prep[i]
-        else:
-            on["P_book"] += b.tail_P
-        # round i began when the round before it handed off, or when its requests arrived
-        prev = i - 2 if overlap else i - 1  # the batch whose post work ended round i-1
-        ready = tl.synced[prev] + b.Q[prev] + b.G[prev] if prev >= 0 else (
-            tl.launched[0] + b.head_Q if overlap and i == 1 else 0.0)
-        if tl.start[i] > ready or i == 0:
-            on["idle"] += tl.start[i] if i == 0 or tl.start[i] > ready else 0.0
+        prepare(r)
+        # round r began when the round before it handed off, or when its requests arrived
+        if r == 0 or tl.start[r] > tl.ended[r - 1]:
+            on["idle"] += tl.start[r]
             break
-        if overlap and i == 1:  # round 0 collected nothing: its launch and hand-off ended it
-            on["Q_book"] += b.head_Q
-            on["P_book"] += b.P_book[0]
-            on["P_prep"] += b.P_prep[0]
-            on["idle"] += tl.start[0]
-            break
-        j = prev
-        post(j)
+        r -= 1
+        post(r)
     return on

@@ -51,21 +51,28 @@ class Sharing:
 
 def host_beside(b: Batches) -> tuple[np.ndarray, np.ndarray]:
     """The host's work while the device runs batch i: its pure-Python part (the collect of
-    i-1, the bookkeeping of i+1) and its batch_prepare of i+1 (round 0 collects nothing; the
-    draining round launches nothing)."""
-    py = np.concatenate([[b.head_Q], (b.W + b.Q + b.G)[:-1]]) + np.append(b.P_book[1:], b.tail_P)
-    return py, np.append(b.P_prep[1:], 0.0)
+    i-1, the bookkeeping of i+1) and its batch_prepare of i+1. A round that collects nothing
+    (the first, and the one after a drain) has only its hand-off; a draining round launches
+    nothing (the last, and where the running requests all finished with batch i)."""
+    drained = b.drains
+    collect = np.where(b.fresh, b.head_Q, np.concatenate([[0.0], (b.W + b.Q + b.G)[:-1]]))
+    py = collect + np.where(drained, b.tail_P, np.append(b.P_book[1:], 0.0))
+    return py, np.where(drained, 0.0, np.append(b.P_prep[1:], 0.0))
 
 
 def _host_scaled(b: Batches, f_py: np.ndarray, f_prep: np.ndarray) -> Batches:
     """The host's components beside batch i (`host_beside`) times f_py[i], its batch_prepare
     times f_prep[i]."""
-    # round j's prepare is beside batch j-1, its collect (W, Q, G of batch j) beside batch j+1
-    for_prep, for_collect = np.append(1.0, f_py[:-1]), np.append(f_py[1:], 1.0)
-    return replace(b, P_book=b.P_book * for_prep, P_prep=b.P_prep * np.append(1.0, f_prep[:-1]),
+    # round j's prepare is beside batch j-1, its collect (W, Q, G of batch j) beside batch j+1;
+    # the round after a drain works beside no batch, nor does the draining round's collect
+    fresh, drains = b.fresh, b.drains
+    for_prep = np.where(fresh, 1.0, np.append(1.0, f_py[:-1]))
+    for_collect = np.where(drains, 1.0, np.append(f_py[1:], 1.0))
+    return replace(b, P_book=b.P_book * for_prep, P_prep=b.P_prep * np.where(fresh, 1.0, np.append(1.0, f_prep[:-1])),
                    W=b.W * for_collect, Q_book=b.Q_book * for_collect, Q_send=b.Q_send * for_collect,
                    Q_defrag=b.Q_defrag * for_collect, G=b.G * for_collect,
-                   head_Q=b.head_Q * float(f_py[0]), tail_P=b.tail_P * float(f_py[-1]))
+                   head_Q=b.head_Q * np.where(fresh, f_py, 1.0),
+                   tail_P=b.tail_P * np.where(drains, f_py, 1.0))
 
 
 def _ratio(x: np.ndarray, y: np.ndarray) -> np.ndarray:
