@@ -526,7 +526,10 @@ def test_requests_in_flight_when_the_engine_stalls_end_instead_of_hanging(tmp_pa
     request sent afterwards too, each well before its client's own timeout."""
     s = Served(tmp_path / "trace", "--inject", "deadlock", "--mode", "overlap", "--wait-timeout", "2")
     try:
-        c, resp = s.stream({"model": "tiny", "prompt": "def f(", "max_tokens": 200, "ignore_eos": True})
+        # as long as tiny's context allows: the deadlock needs this decode still running when the
+        # second prefill joins (200 tokens took 0.3-0.6 s here; a faster host or a slow client
+        # could finish them first); the stall aborts it anyway
+        c, resp = s.stream({"model": "tiny", "prompt": "def f(", "max_tokens": 1900, "ignore_eos": True})
         first = resp.readline()  # the decode is running; a prefill joining it now deadlocks the round
         assert first.startswith(b"data: "), first
         box: dict[str, object] = {}
