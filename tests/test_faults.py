@@ -137,10 +137,12 @@ def test_slow_sender_does_not_slow_the_engine(tmp_path):
     deliver = [d for b, d in zip(probes["boundary"], probes["dur_ns"], strict=True) if b == "response_deliver"]
     send = [d for b, d in zip(probes["boundary"], probes["dur_ns"], strict=True) if b == "response_send"]
     assert min(deliver) >= 50e6  # the cause: every delivery takes the injected 50 ms
-    assert sorted(send)[len(send) // 2] < 1e6  # the hand-off stays cheap: the scheduler never waits
+    # bounded by the delivery, not by this host's speed: a scheduler waiting on the sender would
+    # take a delivery's 50 ms a hand-off and a round
+    assert sorted(send)[len(send) // 2] < min(deliver) / 10  # the hand-off stays cheap: the scheduler never waits
     steps = read_table(out, "steps").to_pydict()
     assert max(steps["out_queue_depth"]) > 5  # the backlog is visible
-    assert sorted(steps["dur_ns"])[len(steps["dur_ns"]) // 2] < 20e6  # rounds stay short
+    assert sorted(steps["dur_ns"])[len(steps["dur_ns"]) // 2] < min(deliver)  # rounds stay short
     # the report shows what the client saw: every request's end reached it 50 ms or more
     # after the engine finished it (issue 12, point 6)
     lat = json.loads(mstrace("report", str(out), "--json").stdout)["latency"]
