@@ -373,25 +373,44 @@ def diff_json(a, b):
     return json.loads(p.stdout)
 
 
-def test_diff_sees_injected_bookkeeping(traces):
-    d = diff_json(traces / "a", traces / "b")
-    assert {"a", "b", "delta", "warnings"} <= set(d)
-    assert not any("workload" in w for w in d["warnings"]), d["warnings"]
+def _bookkeeping(a: Path, b: Path) -> tuple[dict, dict, float, bool]:
+    """The diff of a and b (b held bookkeeping 2 ms a round), its bookkeeping row, the hold per
+    cycle b's harness recorded, and whether the row's delta is that hold."""
+    d = diff_json(a, b)
     bk = d["delta"]["boundaries"]["bookkeeping"]["raw_ms_per_cycle"]
-    assert {"p_value", "p_adjusted"} <= set(bk) and bk["p_adjusted"] <= d["bootstrap"]["fdr"]["q"]
-    assert d["bootstrap"]["fdr"]["method"] == "Benjamini-Hochberg" and d["bootstrap"]["fdr"]["rows"] >= 30
-    assert d["bootstrap"]["resampling"]["requests"]["paired"]  # one workload: requests paired by id
     # +2 ms injected per round; on a loaded machine the spin that ends the hold can be
     # descheduled and hold longer. The harness records what it held (meta.json), so the
     # check is against that, never against a fixed bound a busy machine can pass.
-    held = Trace.open(traces / "b").meta["debug_delays"]["bookkeeping"]
+    held = Trace.open(b).meta["debug_delays"]["bookkeeping"]
     held_ms = held["held_ns"] / 1e6 / d["b"]["cycles"]
-    assert held_ms >= 2.0
     # B - A is the hold plus the change in the rest of the rounds' bookkeeping, which load moves
     # (a CI run beside other work: A 0.47 ms, B 0.82 ms of its own, 2.90 held). Allow that part
     # to triple, or 10% of the hold, whichever is more: behaviour, not the machine's quiet.
     slack = max(0.1 * held_ms, 2 * bk["a"])
-    assert held_ms - slack <= bk["delta"] <= held_ms + slack, (bk, held_ms)
+    return d, bk, held_ms, held_ms - slack <= bk["delta"] <= held_ms + slack
+
+
+def test_diff_sees_injected_bookkeeping(traces, tmp_path):
+    d, bk, held_ms, ok = _bookkeeping(traces / "a", traces / "b")
+    # two single runs: a burst of load in one moves its own bookkeeping past the slack, so up to
+    # two fresh pairs, run back to back, before it fails
+    misses = []
+    for attempt in range(1, 3):
+        if ok:
+            break
+        misses.append((bk, held_ms))
+        pair = [tmp_path / f"a{attempt}", tmp_path / f"b{attempt}"]
+        for out, extra in zip(pair, ([], ["--debug-delay-ms", "bookkeeping=2"]), strict=True):
+            p = mstrace("run", "--model", "tiny", *RUN, *extra, "--out", str(out))
+            assert p.returncode == 0, p.stderr
+        d, bk, held_ms, ok = _bookkeeping(*pair)
+    assert ok, misses + [(bk, held_ms)]
+    assert held_ms >= 2.0
+    assert {"a", "b", "delta", "warnings"} <= set(d)
+    assert not any("workload" in w for w in d["warnings"]), d["warnings"]
+    assert {"p_value", "p_adjusted"} <= set(bk) and bk["p_adjusted"] <= d["bootstrap"]["fdr"]["q"]
+    assert d["bootstrap"]["fdr"]["method"] == "Benjamini-Hochberg" and d["bootstrap"]["fdr"]["rows"] >= 30
+    assert d["bootstrap"]["resampling"]["requests"]["paired"]  # one workload: requests paired by id
     assert bk["significant"] and bk["ci_low"] > 0
     assert bk["a"] == pytest.approx(next(x["raw_ms_per_cycle"] for x in d["a"]["boundaries"] if x["boundary"] == "bookkeeping"))
     assert d["a"]["mode"] == "serial" and d["a"]["device_idle"] == pytest.approx(1 - d["a"]["device_busy"])
