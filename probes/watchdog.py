@@ -255,6 +255,9 @@ class Watchdog:
         self.rank = rank
         self.step = step
         self.stalls_reported = 0  # reports built so far (each wait at most once)
+        # expired waits whose reports are being built (the device's stacks can take a second):
+        # a wait that gave up meanwhile waits for them (scheduler/stall_guard.py)
+        self.reporting = 0
         self.checks = 0
         self.busy_ns = 0  # time spent checking, so its own cost can be stated (and tested)
         self._timeout_ns = int(timeout_s * 1e9)
@@ -303,15 +306,18 @@ class Watchdog:
             return []
         # Everything below runs only when something has stalled: cost is irrelevant.
         reports = []
+        self.reporting += len(expired)
         for w in sorted(expired, key=lambda x: x.since_ns):
             fired[id(w)] = w
-            rep = self._build(w, waits)
-            reports.append(rep)
-            self.stalls_reported += 1
             try:
+                rep = self._build(w, waits)
+                reports.append(rep)
+                self.stalls_reported += 1
                 self.on_stall(rep)
             except Exception:  # noqa: BLE001 - a broken sink must not kill the watchdog
                 traceback.print_exc(file=sys.stderr)
+            finally:
+                self.reporting -= 1
         return reports
 
     def _build(self, w: ActiveWait, waits: list[ActiveWait]) -> StallReport:

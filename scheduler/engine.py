@@ -328,7 +328,7 @@ class Engine:
         try:
             got = [self.executor.wait(la) for la in done.launches]
         except (WaitTimeout, RuntimeError) as e:
-            raise self.stalls.stalled(e) from e
+            raise self.stalls.stalled(e, lambda: self.watchdog.reporting) from e
         self.stalls.got_through()
         return got
 

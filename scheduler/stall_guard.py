@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from probes.boundaries import SCHEDULER_BARRIER
@@ -28,6 +29,9 @@ class EngineStalled(RuntimeError):
         self.reports = reports
 
 
+REPORT_HANG_NS = 30_000_000_000  # a report still being built after this is itself stuck
+
+
 class StallGuard:
     def __init__(self, stall_buf: list[Any] | None) -> None:
         self.reports: list[StallReport] = []
@@ -41,16 +45,20 @@ class StallGuard:
             self._buf.append(report.to_row())
         print(report.render_summary(), file=sys.stderr, flush=True)
 
-    def stalled(self, cause: BaseException) -> BaseException:
+    def stalled(self, cause: BaseException, reporting: Callable[[], int] = lambda: 0) -> BaseException:
         """What the round raises for a wait that failed with `cause`: EngineStalled, naming
         the reports made since the last round the engine got through, where there are any or
         the wait timed out; any other error as it is. A stall the run got through (under
-        --on-stall warn) says nothing about a later error, a device's out-of-memory say."""
-        # The watchdog reports at wait_timeout; the wait itself gives up a little
-        # later, so by now the report exists (give its thread a moment if not).
+        --on-stall warn) says nothing about a later error, a device's out-of-memory say.
+        `reporting`: the watchdog's count of reports it is building (Watchdog.reporting)."""
+        # The watchdog sees an expired wait at wait_timeout; the wait itself gives up a little
+        # later (hard_wait_timeout_s), so by now its report exists or is being built: give the
+        # watchdog's thread a moment to see it, and the build (the device's stacks: up to a
+        # second, more on a loaded host) the time it takes, bounded only against a hang
         timed_out = _timeout_in(cause) is not None
-        deadline = now_ns() + 500_000_000
-        while len(self.reports) == self._settled and now_ns() < deadline and timed_out:
+        start = now_ns()
+        while timed_out and now_ns() - start < REPORT_HANG_NS and (
+                reporting() or (len(self.reports) == self._settled and now_ns() - start < 500_000_000)):
             time.sleep(0.01)
         current = self.reports[self._settled:]
         if current or timed_out:

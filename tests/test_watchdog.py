@@ -271,3 +271,32 @@ def test_a_wait_that_times_out_is_still_a_probe_row():
                    signaller="main-stream", boundary="scheduler_barrier", timeout_s=0.05, buf=buf, step=7)
     assert len(buf) == 1 and buf[0][2:] == ("scheduler_barrier", "host", 0, 7) and buf[0][1] >= 50_000_000
     assert not reg.snapshot()
+
+
+def test_a_wait_that_gives_up_waits_for_the_report_being_built():
+    """The wait gives up 0.5 s after the watchdog saw it expire (hard_wait_timeout_s), and its
+    round named the reports it found 0.5 s later: a report whose build took longer (the device
+    process's stacks alone may take a second; longer on a loaded host) was missed, and the
+    stall was named by the wait's own message, without its cycle."""
+    from scheduler.stall_guard import EngineStalled, StallGuard
+
+    reg = WaitRegistry()
+    nobody = threading.Event()
+    guard = StallGuard(None)
+
+    def slow_stacks() -> list:
+        time.sleep(3.0)  # the build outlasts the wait and the guard's 0.5 s after it
+        return []
+
+    wd = Watchdog(reg, 0.2, interval_s=0.02, on_stall=guard.on_stall, extra_stacks=slow_stacks,
+                  extra_edges=lambda: [Edge("tokenizer", "blocks held by req r1", "scheduler")])
+    with wd:
+        # the wait gives up while the watchdog builds (it starts within a check interval of the
+        # 0.2 s threshold: 1.3 s to spare)
+        with pytest.raises(Exception) as got:
+            timed_wait(nobody.wait, registry=reg, waiter="scheduler", what="queue tokenized",
+                       signaller="tokenizer", boundary="tokenize", timeout_s=1.5)
+        assert wd.reporting == 1
+        err = guard.stalled(got.value, lambda: wd.reporting)
+    assert isinstance(err, EngineStalled) and err.reports
+    assert "scheduler -> queue tokenized -> tokenizer" in str(err)
