@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 from scheduler.config import EngineConfig
 from scheduler.core.request import FinishReason, SamplingParams
@@ -45,7 +46,9 @@ def test_abort_releases_blocks_and_is_recorded():
     eng = Engine(EngineConfig(cpu_device="thread", model="tiny", kv_blocks=64))
     try:
         eng.submit(list(range(5, 60)), SamplingParams(200, ignore_eos=True), "long")
-        for _ in range(5):
+        # until it holds blocks (the tokenizer pool's thread hands it over in its own time)
+        deadline = time.monotonic() + 60
+        while eng.mm.num_free == eng.mm.num_blocks and time.monotonic() < deadline:
             if eng.step() is None:
                 eng.wait_for_arrivals(0.05)
         assert eng.mm.num_free < eng.mm.num_blocks
