@@ -59,17 +59,20 @@ def test_this_cpu_is_measured_and_the_choice_follows_the_measurement() -> None:
     if abs(speedup - MIN_SPEEDUP) > 0.01:  # the message rounds to two places
         assert pick(speedup) == c.dtype
     # and a measurement of its own: where bfloat16 is plainly emulated or plainly native, the
-    # choice must say so (between 0.75x and 3x a busy machine could tip either measurement)
+    # choice must say so (between 0.75x and 3x a busy machine could tip either measurement).
+    # Each side is a median of alternated pairs, which a burst of load can still move 2x (a CI
+    # run read 0.62x against 1.18x in test_packed_gemm): three of ours, and up to two more choices
     torch.set_num_threads(1)
     try:
-        own = bf16_speedup(SCREEN)
-        big = bf16_speedup(SHAPE) if own >= SCREEN_BELOW else 0
+        own = sorted(bf16_speedup(SCREEN) for _ in range(3))[1]
+        big = sorted(bf16_speedup(SHAPE) for _ in range(3))[1] if own >= SCREEN_BELOW else 0
     finally:
         torch.set_num_threads(before)
-    if own < 0.75 * SCREEN_BELOW:
-        assert c.dtype == torch.float32, (own, c.why)
-    elif big > 3.0:
-        assert c.dtype == torch.bfloat16, (big, c.why)
+    want = torch.float32 if own < 0.75 * SCREEN_BELOW else torch.bfloat16 if big > 3.0 else None
+    choices = [c]
+    while want is not None and choices[-1].dtype != want and len(choices) < 3:
+        choices.append(choose_dtype(torch.device("cpu"), None))
+    assert want is None or choices[-1].dtype == want, (own, big, [x.why for x in choices])
 
 
 def test_the_dtype_that_ran_is_recorded_and_said(tmp_path: Path) -> None:
