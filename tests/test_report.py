@@ -103,7 +103,9 @@ def test_ctrl_c_flushes_the_trace_and_stops_the_device_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert f"interrupted: trace flushed to {out}" in err and "Traceback" not in err, err
-    deadline = time.monotonic() + 5
+    # a bound on outliving, not on speed: test_kill's same check needed more than 5 s beside a
+    # CPU hog (ci36)
+    deadline = time.monotonic() + 60
     while tagged_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not tagged_pids(tag), "the device process outlived the run"
