@@ -28,9 +28,10 @@ def test_no_kv_read_before_its_write(mode, split):
 
 def test_the_ordering_check_can_fail():
     """Negative control: without the cross-stream waits, and with prefill work
-    delayed, decodes read KV the prefill stream has not written yet."""
+    delayed, decodes read KV the prefill stream has not written yet. The delay is half a
+    second: with 20 ms a hiccup of the host could let the prefill write first."""
     cfg = EngineConfig(cpu_device="thread", model="tiny", mode="overlap", split_streams=True, block_size=4, kv_blocks=2000,
-                       prefill_stagger_us=20_000, debug_kv_check=True, debug_skip_stream_waits=True)
+                       prefill_stagger_us=500_000, debug_kv_check=True, debug_skip_stream_waits=True)
     eng = run_engine(cfg, workload(8))
     assert eng.executor.device.kv_violations
 
