@@ -104,8 +104,9 @@ def test_run_live_shows_lanes_and_the_cost_table_updating(tmp_path: Path) -> Non
 
 def test_a_deadlock_shows_its_wait_cycle_while_the_run_still_waits(tmp_path: Path) -> None:
     out = tmp_path / "dl"
-    # --on-stall continue: the stuck wait goes on (up to 10x the timeout) after the watchdog's report
-    pane = Pane(_mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "1",
+    # --on-stall continue: the stuck wait goes on (up to 10x the timeout) after the watchdog's report;
+    # 2 s leaves 18 s to see the banner and the run still alive (1 s left 9 on a loaded host)
+    pane = Pane(_mstrace("run", "--model", "tiny", "--mode", "overlap", "--inject", "deadlock", "--wait-timeout", "2",
                          "--on-stall", "continue", "--live", "--out", str(out)))
     try:
         shown = pane.wait_for(lambda t: "STALL at round" in t, "the stall banner")
