@@ -109,7 +109,7 @@ def _rank_main(rank: int, job: Job) -> None:
         res["runs"] = [_run(job, state, overlap) for overlap in job.overlaps]
         if job.extras:
             res["ar_p50_us"] = _all_reduce_p50_us(state)
-            res["stall"] = _stall(state)
+            res["stall"] = _stall(state, Path(job.out_dir) / "rank0-timed-out")
     except BaseException:
         res["error"] = traceback.format_exc()
     finally:
@@ -179,12 +179,16 @@ def _all_reduce_p50_us(state: ParallelState) -> float:
     return sorted(times)[len(times) // 2] / 1e3
 
 
-def _stall(state: ParallelState) -> dict[str, Any]:
-    """Rank 1 joins all-reduce #0 late: rank 0's wait times out naming it, then completes."""
+def _stall(state: ParallelState, timed_out: Path) -> dict[str, Any]:
+    """Rank 1 joins all-reduce #0 late: rank 0's wait times out naming it, then completes.
+    Rank 1 joins once rank 0's wait gave up (the file `timed_out`), not after a sleep a
+    starved rank 0 could outlast."""
     comm = AllReduce(state.tp_group, state.rank, timeout_s=0.3)
     t = torch.full((4,), float(state.rank + 1))
     if state.rank == 1:
-        time.sleep(1.5)
+        deadline = time.monotonic() + RANK_TIMEOUT_S
+        while not timed_out.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     p = comm.issue(t)
     out: dict[str, Any] = {}
     if state.rank == 0:
@@ -193,6 +197,7 @@ def _stall(state: ParallelState) -> dict[str, Any]:
         except WaitTimeout as e:
             out["msg"] = str(e)
             out["in_flight"] = comm.in_flight()
+        timed_out.touch()
         comm.timeout_s = RANK_TIMEOUT_S  # the group is still usable: the late peer completes it
     comm.wait(p)
     out["sum"] = t.tolist()
