@@ -306,18 +306,25 @@ class Watchdog:
             return []
         # Everything below runs only when something has stalled: cost is irrelevant.
         reports = []
-        self.reporting += len(expired)
-        for w in sorted(expired, key=lambda x: x.since_ns):
-            fired[id(w)] = w
-            try:
-                rep = self._build(w, waits)
-                reports.append(rep)
-                self.stalls_reported += 1
-                self.on_stall(rep)
-            except Exception:  # noqa: BLE001 - a broken sink must not kill the watchdog
-                traceback.print_exc(file=sys.stderr)
-            finally:
-                self.reporting -= 1
+        # all counted at once, so the count never reads 0 between two of them; whatever ends
+        # the loop early (a sink raising SystemExit) takes back what it did not build
+        left = len(expired)
+        self.reporting += left
+        try:
+            for w in sorted(expired, key=lambda x: x.since_ns):
+                fired[id(w)] = w
+                try:
+                    rep = self._build(w, waits)
+                    reports.append(rep)
+                    self.stalls_reported += 1
+                    self.on_stall(rep)
+                except Exception:  # noqa: BLE001 - a broken sink must not kill the watchdog
+                    traceback.print_exc(file=sys.stderr)
+                finally:
+                    left -= 1
+                    self.reporting -= 1
+        finally:
+            self.reporting -= left
         return reports
 
     def _build(self, w: ActiveWait, waits: list[ActiveWait]) -> StallReport:

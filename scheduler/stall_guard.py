@@ -58,7 +58,7 @@ class StallGuard:
         timed_out = _timeout_in(cause) is not None
         start = now_ns()
         while timed_out and now_ns() - start < REPORT_HANG_NS and (
-                reporting() or (len(self.reports) == self._settled and now_ns() - start < 500_000_000)):
+                reporting() > 0 or (len(self.reports) == self._settled and now_ns() - start < 500_000_000)):
             time.sleep(0.01)
         current = self.reports[self._settled:]
         if current or timed_out:

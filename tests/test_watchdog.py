@@ -300,3 +300,19 @@ def test_a_wait_that_gives_up_waits_for_the_report_being_built():
         err = guard.stalled(got.value, lambda: wd.reporting)
     assert isinstance(err, EngineStalled) and err.reports
     assert "scheduler -> queue tokenized -> tokenizer" in str(err)
+
+
+def test_a_sink_that_exits_leaves_no_report_counted_as_building():
+    """A sink raising SystemExit ends the pass early: the waits it did not report are not left
+    counted as being built (every later stalled wait would wait 30 s for them)."""
+    reg = WaitRegistry()
+    for k in range(3):
+        reg.begin(ActiveWait(f"w{k}", "x", "b", "stream_wait", now_ns() - 10**9, k))
+
+    def sink(r: StallReport) -> None:
+        raise SystemExit(1)
+
+    wd = Watchdog(reg, 0.1, on_stall=sink)
+    with pytest.raises(SystemExit):
+        wd.check()
+    assert wd.reporting == 0
