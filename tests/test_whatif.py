@@ -132,7 +132,7 @@ def test_an_overlap_trace_is_unshared_back_to_each_sides_work_alone(n, r, data):
     b = Batches(**arr, not_before=np.zeros(n), **random_drains(data, n))
     s = Sharing(Rates(r[0], max(r[1], 0.05)), Rates(r[2], max(r[3], 0.05)))
     back = unshared(shared(b, s), s)
-    for c in (*COMPONENTS, "head_Q", "tail_P"):
+    for c in (*COMPONENTS, "head", "tail_P"):
         assert np.allclose(getattr(back, c), getattr(b, c), rtol=1e-6, atol=1e-3), c
 
 

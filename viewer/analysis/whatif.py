@@ -25,6 +25,7 @@ from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import Run, WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import (
     COMPONENTS,
+    POST,
     SCALES,
     Batches,
     StreamShare,
@@ -391,7 +392,8 @@ def _path_table(b: Batches, tl: Timeline) -> list[PathRow]:
     # overlap's rounds that launch or collect nothing: their intake and their hand-off
     drains, fresh = tl.launches < 0, tl.collects < 0
     taken["P_book"] = np.append(b.P_book, b.tail_P[tl.collects[drains]])
-    taken["Q_book"] = np.append(b.Q_book, b.head_Q[tl.launches[fresh]])
+    for k, name in enumerate(POST):
+        taken[name] = np.append(getattr(b, name), b.head[tl.launches[fresh], k])
     rows: dict[str, list[float]] = {}
     for comp in (*COMPONENTS, "idle"):
         if comp == "D_pre":  # inside the batches' device spans, which D's row counts

@@ -147,21 +147,23 @@ def _hand_over_guesses(L_seen: np.ndarray, T_seen: np.ndarray, by_launch: np.nda
 
 
 
-def _drains(overlap: bool, b_idx: np.ndarray, pre_book: np.ndarray, post: np.ndarray,
-            left: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Overlap's rounds that launch or collect nothing (`Batches.drained`, `head_Q`, `tail_P`).
+def _drains(overlap: bool, b_idx: np.ndarray, pre_book: np.ndarray, post: np.ndarray, left: np.ndarray,
+            queued: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Overlap's rounds that launch or collect nothing (`Batches.drained`, `head`, `tail_P`).
     An overlap trace shows them: a batch whose next round launched nothing. A serial trace
-    has none, but an overlap run of it would after each batch that left no request running or
-    waiting (`left`, counted at the round's end): the draining round's intake and the next
-    round's hand-off, which that trace never ran, are its rounds' medians (intake; hand-off and gap)."""
+    has none, but an overlap run of it would after each batch that left no request running
+    or waiting (`left`, counted at the round's end) and none arrived by then (`queued`: one
+    of the next batch's requests did; the count misses those still on the tokenizer's
+    queue). The draining round's intake and the next round's hand-off, which that trace
+    never ran, are its rounds' medians. `post`: per round, its POST parts (n x 4)."""
     if overlap:
         drained = np.append(b_idx[1:] != b_idx[:-1] + 1, True)
         fresh = np.concatenate([[True], drained[:-1]])
-        return (drained, np.where(fresh, post[b_idx], 0.0).astype(np.float64),
+        return (drained, np.where(fresh[:, None], post[b_idx], 0.0).astype(np.float64),
                 np.where(drained, pre_book[b_idx + 1], 0.0).astype(np.float64))
-    drained = np.append(left[:-1] == 0, True)
+    drained = np.append((left[:-1] == 0) & ~queued[1:], True)
     fresh = np.concatenate([[True], drained[:-1]])
-    return (drained, np.where(fresh, float(np.median(post[b_idx])), 0.0),
+    return (drained, np.where(fresh[:, None], np.median(post[b_idx], axis=0), 0.0),
             np.where(drained, float(np.median(pre_book[b_idx])), 0.0))
 
 
@@ -287,13 +289,17 @@ def load(root: str | Path) -> Run:
     rb = np.searchsorted(start[b_idx], fs[has], side="right") - 1
     ok = rb >= 0
     np.maximum.at(not_before, rb[ok], (arr[has][ok] - t0).astype(np.float64))
-    drained, head_Q, tail_P = _drains(overlap, b_idx, pre_book, post_book + send + defrag + gap,
-                                      (s["num_waiting"].to_numpy() + s["num_running"].to_numpy())[b_idx])
+    # per batch: one of the requests it admits had arrived by the end of the round before it
+    ended = np.concatenate([[-np.inf], (sent - t0)[b_idx][:-1]])
+    queued = np.zeros(len(b_idx), dtype=bool)
+    np.logical_or.at(queued, rb[ok], (arr[has][ok] - t0) <= ended[rb[ok]])
+    drained, head, tail_P = _drains(overlap, b_idx, pre_book, np.column_stack([post_book, send, defrag, gap]),
+                                    (s["num_waiting"].to_numpy() + s["num_running"].to_numpy())[b_idx], queued)
     bt = Batches(P_book=pre_book[b_idx], P_prep=prep[b_idx].astype(np.float64), L=L, T=T, D=D, A=A, D_pre=D_pre,
                  C=C, W=W,
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
                  G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), drained=drained,
-                 head_Q=head_Q, tail_P=tail_P)
+                 head=head, tail_P=tail_P)
     runs = rq["token_runs"]
     lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
     flat = pc.list_flatten(runs).to_numpy()

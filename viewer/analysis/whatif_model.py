@@ -27,7 +27,7 @@ later), Q, G one after another. Overlap: round r prepares and launches batch r, 
   synced[r-1] = max(launched[r] + W[r-1], dev_end[r-1] + C[r-1])   (the barrier on r-1)
   start[r+1]  = max(synced[r-1] + Q[r-1] + G[r-1], arrival of r+1's new requests)
 
-Overlap's first round collects nothing (its post work is `head_Q`) and its last launches
+Overlap's first round collects nothing (its post work is `head`) and its last launches
 nothing (its prepare is `tail_P`); so does every round after one that found nothing to launch
 mid-run (`drained`: the running requests all finished with the batch in flight), which
 collects that batch at once rather than with the next arrival's launch. Split streams (`StreamShare`) put each batch's D and D_pre
@@ -49,7 +49,7 @@ SCALES: dict[str, tuple[str, ...]] = {
     "device_compute": ("D", "D_pre"),
     "all_reduce": ("A",),  # TP's collectives, as far as the device span waited on them
     "batch_prepare": ("P_prep",),
-    "bookkeeping": ("P_book", "Q_book", "tail_P"),  # (tail_P: a draining round's intake)
+    "bookkeeping": ("P_book", "Q_book"),
     "response_send": ("Q_send",),
     "defrag": ("Q_defrag",),
     "scheduler_barrier": ("L", "T", "C", "W"),  # the barrier's own cost: hand-over and wake-up latency, not the device's work
@@ -86,7 +86,9 @@ class Batches:
     # mid-run, where its requests all finished with it and none was waiting), so the round
     # launching the next batch collects nothing
     drained: np.ndarray
-    head_Q: np.ndarray  # overlap, where the round launching the batch collects nothing: its hand-off and gap
+    # overlap, where the round launching the batch collects nothing: that round's POST parts
+    # (n x 4), its hand-off and gap
+    head: np.ndarray
     tail_P: np.ndarray  # overlap, where the batch is drained: the draining round's intake
     cold: float = 0.0  # what a forward takes longer when the device idled COLD_GAP_NS or more before it
 
@@ -104,6 +106,11 @@ class Batches:
     def fresh(self) -> np.ndarray:
         """Overlap: the round launching each batch collects nothing (the first, and after a drain)."""
         out: np.ndarray = np.concatenate([[True], self.drained[:-1]])
+        return out
+
+    @property
+    def head_Q(self) -> np.ndarray:
+        out: np.ndarray = self.head.sum(axis=1)
         return out
 
     @property
@@ -137,6 +144,9 @@ class Batches:
         new = replace(self, **out)
         # a launch can start the device before its prepare row ends (L < 0), never before it began
         return replace(new, L=np.maximum(new.L, -new.P_prep))
+
+
+POST = ("Q_book", "Q_send", "Q_defrag", "G")  # a round's work after its barrier, in order (`Batches.head`)
 
 
 WINDOW = 9  # batches in the running median a batch's noise is measured against
@@ -398,13 +408,10 @@ def critical_path(b: Batches, tl: Timeline) -> dict[str, float]:
         on["D"] += x - a
 
     def post(r: int) -> None:
-        """Round r's hand-off and gap: its collect's, or, collecting nothing, its `head_Q`."""
+        """Round r's hand-off and gap: its collect's, or, collecting nothing, its `head`."""
         j = int(tl.collects[r])
-        if j < 0:
-            on["Q_book"] += b.head_Q[tl.launches[r]]
-            return
-        for k in ("Q_book", "Q_send", "Q_defrag", "G"):
-            on[k] += getattr(b, k)[j]
+        for k, name in enumerate(POST):
+            on[name] += getattr(b, name)[j] if j >= 0 else b.head[tl.launches[r], k]
 
     def prepare(r: int) -> None:
         i = int(tl.launches[r])

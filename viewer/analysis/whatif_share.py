@@ -71,7 +71,7 @@ def _host_scaled(b: Batches, f_py: np.ndarray, f_prep: np.ndarray) -> Batches:
     return replace(b, P_book=b.P_book * for_prep, P_prep=b.P_prep * np.where(fresh, 1.0, np.append(1.0, f_prep[:-1])),
                    W=b.W * for_collect, Q_book=b.Q_book * for_collect, Q_send=b.Q_send * for_collect,
                    Q_defrag=b.Q_defrag * for_collect, G=b.G * for_collect,
-                   head_Q=b.head_Q * np.where(fresh, f_py, 1.0),
+                   head=b.head * np.where(fresh, f_py, 1.0)[:, None],
                    tail_P=b.tail_P * np.where(drains, f_py, 1.0))
 
 
