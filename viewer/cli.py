@@ -464,7 +464,7 @@ def whatif(
     mode: Annotated[str | None, typer.Option("--mode", help="Predict the run in this mode (serial, overlap; "
                                              "timeslice from a timeslice trace).")] = None,
     speedup: Annotated[list[str] | None, typer.Option("--speedup", help="BOUNDARY=FACTOR (device_compute=0.8) or "
-                                                      "BOUNDARY=+-MSms per round, as if that boundary were "
+                                                      "BOUNDARY=+-MSms per batch, as if that boundary were "
                                                       "faster; repeatable.")] = None,
     contention: Annotated[float | None, typer.Option("--contention", help="Share (0-1) of the host's work (and, "
                                                      "with --comm-overlap, of an all-reduce in flight) the device "
