@@ -134,6 +134,18 @@ def _wait_dict(w: ActiveWait, now: int) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
+class _Scene:
+    """What one watchdog pass saw, shared by its reports."""
+
+    ts: int
+    graph: list[Edge]
+    streams: list[dict[str, Any]]
+    stacks: list[ThreadStack]
+    kv: dict[str, Any]
+    step: int
+
+
+@dataclass(slots=True)
 class StallReport:
     ts_ns: int  # when the watchdog noticed
     rank: int
@@ -311,10 +323,12 @@ class Watchdog:
         left = len(expired)
         self.reporting += left
         try:
+            scene: _Scene | None = None
             for w in sorted(expired, key=lambda x: x.since_ns):
                 fired[id(w)] = w
                 try:
-                    rep = self._build(w, waits)
+                    scene = scene or self._scene(waits)
+                    rep = self._build(w, waits, scene)
                     reports.append(rep)
                     self.stalls_reported += 1
                     self.on_stall(rep)
@@ -327,12 +341,11 @@ class Watchdog:
             self.reporting -= left
         return reports
 
-    def _build(self, w: ActiveWait, waits: list[ActiveWait]) -> StallReport:
-        ts = now_ns()
+    def _scene(self, waits: list[ActiveWait]) -> _Scene:
+        """What every report of one pass shows, gathered once (a device process's stacks take
+        up to a second to ask for: once a pass, not once a stalled wait)."""
         extra: list[Edge] = (_guard(self.extra_edges, lambda e: [])
                              if self.extra_edges is not None else [])
-        graph = wait_for_graph(waits, extra)
-        cycle = find_cycle(graph, start=w.waiter)
         streams: list[dict[str, Any]] = (_guard(self.streams, lambda e: [{"error": repr(e)}])
                                          if self.streams is not None else [])
         kv: dict[str, Any] = (_guard(self.kv_summary, lambda e: {"error": repr(e)})
@@ -342,8 +355,12 @@ class Watchdog:
         stacks = thread_stacks(skip=threading.get_ident())
         if self.extra_stacks is not None:
             stacks += _guard(self.extra_stacks, lambda e: [ThreadStack(-1, f"error: {e!r}", [])])
-        return StallReport(ts, self.rank, step, w, ts - w.since_ns, list(waits), graph, cycle,
-                           streams, stacks, kv)
+        return _Scene(now_ns(), wait_for_graph(waits, extra), streams, stacks, kv, step)
+
+    def _build(self, w: ActiveWait, waits: list[ActiveWait], scene: _Scene) -> StallReport:
+        cycle = find_cycle(scene.graph, start=w.waiter)
+        return StallReport(scene.ts, self.rank, scene.step, w, scene.ts - w.since_ns, list(waits), scene.graph,
+                           cycle, scene.streams, scene.stacks, scene.kv)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

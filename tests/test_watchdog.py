@@ -316,3 +316,21 @@ def test_a_sink_that_exits_leaves_no_report_counted_as_building():
     with pytest.raises(SystemExit):
         wd.check()
     assert wd.reporting == 0
+
+
+def test_one_pass_asks_for_the_device_stacks_once():
+    """Each stalled wait's report asked a device process for its stacks (up to 1 s each): a pass
+    with three expired waits took three asks, and an abort waited for all of them."""
+    reg = WaitRegistry()
+    for k in range(3):
+        reg.begin(ActiveWait(f"w{k}", "x", "b", "stream_wait", now_ns() - 10**9, k))
+    asked = []
+
+    def stacks() -> list:
+        asked.append(1)
+        return []
+
+    wd = Watchdog(reg, 0.1, on_stall=lambda r: None, extra_stacks=stacks)
+    reps = wd.check()
+    assert len(reps) == 3 and len(asked) == 1
+    assert len({r.ts_ns for r in reps}) == 1 and {r.wait.waiter for r in reps} == {"w0", "w1", "w2"}
