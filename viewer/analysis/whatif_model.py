@@ -30,8 +30,8 @@ later), Q, G one after another. Overlap: round r prepares and launches batch r, 
 Overlap's first round collects nothing (its post work is `head`) and its last launches
 nothing (its prepare is `tail_P`); so does every round after one that found nothing to launch
 mid-run (`drained`: the running requests all finished with the batch in flight), which
-collects that batch at once rather than with the next arrival's launch. Split streams (`StreamShare`) put each batch's D and D_pre
-on two queues of their own (`two_streams`).
+collects that batch at once rather than with the next arrival's launch. Split streams
+(`StreamShare`) put each batch's D and D_pre on two queues of their own (`two_streams`).
 
 The batches themselves (who runs in which round) are the trace's: the model moves
 moments, not requests. Each token's time is its batch's `synced`.
