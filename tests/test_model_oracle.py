@@ -122,6 +122,21 @@ def test_forward_batch_layout() -> None:
         build_forward_batch([SeqChunk([], 0, [0], True)], 16, "cpu")
 
 
+def test_placeholders_resolve_from_the_future_ring() -> None:
+    """Overlap's placeholder ids -(slot + 1) take the ring's tokens, real ids stay; the CPU's
+    numpy path gives what the device expression gives, and leaves the batch it read unchanged."""
+    from scheduler.model.forward_batch import resolve_placeholders
+
+    future = torch.arange(1000, 1064)
+    chunks = [SeqChunk([-1], 9, [0], True), SeqChunk([7], 3, [1], True), SeqChunk([5, 6, -64], 0, [2], True)]
+    b = build_forward_batch(chunks, 16, "cpu")
+    read, before = b.input_ids, b.input_ids.clone()
+    want = torch.where(before < 0, future[(-before - 1).clamp(min=0)], before)
+    resolve_placeholders(b, future)
+    assert b.input_ids.dtype == torch.long and b.input_ids.tolist() == want.tolist() == [1000, 7, 5, 6, 1063]
+    assert torch.equal(read, before)
+
+
 def test_sliding_window_is_exercised(ckpt_root: Path) -> None:
     path = BUILDERS["mistral"](ckpt_root / "mistral_window")
     model, cfg = load_model(path)
