@@ -7,12 +7,15 @@ final sequence once, teacher-forced, and must agree with every greedy token and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -120,6 +123,29 @@ def test_forward_batch_layout() -> None:
         build_forward_batch([SeqChunk([1, 2], 15, [0], True)], 16, "cpu")
     with pytest.raises(ValueError, match="empty"):
         build_forward_batch([SeqChunk([], 0, [0], True)], 16, "cpu")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 3), st.booleans()), min_size=1, max_size=20),
+       st.sampled_from([4, 16]))
+def test_a_decode_batch_is_laid_out_as_the_general_path_lays_it_out(rows, block_size) -> None:
+    """The decode-only path (one tensor for its indices) gives the general path's batch."""
+    from scheduler.model import forward_batch as fbm
+
+    chunks = [SeqChunk([tok % 97 - 3], pos, list(range(i, i + pos // block_size + 1 + extra)), sample)
+              for i, (pos, extra, sample) in enumerate(rows) for tok in (pos * 7 + i,)]
+    decodes = sorted(enumerate(chunks), key=lambda ic: -ic[1].start_pos)
+    max_ctx = max(c.start_pos + 1 for c in chunks)
+    dev = torch.device("cpu")
+    fast = fbm._decode_batch(chunks, decodes, block_size, dev, max_ctx)
+    slow = fbm._mixed_batch(chunks, decodes, [], block_size, dev, max_ctx)
+    assert build_forward_batch(chunks, block_size, "cpu").decode_groups == fast.decode_groups
+    for f in dataclasses.fields(fbm.ForwardBatch):
+        a, b = getattr(fast, f.name), getattr(slow, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
 
 
 def test_placeholders_resolve_from_the_future_ring() -> None:
