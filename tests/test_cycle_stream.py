@@ -23,7 +23,6 @@ from tracing.schema import PROBES
 from tracing.writer import parquet_options
 from viewer.analysis.cycle_stream import Cycles, stream_views
 from viewer.analysis.cycle_views import per_cycle
-from viewer.analysis.report import read_collectives
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "traces"
@@ -35,10 +34,10 @@ def tp2(tiny_runs: TinyRuns) -> Path:
 
 
 def _small_groups(src: Path, dst: Path, rows: int) -> Path:
-    """A copy of a trace whose probes parts are rewritten in row groups of `rows` rows (the
-    manifest's counts still hold): many windows from a small trace."""
+    """A copy of a trace whose probes (and collectives) parts are rewritten in row groups of
+    `rows` rows (the manifest's counts still hold): many windows from a small trace."""
     shutil.copytree(src, dst)
-    for part in (dst / "probes").glob("*.parquet"):
+    for part in [*(dst / "probes").glob("*.parquet"), *(dst / "collectives").glob("*.parquet")]:
         t = pq.read_table(part)
         pq.write_table(t, part, row_group_size=rows, **parquet_options(t.schema))
     return dst
@@ -48,12 +47,12 @@ def _assert_same_views(root: Path) -> None:
     whole_trace = Trace.open(root)
     t = read_consistent(whole_trace, {"probes": ["ts_ns", "dur_ns", "boundary", "stream", "rank"],
                                       "steps": ["step", "ts_ns", "dur_ns", "collect_ns"]})
-    colls = read_collectives(whole_trace)
+    colls = whole_trace.table("collectives") if whole_trace.has_table("collectives") else None
     ranks = sorted(pc.unique(t["probes"]["rank"]).to_pylist())
     for totals, chunk in ((True, 1), (False, 1), (False, 3)):
         for window in (1, 7, 50, 1 << 21):
             trace = Trace.open(root)
-            got = stream_views(trace, Cycles.of(trace, t["steps"]), colls, totals, window, chunk=chunk)
+            got = stream_views(trace, Cycles.of(trace, t["steps"]), totals, window, chunk=chunk)
             assert got.ranks == ranks
             assert got.rows == t["probes"].num_rows
             assert trace.status.clipped == whole_trace.status.clipped

@@ -56,50 +56,110 @@ class StragglerView:
         return asdict(self)
 
 
-def _group_key(colls: pa.Table) -> tuple[np.ndarray, list[str]]:
-    g = colls["group"].combine_chunks()
-    if pa.types.is_dictionary(g.type):
-        g = g.cast(pa.string())
-    names = sorted(set(g.to_pylist()))
-    idx = {n: i for i, n in enumerate(names)}
-    return np.array([idx[x] for x in g.to_pylist()], dtype=np.int64), names
+class StragglerFold:
+    """`straggler_view` over a table read in pieces, given each group's member ranks: a
+    collective is counted once all its members' rows have come; until then its rows wait in
+    `carry`. Pieces in order of issue keep the carry to the collectives in flight across a
+    piece's edge (and those a rank never joined)."""
+
+    def __init__(self, members: dict[str, set[int]]) -> None:
+        self.names = sorted(members)
+        self.ids = {g: i for i, g in enumerate(self.names)}
+        self.members = np.array([len(members[g]) for g in self.names], dtype=np.int64)
+        self.ranks = sorted(set().union(*members.values())) if members else []
+        self.carry = [np.zeros(0, np.int64) for _ in range(5)]  # group, seq, rank, issue, step
+        self.late: list[np.ndarray] = []  # ns, one per collective every member issued
+        self.last = {r: [0, 0, 0] for r in self.ranks}  # rank -> [times last, sum ns, max ns]
+        self.worst: list[tuple[int, str, int, int, int]] = []  # (-late ns, group, seq, step, rank)
+
+    def _group_ids(self, col: pa.ChunkedArray) -> np.ndarray:
+        out = []
+        for ch in col.chunks:
+            if not pa.types.is_dictionary(ch.type):
+                ch = ch.dictionary_encode()
+            lut = np.array([self.ids.get(v, -1) for v in ch.dictionary.to_pylist()] or [-1], dtype=np.int64)
+            out.append(lut[ch.indices.to_numpy(zero_copy_only=False)])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def add(self, t: pa.Table) -> None:
+        if not t.num_rows:
+            return
+        new = [self._group_ids(t["group"])] + [t[c].to_numpy().astype(np.int64, copy=False)
+                                                 for c in ("seq", "rank", "issue_ns", "step")]
+        gk, seq, rank, issue, step = (np.concatenate([c, n]) for c, n in zip(self.carry, new, strict=True))
+        known = gk >= 0
+        gk, seq, rank, issue, step = gk[known], seq[known], rank[known], issue[known], step[known]
+        # by group, seq, then issue time (ties by rank, whatever order the rows came in): the last one last
+        order = np.lexsort((rank, issue, seq, gk))
+        gk, seq, rank, issue, step = gk[order], seq[order], rank[order], issue[order], step[order]
+        head = np.ones(len(seq), dtype=bool)
+        head[1:] = (gk[1:] != gk[:-1]) | (seq[1:] != seq[:-1])
+        starts = np.flatnonzero(head)
+        ends = np.append(starts[1:], len(seq))
+        count, want = ends - starts, self.members[gk[starts]]
+        waiting = np.repeat(count < want, count)
+        self.carry = [gk[waiting], seq[waiting], rank[waiting], issue[waiting], step[waiting]]
+        full = (count == want) & (count > 1)
+        if not full.any():
+            return
+        s, e = starts[full], ends[full]
+        late, last_rank = issue[e - 1] - issue[s], rank[e - 1]
+        self.late.append(late)
+        for r in np.unique(last_rank).tolist():
+            lat = late[last_rank == r]
+            acc = self.last.setdefault(int(r), [0, 0, 0])
+            acc[0] += len(lat)
+            acc[1] += int(lat.sum())
+            acc[2] = max(acc[2], int(lat.max()))
+        top = np.arange(len(late))
+        if len(late) > WORST:  # the latest few, and every one tied with the last of them
+            top = np.flatnonzero(late >= np.partition(late, len(late) - WORST)[len(late) - WORST])
+            top = top[np.lexsort((seq[s[top]], gk[s[top]], -late[top]))[:WORST]]
+        self.worst = sorted(self.worst + [(-int(late[i]), self.names[gk[s[i]]], int(seq[s[i]]), int(step[s[i]]),
+                                           int(last_rank[i])) for i in top])[:WORST]
+
+    def view(self) -> StragglerView | None:
+        """None when no collective was issued by every member of its group (two or more)."""
+        if not self.late:
+            return None
+        late_ms = np.concatenate(self.late) / 1e6
+        n = len(late_ms)
+        ranks = [RankLateness(r, k, k / n, total / k / 1e6 if k else 0.0, mx / 1e6)
+                 for r, (k, total, mx) in sorted(self.last.items())]
+        worst = [Straggler(g, q, st, r, -neg / 1e6) for neg, g, q, st, r in self.worst]
+        p50, p99 = (float(x) for x in np.percentile(late_ms, [50, 99]))
+        return StragglerView(n, p50, p99, ranks, worst)
+
+
+def members(last: dict[tuple[str, int], int]) -> dict[str, set[int]]:
+    """group -> every rank that issued any collective of it (`last`: `last_seqs`)."""
+    out: dict[str, set[int]] = {}
+    for g, r in last:
+        out.setdefault(g, set()).add(r)
+    return out
 
 
 def straggler_view(colls: pa.Table) -> StragglerView | None:
     """None when the trace has no collective issued by more than one rank."""
-    if colls.num_rows == 0:
-        return None
-    gk, gnames = _group_key(colls)
-    seq = colls["seq"].to_numpy()
-    rank = colls["rank"].to_numpy()
-    issue = colls["issue_ns"].to_numpy()
-    step = colls["step"].to_numpy()
-    order = np.lexsort((issue, seq, gk))  # by group, seq, then issue time: the last one last
-    gk, seq, rank, issue, step = gk[order], seq[order], rank[order], issue[order], step[order]
-    new = np.ones(len(seq), dtype=bool)
-    new[1:] = (gk[1:] != gk[:-1]) | (seq[1:] != seq[:-1])
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:], len(seq))
-    # members per group: every rank that issued any collective of it
-    members = {g: len(set(rank[gk == g].tolist())) for g in range(len(gnames))}
-    full = (ends - starts) == np.array([members[g] for g in gk[starts]])
-    full &= (ends - starts) > 1
-    if not full.any():
-        return None
-    s, e = starts[full], ends[full]
-    late_ns = issue[e - 1] - issue[s]
-    last_rank = rank[e - 1]
-    ranks = []
-    for r in sorted(set(rank.tolist())):
-        m = last_rank == r
-        lat = late_ns[m] / 1e6
-        ranks.append(RankLateness(int(r), int(m.sum()), float(m.mean()),
-                                  float(lat.mean()) if len(lat) else 0.0,
-                                  float(lat.max()) if len(lat) else 0.0))
-    worst = [Straggler(gnames[gk[a]], int(seq[a]), int(step[a]), int(last_rank[i]), float(late_ns[i] / 1e6))
-             for i, a in sorted(enumerate(s), key=lambda x: -late_ns[x[0]])[:WORST]]
-    p50, p99 = (float(x) for x in np.percentile(late_ns / 1e6, [50, 99]))
-    return StragglerView(len(s), p50, p99, ranks, worst)
+    fold = StragglerFold(members(last_seqs(colls)))
+    fold.add(colls)
+    return fold.view()
+
+
+def trace_stragglers(trace: Trace, piece_rows: int = READ_ROWS) -> tuple[int, StragglerView | None]:
+    """The collectives rows of a trace and their `straggler_view`, read about `piece_rows` at
+    a time in order of issue (a long TP run issues about one for every two probe rows)."""
+    if not trace.has_table("collectives"):
+        return 0, None
+
+    def fold() -> tuple[int, StragglerView | None]:
+        f = StragglerFold(trace_members(trace))
+        sw = Sweep(trace, "collectives", ["group", "seq", "rank", "issue_ns", "step"], time="issue_ns",
+                   dictionary=("group",))
+        for t in sw.pieces(piece_rows):
+            f.add(t)
+        return sw.rows, f.view()
+    return start_over(trace, "collectives", fold)
 
 
 def last_seqs(colls: pa.Table) -> dict[tuple[str, int], int]:
@@ -129,6 +189,26 @@ def trace_last_seqs(trace: Trace) -> dict[tuple[str, int], int]:
                 out[k] = max(s, out.get(k, s))
         return out
     return start_over(trace, "collectives", fold)
+
+
+def trace_members(trace: Trace) -> dict[str, set[int]]:
+    """`members` of a trace's collectives, read two columns a few row groups at a time."""
+    out: dict[str, set[int]] = {}
+    for t in Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",)).pieces(READ_ROWS):
+        rank = t["rank"].to_numpy().astype(np.int64)
+        at = 0
+        for ch in t["group"].chunks:
+            if not pa.types.is_dictionary(ch.type):
+                ch = ch.dictionary_encode()
+            names, r = ch.dictionary.to_pylist(), rank[at:at + len(ch)]
+            at += len(ch)
+            if not len(r):
+                continue
+            lo, span = int(r.min()), int(r.max() - r.min()) + 1  # (ranks are few and small: a count, not a hash)
+            seen = np.flatnonzero(np.bincount(ch.indices.to_numpy(zero_copy_only=False) * span + (r - lo)))
+            for p in seen.tolist():
+                out.setdefault(names[p // span], set()).add(lo + p % span)
+    return out
 
 
 def never_joined(last: dict[tuple[str, int], int], group: str, seq: int, members: list[int]) -> dict[int, int]:

@@ -8,6 +8,8 @@ in) and every later row that starts before its own rows end (the device work tho
 rows overlap). What it keeps for the next window is what is still open at its end.
 So memory grows with a window (WINDOW_ROWS rows) and with the longest row, not with
 the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_stream.py).
+A TP run's `collectives` rows (about one for every two probe rows) are read beside them,
+in order of their issue: a window takes those issued inside it.
 """
 
 from __future__ import annotations
@@ -56,16 +58,40 @@ class CycleViews:
     rows: int = 0  # probe rows read (clipped rows not counted)
 
 
-def stream_views(trace: Trace, cycles: Cycles, collectives: pa.Table | None = None, totals: bool = True,
-                 window_rows: int = WINDOW_ROWS, head_rows: int = 0, chunk: int = 1) -> CycleViews:
-    """Every rank's views of rank 0's cycles, the probe rows read a window at a time;
-    `head_rows`: that many of the first rows kept (`CycleViews.head`); `chunk`: per_cycle's."""
-    return start_over(trace, "probes",
-                      lambda: _stream(trace, cycles, collectives, totals, window_rows, head_rows, chunk))
+def stream_views(trace: Trace, cycles: Cycles, totals: bool = True, window_rows: int = WINDOW_ROWS,
+                 head_rows: int = 0, chunk: int = 1) -> CycleViews:
+    """Every rank's views of rank 0's cycles, the probe rows (and a TP run's collectives) read
+    a window at a time; `head_rows`: that many of the first rows kept (`CycleViews.head`);
+    `chunk`: per_cycle's."""
+    return start_over(trace, "probes", lambda: _stream(trace, cycles, totals, window_rows, head_rows, chunk))
 
 
-def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: bool,
-            window_rows: int, head_rows: int, chunk: int) -> CycleViews:
+class _Issued:
+    """The collectives table read in order of issue: `until(t)` gives every row issued before
+    t that an earlier call did not (empty for a trace without the table)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.sweep = (Sweep(trace, "collectives", ["rank", "issue_ns", "end_ns"], time="issue_ns")
+                      if trace.has_table("collectives") else None)
+        self.later: pa.Table | None = None  # read, issued after the last `until`
+
+    def until(self, t: int | None) -> pa.Table | None:
+        if self.sweep is None or not self.sweep.rows:
+            return None
+        got = [x for x in ([self.later] if self.later is not None else []) + self.sweep.read_until(t) if x.num_rows]
+        if not got:
+            return None
+        rows = pa.concat_tables(got).combine_chunks()
+        if t is None:
+            self.later = None
+            return rows
+        before = pc.less(rows["issue_ns"], t)
+        self.later = rows.filter(pc.invert(before))
+        return rows.filter(before)
+
+
+def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_rows: int,
+            chunk: int) -> CycleViews:
     S, E, clip = cycles.start_ns, cycles.end_ns, cycles.clip
     n = len(S)
     columns = ["ts_ns", "dur_ns", "boundary", "stream", "rank"]
@@ -83,6 +109,7 @@ def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: 
     cuts = _plan(S, sweep, window_rows, chunk)
     owns = [(int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER) for i0, i1 in cuts]
     buf: pa.Table | None = None
+    issued = _Issued(trace)
     # The next window's rows are read (mostly decoding, which releases the GIL) while this one's are attributed.
     with ThreadPoolExecutor(max_workers=1) as pool:
         ahead = pool.submit(sweep.read_until, _until(owns[0]))
@@ -97,8 +124,9 @@ def _stream(trace: Trace, cycles: Cycles, collectives: pa.Table | None, totals: 
             out.rows += sum(t.num_rows for t in got)
             if out.head is None:
                 out.head = buf.slice(0, head_rows).combine_chunks()
+            colls = issued.until(_until(own))
             for r in parts:
-                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, collectives, totals, own,
+                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,
                                              chunk))
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]

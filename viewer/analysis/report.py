@@ -22,8 +22,7 @@ from tracing.reader import Trace
 from tracing.run_status import RunStatus
 from viewer.analysis.advice import HOP_ROWS, WORTH, Backend, backend, worth_attacking
 from viewer.analysis.bootstrap import cycle_chunk
-from viewer.analysis.collectives import COLUMNS as COLLECTIVE_COLUMNS
-from viewer.analysis.collectives import StragglerView, straggler_view
+from viewer.analysis.collectives import StragglerView, trace_stragglers
 from viewer.analysis.cost import BoundaryCost, CostTable, table_of
 from viewer.analysis.cycle_stream import Cycles, CycleViews, stream_views
 from viewer.analysis.imported import ImportedView, imported_view
@@ -51,7 +50,6 @@ class ReportInputs:
     cycles: CycleViews  # the cost table's sums (with `per_cycle`: each cycle's)
     steps: pa.Table
     requests: pa.Table
-    collectives: pa.Table | None
 
     @property
     def main_rank(self) -> dict[str, np.ndarray]:
@@ -188,18 +186,17 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
     cycles = Cycles.of(trace, steps)
     steps = steps.select(keep)  # (both keep what the requests' check reads: step, collect_ns)
-    colls = read_collectives(trace)
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        job = pool.submit(stream_views, trace, cycles, colls, not per_cycle, head_rows=HOP_ROWS,
+        job = pool.submit(stream_views, trace, cycles, not per_cycle, head_rows=HOP_ROWS,
                           chunk=cycle_chunk(len(cycles.start_ns)))
         del cycles  # (a long trace's: 107 MB, freed with the stream's totals)
         # its chunks as read: combining them would copy 0.5 GB of a 100 M-row trace's requests
         requests = read_consistent(trace, {"requests": request_columns}, steps=steps,
                                    uncombined=("requests",))["requests"]
         views = job.result()
-    return ReportInputs(trace, views, steps, requests, colls)
+    return ReportInputs(trace, views, steps, requests)
 
 
 def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
@@ -213,7 +210,7 @@ def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[s
 def build_report(root: str | Path | ReportInputs) -> ReportResult:
     """Everything `report` shows (its to_json() is what --json prints)."""
     inp = root if isinstance(root, ReportInputs) else load_inputs(root)
-    meta, steps, requests, colls = inp.trace.meta, inp.steps, inp.requests, inp.collectives
+    meta, steps, requests = inp.trace.meta, inp.steps, inp.requests
     # ITL from token runs and round collect times: exact, and a long trace's tens
     # of millions of per-token gaps never have to be read
     itl = itl_from_runs(requests["token_runs"].chunks, steps["step"].to_numpy(), steps["collect_ns"].to_numpy())
@@ -249,20 +246,13 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
     if len(inp.cycles.ranks) > 1:
         rep.per_rank = {str(r): cost_view(table_of(inp.cycles.by_rank[r]), host_view=r == 0)
                         for r in inp.cycles.ranks}
-    if colls is not None:
-        rep.stragglers = straggler_view(colls)
+    rows, sv = trace_stragglers(inp.trace)  # (read after the stream: the two peaks do not add)
+    if rows:
+        rep.stragglers = sv
     imp = imported_view(inp.trace, steps)
     if imp is not None:
         rep.imported = imp
     return rep
-
-
-def read_collectives(trace: Trace) -> pa.Table | None:
-    """The collectives table (TP runs), or None: traces from before it existed have no folder."""
-    if not trace.has_table("collectives"):
-        return None
-    t = trace.table("collectives", COLLECTIVE_COLUMNS)
-    return t if t.num_rows else None
 
 
 def cost_view(c: CostTable, host_view: bool = True) -> CostView:

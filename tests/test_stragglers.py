@@ -1,0 +1,120 @@
+"""The straggler view folded over pieces of the collectives table (viewer/analysis/collectives.py):
+the same view as a plain join of the whole table, whatever the pieces, and a real TP run's
+trace read a few row groups at a time gives the view of its whole table."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.tiny_runs import TinyRuns
+from tracing.reader import Trace
+from tracing.schema import COLLECTIVES
+from tracing.writer import parquet_options
+from viewer.analysis.collectives import (
+    StragglerFold,
+    last_seqs,
+    members,
+    straggler_view,
+    trace_members,
+    trace_stragglers,
+)
+
+
+def _reference(rows: list[dict]) -> dict:
+    """The view by a plain dict join: for each (group, seq) every member issued (two or more
+    members), the last issuer and its lateness."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    ranks: dict[str, set[int]] = {}
+    for r in rows:
+        by.setdefault((r["group"], r["seq"]), []).append(r)
+        ranks.setdefault(r["group"], set()).add(r["rank"])
+    full = []
+    for (g, q), rs in by.items():
+        if len(rs) == len(ranks[g]) > 1:
+            rs = sorted(rs, key=lambda x: (x["issue_ns"], x["rank"]))  # a tie: the higher rank is last
+            full.append((rs[-1]["issue_ns"] - rs[0]["issue_ns"], g, q, rs[0]["step"], rs[-1]["rank"]))
+    all_ranks = sorted(set().union(*ranks.values())) if ranks else []
+    return {"n": len(full),
+            "late": sorted(f[0] for f in full),
+            "last": {r: sorted(f[0] for f in full if f[4] == r) for r in all_ranks},
+            "worst": sorted((-f[0], f[1], f[2], f[3], f[4]) for f in full)[:5]}
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=COLLECTIVES)
+
+
+@st.composite
+def _collectives(draw: st.DrawFn) -> list[dict]:
+    out = []
+    for g, nranks in enumerate(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))):
+        for seq in range(draw(st.integers(0, 12))):
+            t0 = seq * 1000
+            for r in range(nranks):
+                if draw(st.integers(0, 9)) == 0:  # this rank never issued it
+                    continue
+                out.append({"rank": 10 * g + r, "group": f"tp{g}", "seq": seq, "step": seq // 3, "numel": 1,
+                            "overlapped": False, "issue_ns": t0 + draw(st.integers(0, 30)) * 50,
+                            "start_ns": t0, "end_ns": t0 + 2000, "dur_wait_ns": 0})
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(_collectives(), st.lists(st.integers(0, 200), max_size=6), st.booleans())
+def test_the_fold_over_any_pieces_is_the_whole_tables_join(rows: list[dict], cuts: list[int], shuffle: bool) -> None:
+    ref = _reference(rows)
+    if shuffle:  # any order is right; the order of issue only keeps the carry small
+        rows = [rows[i] for i in np.random.default_rng(len(rows)).permutation(len(rows))]
+    else:
+        rows = sorted(rows, key=lambda x: x["issue_ns"])
+    t = _table(rows)
+    fold = StragglerFold(members({(r["group"], r["rank"]): 0 for r in rows}))
+    edges = sorted({0, len(rows), *(c for c in cuts if c < len(rows))})
+    for a, b in zip(edges, edges[1:], strict=False):
+        fold.add(t.slice(a, b - a))
+    for sv in (fold.view(), straggler_view(t)):
+        if not ref["n"]:
+            assert sv is None
+            continue
+        assert sv is not None and sv.collectives == ref["n"]
+        late_ms = np.array(ref["late"]) / 1e6
+        assert (sv.lateness_p50_ms, sv.lateness_p99_ms) == tuple(float(x) for x in np.percentile(late_ms, [50, 99]))
+        assert [x.rank for x in sv.ranks] == sorted(ref["last"])
+        for x in sv.ranks:
+            mine = ref["last"][x.rank]
+            assert x.last == len(mine) and x.share == len(mine) / ref["n"]
+            assert x.mean_ms == pytest.approx(np.mean(mine) / 1e6 if mine else 0.0, abs=1e-12)
+            assert x.max_ms == (max(mine) / 1e6 if mine else 0.0)
+        assert [(-round(w.late_ms * 1e6), w.group, w.seq, w.step, w.rank) for w in sv.worst] == ref["worst"]
+    # what still waits for a member's row: the rows of the collectives some member never issued
+    issued: dict[tuple[str, int], int] = {}
+    for r in rows:
+        issued[r["group"], r["seq"]] = issued.get((r["group"], r["seq"]), 0) + 1
+    group_ranks = members({(r["group"], r["rank"]): 0 for r in rows})
+    assert len(fold.carry[0]) == sum(1 for r in rows if issued[r["group"], r["seq"]] < len(group_ranks[r["group"]]))
+
+
+def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tiny_runs: TinyRuns, tmp_path: Path) -> None:
+    """A real TP2 run's collectives (two ranks' parts), rewritten in row groups of 5 rows and
+    read a row group at a time, in order of issue: the whole table's view."""
+    src = tiny_runs("--tp", "2", "--requests", "12", "-q").out
+    dst = tmp_path / "tp2"
+    shutil.copytree(src, dst)
+    for part in (dst / "collectives").glob("*.parquet"):
+        t = pq.read_table(part)
+        pq.write_table(t, part, row_group_size=5, **parquet_options(t.schema))
+    tr = Trace.open(dst)
+    whole = tr.table("collectives")
+    want = straggler_view(whole)
+    assert want is not None and want.collectives > 10
+    assert trace_members(tr) == members(last_seqs(whole))
+    rows, got = trace_stragglers(tr, piece_rows=5)
+    assert rows == whole.num_rows and got == want
