@@ -40,16 +40,17 @@ from tracing.writer import FLUSH_INTERVAL_S, PartStore, parquet_options, write_j
 FLUSH_S = FLUSH_INTERVAL_S  # the layout the writer leaves
 BATCH_ROWS = 10_000_000  # probe rows built in memory at a time
 # the column whose time decides which flush a row left in
-FLUSH_TIME = {"probes": "ts_ns", "steps": "ts_ns", "requests": "finish_ns", "timeline": "ts_ns", "memory": "ts_ns"}
+FLUSH_TIME = {"probes": "ts_ns", "steps": "ts_ns", "requests": "finish_ns", "timeline": "ts_ns", "memory": "ts_ns",
+              "collectives": "issue_ns"}
 
 
-def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
+def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None, dseq: int = 0) -> pa.Table:
     cols = {}
     for name in t.column_names:
         c = t[name]
         if name.endswith("_ns") and pa.types.is_integer(c.type):
-            # 0 means "never happened" in requests; keep it 0
-            c = pc.if_else(pc.equal(c, 0), c, pc.add(c, dt)) if name != "dur_ns" and not name.startswith("dur_") else c
+            # 0 means "never happened" in requests, -1 "not yet" in collectives: kept
+            c = pc.if_else(pc.less_equal(c, 0), c, pc.add(c, dt)) if not name.startswith("dur_") else c
         elif name == "token_runs":  # [first_step, count, ...]: shift the steps, keep the counts
             arr = c.combine_chunks()
             flat = pc.list_flatten(arr).to_numpy().copy()
@@ -57,6 +58,8 @@ def shifted(t: pa.Table, dt: int, dstep: int, suffix: str | None) -> pa.Table:
             c = pa.ListArray.from_arrays(arr.offsets, pa.array(flat))
         elif name == "step":
             c = pc.if_else(pc.less(c, 0), c, pc.add(c, dstep))
+        elif name == "seq":  # a collective's number in its group: copies go on numbering
+            c = pc.add(c, dseq)
         elif name == "request_id" and suffix is not None:
             c = pc.binary_join_element_wise(c, pa.scalar(suffix), "")
         cols[name] = c
@@ -69,20 +72,22 @@ class Source:
     def __init__(self, src: Path) -> None:
         tr = Trace.open(src)
         self.meta = tr.meta
-        self.tables = {n: tr.table(n) for n in FLUSH_TIME}
+        self.tables = {n: tr.table(n) for n in FLUSH_TIME if tr.has_table(n)}
         probes, steps = self.tables["probes"], self.tables["steps"]
         t0 = min(pc.min(probes["ts_ns"]).as_py(), pc.min(steps["ts_ns"]).as_py())
         t1 = max(pc.max(pc.add(probes["ts_ns"], probes["dur_ns"])).as_py(),
                  pc.max(pc.add(steps["ts_ns"], steps["dur_ns"])).as_py())
         self.span = t1 - t0 + 1000
         self.nstep = pc.max(steps["step"]).as_py() + 1
+        colls = self.tables.get("collectives")
+        self.nseq = pc.max(colls["seq"]).as_py() + 1 if colls is not None and colls.num_rows else 0
         firsts = (pc.min(pc.filter(t[FLUSH_TIME[n]], pc.greater(t[FLUSH_TIME[n]], 0))).as_py()
                   for n, t in self.tables.items())
         self.t_min = min(int(x) for x in firsts if x is not None)
 
     def copies(self, lo: int, hi: int) -> dict[str, pa.Table]:
         """Copies lo..hi-1 as one run's tables (copy i shifted by i spans and i rounds)."""
-        return {name: pa.concat_tables([shifted(t, i * self.span, i * self.nstep, f"#{i}" if i else None)
+        return {name: pa.concat_tables([shifted(t, i * self.span, i * self.nstep, f"#{i}" if i else None, i * self.nseq)
                                         for i in range(lo, hi)])
                 for name, t in self.tables.items()}
 
