@@ -20,6 +20,8 @@ from tracing.schema import COLLECTIVES
 from tracing.writer import parquet_options
 from viewer.analysis.collectives import (
     StragglerFold,
+    StragglerView,
+    add_members,
     last_seqs,
     members,
     straggler_view,
@@ -76,30 +78,46 @@ def test_the_fold_over_any_pieces_is_the_whole_tables_join(rows: list[dict], cut
     else:
         rows = sorted(rows, key=lambda x: x["issue_ns"])
     t = _table(rows)
-    fold = StragglerFold(members({(r["group"], r["rank"]): 0 for r in rows}))
     edges = sorted({0, len(rows), *(c for c in cuts if c < len(rows))})
-    for a, b in zip(edges, edges[1:], strict=False):
-        fold.add(t.slice(a, b - a))
-    for sv in (fold.view(), straggler_view(t)):
-        if not ref["n"]:
-            assert sv is None
-            continue
-        assert sv is not None and sv.collectives == ref["n"]
-        late_ms = np.array(ref["late"]) / 1e6
-        assert (sv.lateness_p50_ms, sv.lateness_p99_ms) == tuple(float(x) for x in np.percentile(late_ms, [50, 99]))
-        assert [x.rank for x in sv.ranks] == sorted(ref["last"])
-        for x in sv.ranks:
-            mine = ref["last"][x.rank]
-            assert x.last == len(mine) and x.share == len(mine) / ref["n"]
-            assert x.mean_ms == pytest.approx(np.mean(mine) / 1e6 if mine else 0.0, abs=1e-12)
-            assert x.max_ms == (max(mine) / 1e6 if mine else 0.0)
-        assert [(-round(w.late_ms * 1e6), w.group, w.seq, w.step, w.rank) for w in sv.worst] == ref["worst"]
+    pieces = [_own_dictionary(t.slice(a, b - a), k) for k, (a, b) in enumerate(zip(edges, edges[1:], strict=False))]
+    seen: dict[str, set[int]] = {}
+    for piece in pieces:
+        add_members(piece, seen)
+    assert seen == members({(r["group"], r["rank"]): 0 for r in rows})
+    fold = StragglerFold(seen)
+    for piece in pieces:
+        fold.add(piece)
+    _assert_view(fold.view(), ref)
+    _assert_view(straggler_view(t), ref)
     # what still waits for a member's row: the rows of the collectives some member never issued
     issued: dict[tuple[str, int], int] = {}
     for r in rows:
         issued[r["group"], r["seq"]] = issued.get((r["group"], r["seq"]), 0) + 1
-    group_ranks = members({(r["group"], r["rank"]): 0 for r in rows})
-    assert len(fold.carry[0]) == sum(1 for r in rows if issued[r["group"], r["seq"]] < len(group_ranks[r["group"]]))
+    assert len(fold.carry[0]) == sum(1 for r in rows if issued[r["group"], r["seq"]] < len(seen[r["group"]]))
+
+
+def _own_dictionary(t: pa.Table, k: int) -> pa.Table:
+    """`t` with its group column in a dictionary of its own (as each part's read has): the
+    groups in another order for every other piece, and a name no row uses."""
+    names = sorted(set(t["group"].to_pylist()) | {f"unused{k}"}, reverse=bool(k % 2))
+    idx = pa.array([names.index(g) for g in t["group"].to_pylist()], pa.int32())
+    return t.set_column(t.schema.get_field_index("group"), "group", pa.DictionaryArray.from_arrays(idx, names))
+
+
+def _assert_view(sv: StragglerView | None, ref: dict) -> None:
+    if not ref["n"]:
+        assert sv is None
+        return
+    assert sv is not None and sv.collectives == ref["n"]
+    late_ms = np.array(ref["late"]) / 1e6
+    assert (sv.lateness_p50_ms, sv.lateness_p99_ms) == tuple(float(x) for x in np.percentile(late_ms, [50, 99]))
+    assert [x.rank for x in sv.ranks] == sorted(ref["last"])
+    for x in sv.ranks:
+        mine = ref["last"][x.rank]
+        assert x.last == len(mine) and x.share == len(mine) / ref["n"]
+        assert x.mean_ms == pytest.approx(np.mean(mine) / 1e6 if mine else 0.0, abs=1e-12)
+        assert x.max_ms == (max(mine) / 1e6 if mine else 0.0)
+    assert [(-round(w.late_ms * 1e6), w.group, w.seq, w.step, w.rank) for w in sv.worst] == ref["worst"]
 
 
 def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tiny_runs: TinyRuns, tmp_path: Path) -> None:
@@ -115,6 +133,7 @@ def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tiny_runs: Ti
     whole = tr.table("collectives")
     want = straggler_view(whole)
     assert want is not None and want.collectives > 10
-    assert trace_members(tr) == members(last_seqs(whole))
+    _assert_view(want, _reference(whole.to_pylist()))
+    assert trace_members(tr) == members(last_seqs(whole)) == {"tp0": {0, 1}}
     rows, got = trace_stragglers(tr, piece_rows=5)
     assert rows == whole.num_rows and got == want

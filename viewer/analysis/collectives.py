@@ -21,7 +21,6 @@ import pyarrow as pa
 from tracing.reader import Trace
 from tracing.sweep import Sweep, start_over
 
-COLUMNS = ["rank", "group", "seq", "step", "issue_ns", "end_ns", "dur_wait_ns", "overlapped"]
 READ_ROWS = 1 << 21  # collectives rows read at a time
 WORST = 5
 
@@ -60,7 +59,8 @@ class StragglerFold:
     """`straggler_view` over a table read in pieces, given each group's member ranks: a
     collective is counted once all its members' rows have come; until then its rows wait in
     `carry`. Pieces in order of issue keep the carry to the collectives in flight across a
-    piece's edge (and those a rank never joined)."""
+    piece's edge (and those a rank never joined). A rank numbers its collectives of a group
+    once each (scheduler/parallel/comm.py): a repeated (group, seq, rank) is not expected."""
 
     def __init__(self, members: dict[str, set[int]]) -> None:
         self.names = sorted(members)
@@ -122,12 +122,14 @@ class StragglerFold:
         """None when no collective was issued by every member of its group (two or more)."""
         if not self.late:
             return None
-        late_ms = np.concatenate(self.late) / 1e6
+        late_ms = np.concatenate(self.late, dtype=np.float64)  # (one copy at a time: a long run has tens of M)
+        self.late.clear()
+        late_ms /= 1e6
         n = len(late_ms)
         ranks = [RankLateness(r, k, k / n, total / k / 1e6 if k else 0.0, mx / 1e6)
                  for r, (k, total, mx) in sorted(self.last.items())]
         worst = [Straggler(g, q, st, r, -neg / 1e6) for neg, g, q, st, r in self.worst]
-        p50, p99 = (float(x) for x in np.percentile(late_ms, [50, 99]))
+        p50, p99 = (float(x) for x in np.percentile(late_ms, [50, 99], overwrite_input=True))
         return StragglerView(n, p50, p99, ranks, worst)
 
 
@@ -195,20 +197,27 @@ def trace_members(trace: Trace) -> dict[str, set[int]]:
     """`members` of a trace's collectives, read two columns a few row groups at a time."""
     out: dict[str, set[int]] = {}
     for t in Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",)).pieces(READ_ROWS):
-        rank = t["rank"].to_numpy().astype(np.int64)
-        at = 0
-        for ch in t["group"].chunks:
-            if not pa.types.is_dictionary(ch.type):
-                ch = ch.dictionary_encode()
-            names, r = ch.dictionary.to_pylist(), rank[at:at + len(ch)]
-            at += len(ch)
-            if not len(r):
-                continue
-            lo, span = int(r.min()), int(r.max() - r.min()) + 1  # (ranks are few and small: a count, not a hash)
-            seen = np.flatnonzero(np.bincount(ch.indices.to_numpy(zero_copy_only=False) * span + (r - lo)))
-            for p in seen.tolist():
-                out.setdefault(names[p // span], set()).add(lo + p % span)
+        add_members(t, out)
     return out
+
+
+def add_members(t: pa.Table, out: dict[str, set[int]]) -> None:
+    """Add the (group, rank) pairs of `t` to `out` (group -> ranks)."""
+    rank = t["rank"].to_numpy().astype(np.int64)
+    at = 0
+    for ch in t["group"].chunks:
+        if not pa.types.is_dictionary(ch.type):
+            ch = ch.dictionary_encode()
+        names, r = ch.dictionary.to_pylist(), rank[at:at + len(ch)]
+        at += len(ch)
+        if not len(r):
+            continue
+        lo, span = int(r.min()), int(r.max() - r.min()) + 1
+        pairs = ch.indices.to_numpy(zero_copy_only=False).astype(np.int64) * span + (r - lo)
+        # ranks are few and small: a count, not a hash (unless a bad trace's are not)
+        seen = np.flatnonzero(np.bincount(pairs)) if span * len(names) <= 1 << 20 else np.unique(pairs)
+        for p in seen.tolist():
+            out.setdefault(names[p // span], set()).add(lo + p % span)
 
 
 def never_joined(last: dict[tuple[str, int], int], group: str, seq: int, members: list[int]) -> dict[int, int]:
