@@ -16,6 +16,7 @@ starts over (rows only ever append and merges keep their order).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -107,6 +108,16 @@ class Sweep:
         bounded memory, for a pass that does not care about time order."""
         while self.at < len(self.groups):
             yield from self.read_next(rows)
+
+    def pieces_ahead(self, rows: int) -> Iterator[pa.Table]:
+        """`pieces(rows)`, each next read on a thread of its own while the caller works on the
+        one before (reading is mostly decoding, which releases the GIL)."""
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ahead = pool.submit(self.read_next, rows) if self.at < len(self.groups) else None
+            while ahead is not None:
+                got = ahead.result()
+                ahead = pool.submit(self.read_next, rows) if self.at < len(self.groups) else None
+                yield from got
 
     def _read_to(self, stop: int) -> list[pa.Table]:
         out: list[pa.Table] = []
