@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -37,7 +36,6 @@ from tracing.schema import COLLECTIVES, PROBES, STEPS
 from tracing.writer import TraceWriter
 from viewer.analysis.collectives import last_seqs, never_joined, straggler_view
 from viewer.analysis.cost import cost_table
-from viewer.analysis.intervals import subtract as _subtract
 
 # A hang detector, not a speed bound: a TP2 run took 29 s on a loaded CI host (ci48) and over 40 s
 # on a slower one (ci50); a hung run still fails, at this bound.
@@ -292,14 +290,6 @@ def test_worker_parts_are_named_per_rank_and_shifted(tmp_path: Path) -> None:
     assert [(r["ts_ns"], r["dur_ns"]) for r in rows] == [(5000, 10), (4000, 10)]  # durations unshifted
     c = read_table(tmp_path, "collectives").to_pylist()[0]
     assert (c["issue_ns"], c["end_ns"], c["dur_wait_ns"]) == (4000, -1, -1)  # -1 stays "never"
-
-
-def test_subtract_intervals() -> None:
-    a = np.array
-    s, e = _subtract(a([0, 100]), a([50, 200]), a([10, 40, 150]), a([20, 120, 160]))
-    assert list(zip(s.tolist(), e.tolist(), strict=True)) == [(0, 10), (20, 40), (120, 150), (160, 200)]
-    s, e = _subtract(a([0]), a([10]), a([], dtype=np.int64), a([], dtype=np.int64))
-    assert (s.tolist(), e.tolist()) == ([0], [10])
 
 
 def _tables(rows: Sequence[tuple[object, ...]], steps: list[tuple[int, int]]) -> tuple[pa.Table, pa.Table]:
