@@ -22,7 +22,7 @@ from tracing.reader import Trace
 from tracing.schema import PROBES
 from tracing.writer import parquet_options
 from viewer.analysis.cycle_stream import Cycles, stream_views
-from viewer.analysis.cycle_views import per_cycle
+from viewer.analysis.cycle_views import cycle_bounds, per_cycle
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "traces"
@@ -96,8 +96,22 @@ def test_windows_of_any_size_give_the_whole_traces_views(sample: str, tmp_path: 
 
 def test_tp2_windows_give_every_ranks_views(tp2: Path, tmp_path: Path) -> None:
     """Two ranks (each rank's rows against rank 0's cycles, all_reduce from the collectives
-    table), in row groups of 7 rows interleaved across the ranks' parts."""
-    _assert_same_views(_small_groups(tp2, tmp_path / "tp2", 7))
+    table), in row groups of 7 rows interleaved across the ranks' parts; every third
+    collective moved to start exactly where a cycle does (a window's edge: it belongs to the
+    window that starts there)."""
+    root = _small_groups(tp2, tmp_path / "tp2", 7)
+    S, _ = cycle_bounds(read_consistent(Trace.open(root), {"steps": ["ts_ns", "dur_ns"]})["steps"])
+    moved = 0
+    for part in (root / "collectives").glob("*.parquet"):
+        t = pq.read_table(part)
+        issue = t["issue_ns"].to_numpy().copy()
+        at = np.clip(np.searchsorted(S, issue, "right") - 1, 0, None)[::3]  # the start at or before: still done
+        issue[::3] = S[at]
+        moved += len(at)
+        t = t.set_column(t.schema.get_field_index("issue_ns"), "issue_ns", pa.array(issue))
+        pq.write_table(t, part, row_group_size=7, **parquet_options(t.schema))
+    assert moved > 10
+    _assert_same_views(root)
 
 
 def test_a_window_holds_a_windows_rows_not_the_traces(tmp_path: Path) -> None:

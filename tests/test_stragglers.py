@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from tests.support.tiny_runs import TinyRuns
 from tracing.reader import Trace
 from tracing.schema import COLLECTIVES
+from tracing.sweep import Group, Sweep, Vanished
 from tracing.writer import parquet_options
 from viewer.analysis.collectives import (
     StragglerFold,
@@ -30,10 +32,10 @@ from viewer.analysis.collectives import (
 )
 
 
-def _reference(rows: list[dict]) -> dict:
+def _reference(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The view by a plain dict join: for each (group, seq) every member issued (two or more
     members), the last issuer and its lateness."""
-    by: dict[tuple[str, int], list[dict]] = {}
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
     ranks: dict[str, set[int]] = {}
     for r in rows:
         by.setdefault((r["group"], r["seq"]), []).append(r)
@@ -50,12 +52,12 @@ def _reference(rows: list[dict]) -> dict:
             "worst": sorted((-f[0], f[1], f[2], f[3], f[4]) for f in full)[:5]}
 
 
-def _table(rows: list[dict]) -> pa.Table:
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=COLLECTIVES)
 
 
 @st.composite
-def _collectives(draw: st.DrawFn) -> list[dict]:
+def _collectives(draw: st.DrawFn) -> list[dict[str, Any]]:
     out = []
     for g, nranks in enumerate(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))):
         for seq in range(draw(st.integers(0, 12))):
@@ -71,7 +73,7 @@ def _collectives(draw: st.DrawFn) -> list[dict]:
 
 @settings(max_examples=150, deadline=None)
 @given(_collectives(), st.lists(st.integers(0, 200), max_size=6), st.booleans())
-def test_the_fold_over_any_pieces_is_the_whole_tables_join(rows: list[dict], cuts: list[int], shuffle: bool) -> None:
+def test_the_fold_over_any_pieces_is_the_whole_tables_join(rows: list[dict[str, Any]], cuts: list[int], shuffle: bool) -> None:
     ref = _reference(rows)
     if shuffle:  # any order is right; the order of issue only keeps the carry small
         rows = [rows[i] for i in np.random.default_rng(len(rows)).permutation(len(rows))]
@@ -104,7 +106,7 @@ def _own_dictionary(t: pa.Table, k: int) -> pa.Table:
     return t.set_column(t.schema.get_field_index("group"), "group", pa.DictionaryArray.from_arrays(idx, names))
 
 
-def _assert_view(sv: StragglerView | None, ref: dict) -> None:
+def _assert_view(sv: StragglerView | None, ref: dict[str, Any]) -> None:
     if not ref["n"]:
         assert sv is None
         return
@@ -120,16 +122,20 @@ def _assert_view(sv: StragglerView | None, ref: dict) -> None:
     assert [(-round(w.late_ms * 1e6), w.group, w.seq, w.step, w.rank) for w in sv.worst] == ref["worst"]
 
 
-def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tiny_runs: TinyRuns, tmp_path: Path) -> None:
-    """A real TP2 run's collectives (two ranks' parts), rewritten in row groups of 5 rows and
-    read a row group at a time, in order of issue: the whole table's view."""
-    src = tiny_runs("--tp", "2", "--requests", "12", "-q").out
+@pytest.fixture
+def tp2_in_fives(tiny_runs: TinyRuns, tmp_path: Path) -> Path:
+    """A real TP2 run's trace, its collectives (two ranks' parts) rewritten in row groups of 5."""
     dst = tmp_path / "tp2"
-    shutil.copytree(src, dst)
+    shutil.copytree(tiny_runs("--tp", "2", "--requests", "12", "-q").out, dst)
     for part in (dst / "collectives").glob("*.parquet"):
         t = pq.read_table(part)
         pq.write_table(t, part, row_group_size=5, **parquet_options(t.schema))
-    tr = Trace.open(dst)
+    return dst
+
+
+def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tp2_in_fives: Path) -> None:
+    """Read a row group at a time, in order of issue: the whole table's view, and the plain join's."""
+    tr = Trace.open(tp2_in_fives)
     whole = tr.table("collectives")
     want = straggler_view(whole)
     assert want is not None and want.collectives > 10
@@ -137,3 +143,20 @@ def test_a_tp_trace_read_in_row_groups_gives_its_whole_tables_view(tiny_runs: Ti
     assert trace_members(tr) == members(last_seqs(whole)) == {"tp0": {0, 1}}
     rows, got = trace_stragglers(tr, piece_rows=5)
     assert rows == whole.num_rows and got == want
+
+
+def test_a_part_gone_mid_read_starts_the_join_over(tp2_in_fives: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live compaction can replace a part under a read (tracing/sweep.py): the join starts over
+    on a fresh snapshot, with nothing kept of the first try."""
+    tr = Trace.open(tp2_in_fives)
+    want = straggler_view(tr.table("collectives"))
+    reads, read = [0], Sweep._read
+
+    def vanishing(self: Sweep, groups: list[Group]) -> pa.Table:
+        reads[0] += 1
+        if reads[0] == 4:  # inside the join's pass, after it has folded some pieces
+            raise Vanished(groups[0].part.path.name)
+        return read(self, groups)
+    monkeypatch.setattr(Sweep, "_read", vanishing)
+    rows, got = trace_stragglers(tr, piece_rows=5)
+    assert reads[0] > 4 and got == want and rows == tr.table("collectives").num_rows
