@@ -106,7 +106,10 @@ def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_r
         return out
     parts: dict[int, list[dict[str, np.ndarray]]] = {r: [] for r in (ranks or [0])}
     chunk = 1 if totals else chunk
-    cuts = _plan(S, sweep, window_rows, chunk)
+    # A TP trace's window is cut by its ranks: each rank's views copy its rows out of the
+    # window, and with a window of the whole size tp100m's report peaked at 2.08 GB (1.89 GB cut,
+    # in the same time; BENCHMARKS.md, "A TP trace's collectives, a window at a time").
+    cuts = _plan(S, sweep, window_rows // max(1, len(ranks)), chunk)
     owns = [(int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER) for i0, i1 in cuts]
     buf: pa.Table | None = None
     issued = _Issued(trace)
