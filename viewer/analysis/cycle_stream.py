@@ -6,8 +6,8 @@ order of their earliest start). A window attributes the rows that start inside i
 open at its start (a device row that runs into it, the outer row a nested one sits
 in) and every later row that starts before its own rows end (the device work those
 rows overlap). What it keeps for the next window is what is still open at its end.
-So memory grows with a window (WINDOW_ROWS rows) and with the longest row, not with
-the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_stream.py).
+So memory grows with a window (WINDOW_ROWS rows, a TP trace's WINDOW_ROWS / ranks) and
+with the longest row, not with the trace; the sums equal the whole-trace computation exactly (tests/test_cycle_stream.py).
 A TP run's `collectives` rows (about one for every two probe rows) are read beside them,
 in order of their issue: a window takes those issued inside it.
 """

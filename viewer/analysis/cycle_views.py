@@ -320,8 +320,9 @@ def _for_rank(probes: pa.Table, rank: int | None) -> tuple[pa.Table, tuple[np.nd
         codes, names = chunk_codes(probes["boundary"])
         idle = np.zeros(0, np.int64), np.zeros(0, np.int64)
         if B.IDLE in names:
-            m = (np.concatenate(_numpy_chunks(probes["rank"])) == 0) & (np.concatenate(codes) == names.index(B.IDLE))
-            ts, dur = (np.concatenate(_numpy_chunks(probes[c]))[m] for c in ("ts_ns", "dur_ns"))
+            r0 = pc.fill_null(pc.equal(probes["rank"], 0), False).combine_chunks().to_numpy(zero_copy_only=False)
+            sel = probes.select(["ts_ns", "dur_ns"]).filter(pa.array(r0 & (np.concatenate(codes) == names.index(B.IDLE))))
+            ts, dur = (sel[c].to_numpy() for c in ("ts_ns", "dur_ns"))
             if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
                 o = np.argsort(ts, kind="stable")
                 ts, dur = ts[o], dur[o]

@@ -142,7 +142,8 @@ class Coverage:
 
 
 def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of [s, e) minus the union of [cs, ce), as sorted disjoint intervals.
+    """The union of [s, e) minus the union of [cs, ce), as sorted disjoint intervals (without
+    waits or rows: the rows as given; callers merge them, `Coverage`).
 
     Both unions first (each a few sorted runs: no full sort), then each interval of the
     first cut by the gaps of the second it overlaps, found by binary search: a TP rank's
