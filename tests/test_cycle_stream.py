@@ -148,3 +148,22 @@ def test_a_window_holds_a_windows_rows_not_the_traces(tmp_path: Path) -> None:
     rows, bookkeeping, peak = map(int, p.stdout.split())
     assert (rows, bookkeeping) == (n, rounds * 2)
     assert peak < probes.nbytes / 10, (peak, probes.nbytes)
+
+
+@pytest.mark.parametrize("column", ["boundary", "stream"])
+def test_a_plain_string_column_in_chunks_gives_the_same_views(column: str) -> None:
+    """A caller's own table (not a trace's read) may hold `boundary` or `stream` as plain
+    strings in several chunks, each chunk its own allocation: one dictionary chunk of codes
+    then spans chunks of times that end sooner (the C split read past them)."""
+    t = read_consistent(Trace.open(SAMPLES / "sample-overlap"), {"probes": None, "steps": None})
+    probes, steps = t["probes"], t["steps"]
+    want = per_cycle(probes, steps, totals=True)
+    half = probes.num_rows // 2
+    apart = pa.concat_tables([pa.Table.from_pylist(probes.slice(a, b).to_pylist(), schema=probes.schema)
+                              for a, b in ((0, half), (half, probes.num_rows - half))])
+    apart = apart.set_column(apart.schema.get_field_index(column), column, apart[column].cast(pa.string()))
+    assert apart[column].num_chunks == apart["ts_ns"].num_chunks == 2
+    got = per_cycle(apart, steps, totals=True)
+    assert want.keys() == got.keys()
+    for k, v in want.items():
+        assert np.array_equal(v, got[k]), k

@@ -93,6 +93,10 @@ class _Rows:
             if any(s != HOST_STREAM for s in sn):
                 h = sn.index(HOST_STREAM) if HOST_STREAM in sn else -1
                 host = [c == h for c in sc]
+        if [len(c) for c in codes] != [len(t) for t in ts] or (host is not None and [len(h) for h in host] != [len(t) for t in ts]):
+            # a plain string column is encoded as one chunk (chunk_codes): the rows in one chunk each
+            codes, ts, dur = ([np.concatenate(x)] for x in (codes, ts, dur))
+            host = [np.concatenate(host)] if host is not None else None
         self.host = host
         self.split: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         if native.AVAILABLE and codes:

@@ -88,6 +88,9 @@ def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes:
     hosts = [np.ascontiguousarray(h, dtype=np.uint8) for h in host] if host is not None else None
     nkeys = ncodes * (2 if hosts is not None else 1)
     counts = np.zeros(nkeys, dtype=np.int64)
+    if [len(c) for c in codes] != [len(t) for t in ts] or [len(t) for t in ts] != [len(d) for d in dur] or (
+            hosts is not None and [len(h) for h in hosts] != [len(c) for c in codes]):
+        raise ValueError("probe rows' chunks differ in length across columns")  # (C would read past a chunk)
     for k, c in enumerate(codes):
         hp = hosts[k].ctypes.data if hosts is not None else None
         bad = _LIB.count_keys(c.ctypes.data, hp, len(c), ncodes, _ptr(counts))
