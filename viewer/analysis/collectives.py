@@ -108,11 +108,18 @@ class StragglerFold:
         full = (count == want) & (count > 1)
         if not full.any():
             return
-        iss, rk = issue[order], rank[order]
-        last_at = np.maximum.reduceat(iss, starts)
-        # the last issuer: a tie of issue times goes to the higher rank, whatever order rows came in
-        last_rank = np.maximum.reduceat(np.where(iss == np.repeat(last_at, count), rk, -1), starts)[full]
-        late = last_at[full] - np.minimum.reduceat(iss, starts)[full]
+        first, cnt = starts[full], count[full]
+        late, last_rank = np.empty(len(first), np.int64), np.empty(len(first), np.int64)
+        # A group's collectives have one member count: the full ones' rows as a (runs, members)
+        # matrix each (reduceat over every run took twice as long).
+        for c in ([int(cnt[0])] if bool(np.all(cnt == cnt[0])) else np.unique(cnt).tolist()):
+            sel = np.flatnonzero(cnt == c)
+            rows = order[first[sel][:, None] + np.arange(c)]
+            iss = issue[rows]
+            last_at = iss.max(axis=1)
+            late[sel] = last_at - iss.min(axis=1)
+            # the last issuer: a tie of issue times goes to the higher rank, whatever order rows came in
+            last_rank[sel] = np.where(iss == last_at[:, None], rank[rows], -1).max(axis=1)
         self.late.append(late)
         for r in range(int(last_rank.min()), int(last_rank.max()) + 1):  # (the ranks are few: no hash)
             lat = late[last_rank == r]
@@ -127,9 +134,8 @@ class StragglerFold:
         if len(late) > WORST:  # the latest few, and every one tied with the last of them
             top = np.flatnonzero(late >= np.partition(late, len(late) - WORST)[len(late) - WORST])
             top = top[np.lexsort((fk[top], -late[top]))[:WORST]]  # (the key orders by group name, then seq)
-        first = starts[full]
         for i in top.tolist():
-            rows = order[first[i]:first[i] + int(count[full][i])]
+            rows = order[first[i]:first[i] + int(cnt[i])]
             at = rows[np.lexsort((rank[rows], issue[rows]))[0]]  # the first issuer (a tie: the lower rank)
             self.worst.append((-int(late[i]), self.names[int(fk[i] >> SEQ_BITS)], int(fk[i] & SEQ_MASK),
                                int(step[at]), int(last_rank[i])))
