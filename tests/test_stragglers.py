@@ -25,11 +25,18 @@ from viewer.analysis.collectives import (
     StragglerView,
     add_members,
     last_seqs,
-    members,
     straggler_view,
     trace_members,
     trace_stragglers,
 )
+
+
+def members(last: dict[tuple[str, int], int]) -> dict[str, set[int]]:
+    """group -> every rank that issued any collective of it, from (group, rank) keys."""
+    out: dict[str, set[int]] = {}
+    for g, r in last:
+        out.setdefault(g, set()).add(r)
+    return out
 
 
 def _reference(rows: list[dict[str, Any]]) -> dict[str, Any]:

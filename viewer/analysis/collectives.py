@@ -12,6 +12,7 @@ what NCCL's flight recorder relies on too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,19 +69,15 @@ class StragglerFold:
         self.names = sorted(members)
         self.ids = {g: i for i, g in enumerate(self.names)}
         self.members = np.array([len(members[g]) for g in self.names], dtype=np.int64)
-        self.ranks = sorted(set().union(*members.values())) if members else []
         self.carry = [np.zeros(0, np.int64) for _ in range(5)]  # group, seq, rank, issue, step
         self.late: list[np.ndarray] = []  # ns, one per collective every member issued
-        self.last = {r: [0, 0, 0] for r in self.ranks}  # rank -> [times last, sum ns, max ns]
+        # rank -> [times last, sum ns, max ns]
+        self.last = {r: [0, 0, 0] for r in sorted(set().union(*members.values()))}
         self.worst: list[tuple[int, str, int, int, int]] = []  # (-late ns, group, seq, step, rank)
 
     def _group_ids(self, col: pa.ChunkedArray) -> np.ndarray:
-        out = []
-        for ch in col.chunks:
-            if not pa.types.is_dictionary(ch.type):
-                ch = ch.dictionary_encode()
-            lut = np.array([self.ids.get(v, -1) for v in ch.dictionary.to_pylist()] or [-1], dtype=np.int64)
-            out.append(lut[ch.indices.to_numpy(zero_copy_only=False)])
+        out = [np.array([self.ids.get(v, -1) for v in names] or [-1], dtype=np.int64)[idx]
+               for names, idx in _dictionary_chunks(col)]
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def add(self, t: pa.Table) -> None:
@@ -156,17 +153,11 @@ class StragglerFold:
         return StragglerView(n, p50, p99, ranks, worst)
 
 
-def members(last: dict[tuple[str, int], int]) -> dict[str, set[int]]:
-    """group -> every rank that issued any collective of it (`last`: `last_seqs`)."""
-    out: dict[str, set[int]] = {}
-    for g, r in last:
-        out.setdefault(g, set()).add(r)
-    return out
-
-
 def straggler_view(colls: pa.Table) -> StragglerView | None:
     """None when the trace has no collective issued by more than one rank."""
-    fold = StragglerFold(members(last_seqs(colls)))
+    group_ranks: dict[str, set[int]] = {}
+    add_members(colls, group_ranks)
+    fold = StragglerFold(group_ranks)
     fold.add(colls)
     return fold.view()
 
@@ -228,19 +219,26 @@ def add_members(t: pa.Table, out: dict[str, set[int]]) -> None:
     """Add the (group, rank) pairs of `t` to `out` (group -> ranks)."""
     rank = t["rank"].to_numpy().astype(np.int64)
     at = 0
-    for ch in t["group"].chunks:
-        if not pa.types.is_dictionary(ch.type):
-            ch = ch.dictionary_encode()
-        names, r = ch.dictionary.to_pylist(), rank[at:at + len(ch)]
-        at += len(ch)
+    for names, idx in _dictionary_chunks(t["group"]):
+        r = rank[at:at + len(idx)]
+        at += len(idx)
         if not len(r):
             continue
         lo, span = int(r.min()), int(r.max() - r.min()) + 1
-        pairs = ch.indices.to_numpy(zero_copy_only=False).astype(np.int64) * span + (r - lo)
+        pairs = idx * span + (r - lo)
         # ranks are few and small: a count, not a hash (unless a bad trace's are not)
         seen = np.flatnonzero(np.bincount(pairs)) if span * len(names) <= 1 << 20 else np.unique(pairs)
         for p in seen.tolist():
             out.setdefault(names[p // span], set()).add(lo + p % span)
+
+
+def _dictionary_chunks(col: pa.ChunkedArray) -> Iterator[tuple[list[str], np.ndarray]]:
+    """Each chunk of a string column as its names and int64 indices into them (chunks read
+    from different parts have dictionaries of their own)."""
+    for ch in col.chunks:
+        if not pa.types.is_dictionary(ch.type):
+            ch = ch.dictionary_encode()
+        yield ch.dictionary.to_pylist(), ch.indices.to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def never_joined(last: dict[tuple[str, int], int], group: str, seq: int, members: list[int]) -> dict[int, int]:
