@@ -4,9 +4,11 @@ time is its device rows less its comm waits."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from viewer.analysis import native
 from viewer.analysis.intervals import subtract, union
 
 
@@ -48,3 +50,46 @@ def test_subtract_is_the_pointwise_difference(rows: list[tuple[int, int]], waits
     merged = union(got_s, got_e)  # (without waits the rows come back as they are, empty ones too)
     got = [(a, b) for a, b in zip(merged[0].tolist(), merged[1].tolist(), strict=True) if b > a]
     assert got == _by_points(s, e, cs, ce)
+
+
+def _numpy_union(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    was = native.AVAILABLE
+    native.AVAILABLE = False
+    try:
+        return union(s, e)
+    finally:
+        native.AVAILABLE = was
+
+
+# sorted runs of intervals, ties and zero or negative lengths included (a bad trace's
+# negative durations make the order of tied starts matter: the stable sort's is the answer)
+_runs = st.lists(st.lists(st.tuples(st.integers(0, 60), st.integers(-8, 25)), max_size=20), max_size=7)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_runs)
+def test_the_c_union_merges_sorted_runs_as_the_stable_sort_does(runs: list[list[tuple[int, int]]]) -> None:
+    if not native.AVAILABLE:
+        pytest.skip("the C loops were not built")
+    rows = [sorted(r, key=lambda x: x[0]) for r in runs]
+    s = np.array([a for r in rows for a, _ in r], dtype=np.int64)
+    e = np.array([a + d for r in rows for a, d in r], dtype=np.int64)
+    want = _numpy_union(s, e)
+    got = native.union_runs(s, e)
+    assert got is not None
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert union(s, e)[0].tolist() == want[0].tolist()
+
+
+def test_the_c_union_leaves_many_runs_to_the_sort() -> None:
+    if not native.AVAILABLE:
+        pytest.skip("the C loops were not built")
+    rng = np.random.default_rng(3)
+    s = rng.integers(0, 10_000, 5_000).astype(np.int64)
+    e = s + rng.integers(0, 30, len(s))
+    assert native.union_runs(s, e, max_runs=native.MAX_RUNS) is None  # about 2,500 runs
+    got, want = union(s, e), _numpy_union(s, e)
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    order = np.argsort(s, kind="stable")
+    one = native.union_runs(s[order], e[order], max_runs=1)
+    assert one is not None and one[0].tolist() == want[0].tolist() and one[1].tolist() == want[1].tolist()

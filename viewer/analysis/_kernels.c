@@ -10,11 +10,14 @@
  * Splitting probe rows by boundary: one counting sort over all rows, instead of a
  * mask, a nonzero and two gathers over every row for each boundary.
  *
+ * Unions of intervals: a merge of the rows' sorted runs, not a sort of all of them.
+ *
  * No Python API is used: the module init only exists so setuptools can build this
  * as an extension and pip can install it like one.
  */
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* The first index in [0, n] with s[i] > q, given a guess g in [0, n]. */
 static int64_t upper_from(const int64_t *s, int64_t n, int64_t q, int64_t g) {
@@ -97,6 +100,85 @@ void scatter_rows(const int32_t *code, const uint8_t *host, int64_t n, int64_t n
         ts_out[at] = ts[i];
         dur_out[at] = dur[i];
     }
+}
+
+/* Union of intervals: the order of a stable sort by start is a merge of the input's
+ * sorted runs (a run ends where a start falls), a run before another on ties; a window's
+ * rows are a few such runs (one per boundary or row group), so the merge replaces a sort
+ * of millions of rows. Heap entries are run numbers, keyed by (their next start, run). */
+static inline int run_before(const int64_t *s, const int64_t *pos, int64_t a, int64_t b) {
+    int64_t x = s[pos[a]], y = s[pos[b]];
+    return x < y || (x == y && a < b);
+}
+
+static void sift_down(const int64_t *s, const int64_t *pos, int64_t *heap, int64_t k, int64_t i) {
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= k) return;
+        if (c + 1 < k && run_before(s, pos, heap[c + 1], heap[c])) c++;
+        if (!run_before(s, pos, heap[c], heap[i])) return;
+        int64_t t = heap[c];
+        heap[c] = heap[i];
+        heap[i] = t;
+        i = c;
+    }
+}
+
+/* The union of [s[i], e[i]) as sorted disjoint intervals (touching ones merged), exactly as
+ * viewer/analysis/intervals.py's numpy path gives it: a new interval where a start is past
+ * every end before it in that order, ending at the running maximum of the ends. Writes
+ * out_s / out_e (n entries each) and returns how many; -1 when the input has more than
+ * max_runs sorted runs (the caller sorts instead), -2 when memory ran out. */
+int64_t union_runs(const int64_t *s, const int64_t *e, int64_t n, int64_t max_runs,
+                   int64_t *out_s, int64_t *out_e) {
+    if (n == 0) return 0;
+    int64_t k = 1;
+    for (int64_t i = 1; i < n; i++) {
+        if (s[i] < s[i - 1] && ++k > max_runs) return -1;
+    }
+    int64_t *pos = malloc(sizeof(int64_t) * 3 * k);
+    if (!pos) return -2;
+    int64_t *stop = pos + k, *heap = pos + 2 * k;
+    int64_t r = 0;
+    pos[0] = 0;
+    for (int64_t i = 1; i < n; i++) {
+        if (s[i] < s[i - 1]) {
+            stop[r] = i;
+            pos[++r] = i;
+        }
+    }
+    stop[r] = n;
+    int64_t m = 0, run_end = 0;
+    for (int64_t j = 0; j < k; j++) heap[j] = j;
+    int64_t live = k;
+    for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(s, pos, heap, live, j);
+    while (live) {
+        int64_t top = heap[0];
+        /* the top run's rows up to the next run's start need no heap work */
+        int64_t bound = INT64_MAX, next = -1;
+        if (live > 1) {
+            next = heap[1];
+            if (live > 2 && run_before(s, pos, heap[2], next)) next = heap[2];
+            bound = s[pos[next]];
+        }
+        int64_t i = pos[top], end = stop[top];
+        /* a tie with the next run goes to the lower run number */
+        int64_t ties = next >= 0 && top < next;
+        do {
+            if (m == 0 || s[i] > run_end) {
+                if (m) out_e[m - 1] = run_end; else run_end = e[i];
+                out_s[m++] = s[i];
+            }
+            if (e[i] > run_end) run_end = e[i];  /* (the running maximum of every end so far) */
+            i++;
+        } while (i < end && (s[i] < bound || (ties && s[i] == bound)));
+        pos[top] = i;
+        if (i == end) heap[0] = heap[--live];
+        sift_down(s, pos, heap, live, 0);
+    }
+    out_e[m - 1] = run_end;
+    free(pos);
+    return m;
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, NULL};

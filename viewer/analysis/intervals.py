@@ -93,6 +93,10 @@ def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     merged)."""
     if not len(starts):
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if native.AVAILABLE:
+        merged = native.union_runs(starts, ends)
+        if merged is not None:
+            return merged
     if bool(np.all(starts[1:] >= starts[:-1])):  # one stream's rows are already in order
         s, e = starts, ends
     else:

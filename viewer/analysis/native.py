@@ -19,6 +19,9 @@ import numpy as np
 
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _N = ctypes.c_int64
+# Past this many sorted runs a union's heap merge loses to numpy's sort (a window's rows come
+# in a few runs: one per boundary, stream or row group).
+MAX_RUNS = 256
 
 
 def open_library(folder: Path, stem: str) -> ctypes.CDLL | None:
@@ -42,8 +45,9 @@ def _load() -> ctypes.CDLL | None:
         lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
         lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
         lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
+        lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
         lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
-        lib.count_keys.restype = ctypes.c_int64
+        lib.count_keys.restype = lib.union_runs.restype = ctypes.c_int64
     return lib
 
 
@@ -76,6 +80,23 @@ def busy_before(s: np.ndarray, length: np.ndarray, cum: np.ndarray, q: np.ndarra
     out = np.empty(len(q), dtype=np.int64)
     _LIB.busy_before(_ptr(s), _ptr(length), _ptr(cum), len(s), _ptr(q), len(q), _ptr(out))
     return out
+
+
+def union_runs(starts: np.ndarray, ends: np.ndarray, max_runs: int = MAX_RUNS) -> tuple[np.ndarray, np.ndarray] | None:
+    """`intervals.union` of intervals whose starts come in at most `max_runs` sorted runs
+    (None past that: a sort is the better plan), by merging the runs."""
+    assert _LIB is not None
+    s, e = _i64(starts), _i64(ends)
+    n = len(s)
+    out_s, out_e = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    m = _LIB.union_runs(_ptr(s), _ptr(e), n, max_runs, _ptr(out_s), _ptr(out_e))
+    if m == -2:
+        raise MemoryError("union_runs: no memory for the runs' heap")
+    if m < 0:
+        return None
+    if m < n // 2:  # (a window's union outlives the window's rows: do not keep the slack)
+        return out_s[:m].copy(), out_e[:m].copy()
+    return out_s[:m], out_e[:m]
 
 
 def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
