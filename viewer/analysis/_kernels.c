@@ -10,7 +10,8 @@
  * Splitting probe rows by boundary: one counting sort over all rows, instead of a
  * mask, a nonzero and two gathers over every row for each boundary.
  *
- * Unions of intervals: a merge of the rows' sorted runs, not a sort of all of them.
+ * Unions of intervals: a merge of the rows' sorted runs, not a sort of all of them;
+ * a difference of two unions: one pass over both.
  *
  * No Python API is used: the module init only exists so setuptools can build this
  * as an extension and pip can install it like one.
@@ -178,6 +179,33 @@ int64_t union_runs(const int64_t *s, const int64_t *e, int64_t n, int64_t max_ru
     }
     out_e[m - 1] = run_end;
     free(pos);
+    return m;
+}
+
+/* [a_s, a_e) less [w_s, w_e), both sorted disjoint lists (unions): each interval of the
+ * first cut by the waits it overlaps, in one pass over both; the pieces are the
+ * non-empty overlaps of each interval with the gaps between waits, in order, as
+ * viewer/analysis/intervals.py's numpy path gives them. out_s / out_e hold na + nw
+ * entries; returns how many were written. */
+int64_t subtract_sorted(const int64_t *a_s, const int64_t *a_e, int64_t na, const int64_t *w_s,
+                        const int64_t *w_e, int64_t nw, int64_t *out_s, int64_t *out_e) {
+    int64_t j = 0, m = 0;
+    for (int64_t i = 0; i < na; i++) {
+        int64_t cur = a_s[i], end = a_e[i];
+        while (j < nw && w_e[j] <= cur) j++;  /* waits over before this interval starts */
+        for (int64_t k = j; cur < end; k++) {
+            if (k == nw || w_s[k] >= end) {
+                out_s[m] = cur;
+                out_e[m++] = end;
+                break;
+            }
+            if (w_s[k] > cur) {
+                out_s[m] = cur;
+                out_e[m++] = w_s[k];
+            }
+            if (w_e[k] > cur) cur = w_e[k];
+        }
+    }
     return m;
 }
 

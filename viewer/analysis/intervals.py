@@ -150,14 +150,16 @@ def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tu
     waits or rows: the rows as given; callers merge them, `Coverage`).
 
     Both unions first (each a few sorted runs: no full sort), then each interval of the
-    first cut by the gaps of the second it overlaps, found by binary search: a TP rank's
-    comm waits outnumber its device rows ten to one, and a sort of all endpoints together
-    was most of a window's time.
+    first cut by the gaps of the second it overlaps (in C one pass over both; numpy finds
+    them by binary search): a TP rank's comm waits outnumber its device rows ten to one,
+    and a sort of all endpoints together was most of a window's time.
     """
     if not len(cs) or not len(s):
         return s, e
     a_s, a_e = union(s, e)
     w_s, w_e = union(cs, ce)
+    if native.AVAILABLE:
+        return native.subtract_sorted(a_s, a_e, w_s, w_e)
     # the gaps between waits: [w_e[k-1], w_s[k]), the first from -inf, the last to +inf
     g_s = np.concatenate([[np.iinfo(np.int64).min], w_e])
     g_e = np.concatenate([w_s, [np.iinfo(np.int64).max]])

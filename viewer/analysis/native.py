@@ -46,8 +46,9 @@ def _load() -> ctypes.CDLL | None:
         lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
         lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
         lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
+        lib.subtract_sorted.argtypes = [_I64P, _I64P, _N, _I64P, _I64P, _N, _I64P, _I64P]
         lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
-        lib.count_keys.restype = lib.union_runs.restype = ctypes.c_int64
+        lib.count_keys.restype = lib.union_runs.restype = lib.subtract_sorted.restype = ctypes.c_int64
     return lib
 
 
@@ -97,6 +98,17 @@ def union_runs(starts: np.ndarray, ends: np.ndarray, max_runs: int = MAX_RUNS) -
     if m < n // 2:  # (a window's union outlives the window's rows: do not keep the slack)
         return out_s[:m].copy(), out_e[:m].copy()
     return out_s[:m], out_e[:m]
+
+
+def subtract_sorted(a_s: np.ndarray, a_e: np.ndarray, w_s: np.ndarray,
+                    w_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`intervals.subtract` of two unions (sorted disjoint intervals): [a_s, a_e) less [w_s, w_e)."""
+    assert _LIB is not None
+    a_s, a_e, w_s, w_e = _i64(a_s), _i64(a_e), _i64(w_s), _i64(w_e)
+    cap = len(a_s) + len(w_s)
+    out_s, out_e = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
+    m = _LIB.subtract_sorted(_ptr(a_s), _ptr(a_e), len(a_s), _ptr(w_s), _ptr(w_e), len(w_s), _ptr(out_s), _ptr(out_e))
+    return out_s[:m].copy(), out_e[:m].copy()
 
 
 def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
