@@ -113,10 +113,10 @@ class StragglerFold:
             sel = np.flatnonzero(cnt == c)
             rows = order[first[sel][:, None] + np.arange(c)]
             iss = issue[rows]
-            last_at = iss.max(axis=1)
-            late[sel] = last_at - iss.min(axis=1)
+            last_at = _across(np.maximum, iss)
+            late[sel] = last_at - _across(np.minimum, iss)
             # the last issuer: a tie of issue times goes to the higher rank, whatever order rows came in
-            last_rank[sel] = np.where(iss == last_at[:, None], rank[rows], -1).max(axis=1)
+            last_rank[sel] = _across(np.maximum, np.where(iss == last_at[:, None], rank[rows], -1))
         self.late.append(late)
         for r in range(int(last_rank.min()), int(last_rank.max()) + 1):  # (the ranks are few: no hash)
             lat = late[last_rank == r]
@@ -151,6 +151,16 @@ class StragglerFold:
         worst = [Straggler(g, q, st, r, -neg / 1e6) for neg, g, q, st, r in self.worst]
         p50, p99 = (float(x) for x in np.percentile(late_ms, [50, 99], overwrite_input=True))
         return StragglerView(n, p50, p99, ranks, worst)
+
+
+def _across(op: np.ufunc, m: np.ndarray) -> np.ndarray:
+    """`op` reduced across each row of `m` (runs, members), a column at a time: the members
+    are few (a TP group's ranks), and numpy's reduce over a short axis loops per row
+    (`max(axis=1)` over a 2-column matrix was a quarter of the straggler join)."""
+    out = m[:, 0].copy()
+    for j in range(1, m.shape[1]):
+        op(out, m[:, j], out=out)
+    return out
 
 
 def straggler_view(colls: pa.Table) -> StragglerView | None:
