@@ -185,6 +185,19 @@ def test_host_work_under_device_compute_is_hidden():
     assert got["unattributed"].share == pytest.approx(0.1)  # 8..9 ms: device idle, no probe
 
 
+def test_comm_waits_cut_device_compute_and_keep_the_device_from_idling(kernels):
+    """A TP rank: all_reduce waits cut its compute (2-3 ms inside it, 5-9 ms across its end);
+    host work at 8.5-9.5 ms is exposed only where neither compute nor a wait holds the device."""
+    steps = table(STEPS, [(0, "serial", 0, 10 * MS, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)])
+    rows = [(0, 8 * MS, "device_compute", "main", 0, 0), (2 * MS, MS, "all_reduce", "main", 0, 0),
+            (5 * MS, 4 * MS, "all_reduce", "main", 0, 0), (int(8.5 * MS), MS, "batch_prepare", "host", 0, 0)]
+    dev, _ = views(cost_table(table(PROBES, rows), steps))
+    assert dev["device_compute"] == pytest.approx(0.4)  # 0-2 and 3-5 ms
+    assert dev["all_reduce"] == pytest.approx(0.5)
+    assert dev["batch_prepare"] == pytest.approx(0.05)  # 9-9.5 ms
+    assert dev["unattributed"] == pytest.approx(0.05)  # 9.5-10 ms
+
+
 _BOUNDARIES = ("device_compute", "scheduler_barrier", "bookkeeping", "batch_prepare", "response_send",
                "kv_fence", "all_reduce", "prefill_stagger", "tokenize", "idle")
 

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from viewer.analysis import native
-from viewer.analysis.intervals import Coverage, CycleSums, CycleTotals, blocks, subtract
+from viewer.analysis.intervals import Coverage, CycleSums, CycleTotals, blocks, subtract, union
 
 UNATTRIBUTED = "unattributed"
 # The scheduling thread's probes. OUTER ones follow each other; INNER ones run inside
@@ -222,11 +222,17 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
     reasons = {b: rows.get(b) for b in DEVICE_REASONS}
     ws = np.concatenate([reasons[b][0] for b in COMM_WAITS])
     we = ws + np.concatenate([reasons[b][1] for b in COMM_WAITS])
-    busy = Coverage(*subtract(dev_ts, dev_ts + dev_dur, ws, we))
+    dev_s, dev_e = union(dev_ts, dev_ts + dev_dur) if len(ws) else (dev_ts, dev_ts + dev_dur)
+    busy = Coverage(*subtract(dev_s, dev_e, ws, we))
     rs = np.concatenate([r[0] for r in reasons.values()])
-    # what keeps the device from being idle on the host's account: its own work or a device-side reason
-    blocked = busy if not len(rs) else Coverage(
-        np.concatenate([busy.s, rs]), np.concatenate([busy.e, rs + np.concatenate([r[1] for r in reasons.values()])]))
+    re = rs + np.concatenate([r[1] for r in reasons.values()])
+    # What keeps the device from being idle on the host's account: its own work or a device-side
+    # reason. The waits are reasons, so (device less waits) with the reasons is the device rows
+    # with the reasons: a TP rank's rows, not the ten times as many pieces the waits cut them into.
+    pos = dev_e > dev_s
+    blocked = busy if not len(rs) else (
+        Coverage(np.concatenate([dev_s[pos], rs]), np.concatenate([dev_e[pos], re])) if len(ws)
+        else Coverage(np.concatenate([busy.s, rs]), np.concatenate([busy.e, re])))
 
     idle_ts, idle_dur = rows.get(B.IDLE) if idle_rows is None else idle_rows
     keep = (idle_ts >= first) & (idle_ts < end)
