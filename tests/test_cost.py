@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tracing.schema import PROBES, STEPS
@@ -46,22 +46,27 @@ def test_the_c_searches_equal_numpys(s, q):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=20), min_size=1, max_size=4),
-       st.booleans())
-def test_the_c_split_is_a_stable_sort_by_key(chunks, with_host):
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 2)), max_size=20), min_size=1,
+                max_size=4),
+       st.booleans(), st.sampled_from([None, 0, 1, 2]))
+def test_the_c_split_is_a_stable_sort_by_key(chunks, with_host, want):
+    """`want`: one rank's rows of the chunks (a TP window's), the others skipped."""
     if not native.AVAILABLE:
         pytest.skip("the C loops were not built")
-    codes = [np.array([c for c, _ in ch], dtype=np.int32) for ch in chunks]
-    host = [np.array([h for _, h in ch], dtype=bool) for ch in chunks] if with_host else None
+    codes = [np.array([c for c, _, _ in ch], dtype=np.int32) for ch in chunks]
+    host = [np.array([h for _, h, _ in ch], dtype=bool) for ch in chunks] if with_host else None
+    rank = [np.array([r for _, _, r in ch], dtype=np.int64) for ch in chunks] if want is not None else None
     ts = [np.arange(len(ch), dtype=np.int64) + 100 * k for k, ch in enumerate(chunks)]
     dur = [t * 7 for t in ts]
-    off, ts_out, dur_out = native.split_by_key(codes, host, 4, ts, dur)
+    off, ts_out, dur_out = native.split_by_key(codes, host, 4, ts, dur, rank, want or 0)
     key = np.concatenate(codes).astype(np.int64)
     if host is not None:
         key = key * 2 + ~np.concatenate(host)
+    mine = np.concatenate(rank) == want if rank is not None else np.ones(len(key), dtype=bool)
+    key, ts_all, dur_all = key[mine], np.concatenate(ts)[mine], np.concatenate(dur)[mine]
     order = np.argsort(key, kind="stable")
-    assert ts_out.tolist() == np.concatenate(ts)[order].tolist()
-    assert dur_out.tolist() == np.concatenate(dur)[order].tolist()
+    assert ts_out.tolist() == ts_all[order].tolist()
+    assert dur_out.tolist() == dur_all[order].tolist()
     assert off.tolist() == [0, *np.cumsum(np.bincount(key, minlength=len(off) - 1)).tolist()]
 
 
@@ -71,6 +76,10 @@ def test_the_c_split_refuses_a_code_outside_the_dictionary():
     one = [np.array([0, 5], dtype=np.int32)]
     with pytest.raises(ValueError, match="boundary code 5"):
         native.split_by_key(one, None, 2, [np.zeros(2, np.int64)], [np.zeros(2, np.int64)])
+    # another rank's row is not read: its code is not this rank's to check
+    off, _, _ = native.split_by_key(one, None, 2, [np.zeros(2, np.int64)], [np.zeros(2, np.int64)],
+                                    [np.array([0, 1], np.int64)], 0)
+    assert off.tolist() == [0, 1, 1]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -226,3 +235,32 @@ def test_cost_table_totals_are_the_sums_of_the_per_cycle_views(kernels, gaps, pr
             assert tot[k].tolist() == v[-1:].tolist()
         else:
             assert tot[k].tolist() == [pytest.approx(float(v.sum()), abs=1e-6)], k
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       st.lists(st.tuples(st.integers(-30, 300), st.integers(0, 40), st.sampled_from(_BOUNDARIES),
+                          st.sampled_from(("host", "main")), st.sampled_from((0, 1, 1, None))), max_size=50),
+       st.sampled_from((0, 1)))
+def test_a_ranks_views_are_its_own_rows_with_rank_0s_idle_rows(kernels, gaps, probe_rows, rank):
+    """A TP window's rows are split by rank without copying them into a table per rank: the same
+    views as that rank's rows alone, with rank 0's idle rows for its own (cycles are rank 0's;
+    a null rank is nobody's)."""
+    from viewer.analysis.cycle_views import per_cycle
+
+    starts = np.cumsum([0, *gaps[:-1]]).tolist()
+    steps = table(STEPS, [(i, "serial", s, gaps[i], 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 0, 0)
+                          for i, s in enumerate(starts)])
+    rows = [(a, d, b, s, r, 0) for a, d, b, s, r in probe_rows]
+    assume(any(x[4] != rank for x in rows))  # (a table of one rank's rows alone is that rank's, idle rows too)
+    mine = [x for x in rows if x[4] == rank and (rank == 0 or x[2] != "idle")]
+    if rank != 0:
+        mine += [(a, d, b, s, rank, 0) for a, d, b, s, r, _ in rows if r == 0 and b == "idle"]
+        mine.sort(key=lambda x: x[0])  # (one rank's rows come in time order)
+    def probes(r: list) -> pa.Table:
+        return table(PROBES, r) if r else PROBES.empty_table()
+    got = per_cycle(probes(rows), steps, rank=rank)
+    want = per_cycle(probes(mine), steps, rank=rank)
+    assert set(got) == set(want)
+    for k in got:
+        assert got[k].tolist() == pytest.approx(want[k].tolist(), abs=1e-6), k

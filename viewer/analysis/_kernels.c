@@ -75,17 +75,23 @@ void busy_before(const int64_t *s, const int64_t *len, const int64_t *cum, int64
 }
 
 /* A row's key: its boundary code, or (host != NULL) code * 2 + 0 for a row on the
- * scheduling thread and code * 2 + 1 for any other; -1 when the code is out of range. */
-static inline int64_t key_of(const int32_t *code, const uint8_t *host, int64_t i, int64_t ncodes) {
+ * scheduling thread and code * 2 + 1 for any other; -1 when the code is out of range,
+ * -2 for a row of another rank than `want` (rank != NULL: one rank's rows of a TP window,
+ * split without copying them out first). */
+static inline int64_t key_of(const int32_t *code, const uint8_t *host, const int64_t *rank, int64_t want,
+                             int64_t i, int64_t ncodes) {
+    if (rank && rank[i] != want) return -2;
     int64_t c = code[i];
     if (c < 0 || c >= ncodes) return -1;
     return host ? c * 2 + (host[i] ? 0 : 1) : c;
 }
 
 /* counts[key] += the chunk's rows with that key. Returns the first bad row, or -1. */
-int64_t count_keys(const int32_t *code, const uint8_t *host, int64_t n, int64_t ncodes, int64_t *counts) {
+int64_t count_keys(const int32_t *code, const uint8_t *host, const int64_t *rank, int64_t want, int64_t n,
+                   int64_t ncodes, int64_t *counts) {
     for (int64_t i = 0; i < n; i++) {
-        int64_t k = key_of(code, host, i, ncodes);
+        int64_t k = key_of(code, host, rank, want, i, ncodes);
+        if (k == -2) continue;
         if (k < 0) return i;
         counts[k]++;
     }
@@ -94,10 +100,13 @@ int64_t count_keys(const int32_t *code, const uint8_t *host, int64_t n, int64_t 
 
 /* The chunk's rows copied to their key's run of ts_out / dur_out, in order: pos[key]
  * is where the key's next row goes (a stable counting sort, after count_keys). */
-void scatter_rows(const int32_t *code, const uint8_t *host, int64_t n, int64_t ncodes,
-                  const int64_t *ts, const int64_t *dur, int64_t *pos, int64_t *ts_out, int64_t *dur_out) {
+void scatter_rows(const int32_t *code, const uint8_t *host, const int64_t *rank, int64_t want, int64_t n,
+                  int64_t ncodes, const int64_t *ts, const int64_t *dur, int64_t *pos, int64_t *ts_out,
+                  int64_t *dur_out) {
     for (int64_t i = 0; i < n; i++) {
-        int64_t at = pos[key_of(code, host, i, ncodes)]++;
+        int64_t k = key_of(code, host, rank, want, i, ncodes);
+        if (k < 0) continue;
+        int64_t at = pos[k]++;
         ts_out[at] = ts[i];
         dur_out[at] = dur[i];
     }

@@ -27,7 +27,7 @@ from tracing.consistency import probe_clip
 from tracing.reader import Trace
 from tracing.schema import TABLES
 from tracing.sweep import EARLIEST, NEVER, Sweep, start_over
-from viewer.analysis.cycle_views import chunk_codes, cycle_bounds, window_views
+from viewer.analysis.cycle_views import ProbeColumns, chunk_codes, cycle_bounds, window_views
 
 # Probe rows a window reads: about 60 MB of columns and as much again in their split by boundary.
 WINDOW_ROWS = 1 << 21
@@ -128,9 +128,11 @@ def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_r
             if out.head is None:
                 out.head = buf.slice(0, head_rows).combine_chunks()
             colls = issued.until(_until(own))
+            cols = ProbeColumns(buf)  # (decoded once for every rank's views)
             for r in parts:
-                parts[r].append(window_views(buf, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,
+                parts[r].append(window_views(cols, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,
                                              chunk))
+            del cols
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]
                 buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))

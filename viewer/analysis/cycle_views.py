@@ -50,6 +50,7 @@ CONCURRENT = (B.TOKENIZE, B.STREAM_WAIT, B.RESPONSE_DELIVER)
 HOST_STREAM = "host"
 # `window_views`' own rows when the window is the whole trace
 EVERY_ROW = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
+NO_RANK = np.iinfo(np.int64).min  # a null rank's stand-in: no rank's rows
 
 
 def chunk_codes(col: pa.ChunkedArray | pa.Array) -> tuple[list[np.ndarray], list[str]]:
@@ -78,32 +79,70 @@ def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
     return [c.to_numpy() for c in col.chunks if len(c)]
 
 
-class _Rows:
-    """One rank's probe rows, split by boundary (and host or not): in C, one counting
-    sort of all rows; in numpy (no C build), a mask and a gather of increasing
-    indices per boundary and chunk on demand. Chunk by chunk either way, so the
-    reader's chunks are never copied into one array."""
+class ProbeColumns:
+    """A table's probe rows as numpy chunks, decoded once for every rank's views: boundary
+    codes over one list of names, times, host masks (None: every row is the scheduling
+    thread's) and ranks (None: no rank column; a null rank never matches), chunk for chunk."""
 
     def __init__(self, probes: pa.Table) -> None:
         codes, self.names = chunk_codes(probes["boundary"]) if probes.num_rows else ([], [])
         ts, dur = _numpy_chunks(probes["ts_ns"]), _numpy_chunks(probes["dur_ns"])
-        host: list[np.ndarray] | None = None  # rows on the scheduling thread; None: all of them
+        host: list[np.ndarray] | None = None
         if "stream" in probes.column_names and probes.num_rows:
             sc, sn = chunk_codes(probes["stream"])
             if any(s != HOST_STREAM for s in sn):
                 h = sn.index(HOST_STREAM) if HOST_STREAM in sn else -1
                 host = [c == h for c in sc]
-        if [len(c) for c in codes] != [len(t) for t in ts] or (host is not None and [len(h) for h in host] != [len(t) for t in ts]):
+        rank: list[np.ndarray] | None = None
+        self.rank_range: tuple[int | None, int | None] = (None, None)
+        if "rank" in probes.column_names and probes.num_rows:
+            col = probes["rank"]
+            lo_hi = pc.min_max(col).as_py()
+            # (a null rank is nobody's: with one, even one rank's rows are some of the rows)
+            self.rank_range = (lo_hi["min"], lo_hi["max"]) if not col.null_count else (None, None)
+            rank = [(c.cast(pa.int64()).fill_null(NO_RANK) if c.null_count else c).to_numpy().astype(np.int64, copy=False)
+                    for c in col.chunks if len(c)]
+        lengths = [len(t) for t in ts]
+        if any(x is not None and [len(c) for c in x] != lengths for x in (codes, host, rank)):
             # a plain string column is encoded as one chunk (chunk_codes): the rows in one chunk each
             codes, ts, dur = ([np.concatenate(x)] for x in (codes, ts, dur))
             host = [np.concatenate(host)] if host is not None else None
-        self.host = host
+            rank = [np.concatenate(rank)] if rank is not None else None
+        self.codes, self.ts, self.dur, self.host, self.rank = codes, ts, dur, host, rank
+        self._rank0: _Rows | None = None
+
+    def filters(self, rank: int | None) -> bool:
+        """Whether `rank`'s rows are some of the rows, not all of them."""
+        return rank is not None and self.rank is not None and self.rank_range != (rank, rank)
+
+    def rows(self, rank: int | None) -> _Rows:
+        """`rank`'s rows split (rank 0's kept: another rank's views take its idle rows)."""
+        if rank == 0 and self.filters(0):
+            if self._rank0 is None:
+                self._rank0 = _Rows(self, 0)
+            return self._rank0
+        return _Rows(self, rank)
+
+
+class _Rows:
+    """One rank's probe rows, split by boundary (and host or not): in C, one counting
+    sort of the rank's rows; in numpy (no C build), a mask and a gather of increasing
+    indices per boundary and chunk on demand. Chunk by chunk either way, so the
+    reader's chunks are never copied into one array, nor a TP window's rows into a
+    table per rank."""
+
+    def __init__(self, probes: pa.Table | ProbeColumns, rank: int | None = None) -> None:
+        cols = probes if isinstance(probes, ProbeColumns) else ProbeColumns(probes)
+        self.names, self.host = cols.names, cols.host
+        ranks = cols.rank if cols.filters(rank) else None
+        want = int(rank) if ranks is not None and rank is not None else 0
         self.split: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        if native.AVAILABLE and codes:
-            self.split = native.split_by_key(codes, host, len(self.names), ts, dur)
+        if native.AVAILABLE and cols.codes:
+            self.split = native.split_by_key(cols.codes, cols.host, len(self.names), cols.ts, cols.dur, ranks, want)
         else:
-            self.codes = [c.astype(np.uint8) for c in codes] if len(self.names) < 256 else codes
-            self.ts, self.dur = ts, dur
+            self.codes = [c.astype(np.uint8) for c in cols.codes] if len(self.names) < 256 else cols.codes
+            self.ts, self.dur = cols.ts, cols.dur
+            self.mine = [r == want for r in ranks] if ranks is not None else None
 
     def get(self, name: str, host_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         if name not in self.names:
@@ -127,6 +166,8 @@ class _Rows:
             m = codes == code
             if host_only and self.host is not None:
                 m &= self.host[k]
+            if self.mine is not None:
+                m &= self.mine[k]
             idx = np.flatnonzero(m)
             ts_parts.append(self.ts[k][idx])
             dur_parts.append(self.dur[k][idx])
@@ -197,7 +238,7 @@ def _own(ts: np.ndarray, dur: np.ndarray, own: tuple[int, int]) -> tuple[np.ndar
     return ts[i:j], dur[i:j]
 
 
-def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | None,
+def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, rank: int | None,
                  collectives: pa.Table | None, totals: bool, own: tuple[int, int],
                  chunk: int = 1) -> dict[str, np.ndarray]:
     """`per_cycle` for the cycles S, E (a window of a trace's cycles, time-ordered), from
@@ -216,8 +257,8 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
     S1, E1 = (S[heads], E[np.minimum(heads + chunk, n) - 1]) if chunked else (S, E)
     bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S1)
 
-    probes, idle_rows = _for_rank(probes, rank)
-    rows = _Rows(probes)
+    cols = probes if isinstance(probes, ProbeColumns) else ProbeColumns(probes)
+    rows = cols.rows(rank)
     dev_ts, dev_dur = rows.get(B.DEVICE_COMPUTE)
     reasons = {b: rows.get(b) for b in DEVICE_REASONS}
     ws = np.concatenate([reasons[b][0] for b in COMM_WAITS])
@@ -234,7 +275,8 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
         Coverage(np.concatenate([dev_s[pos], rs]), np.concatenate([dev_e[pos], re])) if len(ws)
         else Coverage(np.concatenate([busy.s, rs]), np.concatenate([busy.e, re])))
 
-    idle_ts, idle_dur = rows.get(B.IDLE) if idle_rows is None else idle_rows
+    # cycles are rank 0's, and so is the no-work time taken out of them
+    idle_ts, idle_dur = (cols.rows(0) if cols.filters(rank) and rank != 0 else rows).get(B.IDLE)
     keep = (idle_ts >= first) & (idle_ts < end)
     series = np.zeros(0)  # each cycle's length, when an entry holds several
     if chunked:
@@ -315,29 +357,6 @@ def window_views(probes: pa.Table, S: np.ndarray, E: np.ndarray, rank: int | Non
         claimed = sum((v for k, v in out.items() if k.startswith(f"{view}:")), bins.zeros())
         out[f"{view}:{UNATTRIBUTED}"] = cycle_len - claimed
     return out
-
-
-def _for_rank(probes: pa.Table, rank: int | None) -> tuple[pa.Table, tuple[np.ndarray, np.ndarray] | None]:
-    """`rank`'s rows, and (rank != 0) rank 0's idle rows: cycles are rank 0's, and so is
-    the no-work time taken out of them."""
-    if rank is None or not probes.num_rows or "rank" not in probes.column_names:
-        return probes, None
-    lo_hi = pc.min_max(probes["rank"]).as_py()
-    if (lo_hi["min"], lo_hi["max"]) == (rank, rank):  # the filter copies every column: skip it when it is a no-op
-        return probes, None
-    idle = None
-    if rank != 0:  # rank 0's idle rows alone (a split of all its rows for them was a seventh of a TP window's time)
-        codes, names = chunk_codes(probes["boundary"])
-        idle = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if B.IDLE in names:
-            r0 = pc.fill_null(pc.equal(probes["rank"], 0), False).combine_chunks().to_numpy(zero_copy_only=False)
-            sel = probes.select(["ts_ns", "dur_ns"]).filter(pa.array(r0 & (np.concatenate(codes) == names.index(B.IDLE))))
-            ts, dur = (sel[c].to_numpy() for c in ("ts_ns", "dur_ns"))
-            if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
-                o = np.argsort(ts, kind="stable")
-                ts, dur = ts[o], dur[o]
-            idle = ts, dur
-    return probes.filter(pc.equal(probes["rank"], rank)), idle
 
 
 def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage, bins: CycleSums | CycleTotals,

@@ -43,8 +43,9 @@ def _load() -> ctypes.CDLL | None:
     if lib is not None:
         lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
         lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
-        lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P]
-        lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _N, _N, _I64P, _I64P, _I64P, _I64P, _I64P]
+        lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P]
+        lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P, _I64P,
+                                     _I64P, _I64P, _I64P]
         lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
         lib.subtract_sorted.argtypes = [_I64P, _I64P, _N, _I64P, _I64P, _N, _I64P, _I64P]
         lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
@@ -112,21 +113,27 @@ def subtract_sorted(a_s: np.ndarray, a_e: np.ndarray, w_s: np.ndarray,
 
 
 def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
-                 ts: list[np.ndarray], dur: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 ts: list[np.ndarray], dur: list[np.ndarray], rank: list[np.ndarray] | None = None,
+                 want: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows (in chunks) sorted by key, stably: a row's key is its code in [0, ncodes), or
-    with `host` masks code * 2 for a host row and code * 2 + 1 for another. Returns
-    (offsets, ts, dur): key k's rows are [offsets[k], offsets[k + 1])."""
+    with `host` masks code * 2 for a host row and code * 2 + 1 for another; with `rank`
+    (int64 chunks), only the rows whose rank is `want`. Returns (offsets, ts, dur): key k's
+    rows are [offsets[k], offsets[k + 1])."""
     assert _LIB is not None
     codes = [np.ascontiguousarray(c, dtype=np.int32) for c in codes]
     hosts = [np.ascontiguousarray(h, dtype=np.uint8) for h in host] if host is not None else None
+    ranks = [_i64(r) for r in rank] if rank is not None else None
     nkeys = ncodes * (2 if hosts is not None else 1)
     counts = np.zeros(nkeys, dtype=np.int64)
-    if [len(c) for c in codes] != [len(t) for t in ts] or [len(t) for t in ts] != [len(d) for d in dur] or (
-            hosts is not None and [len(h) for h in hosts] != [len(c) for c in codes]):
+    lengths = [len(c) for c in codes]
+    if any(x is not None and [len(c) for c in x] != lengths for x in (ts, dur, hosts, ranks)):
         raise ValueError("probe rows' chunks differ in length across columns")  # (C would read past a chunk)
+
+    def extra(k: int) -> tuple[int | None, int | None]:
+        return (hosts[k].ctypes.data if hosts is not None else None,
+                ranks[k].ctypes.data if ranks is not None else None)
     for k, c in enumerate(codes):
-        hp = hosts[k].ctypes.data if hosts is not None else None
-        bad = _LIB.count_keys(c.ctypes.data, hp, len(c), ncodes, _ptr(counts))
+        bad = _LIB.count_keys(c.ctypes.data, *extra(k), want, len(c), ncodes, _ptr(counts))
         if bad >= 0:
             raise ValueError(f"probe row {bad} of a chunk has boundary code {int(c[bad])}, not in [0, {ncodes})")
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -134,7 +141,6 @@ def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes:
     n = int(offsets[-1])
     ts_out, dur_out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     for k, c in enumerate(codes):
-        hp = hosts[k].ctypes.data if hosts is not None else None
-        _LIB.scatter_rows(c.ctypes.data, hp, len(c), ncodes, _ptr(_i64(ts[k])), _ptr(_i64(dur[k])), _ptr(pos),
-                          _ptr(ts_out), _ptr(dur_out))
+        _LIB.scatter_rows(c.ctypes.data, *extra(k), want, len(c), ncodes, _ptr(_i64(ts[k])), _ptr(_i64(dur[k])),
+                          _ptr(pos), _ptr(ts_out), _ptr(dur_out))
     return offsets, ts_out, dur_out
