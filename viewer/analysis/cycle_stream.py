@@ -27,7 +27,13 @@ from tracing.consistency import probe_clip
 from tracing.reader import Trace
 from tracing.schema import TABLES
 from tracing.sweep import EARLIEST, NEVER, Sweep, start_over
-from viewer.analysis.cycle_views import ProbeColumns, chunk_codes, cycle_bounds, window_views
+from viewer.analysis.cycle_views import (
+    Issued,
+    ProbeColumns,
+    chunk_codes,
+    cycle_bounds,
+    window_views,
+)
 
 # Probe rows a window reads: about 60 MB of columns and as much again in their split by boundary.
 WINDOW_ROWS = 1 << 21
@@ -67,27 +73,31 @@ def stream_views(trace: Trace, cycles: Cycles, totals: bool = True, window_rows:
 
 
 class _Issued:
-    """The collectives table read in order of issue: `until(t)` gives every row issued before
-    t that an earlier call did not (empty for a trace without the table)."""
+    """The collectives table read in order of issue: `read(t)` (on the reading thread) reads
+    the row groups that can hold a row issued before t, and `until(t, read)` gives every row
+    issued before t that an earlier call did not (None for a trace without the table)."""
 
     def __init__(self, trace: Trace) -> None:
         self.sweep = (Sweep(trace, "collectives", ["rank", "issue_ns", "end_ns"], time="issue_ns")
                       if trace.has_table("collectives") else None)
-        self.later: pa.Table | None = None  # read, issued after the last `until`
+        self.later: Issued | None = None  # read, issued after the last `until`
 
-    def until(self, t: int | None) -> pa.Table | None:
+    def read(self, t: int | None) -> list[Issued]:
         if self.sweep is None or not self.sweep.rows:
-            return None
-        got = [x for x in ([self.later] if self.later is not None else []) + self.sweep.read_until(t) if x.num_rows]
+            return []
+        return [Issued.of(x) for x in self.sweep.read_until(t) if x.num_rows]
+
+    def until(self, t: int | None, read: list[Issued]) -> Issued | None:
+        got = ([self.later] if self.later is not None else []) + read
         if not got:
             return None
-        rows = pa.concat_tables(got).combine_chunks()
+        rows = Issued.join(got) if len(got) > 1 else got[0]
         if t is None:
             self.later = None
             return rows
-        before = pc.less(rows["issue_ns"], t)
-        self.later = rows.filter(pc.invert(before))
-        return rows.filter(before)
+        before = rows.issue_ns < t
+        self.later = rows.take(~before)
+        return rows.take(before)
 
 
 def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_rows: int,
@@ -113,21 +123,23 @@ def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_r
     owns = [(int(S[i0]) if i0 else EARLIEST, int(S[i1]) if i1 < n else NEVER) for i0, i1 in cuts]
     buf: pa.Table | None = None
     issued = _Issued(trace)
+    def read(t: int | None) -> tuple[list[pa.Table], list[Issued]]:
+        return sweep.read_until(t), issued.read(t)
     # The next window's rows are read (mostly decoding, which releases the GIL) while this one's are attributed.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        ahead = pool.submit(sweep.read_until, _until(owns[0]))
+        ahead = pool.submit(read, _until(owns[0]))
         for w, ((i0, i1), own) in enumerate(zip(cuts, owns, strict=True)):
-            got = ahead.result()
+            got, colls_read = ahead.result()
             reach = _reach(got, buf, own)
             if reach > own[1]:  # its rows end later: the device rows they overlap
                 got += sweep.read_until(reach)
             if w + 1 < len(cuts):
-                ahead = pool.submit(sweep.read_until, _until(owns[w + 1]))
+                ahead = pool.submit(read, _until(owns[w + 1]))
             buf = _concat(buf, got, columns)
             out.rows += sum(t.num_rows for t in got)
             if out.head is None:
                 out.head = buf.slice(0, head_rows).combine_chunks()
-            colls = issued.until(_until(own))
+            colls = issued.until(_until(own), colls_read)
             cols = ProbeColumns(buf)  # (decoded once for every rank's views)
             for r in parts:
                 parts[r].append(window_views(cols, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,

@@ -23,6 +23,7 @@ and a negative row is an overlap that the report flags instead of hiding.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +78,31 @@ def codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
 
 def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
     return [c.to_numpy() for c in col.chunks if len(c)]
+
+
+@dataclass(slots=True)
+class Issued:
+    """Collectives rows as arrays (a null rank is nobody's)."""
+
+    rank: np.ndarray
+    issue_ns: np.ndarray
+    end_ns: np.ndarray
+
+    @classmethod
+    def of(cls, t: pa.Table) -> Issued:
+        rank = t["rank"].cast(pa.int64())
+        return cls(pc.fill_null(rank, NO_RANK).to_numpy() if rank.null_count else rank.to_numpy(),
+                   t["issue_ns"].to_numpy(), t["end_ns"].to_numpy())
+
+    @classmethod
+    def join(cls, parts: list[Issued]) -> Issued:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("rank", "issue_ns", "end_ns")))
+
+    def take(self, m: np.ndarray) -> Issued:
+        return Issued(self.rank[m], self.issue_ns[m], self.end_ns[m])
+
+    def __len__(self) -> int:
+        return len(self.issue_ns)
 
 
 class ProbeColumns:
@@ -210,7 +236,8 @@ def per_cycle(probes: pa.Table, steps: pa.Table, rank: int | None = 0,
     S, E = bounds if bounds is not None else cycle_bounds(steps)
     if not len(S):
         return {}
-    return window_views(probes, S, E, rank, collectives, totals, EVERY_ROW, chunk)
+    return window_views(probes, S, E, rank, Issued.of(collectives) if collectives is not None else None, totals,
+                        EVERY_ROW, chunk)
 
 
 def cycle_bounds(steps: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +266,7 @@ def _own(ts: np.ndarray, dur: np.ndarray, own: tuple[int, int]) -> tuple[np.ndar
 
 
 def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, rank: int | None,
-                 collectives: pa.Table | None, totals: bool, own: tuple[int, int],
+                 collectives: Issued | None, totals: bool, own: tuple[int, int],
                  chunk: int = 1) -> dict[str, np.ndarray]:
     """`per_cycle` for the cycles S, E (a window of a trace's cycles, time-ordered), from
     the rows in `probes` that start inside `own`; the other rows only tell when the
@@ -344,7 +371,7 @@ def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, 
         for res in pool.map(attribute, jobs):
             out.update(res)
     _take_out_nested(out, rows, blocked, bins, first, end)
-    if collectives is not None and collectives.num_rows:
+    if collectives is not None and len(collectives):
         _collective_times(out, collectives, rank, busy, bins, own)
     out[f"raw_ns:{B.DEVICE_COMPUTE}"] = dev_per
     out[f"exposed_ns:{B.DEVICE_COMPUTE}"] = dev_per
@@ -391,15 +418,15 @@ def _take_out_nested(out: dict[str, np.ndarray], rows: _Rows, blocked: Coverage,
         out[f"exposed_ns:{outer}"] -= idle  # only the device-idle part moves in the device view
 
 
-def _collective_times(out: dict[str, np.ndarray], colls: pa.Table, rank: int | None, cov: Coverage,
+def _collective_times(out: dict[str, np.ndarray], colls: Issued, rank: int | None, cov: Coverage,
                       bins: CycleSums | CycleTotals, own: tuple[int, int]) -> None:
     """all_reduce's raw, hidden and count from the collectives table (HTA's comm/compute overlap):
     raw = issue -> completion of each completed collective, hidden = the part of it during which
     the rank's device computed. The exposed share stays the host waits' (the probe rows)."""
-    if rank is not None:
-        colls = colls.filter(pc.equal(colls["rank"], rank))
-    issue, end = colls["issue_ns"].to_numpy(), colls["end_ns"].to_numpy()
+    issue, end = colls.issue_ns, colls.end_ns
     done = (end >= issue) & (issue >= own[0]) & (issue < own[1])  # in flight at the end (end -1): no duration
+    if rank is not None:
+        done &= colls.rank == rank
     issue, end = issue[done], end[done]
     if not len(issue):
         return
