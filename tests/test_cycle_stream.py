@@ -21,6 +21,7 @@ from tracing.consistency import read_consistent
 from tracing.reader import Trace
 from tracing.schema import PROBES
 from tracing.writer import parquet_options
+from viewer.analysis.collectives import trace_stragglers
 from viewer.analysis.cycle_stream import Cycles, stream_views
 from viewer.analysis.cycle_views import cycle_bounds, per_cycle
 
@@ -56,6 +57,8 @@ def _assert_same_views(root: Path) -> None:
             assert got.ranks == ranks
             assert got.rows == t["probes"].num_rows
             assert trace.status.clipped == whole_trace.status.clipped
+            # the straggler join rides on the stream's read of the collectives
+            assert got.stragglers == trace_stragglers(Trace.open(root))
             for r in ranks:
                 want = per_cycle(t["probes"], t["steps"], r if len(ranks) > 1 else 0, colls, totals, chunk)
                 assert want.keys() == got.by_rank[r].keys()

@@ -24,9 +24,11 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from tracing.consistency import probe_clip
+from tracing.heap import release_freed
 from tracing.reader import Trace
 from tracing.schema import TABLES
 from tracing.sweep import EARLIEST, NEVER, Sweep, start_over
+from viewer.analysis.collectives import FOLD_COLUMNS, StragglerFold, StragglerView, trace_members
 from viewer.analysis.cycle_views import (
     Issued,
     ProbeColumns,
@@ -35,6 +37,7 @@ from viewer.analysis.cycle_views import (
     window_views,
 )
 
+FOLD_ROWS = 1 << 18  # collectives rows the straggler join takes at a time
 # Probe rows a window reads: about 60 MB of columns and as much again in their split by boundary.
 WINDOW_ROWS = 1 << 21
 
@@ -62,6 +65,8 @@ class CycleViews:
     ranks: list[int] = field(default_factory=list)  # the ranks with probe rows
     head: pa.Table | None = None  # the trace's first probe rows, in time order of their row groups
     rows: int = 0  # probe rows read (clipped rows not counted)
+    # (collectives rows, `straggler_view`), joined as the stream read them; None: not read
+    stragglers: tuple[int, StragglerView | None] | None = None
 
 
 def stream_views(trace: Trace, cycles: Cycles, totals: bool = True, window_rows: int = WINDOW_ROWS,
@@ -75,17 +80,28 @@ def stream_views(trace: Trace, cycles: Cycles, totals: bool = True, window_rows:
 class _Issued:
     """The collectives table read in order of issue: `read(t)` (on the reading thread) reads
     the row groups that can hold a row issued before t, and `until(t, read)` gives every row
-    issued before t that an earlier call did not (None for a trace without the table)."""
+    issued before t that an earlier call did not (None for a trace without the table). What
+    is read is also joined into the straggler view there, so the table is read once and the
+    join runs beside the windows' views, not after them."""
 
     def __init__(self, trace: Trace) -> None:
-        self.sweep = (Sweep(trace, "collectives", ["rank", "issue_ns", "end_ns"], time="issue_ns")
+        self.trace = trace
+        self.sweep = (Sweep(trace, "collectives", [*FOLD_COLUMNS, "end_ns"], time="issue_ns",
+                            dictionary=("group",))
                       if trace.has_table("collectives") else None)
+        self.fold: StragglerFold | None = None
         self.later: Issued | None = None  # read, issued after the last `until`
 
     def read(self, t: int | None) -> list[Issued]:
         if self.sweep is None or not self.sweep.rows:
             return []
-        return [Issued.of(x) for x in self.sweep.read_until(t) if x.num_rows]
+        if self.fold is None:
+            self.fold = StragglerFold(trace_members(self.trace))
+        got = [x for x in self.sweep.read_until(t) if x.num_rows]
+        for x in got:  # (in slices: the join's temporaries are a few times its rows, beside a window's views)
+            for at in range(0, x.num_rows, FOLD_ROWS):
+                self.fold.add(x.slice(at, FOLD_ROWS))
+        return [Issued.of(x) for x in got]
 
     def until(self, t: int | None, read: list[Issued]) -> Issued | None:
         got = ([self.later] if self.later is not None else []) + read
@@ -98,6 +114,12 @@ class _Issued:
         before = rows.issue_ns < t
         self.later = rows.take(~before)
         return rows.take(before)
+
+    def stragglers(self) -> tuple[int, StragglerView | None] | None:
+        """After the last `read(None)`: what `trace_stragglers` gives."""
+        if self.sweep is None:
+            return 0, None
+        return self.sweep.rows, self.fold.view() if self.fold is not None else None
 
 
 def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_rows: int,
@@ -145,12 +167,14 @@ def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_r
                 parts[r].append(window_views(cols, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,
                                              chunk))
             del cols
+            if i1 == n:
+                out.stragglers = issued.stragglers()
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]
                 buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
             del got
-            # read on the other thread, freed on this one: mimalloc keeps it until asked
-            pa.default_memory_pool().release_unused()
+            # read (and the straggler join's arrays made) on the other thread, freed on this one
+            release_freed()
     sizes = [-(-(i1 - i0) // chunk) for i0, i1 in cuts]
     out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
     return out

@@ -246,7 +246,8 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
     if len(inp.cycles.ranks) > 1:
         rep.per_rank = {str(r): cost_view(table_of(inp.cycles.by_rank[r]), host_view=r == 0)
                         for r in inp.cycles.ranks}
-    rows, sv = trace_stragglers(inp.trace)  # (read after the stream: the two peaks do not add)
+    # joined as the stream read the collectives (a trace without cycles reads them here)
+    rows, sv = inp.cycles.stragglers if inp.cycles.stragglers is not None else trace_stragglers(inp.trace)
     if rows:
         rep.stragglers = sv
     imp = imported_view(inp.trace, steps)
