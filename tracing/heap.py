@@ -10,20 +10,18 @@ stream without a trim). A fixed mmap threshold instead cost 25-50% more time in 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 
 import pyarrow as pa
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    # the process's own symbols (libc among them): find_library would run ldconfig at import
     try:
-        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim  # glibc only
+        trim = ctypes.CDLL(None).malloc_trim  # glibc only
     except (OSError, AttributeError):
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
 

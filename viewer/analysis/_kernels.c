@@ -194,8 +194,10 @@ int64_t union_runs(const int64_t *s, const int64_t *e, int64_t n, int64_t max_ru
 /* [a_s, a_e) less [w_s, w_e), both sorted disjoint lists (unions): each interval of the
  * first cut by the waits it overlaps, in one pass over both; the pieces are the
  * non-empty overlaps of each interval with the gaps between waits, in order, as
- * viewer/analysis/intervals.py's numpy path gives them. out_s / out_e hold na + nw
- * entries; returns how many were written. */
+ * viewer/analysis/intervals.py's numpy path gives them for waits of non-negative length
+ * (a bad trace's negative wait makes the numpy path's gaps overlap: its pieces then
+ * differ, their union does not). out_s / out_e hold na + nw entries; returns how many
+ * were written. */
 int64_t subtract_sorted(const int64_t *a_s, const int64_t *a_e, int64_t na, const int64_t *w_s,
                         const int64_t *w_e, int64_t nw, int64_t *out_s, int64_t *out_e) {
     int64_t j = 0, m = 0;

@@ -115,7 +115,7 @@ class _Issued:
         self.later = rows.take(~before)
         return rows.take(before)
 
-    def stragglers(self) -> tuple[int, StragglerView | None] | None:
+    def stragglers(self) -> tuple[int, StragglerView | None]:
         """After the last `read(None)`: what `trace_stragglers` gives."""
         if self.sweep is None:
             return 0, None
@@ -166,15 +166,15 @@ def _stream(trace: Trace, cycles: Cycles, totals: bool, window_rows: int, head_r
             for r in parts:
                 parts[r].append(window_views(cols, S[i0:i1], E[i0:i1], r if ranks else None, colls, totals, own,
                                              chunk))
-            del cols
-            if i1 == n:
-                out.stragglers = issued.stragglers()
+            del cols, colls, colls_read
             if i1 < n:  # what is still open at the next window's start
                 ts, dur = buf["ts_ns"], buf["dur_ns"]
                 buf = buf.filter(pc.or_(pc.greater_equal(ts, own[1]), pc.greater(pc.add(ts, dur), own[1])))
             del got
             # read (and the straggler join's arrays made) on the other thread, freed on this one
             release_freed()
+    del buf
+    out.stragglers = issued.stragglers()  # (after the last window: its rows are freed)
     sizes = [-(-(i1 - i0) // chunk) for i0, i1 in cuts]
     out.by_rank = {r: _join(p, sizes, totals, S, E) for r, p in parts.items()}
     return out

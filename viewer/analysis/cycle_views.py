@@ -123,9 +123,8 @@ class ProbeColumns:
         self.rank_range: tuple[int | None, int | None] = (None, None)
         if "rank" in probes.column_names and probes.num_rows:
             col = probes["rank"]
-            lo_hi = pc.min_max(col).as_py()
-            # (a null rank is nobody's: with one, even one rank's rows are some of the rows)
-            self.rank_range = (lo_hi["min"], lo_hi["max"]) if not col.null_count else (None, None)
+            lo_hi = pc.min_max(col).as_py()  # (nulls aside, as a one-rank trace's stream reads no rank)
+            self.rank_range = (lo_hi["min"], lo_hi["max"])
             rank = [(c.cast(pa.int64()).fill_null(NO_RANK) if c.null_count else c).to_numpy().astype(np.int64, copy=False)
                     for c in col.chunks if len(c)]
         lengths = [len(t) for t in ts]
@@ -135,19 +134,23 @@ class ProbeColumns:
             host = [np.concatenate(host)] if host is not None else None
             rank = [np.concatenate(rank)] if rank is not None else None
         self.codes, self.ts, self.dur, self.host, self.rank = codes, ts, dur, host, rank
-        self._rank0: _Rows | None = None
 
     def filters(self, rank: int | None) -> bool:
         """Whether `rank`'s rows are some of the rows, not all of them."""
         return rank is not None and self.rank is not None and self.rank_range != (rank, rank)
 
-    def rows(self, rank: int | None) -> _Rows:
-        """`rank`'s rows split (rank 0's kept: another rank's views take its idle rows)."""
-        if rank == 0 and self.filters(0):
-            if self._rank0 is None:
-                self._rank0 = _Rows(self, 0)
-            return self._rank0
-        return _Rows(self, rank)
+    def rank0_idle(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rank 0's idle rows alone, in time order: a mask, not a split of all its rows."""
+        if B.IDLE not in self.names or self.rank is None:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        code = self.names.index(B.IDLE)
+        pick = [np.flatnonzero((c == code) & (r == 0)) for c, r in zip(self.codes, self.rank, strict=True)]
+        ts = np.concatenate([t[i] for t, i in zip(self.ts, pick, strict=True)]).astype(np.int64, copy=False)
+        dur = np.concatenate([d[i] for d, i in zip(self.dur, pick, strict=True)]).astype(np.int64, copy=False)
+        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
+            o = np.argsort(ts, kind="stable")
+            ts, dur = ts[o], dur[o]
+        return ts, dur
 
 
 class _Rows:
@@ -285,7 +288,7 @@ def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, 
     bins: CycleSums | CycleTotals = CycleTotals(S) if totals else CycleSums(S1)
 
     cols = probes if isinstance(probes, ProbeColumns) else ProbeColumns(probes)
-    rows = cols.rows(rank)
+    rows = _Rows(cols, rank)
     dev_ts, dev_dur = rows.get(B.DEVICE_COMPUTE)
     reasons = {b: rows.get(b) for b in DEVICE_REASONS}
     ws = np.concatenate([reasons[b][0] for b in COMM_WAITS])
@@ -297,13 +300,16 @@ def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, 
     # What keeps the device from being idle on the host's account: its own work or a device-side
     # reason. The waits are reasons, so (device less waits) with the reasons is the device rows
     # with the reasons: a TP rank's rows, not the ten times as many pieces the waits cut them into.
+    # (A bad trace's negative durations make a union depend on the order of tied starts: those
+    # keep the pieces.)
     pos = dev_e > dev_s
     blocked = busy if not len(rs) else (
-        Coverage(np.concatenate([dev_s[pos], rs]), np.concatenate([dev_e[pos], re])) if len(ws)
+        Coverage(np.concatenate([dev_s[pos], rs]), np.concatenate([dev_e[pos], re]))
+        if len(ws) and bool(np.all(re >= rs)) and bool(np.all(dev_dur >= 0))
         else Coverage(np.concatenate([busy.s, rs]), np.concatenate([busy.e, re])))
 
     # cycles are rank 0's, and so is the no-work time taken out of them
-    idle_ts, idle_dur = (cols.rows(0) if cols.filters(rank) and rank != 0 else rows).get(B.IDLE)
+    idle_ts, idle_dur = cols.rank0_idle() if cols.filters(rank) and rank != 0 else rows.get(B.IDLE)
     keep = (idle_ts >= first) & (idle_ts < end)
     series = np.zeros(0)  # each cycle's length, when an entry holds several
     if chunked:

@@ -90,6 +90,8 @@ def union_runs(starts: np.ndarray, ends: np.ndarray, max_runs: int = MAX_RUNS) -
     assert _LIB is not None
     s, e = _i64(starts), _i64(ends)
     n = len(s)
+    if len(e) != n:
+        raise ValueError(f"union_runs: {n} starts, {len(e)} ends")  # (C would read past the ends)
     out_s, out_e = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     m = _LIB.union_runs(_ptr(s), _ptr(e), n, max_runs, _ptr(out_s), _ptr(out_e))
     if m == -2:
