@@ -78,6 +78,10 @@ class StragglerFold:
         self.last = {r: [0, 0, 0] for r in sorted(set().union(*members.values()))}
         self.worst: list[tuple[int, str, int, int, int]] = []  # (-late ns, group, seq, step, rank)
 
+    def carried(self) -> int:
+        """Rows waiting for the rest of their collective's members."""
+        return len(self.carry[0])
+
     def _group_ids(self, col: pa.ChunkedArray) -> np.ndarray:
         out = [np.array([self.ids.get(v, -1) for v in names] or [-1], dtype=np.int64)[idx]
                for names, idx in _dictionary_chunks(col)]
