@@ -390,6 +390,18 @@ def test_cli_refuses_in_one_line(args, msg):
     assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_trace_of_more_rounds_than_the_model_takes_is_refused_before_its_probes_are_read(monkeypatch):
+    """big10m's 1.34 M rounds took 22 minutes and 6-7 GB: one line instead."""
+    import viewer.analysis.whatif as w
+    import viewer.analysis.whatif_fit as fit
+
+    monkeypatch.setattr(w, "MAX_ROUNDS", 5)
+    monkeypatch.setattr(fit, "_rows", lambda tr: pytest.fail("the probe rows were read"))
+    rc, _, err = cli("whatif", str(SAMPLES / "sample-serial"))
+    assert rc == 2 and "rounds; the model replays each round" in err and "at most 5:" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_an_imported_trace_is_refused(tmp_path):
     out = tmp_path / "imported"
     p = mstrace("import", str(REPO / "tests" / "data" / "kineto" / "hta_nccl_data.json.gz"), "--out", str(out))

@@ -40,6 +40,9 @@ from viewer.analysis.whatif_share import Rates, as_run
 from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
 
 DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
+# The model replays every round 2 * DRAWS + 1 times, about 2.4 us a round each here (big10m's
+# 1.34 M rounds: 3.3 s a replay, 22 minutes and 6-7 GB in all): past this, one line instead.
+MAX_ROUNDS = 100_000
 # Which boundary each component is, for the critical-path table: SCALES read backwards.
 COMPONENT_BOUNDARY = {c: boundary for boundary, comps in SCALES.items() for c in comps} | {"idle": B.IDLE}
 
@@ -190,7 +193,7 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
     """`contention` None: host and device slow each other as the engine measured at start-up
     (not at all where it did not). `against`: a run of what is predicted, to check the
     prediction against (`Check`)."""
-    run = load(root)
+    run = load(root, MAX_ROUNDS)
     other = Trace.open(against) if against is not None else None
     point, source, streams_source = measured(run.trace.meta, contention)
     share, streams = point.share, point.streams
@@ -362,10 +365,8 @@ def replayed_path(root: str | Path) -> list[PathRow] | None:
     from viewer.analysis.whatif_gains import GAINS_MAX_ROUNDS
 
     try:
-        run = load(root)
+        run = load(root, GAINS_MAX_ROUNDS)
     except WhatIfError:
-        return None
-    if len(run.steps) > GAINS_MAX_ROUNDS:
         return None
     overlap = rounds_mode(run.trace.meta.get("config", {})) == "overlap"
     b, tl = replayed(run, measured(run.trace.meta)[0], overlap)

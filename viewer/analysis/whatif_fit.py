@@ -174,7 +174,8 @@ def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None
     return int(arr.min()), int(fin.max())
 
 
-def load(root: str | Path) -> Run:
+def load(root: str | Path, max_rounds: int | None = None) -> Run:
+    """The run's rounds fitted; `max_rounds`: refused past that many (before its probe rows are read)."""
     tr = Trace.open(root)
     if "import" in tr.meta:
         imp = tr.meta["import"]
@@ -188,6 +189,9 @@ def load(root: str | Path) -> Run:
                            "num_waiting", "num_running"])
     if s.num_rows < 2:
         raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
+    if max_rounds is not None and s.num_rows > max_rounds:
+        raise WhatIfError(f"{root} has {s.num_rows:,} rounds; the model replays each round hundreds of times "
+                          f"and takes at most {max_rounds:,}: a shorter run of the workload")
     order = pc.sort_indices(s, [("step", "ascending")])
     s = s.take(order)
     steps = s["step"].to_numpy()

@@ -40,6 +40,7 @@ moments, not requests. Each token's time is its batch's `synced`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -155,7 +156,7 @@ WINDOW = 9  # batches in the running median a batch's noise is measured against
 COLD_GAP_NS = 500_000
 
 
-def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
+def replicates(b: Batches, rng: np.random.Generator, k: int) -> Iterator[Batches]:
     """`k` runs the trace could as well have been, for the intervals: each component's value
     per batch is its local level (the running median over WINDOW batches of those that have
     it: neighbouring batches are alike in size) times another batch's ratio to its own level,
@@ -187,8 +188,7 @@ def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
         drawn = float(ratio.mean() * level[some].sum()) if len(some) else 0.0
         ratio *= float(x[some].sum()) / drawn if drawn > 0 else 1.0
         parts[name] = (level, ratio, some, 0.0)
-    out = []
-    for _ in range(k):
+    for _ in range(k):  # one at a time: a replicate is every batch's components again
         idx = rng.integers(0, b.n, b.n)
         new = {}
         for name, (level, noise, has_it, floor) in parts.items():
@@ -199,8 +199,7 @@ def replicates(b: Batches, rng: np.random.Generator, k: int) -> list[Batches]:
             else:  # drawn among the batches that have it
                 pick = noise[rng.integers(0, len(has_it), b.n)] if len(has_it) else np.ones(b.n)
                 new[name] = np.where(level > 0, level * pick, getattr(b, name))
-        out.append(replace(b, **new))
-    return out
+        yield replace(b, **new)
 
 
 def round_plan(b: Batches, overlap: bool) -> tuple[np.ndarray, np.ndarray]:
