@@ -31,7 +31,14 @@ import pyarrow.compute as pc
 
 from probes import boundaries as B
 from viewer.analysis import native
-from viewer.analysis.intervals import Coverage, CycleSums, CycleTotals, blocks, subtract, union
+from viewer.analysis.intervals import (
+    Coverage,
+    CycleSums,
+    CycleTotals,
+    blocks,
+    subtract_unions,
+    union,
+)
 
 UNATTRIBUTED = "unattributed"
 # The scheduling thread's probes. OUTER ones follow each other; INNER ones run inside
@@ -74,6 +81,15 @@ def codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
     """`chunk_codes` as one int64 array."""
     parts, names = chunk_codes(col)
     return (np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)), names
+
+
+def _in_time_order(ts: np.ndarray, dur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows sorted by start, stably: one thread's rows already are (host and other rows of one
+    boundary, or several ranks' rows, are not)."""
+    if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
+        o = np.argsort(ts, kind="stable")
+        ts, dur = ts[o], dur[o]
+    return ts, dur
 
 
 def _numpy_chunks(col: pa.ChunkedArray) -> list[np.ndarray]:
@@ -147,10 +163,7 @@ class ProbeColumns:
         pick = [np.flatnonzero((c == code) & (r == 0)) for c, r in zip(self.codes, self.rank, strict=True)]
         ts = np.concatenate([t[i] for t, i in zip(self.ts, pick, strict=True)]).astype(np.int64, copy=False)
         dur = np.concatenate([d[i] for d, i in zip(self.dur, pick, strict=True)]).astype(np.int64, copy=False)
-        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
-            o = np.argsort(ts, kind="stable")
-            ts, dur = ts[o], dur[o]
-        return ts, dur
+        return _in_time_order(ts, dur)
 
 
 class _Rows:
@@ -183,11 +196,7 @@ class _Rows:
             ts, dur = ts_all[off[lo]:off[hi]], dur_all[off[lo]:off[hi]]
         else:
             ts, dur = self._gather(code, host_only)
-        # one thread's rows are in order (host and other rows of one boundary are not)
-        if len(ts) > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
-            o = np.argsort(ts, kind="stable")
-            ts, dur = ts[o], dur[o]
-        return ts, dur
+        return _in_time_order(ts, dur)
 
     def _gather(self, code: int, host_only: bool) -> tuple[np.ndarray, np.ndarray]:
         ts_parts, dur_parts = [], []
@@ -294,7 +303,7 @@ def window_views(probes: pa.Table | ProbeColumns, S: np.ndarray, E: np.ndarray, 
     ws = np.concatenate([reasons[b][0] for b in COMM_WAITS])
     we = ws + np.concatenate([reasons[b][1] for b in COMM_WAITS])
     dev_s, dev_e = union(dev_ts, dev_ts + dev_dur) if len(ws) else (dev_ts, dev_ts + dev_dur)
-    busy = Coverage(*subtract(dev_s, dev_e, ws, we))
+    busy = Coverage(*(subtract_unions(dev_s, dev_e, *union(ws, we)) if len(ws) and len(dev_s) else (dev_s, dev_e)))
     rs = np.concatenate([r[0] for r in reasons.values()])
     re = rs + np.concatenate([r[1] for r in reasons.values()])
     # What keeps the device from being idle on the host's account: its own work or a device-side

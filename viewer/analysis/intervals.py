@@ -156,8 +156,11 @@ def subtract(s: np.ndarray, e: np.ndarray, cs: np.ndarray, ce: np.ndarray) -> tu
     """
     if not len(cs) or not len(s):
         return s, e
-    a_s, a_e = union(s, e)
-    w_s, w_e = union(cs, ce)
+    return subtract_unions(*union(s, e), *union(cs, ce))
+
+
+def subtract_unions(a_s: np.ndarray, a_e: np.ndarray, w_s: np.ndarray, w_e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`subtract` of two unions already taken (sorted disjoint intervals, `union`'s output)."""
     if native.AVAILABLE:
         return native.subtract_sorted(a_s, a_e, w_s, w_e)
     # the gaps between waits: [w_e[k-1], w_s[k]), the first from -inf, the last to +inf
