@@ -16,6 +16,7 @@ from scheduler.model.auto_dtype import (
     SHAPE,
     bf16_speedup,
     choose_dtype,
+    cpu_bf16_speedup,
     cpu_flags,
     pick,
 )
@@ -71,8 +72,24 @@ def test_this_cpu_is_measured_and_the_choice_follows_the_measurement() -> None:
     want = torch.float32 if own < 0.75 * SCREEN_BELOW else torch.bfloat16 if big > 3.0 else None
     choices = [c]
     while want is not None and choices[-1].dtype != want and len(choices) < 3:
+        cpu_bf16_speedup.cache_clear()  # a choice measured anew, as a new process's is
         choices.append(choose_dtype(torch.device("cpu"), None))
     assert want is None or choices[-1].dtype == want, (own, big, [x.why for x in choices])
+
+
+def test_one_process_measures_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine of a process runs the dtype its first one measured: the second
+    measurement here would read bfloat16 as emulated, and is never taken."""
+    import scheduler.model.auto_dtype as auto_dtype
+
+    reads = iter([4.0, 4.0, 0.1, 0.1])
+    monkeypatch.setattr(auto_dtype, "bf16_speedup", lambda shape: next(reads))
+    cpu_bf16_speedup.cache_clear()
+    try:
+        first, second = (choose_dtype(torch.device("cpu"), None) for _ in range(2))
+        assert first == second and first.dtype == torch.bfloat16 and next(reads) == 0.1
+    finally:
+        cpu_bf16_speedup.cache_clear()
 
 
 def test_the_dtype_that_ran_is_recorded_and_said(tmp_path: Path) -> None:

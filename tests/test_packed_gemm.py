@@ -31,6 +31,20 @@ def test_what_is_not_measured() -> None:
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=needs(d)) for d in (torch.float32, torch.bfloat16)])
+def test_one_process_measures_once(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """As `--dtype auto`'s: the engines of one process reorder their weights alike, though a
+    second measurement would read the reordered GEMM as slower."""
+    reads = iter([2.0, 0.5])
+    monkeypatch.setattr(packed_gemm, "speedup", lambda dtype: next(reads))
+    packed_gemm.cpu_pack_speedup.cache_clear()
+    try:
+        first, second = (choose_pack(torch.device("cpu"), dtype, "auto") for _ in range(2))
+        assert first == second and first.packed and next(reads) == 0.5
+    finally:
+        packed_gemm.cpu_pack_speedup.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=needs(d)) for d in (torch.float32, torch.bfloat16)])
 def test_auto_follows_its_own_and_an_independent_measurement(dtype: torch.dtype) -> None:
     before = torch.get_num_threads()
     c = choose_pack(torch.device("cpu"), dtype, "auto")

@@ -9,6 +9,7 @@ dtypes and records the flags beside the measurement.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -83,12 +84,13 @@ def bf16_speedup(shape: tuple[int, int, int]) -> float:
     return median_ratio(lambda: F.linear(x, w), lambda: F.linear(xb, wb))
 
 
-def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice:
-    """The dtype to run in: what was asked, else bfloat16 on CUDA, else the CPU's measured choice."""
-    if asked is not None:
-        return DtypeChoice(asked, "asked")
-    if device.type == "cuda":
-        return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA")
+@functools.cache
+def cpu_bf16_speedup() -> tuple[tuple[int, int, int], float]:
+    """The shape timed and float32's time over bfloat16's on it, measured once per process:
+    the CPU and torch's build do not change while it runs, and the engines of one process
+    (`mstrace run --mode all`'s three, a test's two) must compute alike. Measured anew for
+    each, a loaded moment tipped one of two engines to the other dtype (or, through
+    packed_gemm's choice, the other GEMM) and a seeded request's tokens diverged."""
     # One thread: the ratio is the instruction set's, and the pool's size is not decided yet.
     # The setting is the process's; this runs as the engine is built, before anything of it
     # runs torch.
@@ -102,6 +104,16 @@ def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice
             speedup = bf16_speedup(shape)
     finally:
         torch.set_num_threads(threads)
+    return shape, speedup
+
+
+def choose_dtype(device: torch.device, asked: torch.dtype | None) -> DtypeChoice:
+    """The dtype to run in: what was asked, else bfloat16 on CUDA, else the CPU's measured choice."""
+    if asked is not None:
+        return DtypeChoice(asked, "asked")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA")
+    shape, speedup = cpu_bf16_speedup()
     dtype = pick(speedup)
     flags = ", ".join(cpu_flags()) or "none of " + ", ".join(_FLAGS)
     m, k, n = shape

@@ -27,6 +27,7 @@ Sizes that are not multiples of 32, other dtypes, more threads or no AMX keep on
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +198,18 @@ def speedup(dtype: torch.dtype) -> float:
     return math.prod(ratios) ** (1 / len(ratios))
 
 
+@functools.cache
+def cpu_pack_speedup(dtype: torch.dtype) -> float:
+    """`speedup(dtype)` on one thread, measured once per process, as auto_dtype's
+    `cpu_bf16_speedup` is and for its reason: one process's engines run the same GEMMs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ratio is the kernels'; the pool's size is not decided yet
+    try:
+        return speedup(dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackChoice:
     """Whether the CPU model's projections run on reordered weights: as asked (`on` where they
     can be, `unpackable`), or, for `auto`, where they measured MIN_SPEEDUP times F.linear's
@@ -212,12 +225,7 @@ def choose_pack(device: torch.device, dtype: torch.dtype, asked: str) -> PackCho
         return PackChoice(False, f"off: {why_not}")
     if asked == "on":
         return PackChoice(True, "on: asked")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ratio is the kernels'; the pool's size is not decided yet
-    try:
-        ratio, kernel = speedup(dtype), kernel_name(dtype)
-    finally:
-        torch.set_num_threads(threads)
+    ratio, kernel = cpu_pack_speedup(dtype), kernel_name(dtype)
     on = ratio >= MIN_SPEEDUP
     rows = " and ".join(str(m) for m in ROWS)
     return PackChoice(on, f"auto: {'on' if on else 'off'}, {name_of(dtype)} GEMMs of {rows} rows x {K} x {N} on the "
