@@ -11,8 +11,11 @@ the trace while the run goes on and the pending list stays as short as the work 
 flight. Times come from cudaEventElapsedTime, float32 milliseconds between two
 events. Read from one anchor for the whole run they would coarsen as it grows (a float32
 millisecond count has 0.25 ms steps after an hour), so the clock re-anchors on every
-resolved launch's end event: each reading spans about one launch, and the chain's
-rounding errors are unbiased, growing with the square root of the number of launches.
+resolved launch's end event: each reading spans about one launch. Each rounds by at most
+2 ns at tens of milliseconds; where the gaps between launches vary over float32's steps,
+as a device's rounds do by microseconds, the roundings are independent and the chain's
+error grows with the square root of the number of launches (gaps equal to the nanosecond
+would add up the same rounding every launch).
 A launch's length is its own two events' reading, however long the device idled before it.
 
 Waits: an event is created with blocking sync, and a stream's waits are made by its own
