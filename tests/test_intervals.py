@@ -3,14 +3,12 @@ time is its device rows less its comm waits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.kernels import c_loops
 from viewer.analysis import native
 from viewer.analysis.intervals import subtract, union
 
@@ -40,29 +38,16 @@ def _by_points(s: list[int], e: list[int], cs: list[int], ce: list[int]) -> list
 _intervals = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 40)), max_size=25)
 
 
-@contextmanager
-def _c_loops(on: bool) -> Iterator[None]:
-    """The C loops (on) or numpy's fallback (off) for the block."""
-    if on and not native.AVAILABLE:
-        pytest.skip("the C loops were not built")
-    was = native.AVAILABLE
-    native.AVAILABLE = on
-    try:
-        yield
-    finally:
-        native.AVAILABLE = was
-
-
-@pytest.mark.parametrize("c_loops", [True, False], ids=["native", "numpy"])
+@pytest.mark.parametrize("c", [True, False], ids=["native", "numpy"])
 @settings(max_examples=300, deadline=None)
 @given(rows=_intervals, waits=_intervals)
-def test_subtract_is_the_pointwise_difference(c_loops: bool, rows: list[tuple[int, int]],
+def test_subtract_is_the_pointwise_difference(c: bool, rows: list[tuple[int, int]],
                                               waits: list[tuple[int, int]]) -> None:
     """Overlapping, touching, nested, zero-length and unordered intervals on both sides (two
     device streams; waits of several boundaries concatenated)."""
     s, e = [a for a, _ in rows], [a + d for a, d in rows]
     cs, ce = [a for a, _ in waits], [a + d for a, d in waits]
-    with _c_loops(c_loops):
+    with c_loops(c):
         got_s, got_e = subtract(np.array(s, np.int64), np.array(e, np.int64), np.array(cs, np.int64),
                                 np.array(ce, np.int64))
     assert np.all(got_e > got_s) or not len(cs)
@@ -72,7 +57,7 @@ def test_subtract_is_the_pointwise_difference(c_loops: bool, rows: list[tuple[in
 
 
 def _numpy_union(s: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    with _c_loops(False):
+    with c_loops(False):
         return union(s, e)
 
 
@@ -117,8 +102,8 @@ def test_the_c_subtract_gives_numpys_pieces(rows: list[tuple[int, int]], waits: 
     e = s + np.array([d for _, d in rows], np.int64)
     cs = np.array([a for a, _ in waits], np.int64)
     ce = cs + np.array([d for _, d in waits], np.int64)
-    with _c_loops(True):
+    with c_loops(True):
         got = subtract(s, e, cs, ce)
-    with _c_loops(False):
+    with c_loops(False):
         want = subtract(s, e, cs, ce)
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()

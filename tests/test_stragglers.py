@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.kernels import c_loops
 from tests.support.tiny_runs import TinyRuns
 from tracing.reader import Trace
 from tracing.schema import COLLECTIVES
@@ -72,15 +73,22 @@ def _collectives(draw: st.DrawFn) -> list[dict[str, Any]]:
             for r in range(nranks):
                 if draw(st.integers(0, 9)) == 0:  # this rank never issued it
                     continue
-                out.append({"rank": 10 * g + r, "group": f"tp{g}", "seq": seq, "step": seq // 3, "numel": 1,
+                out.append({"rank": 10 * g + r, "group": f"tp{g}", "seq": seq, "step": seq // 3 + draw(st.integers(0, 1)), "numel": 1,
                             "overlapped": False, "issue_ns": t0 + draw(st.integers(0, 30)) * 50,
                             "start_ns": t0, "end_ns": t0 + 2000, "dur_wait_ns": 0})
     return out
 
 
+@pytest.mark.parametrize("c", [True, False], ids=["native", "numpy"])
 @settings(max_examples=150, deadline=None)
-@given(_collectives(), st.lists(st.integers(0, 200), max_size=6), st.booleans())
-def test_the_fold_over_any_pieces_is_the_whole_tables_join(rows: list[dict[str, Any]], cuts: list[int], shuffle: bool) -> None:
+@given(rows=_collectives(), cuts=st.lists(st.integers(0, 200), max_size=6), shuffle=st.booleans())
+def test_the_fold_over_any_pieces_is_the_whole_tables_join(c: bool, rows: list[dict[str, Any]], cuts: list[int],
+                                                           shuffle: bool) -> None:
+    with c_loops(c):
+        _fold_is_the_join(rows, cuts, shuffle)
+
+
+def _fold_is_the_join(rows: list[dict[str, Any]], cuts: list[int], shuffle: bool) -> None:
     ref = _reference(rows)
     if shuffle:  # any order is right; the order of issue only keeps the carry small
         rows = [rows[i] for i in np.random.default_rng(len(rows)).permutation(len(rows))]

@@ -13,6 +13,9 @@
  * Unions of intervals: a merge of the rows' sorted runs, not a sort of all of them;
  * a difference of two unions: one pass over both.
  *
+ * Grouping collectives rows by (group, seq) for the straggler join: one pass over the
+ * rows in key order, instead of numpy's gathers and reductions per group.
+ *
  * No Python API is used: the module init only exists so setuptools can build this
  * as an extension and pip can install it like one.
  */
@@ -218,6 +221,32 @@ int64_t subtract_sorted(const int64_t *a_s, const int64_t *a_e, int64_t na, cons
         }
     }
     return m;
+}
+
+/* Rows grouped by key, given `order`, a stable sort of the rows by key (of rows that come
+ * nearly sorted, as collectives in order of issue do, numpy's sort is cheap; a hash table
+ * scattered them over memory and took longer): run[i] is row i's group, the groups numbered
+ * in key order; per group its row count, its first row (the least issue; a tie goes to the
+ * lower rank, then the earlier row) and its last (the greatest issue; a tie goes to the
+ * higher rank, then the later row). Returns the number of groups. */
+int64_t group_sorted(const int64_t *key, const int64_t *rank, const int64_t *issue, const int64_t *order,
+                     int64_t n, int64_t *run, int64_t *count, int64_t *first, int64_t *last) {
+    int64_t r = -1, prev = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t i = order[j];
+        if (r < 0 || key[i] != prev) {
+            prev = key[i];
+            r++;
+            count[r] = 0;
+            first[r] = last[r] = i;
+        }
+        run[i] = r;
+        count[r]++;
+        const int64_t f = first[r], l = last[r];
+        if (issue[i] < issue[f] || (issue[i] == issue[f] && rank[i] < rank[f])) first[r] = i;
+        if (issue[i] > issue[l] || (issue[i] == issue[l] && rank[i] >= rank[l])) last[r] = i;
+    }
+    return r + 1;
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, NULL};

@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from tracing.reader import Trace
 from tracing.sweep import Sweep, start_over
+from viewer.analysis import native
 
 READ_ROWS = 1 << 21  # collectives rows read at a time
 SEQ_BITS = 40  # a group's collectives numbered below 2^40: (group, seq) in one int64
@@ -96,34 +97,16 @@ class StragglerFold:
         known = gk >= 0
         if not known.all():
             gk, seq, rank, issue, step = gk[known], seq[known], rank[known], issue[known], step[known]
-        # One sort key, (group, seq): the rest is taken per run of it, and gathered only for the
-        # rows a piece keeps (a piece is a million rows; a sort of four keys took three times as long).
         key = (gk << SEQ_BITS) | seq
-        order = np.argsort(key, kind="stable")
-        k = key[order]
-        head = np.ones(len(k), dtype=bool)
-        head[1:] = k[1:] != k[:-1]
-        starts = np.flatnonzero(head)
-        count = np.diff(np.append(starts, len(k)))
-        want = self.members[k[starts] >> SEQ_BITS]
-        waiting = np.repeat(count < want, count)
-        keep = order[waiting]
+        run, count, first, last = group_runs(key, rank, issue)
+        want = self.members[key[first] >> SEQ_BITS]
+        keep = (count < want)[run]
         self.carry = [gk[keep], seq[keep], rank[keep], issue[keep], step[keep]]
         full = (count == want) & (count > 1)
         if not full.any():
             return
-        first, cnt = starts[full], count[full]
-        late, last_rank = np.empty(len(first), np.int64), np.empty(len(first), np.int64)
-        # A group's collectives have one member count: the full ones' rows as a (runs, members)
-        # matrix each (reduceat over every run took twice as long).
-        for c in ([int(cnt[0])] if bool(np.all(cnt == cnt[0])) else np.unique(cnt).tolist()):
-            sel = np.flatnonzero(cnt == c)
-            rows = order[first[sel][:, None] + np.arange(c)]
-            iss = issue[rows]
-            last_at = _across(np.maximum, iss)
-            late[sel] = last_at - _across(np.minimum, iss)
-            # the last issuer: a tie of issue times goes to the higher rank, whatever order rows came in
-            last_rank[sel] = _across(np.maximum, np.where(iss == last_at[:, None], rank[rows], -1))
+        first, last = first[full], last[full]
+        late, last_rank = issue[last] - issue[first], rank[last]
         # kept to the end for the percentiles (28 M on tp100m): in 32 bits where they fit (< 4.3 s), exactly
         self.late.append(late.astype(np.uint32) if int(late.max()) < 1 << 32 else late)
         for r in range(int(last_rank.min()), int(last_rank.max()) + 1):  # (the ranks are few: no hash)
@@ -134,16 +117,14 @@ class StragglerFold:
             acc[0] += len(lat)
             acc[1] += int(lat.sum())
             acc[2] = max(acc[2], int(lat.max()))
-        fk = k[starts[full]]
+        fk = key[first]
         top = np.arange(len(late))
         if len(late) > WORST:  # the latest few, and every one tied with the last of them
             top = np.flatnonzero(late >= np.partition(late, len(late) - WORST)[len(late) - WORST])
             top = top[np.lexsort((fk[top], -late[top]))[:WORST]]  # (the key orders by group name, then seq)
-        for i in top.tolist():
-            rows = order[first[i]:first[i] + int(cnt[i])]
-            at = rows[np.lexsort((rank[rows], issue[rows]))[0]]  # the first issuer (a tie: the lower rank)
+        for i in top.tolist():  # (a collective's step: its first issuer's)
             self.worst.append((-int(late[i]), self.names[int(fk[i] >> SEQ_BITS)], int(fk[i] & SEQ_MASK),
-                               int(step[at]), int(last_rank[i])))
+                               int(step[first[i]]), int(last_rank[i])))
         self.worst = sorted(self.worst)[:WORST]
 
     def view(self) -> StragglerView | None:
@@ -161,14 +142,26 @@ class StragglerFold:
         return StragglerView(n, p50, p99, ranks, worst)
 
 
-def _across(op: np.ufunc, m: np.ndarray) -> np.ndarray:
-    """`op` reduced across each row of `m` (runs, members), a column at a time: the members
-    are few (a TP group's ranks), and numpy's reduce over a short axis loops per row
-    (`max(axis=1)` over a 2-column matrix was a quarter of the straggler join)."""
-    out = m[:, 0].copy()
-    for j in range(1, m.shape[1]):
-        op(out, m[:, j], out=out)
-    return out
+def group_runs(key: np.ndarray, rank: np.ndarray,
+               issue: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows grouped by key: (run, count, first, last), where run[i] numbers row i's group,
+    and per group its row count, its first row (the least issue; a tie goes to the lower
+    rank, then the earlier row) and its last (the greatest issue; a tie goes to the higher
+    rank, then the later row); the groups numbered in key order. A stable sort of the keys
+    (cheap: rows in order of issue come nearly sorted by (group, seq)), then one pass over it
+    in C where it was built (numpy's gathers and reductions per group were most of the
+    straggler join); else a sort by (key, issue, rank)."""
+    if native.AVAILABLE:
+        return native.group_sorted(key, rank, issue, np.argsort(key, kind="stable"))
+    order = np.lexsort((rank, issue, key))
+    k = key[order]
+    head = np.ones(len(k), dtype=bool)
+    head[1:] = k[1:] != k[:-1]
+    starts = np.flatnonzero(head)
+    count = np.diff(np.append(starts, len(k)))
+    run = np.empty(len(k), dtype=np.int64)
+    run[order] = np.repeat(np.arange(len(starts)), count)
+    return run, count, order[starts], order[starts + count - 1]
 
 
 def straggler_view(colls: pa.Table) -> StragglerView | None:

@@ -48,8 +48,10 @@ def _load() -> ctypes.CDLL | None:
                                      _I64P, _I64P, _I64P]
         lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
         lib.subtract_sorted.argtypes = [_I64P, _I64P, _N, _I64P, _I64P, _N, _I64P, _I64P]
+        lib.group_sorted.argtypes = [_I64P, _I64P, _I64P, _I64P, _N, _I64P, _I64P, _I64P, _I64P]
         lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
         lib.count_keys.restype = lib.union_runs.restype = lib.subtract_sorted.restype = ctypes.c_int64
+        lib.group_sorted.restype = ctypes.c_int64
     return lib
 
 
@@ -112,6 +114,20 @@ def subtract_sorted(a_s: np.ndarray, a_e: np.ndarray, w_s: np.ndarray,
     out_s, out_e = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.int64)
     m = _LIB.subtract_sorted(_ptr(a_s), _ptr(a_e), len(a_s), _ptr(w_s), _ptr(w_e), len(w_s), _ptr(out_s), _ptr(out_e))
     return out_s[:m].copy(), out_e[:m].copy()
+
+
+def group_sorted(key: np.ndarray, rank: np.ndarray, issue: np.ndarray,
+                 order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`collectives.group_runs`, given `order`, a stable sort of the rows by key."""
+    assert _LIB is not None
+    key, rank, issue, order = _i64(key), _i64(rank), _i64(issue), _i64(order)
+    n = len(key)
+    if len(rank) != n or len(issue) != n or len(order) != n:
+        raise ValueError(f"group_sorted: {n} keys, {len(rank)} ranks, {len(issue)} issue times, {len(order)} in order")
+    run, count, first, last = (np.empty(n, dtype=np.int64) for _ in range(4))
+    m = _LIB.group_sorted(_ptr(key), _ptr(rank), _ptr(issue), _ptr(order), n, _ptr(run), _ptr(count), _ptr(first),
+                          _ptr(last))
+    return run, count[:m], first[:m], last[:m]
 
 
 def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
