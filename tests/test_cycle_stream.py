@@ -170,3 +170,26 @@ def test_a_plain_string_column_in_chunks_gives_the_same_views(column: str) -> No
     assert want.keys() == got.keys()
     for k, v in want.items():
         assert np.array_equal(v, got[k]), k
+
+
+@pytest.mark.parametrize("high", [5, 1 << 13])
+def test_the_ranks_come_from_statistics_and_the_groups_that_could_hold_one_between(tp2: Path, tmp_path: Path,
+                                                                                   high: int) -> None:
+    """Row groups that mix ranks, as a compacted trace's do: each group's least and greatest
+    rank are present; a rank strictly between them is looked for (3 is in one group's
+    middle, 2 and 4 in none), and a span too wide to look through reads the column whole."""
+    from tracing.sweep import Sweep
+    from viewer.analysis.cycle_stream import _ranks
+
+    root = _small_groups(tp2, tmp_path / "tp2", 7)
+    part = sorted((root / "probes").glob("*.parquet"))[0]
+    t = pq.read_table(part)
+    rank = t["rank"].to_numpy().copy()
+    assert len(rank) > 30
+    rank[14], rank[17], rank[20] = 0, 3, high  # the third group: 0 ... 3 ... high
+    pq.write_table(t.set_column(t.schema.get_field_index("rank"), "rank", pa.array(rank)), part,
+                   row_group_size=7, **parquet_options(t.schema))
+    trace = Trace.open(root)
+    want = sorted(pc.unique(trace.table("probes", ["rank"])["rank"]).to_pylist())
+    assert 3 in want and high in want and 2 not in want
+    assert _ranks(trace, Sweep(trace, "probes", ["ts_ns"], ranges=("rank",))) == want

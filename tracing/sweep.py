@@ -131,15 +131,24 @@ class Sweep:
         self.at = stop
         return out
 
-    def _read(self, groups: list[Group]) -> pa.Table:
+    def stored(self, g: Group, columns: list[str]) -> pa.Table:
+        """One group's `columns` as stored: not clipped, no position, whatever was read before."""
+        return self._fetch([g], columns)
+
+    def _fetch(self, groups: list[Group], columns: list[str]) -> pa.Table:
         part = groups[0].part
         try:
-            t = read_row_groups(part, TABLES[self.name], self.columns, [g.index for g in groups], self.dictionary)
+            t = read_row_groups(part, TABLES[self.name], columns, [g.index for g in groups],
+                                tuple(c for c in self.dictionary if c in columns))
         except FileNotFoundError:
             raise Vanished(part.path.name) from None
         except TraceError as e:
             raise TraceError(f"corrupt {self.name}/ table in {self.trace.root}: {e}") from None
         check_never_null(t, self.name, self.trace.root)
+        return t
+
+    def _read(self, groups: list[Group]) -> pa.Table:
+        t = self._fetch(groups, self.columns)
         if self.position is not None:
             pos = np.concatenate([np.arange(g.row0, g.row0 + g.rows, dtype=np.int64) for g in groups])
             t = t.append_column(self.position, pa.array(pos))
