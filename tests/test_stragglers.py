@@ -176,3 +176,26 @@ def test_a_part_gone_mid_read_starts_the_join_over(tp2_in_fives: Path, monkeypat
     monkeypatch.setattr(Sweep, "_read", vanishing)
     rows, got = trace_stragglers(tr, piece_rows=5)
     assert reads[0] > 4 and got == want and rows == tr.table("collectives").num_rows
+
+
+def test_the_members_come_from_statistics_and_the_groups_they_cannot_settle(tp2_in_fives: Path) -> None:
+    """Row groups that mix ranks, as a compacted trace's do, and one that mixes groups: the
+    members are every (group, rank) pair in the table. The second row group spans ranks
+    0-6 with 4 in its middle and 5 nowhere; the third holds two groups' rows."""
+    part = sorted((tp2_in_fives / "collectives").glob("*.parquet"))[0]
+    t = pq.read_table(part)
+    assert t.num_rows > 15
+    group, rank = t["group"].to_pylist(), t["rank"].to_numpy().copy()
+    rank[5:10] = [0, 4, 6, 6, 6]
+    group[10:15] = ["tp0", "pp9", "pp9", "tp0", "tp0"]
+    rank[10:15] = [0, 7, 9, 0, 0]
+    t = t.set_column(t.schema.get_field_index("rank"), "rank", pa.array(rank, t.schema.field("rank").type))
+    t = t.set_column(t.schema.get_field_index("group"), "group", pa.array(group, t.schema.field("group").type))
+    pq.write_table(t, part, row_group_size=5, **parquet_options(t.schema))
+    trace = Trace.open(tp2_in_fives)
+    whole = trace.table("collectives", ["group", "rank"]).to_pydict()
+    want: dict[str, set[int]] = {}
+    for g, r in zip(whole["group"], whole["rank"], strict=True):
+        want.setdefault(g, set()).add(r)
+    assert 4 in want["tp0"] and 5 not in want["tp0"] and want["pp9"] == {7, 9}
+    assert trace_members(trace) == want

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +61,9 @@ class Group:
     rows: int
     first_ns: int  # the earliest start in it; EARLIEST without statistics (read first)
     row0: int  # its first row's place in the table as `Trace.table` reads it (parts in order)
-    ranges: list[tuple[int, int] | None]  # (min, max) of each `ranges` column; None without statistics
+    # (min, max) of each `ranges` column, nulls aside; None without statistics
+    ranges: list[tuple[Any, Any] | None]
+    nulls: list[int | None]  # each `ranges` column's nulls (None: not known)
 
 
 class Sweep:
@@ -70,7 +72,7 @@ class Sweep:
 
     `clip`: applied to every read (an unfinished run's rows past its last round).
     `dictionary`: string columns read dictionary-encoded, as Parquet stores them.
-    `ranges`: integer columns whose range in each group is kept from its statistics.
+    `ranges`: columns whose range (and count of nulls) in each group is kept from its statistics.
     `position`: the name of an int64 column added to every read, each row's place in the
     whole table (`Group.row0` on): the order of rows that tie on `time`."""
 
@@ -175,8 +177,10 @@ def _groups(trace: Trace, name: str, time: str | None, ranges: tuple[str, ...]) 
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
             first = _min_max(rg, col)
+            stats = [rg.column(c).statistics for c in extra]
             out.append(Group(p, g, rg.num_rows, first[0] if first is not None else EARLIEST, row0,
-                             [_min_max(rg, c) for c in extra]))
+                             [(st.min, st.max) if st is not None and st.has_min_max else None for st in stats],
+                             [st.null_count if st is not None and st.has_null_count else None for st in stats]))
             row0 += rg.num_rows
     return out
 

@@ -20,13 +20,14 @@ import numpy as np
 import pyarrow as pa
 
 from tracing.reader import Trace
-from tracing.sweep import Sweep, start_over
+from tracing.sweep import Group, Sweep, start_over
 from viewer.analysis import native
 
 READ_ROWS = 1 << 21  # collectives rows read at a time
 SEQ_BITS = 40  # a group's collectives numbered below 2^40: (group, seq) in one int64
 SEQ_MASK = (1 << SEQ_BITS) - 1
 WORST = 5
+MAX_RANK_SPAN = 1 << 12  # ranks a row group's statistics may span before its column is read instead
 
 
 @dataclass(slots=True)
@@ -218,10 +219,26 @@ def trace_last_seqs(trace: Trace) -> dict[tuple[str, int], int]:
 
 
 def trace_members(trace: Trace) -> dict[str, set[int]]:
-    """`members` of a trace's collectives, read two columns a few row groups at a time."""
+    """`members` of a trace's collectives. A row group of one group's rows gives that group's
+    least and greatest member rank from its statistics; only a group holding a rank between
+    those two that is not yet known to be a member, or several groups' rows, or nulls, is
+    read (a pass over the whole table took 0.6 s of a 100 M-row TP report, all before the
+    stream's first window)."""
     out: dict[str, set[int]] = {}
-    for t in Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",)).pieces_ahead(READ_ROWS):
-        add_members(t, out)
+    sw = Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",), ranges=("group", "rank"))
+    between: list[tuple[Group, str, int, int]] = []
+    for g in sw.groups:
+        names, ranks = g.ranges
+        if (names is None or ranks is None or names[0] != names[1] or g.nulls != [0, 0]
+                or ranks[1] - ranks[0] > MAX_RANK_SPAN):
+            add_members(sw.stored(g, ["group", "rank"]), out)
+            continue
+        out.setdefault(names[0], set()).update(ranks)
+        if ranks[1] - ranks[0] > 1:
+            between.append((g, names[0], *ranks))
+    for g, name, lo, hi in between:  # (a middle rank is usually some group's bound, or in the first one read)
+        if not all(r in out[name] for r in range(lo + 1, hi)):
+            add_members(sw.stored(g, ["group", "rank"]), out)
     return out
 
 

@@ -27,7 +27,13 @@ from tracing.consistency import probe_clip
 from tracing.reader import Trace
 from tracing.schema import TABLES
 from tracing.sweep import EARLIEST, NEVER, Sweep, start_over
-from viewer.analysis.collectives import FOLD_COLUMNS, StragglerFold, StragglerView, trace_members
+from viewer.analysis.collectives import (
+    FOLD_COLUMNS,
+    MAX_RANK_SPAN,
+    StragglerFold,
+    StragglerView,
+    trace_members,
+)
 from viewer.analysis.cycle_views import (
     Issued,
     ProbeColumns,
@@ -208,9 +214,6 @@ def _plan(S: np.ndarray, sweep: Sweep, window_rows: int, chunk: int = 1) -> list
 
 def _until(own: tuple[int, int]) -> int | None:
     return None if own[1] == NEVER else own[1]
-
-
-MAX_RANK_SPAN = 1 << 12  # ranks a row group's statistics may span before the column is read whole
 
 
 def _ranks(trace: Trace, sweep: Sweep) -> list[int]:
