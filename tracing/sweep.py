@@ -177,7 +177,7 @@ def _groups(trace: Trace, name: str, time: str | None, ranges: tuple[str, ...]) 
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
             first = _min_max(rg, col)
-            stats = [rg.column(c).statistics for c in extra]
+            stats = [rg.column(c).statistics if c >= 0 else None for c in extra]  # (a missing column: read, and refused)
             out.append(Group(p, g, rg.num_rows, first[0] if first is not None else EARLIEST, row0,
                              [(st.min, st.max) if st is not None and st.has_min_max else None for st in stats],
                              [st.null_count if st is not None and st.has_null_count else None for st in stats]))

@@ -135,7 +135,7 @@ def _largest_block(tr: Trace, clip: Callable[[pa.Table], pa.Table] | None) -> in
     from the row groups' statistics where they say it (a complete run), else read."""
     sw = Sweep(tr, "memory", ["block_id", "step"], clip=clip, ranges=("block_id",))
     if clip is None and all(g.ranges[0] is not None or not g.rows for g in sw.groups):
-        return max([-1, *(g.ranges[0][1] for g in sw.groups if g.ranges[0] is not None)])
+        return max([-1, *(int(g.ranges[0][1]) for g in sw.groups if g.ranges[0] is not None)])
     clipped = tr.status.clipped.get("memory")
     top = -1
     for t in sw.pieces(stream.WINDOW_ROWS):
