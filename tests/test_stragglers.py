@@ -168,7 +168,7 @@ def test_a_part_gone_mid_read_starts_the_join_over(tp2_in_fives: Path, monkeypat
     reads, read = [0], Sweep._read
 
     def vanishing(self: Sweep, groups: list[Group]) -> pa.Table:
-        if "seq" in self.columns:  # the join's pass (the members' reads only group and rank)
+        if "seq" in self.columns:  # the join's pass (the members' few reads go through `stored`)
             reads[0] += 1
             if reads[0] == 4:  # after it has folded some pieces
                 raise Vanished(groups[0].part.path.name)

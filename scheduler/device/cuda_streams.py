@@ -12,7 +12,7 @@ flight. Times come from cudaEventElapsedTime, float32 milliseconds between two
 events. Read from one anchor for the whole run they would coarsen as it grows (a float32
 millisecond count has 0.25 ms steps after an hour), so the clock re-anchors on every
 resolved launch's end event: each reading spans about one launch. Each rounds by at most
-2 ns at tens of milliseconds; where the gaps between launches vary over float32's steps,
+2 ns below 64 ms (4 ns below 128); where the gaps between launches vary over float32's steps,
 as a device's rounds do by microseconds, the roundings are independent and the chain's
 error grows with the square root of the number of launches (gaps equal to the nanosecond
 would add up the same rounding every launch).

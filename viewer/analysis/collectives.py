@@ -154,7 +154,7 @@ def group_runs(key: np.ndarray, rank: np.ndarray,
     straggler join); else a sort by (key, issue, rank)."""
     if native.AVAILABLE:
         return native.group_sorted(key, rank, issue, np.argsort(key, kind="stable"))
-    order = np.lexsort((rank, issue, key))
+    order = np.lexsort((rank, issue, key))  # (three keys: slower than the C pass's one, the same groups)
     k = key[order]
     head = np.ones(len(k), dtype=bool)
     head[1:] = k[1:] != k[:-1]
@@ -227,7 +227,7 @@ def trace_members(trace: Trace) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
     sw = Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",), ranges=("group", "rank"))
     between: list[tuple[Group, str, int, int]] = []
-    for g in sw.groups:
+    for g in (g for g in sw.groups if g.rows):  # (an empty group has no statistics, and no rows)
         names, ranks = g.ranges
         if (names is None or ranks is None or names[0] != names[1] or g.nulls != [0, 0]
                 or ranks[1] - ranks[0] > MAX_RANK_SPAN):

@@ -224,13 +224,14 @@ def _ranks(trace: Trace, sweep: Sweep) -> list[int]:
     1.5 s of a 100 M-row TP report)."""
     if not sweep.groups:
         return []
-    bounds = [g.ranges[0] for g in sweep.groups]
-    if any(b is None or b[1] - b[0] > MAX_RANK_SPAN for b in bounds):  # no statistics, or a bad trace's ranks
+    bounds = [(g, b[0], b[1]) for g in sweep.groups if g.rows and (b := g.ranges[0]) is not None
+              and b[1] - b[0] <= MAX_RANK_SPAN]  # (an empty group has no statistics, and no rank)
+    if len(bounds) < sum(1 for g in sweep.groups if g.rows):  # no statistics, or a bad trace's ranks
         return sorted(r for r in pc.unique(trace.table("probes", ["rank"])["rank"]).to_pylist() if r is not None)
-    present = {r for b in bounds if b is not None for r in b}
-    between = {r for b in bounds if b is not None for r in range(b[0] + 1, b[1])} - present
-    for g, b in zip(sweep.groups, bounds, strict=True):
-        if b is not None and any(b[0] < r < b[1] for r in between):
+    present = {r for _, lo, hi in bounds for r in (lo, hi)}
+    between = {r for _, lo, hi in bounds for r in range(lo + 1, hi)} - present
+    for g, lo, hi in bounds:
+        if any(lo < r < hi for r in between):
             found = set(pc.unique(sweep.stored(g, ["rank"])["rank"]).to_pylist()) & between
             present |= found
             between -= found

@@ -40,18 +40,19 @@ def open_library(folder: Path, stem: str) -> ctypes.CDLL | None:
 
 def _load() -> ctypes.CDLL | None:
     lib = open_library(Path(__file__).parent, "_kernels")
-    if lib is not None:
-        lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
-        lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
-        lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P]
-        lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P, _I64P,
-                                     _I64P, _I64P, _I64P]
-        lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
-        lib.subtract_sorted.argtypes = [_I64P, _I64P, _N, _I64P, _I64P, _N, _I64P, _I64P]
-        lib.group_sorted.argtypes = [_I64P, _I64P, _I64P, _I64P, _N, _I64P, _I64P, _I64P, _I64P]
-        lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
-        lib.count_keys.restype = lib.union_runs.restype = lib.subtract_sorted.restype = ctypes.c_int64
-        lib.group_sorted.restype = ctypes.c_int64
+    if lib is None or not hasattr(lib, "group_sorted"):  # (a build older than its newest loop: numpy's)
+        return None
+    lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
+    lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
+    lib.count_keys.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P]
+    lib.scatter_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, _N, _N, _N, _I64P, _I64P,
+                                 _I64P, _I64P, _I64P]
+    lib.union_runs.argtypes = [_I64P, _I64P, _N, _N, _I64P, _I64P]
+    lib.subtract_sorted.argtypes = [_I64P, _I64P, _N, _I64P, _I64P, _N, _I64P, _I64P]
+    lib.group_sorted.argtypes = [_I64P, _I64P, _I64P, _I64P, _N, _I64P, _I64P, _I64P, _I64P]
+    lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
+    lib.count_keys.restype = lib.union_runs.restype = lib.subtract_sorted.restype = ctypes.c_int64
+    lib.group_sorted.restype = ctypes.c_int64
     return lib
 
 
