@@ -190,17 +190,23 @@ def test_the_corruptions_cover_every_table_and_both_outcomes(clean: Path) -> Non
         assert code == 2 and "corrupt steps/ table" in err, err
 
 
+@pytest.mark.parametrize("change", ["drop", "mistype"])
 @pytest.mark.parametrize("table,column,command", [("probes", "rank", "report"), ("memory", "block_id", "leaks")])
 def test_a_part_without_a_column_read_from_its_statistics_is_refused_in_one_line(
-        clean: Path, table: str, column: str, command: str) -> None:
+        clean: Path, table: str, column: str, command: str, change: str) -> None:
     """The columns whose row-group statistics the sweeps read before any row (the ranks, the
-    blocks): a part that lacks one is a corrupt trace, not a traceback (the property test
-    above may not draw this column)."""
+    blocks): a part that lacks one, or holds it as strings, is a corrupt trace, not a
+    traceback (the property test above may not draw this column)."""
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp) / "t"
         shutil.copytree(clean, t)
         part = t / table / next(e for tb, e in committed(t) if tb == table)["file"]
-        pq.write_table(pq.read_table(part).drop_columns([column]), part)
+        p = pq.read_table(part)
+        if change == "drop":
+            p = p.drop_columns([column])
+        else:
+            p = p.set_column(p.column_names.index(column), column, pa.array([str(x) for x in p[column].to_pylist()]))
+        pq.write_table(p, part)
         code, out, err = cli(command, str(t), "--json")
-        check_outcome((command,), code, out, err, "drop_column", None)
-        assert code == 2 and f"no column '{column}'" in err, err
+        check_outcome((command,), code, out, err, f"{change}_column", None)
+        assert code == 2 and column in err, err

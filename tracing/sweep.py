@@ -65,6 +65,12 @@ class Group:
     ranges: list[tuple[Any, Any] | None]
     nulls: list[int | None]  # each `ranges` column's nulls (None: not known)
 
+    def int_range(self, i: int) -> tuple[int, int] | None:
+        """The `i`th `ranges` column's (min, max) where both are integers (a mistyped column's
+        are not: None, and the read that follows refuses it)."""
+        b = self.ranges[i]
+        return b if b is not None and all(type(v) is int for v in b) else None
+
 
 class Sweep:
     """`name`'s row groups in order of their earliest `time` value (None: in the order

@@ -228,8 +228,8 @@ def trace_members(trace: Trace) -> dict[str, set[int]]:
     sw = Sweep(trace, "collectives", ["group", "rank"], time=None, dictionary=("group",), ranges=("group", "rank"))
     between: list[tuple[Group, str, int, int]] = []
     for g in (g for g in sw.groups if g.rows):  # (an empty group has no statistics, and no rows)
-        names, ranks = g.ranges
-        if (names is None or ranks is None or names[0] != names[1] or g.nulls != [0, 0]
+        names, ranks = g.ranges[0], g.int_range(1)
+        if (names is None or ranks is None or names[0] != names[1] or not isinstance(names[0], str) or g.nulls != [0, 0]
                 or ranks[1] - ranks[0] > MAX_RANK_SPAN):
             add_members(sw.stored(g, ["group", "rank"]), out)
             continue

@@ -224,7 +224,7 @@ def _ranks(trace: Trace, sweep: Sweep) -> list[int]:
     1.5 s of a 100 M-row TP report)."""
     if not sweep.groups:
         return []
-    bounds = [(g, b[0], b[1]) for g in sweep.groups if g.rows and (b := g.ranges[0]) is not None
+    bounds = [(g, b[0], b[1]) for g in sweep.groups if g.rows and (b := g.int_range(0)) is not None
               and b[1] - b[0] <= MAX_RANK_SPAN]  # (an empty group has no statistics, and no rank)
     if len(bounds) < sum(1 for g in sweep.groups if g.rows):  # no statistics, or a bad trace's ranks
         return sorted(r for r in pc.unique(trace.table("probes", ["rank"])["rank"]).to_pylist() if r is not None)

@@ -134,8 +134,9 @@ def _largest_block(tr: Trace, clip: Callable[[pa.Table], pa.Table] | None) -> in
     """The largest block id of the (clipped) memory events, -1 with none or only negative ones:
     from the row groups' statistics where they say it (a complete run), else read."""
     sw = Sweep(tr, "memory", ["block_id", "step"], clip=clip, ranges=("block_id",))
-    if clip is None and all(g.ranges[0] is not None or not g.rows for g in sw.groups):
-        return max([-1, *(int(g.ranges[0][1]) for g in sw.groups if g.ranges[0] is not None)])
+    bounds = [g.int_range(0) for g in sw.groups if g.rows]
+    if clip is None and all(b is not None for b in bounds):
+        return max([-1, *(b[1] for b in bounds if b is not None)])
     clipped = tr.status.clipped.get("memory")
     top = -1
     for t in sw.pieces(stream.WINDOW_ROWS):
