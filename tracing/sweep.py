@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from tracing.reader import Part, Trace, TraceError, check_never_null, read_row_groups
@@ -87,6 +88,7 @@ class Sweep:
                  ranges: tuple[str, ...] = (), position: str | None = None) -> None:
         self.trace, self.name, self.columns, self.clip, self.position = trace, name, columns, clip, position
         self.dictionary = tuple(c for c in dictionary if c in columns)
+        self.ranges = ranges
         self.groups = sorted(_groups(trace, name, time, ranges), key=lambda g: g.first_ns)
         self.rows = sum(g.rows for g in self.groups)
         self.at = 0  # the next group to read
@@ -138,6 +140,29 @@ class Sweep:
             k = j
         self.at = stop
         return out
+
+    def values_in(self, groups: list[Group], i: int, limit: int) -> set[int] | None:
+        """The values of the `i`th `ranges` (integer) column in `groups`, nulls aside: a group's
+        least and greatest are present; a value strictly between a group's two and no group's
+        bound is looked for in the groups that could hold it, one at a time until found. None
+        where a group has rows and no integer statistics, or spans more than `limit` values."""
+        bounds = []
+        for g in (g for g in groups if g.rows):  # (an empty group has no statistics, and no values)
+            b = g.int_range(i)
+            if b is None or b[1] - b[0] > limit:
+                return None
+            bounds.append((g, b[0], b[1]))
+        present = {v for _, lo, hi in bounds for v in (lo, hi)}
+        between = {v for _, lo, hi in bounds for v in range(lo + 1, hi)} - present
+        name = self.ranges[i]
+        for g, lo, hi in bounds:
+            if not between:
+                break
+            if any(lo < v < hi for v in between):
+                found = set(pc.unique(self.stored(g, [name])[name]).to_pylist()) & between
+                present |= found
+                between -= found
+        return present
 
     def stored(self, g: Group, columns: list[str]) -> pa.Table:
         """One group's `columns` as stored: not clipped, no position, whatever was read before."""
