@@ -512,6 +512,21 @@ def test_comm_overlap_is_predicted_from_the_other_setting(parallel_traces, trace
     assert "gloo's all-reduces run on threads" in " ".join(out.split())  # the CPU emulation's caveat
 
 
+def test_comm_overlap_is_predicted_for_a_window_from_its_own_collectives(parallel_traces):
+    """A window reads the collectives that reach it (their row groups by issue and end time)."""
+    from tracing.reader import Trace
+    from viewer.export.window import parse_window
+
+    root = parallel_traces["tp_off"]
+    steps = np.sort(Trace.open(root).table("steps", ["step"])["step"].to_numpy())
+    w = parse_window(Trace.open(root), f"{steps[0]}-{steps[3 * len(steps) // 4]}")  # (all arrive at once)
+    whole, part = whatif(root, comm_overlap="on"), whatif(root, comm_overlap="on", window=w)
+    assert part.window is not None and part.batches < whole.batches
+    fit = {row.boundary: row.ms_per_round for row in whatif(root, window=w).critical_path}
+    on = {row.boundary: row.ms_per_round for row in part.critical_path}
+    assert fit["all_reduce"] > 0 and on.get("all_reduce", 0.0) < fit["all_reduce"]
+
+
 @pytest.mark.parametrize("trace,args,msg", [
     ("pp", ["--comm-overlap", "on"], "a TP trace with one pipeline stage"),
     ("tp_off", ["--comm-overlap", "maybe"], "--comm-overlap must be on or off"),

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from viewer.commands.window_flags import Request, Rounds, TimeWindow, Worst, window_of
+
 if TYPE_CHECKING:
     from scheduler.config import EngineConfig
     from scheduler.harness.run_options import RunOptions
@@ -157,28 +159,6 @@ def require(what: str, *extras: str) -> None:
 
 # The window of `export --perfetto`, `report --html` and `view` (viewer/export/window.py): one
 # definition, so the three commands take the same flags with the same meaning.
-Rounds = Annotated[str | None, typer.Option("--rounds", metavar="A-B", help="Window: rounds A to B (and whatever "
-                                           "overlaps them in time).")]
-TimeWindow = Annotated[str | None, typer.Option("--time", metavar="START-END", help="Window: this stretch, in "
-                                                "seconds from the run's start.")]
-Request = Annotated[str | None, typer.Option("--request", metavar="ID", help="Window: this request's life, with "
-                                             "everything else that ran meanwhile.")]
-Worst = Annotated[int | None, typer.Option("--worst", metavar="N", help="Window: the N slowest rounds, each with "
-                                           "a round on either side.")]
-
-
-def _window(trace: Path, rounds: str | None, time_window: str | None, request: str | None,
-            worst: int | None) -> Any:
-    """The window the flags name (a viewer.export.window.Window), None for none; TraceError for
-    a window the trace does not have."""
-    if all(v is None for v in (rounds, time_window, request, worst)):
-        return None
-    from tracing.reader import Trace
-    from viewer.export.window import parse_window
-
-    return parse_window(Trace.open(trace), rounds, time_window, request, worst)
-
-
 def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
     """`fail`: this module's, naming a value from --config by the file's key (commands/flags.py)."""
     require("mstrace run", "engine", *(("otlp",) if opts.otlp_endpoint else ()), *(("tui",) if opts.live else ()))
@@ -221,7 +201,7 @@ def report(
     from viewer.render.report import render_report
 
     with refused(TraceError, io=f"write {html_out}" if html_out else f"read {trace}"):
-        window = _window(trace, rounds, time_window, request, worst)
+        window = window_of(trace, rounds, time_window, request, worst)
         rep = build_report(trace)
         if html_out is not None:
             from viewer.export.html import report_html
@@ -330,7 +310,7 @@ def view(
     with refused(TraceError):
         from viewer.tui.view_app import ViewApp
 
-        app_ = ViewApp(trace, _window(trace, rounds, time_window, request, worst))
+        app_ = ViewApp(trace, window_of(trace, rounds, time_window, request, worst))
     if not sys.stdout.isatty():
         fail("view draws in a terminal, and stdout is not one (the same tables as text: mstrace report)")
     app_.run()
@@ -475,9 +455,12 @@ def whatif(
     against: Annotated[Path | None, typer.Option("--against", help="A trace of the run predicted (the other mode, "
                                                  "the boundary changed): its numbers beside the prediction's, each "
                                                  "error, and whether it fell inside the interval.")] = None,
+    rounds: Rounds = None,
+    time_window: TimeWindow = None,
     json_out: Annotated[bool, typer.Option("--json", help="Plain JSON instead of tables.")] = False,
 ) -> None:
-    """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone."""
+    """Would it pay? Predict the run under another mode or with a boundary sped up, from this trace alone
+    (or a window of its rounds: --rounds, --time)."""
     import json
 
     from tracing.reader import TraceError
@@ -487,7 +470,7 @@ def whatif(
 
     with refused(TraceError, WhatIfError):
         res = predict(trace, mode, [Speedup.parse(s) for s in speedup or []], contention, comm_overlap=comm_overlap,
-                      against=against)
+                      against=against, window=window_of(trace, rounds, time_window, None, None))
     if json_out:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -526,7 +509,7 @@ def export(
         if perfetto is not None:
             from viewer.export.perfetto import export_perfetto
 
-            window = _window(trace, rounds, time_window, request, worst)
+            window = window_of(trace, rounds, time_window, request, worst)
             st = export_perfetto(trace, perfetto, window)
             console.print(f"{escape(str(perfetto))}: {st.packets} packets ({st.probe_rows} probe rows, {st.rounds} rounds, "
                           f"{st.requests} requests, {st.flows} flows); open it in https://ui.perfetto.dev",

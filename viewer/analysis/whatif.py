@@ -14,6 +14,7 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 
 from probes import boundaries as B
 from scheduler.config import MODES  # (no torch: the viewer stays light)
@@ -38,6 +39,7 @@ from viewer.analysis.whatif_model import (
 from viewer.analysis.whatif_probe import Probe, measured, own, replayed, rounds
 from viewer.analysis.whatif_share import Rates, as_run
 from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
+from viewer.export.window import Window
 
 DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
 # The model replays every round 2 * DRAWS + 1 times, about 2.4 us a round each here (big10m's
@@ -144,6 +146,9 @@ class WhatIfResult(JsonRecord):
     cold_start_ms: float
     backend: str  # cuda, cpu-process, cpu-thread: where the contention comes from
     batches: int
+    window: str | None  # the rounds modelled (--rounds, --time); None: the whole run
+    window_requests: int  # the requests the figures count: the window's admitted and served in it
+    window_requests_left_out: int  # the window's requests that began before it or ended after it
     measured: Figures  # the trace's own numbers (the report's)
     replayed: Figures  # the model replaying the trace as it ran: its fit
     predicted: Figures
@@ -181,6 +186,24 @@ def _measured(tr: Trace) -> Figures:
                    lat.itl_ms.p50, lat.itl_ms.p90)
 
 
+def _measured_in(run: Run, window: Window) -> Figures:
+    """A window's own numbers, by the report's definitions: its rounds' cycles (the last ending
+    where the window does) and the requests it holds whole (`load`)."""
+    from viewer.analysis.cost import table_of
+    from viewer.analysis.cycle_views import per_cycle
+    from viewer.analysis.serving import itl_from_runs, serving_metrics
+    from viewer.export.window import window_cycles
+
+    steps = run.table("steps", ["step", "ts_ns", "dur_ns", "collect_ns"])
+    steps = steps.take(pc.sort_indices(steps, [("ts_ns", "ascending")]))
+    assert run.probes is not None  # (load keeps a window's)
+    cost = table_of(per_cycle(run.probes, steps, 0, totals=True, bounds=window_cycles(steps, window)))
+    serving = serving_metrics(run.requests, itl_from_runs(run.requests["token_runs"].chunks,
+                                                          steps["step"].to_numpy(), steps["collect_ns"].to_numpy()))
+    return Figures(cost.cycle_ms, serving.output_tok_per_s, serving.ttft_ms.p50, serving.ttft_ms.p90,
+                   serving.itl_ms.p50, serving.itl_ms.p90)
+
+
 def _asked(b: Batches, speedups: list[Speedup]) -> Batches:
     for sp in speedups:
         b = b.sped_up(sp.boundary, sp.factor, sp.delta_ms * 1e6 if sp.delta_ms is not None else None)
@@ -189,11 +212,14 @@ def _asked(b: Batches, speedups: list[Speedup]) -> Batches:
 
 def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | None = None,
            contention: float | None = None, seed: int = 0, comm_overlap: str | None = None,
-           against: str | Path | None = None) -> WhatIfResult:
+           against: str | Path | None = None, window: Window | None = None) -> WhatIfResult:
     """`contention` None: host and device slow each other as the engine measured at start-up
     (not at all where it did not). `against`: a run of what is predicted, to check the
-    prediction against (`Check`)."""
-    run = load(root, MAX_ROUNDS)
+    prediction against (`Check`). `window` (`parse_window`'s): only those rounds (`load`)."""
+    if window is not None and against is not None:
+        raise WhatIfError("--against compares whole runs; a window's rounds have no counterpart in another run "
+                          "(drop --rounds / --time, or --against)")
+    run = load(root, MAX_ROUNDS, window)
     other = Trace.open(against) if against is not None else None
     point, source, streams_source = measured(run.trace.meta, contention)
     share, streams = point.share, point.streams
@@ -250,7 +276,10 @@ def whatif(root: str | Path, mode: str | None = None, speedups: list[Speedup] | 
         rates_beside_prepare=share.prepare, rates_beside_python=share.python, contention_source=source,
         split_streams=run.split, target_split_streams=split, rates_between_streams=streams,
         streams_source=streams_source, cold_start_ms=point.cold_ns / 1e6, backend=_backend(run.trace),
-        batches=b.n, measured=_measured(run.trace), replayed=_figures(run, fit, fit_tl),
+        batches=b.n, window=None if window is None else window.what, window_requests=run.requests.num_rows,
+        window_requests_left_out=run.left_out,
+        measured=_measured(run.trace) if window is None else _measured_in(run, window),
+        replayed=_figures(run, fit, fit_tl),
         predicted=predicted, predicted_low=lo, predicted_high=hi,
         critical_path=_path_table(b, tl), device_bound_batches=b.n - host, host_bound_batches=host,
         against=check,

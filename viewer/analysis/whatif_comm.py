@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import pyarrow.compute as pc
 
-from tracing.reader import Trace
 from viewer.analysis.whatif_fit import Run, WhatIfError, tp_pp
 from viewer.analysis.whatif_model import Batches
 
@@ -178,7 +177,7 @@ def rescheduled(run: Run, on: bool, contention: float = 0.0) -> tuple[np.ndarray
     if not tr.has_table("collectives"):
         raise WhatIfError(f"{tr.root} has no collectives table (written since TP traces record each "
                           "all-reduce): --comm-overlap cannot be predicted from it")
-    col = tr.table("collectives", ["rank", "step", "seq", "numel", "overlapped", "issue_ns", "end_ns", "dur_wait_ns"])
+    col = run.table("collectives", ["rank", "step", "seq", "numel", "overlapped", "issue_ns", "end_ns", "dur_wait_ns"])
     col = col.filter(pc.equal(col["rank"], 0))
     col = col.take(pc.sort_indices(col, [("step", "ascending"), ("seq", "ascending")]))
     step = col["step"].to_numpy()
@@ -221,7 +220,7 @@ def rescheduled(run: Run, on: bool, contention: float = 0.0) -> tuple[np.ndarray
         out: np.ndarray = x.reshape(len(x), -1).sum(axis=1)
         return out
 
-    comp = _composition(tr, run.batch_step) if on else []
+    comp = _composition(run) if on else []
     for idx, g, traced in alone:
         before = per_batch(traced.compute) + g.tail + g.head
         if on:  # an off trace: every batch ran whole
@@ -250,10 +249,10 @@ def rescheduled(run: Run, on: bool, contention: float = 0.0) -> tuple[np.ndarray
     return ratio, exposed
 
 
-def _composition(tr: Trace, batch_steps: np.ndarray) -> list[tuple[int, int, int]]:
+def _composition(run: Run) -> list[tuple[int, int, int]]:
     """(decode rows, prefill chunks, prefill tokens) of each batch, from its round's steps row."""
-    s = tr.table("steps", ["step", "num_decode_reqs", "num_prefill_reqs", "num_prefill_tokens"])
+    s = run.table("steps", ["step", "num_decode_reqs", "num_prefill_reqs", "num_prefill_tokens"])
     s = s.take(pc.sort_indices(s, [("step", "ascending")]))
-    idx = np.searchsorted(s["step"].to_numpy(), batch_steps)
+    idx = np.searchsorted(s["step"].to_numpy(), run.batch_step)
     cols = [s[c].to_numpy()[idx] for c in ("num_decode_reqs", "num_prefill_reqs", "num_prefill_tokens")]
     return [(int(d), int(p), int(t)) for d, p, t in zip(*cols, strict=True)]

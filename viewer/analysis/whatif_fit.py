@@ -15,6 +15,7 @@ from probes import boundaries as B
 from tracing.reader import Trace
 from viewer.analysis.whatif_model import COLD_GAP_NS, Batches
 from viewer.analysis.whatif_streams import rounds_mode, split_on
+from viewer.export.window import Window, table_in, with_run_edges
 
 
 class WhatIfError(ValueError):
@@ -52,13 +53,22 @@ class Run:
     prefill_tokens: np.ndarray  # per batch
     parts: np.ndarray  # per batch, split streams: main start, main end, prefill start, prefill end (nan: none)
     cold_at: np.ndarray  # per batch: its main (or only) part, its prefill part began on an idle device
+    window: Window | None = None  # the rounds modelled (whatif --rounds/--time); None: the whole run
+    left_out: int = 0  # a window's requests that began before it or ended after it (not in `requests`)
+    probes: pa.Table | None = None  # a window's probe rows (its measured cycle), as `_rows` read them
+
+    def table(self, name: str, columns: list[str]) -> pa.Table:
+        """The trace's table, whole or only the rows that reach the window."""
+        return table_in(self.trace, name, columns, self.window)
 
 
-def _rows(tr: Trace) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+PROBE_COLUMNS = ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"]
+
+
+def _rows(p: pa.Table) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Rank 0's rows per boundary: (step, ts, end). Rank 0 hands the tokens to the scheduler, so
     its device rows span a TP or PP batch: its own work and its waits for the other ranks (the
     all-reduces, on its comm stream; the pipeline's later stages, inside its pp_bubble)."""
-    p = tr.table("probes", ["ts_ns", "dur_ns", "boundary", "stream", "rank", "step"], dictionary=("boundary", "stream"))
     p = p.filter(pc.equal(p["rank"], 0))
     on_thread = pc.is_in(p["stream"], pa.array(["host", "main", "prefill"]))
     out = {}
@@ -167,6 +177,51 @@ def _drains(overlap: bool, b_idx: np.ndarray, pre_book: np.ndarray, post: np.nda
             np.where(drained, float(np.median(pre_book[b_idx])), 0.0))
 
 
+REQUEST_COLUMNS = ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs", "finish_ns"]
+# and what a window's own measured figures read (the report's serving_metrics)
+WINDOW_REQUEST_COLUMNS = ["first_token_ns", "prompt_len", "finish_reason", "num_preemptions"]
+
+
+def _token_rounds(rq: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request, how many token runs it has, and of the served (runs > 0) their first and
+    last token's rounds (step numbers)."""
+    runs = rq["token_runs"]
+    lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(runs).to_numpy()
+    ends = np.cumsum(lens)[lens > 0]
+    served = lens[lens > 0]
+    return lens, flat[ends - served], flat[ends - 2] + flat[ends - 1] - 1
+
+
+def _within(rq: pa.Table, t0: int, end: int, first_collect: int, last_collect: int) -> np.ndarray:
+    """The requests a window holds whole: admitted by one of its rounds (from `t0`, the first
+    one's start), every token collected by one of its batches; one that got none, arrived and
+    finished inside it. A request queued before the window counts where the window admitted it:
+    its wait is fixed, as every arrival is in the model."""
+    lens, first_round, last_round = _token_rounds(rq)
+    served = lens > 0
+    keep = np.zeros(rq.num_rows, dtype=bool)
+    keep[served] = ((rq["first_scheduled_ns"].to_numpy()[served] >= t0) & (first_round >= first_collect)
+                    & (last_round <= last_collect))
+    fin, arr = rq["finish_ns"].to_numpy()[~served], rq["arrival_ns"].to_numpy()[~served]
+    keep[~served] = (arr >= t0) & (fin > 0) & (fin <= end)
+    return keep
+
+
+def _refuse_long(tr: Trace, max_rounds: int) -> None:
+    """A run of more than `max_rounds` rounds, refused in one line that names a window of its last
+    ones, counted from the manifest (its probe rows and its steps' other columns never read)."""
+    parts = tr.parts.get("steps", [])
+    if any(p.rows is None for p in parts) or sum(p.rows or 0 for p in parts) <= max_rounds:
+        return  # (a legacy trace's are counted once read)
+    step = tr.table("steps", ["step"])["step"]
+    n, first, last = len(step), int(pc.min(step).as_py()), int(pc.max(step).as_py())
+    raise WhatIfError(f"{tr.root} has {n:,} rounds; the model replays each round hundreds of times and takes at "
+                      f"most {max_rounds:,}: give it a window of them, as --rounds "
+                      f"{max(first, last - max_rounds + 1)}-{last} "
+                      "(the last ones) or --time START-END")
+
+
 def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None:
     if served.all():
         return None
@@ -174,8 +229,14 @@ def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None
     return int(arr.min()), int(fin.max())
 
 
-def load(root: str | Path, max_rounds: int | None = None) -> Run:
-    """The run's rounds fitted; `max_rounds`: refused past that many (before its probe rows are read)."""
+STEP_COLUMNS = ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens",
+                "num_waiting", "num_running"]
+
+
+def load(root: str | Path, max_rounds: int | None = None, window: Window | None = None) -> Run:
+    """The run's rounds fitted; `max_rounds`: refused past that many (before its probe rows are read).
+    `window` (`parse_window`'s, one span of whole rounds): only its rounds, and only the requests
+    that it admitted and whose every token it collected (`Run.left_out`: the others)."""
     tr = Trace.open(root)
     if "import" in tr.meta:
         imp = tr.meta["import"]
@@ -185,13 +246,17 @@ def load(root: str | Path, max_rounds: int | None = None) -> Run:
                           "whatif reads traces of mstrace run/serve")
     if not tr.meta.get("config", {}).get("probes", True):
         raise WhatIfError(f"{root} was recorded with --no-probes: the model is fitted to each round's probe rows")
-    s = tr.table("steps", ["step", "mode", "ts_ns", "dur_ns", "collect_ns", "num_decode_tokens", "num_prefill_tokens",
-                           "num_waiting", "num_running"])
+    if window is not None and len(window.spans) != 1:
+        raise WhatIfError(f"whatif models consecutive rounds: {window.what} is {len(window.spans)} stretches")
+    if window is None and max_rounds is not None:
+        _refuse_long(tr, max_rounds)
+    s = table_in(tr, "steps", STEP_COLUMNS, window)
     if s.num_rows < 2:
-        raise WhatIfError(f"{root} has {s.num_rows} round(s): nothing to model")
+        raise WhatIfError(f"{root} has {s.num_rows} round(s){' in ' + window.what if window else ''}: nothing to model")
     if max_rounds is not None and s.num_rows > max_rounds:
-        raise WhatIfError(f"{root} has {s.num_rows:,} rounds; the model replays each round hundreds of times "
-                          f"and takes at most {max_rounds:,}: a shorter run of the workload")
+        raise WhatIfError(f"{root}'s {window.what if window else 'run'} holds {s.num_rows:,} rounds; the model "
+                          f"replays each round hundreds of times and takes at most {max_rounds:,}: a shorter "
+                          f"window (--rounds A-B, --time START-END)")
     order = pc.sort_indices(s, [("step", "ascending")])
     s = s.take(order)
     steps = s["step"].to_numpy()
@@ -199,7 +264,9 @@ def load(root: str | Path, max_rounds: int | None = None) -> Run:
     housekept = start + s["dur_ns"].to_numpy()
     collect = s["collect_ns"].to_numpy()
     overlap = rounds_mode(tr.meta.get("config", {})) == "overlap"
-    rows = _rows(tr)
+    probes = table_in(tr, "probes", PROBE_COLUMNS, with_run_edges(window)) if window is not None else \
+        tr.table("probes", PROBE_COLUMNS, dictionary=("boundary", "stream"))
+    rows = _rows(probes)
     # the round's first bookkeeping row (it starts with the round) is intake and scheduling,
     # before the launch; the others are the collect and housekeeping after the barrier
     bk_step, bk_ts, bk_end = rows[B.BOOKKEEPING]
@@ -229,6 +296,10 @@ def load(root: str | Path, max_rounds: int | None = None) -> Run:
     if len(b_idx) < 2:
         raise WhatIfError(f"{root} launched {len(b_idx)} batch(es): nothing to model")
     col = b_idx + 1 if overlap else b_idx  # the round that collected each batch
+    if col[-1] >= len(steps) and window is not None:  # collected after the window: not in it
+        b_idx, col = b_idx[:-1], col[:-1]
+        if len(b_idx) < 2:
+            raise WhatIfError(f"{root}: {window.what} holds {len(b_idx)} whole batch(es): nothing to model")
     if col[-1] >= len(steps):
         raise WhatIfError(f"{root} ends before its last batch was collected (a truncated run)")
     dev_s = dev_first[b_idx].astype(np.float64)
@@ -284,7 +355,7 @@ def load(root: str | Path, max_rounds: int | None = None) -> Run:
     W, C = _held_back(W_seen, C_seen, by_host, arrive - lc + through, through if med_C is None else med_C)
     W, C = np.maximum(W, 0), np.maximum(C, 0)
     # arrivals: a batch cannot start before the requests it admits arrived
-    rq = tr.table("requests", ["arrival_ns", "first_scheduled_ns", "output_len", "token_runs", "finish_ns"])
+    rq = table_in(tr, "requests", REQUEST_COLUMNS + (WINDOW_REQUEST_COLUMNS if window is not None else []), window)
     t0 = int(start[0])
     not_before = np.zeros(len(b_idx))
     fs = rq["first_scheduled_ns"].to_numpy()
@@ -304,17 +375,17 @@ def load(root: str | Path, max_rounds: int | None = None) -> Run:
                  Q_book=post_book[col], Q_send=send[col].astype(np.float64), Q_defrag=defrag[col].astype(np.float64),
                  G=gap[col].astype(np.float64), not_before=np.maximum(not_before, 0), drained=drained,
                  head=head, tail_P=tail_P)
-    runs = rq["token_runs"]
-    lens = pc.list_value_length(runs).to_numpy(zero_copy_only=False)
-    flat = pc.list_flatten(runs).to_numpy()
+    whole = rq.num_rows
+    if window is not None:  # what the window's batches admitted and served in full
+        rq = rq.filter(_within(rq, t0, int(window.spans[0][1]), int(steps[col[0]]), int(steps[col[-1]])))
+    lens, first_round, last_round = _token_rounds(rq)
     served = lens > 0
-    ends = np.cumsum(lens)[served]
-    first_round, last_round = flat[ends - lens[served]], flat[ends - 2] + flat[ends - 1] - 1
     if not served.any():
-        raise WhatIfError(f"{root} served no tokens: nothing to predict")
+        raise WhatIfError(f"{root} served no tokens{' in ' + window.what if window else ''}: nothing to predict")
     broadcast = _per_step(rows[B.BATCH_BROADCAST], steps, "sum")[b_idx]
     return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, broadcast, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],
                 int(rq["output_len"].to_numpy()[served].sum()), _unserved_bounds(rq, served), split,
                 s["num_decode_tokens"].to_numpy()[b_idx].astype(np.float64),
-                s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts, cold_at)
+                s["num_prefill_tokens"].to_numpy()[b_idx].astype(np.float64), parts, cold_at, window,
+               whole - rq.num_rows, probes if window is not None else None)

@@ -32,6 +32,7 @@ INTERVAL: dict[str, tuple[str, str | None, bool]] = {
     "timeline": ("ts_ns", None, False),
     "requests": ("arrival_ns", "finish_ns", False),
     "memory": ("ts_ns", None, False),
+    "collectives": ("issue_ns", "end_ns", False),  # (end_ns -1: never completed, as 0 is for a request)
 }
 WORST_NEIGHBOURS = 1  # rounds kept on each side of a worst round
 
@@ -41,6 +42,7 @@ class Window:
     spans: tuple[tuple[int, int], ...]  # disjoint, sorted, inclusive [lo, hi] ns
     what: str  # what the output says it shows
     request: str | None = None  # --request: the only request on the requests track
+    holds_first_round: bool = False  # it reaches the start of the run's first round
     holds_last_round: bool = False  # it reaches the end of the run's last round
     rounds_end: int | None = None  # that end: no cycle runs past it (`window_cycles`)
 
@@ -68,8 +70,19 @@ def parse_window(trace: Trace, rounds: str | None = None, time: str | None = Non
     w = _window(trace, steps, rounds, time, request, worst)
     if w is None or not len(steps["end"]):
         return w
-    last = int(steps["end"].max())
-    return replace(w, holds_last_round=w.reaches(last, last), rounds_end=last)
+    first, last = int(steps["ts"].min()), int(steps["end"].max())
+    return replace(w, holds_first_round=w.reaches(first, first), holds_last_round=w.reaches(last, last),
+                   rounds_end=last)
+
+
+def with_run_edges(w: Window) -> Window:
+    """The window, reaching back to the trace's beginning where it holds the run's first round
+    and on past its end where it holds the last: a round's rows before its start or after its
+    end (the first round's intake, the last one's response_send) belong to it."""
+    lo, hi = w.spans[0][0], w.spans[-1][1]
+    lo, hi = (0 if w.holds_first_round else lo), (np.iinfo(np.int64).max if w.holds_last_round else hi)
+    return replace(w, spans=((lo, w.spans[0][1]), *w.spans[1:-1], (w.spans[-1][0], hi)) if len(w.spans) > 1
+                   else ((lo, hi),))
 
 
 def _window(trace: Trace, steps: dict[str, np.ndarray], rounds: str | None, time: str | None, request: str | None,

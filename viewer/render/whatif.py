@@ -24,6 +24,10 @@ def render_whatif(console: Console, r: WhatIfResult) -> None:
                        *r.speedups]) or "nothing"
     status_line(console, r.status, r.trace)
     trace_heading(console, r.trace, f"  {r.mode} run, {r.batches} batches; predicted with {asked}")
+    if r.window is not None:
+        console.print(f"window: {r.window}; its figures count the {r.window_requests:,} requests it admitted and "
+                      f"served in full, not the {r.window_requests_left_out:,} that began before it or ended "
+                      "after it", highlight=False)
     t = Table(header_style="bold", title_justify="left")
     for col in ("", "measured", "model fit", "predicted", "95% interval", "vs fit"):
         t.add_column(col, justify="left" if not col else "right")
