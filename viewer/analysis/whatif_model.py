@@ -39,6 +39,7 @@ moments, not requests. Each token's time is its batch's `synced`.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -315,55 +316,60 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
     that start after the device idled COLD_GAP_NS, which a replay's gaps, rebuilt from the
     components, can put on the other side of the threshold from the trace's own."""
     n = b.n
-    P, Q = b.P, b.Q
     launches, collects = round_plan(b, overlap)
     rounds = len(launches)
-    start, launched, ended = np.zeros(rounds), np.zeros(rounds), np.zeros(rounds)
-    dev_start, dev_end, synced = np.zeros(n), np.zeros(n), np.zeros(n)
-    held = np.zeros(n, dtype=bool)
-    busy = np.full((n, 2, 2), np.nan)  # per batch: its main (or only) part, its prefill part
+    # Python floats, not numpy scalars: the loop replays every round hundreds of times for the
+    # intervals, and a numpy element's look-up and arithmetic cost several times a float's
+    P, Q, head_Q, tail_P, not_before = (x.tolist() for x in (b.P, b.Q, b.head_Q, b.tail_P, b.not_before))
+    L, T, D, D_pre, A, C, W, G = (x.tolist() for x in (b.L, b.T, b.D, b.D_pre, b.A, b.C, b.W, b.G))
+    cold_main = cold_at[:, 0].tolist() if cold_at is not None else None
+    cold_pre = cold_at[:, 1].tolist() if cold_at is not None else None
+    start, launched, ended = [0.0] * rounds, [0.0] * rounds, [0.0] * rounds
+    dev_start, dev_end, synced = [0.0] * n, [0.0] * n, [0.0] * n
+    held = [False] * n
+    nan = float("nan")
+    busy = [[nan, nan, nan, nan] for _ in range(n)]  # per batch: its main (or only) part, its prefill part
     main_end = pre_end = 0.0
     t = 0.0
-    for r in range(rounds):
-        i, j = int(launches[r]), int(collects[r])
-        t = max(t, b.not_before[i]) if i >= 0 else t
+    for r, (i, j) in enumerate(zip(launches.tolist(), collects.tolist(), strict=True)):
+        t = max(t, not_before[i]) if i >= 0 else t
         start[r] = t
-        launched[r] = t + (P[i] if i >= 0 else b.tail_P[j])
+        launched[r] = t + (P[i] if i >= 0 else tail_P[j])
         if i >= 0:
-            ready = launched[r] + b.L[i]
-            idle_since = max(main_end, pre_end) if i else -np.inf  # the device's last work (one stream: main_end)
+            ready = launched[r] + L[i]
+            idle_since = max(main_end, pre_end) if i else -math.inf  # the device's last work (one stream: main_end)
             if split is None:
-                by_device = dev_end[i - 1] + b.T[i] if i else 0.0
+                by_device = dev_end[i - 1] + T[i] if i else 0.0
                 held[i] = by_device > ready
                 dev_start[i] = max(ready, by_device)
-                work = b.D[i] + b.D_pre[i] + b.A[i]
-                starts_cold = cold_at[i, 0] if cold_at is not None else dev_start[i] - idle_since >= COLD_GAP_NS
-                cold = _cold(b.cold, b.D[i] + b.D_pre[i]) if starts_cold else 0.0  # the parts warm() took it from
+                work = D[i] + D_pre[i] + A[i]
+                starts_cold = cold_main[i] if cold_main is not None else dev_start[i] - idle_since >= COLD_GAP_NS
+                cold = _cold(b.cold, D[i] + D_pre[i]) if starts_cold else 0.0  # the parts warm() took it from
                 dev_end[i] = dev_start[i] + work + cold
-                busy[i, 0] = dev_start[i], dev_end[i]
+                busy[i][0], busy[i][1] = dev_start[i], dev_end[i]
                 main_end = max(main_end, dev_end[i])
             else:
                 r0 = max(ready, pre_end)
-                turn = b.T[i] if i else 0.0
-                has_main, has_pre = b.D[i] + b.A[i] > 0, b.D_pre[i] > 0
+                turn = T[i] if i else 0.0
+                has_main, has_pre = D[i] + A[i] > 0, D_pre[i] > 0
                 # the first part to start on an idle device pays the cold start: the prefill,
                 # or the decodes where there is none (after the main stream's turn, if it idled)
-                if cold_at is not None:  # as the trace ran: each part as the fit found it
-                    pre_cold, main_cold = has_pre and cold_at[i, 1], has_main and cold_at[i, 0]
+                if cold_main is not None and cold_pre is not None:  # as the trace ran: each part as the fit found it
+                    pre_cold, main_cold = has_pre and cold_pre[i], has_main and cold_main[i]
                 else:
                     pre_cold = has_pre and r0 - idle_since >= COLD_GAP_NS
                     main_cold = has_main and not has_pre and max(r0, idle_since + turn) - idle_since >= COLD_GAP_NS
-                cold_pre = _cold(b.cold, b.D_pre[i]) if pre_cold else 0.0
-                cold_main = _cold(b.cold, b.D[i]) if main_cold else 0.0  # not the all-reduces: warm() took it from D
-                before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn,
-                                                            b.D[i] + b.A[i] + cold_main, b.D_pre[i] + cold_pre, split)
+                c_pre = _cold(b.cold, D_pre[i]) if pre_cold else 0.0
+                c_main = _cold(b.cold, D[i]) if main_cold else 0.0  # not the all-reduces: warm() took it from D
+                before, m_start, m_end, p_end = two_streams(r0, main_end, pre_end, turn, D[i] + A[i] + c_main,
+                                                            D_pre[i] + c_pre, split)
                 if main_end > r0:  # the main stream still ran batch i-1 (a serial round never gets here)
                     dev_end[i - 1] = max(dev_end[i - 1], before)
-                    busy[i - 1, 0, 1] = before
+                    busy[i - 1][1] = before
                 if has_main:
-                    busy[i, 0] = m_start, m_end
+                    busy[i][0], busy[i][1] = m_start, m_end
                 if has_pre:
-                    busy[i, 1] = r0, p_end
+                    busy[i][2], busy[i][3] = r0, p_end
                 # the batch's device time runs from the start of the part that ended last: the
                 # decodes, held by the main stream or the prompts before them, or the prefill
                 last_main = has_main and (m_end >= p_end or not has_pre)
@@ -373,14 +379,15 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
                 main_end = m_end if has_main else before
                 pre_end = p_end if has_pre else pre_end
         if j < 0:  # overlap: nothing in flight to collect yet
-            t = launched[r] + b.head_Q[i]
+            t = launched[r] + head_Q[i]
         else:
-            synced[j] = max(launched[r] + b.W[j], dev_end[j] + b.C[j])
-            t = synced[j] + Q[j] + b.G[j]
+            synced[j] = max(launched[r] + W[j], dev_end[j] + C[j])
+            t = synced[j] + Q[j] + G[j]
         ended[r] = t
-    turn = dev_start - np.concatenate([[0.0], dev_end[:-1]])
-    return Timeline(start, launched, ended, launches, collects, dev_start, dev_end, synced, t, held, turn,
-                    busy.reshape(-1, 2))
+    dev_s, dev_e = np.array(dev_start), np.array(dev_end)
+    turns = dev_s - np.concatenate([[0.0], dev_e[:-1]])
+    return Timeline(np.array(start), np.array(launched), np.array(ended), launches, collects, dev_s, dev_e,
+                    np.array(synced), t, np.array(held), turns, np.array(busy).reshape(-1, 2))
 
 
 def busy_ns(tl: Timeline) -> float:
