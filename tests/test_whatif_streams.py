@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tests.support.cli import mstrace
 from tests.support.whatif_batches import random_drains
 from tests.test_whatif import MS, SAMPLES, batches
+from viewer.analysis import native
 from viewer.analysis.whatif import whatif
 from viewer.analysis.whatif_fit import _cold_starts, load
 from viewer.analysis.whatif_model import (
@@ -22,6 +23,7 @@ from viewer.analysis.whatif_model import (
     Batches,
     StreamShare,
     critical_path,
+    replay,
     simulate,
     two_streams,
 )
@@ -53,6 +55,45 @@ def _random(data: st.DataObject, n: int, with_pre: bool) -> Batches:
     if not with_pre:
         arr["D_pre"] = np.zeros(n)
     return Batches(**arr, not_before=np.zeros(n), **random_drains(data, n))
+
+
+TIMELINE = ("start", "launched", "ended", "launches", "collects", "dev_start", "dev_end", "synced", "held", "turn",
+            "busy")
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="the install built no C kernels")
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 14), overlap=st.booleans(), split=st.sampled_from([None, (0.5, 0.5), (0.3, 0.9), (1.0, 1.0)]),
+       with_pre=st.booleans(), cold=st.sampled_from([0.0, 0.4, 3.0]), traced=st.booleans(), data=st.data())
+def test_the_c_replay_is_the_python_one_to_the_bit(n, overlap, split, with_pre, cold, traced, data):
+    """`simulate` (C) against `replay` (its Python reference): the same doubles in the same order,
+    negative turns and launches, arrivals, drains, cold starts found or as traced, one or two streams."""
+    b = _random(data, n, with_pre)
+    ms = st.lists(st.floats(-1, 1, allow_nan=False), min_size=n, max_size=n)
+    b = replace(b, T=np.maximum(np.array(data.draw(ms)) * MS, -np.concatenate([[0.0], b.D[:-1]])),
+                L=np.maximum(np.array(data.draw(ms)) * MS, -b.P_prep), A=np.zeros(n) if split else b.A,
+                not_before=np.sort(np.array(data.draw(st.lists(st.floats(0, 40), min_size=n, max_size=n)))) * MS,
+                cold=cold * MS)
+    cold_at = np.array(data.draw(st.lists(st.booleans(), min_size=2 * n, max_size=2 * n))).reshape(n, 2) \
+        if traced else None
+    share = StreamShare(*split) if split else None
+    c, py = simulate(b, overlap, share, cold_at), replay(b, overlap, share, cold_at)
+    for f in TIMELINE:
+        assert np.array_equal(getattr(c, f), getattr(py, f), equal_nan=True), f
+    assert c.end == py.end
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="the install built no C kernels")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("split", [None, (0.5, 0.5)])
+def test_the_c_replay_breaks_ties_as_the_python_one(overlap, split):
+    """Ties random durations never draw: a device idle exactly COLD_GAP_NS before a batch (0.5 ms
+    of prepare), and a batch's decodes and prefill ending together (1 ms each at half speed)."""
+    b = replace(batches(6, P_prep=0.5, D=1.0, D_pre=1.0 if split else 0.0), cold=0.1 * MS)
+    share = StreamShare(*split) if split else None
+    c, py = simulate(b, overlap, share), replay(b, overlap, share)
+    for f in TIMELINE:
+        assert np.array_equal(getattr(c, f), getattr(py, f), equal_nan=True), f
 
 
 @settings(max_examples=60, deadline=None)

@@ -16,11 +16,15 @@
  * Grouping collectives rows by (group, seq) for the straggler join: one pass over the
  * rows in key order, instead of numpy's gathers and reductions per group.
  *
+ * whatif's replay of the rounds, which its intervals repeat 400 times: the Python loop's
+ * 2-3 us a round made a window of 100,000 rounds two minutes.
+ *
  * No Python API is used: the module init only exists so setuptools can build this
  * as an extension and pip can install it like one.
  */
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 /* The first index in [0, n] with s[i] > q, given a guess g in [0, n]. */
@@ -247,6 +251,120 @@ int64_t group_sorted(const int64_t *key, const int64_t *rank, const int64_t *iss
         if (issue[i] > issue[l] || (issue[i] == issue[l] && rank[i] >= rank[l])) last[r] = i;
     }
     return r + 1;
+}
+
+/* whatif's replay of a run's rounds: viewer/analysis/whatif_model.py's `simulate`, the
+ * reference, line for line, the same operations on the same doubles in the same order (the
+ * build keeps a*b+c apart: -ffp-contract=off), so both give the same timeline to the bit.
+ * Python's max(a, b) keeps a unless b is greater (pmax), min(a, b) unless b is less. */
+static double pmax(double a, double b) { return b > a ? b : a; }
+static double pmin(double a, double b) { return b < a ? b : a; }
+
+#define COLD_GAP_NS 500000.0 /* whatif_model.COLD_GAP_NS */
+
+/* `two_streams`: out = the main stream's earlier work's end, the batch's main start, main end,
+ * prefill end. */
+static void two_streams(double r0, double main_end, double pre_end, double turn, double main, double pre,
+                        double s_main, double s_pre, double out[4]) {
+    const double rest = pmax(main_end - r0, 0.0);
+    const double wait = rest > 0 ? turn : pmax(pmax(main_end, pre_end) + turn - r0, 0.0);
+    const double queue[3] = {rest, main > 0 ? wait : 0.0, main};
+    double ends[3] = {r0, r0, r0};
+    double pre_left = pre, p_end = r0, t = r0;
+    for (int k = 0; k < 3; k++) {
+        double left = queue[k];
+        while (left > 1e-9) {
+            if (pre_left <= 0) {
+                t = t + left;
+                left = 0.0;
+                break;
+            }
+            const double rate = k == 1 ? 1.0 : s_main, prate = k == 1 ? 1.0 : s_pre;
+            const double dt = pmin(left / rate, pre_left / prate);
+            left -= dt * rate;
+            pre_left -= dt * prate;
+            t += dt;
+            if (pre_left <= 1e-9) {
+                pre_left = 0.0;
+                p_end = t;
+            }
+        }
+        ends[k] = t;
+    }
+    if (pre_left > 0) p_end = t + pre_left;
+    out[0] = ends[0], out[1] = ends[1], out[2] = ends[2], out[3] = p_end;
+}
+
+/* in: 13 rows of n (P, Q, head_Q, tail_P, not_before, L, T, D, D_pre, A, C, W, G); cold_at: n x 2
+ * or NULL; split: 0 one stream, else the two streams' shares. out_r: 3 rows of `rounds` (start,
+ * launched, ended); out_b: 3 rows of n (dev_start, dev_end, synced); busy: n x 4, NaN-filled.
+ * Returns the last round's end. */
+double replay_rounds(int64_t n, int64_t rounds, const int64_t *launches, const int64_t *collects,
+                     const double *in, double cold, const uint8_t *cold_at, int split, double s_main,
+                     double s_pre, double *out_r, double *out_b, uint8_t *held, double *busy) {
+    const double *P = in, *Q = in + n, *head_Q = in + 2 * n, *tail_P = in + 3 * n, *not_before = in + 4 * n;
+    const double *L = in + 5 * n, *T = in + 6 * n, *D = in + 7 * n, *D_pre = in + 8 * n, *A = in + 9 * n;
+    const double *C = in + 10 * n, *W = in + 11 * n, *G = in + 12 * n;
+    double *start = out_r, *launched = out_r + rounds, *ended = out_r + 2 * rounds;
+    double *dev_start = out_b, *dev_end = out_b + n, *synced = out_b + 2 * n;
+    double main_end = 0.0, pre_end = 0.0, t = 0.0;
+    for (int64_t r = 0; r < rounds; r++) {
+        const int64_t i = launches[r], j = collects[r];
+        if (i >= 0) t = pmax(t, not_before[i]);
+        start[r] = t;
+        launched[r] = t + (i >= 0 ? P[i] : tail_P[j]);
+        if (i >= 0) {
+            const double ready = launched[r] + L[i];
+            const double idle_since = i ? pmax(main_end, pre_end) : -INFINITY;
+            if (!split) {
+                const double by_device = i ? dev_end[i - 1] + T[i] : 0.0;
+                held[i] = by_device > ready;
+                dev_start[i] = pmax(ready, by_device);
+                const double work = D[i] + D_pre[i] + A[i];
+                const int starts_cold = cold_at ? cold_at[2 * i] : dev_start[i] - idle_since >= COLD_GAP_NS;
+                const double c = starts_cold ? pmin(cold, D[i] + D_pre[i]) : 0.0;
+                dev_end[i] = dev_start[i] + work + c;
+                busy[4 * i] = dev_start[i], busy[4 * i + 1] = dev_end[i];
+                main_end = pmax(main_end, dev_end[i]);
+            } else {
+                const double r0 = pmax(ready, pre_end);
+                const double turn = i ? T[i] : 0.0;
+                const int has_main = D[i] + A[i] > 0, has_pre = D_pre[i] > 0;
+                int pre_cold, main_cold;
+                if (cold_at) {
+                    pre_cold = has_pre && cold_at[2 * i + 1];
+                    main_cold = has_main && cold_at[2 * i];
+                } else {
+                    pre_cold = has_pre && r0 - idle_since >= COLD_GAP_NS;
+                    main_cold = has_main && !has_pre && pmax(r0, idle_since + turn) - idle_since >= COLD_GAP_NS;
+                }
+                const double c_pre = pre_cold ? pmin(cold, D_pre[i]) : 0.0;
+                const double c_main = main_cold ? pmin(cold, D[i]) : 0.0;
+                double o[4];
+                two_streams(r0, main_end, pre_end, turn, D[i] + A[i] + c_main, D_pre[i] + c_pre, s_main, s_pre, o);
+                if (main_end > r0) {
+                    dev_end[i - 1] = pmax(dev_end[i - 1], o[0]);
+                    busy[4 * (i - 1) + 1] = o[0];
+                }
+                if (has_main) busy[4 * i] = o[1], busy[4 * i + 1] = o[2];
+                if (has_pre) busy[4 * i + 2] = r0, busy[4 * i + 3] = o[3];
+                const int last_main = has_main && (o[2] >= o[3] || !has_pre);
+                dev_start[i] = last_main ? o[1] : r0;
+                held[i] = dev_start[i] > ready;
+                dev_end[i] = last_main ? o[2] : o[3];
+                main_end = has_main ? o[2] : o[0];
+                pre_end = has_pre ? o[3] : pre_end;
+            }
+        }
+        if (j < 0) {
+            t = launched[r] + head_Q[i];
+        } else {
+            synced[j] = pmax(launched[r] + W[j], dev_end[j] + C[j]);
+            t = synced[j] + Q[j] + G[j];
+        }
+        ended[r] = t;
+    }
+    return t;
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, NULL};

@@ -40,7 +40,7 @@ def open_library(folder: Path, stem: str) -> ctypes.CDLL | None:
 
 def _load() -> ctypes.CDLL | None:
     lib = open_library(Path(__file__).parent, "_kernels")
-    if lib is None or not hasattr(lib, "group_sorted"):  # (a build older than its newest loop: numpy's)
+    if lib is None or not hasattr(lib, "replay_rounds"):  # (a build older than its newest loop: numpy's)
         return None
     lib.search_right.argtypes = [_I64P, _N, _I64P, _N, _I64P]
     lib.busy_before.argtypes = [_I64P, _I64P, _I64P, _N, _I64P, _N, _I64P]
@@ -53,6 +53,10 @@ def _load() -> ctypes.CDLL | None:
     lib.search_right.restype = lib.busy_before.restype = lib.scatter_rows.restype = None
     lib.count_keys.restype = lib.union_runs.restype = lib.subtract_sorted.restype = ctypes.c_int64
     lib.group_sorted.restype = ctypes.c_int64
+    lib.replay_rounds.argtypes = [_N, _N, _I64P, _I64P, ctypes.c_void_p, ctypes.c_double, ctypes.c_void_p,
+                                  ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_void_p]
+    lib.replay_rounds.restype = ctypes.c_double
     return lib
 
 
@@ -129,6 +133,34 @@ def group_sorted(key: np.ndarray, rank: np.ndarray, issue: np.ndarray,
     m = _LIB.group_sorted(_ptr(key), _ptr(rank), _ptr(issue), _ptr(order), n, _ptr(run), _ptr(count), _ptr(first),
                           _ptr(last))
     return run, count[:m], first[:m], last[:m]
+
+
+def replay_rounds(launches: np.ndarray, collects: np.ndarray, rows: list[np.ndarray], cold: float,
+                  cold_at: np.ndarray | None, shares: tuple[float, float] | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+    """`whatif_model.simulate`'s loop: `rows` its 13 per-batch inputs in `_kernels.c`'s order,
+    `shares` the two streams' (None: one stream). Returns (start, launched, ended) as a 3 x
+    rounds array, (dev_start, dev_end, synced) as 3 x n, held, busy (n x 4) and the end."""
+    assert _LIB is not None
+    n, rounds = len(rows[0]), len(launches)
+    if len(rows) != 13 or any(len(x) != n for x in rows) or len(collects) != rounds:
+        raise ValueError(f"replay_rounds: {len(rows)} rows of {[len(x) for x in rows]}, {rounds} and "
+                         f"{len(collects)} rounds")
+    if ((launches >= n) | (collects >= n)).any() or ((launches < 0) & (collects < 0)).any():
+        raise ValueError("replay_rounds: a round names a batch past the last, or neither launches nor collects")
+    inputs = np.ascontiguousarray(np.stack(rows), dtype=np.float64)
+    at = None if cold_at is None else np.ascontiguousarray(cold_at, dtype=np.uint8)
+    if at is not None and at.shape != (n, 2):
+        raise ValueError(f"replay_rounds: cold_at is {at.shape}, not ({n}, 2)")
+    out_r, out_b = np.empty((3, rounds)), np.empty((3, n))
+    held = np.zeros(n, dtype=np.uint8)
+    busy = np.full((n, 4), np.nan)
+    launches, collects = _i64(launches), _i64(collects)
+    end = _LIB.replay_rounds(n, rounds, _ptr(launches), _ptr(collects), inputs.ctypes.data, cold,
+                             None if at is None else at.ctypes.data, int(shares is not None),
+                             *(shares or (0.0, 0.0)), out_r.ctypes.data, out_b.ctypes.data, held.ctypes.data,
+                             busy.ctypes.data)
+    return out_r, out_b, held.astype(bool), busy, float(end)
 
 
 def split_by_key(codes: list[np.ndarray], host: list[np.ndarray] | None, ncodes: int,
