@@ -42,8 +42,9 @@ from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
 from viewer.export.window import Window
 
 DRAWS = 200  # replicate runs on each side of an interval (_interval; viewer/analysis/whatif_model.py: replicates)
-# The model replays every round 2 * DRAWS + 1 times, about 2.4 us a round each here (big10m's
-# 1.34 M rounds: 3.3 s a replay, 22 minutes and 6-7 GB in all): past this, one line instead.
+# The model replays every round 2 * DRAWS + 1 times, with each replicate's own components
+# drawn, shared and its figures taken: 9-15 s for 100,000 rounds here, the replay in C (the
+# Python loop: 2-3 us a round, two to three minutes). Past this, one line naming a window.
 MAX_ROUNDS = 100_000
 # Which boundary each component is, for the critical-path table: SCALES read backwards.
 COMPONENT_BOUNDARY = {c: boundary for boundary, comps in SCALES.items() for c in comps} | {"idle": B.IDLE}
