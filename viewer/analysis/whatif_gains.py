@@ -1,7 +1,8 @@
 """What the report's "worth attacking" lines predict: the cycle had a row been halved, or the
 run overlapped, from the round model (docs/whatif.md) without its intervals, so the report
-stays one pass. Bounded: a trace of more rounds than GAINS_MAX_ROUNDS gets none (the model
-replays round by round in Python); `mstrace whatif` answers for any length."""
+stays one pass. Bounded: a trace of more rounds than GAINS_MAX_ROUNDS gets none (the fit reads
+every probe row of rank 0 whole, which the report's stream never does); `mstrace whatif
+--rounds` answers for a window of any trace."""
 
 from __future__ import annotations
 
