@@ -157,8 +157,6 @@ def require(what: str, *extras: str) -> None:
         fail(message(what, *gap))
 
 
-# The window of `export --perfetto`, `report --html` and `view` (viewer/export/window.py): one
-# definition, so the three commands take the same flags with the same meaning.
 def _run(cfg: EngineConfig, opts: RunOptions, fail: Any = fail) -> None:
     """`fail`: this module's, naming a value from --config by the file's key (commands/flags.py)."""
     require("mstrace run", "engine", *(("otlp",) if opts.otlp_endpoint else ()), *(("tui",) if opts.live else ()))

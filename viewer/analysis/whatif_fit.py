@@ -360,7 +360,11 @@ def load(root: str | Path, max_rounds: int | None = None, window: Window | None 
     not_before = np.zeros(len(b_idx))
     fs = rq["first_scheduled_ns"].to_numpy()
     arr = rq["arrival_ns"].to_numpy()
-    has = fs > 0
+    # (not a request a round after the last batch admitted: a window's next round, or overlap's
+    # last round, whose batch is not in it, would hold the last one back until its arrival)
+    after = min(int(start[b_idx[-1] + 1]) if b_idx[-1] + 1 < len(start) else np.iinfo(np.int64).max,
+                int(window.spans[0][1]) if window is not None else np.iinfo(np.int64).max)
+    has = (fs > 0) & (fs < after)
     rb = np.searchsorted(start[b_idx], fs[has], side="right") - 1
     ok = rb >= 0
     np.maximum.at(not_before, rb[ok], (arr[has][ok] - t0).astype(np.float64))
@@ -380,8 +384,11 @@ def load(root: str | Path, max_rounds: int | None = None, window: Window | None 
         rq = rq.filter(_within(rq, t0, int(window.spans[0][1]), int(steps[col[0]]), int(steps[col[-1]])))
     lens, first_round, last_round = _token_rounds(rq)
     served = lens > 0
+    if not served.any() and window is not None:
+        raise WhatIfError(f"{root}: no request was both admitted and served in full in {window.what}: nothing to "
+                          "predict (a longer window)")
     if not served.any():
-        raise WhatIfError(f"{root} served no tokens{' in ' + window.what if window else ''}: nothing to predict")
+        raise WhatIfError(f"{root} served no tokens: nothing to predict")
     broadcast = _per_step(rows[B.BATCH_BROADCAST], steps, "sum")[b_idx]
     return Run(bt, t0, steps[col], steps[b_idx], dev_s, dev_e, broadcast, steps, rq, tr, np.searchsorted(steps, first_round),
                 np.searchsorted(steps, last_round), rq["arrival_ns"].to_numpy()[served],

@@ -318,9 +318,11 @@ def simulate(b: Batches, overlap: bool, split: StreamShare | None = None,
     rows = [b.P, b.Q, b.head_Q, b.tail_P, b.not_before, b.L, b.T, b.D, b.D_pre, b.A, b.C, b.W, b.G]
     out_r, out_b, held, busy, end = native.replay_rounds(launches, collects, rows, b.cold, cold_at,
                                                          None if split is None else (split.main, split.prefill))
+    start, launched, ended = out_r
     dev_start, dev_end, synced = out_b
     turns = dev_start - np.concatenate([[0.0], dev_end[:-1]])
-    return Timeline(*out_r, launches, collects, dev_start, dev_end, synced, end, held, turns, busy.reshape(-1, 2))
+    return Timeline(start, launched, ended, launches, collects, dev_start, dev_end, synced, end, held, turns,
+                    busy.reshape(-1, 2))
 
 
 def replay(b: Batches, overlap: bool, split: StreamShare | None = None,

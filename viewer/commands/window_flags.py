@@ -1,5 +1,6 @@
 """The flags that choose a window of a trace (`report --html`, `export --perfetto`, `view`,
-`whatif`): one declaration each, one parse (viewer/export/window.py)."""
+`whatif`): one declaration each and one parse (viewer/export/window.py), so every command
+takes the same flags with the same meaning."""
 
 from __future__ import annotations
 
