@@ -136,6 +136,7 @@ class Sender:
                     del live[rid]
                     streams.on_finish(SimpleNamespace(request_id=rid, finish_reason="length", finish_detail="",
                                                       input_ids=[0] * 128, output_ids=[0] * tokens), "")
+            getattr(streams, "on_round_end", lambda: None)()  # (a revision before it posted each event)
             time.sleep(0.002)
 
 

@@ -137,6 +137,7 @@ def test_a_stop_string_in_the_first_token_still_echoes_the_prompt_and_its_logpro
                 streams.on_logprobs(rid, ([1, 2], [None, TokenLogprob(-0.5, [2], [-0.5])]), (3, TokenLogprob(-1.0, [3], [-1.0])))
                 streams.on_text(rid, "\n")
                 streams.on_finish(finished(rid), "\n")
+                streams.on_round_end()
             loop.call_soon(sender)
 
         r = Responder(streams, submit, lambda rid, why: None, None, lambda: 0)
@@ -180,6 +181,7 @@ def test_a_stop_string_finish_counts_the_tokens_answered_and_is_a_stop_in_the_me
                 rec = finished(rid)
                 rec.output_ids, rec.finish_detail = [3, 4, 5, 6], STOP_MATCHED
                 streams.on_finish(rec, "ab.cd")
+                streams.on_round_end()
             loop.call_soon(sender)
 
         r = Responder(streams, submit, lambda rid, why: None, None, lambda: 0)

@@ -95,6 +95,9 @@ class Sender:
         self._tok = tokenizer
         self._sinks = sinks
         self._lp_sinks: list[LogprobSink] = [s for s in sinks if hasattr(s, "on_logprobs")]  # type: ignore[misc]
+        # a sink that batches a round's events (the HTTP responses: one wake-up of the event
+        # loop a round, not one a token) is told when the round's are all in
+        self._round_ends: list[Callable[[], None]] = [s.on_round_end for s in sinks if hasattr(s, "on_round_end")]
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, list[str]] = {}
         self.error: BaseException | None = None
@@ -118,6 +121,11 @@ class Sender:
                 self._deliver(item)
             except BaseException as e:  # noqa: BLE001 - reported on close(); keep draining
                 self.error = self.error or e
+            for end in self._round_ends:  # (even after a failed sink: the others' events go out)
+                try:
+                    end()
+                except Exception as e:  # noqa: BLE001 - as _deliver's sinks
+                    self.error = self.error or e
             if self._buf is not None:
                 self._buf.append((t0, now_ns() - t0, RESPONSE_DELIVER, "sender", self._rank, item.step))
 

@@ -1,8 +1,10 @@
 """From the sender thread to each HTTP response: one inbox per request.
 
 The scheduling thread hands a round's tokens to the sender (`response_send`); the
-sender detokenizes and calls this sink, which matches stop strings and posts the
-text to the request's inbox on the event loop with `call_soon_threadsafe`. So
+sender detokenizes and calls this sink, which matches stop strings and, once the
+round's tokens are all in, posts their texts to the requests' inboxes on the event
+loop with one `call_soon_threadsafe` (one wake-up of the loop a round: a post per
+token woke it, and handed it the interpreter lock, once per stream). So
 neither the scheduling thread nor the sender ever touches a socket: a client that
 reads slowly only lets its own inbox grow, and the socket write is probed as
 `response_deliver` where the response is written (scheduler/serving/app.py).
@@ -87,6 +89,11 @@ class Inbox(Generic[_T]):
         return self._items.popleft() if self._items else None
 
 
+def _put_all(items: list[tuple[Inbox[Event], Event]]) -> None:
+    for inbox, ev in items:
+        inbox.put(ev)
+
+
 def _expire(w: asyncio.Future[None]) -> None:
     if not w.done():
         w.set_result(None)
@@ -115,6 +122,7 @@ class ResponseStreams:
         self._texts: dict[int, tuple[str, bool]] = {}  # token_text's answers: logprobs name the same tokens again and again
         self._lock = threading.Lock()  # open() against fail_all(): no request opened as the engine fails is missed
         self._failed: str | None = None
+        self._round: list[tuple[_Open, Event]] = []  # the sender's events of the round being delivered
 
     def open(self, request_id: str, stops: list[str]) -> Inbox[Event]:
         """Event loop: register a request before it is submitted."""
@@ -176,7 +184,7 @@ class ResponseStreams:
             lps, o.logprobs = tuple(o.logprobs), []
             prompt, o.prompt = o.prompt, None
             o.posted = True
-            self._post(o, Text(out, lps, prompt, now_ns()))
+            self._round.append((o, Text(out, lps, prompt)))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
             self._abort(request_id, STOP_MATCHED)
 
@@ -186,8 +194,26 @@ class ResponseStreams:
             return
         done = o.stop.done  # the tokens the engine made after the match were never answered
         reason = "stop" if done else FINISH_REASON.get(record.finish_reason, "abort")
-        self._post(o, End(reason, record.finish_detail, len(record.input_ids),
-                          o.tokens if done else len(record.output_ids), o.stop.flush()))
+        self._round.append((o, End(reason, record.finish_detail, len(record.input_ids),
+                                   o.tokens if done else len(record.output_ids), o.stop.flush())))
+
+    def on_round_end(self) -> None:
+        """The round's events, in order, to their inboxes: one call per event loop (a server
+        has one), each Text stamped as posted now."""
+        if not self._round:
+            return
+        events, self._round = self._round, []
+        now = now_ns()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Inbox[Event], Event]]] = {}
+        for o, ev in events:
+            if isinstance(ev, Text):
+                ev = Text(ev.text, ev.logprobs, ev.prompt, now)
+            by_loop.setdefault(o.loop, []).append((o.inbox, ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is closed: the server is gone
+                pass
 
     @staticmethod
     def _post(o: _Open, ev: Event) -> None:
