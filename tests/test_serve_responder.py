@@ -224,3 +224,41 @@ def test_a_stream_closed_before_its_first_chunk_ends_its_requests(n):
             await t
 
     asyncio.run(main())
+
+
+def test_a_rounds_texts_reach_their_inboxes_in_one_post_in_order():
+    """The sender's events of a round are posted to the event loop in one call once the round
+    is delivered (a call per token woke the loop once per stream), each Text stamped then."""
+    async def main() -> None:
+        streams = ResponseStreams(lambda rid, why: None, lambda t: ("x", False))
+        loop = asyncio.get_running_loop()
+        inboxes = {rid: streams.open(rid, []) for rid in ("a", "b")}
+        posts = []
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            if getattr(args[0], "__name__", "") == "_put_all":  # (not the executor's own hand-back)
+                posts.append(args)
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        def sender() -> None:
+            streams.on_text("a", "1")
+            streams.on_text("b", "2")
+            streams.on_text("a", "3")
+            streams.on_finish(finished("b", "length"), "2")
+            assert not posts  # nothing posted mid-round
+            streams.on_round_end()
+            streams.on_round_end()  # an empty round posts nothing
+
+        await loop.run_in_executor(None, sender)
+        await asyncio.sleep(0)
+        assert len(posts) == 1
+        got = {rid: [inboxes[rid].take() for _ in range(2)] for rid in inboxes}
+        assert [ev.text for ev in got["a"]] == ["1", "3"]
+        assert got["b"][0].text == "2" and got["b"][1].finish_reason == "length"
+        stamps = {ev.posted_ns for evs in got.values() for ev in evs if isinstance(ev, Text)}
+        assert len(stamps) == 1 and stamps.pop() > 0
+
+    asyncio.run(main())
