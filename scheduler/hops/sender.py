@@ -74,6 +74,9 @@ class OutputSink(Protocol):
 
     def on_finish(self, record: FinishedRecord, text: str) -> None: ...
 
+    # Optional, not in the protocol: a sink with `on_round_end()` is called once the round's
+    # on_text and on_finish calls are all made (ResponseStreams posts them to the event loop then).
+
 
 class LogprobSink(OutputSink, Protocol):
     # A sink that also takes log-probabilities, for the requests that asked: called just
