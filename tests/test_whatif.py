@@ -652,11 +652,11 @@ def test_the_report_of_a_tp_trace_predicts_the_other_comm_setting_not_overlap_mo
     from viewer.analysis.report import build_report
     from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP, cycle_gains
 
-    gains = cycle_gains(parallel_traces["tp_off"], ["all_reduce"], "serial", 10)
+    gains = cycle_gains(parallel_traces["tp_off"], ["all_reduce"], "serial")
     assert COMM_OVERLAP in gains and OVERLAP not in gains
     assert gains[COMM_OVERLAP] == pytest.approx(whatif(parallel_traces["tp_off"], comm_overlap="on").predicted.cycle_ms
                                                 / whatif(parallel_traces["tp_off"]).replayed.cycle_ms - 1, abs=1e-9)
-    assert OVERLAP not in cycle_gains(parallel_traces["pp"], [], "serial", 10)
+    assert OVERLAP not in cycle_gains(parallel_traces["pp"], [], "serial")
     lines = " ".join(build_report(parallel_traces["tp_off"]).worth_attacking)
     assert "`--mode overlap`" not in lines and "all_reduce" in lines
 

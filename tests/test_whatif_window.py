@@ -156,3 +156,38 @@ def test_the_text_says_which_window_and_what_it_left_out(traces):
     assert rc == 0, err
     text = " ".join(out.split())
     assert f"window: rounds {_middle(root)}" in text and "that began before it or ended after it" in text
+
+
+def test_a_long_traces_report_predicts_from_its_last_rounds(traces, monkeypatch, tmp_path):
+    """Past GAINS_MAX_ROUNDS the report's "worth attacking" predictions are those of `whatif
+    --rounds` on its last rounds, each line's command names them and a line says so; the
+    HTML's critical path is of the same rounds. (The bound lowered: a trace of more than 20,000
+    rounds is minutes of running.)"""
+    import re
+
+    import viewer.analysis.whatif_gains as g
+    from viewer.analysis.report import build_report
+    from viewer.analysis.whatif import Speedup
+    from viewer.export.html import report_html
+
+    root = traces["serial"]
+    steps = _steps(root)
+    assert "--rounds" not in " ".join(build_report(root).worth_attacking)  # a short trace: the whole run
+    cap = len(steps) // 2
+    monkeypatch.setattr(g, "GAINS_MAX_ROUNDS", cap)
+    text = " ".join(build_report(root).worth_attacking)
+    first, last = max(int(steps[0]), int(steps[-1]) - cap + 1), int(steps[-1])
+    named = f"{first}-{last}"
+    assert f"predictions above are of rounds {named} ({int((steps >= first).sum()):,} rounds, the last of the " \
+           f"run's {len(steps):,})" in text, text
+    window = parse_window(Trace.open(root), rounds=named)
+    said = re.findall(r"the cycle would change ([-+]\d+\.\d)% \(`mstrace whatif --rounds (\S+) (--\S+ \S+)`", text)
+    assert said, text
+    for pct, rounds, args in said:
+        assert rounds == named
+        flag, value = args.split(" ")
+        asked = whatif(root, window=window, **({"mode": value} if flag == "--mode" else
+                                               {"speedups": [Speedup.parse(value)]}))
+        assert float(pct) == pytest.approx(100 * (asked.predicted.cycle_ms / asked.replayed.cycle_ms - 1), abs=0.051)
+    report_html(root, tmp_path / "r.html")
+    assert f"critical path of rounds {named} of the serial run" in (tmp_path / "r.html").read_text()

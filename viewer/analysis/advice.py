@@ -13,7 +13,7 @@ from probes import boundaries as B
 from viewer.analysis.cost import CostTable
 from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
 from viewer.analysis.whatif_fit import tp_pp
-from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP
+from viewer.analysis.whatif_gains import COMM_OVERLAP, GAINS_MAX_ROUNDS, OVERLAP, GainsWindow
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
 WORTH = 0.02
@@ -40,7 +40,13 @@ _IMPORTED = {
 _FOREIGN_HOST_WORK = "host work the device waits for: overlap it with the device's (prepare round N+1 while N computes)"
 
 
-def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str, float]) -> str:
+def _whatif(args: str, rounds: str | None) -> str:
+    """The command behind a prediction (a long trace's: over the rounds it was fitted on)."""
+    return f"`mstrace whatif {'--rounds ' + rounds + ' ' if rounds else ''}{args}`"
+
+
+def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str, float],
+            rounds: str | None = None) -> str:
     overlapped = mode == "overlap"
     # TP and PP rounds run serially or time-sliced: overlap mode is not theirs to switch on
     can_overlap = not overlapped and tp_pp(config) == (1, 1)
@@ -54,9 +60,9 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
         g = gains.get(OVERLAP)
         if can_overlap and g is not None and g > -WORTH:  # e.g. host and device slowing each other (whatif)
             return (f"`--mode overlap` would not hide it here: the cycle would change {100 * g:+.1f}% "
-                    "(`mstrace whatif --mode overlap` says why)" if g >= WORTH else
+                    f"({_whatif('--mode overlap', rounds)} says why)" if g >= WORTH else
                     f"`--mode overlap` would change the cycle by less than {100 * WORTH:.0f}% here "
-                    "(`mstrace whatif --mode overlap` says why)")
+                    f"({_whatif('--mode overlap', rounds)} says why)")
         return ("`--mode overlap` runs it under the device's work" if can_overlap else
                 "already overlapped: this host work outlasts the device's round; make it cheaper" if overlapped
                 else "TP and PP rounds run serially or time-sliced, never overlapped: make it cheaper")
@@ -75,7 +81,7 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
             return "`--comm-overlap on` hides it behind the other half of the batch"
         return ("`--comm-overlap on` would not hide it here (below)" if g >= WORTH else
                 f"`--comm-overlap on` would change the cycle by less than {100 * WORTH:.0f}% here "
-                "(`mstrace whatif --comm-overlap on`)")
+                f"({_whatif('--comm-overlap on', rounds)})")
     if name == B.PP_BUBBLE:
         return "`--pp-microbatches 2` fills the pipeline"
     if name == B.DEFRAG:
@@ -88,13 +94,14 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
 
 
 def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
-                    gains: dict[str, float] | None = None) -> list[str]:
+                    gains: dict[str, float] | None = None, fitted: GainsWindow | None = None) -> list[str]:
     """One or two sentences: the largest device-idle rows, each with the option that addresses
     it and, where the round model could replay the trace (`gains`, viewer/analysis/whatif_gains.py),
-    what halving it would do to the cycle."""
+    what halving it would do to the cycle; `fitted`: the rounds a long trace's `gains` are of."""
     if not c.cycles:
         return []
     gains = gains or {}
+    rounds = fitted.rounds if fitted is not None else None
     lines = []
     if c.device_busy >= DEVICE_BOUND:
         lines.append(f"the device computes {100 * c.device_busy:.1f}% of each cycle: the host is not the "
@@ -103,12 +110,12 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
             if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
     for name, share in rows[:2]:
         predicted = (f"; halved, the cycle would change {100 * gains[name]:+.1f}% "
-                     f"(`mstrace whatif --speedup {name}=0.5`)" if name in gains else "")
+                     f"({_whatif(f'--speedup {name}=0.5', rounds)})" if name in gains else "")
         lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle{predicted}; "
-                     f"{_remedy(name, mode, config, gains)}")
+                     f"{_remedy(name, mode, config, gains, rounds)}")
     if COMM_OVERLAP in gains:
         g, other = gains[COMM_OVERLAP], "off" if config.get("comm_overlap", True) else "on"
-        by = f"by the round model (`mstrace whatif --comm-overlap {other}`, docs/whatif.md)"
+        by = f"by the round model ({_whatif(f'--comm-overlap {other}', rounds)}, docs/whatif.md)"
         fixed = "each half of the batch pays the ops' fixed costs again, more than the overlap hides"
         if g <= -WORTH:
             lines.append(f"`--comm-overlap {other}`: the cycle would change {100 * g:+.1f}% {by}"
@@ -118,9 +125,13 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
                          f"{fixed}")
     if OVERLAP in gains and gains[OVERLAP] <= -WORTH:
         lines.append(f"`--mode overlap`: the cycle would change {100 * gains[OVERLAP]:+.1f}% by the round model "
-                     "(`mstrace whatif --mode overlap`, docs/whatif.md)")
+                     f"({_whatif('--mode overlap', rounds)}, docs/whatif.md)")
     if not lines:
         lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
+    if fitted is not None and any(f"--rounds {rounds} " in line for line in lines):
+        lines.append(f"the round model's predictions above are of rounds {fitted.rounds} ({fitted.held:,} rounds, "
+                     f"the last of the run's {fitted.of:,}): the report fits at most {GAINS_MAX_ROUNDS:,}; "
+                     "`mstrace whatif --rounds A-B` or `--time START-END` answers for any other window")
     return lines
 
 

@@ -30,7 +30,7 @@ from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 from viewer.analysis.serving_boot import workload_digest
-from viewer.analysis.whatif_gains import cycle_gains
+from viewer.analysis.whatif_gains import cycle_gains, gains_window
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 # (The probe rows are read a window at a time: viewer/analysis/cycle_stream.py.)
@@ -199,12 +199,15 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     return ReportInputs(trace, views, steps, requests)
 
 
-def _gains(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> dict[str, float]:
-    """The round model's predictions for the rows worth attacking (none for another engine's trace)."""
-    if "import" in inp.trace.meta or "api" in config or not cost.cycles:
-        return {}
-    names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
-    return cycle_gains(inp.trace.root, names, config.get("mode"), inp.steps.num_rows)
+def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> list[str]:
+    """The lines, with the round model's predictions for the rows worth attacking (none for
+    another engine's trace; a long trace's fitted on its last rounds, `gains_window`)."""
+    gains, window = {}, None
+    if "import" not in inp.trace.meta and "api" not in config and cost.cycles:
+        names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
+        window = gains_window(inp.trace, inp.steps["step"].to_numpy())
+        gains = cycle_gains(inp.trace.root, names, config.get("mode"), window)
+    return worth_attacking(cost, config.get("mode"), config, gains, window if gains else None)
 
 
 def build_report(root: str | Path | ReportInputs) -> ReportResult:
@@ -231,8 +234,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),
         # no advice from a table no probe filled (--no-probes: every cycle is unattributed)
-        worth_attacking=(worth_attacking(cost, config.get("mode"), config, _gains(inp, cost, config))
-                         if config.get("probes", True) else []),
+        worth_attacking=_worth_attacking(inp, cost, config) if config.get("probes", True) else [],
         throughput=Throughput(
             requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
             finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,

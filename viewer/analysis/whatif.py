@@ -389,13 +389,14 @@ def _backend(tr: Trace) -> str:
     return backend(tr.meta, None).name
 
 
-def replayed_path(root: str | Path) -> list[PathRow] | None:
+def replayed_path(root: str | Path, window: Window | None = None) -> list[PathRow] | None:
     """The critical path of the run as it ran (the model's fit; no intervals), for the HTML
-    report; None where the model cannot read the trace or it is too long to replay there."""
+    report; of `window`'s rounds where given (`gains_window`: a long trace's); None where the
+    model cannot read the trace, or it is too long to replay whole and no window is given."""
     from viewer.analysis.whatif_gains import GAINS_MAX_ROUNDS
 
     try:
-        run = load(root, GAINS_MAX_ROUNDS)
+        run = load(root, GAINS_MAX_ROUNDS, window)
     except WhatIfError:
         return None
     overlap = rounds_mode(run.trace.meta.get("config", {})) == "overlap"

@@ -1,34 +1,62 @@
 """What the report's "worth attacking" lines predict: the cycle had a row been halved, or the
 run overlapped, from the round model (docs/whatif.md) without its intervals, so the report
-stays one pass. Bounded: a trace of more rounds than GAINS_MAX_ROUNDS gets none (the fit reads
-every probe row of rank 0 whole, which the report's stream never does); `mstrace whatif
---rounds` answers for a window of any trace."""
+stays one pass. Bounded: a trace of more rounds than GAINS_MAX_ROUNDS is fitted on its last
+GAINS_MAX_ROUNDS (`gains_window`), as `mstrace whatif --rounds A-B` fits them, since the fit
+holds its rounds' probe rows in memory, which the report's stream never does."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from tracing.reader import Trace
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
 from viewer.analysis.whatif_probe import measured, own, replayed
 from viewer.analysis.whatif_share import as_run
 from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
+from viewer.export.window import Window, parse_window
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
 COMM_OVERLAP = "comm overlap"  # a TP trace's, under the other --comm-overlap
 
 
-def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None, rounds: int) -> dict[str, float]:
+@dataclass(frozen=True, slots=True)
+class GainsWindow:
+    """The rounds a long trace's predictions are fitted on: `whatif --rounds` of `rounds`."""
+    window: Window
+    rounds: str  # A-B, as --rounds takes it
+    held: int  # rounds in it
+    of: int  # the trace's
+
+
+def gains_window(trace: Trace, step: np.ndarray) -> GainsWindow | None:
+    """None where the model takes the whole trace (`step`: its rounds' numbers); else its last
+    GAINS_MAX_ROUNDS rounds, those nearest what a user sees when a long run is read."""
+    if len(step) <= GAINS_MAX_ROUNDS:
+        return None
+    last = int(step.max())
+    first = max(int(step.min()), last - GAINS_MAX_ROUNDS + 1)
+    window = parse_window(trace, rounds=f"{first}-{last}")
+    assert window is not None
+    return GainsWindow(window, f"{first}-{last}", int(np.count_nonzero(step >= first)), len(step))
+
+
+def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None,
+                window: GainsWindow | None = None) -> dict[str, float]:
     """Relative change of the mean cycle (-0.2: 20% shorter) with each boundary halved, for a
     serial run under overlap (one rank: TP and PP run serial or time-slice only), and for a
-    TP run under the other --comm-overlap. Empty when the model cannot read the trace or it is
-    too long."""
-    if rounds > GAINS_MAX_ROUNDS or mode not in ("serial", "overlap", "timeslice"):
+    TP run under the other --comm-overlap; over `window`'s rounds where given (`gains_window`).
+    Empty when the model cannot read the trace, or it is longer than GAINS_MAX_ROUNDS and no
+    window is given."""
+    if mode not in ("serial", "overlap", "timeslice"):
         return {}
     try:
-        run = load(root)
+        run = load(root, GAINS_MAX_ROUNDS, window.window if window is not None else None)
     except WhatIfError:
         return {}
     cfg = run.trace.meta.get("config", {})

@@ -20,6 +20,7 @@ from tracing.reader import Trace
 from tracing.schema import TABLES
 from viewer.analysis.records import JsonView
 from viewer.analysis.whatif import replayed_path
+from viewer.analysis.whatif_gains import gains_window
 from viewer.export import html_charts as charts
 from viewer.export.window import Window, table_in
 from viewer.render.text import ms, pct
@@ -80,9 +81,10 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
     inp = chart_inputs(root, window)
     figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
-    path = replayed_path(root)  # None for an imported or a TP/PP trace
+    fitted = gains_window(Trace.open(root), inp.steps["step"].to_numpy())
+    path = replayed_path(root, fitted.window if fitted is not None else None)  # None for an imported or TP/PP trace
     if path:
-        figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced"))
+        figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced", fitted.rounds if fitted else None))
     body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep),
             *([f"<p class=note>{_e(timeline_note(window, inp))}</p>"] if window is not None else []),
             "<h2>Sync cost</h2>",

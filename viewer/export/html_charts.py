@@ -167,9 +167,10 @@ def cost_bars(tables: list[tuple[str, CostView]]) -> Any:
                                        yaxis_title="% of cycle"))
 
 
-def critical_path_bars(rows: list[PathRow], mode: str) -> Any:
+def critical_path_bars(rows: list[PathRow], mode: str, rounds: str | None = None) -> Any:
     """Each boundary's time per round, split into what lies on the run's critical path and its
-    slack (docs/whatif.md): the rows worth making faster are the long solid bars."""
+    slack (docs/whatif.md): the rows worth making faster are the long solid bars; `rounds`:
+    the window a long trace's replay took (`gains_window`)."""
     go = _go()
     fig = go.Figure()
     names = [r.boundary for r in rows][::-1]  # the longest on-path row on top
@@ -180,8 +181,9 @@ def critical_path_bars(rows: list[PathRow], mode: str) -> Any:
                          hovertemplate="%{y}: %{x:.3f} ms/round on the path<extra></extra>"))
     fig.add_trace(go.Bar(y=names, x=slack, orientation="h", name="slack", marker={"color": "rgba(0,0,0,0.12)"},
                          hovertemplate="%{y}: %{x:.3f} ms/round of slack<extra></extra>"))
-    return fig.update_layout(**_layout(f"critical path of the {mode} run as the round model replays it "
-                                       "(ms per round)", barmode="stack", xaxis_title="ms per round"))
+    of = f"rounds {rounds} of the {mode} run" if rounds else f"the {mode} run"
+    return fig.update_layout(**_layout(f"critical path of {of} as the round model replays it (ms per round)",
+                                       barmode="stack", xaxis_title="ms per round"))
 
 
 def latency_cdfs(inputs: list[tuple[str, ChartInputs]]) -> Any:
