@@ -262,3 +262,48 @@ def test_a_rounds_texts_reach_their_inboxes_in_one_post_in_order():
         assert len(stamps) == 1 and stamps.pop() > 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("sender_stalls", [False, True])
+def test_an_engine_failure_ends_a_request_after_the_rounds_the_sender_still_holds(sender_stalls, monkeypatch):
+    """The engine fails with a round that finished a request still queued to the sender: the
+    request ends as that round says (`length`), not as the failure, which once overtook it.
+    A sender that never gets to it does not hold the failure back (FAIL_WITHIN_S; made long
+    where the sender does get to it, so that a loaded host cannot fire it first)."""
+    import threading
+    from types import SimpleNamespace
+
+    import scheduler.serving.engine_loop as engine_loop
+    from scheduler.hops.sender import Sender, StepOutput
+    from scheduler.serving.engine_loop import EngineLoop
+
+    if not sender_stalls:
+        monkeypatch.setattr(engine_loop, "FAIL_WITHIN_S", 600.0)
+
+    async def main() -> list[Any]:
+        streams = ResponseStreams(lambda rid, why: None, lambda t: ("x", False))
+        inbox = streams.open("a", [])
+        release = threading.Event()
+        sender = Sender(None, [streams], None, before_deliver=lambda: release.wait(60))
+
+        def drive(*_: Any) -> None:
+            sender.queue.put(StepOutput(1, [("a", 7)], finished=[finished("a", "length")]))
+            raise RuntimeError("the forward raised")
+
+        loop = EngineLoop(SimpleNamespace(drive=drive, sender=sender), on_fail=streams.fail_all)
+        loop.start()
+        if not sender_stalls:
+            await asyncio.sleep(0.1)  # (the failure is in while the sender holds the round, or soon after)
+            release.set()
+        got = [await inbox.get(30)]
+        if not sender_stalls:
+            got.append(await inbox.get(30))
+        release.set()
+        sender.close()
+        return got
+
+    got = asyncio.run(main())
+    if sender_stalls:
+        assert got[0].failed and "the forward raised" in got[0].detail, got
+    else:
+        assert isinstance(got[0], Text) and got[1].finish_reason == "length" and not got[1].failed, got

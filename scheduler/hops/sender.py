@@ -91,7 +91,8 @@ class Sender:
         self, tokenizer: Tokenizer | None, sinks: list[OutputSink], probes: Probes | None = None,
         before_deliver: Callable[[], None] = lambda: None,
     ) -> None:
-        self.queue: queue.SimpleQueue[StepOutput | None] = queue.SimpleQueue()
+        # a round's output, a call to make once the rounds before it are delivered, or None: stop
+        self.queue: queue.SimpleQueue[StepOutput | Callable[[], None] | None] = queue.SimpleQueue()
         self._buf = probes.buffer() if probes is not None else None
         self._rank = probes.rank if probes is not None else 0
         self._before_deliver = before_deliver  # a fault's hook (the slow sender)
@@ -107,6 +108,11 @@ class Sender:
         self._thread = threading.Thread(target=self._loop, name="sender", daemon=True)
         self._thread.start()
 
+    def call_after(self, fn: Callable[[], None]) -> None:
+        """Any thread: `fn` on the sender thread once it has delivered every round queued before
+        it (never, once the sender is closed). An exception it raises is reported on close()."""
+        self.queue.put(fn)
+
     def close(self) -> None:
         self.queue.put(None)
         self._thread.join()
@@ -118,6 +124,12 @@ class Sender:
             item = self.queue.get()
             if item is None:
                 return
+            if not isinstance(item, StepOutput):
+                try:
+                    item()
+                except Exception as e:  # noqa: BLE001 - as _deliver's sinks
+                    self.error = self.error or e
+                continue
             t0 = now_ns()
             try:
                 self._before_deliver()

@@ -17,6 +17,10 @@ from scheduler.engine import Engine, StepStats
 from scheduler.stall_guard import EngineStalled
 from tracing.run_status import first_line
 
+# How long an engine failure's end waits for the sender to deliver the rounds before it (a
+# sender of its own stalled: the failure goes out then anyway).
+FAIL_WITHIN_S = 1.0
+
 
 @dataclass(slots=True, frozen=True)
 class Health:
@@ -56,7 +60,23 @@ class EngineLoop:
             self.end_ns = now_ns()
             if self._state != "stopped" and self._on_fail is not None:
                 h = self.health()
-                self._on_fail(f"the engine is {h.state}: {h.detail}")
+                self._fail_in_order(self._on_fail, f"the engine is {h.state}: {h.detail}")
+
+    def _fail_in_order(self, on_fail: Callable[[str], None], why: str) -> None:
+        """on_fail once the sender has delivered the rounds handed to it before the failure, so
+        that a request one of them finished gets its own end, not the failure's; and within
+        FAIL_WITHIN_S whatever the sender does, as a stalled sender must not hang every request.
+        Not a wait: the scheduling thread returns at once."""
+        once = threading.Lock()
+
+        def fail() -> None:
+            if once.acquire(blocking=False):
+                on_fail(why)
+
+        self.engine.sender.call_after(fail)
+        late = threading.Timer(FAIL_WITHIN_S, fail)
+        late.daemon = True
+        late.start()
 
     def _round(self, stats: StepStats) -> None:
         self.rounds += 1

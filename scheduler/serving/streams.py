@@ -135,9 +135,9 @@ class ResponseStreams:
         return o.inbox
 
     def fail_all(self, why: str) -> None:
-        """The scheduling thread, when the engine stops on a failure or a stall: every request
-        still open (and any opened later) ends now, rather than waiting for tokens that will
-        never come."""
+        """When the engine stops on a failure or a stall (EngineLoop calls it on the sender
+        thread once the rounds before the failure are delivered): every request still open (and
+        any opened later) ends now, rather than waiting for tokens that will never come."""
         with self._lock:
             self._failed = why
             opened = list(self._open.values())
