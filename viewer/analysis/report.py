@@ -30,7 +30,7 @@ from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 from viewer.analysis.serving_boot import workload_digest
-from viewer.analysis.whatif_gains import cycle_gains, gains_window
+from viewer.analysis.whatif_gains import GainsWindow, cycle_gains, gains_window
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 # (The probe rows are read a window at a time: viewer/analysis/cycle_stream.py.)
@@ -50,6 +50,7 @@ class ReportInputs:
     cycles: CycleViews  # the cost table's sums (with `per_cycle`: each cycle's)
     steps: pa.Table
     requests: pa.Table
+    fitted: GainsWindow | None = None  # the rounds the round model's predictions take (a long trace's last)
 
     @property
     def main_rank(self) -> dict[str, np.ndarray]:
@@ -185,6 +186,7 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     steps = read_steps(trace, STEP_COLUMNS).combine_chunks()
     keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
     cycles = Cycles.of(trace, steps)
+    fitted = gains_window(trace, steps)  # (while the steps hold their times)
     steps = steps.select(keep)  # (both keep what the requests' check reads: step, collect_ns)
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
@@ -196,18 +198,17 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
         requests = read_consistent(trace, {"requests": request_columns}, steps=steps,
                                    uncombined=("requests",))["requests"]
         views = job.result()
-    return ReportInputs(trace, views, steps, requests)
+    return ReportInputs(trace, views, steps, requests, fitted)
 
 
 def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> list[str]:
     """The lines, with the round model's predictions for the rows worth attacking (none for
     another engine's trace; a long trace's fitted on its last rounds, `gains_window`)."""
-    gains, window = {}, None
+    gains = {}
     if "import" not in inp.trace.meta and "api" not in config and cost.cycles:
         names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
-        window = gains_window(inp.trace, inp.steps["step"].to_numpy())
-        gains = cycle_gains(inp.trace.root, names, config.get("mode"), window)
-    return worth_attacking(cost, config.get("mode"), config, gains, window if gains else None)
+        gains = cycle_gains(inp.trace.root, names, config.get("mode"), inp.fitted)
+    return worth_attacking(cost, config.get("mode"), config, gains, inp.fitted if gains else None)
 
 
 def build_report(root: str | Path | ReportInputs) -> ReportResult:

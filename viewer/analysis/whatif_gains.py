@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from tracing.reader import Trace
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
@@ -34,14 +35,16 @@ class GainsWindow:
     of: int  # the trace's
 
 
-def gains_window(trace: Trace, step: np.ndarray) -> GainsWindow | None:
-    """None where the model takes the whole trace (`step`: its rounds' numbers); else its last
-    GAINS_MAX_ROUNDS rounds, those nearest what a user sees when a long run is read."""
-    if len(step) <= GAINS_MAX_ROUNDS:
+def gains_window(trace: Trace, steps: pa.Table) -> GainsWindow | None:
+    """None where the model takes the whole trace (`steps`: its steps table with step, ts_ns
+    and dur_ns); else its last GAINS_MAX_ROUNDS rounds, those nearest what a user sees when a
+    long run is read."""
+    if steps.num_rows <= GAINS_MAX_ROUNDS:
         return None
+    step = steps["step"].to_numpy()
     last = int(step.max())
     first = max(int(step.min()), last - GAINS_MAX_ROUNDS + 1)
-    window = parse_window(trace, rounds=f"{first}-{last}")
+    window = parse_window(trace, rounds=f"{first}-{last}", steps_read=steps)
     assert window is not None
     return GainsWindow(window, f"{first}-{last}", int(np.count_nonzero(step >= first)), len(step))
 

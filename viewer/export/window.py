@@ -63,10 +63,11 @@ class Window:
 
 
 def parse_window(trace: Trace, rounds: str | None = None, time: str | None = None, request: str | None = None,
-                 worst: int | None = None) -> Window | None:
+                 worst: int | None = None, steps_read: pa.Table | None = None) -> Window | None:
     """The window the flags ask for (at most one of them), or None for the whole trace;
-    TraceError with one line for a window the trace does not have."""
-    steps = _steps(trace)
+    TraceError with one line for a window the trace does not have. `steps_read`: the trace's
+    steps (step, ts_ns, dur_ns) where the caller has read them."""
+    steps = _steps(trace) if steps_read is None else _step_arrays(steps_read)
     w = _window(trace, steps, rounds, time, request, worst)
     if w is None or not len(steps["end"]):
         return w
@@ -241,8 +242,11 @@ def _steps(trace: Trace) -> dict[str, np.ndarray]:
     starts (the last: its end). A window takes rounds by their cycles (cycle_views.py's
     `cycle_bounds`): a round's response_send and the gap before the next round come after its
     end, and a window that stopped there would leave them out of its last round's costs."""
-    t = trace.table("steps", ["step", "ts_ns", "dur_ns"]) if trace.has_table("steps") else \
-        TABLES["steps"].empty_table().select(["step", "ts_ns", "dur_ns"])
+    return _step_arrays(trace.table("steps", ["step", "ts_ns", "dur_ns"]) if trace.has_table("steps") else
+                        TABLES["steps"].empty_table().select(["step", "ts_ns", "dur_ns"]))
+
+
+def _step_arrays(t: pa.Table) -> dict[str, np.ndarray]:
     ts = t["ts_ns"].to_numpy().astype(np.int64)
     order = np.argsort(ts, kind="stable")
     ts = ts[order]
