@@ -127,7 +127,8 @@ def test_a_long_run_is_refused_with_a_window_the_model_then_takes(traces, monkey
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     named = err.split("--rounds ")[1].split()[0]
     a, b = (int(x) for x in named.split("-"))
-    assert b == _steps(root)[-1] and b - a + 1 == most
+    steps = _steps(root)  # (by rows: an idle round takes a number and writes no row)
+    assert b == steps[-1] and int(((steps >= a) & (steps <= b)).sum()) == most
     rc, out, err = cli("whatif", str(root), "--rounds", named, "--json")
     assert rc == 0, err
     got = json.loads(out)
@@ -158,36 +159,37 @@ def test_the_text_says_which_window_and_what_it_left_out(traces):
     assert f"window: rounds {_middle(root)}" in text and "that began before it or ended after it" in text
 
 
-def test_a_long_traces_report_predicts_from_its_last_rounds(traces, monkeypatch, tmp_path):
+@pytest.mark.parametrize("mode", ["serial", "overlap"])
+def test_a_long_traces_report_predicts_from_its_last_rounds(traces, monkeypatch, tmp_path, mode):
     """Past GAINS_MAX_ROUNDS the report's "worth attacking" predictions are those of `whatif
-    --rounds` on its last rounds, each line's command names them and a line says so; the
-    HTML's critical path is of the same rounds. (The bound lowered: a trace of more than 20,000
-    rounds is minutes of running.)"""
+    --rounds` on its last rounds (by row: an open-loop run's idle rounds take numbers and write
+    no row), each line's command names them and a line says so; the HTML's critical path is of
+    the same rounds. (The bound lowered: a trace of more than 20,000 rounds is minutes of running.)"""
     import re
 
     import viewer.analysis.whatif_gains as g
-    from viewer.analysis.report import build_report
+    from viewer.analysis.report import build_report, load_inputs
     from viewer.analysis.whatif import Speedup
     from viewer.export.html import report_html
 
-    root = traces["serial"]
+    root = traces[mode]
     steps = _steps(root)
     assert "--rounds" not in " ".join(build_report(root).worth_attacking)  # a short trace: the whole run
     cap = len(steps) // 2
     monkeypatch.setattr(g, "GAINS_MAX_ROUNDS", cap)
+    fitted = load_inputs(root).fitted
+    assert fitted is not None and fitted.held == cap and fitted.of == len(steps)
+    named = f"{int(steps[-cap])}-{int(steps[-1])}"
+    assert fitted.rounds == named and fitted.window == parse_window(Trace.open(root), rounds=named)
     text = " ".join(build_report(root).worth_attacking)
-    first, last = max(int(steps[0]), int(steps[-1]) - cap + 1), int(steps[-1])
-    named = f"{first}-{last}"
-    assert f"predictions above are of rounds {named} ({int((steps >= first).sum()):,} rounds, the last of the " \
-           f"run's {len(steps):,})" in text, text
-    window = parse_window(Trace.open(root), rounds=named)
+    assert f"predictions above are of rounds {named}, the last {cap:,} of the run's {len(steps):,}" in text, text
     said = re.findall(r"the cycle would change ([-+]\d+\.\d)% \(`mstrace whatif --rounds (\S+) (--\S+ \S+)`", text)
     assert said, text
     for pct, rounds, args in said:
         assert rounds == named
         flag, value = args.split(" ")
-        asked = whatif(root, window=window, **({"mode": value} if flag == "--mode" else
-                                               {"speedups": [Speedup.parse(value)]}))
+        asked = whatif(root, window=fitted.window, **({"mode": value} if flag == "--mode" else
+                                                      {"speedups": [Speedup.parse(value)]}))
         assert float(pct) == pytest.approx(100 * (asked.predicted.cycle_ms / asked.replayed.cycle_ms - 1), abs=0.051)
     report_html(root, tmp_path / "r.html")
-    assert f"critical path of rounds {named} of the serial run" in (tmp_path / "r.html").read_text()
+    assert f"critical path of rounds {named} of the {mode} run" in (tmp_path / "r.html").read_text()

@@ -127,7 +127,7 @@ class Sender:
             if not isinstance(item, StepOutput):
                 try:
                     item()
-                except Exception as e:  # noqa: BLE001 - as _deliver's sinks
+                except BaseException as e:  # noqa: BLE001 - as a round's: reported on close()
                     self.error = self.error or e
                 continue
             t0 = now_ns()

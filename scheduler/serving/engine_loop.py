@@ -71,11 +71,12 @@ class EngineLoop:
 
         def fail() -> None:
             if once.acquire(blocking=False):
+                late.cancel()  # (the sender got there first: no timer thread left waiting)
                 on_fail(why)
 
-        self.engine.sender.call_after(fail)
         late = threading.Timer(FAIL_WITHIN_S, fail)
         late.daemon = True
+        self.engine.sender.call_after(fail)
         late.start()
 
     def _round(self, stats: StepStats) -> None:

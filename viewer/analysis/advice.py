@@ -13,7 +13,7 @@ from probes import boundaries as B
 from viewer.analysis.cost import CostTable
 from viewer.analysis.cycle_views import UNATTRIBUTED, _Rows
 from viewer.analysis.whatif_fit import tp_pp
-from viewer.analysis.whatif_gains import COMM_OVERLAP, GAINS_MAX_ROUNDS, OVERLAP, GainsWindow
+from viewer.analysis.whatif_gains import COMM_OVERLAP, OVERLAP, GainsWindow
 
 # A row is worth attacking when the device waits on it at least this share of each cycle.
 WORTH = 0.02
@@ -129,9 +129,9 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
     if not lines:
         lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
     if fitted is not None and any(f"--rounds {rounds} " in line for line in lines):
-        lines.append(f"the round model's predictions above are of rounds {fitted.rounds} ({fitted.held:,} rounds, "
-                     f"the last of the run's {fitted.of:,}): the report fits at most {GAINS_MAX_ROUNDS:,}; "
-                     "`mstrace whatif --rounds A-B` or `--time START-END` answers for any other window")
+        lines.append(f"the round model's predictions above are of rounds {fitted.rounds}, the last {fitted.held:,} "
+                     f"of the run's {fitted.of:,}: the report fits no more; `mstrace whatif --rounds A-B` or "
+                     "`--time START-END` answers for any other window")
     return lines
 
 

@@ -30,7 +30,7 @@ from viewer.analysis.kv import KvUsage, kv_usage
 from viewer.analysis.records import INLINE, OMITTED, JsonRecord, Omitted
 from viewer.analysis.serving import Dist, itl_from_runs, serving_metrics
 from viewer.analysis.serving_boot import workload_digest
-from viewer.analysis.whatif_gains import GainsWindow, cycle_gains, gains_window
+from viewer.analysis.whatif_gains import GainsWindow, cycle_gains, gains_window, predicts
 
 # Only what the analyses read: a long trace's requests table is mostly token lists.
 # (The probe rows are read a window at a time: viewer/analysis/cycle_stream.py.)
@@ -186,7 +186,7 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     steps = read_steps(trace, STEP_COLUMNS).combine_chunks()
     keep = STEP_COLUMNS if per_cycle or "import" in trace.meta else REPORT_STEP_COLUMNS
     cycles = Cycles.of(trace, steps)
-    fitted = gains_window(trace, steps)  # (while the steps hold their times)
+    fitted = gains_window(steps) if predicts(trace.meta) else None  # (while the steps hold their times)
     steps = steps.select(keep)  # (both keep what the requests' check reads: step, collect_ns)
     # The probe rows stream beside the requests' read and checks: both mostly decode and
     # numpy, which release the GIL.
@@ -201,18 +201,20 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     return ReportInputs(trace, views, steps, requests, fitted)
 
 
-def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any]) -> list[str]:
+def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any], predict: bool) -> list[str]:
     """The lines, with the round model's predictions for the rows worth attacking (none for
     another engine's trace; a long trace's fitted on its last rounds, `gains_window`)."""
     gains = {}
-    if "import" not in inp.trace.meta and "api" not in config and cost.cycles:
+    if predict and predicts(inp.trace.meta) and cost.cycles:
         names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
         gains = cycle_gains(inp.trace.root, names, config.get("mode"), inp.fitted)
     return worth_attacking(cost, config.get("mode"), config, gains, inp.fitted if gains else None)
 
 
-def build_report(root: str | Path | ReportInputs) -> ReportResult:
-    """Everything `report` shows (its to_json() is what --json prints)."""
+def build_report(root: str | Path | ReportInputs, predict: bool = True) -> ReportResult:
+    """Everything `report` shows (its to_json() is what --json prints); `predict`: with the
+    round model's predictions in the "worth attacking" lines (a caller that shows no lines
+    leaves the fit out)."""
     inp = root if isinstance(root, ReportInputs) else load_inputs(root)
     meta, steps, requests = inp.trace.meta, inp.steps, inp.requests
     # ITL from token runs and round collect times: exact, and a long trace's tens
@@ -235,7 +237,7 @@ def build_report(root: str | Path | ReportInputs) -> ReportResult:
         backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),
         # no advice from a table no probe filled (--no-probes: every cycle is unattributed)
-        worth_attacking=_worth_attacking(inp, cost, config) if config.get("probes", True) else [],
+        worth_attacking=_worth_attacking(inp, cost, config, predict) if config.get("probes", True) else [],
         throughput=Throughput(
             requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
             finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,

@@ -181,7 +181,7 @@ def _figures(run: Run, b: Batches, tl: Timeline) -> Figures:
 def _measured(tr: Trace) -> Figures:
     from viewer.analysis.report import build_report
 
-    rep = build_report(tr.root)
+    rep = build_report(tr.root, predict=False)
     lat = rep.latency
     return Figures(rep.cost.cycle_ms, rep.throughput.output_tok_per_s, lat.ttft_ms.p50, lat.ttft_ms.p90,
                    lat.itl_ms.p50, lat.itl_ms.p90)

@@ -214,12 +214,11 @@ def _refuse_long(tr: Trace, max_rounds: int) -> None:
     parts = tr.parts.get("steps", [])
     if any(p.rows is None for p in parts) or sum(p.rows or 0 for p in parts) <= max_rounds:
         return  # (a legacy trace's are counted once read)
-    step = tr.table("steps", ["step"])["step"]
-    n, first, last = len(step), int(pc.min(step).as_py()), int(pc.max(step).as_py())
-    raise WhatIfError(f"{tr.root} has {n:,} rounds; the model replays each round hundreds of times and takes at "
-                      f"most {max_rounds:,}: give it a window of them, as --rounds "
-                      f"{max(first, last - max_rounds + 1)}-{last} "
-                      "(the last ones) or --time START-END")
+    step = tr.table("steps", ["step"])["step"].to_numpy()
+    k = len(step) - max_rounds  # the last rounds by row: an idle engine's rounds take numbers and write none
+    raise WhatIfError(f"{tr.root} has {len(step):,} rounds; the model replays each round hundreds of times and "
+                      f"takes at most {max_rounds:,}: give it a window of them, as --rounds "
+                      f"{int(np.partition(step, k)[k])}-{int(step.max())} (the last ones) or --time START-END")
 
 
 def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None:

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
-from tracing.reader import Trace
 from viewer.analysis.whatif_comm import trace_setting, with_comm_overlap
 from viewer.analysis.whatif_fit import WhatIfError, load, tp_pp
 from viewer.analysis.whatif_model import SCALES, Batches, busy_ns, simulate
 from viewer.analysis.whatif_probe import measured, own, replayed
 from viewer.analysis.whatif_share import as_run
 from viewer.analysis.whatif_streams import converted, rounds_mode, split_on
-from viewer.export.window import Window, parse_window
+from viewer.export.window import Window, last_rounds
 
 GAINS_MAX_ROUNDS = 20_000
 OVERLAP = "overlap mode"  # the key of a serial trace's prediction under overlap
@@ -35,18 +34,22 @@ class GainsWindow:
     of: int  # the trace's
 
 
-def gains_window(trace: Trace, steps: pa.Table) -> GainsWindow | None:
+def predicts(meta: dict[str, Any]) -> bool:
+    """Whether the report asks the round model about this trace: not another engine's (an
+    import, the probes API), not one without probes."""
+    cfg = meta.get("config", {})
+    return "import" not in meta and "api" not in cfg and bool(cfg.get("probes", True))
+
+
+def gains_window(steps: pa.Table) -> GainsWindow | None:
     """None where the model takes the whole trace (`steps`: its steps table with step, ts_ns
     and dur_ns); else its last GAINS_MAX_ROUNDS rounds, those nearest what a user sees when a
     long run is read."""
-    if steps.num_rows <= GAINS_MAX_ROUNDS:
+    cut = last_rounds(steps, GAINS_MAX_ROUNDS)
+    if cut is None:
         return None
-    step = steps["step"].to_numpy()
-    last = int(step.max())
-    first = max(int(step.min()), last - GAINS_MAX_ROUNDS + 1)
-    window = parse_window(trace, rounds=f"{first}-{last}", steps_read=steps)
-    assert window is not None
-    return GainsWindow(window, f"{first}-{last}", int(np.count_nonzero(step >= first)), len(step))
+    rounds, window = cut
+    return GainsWindow(window, rounds, GAINS_MAX_ROUNDS, steps.num_rows)
 
 
 def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None,

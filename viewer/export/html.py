@@ -81,7 +81,7 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
     inp = chart_inputs(root, window)
     figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
-    fitted = gains_window(Trace.open(root), inp.steps)
+    fitted = gains_window(inp.steps)
     path = replayed_path(root, fitted.window if fitted is not None else None)  # None for an imported or TP/PP trace
     if path:
         figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced", fitted.rounds if fitted else None))

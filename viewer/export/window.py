@@ -63,17 +63,34 @@ class Window:
 
 
 def parse_window(trace: Trace, rounds: str | None = None, time: str | None = None, request: str | None = None,
-                 worst: int | None = None, steps_read: pa.Table | None = None) -> Window | None:
+                 worst: int | None = None) -> Window | None:
     """The window the flags ask for (at most one of them), or None for the whole trace;
-    TraceError with one line for a window the trace does not have. `steps_read`: the trace's
-    steps (step, ts_ns, dur_ns) where the caller has read them."""
-    steps = _steps(trace) if steps_read is None else _step_arrays(steps_read)
+    TraceError with one line for a window the trace does not have."""
+    steps = _steps(trace)
     w = _window(trace, steps, rounds, time, request, worst)
     if w is None or not len(steps["end"]):
         return w
     first, last = int(steps["ts"].min()), int(steps["end"].max())
     return replace(w, holds_first_round=w.reaches(first, first), holds_last_round=w.reaches(last, last),
                    rounds_end=last)
+
+
+def last_rounds(steps: pa.Table, n: int) -> tuple[str, Window] | None:
+    """`--rounds A-B` of the last `n` rounds of `steps` (a trace's whole steps table: step,
+    ts_ns, dur_ns) and the window parse_window makes of it, from those rows alone; None where
+    the table holds no more. By rows, not numbers: an idle engine's rounds take numbers and
+    write no row (a served run idle for minutes skips thousands)."""
+    if steps.num_rows <= n:
+        return None
+    step = steps["step"].to_numpy()
+    k = len(step) - n
+    first = int(np.partition(step, k)[k])
+    tail = _step_arrays(steps.filter(pc.greater_equal(steps["step"], first)))
+    last = int(tail["step"].max())
+    # (each of these rounds' cycle ends with a later one's start: all in the tail)
+    w = Window(((int(tail["ts"].min()), int(tail["cycle_end"].max())),), f"rounds {first}-{last}",
+               holds_first_round=False, holds_last_round=True, rounds_end=int(tail["end"].max()))
+    return f"{first}-{last}", w
 
 
 def with_run_edges(w: Window) -> Window:
