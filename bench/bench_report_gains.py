@@ -19,7 +19,7 @@ from common import REPO
 
 sys.path.insert(0, str(REPO))
 from tracing.consistency import read_steps  # noqa: E402
-from viewer.analysis.advice import WORTH  # noqa: E402
+from viewer.analysis.advice import attacked  # noqa: E402
 from viewer.analysis.cost import table_of  # noqa: E402
 from viewer.analysis.report import STEP_COLUMNS, load_inputs  # noqa: E402
 from viewer.analysis.whatif_gains import cycle_gains, gains_window  # noqa: E402
@@ -32,7 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     for root in a.traces:
         inp = load_inputs(root)
-        names = [b.boundary for b in table_of(inp.main_rank).boundaries if b.share is not None and b.share >= WORTH]
+        names = attacked(table_of(inp.main_rank))
         mode = inp.trace.meta.get("config", {}).get("mode")
         steps = read_steps(inp.trace, STEP_COLUMNS).combine_chunks()
         del inp

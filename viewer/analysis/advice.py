@@ -93,6 +93,18 @@ def _remedy(name: str, mode: str | None, config: dict[str, Any], gains: dict[str
     return B.REMOVABLE.get(name, "")
 
 
+def _attacked(c: CostTable) -> list[tuple[str, float]]:
+    """The rows the lines name, with their shares: the two largest device-idle ones."""
+    rows = [(b.boundary, b.share) for b in c.boundaries
+            if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
+    return rows[:2]
+
+
+def attacked(c: CostTable) -> list[str]:
+    """The boundaries whose halving `worth_attacking` predicts (given `gains` for them)."""
+    return [name for name, _ in _attacked(c)]
+
+
 def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
                     gains: dict[str, float] | None = None, fitted: GainsWindow | None = None) -> list[str]:
     """One or two sentences: the largest device-idle rows, each with the option that addresses
@@ -106,9 +118,7 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
     if c.device_busy >= DEVICE_BOUND:
         lines.append(f"the device computes {100 * c.device_busy:.1f}% of each cycle: the host is not the "
                      "bottleneck (a faster model step or a larger batch is)")
-    rows = [(b.boundary, b.share) for b in c.boundaries
-            if b.share is not None and b.boundary != B.DEVICE_COMPUTE and b.share >= WORTH]
-    for name, share in rows[:2]:
+    for name, share in _attacked(c):
         predicted = (f"; halved, the cycle would change {100 * gains[name]:+.1f}% "
                      f"({_whatif(f'--speedup {name}=0.5', rounds)})" if name in gains else "")
         lines.append(f"{name}: the device waits on it {100 * share:.1f}% of each cycle{predicted}; "

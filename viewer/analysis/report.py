@@ -20,7 +20,7 @@ import pyarrow as pa
 from tracing.consistency import read_consistent, read_steps
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from viewer.analysis.advice import HOP_ROWS, WORTH, Backend, backend, worth_attacking
+from viewer.analysis.advice import HOP_ROWS, Backend, attacked, backend, worth_attacking
 from viewer.analysis.bootstrap import cycle_chunk
 from viewer.analysis.collectives import StragglerView, trace_stragglers
 from viewer.analysis.cost import BoundaryCost, CostTable, table_of
@@ -206,8 +206,7 @@ def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any],
     another engine's trace; a long trace's fitted on its last rounds, `gains_window`)."""
     gains = {}
     if predict and predicts(inp.trace.meta) and cost.cycles:
-        names = [b.boundary for b in cost.boundaries if b.share is not None and b.share >= WORTH]
-        gains = cycle_gains(inp.trace.root, names, config.get("mode"), inp.fitted)
+        gains = cycle_gains(inp.trace.root, attacked(cost), config.get("mode"), inp.fitted)
     return worth_attacking(cost, config.get("mode"), config, gains, inp.fitted if gains else None)
 
 
