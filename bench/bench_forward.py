@@ -17,7 +17,8 @@ time (the loop, attribute look-ups) is shown as `unattributed`.
 
 Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
 a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GEMMs of
-512-2048 with torch in the run's dtype, `peak_gflops`) and the bytes it must read and write at the
+512-2048 in the run's dtype, with torch.mm and with the engine's GEMM on a reordered weight,
+`peak_gflops`) and the bytes it must read and write at the
 memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
 padding, attention over its causal keys only, each tensor once. A decode round's GEMMs
 are bound by reading their weights, a prefill round's by their FLOPs. Beside the GEMM
@@ -94,11 +95,22 @@ def _best_s(fn: Any, reps: int) -> float:
 
 
 def peak_gflops(dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """The best GEMM rate in `dtype` over squares of 512-2048 (what "GEMM peak" means here)."""
+    """GEMM rates in `dtype` over squares of 512-2048, each with torch.mm and with the GEMM the
+    engine runs on a reordered weight (`packed_gemm`: oneDNN's, or the AMX kernel), where this
+    build has it; the best of them is what "GEMM peak" means here. Both, since neither is the
+    machine's best everywhere: on a 2-vCPU AMD EPYC (Zen 5) torch.mm (MKL) ran float32 at
+    about 100 GFLOP/s and oneDNN's reordered GEMM at 230-240 (BENCHMARKS.md), so a peak of
+    torch.mm's alone put the forward above 100% of it."""
+    from scheduler.model import packed_gemm
+
+    packs = packed_gemm.unpackable(dtype) is None
     out = {}
     for n in (512, 1024, 1536, 2048):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        out[str(n)] = 2 * n ** 3 / _best_s(lambda a=a, b=b: torch.mm(a, b), 5) / 1e9
+        out[f"mm {n}"] = 2 * n ** 3 / _best_s(lambda a=a, b=b: torch.mm(a, b), 5) / 1e9
+        if packs:
+            w = packed_gemm.pack(b.t().contiguous(), n)
+            out[f"packed {n}"] = 2 * n ** 3 / _best_s(lambda a=a, w=w: packed_gemm.linear(a, w, None), 5) / 1e9
     return out
 
 
