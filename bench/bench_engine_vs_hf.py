@@ -114,6 +114,22 @@ def prompt_ids(it: WorkloadItem) -> list[int]:
     return list(it.input_ids)
 
 
+def workload_flops(items: list[WorkloadItem], m: dict[str, Any]) -> float:
+    """The engine's FLOPs on the workload, counted at the least: every prompt token and every
+    output token but the last through each layer's projections (2 per weight) and causal
+    attention (QK and PV over the position's keys), and the LM head once per sampled token
+    (the prompt's last position and each decode), as the engine computes it; no padding."""
+    hs, nl, h, kvh, d = (m["hidden_size"], m["num_hidden_layers"], m["num_attention_heads"],
+                         m["num_key_value_heads"], m["head_dim"])
+    per_token = 2 * nl * (hs * (h * d + 2 * kvh * d) + h * d * hs + 3 * hs * m["intermediate_size"])
+    attn = 4 * nl * h * d  # times the keys a position attends to
+    total = 0.0
+    for it in items:
+        n = len(prompt_ids(it)) + out_len(it) - 1  # positions the forward processes
+        total += n * per_token + attn * n * (n + 1) / 2 + out_len(it) * 2 * hs * m["vocab_size"]
+    return total
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -442,9 +458,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(msg, flush=True)
 
     rows = summarize(runs, threads)
+    # the share of the machine's GEMM peak: measured after the runs at each thread count,
+    # the best of torch.mm and the engine's reordered GEMM (bench_forward.peak_gflops)
+    from bench_forward import peak_gflops
+
+    flops = workload_flops(items, model_info)
+    for row in rows:
+        torch.set_num_threads(row["threads"])
+        peaks = peak_gflops(torch.float32)
+        row["engine_gflops"] = flops / row["engine_wall_s"] / 1e9
+        row["gemm_peak_gflops"] = max(peaks.values())
+        row["gemm_peaks_gflops"] = peaks
+        row["of_gemm_peak"] = row["engine_gflops"] / row["gemm_peak_gflops"]
     load_after = load_avg()
     total_s = time.perf_counter() - t_all
     print_table(rows)
+    print(f"\nthe workload: {flops / 1e12:.3f} TFLOP (`workload_flops`)")
+    for row in rows:
+        mm = max(v for k, v in row["gemm_peaks_gflops"].items() if k.startswith("mm "))
+        print(f"threads {row['threads']}: the engine {row['engine_gflops']:.1f} GFLOP/s over its wall = "
+              f"{100 * row['of_gemm_peak']:.1f}% of the GEMM peak {row['gemm_peak_gflops']:.1f} GFLOP/s "
+              f"(best of torch.mm, {mm:.1f}, and the reordered GEMM; float32 squares of 512-2048)")
     print(f"\nload average before {load_before}, after {load_after}; total {total_s:.0f}s")
 
     import transformers
