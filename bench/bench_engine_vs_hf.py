@@ -114,19 +114,25 @@ def prompt_ids(it: WorkloadItem) -> list[int]:
     return list(it.input_ids)
 
 
-def workload_flops(items: list[WorkloadItem], m: dict[str, Any]) -> float:
+def workload_flops(items: list[WorkloadItem], model_dir: Path) -> float:
     """The engine's FLOPs on the workload, counted at the least: every prompt token and every
     output token but the last through each layer's projections (2 per weight) and causal
-    attention (QK and PV over the position's keys), and the LM head once per sampled token
-    (the prompt's last position and each decode), as the engine computes it; no padding."""
-    hs, nl, h, kvh, d = (m["hidden_size"], m["num_hidden_layers"], m["num_attention_heads"],
-                         m["num_key_value_heads"], m["head_dim"])
-    per_token = 2 * nl * (hs * (h * d + 2 * kvh * d) + h * d * hs + 3 * hs * m["intermediate_size"])
+    attention (QK and PV over the keys the position sees: all before it, or its sliding
+    window's), and the LM head once per sampled token (the prompt's last position and each
+    decode), as the engine computes it; no padding. The model's shape as the engine reads its
+    config.json (head_dim and KV heads where a folder leaves them out)."""
+    from scheduler.model.config import ModelConfig
+
+    m = ModelConfig.from_file(model_dir / "config.json")
+    hs, nl, h, d = m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.head_dim
+    per_token = 2 * nl * (hs * (m.q_size + 2 * m.kv_size) + m.q_size * hs + 3 * hs * m.intermediate_size)
     attn = 4 * nl * h * d  # times the keys a position attends to
+    w = m.sliding_window
     total = 0.0
     for it in items:
         n = len(prompt_ids(it)) + out_len(it) - 1  # positions the forward processes
-        total += n * per_token + attn * n * (n + 1) / 2 + out_len(it) * 2 * hs * m["vocab_size"]
+        keys = n * (n + 1) / 2 if not w or n <= w else w * (w + 1) / 2 + (n - w) * w
+        total += n * per_token + attn * keys + out_len(it) * 2 * hs * m.vocab_size
     return total
 
 
@@ -462,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     # the best of torch.mm and the engine's reordered GEMM (bench_forward.peak_gflops)
     from bench_forward import peak_gflops
 
-    flops = workload_flops(items, model_info)
+    flops = workload_flops(items, model_dir)
     for row in rows:
         torch.set_num_threads(row["threads"])
         peaks = peak_gflops(torch.float32)

@@ -101,15 +101,13 @@ def peak_gflops(dtype: torch.dtype = torch.float32) -> dict[str, float]:
     machine's best everywhere: on a 2-vCPU AMD EPYC (Zen 5) torch.mm (MKL) ran float32 at
     about 100 GFLOP/s and oneDNN's reordered GEMM at 230-240 (BENCHMARKS.md), so a peak of
     torch.mm's alone put the forward above 100% of it."""
-    from scheduler.model import packed_gemm
-
     packs = packed_gemm.unpackable(dtype) is None
     out = {}
     for n in (512, 1024, 1536, 2048):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         out[f"mm {n}"] = 2 * n ** 3 / _best_s(lambda a=a, b=b: torch.mm(a, b), 5) / 1e9
         if packs:
-            w = packed_gemm.pack(b.t().contiguous(), n)
+            w = packed_gemm.pack(b.t().contiguous())  # (as the engine packs: its default rows hint)
             out[f"packed {n}"] = 2 * n ** 3 / _best_s(lambda a=a, w=w: packed_gemm.linear(a, w, None), 5) / 1e9
     return out
 

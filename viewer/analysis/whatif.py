@@ -396,7 +396,7 @@ def replayed_path(root: str | Path, window: Window | None = None) -> list[PathRo
     from viewer.analysis.whatif_gains import GAINS_MAX_ROUNDS
 
     try:
-        run = load(root, GAINS_MAX_ROUNDS, window)
+        run = load(root, GAINS_MAX_ROUNDS if window is None else None, window)  # (a window is bounded already)
     except WhatIfError:
         return None
     overlap = rounds_mode(run.trace.meta.get("config", {})) == "overlap"

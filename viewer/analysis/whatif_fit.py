@@ -15,7 +15,7 @@ from probes import boundaries as B
 from tracing.reader import Trace
 from viewer.analysis.whatif_model import COLD_GAP_NS, Batches
 from viewer.analysis.whatif_streams import rounds_mode, split_on
-from viewer.export.window import Window, table_in, with_run_edges
+from viewer.export.window import Window, first_of_last, table_in, with_run_edges
 
 
 class WhatIfError(ValueError):
@@ -214,11 +214,10 @@ def _refuse_long(tr: Trace, max_rounds: int) -> None:
     parts = tr.parts.get("steps", [])
     if any(p.rows is None for p in parts) or sum(p.rows or 0 for p in parts) <= max_rounds:
         return  # (a legacy trace's are counted once read)
-    step = tr.table("steps", ["step"])["step"].to_numpy()
-    k = len(step) - max_rounds  # the last rounds by row: an idle engine's rounds take numbers and write none
+    step = tr.table("steps", ["step"])["step"].to_numpy()  # (the last rounds by row: see first_of_last)
     raise WhatIfError(f"{tr.root} has {len(step):,} rounds; the model replays each round hundreds of times and "
                       f"takes at most {max_rounds:,}: give it a window of them, as --rounds "
-                      f"{int(np.partition(step, k)[k])}-{int(step.max())} (the last ones) or --time START-END")
+                      f"{first_of_last(step, max_rounds)}-{int(step.max())} (the last ones) or --time START-END")
 
 
 def _unserved_bounds(rq: pa.Table, served: np.ndarray) -> tuple[int, int] | None:

@@ -62,7 +62,8 @@ def cycle_gains(root: str | Path, boundaries: list[str], mode: str | None,
     if mode not in ("serial", "overlap", "timeslice"):
         return {}
     try:
-        run = load(root, GAINS_MAX_ROUNDS, window.window if window is not None else None)
+        # (a window is bounded already: a round touching its edge may add one row)
+        run = load(root, GAINS_MAX_ROUNDS, None) if window is None else load(root, None, window.window)
     except WhatIfError:
         return {}
     cfg = run.trace.meta.get("config", {})

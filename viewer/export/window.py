@@ -75,6 +75,12 @@ def parse_window(trace: Trace, rounds: str | None = None, time: str | None = Non
                    rounds_end=last)
 
 
+def first_of_last(step: np.ndarray, n: int) -> int:
+    """The first round of the last `n` rows (round numbers, each once: the n-th largest)."""
+    k = max(len(step) - n, 0)
+    return int(np.partition(step, k)[k])
+
+
 def last_rounds(steps: pa.Table, n: int) -> tuple[str, Window] | None:
     """`--rounds A-B` of the last `n` rounds of `steps` (a trace's whole steps table: step,
     ts_ns, dur_ns) and the window parse_window makes of it, from those rows alone; None where
@@ -82,9 +88,7 @@ def last_rounds(steps: pa.Table, n: int) -> tuple[str, Window] | None:
     write no row (a served run idle for minutes skips thousands)."""
     if steps.num_rows <= n:
         return None
-    step = steps["step"].to_numpy()
-    k = len(step) - n
-    first = int(np.partition(step, k)[k])
+    first = first_of_last(steps["step"].to_numpy(), n)
     tail = _step_arrays(steps.filter(pc.greater_equal(steps["step"], first)))
     last = int(tail["step"].max())
     # (each of these rounds' cycle ends with a later one's start: all in the tail)
