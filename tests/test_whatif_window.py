@@ -174,14 +174,17 @@ def test_a_long_traces_report_predicts_from_its_last_rounds(traces, monkeypatch,
 
     root = traces[mode]
     steps = _steps(root)
-    assert "--rounds" not in " ".join(build_report(root).worth_attacking)  # a short trace: the whole run
+    short = build_report(root)
+    assert "--rounds" not in " ".join(short.worth_attacking) and short.worth_attacking_rounds is None  # the whole run
     cap = len(steps) // 2
     monkeypatch.setattr(g, "GAINS_MAX_ROUNDS", cap)
     fitted = load_inputs(root).fitted
     assert fitted is not None and fitted.held == cap and fitted.of == len(steps)
     named = f"{int(steps[-cap])}-{int(steps[-1])}"
     assert fitted.rounds == named and fitted.window == parse_window(Trace.open(root), rounds=named)
-    text = " ".join(build_report(root).worth_attacking)
+    rep = build_report(root)
+    assert rep.worth_attacking_rounds == named and rep.to_json()["worth_attacking_rounds"] == named
+    text = " ".join(rep.worth_attacking)
     assert f"predictions above are of rounds {named}, the last {cap:,} of the run's {len(steps):,}" in text, text
     said = re.findall(r"the cycle would change ([-+]\d+\.\d)% \(`mstrace whatif --rounds (\S+) (--\S+ \S+)`", text)
     assert said, text

@@ -166,6 +166,7 @@ class ReportResult(JsonRecord):
     backend: Backend
     cost: CostView = field(metadata=INLINE)
     worth_attacking: list[str]
+    worth_attacking_rounds: str | None  # A-B: the rounds a long trace's predictions are of (None: the whole run's)
     throughput: Throughput
     latency: Latency
     kv: KvUsage
@@ -201,13 +202,16 @@ def load_inputs(root: str | Path, request_columns: list[str] = REQUEST_COLUMNS,
     return ReportInputs(trace, views, steps, requests, fitted)
 
 
-def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any], predict: bool) -> list[str]:
+def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any],
+                     predict: bool) -> tuple[list[str], str | None]:
     """The lines, with the round model's predictions for the rows worth attacking (none for
-    another engine's trace; a long trace's fitted on its last rounds, `gains_window`)."""
+    another engine's trace; a long trace's fitted on its last rounds, `gains_window`, whose
+    A-B comes too)."""
     gains = {}
     if predict and predicts(inp.trace.meta) and cost.cycles:
         gains = cycle_gains(inp.trace.root, attacked(cost), config.get("mode"), inp.fitted)
-    return worth_attacking(cost, config.get("mode"), config, gains, inp.fitted if gains else None)
+    fitted = inp.fitted if gains else None
+    return worth_attacking(cost, config.get("mode"), config, gains, fitted), fitted.rounds if fitted else None
 
 
 def build_report(root: str | Path | ReportInputs, predict: bool = True) -> ReportResult:
@@ -223,6 +227,8 @@ def build_report(root: str | Path | ReportInputs, predict: bool = True) -> Repor
     kv = kv_usage(steps, requests, int(meta.get("model", {}).get("kv_blocks", 0)))
     cost = table_of(inp.main_rank)
     config = meta.get("config", {})
+    # no advice from a table no probe filled (--no-probes: every cycle is unattributed)
+    attack = _worth_attacking(inp, cost, config, predict) if config.get("probes", True) else ([], None)
     rep = ReportResult(
         trace=str(inp.trace.root),
         status=inp.trace.status,
@@ -235,8 +241,8 @@ def build_report(root: str | Path | ReportInputs, predict: bool = True) -> Repor
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),
         cost=cost_view(cost),
-        # no advice from a table no probe filled (--no-probes: every cycle is unattributed)
-        worth_attacking=_worth_attacking(inp, cost, config, predict) if config.get("probes", True) else [],
+        worth_attacking=attack[0],
+        worth_attacking_rounds=attack[1],
         throughput=Throughput(
             requests=serving.requests, completed=serving.completed, submitted=inp.trace.status.submitted,
             finish_reasons=serving.finish_reasons, duration_s=serving.duration_s,

@@ -22,7 +22,7 @@ from viewer.analysis.records import JsonView
 from viewer.analysis.whatif import replayed_path
 from viewer.analysis.whatif_gains import gains_window
 from viewer.export import html_charts as charts
-from viewer.export.window import Window, table_in
+from viewer.export.window import Window, parse_window, table_in
 from viewer.render.text import ms, pct
 
 if TYPE_CHECKING:
@@ -81,10 +81,14 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
     inp = chart_inputs(root, window)
     figs = [charts.cost_bars([("", rep.cost)]), charts.timeline(inp), charts.latency_cdfs([("", inp)]),
             charts.kv_and_queues([("", inp)])]
+    # the rounds the report's predictions are of, where it made some (the same rounds on a trace
+    # still being written), else a long trace's last ones
     fitted = gains_window(inp.steps)
-    path = replayed_path(root, fitted.window if fitted is not None else None)  # None for an imported or TP/PP trace
+    rounds = rep.worth_attacking_rounds or (fitted.rounds if fitted is not None else None)
+    at = parse_window(Trace.open(root), rounds=rounds) if rounds else None
+    path = replayed_path(root, at)  # None for an imported or a TP/PP trace
     if path:
-        figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced", fitted.rounds if fitted else None))
+        figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced", rounds))
     body = [f"<h1>mstrace report: {_e(rep.trace)}</h1>", *_status(rep), _facts(rep),
             *([f"<p class=note>{_e(timeline_note(window, inp))}</p>"] if window is not None else []),
             "<h2>Sync cost</h2>",
