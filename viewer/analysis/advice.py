@@ -105,6 +105,11 @@ def attacked(c: CostTable) -> list[str]:
     return [name for name, _ in _attacked(c)]
 
 
+def shows_window(lines: list[str], fitted: GainsWindow | None) -> bool:
+    """Whether a line carries a prediction over `fitted`'s rounds (its command names them)."""
+    return fitted is not None and any(f"--rounds {fitted.rounds} " in line for line in lines)
+
+
 def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
                     gains: dict[str, float] | None = None, fitted: GainsWindow | None = None) -> list[str]:
     """One or two sentences: the largest device-idle rows, each with the option that addresses
@@ -138,7 +143,7 @@ def worth_attacking(c: CostTable, mode: str | None, config: dict[str, Any],
                      f"({_whatif('--mode overlap', rounds)}, docs/whatif.md)")
     if not lines:
         lines.append(f"no host boundary keeps the device idle more than {100 * WORTH:.0f}% of a cycle")
-    if fitted is not None and any(f"--rounds {rounds} " in line for line in lines):
+    if fitted is not None and shows_window(lines, fitted):
         lines.append(f"the round model's predictions above are of rounds {fitted.rounds}, the last {fitted.held:,} "
                      f"of the run's {fitted.of:,}: the report fits no more; `mstrace whatif --rounds A-B` or "
                      "`--time START-END` answers for any other window")

@@ -20,7 +20,14 @@ import pyarrow as pa
 from tracing.consistency import read_consistent, read_steps
 from tracing.reader import Trace
 from tracing.run_status import RunStatus
-from viewer.analysis.advice import HOP_ROWS, Backend, attacked, backend, worth_attacking
+from viewer.analysis.advice import (
+    HOP_ROWS,
+    Backend,
+    attacked,
+    backend,
+    shows_window,
+    worth_attacking,
+)
 from viewer.analysis.bootstrap import cycle_chunk
 from viewer.analysis.collectives import StragglerView, trace_stragglers
 from viewer.analysis.cost import BoundaryCost, CostTable, table_of
@@ -211,7 +218,8 @@ def _worth_attacking(inp: ReportInputs, cost: CostTable, config: dict[str, Any],
     if predict and predicts(inp.trace.meta) and cost.cycles:
         gains = cycle_gains(inp.trace.root, attacked(cost), config.get("mode"), inp.fitted)
     fitted = inp.fitted if gains else None
-    return worth_attacking(cost, config.get("mode"), config, gains, fitted), fitted.rounds if fitted else None
+    lines = worth_attacking(cost, config.get("mode"), config, gains, fitted)
+    return lines, fitted.rounds if fitted is not None and shows_window(lines, fitted) else None
 
 
 def build_report(root: str | Path | ReportInputs, predict: bool = True) -> ReportResult:
