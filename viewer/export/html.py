@@ -85,7 +85,8 @@ def report_html(root: str | Path, out: str | Path, rep: ReportResult | None = No
     # still being written), else a long trace's last ones
     fitted = gains_window(inp.steps)
     rounds = rep.worth_attacking_rounds or (fitted.rounds if fitted is not None else None)
-    at = parse_window(Trace.open(root), rounds=rounds) if rounds else None
+    at = (fitted.window if fitted is not None and fitted.rounds == rounds else  # (the steps read once)
+          parse_window(Trace.open(root), rounds=rounds) if rounds else None)
     path = replayed_path(root, at)  # None for an imported or a TP/PP trace
     if path:
         figs.insert(1, charts.critical_path_bars(path, rep.mode or "traced", rounds))
