@@ -129,37 +129,50 @@ class AttnPlan:
     """Per-forward attention masks, shared by all layers (built once, not per layer)."""
 
     decode_mask: torch.Tensor | None
-    prefill_masks: list[torch.Tensor | None]
+    # None where the prefill chunks run in C (`prefill_keys`), until a call falls back to SDPA
+    prefill_masks: list[torch.Tensor | None] | None
     decode_ctx: torch.Tensor | None = None  # [D] int64 context lengths of the decode rows
     window: int | None = None  # the sliding window, where some context exceeds it
+    # native_attention.prefill's tables of the chunks' keys, where the C kernel takes this batch
+    prefill_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def plan_attention(
     batch: ForwardBatch, sliding_window: int | None, dtype: torch.dtype = torch.float32
 ) -> AttnPlan:
     """Masks from the batch, narrowed by the sliding window only when some context exceeds it,
-    as additive float masks: CPU SDPA ran ~1.6x faster with them than with bool masks."""
+    as additive float masks: CPU SDPA ran ~1.6x faster with them than with bool masks. Where
+    the prefill chunks can run in C, their key tables instead of their masks."""
     ctx = batch.positions[: batch.num_decode] + 1 if batch.num_decode else None
-    if sliding_window is None or batch.max_context_len <= sliding_window:
-        return AttnPlan(_additive(batch.decode_mask, dtype), [_additive(p.mask, dtype) for p in batch.prefills], ctx)
-    w = sliding_window
+    w = sliding_window if sliding_window is not None and batch.max_context_len > sliding_window else None
     dmask = batch.decode_mask
-    if dmask is not None and batch.decode_blocks is not None:
+    if w is not None and dmask is not None and batch.decode_blocks is not None:
         q_pos = batch.positions[: batch.num_decode]
         k_pos = torch.arange(batch.decode_blocks.shape[1] * batch.block_size, device=q_pos.device)
         dmask = dmask & (k_pos[None, :] > q_pos[:, None] - w)[:, None, None, :]
+    keys = None
+    if batch.prefills and native_attention.prefill_takes(dtype, batch.positions.device):
+        keys = native_attention.prefill_keys(
+            [(p.row_start, p.row_end - p.row_start, p.start_pos, p.ctx_blocks) for p in batch.prefills],
+            batch.slot_mapping, batch.num_decode, batch.block_size)
+    masks = None if keys is not None else prefill_masks(batch, w, dtype)
+    return AttnPlan(_additive(dmask, dtype), masks, ctx, w, keys)
+
+
+def prefill_masks(batch: ForwardBatch, window: int | None, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Each prefill chunk's additive mask for SDPA (None: plain causal), narrowed to `window`."""
     pmasks: list[torch.Tensor | None] = []
     for p in batch.prefills:
         n = p.row_end - p.row_start
-        if p.start_pos + n <= w:
+        if window is None or p.start_pos + n <= window:
             pmasks.append(p.mask)
             continue
         q_pos = torch.arange(p.start_pos, p.start_pos + n, device=batch.positions.device)
         nkeys = p.ctx_blocks.numel() * batch.block_size if p.ctx_blocks is not None else n
         k_pos = torch.arange(nkeys, device=q_pos.device)
         diff = q_pos[:, None] - k_pos[None, :]
-        pmasks.append((diff >= 0) & (diff < w))
-    return AttnPlan(_additive(dmask, dtype), [_additive(m, dtype) for m in pmasks], ctx, w)
+        pmasks.append((diff >= 0) & (diff < window))
+    return [_additive(m, dtype) for m in pmasks]
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -209,6 +222,14 @@ def paged_attention(
             mask = plan.decode_mask[r0:r1, :, :, : nblk * bs]
             o = F.scaled_dot_product_attention(qd[r0:r1], kd, vd, attn_mask=mask)
             outs.append(o.reshape(r1 - r0, h * d))
+    if plan.prefill_keys is not None:
+        slots, meta = plan.prefill_keys
+        pre = native_attention.prefill(q, k_cache, v_cache, slots, meta, batch.num_tokens - nd, plan.window)
+        if pre is not None:
+            outs.append(pre)
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+    if plan.prefill_masks is None:  # the C call refused (a buffer, a thread): SDPA, as without it
+        plan.prefill_masks = prefill_masks(batch, plan.window, q.dtype)
     for p, pmask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
         if p.ctx_blocks is None:

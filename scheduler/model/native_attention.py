@@ -93,3 +93,76 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks
                                   blocks.data_ptr(), blocks.shape[1], ctx_lens.data_ptr(), rows, heads, kvh, d,
                                   block_size, window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
+
+
+def _load_prefill(path: Path | None = None) -> ctypes.CDLL | None:
+    lib = open_library("_prefill_attention", path)
+    if lib is None or not hasattr(lib, "prefill_attention"):
+        return None
+    lib.prefill_attention.argtypes = [_P, _N, _P, _P, _P, _P, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N, _N]
+    lib.prefill_attention.restype = ctypes.c_int
+    lib.prefill_attention_runs.argtypes = [_N]
+    lib.prefill_attention_runs.restype = ctypes.c_int
+    return lib
+
+
+_PREFILL = _load_prefill()
+PREFILL_AVAILABLE = _PREFILL is not None
+# _prefill_attention.c's builds by name (`isa`): the best this CPU runs, or one of them
+PREFILL_ISAS = {"auto": -1, "avx512": 2, "avx2": 1, "baseline": 0}
+
+
+def prefill_runs(isa: str) -> bool:
+    """Whether this CPU runs the build `isa` names (PREFILL_ISAS)."""
+    return _PREFILL is not None and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS[isa]))
+
+
+def prefill_takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `prefill` can run a batch of this dtype on this device (its sizes aside)."""
+    return _PREFILL is not None and dtype == torch.float32 and device.type == "cpu"
+
+
+def prefill_keys(prefills: list[tuple[int, int, int, torch.Tensor | None]], slot_mapping: torch.Tensor,
+                 num_decode: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `prefill` reads each chunk's keys by, made once a forward: the cache slots of every
+    chunk's keys (positions 0 .. start + n - 1, concatenated) and a [chunks, 5] table of
+    (first q row, n, start, first slot index, first output row). A chunk is (first row, n,
+    start, the blocks of its context or None where it starts at 0: its own new slots)."""
+    pieces: list[torch.Tensor] = []
+    meta: list[list[int]] = []
+    at = 0
+    for row0, n, start, ctx_blocks in prefills:
+        if ctx_blocks is None:
+            keys = slot_mapping[row0 : row0 + n]
+        else:
+            offs = torch.arange(block_size, dtype=torch.int64, device=ctx_blocks.device)
+            keys = (ctx_blocks[:, None] * block_size + offs).reshape(-1)[: start + n]
+        meta.append([row0, n, start, at, row0 - num_decode])
+        pieces.append(keys)
+        at += start + n
+    slots = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+    return slots.contiguous(), torch.tensor(meta, dtype=torch.int64).reshape(-1, 5)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, meta: torch.Tensor,
+            rows: int, window: int | None, isa: str = "auto") -> torch.Tensor | None:
+    """Causal attention of every prefill chunk (`prefill_keys`' tables) over its keys in the
+    caches (its own K/V already stored there): q [T, H, D] (rows may be strided) ->
+    [rows, H * D], the chunks' output rows. None where the C path does not apply (float32 on
+    the CPU only); the caller then runs SDPA, which gives the same values up to float rounding."""
+    tensors_fit = (q.device.type == k_cache.device.type == v_cache.device.type == slots.device.type == "cpu"
+                   and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                   and slots.dtype == meta.dtype == torch.int64 and meta.dim() == 2 and meta.shape[1] == 5
+                   and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape
+                   and k_cache.shape[2] == q.shape[2] and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+                   and k_cache.is_contiguous() and v_cache.is_contiguous())
+    if _PREFILL is None or not tensors_fit:
+        return None
+    _, heads, d = q.shape
+    out = torch.empty(rows, heads * d, dtype=q.dtype)
+    slots, meta = slots.contiguous(), meta.contiguous()
+    status = _PREFILL.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        slots.data_ptr(), meta.data_ptr(), meta.shape[0], heads, k_cache.shape[1], d,
+                                        window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads(),
+                                        PREFILL_ISAS[isa])
+    return out if status == 0 else None
