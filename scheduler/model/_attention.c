@@ -127,17 +127,7 @@ static inline __attribute__((always_inline)) v8 exp8_nonpositive(const v8 *xp) {
     const v8i is_nan = x != x;
     const v8 nan = SELECT8(is_nan, x, (v8){0});
     x = SELECT8(is_nan, (v8){0}, SELECT8(x < -87.0f, (v8){0} - 87.0f, x));
-    const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i); /* round half down: x <= 0 */
-    const v8 n = __builtin_convertvector(ni, v8);
-    const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v8 p = (v8){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v8)((ni + 127) << 23) + nan;
+    return EXP_CEPHES(v8, v8i, x) + nan;
 }
 
 /* s[0:n] = softmax(s[0:n]): eight lanes whose order does not depend on the compiler; a tail

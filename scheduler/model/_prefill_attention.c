@@ -43,6 +43,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_vec.h"
+
 #define R_MAX 32  /* rows of the widest tile: two 16-float vectors */
 #define NK 64     /* keys of a tile */
 #define MAX_HEAD_DIM 256
@@ -50,8 +52,6 @@ const int64_t prefill_attention_max_head_dim = MAX_HEAD_DIM;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 

@@ -17,22 +17,12 @@ static inline __attribute__((always_inline)) V NAME(load)(const float *p) {
 
 static inline __attribute__((always_inline)) void NAME(store)(float *p, V v) { memcpy(p, &v, sizeof v); }
 
-/* e^x for x <= 0, exactly 0 below -87 (a masked score is -inf); Cephes' expf as _attention.c's
- * exp8_nonpositive: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n by the exponent bits */
+/* e^x for x <= 0, exactly 0 below -87 (a masked score is -inf), where _attention.c's
+ * exp8_nonpositive clamps there (a decode row has no masked scores) */
 static inline __attribute__((always_inline)) V NAME(exp)(V x) {
     const VI under = x < -87.0f;
     x = SEL(under, (V){0}, x);
-    const VI ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI);
-    const V n = __builtin_convertvector(ni, V);
-    const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    V p = (V){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return SEL(under, (V){0}, p * (V)((ni + 127) << 23));
+    return SEL(under, (V){0}, EXP_CEPHES(V, VI, x));
 }
 
 static inline __attribute__((always_inline)) V NAME(max)(V a, V b) { return SEL(a > b, a, b); }

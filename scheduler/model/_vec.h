@@ -101,4 +101,23 @@ static inline __attribute__((always_inline)) void put(void *x, int64_t i, float 
         ((float *)x)[i] = v;
 }
 
+/* Cephes' expf of x, a vector of V (int lanes VI) in [-87, 0]: x = n ln2 + r with |r| <= ln2 / 2
+ * (n rounded half down, as x <= 0), e^r by a degree-6 polynomial, 2^n by the exponent bits;
+ * about 1 ulp. A statement expression (GCC, clang), so each vector width has it once. */
+#define EXP_CEPHES(V, VI, x)                                                                \
+    ({                                                                                      \
+        const V x_ = (x);                                                                   \
+        const VI ni_ = __builtin_convertvector(x_ * 1.44269504088896341f - 0.5f, VI);       \
+        const V n_ = __builtin_convertvector(ni_, V);                                       \
+        const V r_ = (x_ - n_ * 0.693359375f) + n_ * 2.12194440e-4f;                        \
+        V p_ = (V){0} + 1.9875691500e-4f;                                                   \
+        p_ = p_ * r_ + 1.3981999507e-3f;                                                    \
+        p_ = p_ * r_ + 8.3334519073e-3f;                                                    \
+        p_ = p_ * r_ + 4.1665795894e-2f;                                                    \
+        p_ = p_ * r_ + 1.6666665459e-1f;                                                    \
+        p_ = p_ * r_ + 5.0000001201e-1f;                                                    \
+        p_ = p_ * r_ * r_ + r_ + 1.0f;                                                      \
+        p_ * (V)((ni_ + 127) << 23);                                                        \
+    })
+
 #endif
