@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode attention by gather + SDPA, as without the C extension (an A/B of it)")
     ap.add_argument("--attention-lib", type=Path, default=None,
                     help="decode attention from this build of _attention.c (an A/B of two builds)")
+    ap.add_argument("--prefill-sdpa", action="store_true",
+                    help="prefill attention by SDPA per chunk, as without the C extension (an A/B of it)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the engine's dtype; the GEMM peak is measured in it and the bytes counted in it")
@@ -410,10 +412,13 @@ def main(argv: list[str] | None = None) -> int:
         native_attention._LIB = native_attention.load_library(args.attention_lib)
         if native_attention._LIB is None:
             ap.error(f"--attention-lib {args.attention_lib}: not a loadable build")
+    if args.prefill_sdpa:
+        native_attention._PREFILL = None
     if args.capture_only:
         *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
                                 args.weight_pack, args.dtype, args.max_running)
         label = "gather" if args.gather else str(args.attention_lib or "default")
+        label += ", prefill by SDPA" if args.prefill_sdpa else ""
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label})")
         return 0
     started = datetime.now(UTC)

@@ -123,7 +123,8 @@ def test_what_it_does_not_take_falls_back():
 
 def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
     """The tiny preset, one batch of decode rows, a new prompt and a prompt's second chunk:
-    the C prefill path and SDPA with its masks (the plan then builds them) agree."""
+    the C prefill path and SDPA with its masks (the plan then builds them) agree, and a C call
+    that refuses falls back to exactly SDPA's result."""
     model, _ = load_model(ensure_preset("tiny"), "cpu", torch.float32)
     kv = model.make_kv_cache(400, 4)
     chunks, used = mixed_decode_chunks(model, kv, 4)
@@ -144,7 +145,11 @@ def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
     monkeypatch.setattr(native_attention, "prefill", counted)
     native = model(build_forward_batch(chunks, 4, "cpu"), kv)
     assert ran and all(ran)  # every layer's chunks ran in C
+    # a plan for the C call that then refuses (a buffer, a thread): SDPA, its masks made then
+    monkeypatch.setattr(native_attention, "prefill", lambda *args, **kwargs: None)
+    refused = model(build_forward_batch(chunks, 4, "cpu"), kv)
     monkeypatch.setattr(native_attention, "prefill", real)
     monkeypatch.setattr(native_attention, "_PREFILL", None)
     plain = model(build_forward_batch(chunks, 4, "cpu"), kv)
     torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
+    assert torch.equal(refused, plain)

@@ -16,17 +16,19 @@
  *     by lane, with no horizontal reduction;
  *   - O^T[d][row] += V[key][d] * P^T[key][row]: V is read in place too, and a row's rescale
  *     by the running maximum's change is one multiply per vector.
- * Each register block holds JT keys (or JT head-dim values) x R rows, 2 * JT vectors.
+ * Each register block holds JT keys (or JT head-dim values) x R rows: 2 JT vectors.
  *
  * Keys whose every row is masked are never read: a tile's keys run from the earliest key its
  * earliest row may see to its last row's position. A key tile only partly visible to some row
- * gets its scores set to -inf there, which exp16 turns into exactly 0.
+ * gets its scores set to -inf there, which the tile's exp turns into exactly 0.
  *
- * Built three times (AVX-512 + FMA, AVX2 + FMA, the baseline) with the same source: in the
- * AVX2 build a 16-float vector is two registers and the blocks are halved (JT 4) so they still
- * fit the 16 registers. The best the CPU runs is picked at each call (`isa` -1), or one named
- * (bench/bench_prefill_attention.py and the tests run each on one machine). The sums use FMAs
- * where the build has them, so the bits differ between builds, as torch's do between CPUs.
+ * Built three times from one tile (_prefill_tile.h), each with the vector width its registers
+ * hold: AVX-512 + FMA (16 floats, tiles of 32 rows, blocks of 8), AVX2 + FMA (8 floats, 16 rows,
+ * blocks of 4: 11 of its 16 registers) and the baseline (4 floats, 8 rows). The best of the first
+ * two the CPU runs is picked at each call (`isa` -1), or one named (the tests and
+ * bench/bench_prefill_attention.py run each on one machine); without AVX2 the caller keeps SDPA.
+ * The sums use FMAs where the build has them, so the bits differ between builds, as torch's do
+ * between CPUs.
  *
  * Work items (one prefill chunk, one KV head, one row tile) are split over `threads` pthreads
  * in contiguous runs of about equal key counts. Called through ctypes, which releases the GIL.
@@ -111,8 +113,8 @@ __attribute__((target("avx2,fma"))) static void items_avx2(const Job *j, Scratch
 #endif
 static void items_base(const Job *j, Scratch *s) { items_w4(j, s, 4); }
 
-/* the build `isa` names (2 AVX-512, 1 AVX2, 0 the baseline; -1 the best this CPU runs) and its
- * rows a tile, or NULL where this CPU does not run it */
+/* the build `isa` names (2 AVX-512, 1 AVX2, 0 the baseline; -1 the best this CPU runs of the
+ * first two) and its rows a tile, or NULL where this CPU does not run it */
 typedef void (*ItemsFn)(const Job *, Scratch *);
 static ItemsFn pick(int64_t isa, int64_t *rows) {
     *rows = 8;
@@ -120,7 +122,9 @@ static ItemsFn pick(int64_t isa, int64_t *rows) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f");
-    if (isa < 0) isa = avx512 ? 2 : avx2 ? 1 : 0;
+    /* the baseline build is never picked: 0.47-0.81x torch's SDPA on an AVX-512 CPU (its SSE
+     * without FMAs against MKL's AVX2), so a CPU without AVX2 keeps SDPA */
+    if (isa < 0) isa = avx512 ? 2 : avx2 ? 1 : -1;
     if (isa == 2) {
         *rows = 32;
         return avx512 ? items_avx512 : NULL;
@@ -129,8 +133,6 @@ static ItemsFn pick(int64_t isa, int64_t *rows) {
         *rows = 16;
         return avx2 ? items_avx2 : NULL;
     }
-#else
-    if (isa < 0) isa = 0;
 #endif
     return isa == 0 ? items_base : NULL;
 }

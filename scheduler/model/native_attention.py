@@ -118,8 +118,10 @@ def prefill_runs(isa: str) -> bool:
 
 
 def prefill_takes(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `prefill` can run a batch of this dtype on this device (its sizes aside)."""
-    return _PREFILL is not None and dtype == torch.float32 and device.type == "cpu"
+    """Whether `prefill` can run a batch of this dtype on this device (its sizes aside): float32
+    on a CPU with AVX2 and FMA at least (its baseline build is slower than SDPA)."""
+    return (dtype == torch.float32 and device.type == "cpu" and _PREFILL is not None
+            and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"])))
 
 
 def prefill_keys(prefills: list[tuple[int, int, int, torch.Tensor | None]], slot_mapping: torch.Tensor,
