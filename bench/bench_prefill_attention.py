@@ -59,13 +59,13 @@ def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds
     kn = torch.randn(t, KV_HEADS, D, generator=g)
     caches = [(torch.randn(used * BS, KV_HEADS, D, generator=g), torch.randn(used * BS, KV_HEADS, D, generator=g))
               for _ in range(LAYERS)]
-    native = plan_attention(batch, None)
+    native = plan_attention(batch, None, torch.float32, D)
     assert native.prefill_keys is not None
     slots, meta = native.prefill_keys
     saved = native_attention._PREFILL
     native_attention._PREFILL = None
     try:
-        plain = plan_attention(batch, None)  # masks, as without the extension
+        plain = plan_attention(batch, None, torch.float32, D)  # masks, as without the extension
     finally:
         native_attention._PREFILL = saved
 
@@ -104,8 +104,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=15, help="calls of each variant per load (the first 3 not counted)")
     a = ap.parse_args()
-    if not native_attention.PREFILL_AVAILABLE:
-        raise SystemExit("the install has no _prefill_attention build")
+    if not native_attention.prefill_runs("auto"):
+        raise SystemExit("the engine runs SDPA here: no _prefill_attention build, or a CPU without AVX2 + FMA")
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     builds = [i for i in ("auto", "avx512", "avx2", "baseline") if native_attention.prefill_runs(i)]

@@ -14,6 +14,8 @@ from scheduler.model.presets import ensure_preset
 from tests.support.oracle import mixed_decode_chunks
 
 pytestmark = pytest.mark.skipif(not native_attention.PREFILL_AVAILABLE, reason="built without a C compiler")
+# what the engine runs: a CPU without AVX2 + FMA (or a build without them) keeps SDPA
+runs_auto = pytest.mark.skipif(not native_attention.prefill_runs("auto"), reason="no AVX2 + FMA build on this CPU")
 
 BS = 16
 DECODE_ROWS = 3  # rows before the chunks' own, as a mixed batch has them
@@ -65,7 +67,9 @@ def _run(q, kc, vc, specs, slot_mapping, window, isa="auto"):
     return native_attention.prefill(q, kc, vc, *tables, q.shape[0] - DECODE_ROWS, window, isa)
 
 
-SHAPES = [(8, 4, 64), (8, 8, 64), (4, 1, 128), (6, 2, 32), (3, 3, 40)]
+# KV groups of 1-32 heads: a tile of 32 rows may split a token's heads (3 does not divide it) or
+# lie inside one token (32); head sizes up to the kernel's largest
+SHAPES = [(8, 4, 64), (8, 8, 64), (4, 1, 128), (6, 2, 32), (3, 3, 40), (32, 1, 8), (2, 1, 256)]
 LOADS = [
     ([(0, 17)], None),
     ([(0, 300), (40, 70), (0, 1)], None),  # a chunk after its context's first, a one-token prompt
@@ -78,8 +82,8 @@ LOADS = [
 @pytest.mark.parametrize("isa", ["auto", "avx512", "avx2", "baseline"])
 @pytest.mark.parametrize("heads,kv_heads,d", SHAPES)
 def test_chunks_match_a_plain_softmax(isa, heads, kv_heads, d):
-    """Every build this CPU runs: KV groups of 1-4 heads (a tile of 32 or 16 rows splits a
-    token's heads where 3 does not divide it), chunks with and without earlier context, windows."""
+    """Every build this CPU runs, every shape of SHAPES: chunks with and without earlier context,
+    a one-token prompt, sliding windows shorter than the chunks."""
     if not native_attention.prefill_runs(isa):
         pytest.skip(f"this CPU does not run the {isa} build")
     for seed, (chunks, window) in enumerate(LOADS):
@@ -89,13 +93,15 @@ def test_chunks_match_a_plain_softmax(isa, heads, kv_heads, d):
         torch.testing.assert_close(out, _reference(q, kc, vc, specs, window), atol=2e-5, rtol=1e-5)
 
 
+@runs_auto
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_split_the_tiles_not_the_result(threads):
     q, kc, vc, specs, sm = _batch(8, 4, 64, [(0, 300), (40, 70), (0, 5)], 7)
-    one = _run(q, kc, vc, specs, sm, None)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
+        torch.set_num_threads(1)
+        one = _run(q, kc, vc, specs, sm, None)
+        torch.set_num_threads(threads)
         many = _run(q, kc, vc, specs, sm, None)
     finally:
         torch.set_num_threads(before)
@@ -103,6 +109,7 @@ def test_threads_split_the_tiles_not_the_result(threads):
     assert torch.equal(one, many)  # each tile is one thread's, computed the same way
 
 
+@runs_auto
 def test_sharp_scores_weigh_only_their_maximum():
     """q scaled up: most of a row's exps underflow, across key tiles (the running maximum's
     rescale of what came before goes to exactly 0 or stays finite)."""
@@ -112,6 +119,20 @@ def test_sharp_scores_weigh_only_their_maximum():
     torch.testing.assert_close(out, _reference(q, kc, vc, specs, None), atol=1e-4, rtol=1e-4)
 
 
+@runs_auto
+def test_a_nan_query_spoils_its_own_row_only():
+    q, kc, vc, specs, sm = _batch(8, 4, 64, [(0, 90)], 5)
+    want = _reference(q, kc, vc, specs, None)
+    q[DECODE_ROWS + 40, 3, 7] = float("nan")  # token 40's head 3
+    out = _run(q, kc, vc, specs, sm, None)
+    assert out is not None
+    bad = torch.zeros_like(out, dtype=torch.bool)
+    bad[40, 3 * 64 : 4 * 64] = True
+    assert out[bad].isnan().all()
+    torch.testing.assert_close(out[~bad], want[~bad], atol=2e-5, rtol=1e-5)
+
+
+@runs_auto
 def test_what_it_does_not_take_falls_back():
     q, kc, vc, specs, sm = _batch(4, 2, 36, [(0, 20)], 0)  # a head size not a multiple of 8
     assert _run(q, kc, vc, specs, sm, None) is None
@@ -121,6 +142,7 @@ def test_what_it_does_not_take_falls_back():
     assert _run(q.double(), kc.double(), vc.double(), specs, sm, None) is None
 
 
+@runs_auto
 def test_the_forward_gives_the_same_logits_with_and_without_it(monkeypatch):
     """The tiny preset, one batch of decode rows, a new prompt and a prompt's second chunk:
     the C prefill path and SDPA with its masks (the plan then builds them) agree, and a C call

@@ -1,5 +1,5 @@
 /* _prefill_attention.c's tile, for one vector width: included once per width with
- *   W: floats in a vector (16 or 8), the rows of a tile being two vectors' lanes (R = 2 W);
+ *   W: floats in a vector (16, 8 or 4), the rows of a tile being two vectors' lanes (R = 2 W);
  *   V, VI: that vector of floats and of int32, and NAME(x): x with the width's suffix.
  * GCC lowers a vector wider than the build's registers through the stack, piece by piece
  * (16-float vectors in the AVX2 build: 3 GFLOP/s), so each build takes the width it holds. */
@@ -18,11 +18,12 @@ static inline __attribute__((always_inline)) V NAME(load)(const float *p) {
 static inline __attribute__((always_inline)) void NAME(store)(float *p, V v) { memcpy(p, &v, sizeof v); }
 
 /* e^x for x <= 0, exactly 0 below -87 (a masked score is -inf), where _attention.c's
- * exp8_nonpositive clamps there (a decode row has no masked scores) */
+ * exp8_nonpositive clamps there (a decode row has no masked scores); a NaN stays NaN, without
+ * converting a NaN to an integer (undefined in C) */
 static inline __attribute__((always_inline)) V NAME(exp)(V x) {
-    const VI under = x < -87.0f;
-    x = SEL(under, (V){0}, x);
-    return SEL(under, (V){0}, EXP_CEPHES(V, VI, x));
+    const VI under = x < -87.0f, nan = x != x;
+    const V e = EXP_CEPHES(V, VI, SEL(under | nan, (V){0}, x));
+    return SEL(nan, x, SEL(under, (V){0}, e));
 }
 
 static inline __attribute__((always_inline)) V NAME(max)(V a, V b) { return SEL(a > b, a, b); }

@@ -1,6 +1,7 @@
-/* What the engine's C kernels share (_attention.c, _elementwise.c, _decode_layers.c): 8-float
- * vectors, a lane sum in a fixed order, bfloat16 <-> float32, and the run-time choice of the
- * AVX2 + FMA clone (or, MULTI_TARGET_WIDE, an AVX-512 one before it). */
+/* What the engine's C kernels share (_attention.c, _elementwise.c, _decode_layers.c; for
+ * _prefill_attention.c its exp): 8-float vectors, a lane sum in a fixed order, bfloat16 <->
+ * float32, and the run-time choice of the AVX2 + FMA clone (or, MULTI_TARGET_WIDE, an AVX-512
+ * one before it). */
 #ifndef MSTRACE_VEC_H
 #define MSTRACE_VEC_H
 /* v8 helpers are always inlined: the AVX argument ABI note does not apply */

@@ -138,11 +138,12 @@ class AttnPlan:
 
 
 def plan_attention(
-    batch: ForwardBatch, sliding_window: int | None, dtype: torch.dtype = torch.float32
+    batch: ForwardBatch, sliding_window: int | None, dtype: torch.dtype = torch.float32, head_dim: int | None = None
 ) -> AttnPlan:
     """Masks from the batch, narrowed by the sliding window only when some context exceeds it,
     as additive float masks: CPU SDPA ran ~1.6x faster with them than with bool masks. Where
-    the prefill chunks can run in C, their key tables instead of their masks."""
+    the prefill chunks can run in C (this dtype, device and `head_dim`), their key tables instead
+    of their masks."""
     ctx = batch.positions[: batch.num_decode] + 1 if batch.num_decode else None
     w = sliding_window if sliding_window is not None and batch.max_context_len > sliding_window else None
     dmask = batch.decode_mask
@@ -151,7 +152,7 @@ def plan_attention(
         k_pos = torch.arange(batch.decode_blocks.shape[1] * batch.block_size, device=q_pos.device)
         dmask = dmask & (k_pos[None, :] > q_pos[:, None] - w)[:, None, None, :]
     keys = None
-    if batch.prefills and native_attention.prefill_takes(dtype, batch.positions.device):
+    if batch.prefills and native_attention.prefill_takes(dtype, batch.positions.device, head_dim):
         keys = native_attention.prefill_keys(
             [(p.row_start, p.row_end - p.row_start, p.start_pos, p.ctx_blocks) for p in batch.prefills],
             batch.slot_mapping, batch.num_decode, batch.block_size)
@@ -228,7 +229,7 @@ def paged_attention(
         if pre is not None:
             outs.append(pre)
             return outs[0] if len(outs) == 1 else torch.cat(outs)
-    if plan.prefill_masks is None:  # the C call refused (a buffer, a thread): SDPA, as without it
+    if plan.prefill_masks is None:  # the C call refused (a buffer, a thread, q's layout): SDPA, as without it
         plan.prefill_masks = prefill_masks(batch, plan.window, q.dtype)
     for p, pmask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]

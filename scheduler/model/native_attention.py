@@ -1,5 +1,5 @@
-"""Decode attention on the paged KV cache in C (`_attention.c`), loaded with ctypes
-where the install built it.
+"""Attention on the paged KV cache in C, loaded with ctypes where the install built it: decode
+rows (`_attention.c`) and prefill chunks (`_prefill_attention.c`, `prefill` below).
 
 `decode` reads each decode row's context once, through its block table, where it lies
 in the cache: no gathered copy (see the C file for why). It takes float32 or bfloat16
@@ -108,6 +108,7 @@ def _load_prefill(path: Path | None = None) -> ctypes.CDLL | None:
 
 _PREFILL = _load_prefill()
 PREFILL_AVAILABLE = _PREFILL is not None
+PREFILL_MAX_HEAD_DIM = int(ctypes.c_int64.in_dll(_PREFILL, "prefill_attention_max_head_dim").value) if _PREFILL else 0
 # _prefill_attention.c's builds by name (`isa`): the best this CPU runs, or one of them
 PREFILL_ISAS = {"auto": -1, "avx512": 2, "avx2": 1, "baseline": 0}
 
@@ -117,10 +118,12 @@ def prefill_runs(isa: str) -> bool:
     return _PREFILL is not None and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS[isa]))
 
 
-def prefill_takes(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `prefill` can run a batch of this dtype on this device (its sizes aside): float32
-    on a CPU with AVX2 and FMA at least (its baseline build is slower than SDPA)."""
+def prefill_takes(dtype: torch.dtype, device: torch.device, head_dim: int | None = None) -> bool:
+    """Whether `prefill` runs a batch of this dtype on this device: float32 on a CPU with AVX2 and
+    FMA at least (its baseline build is slower than SDPA), heads a multiple of 8 up to
+    PREFILL_MAX_HEAD_DIM (where `head_dim` is given; else the call itself refuses others)."""
     return (dtype == torch.float32 and device.type == "cpu" and _PREFILL is not None
+            and (head_dim is None or (head_dim % 8 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM))
             and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"])))
 
 

@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
         # Gathered once per step rather than once per layer.
         cos, sin = self.rope.lookup(batch.positions, batch.max_context_len)
         # self.dtype, not embed_tokens.dtype: later pipeline stages hold no embedding.
-        return cos, sin, plan_attention(batch, self.cfg.sliding_window, self.dtype)
+        return cos, sin, plan_attention(batch, self.cfg.sliding_window, self.dtype, self.cfg.head_dim)
 
     def check_kv(self, kv: PagedKVCache) -> None:
         if kv.num_layers != len(self.layers):

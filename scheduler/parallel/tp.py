@@ -211,7 +211,7 @@ class TPRunner:
         cos, sin, _ = model.attention_inputs(batch)
         bounds = ((0, row), (row, batch.num_tokens))
         mbs = [slice_batch(batch, a, b) for a, b in bounds]
-        plans = [plan_attention(mb, model.cfg.sliding_window, model.dtype) for mb in mbs]
+        plans = [plan_attention(mb, model.cfg.sliding_window, model.dtype, model.cfg.head_dim) for mb in mbs]
         rope = [(cos[a:b], sin[a:b]) for a, b in bounds]
         xs = [x[a:b] for a, b in bounds]
         pending: list[PendingAllReduce | None] = [None, None]
