@@ -14,7 +14,7 @@ Variants, timed call by call in turn so each sees the same machine: "sdpa" (the 
 the C extension: a call per chunk, masks and gathers), then every build of the kernel this CPU
 runs (`auto` is the one the engine picks). GFLOP/s counts each query's causal keys only.
 
-    .venv/bin/python bench/bench_prefill_attention.py [--calls 15]
+    .venv/bin/python bench/bench_prefill_attention.py [--calls 15] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def loads(g: torch.Generator) -> dict[str, list[tuple[int, int]]]:
     return {"one 512": [(0, 512)], "16 prompts": [(0, n) for n in lens], "chunked": [(c, 256) for c in ctx]}
 
 
-def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds: list[str], calls: int) -> None:
+def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds: list[str], calls: int,
+              dtype: torch.dtype) -> None:
     chunks, used = [], 0
     for start, n in spec:
         nblk = (start + n + BS - 1) // BS
@@ -55,17 +56,17 @@ def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds
         c.block_table = [perm[b] for b in c.block_table]
     batch = build_forward_batch(chunks, BS, "cpu")
     t = batch.num_tokens
-    q = torch.randn(t, HEADS + 2 * KV_HEADS, D, generator=g)[:, :HEADS]
-    kn = torch.randn(t, KV_HEADS, D, generator=g)
-    caches = [(torch.randn(used * BS, KV_HEADS, D, generator=g), torch.randn(used * BS, KV_HEADS, D, generator=g))
-              for _ in range(LAYERS)]
-    native = plan_attention(batch, None, torch.float32, D)
+    q = torch.randn(t, HEADS + 2 * KV_HEADS, D, generator=g).to(dtype)[:, :HEADS]
+    kn = torch.randn(t, KV_HEADS, D, generator=g).to(dtype)
+    caches = [(torch.randn(used * BS, KV_HEADS, D, generator=g).to(dtype),
+               torch.randn(used * BS, KV_HEADS, D, generator=g).to(dtype)) for _ in range(LAYERS)]
+    native = plan_attention(batch, None, dtype, D)
     assert native.prefill_keys is not None
     slots, meta = native.prefill_keys
     saved = native_attention._PREFILL
     native_attention._PREFILL = None
     try:
-        plain = plan_attention(batch, None, torch.float32, D)  # masks, as without the extension
+        plain = plan_attention(batch, None, dtype, D)  # masks, as without the extension
     finally:
         native_attention._PREFILL = saved
 
@@ -103,16 +104,17 @@ def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=15, help="calls of each variant per load (the first 3 not counted)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a = ap.parse_args()
     if not native_attention.prefill_runs("auto"):
         raise SystemExit("the engine runs SDPA here: no _prefill_attention build, or a CPU without AVX2 + FMA")
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     builds = [i for i in ("auto", "avx512", "avx2", "baseline") if native_attention.prefill_runs(i)]
-    print(f"one thread; heads {HEADS}/{KV_HEADS}, head size {D}, {LAYERS} layers a call; builds this CPU runs: "
+    print(f"one thread, {a.dtype}; heads {HEADS}/{KV_HEADS}, head size {D}, {LAYERS} layers a call; builds this CPU runs: "
           f"{', '.join(builds)}")
     for name, spec in loads(g).items():
-        time_load(name, spec, g, builds, a.calls)
+        time_load(name, spec, g, builds, a.calls, getattr(torch, a.dtype))
 
 
 if __name__ == "__main__":

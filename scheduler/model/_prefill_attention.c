@@ -1,4 +1,4 @@
-/* Prefill attention straight from the paged KV cache, on the CPU (float32).
+/* Prefill attention straight from the paged KV cache, on the CPU (float32 or bfloat16).
  *
  * Why: torch's CPU SDPA ran one call per prefill chunk at 28-40 GFLOP/s on the default preset
  * (bench/bench_forward.py: the largest loss of a prefill-heavy round), its two GEMMs MKL's,
@@ -17,6 +17,12 @@
  *   - O^T[d][row] += V[key][d] * P^T[key][row]: V is read in place too, and a row's rescale
  *     by the running maximum's change is one multiply per vector.
  * Each register block holds JT keys (or JT head-dim values) x R rows: 2 JT vectors.
+ *
+ * bfloat16: q, the caches and the output are bfloat16, the arithmetic float32, the output rounded
+ * to nearest even once (as _attention.c's decode_attention_bf16 and torch's CPU SDPA do). A key
+ * tile's K and V rows are widened once into a float tile for all the tile's rows (64 x D values
+ * for 64 x D x R products), so the products are the float32 kernel's on the widened values: the
+ * same bits as float32 inputs holding the same values, then rounded.
  *
  * Keys whose every row is masked are never read: a tile's keys run from the earliest key its
  * earliest row may see to its last row's position. A key tile only partly visible to some row
@@ -60,15 +66,17 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 /* a prefill chunk, as `meta` gives it: five int64 each */
 enum { M_QROW, M_N, M_START, M_SLOTS, M_OUTROW, M_FIELDS };
 
+/* q, k, v and out hold float or uint16_t (bfloat16 bits) elements, as `bf16` says */
 typedef struct {
-    const float *q;        /* row t's head h at q + t * q_stride + h * D */
+    const void *q;         /* row t's head h at q + t * q_stride + h * D */
     int64_t q_stride;
-    const float *k, *v;    /* caches [slots, kv_heads, D] */
+    const void *k, *v;     /* caches [slots, kv_heads, D] */
     const int64_t *slots;  /* chunk c's keys 0 .. start + n - 1 at slots[meta[c].slots ...] */
     const int64_t *meta;   /* [chunks, M_FIELDS] */
-    float *out;            /* chunk c's token i, head h at out + (outrow + i) * H * D + h * D */
+    void *out;             /* chunk c's token i, head h at out + (outrow + i) * H * D + h * D */
     int64_t heads, kv_heads, D, window;
     float scale;
+    int bf16;
     const int64_t *items;  /* [chunk, kv head, tile] triples */
     int64_t item0, item1;
     int status;
@@ -76,6 +84,7 @@ typedef struct {
 
 typedef struct {
     float *qt, *st, *ot;   /* Q^T [D][rows], S^T / P^T [NK][rows], O^T [D][rows] (rows R_MAX at most) */
+    float *kw, *vw;        /* bfloat16: a key tile's K and V rows widened, [NK][D] */
     const float *kp[NK], *vp[NK];
 } Scratch;
 
@@ -107,11 +116,20 @@ static const float zero_row[MAX_HEAD_DIM];
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HAVE_TARGETS 1
-__attribute__((target("avx512f,avx2,fma"))) static void items_avx512(const Job *j, Scratch *s) { items_w16(j, s, 8); }
+__attribute__((target("avx512f,avx2,fma"))) static void items_avx512(const Job *j, Scratch *s) {
+    if (j->bf16) items_w16(j, s, 8, 1);
+    else items_w16(j, s, 8, 0);
+}
 /* 2 x 4 sums, two of Q^T and a broadcast: 11 of AVX2's 16 registers */
-__attribute__((target("avx2,fma"))) static void items_avx2(const Job *j, Scratch *s) { items_w8(j, s, 4); }
+__attribute__((target("avx2,fma"))) static void items_avx2(const Job *j, Scratch *s) {
+    if (j->bf16) items_w8(j, s, 4, 1);
+    else items_w8(j, s, 4, 0);
+}
 #endif
-static void items_base(const Job *j, Scratch *s) { items_w4(j, s, 4); }
+static void items_base(const Job *j, Scratch *s) {
+    if (j->bf16) items_w4(j, s, 4, 1);
+    else items_w4(j, s, 4, 0);
+}
 
 /* the build `isa` names (2 AVX-512, 1 AVX2, 0 the baseline; -1 the best this CPU runs of the
  * first two) and its rows a tile, or NULL where this CPU does not run it */
@@ -149,11 +167,14 @@ static void *run(void *arg) {
     s.qt = aligned_alloc(64, sizeof(float) * (size_t)(D * R_MAX));
     s.ot = aligned_alloc(64, sizeof(float) * (size_t)(D * R_MAX));
     s.st = aligned_alloc(64, sizeof(float) * NK * R_MAX);
-    if (s.qt && s.ot && s.st) th->fn(&th->job, &s);
+    s.kw = th->job.bf16 ? aligned_alloc(64, sizeof(float) * (size_t)(2 * NK * D)) : NULL;
+    s.vw = s.kw ? s.kw + NK * D : NULL;
+    if (s.qt && s.ot && s.st && (s.kw || !th->job.bf16)) th->fn(&th->job, &s);
     else th->job.status = -1;
     free(s.qt);
     free(s.ot);
     free(s.st);
+    free(s.kw);
     return NULL;
 }
 
@@ -163,13 +184,14 @@ int prefill_attention_runs(int64_t isa) {
     return pick(isa, &rows) != NULL;
 }
 
-/* out = softmax(q K^T * scale, causal and within `window` when > 0) V for every chunk's rows.
+/* out = softmax(q K^T * scale, causal and within `window` when > 0) V for every chunk's rows;
+ * q, k, v and out bfloat16 (their bits) where `bf16`, else float.
  * Returns 0; -1 where the sizes are not ones it takes (D a multiple of 8 up to MAX_HEAD_DIM,
  * whole KV groups), a buffer could not be allocated or a thread not started; -2 where this CPU
  * does not run the build `isa` names. The caller then runs SDPA. */
-int prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int64_t *slots,
+int prefill_attention(const void *q, int64_t q_stride, const void *k, const void *v, const int64_t *slots,
                       const int64_t *meta, int64_t chunks, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t window, float scale, float *out, int64_t threads, int64_t isa) {
+                      int64_t window, float scale, void *out, int64_t threads, int64_t isa, int64_t bf16) {
     if (head_dim > MAX_HEAD_DIM || head_dim % 8 || kv_heads < 1 || heads % kv_heads) return -1;
     int64_t rows;
     const ItemsFn fn = pick(isa, &rows);
@@ -200,8 +222,8 @@ int prefill_attention(const float *q, int64_t q_stride, const float *k, const fl
     pthread_t tid[64];
     int64_t it = 0, acc = 0;
     for (int64_t x = 0; x < threads; x++) {
-        th[x] = (Thread){{q, q_stride, k, v, slots, meta, out, heads, kv_heads, head_dim, window, scale, items, it,
-                          it, 0},
+        th[x] = (Thread){{q, q_stride, k, v, slots, meta, out, heads, kv_heads, head_dim, window, scale, bf16 != 0,
+                          items, it, it, 0},
                          fn};
         const int64_t goal = total * (x + 1) / threads;
         while (it < count && (acc + cost[it] / 2 <= goal || x == threads - 1)) acc += cost[it++];

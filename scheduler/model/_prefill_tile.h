@@ -32,7 +32,8 @@ static inline __attribute__((always_inline)) V NAME(max)(V a, V b) { return SEL(
 
 /* One row tile (RW rows) of one chunk's KV group, JT keys or head-dim values per register block. */
 static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const int64_t *m, int64_t g, int64_t t,
-                                                             Scratch *s, const int64_t D, const int JT) {
+                                                             Scratch *s, const int64_t D, const int JT,
+                                                             const int bf16) {
     const int64_t H = j->heads, KVH = j->kv_heads, G = H / KVH, n = m[M_N], start = m[M_START];
     const int64_t r0 = t * RW, r1 = (r0 + RW < n * G) ? r0 + RW : n * G, tok = KVH * D;
     const int64_t *slots = j->slots + m[M_SLOTS];
@@ -42,8 +43,8 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     for (int64_t l = 0; l < RW; l++) {
         const int64_t r = r0 + l < r1 ? r0 + l : r1 - 1, i = r / G, h = g * G + r % G;
         pos[l] = (int32_t)(start + i);
-        const float *qr = j->q + (m[M_QROW] + i) * j->q_stride + h * D;
-        for (int64_t d = 0; d < D; d++) qt[d * RW + l] = qr[d] * j->scale;
+        const int64_t qi = (m[M_QROW] + i) * j->q_stride + h * D;
+        for (int64_t d = 0; d < D; d++) qt[d * RW + l] = elem(j->q, qi + d, bf16) * j->scale;
     }
     VI pos0, pos1;
     memcpy(&pos0, pos, sizeof pos0);
@@ -56,8 +57,22 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
         const int64_t nk = pmax - k0 + 1 < NK ? pmax - k0 + 1 : NK, nkp = (nk + JT - 1) / JT * JT;
         for (int64_t a = 0; a < nkp; a++) {
             const int64_t off = a < nk ? slots[k0 + a] * tok + g * D : -1;
-            s->kp[a] = off < 0 ? zero_row : j->k + off;
-            s->vp[a] = off < 0 ? zero_row : j->v + off;
+            if (off < 0) {
+                s->kp[a] = s->vp[a] = zero_row;
+            } else if (bf16) { /* the tile's K and V rows widened once, for all its rows */
+                float *kw = s->kw + a * D, *vw = s->vw + a * D;
+                const uint16_t *kh = (const uint16_t *)j->k + off, *vh = (const uint16_t *)j->v + off;
+                for (int64_t d = 0; d < D; d += 8) { /* D a multiple of 8 */
+                    const v8 kx = widen8(kh + d), vx = widen8(vh + d);
+                    store8(kw + d, &kx);
+                    store8(vw + d, &vx);
+                }
+                s->kp[a] = kw;
+                s->vp[a] = vw;
+            } else {
+                s->kp[a] = (const float *)j->k + off;
+                s->vp[a] = (const float *)j->v + off;
+            }
         }
         /* S^T = K Q^T, JT keys at a time */
         for (int64_t a0 = 0; a0 < nkp; a0 += JT) {
@@ -135,18 +150,19 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     NAME(store)(inv + W, 1.0f / l1);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t l = r - r0, i = r / G, h = g * G + r % G;
-        float *o = j->out + (m[M_OUTROW] + i) * H * D + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = ot[d * RW + l] * inv[l];
+        const int64_t oi = (m[M_OUTROW] + i) * H * D + h * D;
+        for (int64_t d = 0; d < D; d++) put(j->out, oi + d, ot[d * RW + l] * inv[l], bf16);
     }
 }
 
-/* a thread's work items; the common head sizes as constants, so the loops over D unroll */
-static inline __attribute__((always_inline)) void NAME(items)(const Job *j, Scratch *s, const int JT) {
+/* a thread's work items, of one dtype; the common head sizes as constants, so the loops unroll */
+static inline __attribute__((always_inline)) void NAME(items)(const Job *j, Scratch *s, const int JT,
+                                                              const int bf16) {
     for (int64_t it = j->item0; it < j->item1; it++) {
         const int64_t *x = j->items + 3 * it, *m = j->meta + M_FIELDS * x[0];
-        if (j->D == 64) NAME(tile)(j, m, x[1], x[2], s, 64, JT);
-        else if (j->D == 128) NAME(tile)(j, m, x[1], x[2], s, 128, JT);
-        else NAME(tile)(j, m, x[1], x[2], s, j->D, JT);
+        if (j->D == 64) NAME(tile)(j, m, x[1], x[2], s, 64, JT, bf16);
+        else if (j->D == 128) NAME(tile)(j, m, x[1], x[2], s, 128, JT, bf16);
+        else NAME(tile)(j, m, x[1], x[2], s, j->D, JT, bf16);
     }
 }
 

@@ -99,7 +99,7 @@ def _load_prefill(path: Path | None = None) -> ctypes.CDLL | None:
     lib = open_library("_prefill_attention", path)
     if lib is None or not hasattr(lib, "prefill_attention"):
         return None
-    lib.prefill_attention.argtypes = [_P, _N, _P, _P, _P, _P, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N, _N]
+    lib.prefill_attention.argtypes = [_P, _N, _P, _P, _P, _P, _N, _N, _N, _N, _N, ctypes.c_float, _P, _N, _N, _N]
     lib.prefill_attention.restype = ctypes.c_int
     lib.prefill_attention_runs.argtypes = [_N]
     lib.prefill_attention_runs.restype = ctypes.c_int
@@ -109,6 +109,7 @@ def _load_prefill(path: Path | None = None) -> ctypes.CDLL | None:
 _PREFILL = _load_prefill()
 PREFILL_AVAILABLE = _PREFILL is not None
 PREFILL_MAX_HEAD_DIM = int(ctypes.c_int64.in_dll(_PREFILL, "prefill_attention_max_head_dim").value) if _PREFILL else 0
+_PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 # _prefill_attention.c's builds by name (`isa`): the best this CPU runs, or one of them
 PREFILL_ISAS = {"auto": -1, "avx512": 2, "avx2": 1, "baseline": 0}
 
@@ -119,10 +120,10 @@ def prefill_runs(isa: str) -> bool:
 
 
 def prefill_takes(dtype: torch.dtype, device: torch.device, head_dim: int | None = None) -> bool:
-    """Whether `prefill` runs a batch of this dtype on this device: float32 on a CPU with AVX2 and
-    FMA at least (its baseline build is slower than SDPA), heads a multiple of 8 up to
-    PREFILL_MAX_HEAD_DIM (where `head_dim` is given; else the call itself refuses others)."""
-    return (dtype == torch.float32 and device.type == "cpu" and _PREFILL is not None
+    """Whether `prefill` runs a batch of this dtype on this device: float32 or bfloat16 on a CPU
+    with AVX2 and FMA at least (its baseline build is slower than SDPA), heads a multiple of 8 up
+    to PREFILL_MAX_HEAD_DIM (where `head_dim` is given; else the call itself refuses others)."""
+    return (dtype in _PREFILL_DTYPES and device.type == "cpu" and _PREFILL is not None
             and (head_dim is None or (head_dim % 8 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM))
             and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"])))
 
@@ -153,10 +154,11 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots
             rows: int, window: int | None, isa: str = "auto") -> torch.Tensor | None:
     """Causal attention of every prefill chunk (`prefill_keys`' tables) over its keys in the
     caches (its own K/V already stored there): q [T, H, D] (rows may be strided) ->
-    [rows, H * D], the chunks' output rows. None where the C path does not apply (float32 on
-    the CPU only); the caller then runs SDPA, which gives the same values up to float rounding."""
+    [rows, H * D], the chunks' output rows. None where the C path does not apply (float32 or
+    bfloat16 on the CPU only; bfloat16 computed in float32, the output rounded once); the caller
+    then runs SDPA, which gives the same values up to the dtype's rounding."""
     tensors_fit = (q.device.type == k_cache.device.type == v_cache.device.type == slots.device.type == "cpu"
-                   and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+                   and q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _PREFILL_DTYPES
                    and slots.dtype == meta.dtype == torch.int64 and meta.dim() == 2 and meta.shape[1] == 5
                    and q.dim() == k_cache.dim() == 3 and k_cache.shape == v_cache.shape
                    and k_cache.shape[2] == q.shape[2] and q.stride(2) == 1 and q.stride(1) == q.shape[2]
@@ -169,5 +171,5 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots
     status = _PREFILL.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                         slots.data_ptr(), meta.data_ptr(), meta.shape[0], heads, k_cache.shape[1], d,
                                         window or 0, d ** -0.5, out.data_ptr(), torch.get_num_threads(),
-                                        PREFILL_ISAS[isa])
+                                        PREFILL_ISAS[isa], q.dtype == torch.bfloat16)
     return out if status == 0 else None
