@@ -120,6 +120,25 @@ def bandwidth_gbs() -> float:
 
 
 # --------------------------------------------------------------------------- capture
+def block_runs(fbs: list[ForwardBatch]) -> str:
+    """How the decode rows' KV blocks lie in the cache: the share that follow their row's previous
+    block, and the mean run of such blocks. A scattered block is read at the rate of a shuffled
+    16 KB read (bench/block_reads.c), a run at nearly a stream's."""
+    follow = pairs = runs = 0
+    for fb in fbs:
+        if fb.decode_blocks is None:
+            continue
+        for row, n in zip(fb.decode_blocks.tolist(), (fb.positions[: fb.num_decode] + 1).tolist(), strict=True):
+            blocks = row[: (n + fb.block_size - 1) // fb.block_size]
+            steps = [b == a + 1 for a, b in zip(blocks, blocks[1:], strict=False)]
+            follow, pairs, runs = follow + sum(steps), pairs + len(steps), runs + 1 + len(steps) - sum(steps)
+    if not pairs:
+        return "the decode rows' blocks: none past a row's first"
+    # each block either starts a run or follows its row's previous block
+    return (f"the decode rows' blocks: {follow / pairs:.1%} follow their row's previous block; "
+            f"runs of {(runs + follow) / runs:.1f} blocks on average")
+
+
 def capture(model_name: str, requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
             seed: int, weight_pack: str = "auto", dtype: str = "float32",
             max_running: int | None = None) -> tuple[list[ForwardBatch], CausalLM, PagedKVCache, float]:
@@ -415,11 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_sdpa:
         native_attention._PREFILL = None
     if args.capture_only:
-        *_, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
-                                args.weight_pack, args.dtype, args.max_running)
+        fbs, _, _, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
+                                       args.weight_pack, args.dtype, args.max_running)
         label = "gather" if args.gather else str(args.attention_lib or "default")
         label += ", prefill by SDPA" if args.prefill_sdpa else ""
-        print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label})")
+        print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label}); {block_runs(fbs)}")
         return 0
     started = datetime.now(UTC)
     load_before = load()
@@ -432,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                                         args.weight_pack, args.dtype, args.max_running)
     packed = bool(model.layers[0].packs)
     print(f"captured {len(fbs)} batches; the engine's forward took {run_fwd_s:.2f} s in the run; "
-          f"weights reordered (--weight-pack {args.weight_pack}): {'yes' if packed else 'no'}")
+          f"weights reordered (--weight-pack {args.weight_pack}): {'yes' if packed else 'no'}; {block_runs(fbs)}")
     prefill_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode >= fb.num_decode]
     decode_heavy = [fb for fb in fbs if fb.num_tokens - fb.num_decode < fb.num_decode]
     pre, dec = measure(model, prefill_heavy, kv, args.reps), measure(model, decode_heavy, kv, args.reps)
