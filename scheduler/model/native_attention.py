@@ -112,6 +112,8 @@ PREFILL_MAX_HEAD_DIM = int(ctypes.c_int64.in_dll(_PREFILL, "prefill_attention_ma
 _PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 # _prefill_attention.c's builds by name (`isa`): the best this CPU runs, or one of them
 PREFILL_ISAS = {"auto": -1, "avx512": 2, "avx2": 1, "baseline": 0}
+# whether this CPU runs a build the engine picks: asked once, not on every forward
+_PREFILL_AUTO = _PREFILL is not None and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"]))
 
 
 def prefill_runs(isa: str) -> bool:
@@ -123,9 +125,8 @@ def prefill_takes(dtype: torch.dtype, device: torch.device, head_dim: int | None
     """Whether `prefill` runs a batch of this dtype on this device: float32 or bfloat16 on a CPU
     with AVX2 and FMA at least (its baseline build is slower than SDPA), heads a multiple of 8 up
     to PREFILL_MAX_HEAD_DIM (where `head_dim` is given; else the call itself refuses others)."""
-    return (dtype in _PREFILL_DTYPES and device.type == "cpu" and _PREFILL is not None
-            and (head_dim is None or (head_dim % 8 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM))
-            and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"])))
+    return (dtype in _PREFILL_DTYPES and device.type == "cpu" and _PREFILL is not None and _PREFILL_AUTO
+            and (head_dim is None or (head_dim % 8 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM)))
 
 
 def prefill_keys(prefills: list[tuple[int, int, int, torch.Tensor | None]], slot_mapping: torch.Tensor,
