@@ -286,8 +286,10 @@ static inline __attribute__((always_inline)) void accumulate2(float *y0, float *
  * the cache and the hardware's prefetchers follow a stream only within a page, so out of cache
  * every block (and page) started with a wait for memory: asking eight tokens ahead (every line
  * of their rows) made a forward's worth of decode calls out of cache 10-27% faster, one whose
- * K/V sat in cache up to 14% slower (bench/bench_decode_kernel.py). */
-enum { AHEAD = 8 };
+ * K/V sat in cache up to 14% slower (bench/bench_decode_kernel.py). Sixteen ahead, with the
+ * asks spread over the head loop (prefetch_share), read 1.2-1.5x faster again, in address order
+ * and shuffled (BENCHMARKS.md, "The decode kernel's prefetches spread"). */
+enum { AHEAD = 16 };
 
 /* ask for the bytes at p on (each cache line once); a hint: it neither faults nor waits */
 static inline __attribute__((always_inline)) void prefetch(const void *p, int64_t bytes) {
@@ -297,6 +299,18 @@ static inline __attribute__((always_inline)) void prefetch(const void *p, int64_
 /* the cache slot of row r's token t, through its block table */
 static inline __attribute__((always_inline)) int64_t bt_slot(const Job *j, int64_t r, int64_t t, int64_t BS) {
     return j->blocks[r * j->max_blocks + t / BS] * BS + t % BS;
+}
+
+/* Ask for the K or V rows of row r's tokens a0 + part, a0 + part + parts, ... (below a1 and L):
+ * one iteration's share of the rows ahead. Asked all at once, a block's sixteen rows (256 lines)
+ * outnumbered the misses a core keeps in flight, and the loop stalled on its own hints until
+ * they drained; a share per head keeps a few rows in flight while the heads compute. */
+static inline __attribute__((always_inline)) void prefetch_share(const Job *j, const void *cache, int64_t r,
+                                                                  int64_t a0, int64_t a1, int64_t L, int64_t part,
+                                                                  int64_t parts, int64_t BS, int64_t tok,
+                                                                  int64_t row_bytes, const int bf16) {
+    for (int64_t a = a0 + part; a < a1 && a < L; a += parts)
+        prefetch(at(cache, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
 }
 
 static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, const int64_t BS, const int bf16) {
@@ -344,11 +358,11 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                 for (; t + LANES <= L; t += LANES) {
                     int64_t kt[LANES];
                     for (int i = 0; i < LANES; i++) kt[i] = bt_slot(j, r, t + i, BS) * tok;
-                    for (int64_t a = t + AHEAD; a < t + AHEAD + LANES && a < L; a++)
-                        prefetch(at(j->k, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
                     if (split && G == 2) /* a KV group's two heads on each K row widened once */
                         for (int64_t h = 0; h < H; h += 2) {
                             v8 p0[LANES], p1[LANES];
+                            prefetch_share(j, j->k, r, t + AHEAD, t + AHEAD + LANES, L, h / 2, H / 2, BS, tok,
+                                           row_bytes, bf16);
                             for (int i = 0; i < LANES; i++)
                                 dot_split2(q + h * D, q + (h + 1) * D, (const uint16_t *)j->k + kt[i] + (h / 2) * D,
                                            D, &p0[i], &p1[i]);
@@ -359,6 +373,8 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                     else
                         for (int64_t h = 0; h < H; h++) {
                             v8 p[LANES];
+                            prefetch_share(j, j->k, r, t + AHEAD, t + AHEAD + LANES, L, h, H, BS, tok, row_bytes,
+                                           bf16);
                             for (int i = 0; i < LANES; i++)
                                 p[i] = split ? dot_split(q + h * D, (const uint16_t *)j->k + kt[i] + (h / G) * D, D)
                                              : dot_lanes(q + h * D, at(j->k, kt[i] + (h / G) * D, bf16), D, bf16);
@@ -374,23 +390,32 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                                                   * j->scale;
                 }
             }
-            for (int64_t a = first; a < first + AHEAD && a < L; a++) /* V's first rows, behind the softmax */
-                prefetch(at(j->v, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
-            for (int64_t h = 0; h < H; h++) softmax(scores + h * n, n);
+            for (int64_t h = 0; h < H; h++) { /* V's first rows, behind the softmax */
+                prefetch_share(j, j->v, r, first, first + AHEAD, L, h, H, BS, tok, row_bytes, bf16);
+                softmax(scores + h * n, n);
+            }
             /* V a block at a time, each head's accumulator held across the block's tokens
              * (in registers where D is a constant: see accumulate) instead of reloaded per token */
+            /* the next row's first K rows are asked for during this row's last block: its first
+             * tokens' scores would otherwise each start with a wait for memory */
+            const int64_t Ln = r + 1 < j->row1 ? j->ctx[r + 1] : 0;
+            const int64_t fn = (j->window > 0 && Ln > j->window) ? Ln - j->window : 0;
             for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
                 const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
                 const int64_t vt = bt_slot(j, r, t0, BS) * tok;
-                for (int64_t a = t0 + AHEAD; a < t1 + AHEAD && a < L; a++)
-                    prefetch(at(j->v, bt_slot(j, r, a, BS) * tok, bf16), row_bytes);
+                if (t1 == L && Ln > 0)
+                    for (int64_t h = 0; h < H; h++)
+                        prefetch_share(j, j->k, r + 1, fn, fn + AHEAD, Ln, h, H, BS, tok, row_bytes, bf16);
                 if (split && G == 2)
-                    for (int64_t h = 0; h < H; h += 2)
+                    for (int64_t h = 0; h < H; h += 2) {
+                        prefetch_share(j, j->v, r, t0 + AHEAD, t1 + AHEAD, L, h / 2, H / 2, BS, tok, row_bytes, bf16);
                         accumulate2(o + h * D, o + (h + 1) * D, scores + h * n + (t0 - first),
                                     scores + (h + 1) * n + (t0 - first), at(j->v, vt + (h / 2) * D, bf16), t1 - t0,
                                     tok, D);
+                    }
                 else
                     for (int64_t h = 0; h < H; h++) {
+                        prefetch_share(j, j->v, r, t0 + AHEAD, t1 + AHEAD, L, h, H, BS, tok, row_bytes, bf16);
                         const void *vr = at(j->v, vt + (h / G) * D, bf16);
                         accumulate(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D, bf16, split);
                     }
