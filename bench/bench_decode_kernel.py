@@ -4,10 +4,12 @@ one thread, on the default preset's heads (8 query, 4 KV, head size 64) and deco
 57 rows of 16-768. A call is a forward's worth: the preset's 8 layers, each with its own
 cache and its rows on their own shuffled blocks, so what a round reads is what a forward
 reads (57 rows of 16-768 read about 380 MB in float32, out of every cache, as in
-bench_forward's run; 16 rows of 128-192 about 40 MB). Several builds are timed call by call
-in turn, so each sees the same machine; without `--lib` the installed build alone.
+bench_forward's run; 16 rows of 128-192 about 40 MB). `--in-order` lays each row's blocks one
+after another in the cache instead (a row whose blocks were taken together: in bench_forward's
+run 75% of a decode row's blocks follow its previous one). Several builds are timed call by
+call in turn, so each sees the same machine; without `--lib` the installed build alone.
 
-    .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40]
+    .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40] [--in-order]
 
 Build another revision's kernel to compare (as bench_forward.py's --attention-lib does):
 
@@ -39,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", type=Path, action="append", default=[], help="a build to time (repeatable)")
     ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 5 not counted)")
+    ap.add_argument("--in-order", action="store_true", help="each row's blocks in address order, not shuffled")
     a = ap.parse_args()
     libs = {str(p): native_attention.load_library(p) for p in a.lib} or {"installed": native_attention._LIB}
     if any(lib is None for lib in libs.values()):
@@ -49,7 +52,8 @@ def main() -> None:
         nblk = hi // BS + 1
         blocks_per_layer = rows * nblk
         ctx = torch.randint(lo, hi, (rows,), generator=g)
-        blocks = torch.randperm(blocks_per_layer, generator=g).view(rows, nblk).contiguous()
+        order = torch.arange(blocks_per_layer) if a.in_order else torch.randperm(blocks_per_layer, generator=g)
+        blocks = order.view(rows, nblk).contiguous()
         q = torch.randn(rows, HEADS, D, generator=g)
         caches = [(torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g),
                    torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g)) for _ in range(LAYERS)]
