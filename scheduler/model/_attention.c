@@ -287,7 +287,7 @@ static inline __attribute__((always_inline)) void accumulate2(float *y0, float *
  * every block (and page) started with a wait for memory: asking eight tokens ahead (every line
  * of their rows) made a forward's worth of decode calls out of cache 10-27% faster, one whose
  * K/V sat in cache up to 14% slower (bench/bench_decode_kernel.py). Sixteen ahead, with the
- * asks spread over the head loop (prefetch_share), read 1.2-1.5x faster again, in address order
+ * asks spread over the head loop (prefetch_share), read 1.1-1.5x faster again, in address order
  * and shuffled (BENCHMARKS.md, "The decode kernel's prefetches spread"). */
 enum { AHEAD = 16 };
 
@@ -394,21 +394,20 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                 prefetch_share(j, j->v, r, first, first + AHEAD, L, h, H, BS, tok, row_bytes, bf16);
                 softmax(scores + h * n, n);
             }
-            /* V a block at a time, each head's accumulator held across the block's tokens
-             * (in registers where D is a constant: see accumulate) instead of reloaded per token */
             /* the next row's first K rows are asked for during this row's last block: its first
              * tokens' scores would otherwise each start with a wait for memory */
             const int64_t Ln = r + 1 < j->row1 ? j->ctx[r + 1] : 0;
             const int64_t fn = (j->window > 0 && Ln > j->window) ? Ln - j->window : 0;
+            /* V a block at a time, each head's accumulator held across the block's tokens
+             * (in registers where D is a constant: see accumulate) instead of reloaded per token */
             for (int64_t t0 = first; t0 < L; t0 = (t0 / BS + 1) * BS) {
                 const int64_t t1 = (t0 / BS + 1) * BS < L ? (t0 / BS + 1) * BS : L;
                 const int64_t vt = bt_slot(j, r, t0, BS) * tok;
-                if (t1 == L && Ln > 0)
-                    for (int64_t h = 0; h < H; h++)
-                        prefetch_share(j, j->k, r + 1, fn, fn + AHEAD, Ln, h, H, BS, tok, row_bytes, bf16);
+                const int64_t Lnext = t1 == L ? Ln : 0; /* 0: none asked for */
                 if (split && G == 2)
                     for (int64_t h = 0; h < H; h += 2) {
                         prefetch_share(j, j->v, r, t0 + AHEAD, t1 + AHEAD, L, h / 2, H / 2, BS, tok, row_bytes, bf16);
+                        prefetch_share(j, j->k, r + 1, fn, fn + AHEAD, Lnext, h / 2, H / 2, BS, tok, row_bytes, bf16);
                         accumulate2(o + h * D, o + (h + 1) * D, scores + h * n + (t0 - first),
                                     scores + (h + 1) * n + (t0 - first), at(j->v, vt + (h / 2) * D, bf16), t1 - t0,
                                     tok, D);
@@ -416,6 +415,7 @@ static inline __attribute__((always_inline)) void rows(Job *j, const int64_t D, 
                 else
                     for (int64_t h = 0; h < H; h++) {
                         prefetch_share(j, j->v, r, t0 + AHEAD, t1 + AHEAD, L, h, H, BS, tok, row_bytes, bf16);
+                        prefetch_share(j, j->k, r + 1, fn, fn + AHEAD, Lnext, h, H, BS, tok, row_bytes, bf16);
                         const void *vr = at(j->v, vt + (h / G) * D, bf16);
                         accumulate(o + h * D, scores + h * n + (t0 - first), vr, t1 - t0, tok, D, bf16, split);
                     }
