@@ -135,7 +135,8 @@ class Tracer:
         it past the timeout with the stacks), one probe row, WaitTimeout at the timeout."""
         return timed_wait(ready, registry=self.registry, waiter=waiter, what=what, signaller=signaller,
                           boundary=boundary, timeout_s=self.wait_timeout_s if timeout_s is None else timeout_s,
-                          buf=self._buf(), step=self._step)
+                          buf=self._buf(), step=self._step,
+                          on_expire=None if self._watchdog is None else self._watchdog.check)
 
     # -- requests ------------------------------------------------------------------------------
     def request(self, request_id: str, *, arrival_ns: int, first_token_ns: int, finish_ns: int, prompt_len: int,

@@ -84,6 +84,7 @@ def timed_wait(
     rank: int = 0,
     step: int = -1,
     raise_on_timeout: bool = True,
+    on_expire: Callable[[], object] | None = None,
 ) -> int:
     """Block until `ready(slice_s)` returns True, or raise WaitTimeout.
 
@@ -91,6 +92,9 @@ def timed_wait(
     work.wait ...). The wait is registered while it lasts and recorded as one
     probe row of `boundary`. Returns the waited nanoseconds, or -1 when the
     timeout passed and `raise_on_timeout` is False (a poll, e.g. for arrivals).
+    `on_expire` is called once when the timeout passes, the wait still registered (a
+    watchdog's `check`: a wait that gives up is reported even where the watchdog's own
+    thread did not get a core between its threshold and the timeout).
     """
     t0 = now_ns()
     if ready(0.0):  # the common case: already done, no registry traffic
@@ -105,6 +109,8 @@ def timed_wait(
         while True:
             left = (deadline - now_ns()) / 1e9
             if left <= 0:
+                if on_expire is not None:
+                    on_expire()
                 # the wait is a row either way: a stalled run's longest interval is its
                 # timed-out wait, and it must not be left unattributed
                 if buf is not None:

@@ -276,6 +276,9 @@ class Watchdog:
         # Reported waits by id(); holding the object keeps its id from being
         # reused by a later wait while the entry lives.
         self._fired: dict[int, ActiveWait] = {}
+        # a wait that gives up checks on its own thread (timed_wait's on_expire) while this
+        # thread may be checking too: one pass at a time, so no wait is reported twice
+        self._checking = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -302,6 +305,10 @@ class Watchdog:
     def check(self) -> list[StallReport]:
         """One pass: report waits newly past the timeout. Cheap when nothing is stalled:
         one registry snapshot and one comparison per active wait."""
+        with self._checking:
+            return self._check()
+
+    def _check(self) -> list[StallReport]:
         self.checks += 1
         waits = self.registry.snapshot()
         if not waits and not self._fired:
@@ -351,8 +358,10 @@ class Watchdog:
         kv: dict[str, Any] = (_guard(self.kv_summary, lambda e: {"error": repr(e)})
                               if self.kv_summary is not None else {})
         step: int = _guard(self.step, lambda e: -1) if self.step is not None else -1
-        # The watchdog's own stack is just this reporting code: leave it out.
-        stacks = thread_stacks(skip=threading.get_ident())
+        # The watchdog's own stack is just this reporting code: leave it out (a wait checking on
+        # its own thread keeps its stack: it shows the wait)
+        own = self._thread.ident if self._thread is not None else threading.get_ident()
+        stacks = thread_stacks(skip=own)
         if self.extra_stacks is not None:
             stacks += _guard(self.extra_stacks, lambda e: [ThreadStack(-1, f"error: {e!r}", [])])
         return _Scene(now_ns(), wait_for_graph(waits, extra), streams, stacks, kv, step)

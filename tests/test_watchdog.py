@@ -334,3 +334,25 @@ def test_one_pass_asks_for_the_device_stacks_once():
     reps = wd.check()
     assert len(reps) == 3 and len(asked) == 1
     assert len({r.ts_ns for r in reps}) == 1 and {r.wait.waiter for r in reps} == {"w0", "w1", "w2"}
+
+
+@pytest.mark.parametrize("interval_s", [60.0, 0.005])
+def test_a_wait_that_gives_up_is_reported_once_whatever_the_watchdog_thread_did(interval_s):
+    """The watchdog's thread checks once an interval: a wait that gave up between its threshold
+    and the next check went unreported (the API's test under CI load: a 1 s wait, a 0.9 s
+    threshold, no report). timed_wait's on_expire checks on the waiting thread, the wait still
+    registered: with the thread never checking in time (60 s) the wait is reported, and with
+    the thread checking every 5 ms it is still reported once."""
+    from probes.waits import WaitTimeout
+
+    reg = WaitRegistry()
+    got: list[StallReport] = []
+    wd = Watchdog(reg, 0.1, interval_s=interval_s, on_stall=got.append)
+    nobody = threading.Event()
+    with wd:
+        with pytest.raises(WaitTimeout):
+            timed_wait(nobody.wait, registry=reg, waiter="scheduler", what="event forward#2", signaller="device",
+                       boundary="scheduler_barrier", timeout_s=0.3, on_expire=wd.check)
+    assert len(got) == 1 and got[0].wait.what == "event forward#2" and got[0].wait.signaller == "device"
+    # the waiting thread's stack is in the report, whichever thread made it
+    assert any("timed_wait" in f for s in got[0].stacks for f in s.frames)
