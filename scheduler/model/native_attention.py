@@ -112,13 +112,15 @@ PREFILL_MAX_HEAD_DIM = int(ctypes.c_int64.in_dll(_PREFILL, "prefill_attention_ma
 _PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 # _prefill_attention.c's builds by name (`isa`): the best this CPU runs, or one of them
 PREFILL_ISAS = {"auto": -1, "avx512": 2, "avx2": 1, "baseline": 0}
-# whether this CPU runs a build the engine picks: asked once, not on every forward
-_PREFILL_AUTO = _PREFILL is not None and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS["auto"]))
 
 
 def prefill_runs(isa: str) -> bool:
     """Whether this CPU runs the build `isa` names (PREFILL_ISAS)."""
     return _PREFILL is not None and bool(_PREFILL.prefill_attention_runs(PREFILL_ISAS[isa]))
+
+
+# whether this CPU runs a build the engine picks: asked once, not on every forward
+_PREFILL_AUTO = prefill_runs("auto")
 
 
 def prefill_takes(dtype: torch.dtype, device: torch.device, head_dim: int | None = None) -> bool:
