@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import huge_pages
 from .config import ModelConfig
 
 
@@ -37,14 +38,17 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.num_slots = num_blocks * block_size
         # [layer, k/v, slot, kv_head, head_dim]; zeros so padded gathers never read NaN garbage.
-        self._pool = torch.zeros(
-            (num_layers, 2, self.num_slots, num_kv_heads, head_dim), dtype=dtype, device=self.device
-        )
+        shape = (num_layers, 2, self.num_slots, num_kv_heads, head_dim)
+        # on the host, on 2 MB pages where the kernel lends them (huge_pages: why)
+        self.huge_pages = False
         if self.device.type == "cpu":
-            # A large torch.zeros is lazily mapped zero pages; gathers that read them ran
-            # ~5x slower (measured) than over written memory. Fault the pool in once, now,
-            # so step times do not depend on which blocks happen to be untouched.
+            self._pool, self.huge_pages = huge_pages.empty(shape, dtype)
+            # Untouched memory is lazily mapped zero pages; gathers that read them ran ~5x
+            # slower (measured) than over written memory. Fault the pool in once, now, so
+            # step times do not depend on which blocks happen to be untouched.
             self._pool.fill_(0)
+        else:
+            self._pool = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k: list[torch.Tensor] = [self._pool[i, 0] for i in range(num_layers)]
         self.v: list[torch.Tensor] = [self._pool[i, 1] for i in range(num_layers)]
 
