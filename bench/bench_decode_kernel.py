@@ -6,10 +6,13 @@ cache and its rows on their own shuffled blocks, so what a round reads is what a
 reads (57 rows of 16-768 read about 380 MB in float32, out of every cache, as in
 bench_forward's run; 16 rows of 128-192 about 40 MB). `--in-order` lays each row's blocks one
 after another in the cache instead (a row whose blocks were taken together: in bench_forward's
-run 75% of a decode row's blocks follow its previous one). Several builds are timed call by
-call in turn, so each sees the same machine; without `--lib` the installed build alone.
+run 75% of a decode row's blocks follow its previous one). The caches lie on 2 MB pages, as
+the engine's KV pool asks (scheduler/model/huge_pages.py); `--pages small` puts them on 4 KB
+pages (as before 2026-12-07 13:00 UTC), `--pages both` times each build on both. Several
+builds are timed call by call in turn, so each sees the same machine; without `--lib` the
+installed build alone.
 
-    .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40] [--in-order]
+    .venv/bin/python bench/bench_decode_kernel.py [--lib A.so --lib B.so] [--calls 40] [--in-order] [--pages both]
 
 Build another revision's kernel to compare (as bench_forward.py's --attention-lib does):
 
@@ -31,7 +34,7 @@ import torch
 from common import REPO
 
 sys.path.insert(0, str(REPO))
-from scheduler.model import native_attention  # noqa: E402
+from scheduler.model import huge_pages, native_attention  # noqa: E402
 
 BS, HEADS, KV_HEADS, D, LAYERS = 16, 8, 4, 64, 8
 SHAPES = ((16, 128, 192), (64, 128, 192), (57, 16, 768))  # rows, shortest and longest context
@@ -42,10 +45,13 @@ def main() -> None:
     ap.add_argument("--lib", type=Path, action="append", default=[], help="a build to time (repeatable)")
     ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 5 not counted)")
     ap.add_argument("--in-order", action="store_true", help="each row's blocks in address order, not shuffled")
+    ap.add_argument("--pages", choices=("huge", "small", "both"), default="huge",
+                    help="the caches on 2 MB pages (as the engine's KV pool asks), on 4 KB pages, or both in turn")
     a = ap.parse_args()
     libs = {str(p): native_attention.load_library(p) for p in a.lib} or {"installed": native_attention._LIB}
     if any(lib is None for lib in libs.values()):
         raise SystemExit("a build did not load (or the install has none)")
+    pages = ("huge", "small") if a.pages == "both" else (a.pages,)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     for rows, lo, hi in SHAPES:
@@ -58,12 +64,14 @@ def main() -> None:
         caches = [(torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g),
                    torch.randn(blocks_per_layer * BS, KV_HEADS, D, generator=g)) for _ in range(LAYERS)]
         for dtype in (torch.float32, torch.bfloat16):
-            layers = [(k.to(dtype), v.to(dtype)) for k, v in caches]
+            pools = {p: [(laid(k, dtype, p), laid(v, dtype, p)) for k, v in caches] for p in pages}
             qd = q.to(dtype)
             read = int(ctx.sum()) * KV_HEADS * D * 2 * qd.element_size() * LAYERS
-            times: dict[str, list[float]] = {name: [] for name in libs}
+            runs = [(f"{name}{'' if len(pages) == 1 else f', {p} pages'}", lib, pools[p])
+                    for name, lib in libs.items() for p in pages]
+            times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
             for _ in range(a.calls):
-                for name, lib in libs.items():
+                for name, lib, layers in runs:
                     native_attention._LIB = lib
                     t = time.perf_counter()
                     for k, v in layers:
@@ -75,6 +83,12 @@ def main() -> None:
                               f"({read / statistics.median(ts[5:]) / 1e9:.1f} GB/s)" for name, ts in times.items())
             print(f"{rows} rows of {lo}-{hi}, {str(dtype).removeprefix('torch.')}, {LAYERS} layers "
                   f"({read / 1e6:.0f} MB of K/V): {cells}", flush=True)
+
+
+def laid(t: torch.Tensor, dtype: torch.dtype, pages: str) -> torch.Tensor:
+    """`t` in `dtype`, copied into memory on 2 MB or 4 KB pages (huge_pages.empty)."""
+    out, _ = huge_pages.empty(tuple(t.shape), dtype, huge=pages == "huge")
+    return out.copy_(t)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,14 @@ under each table gives that forward's time too (the same logits, checked).
     # bench_serve_peer's load: 64 prompts of 128, 64 tokens each, 16 at a time, in bfloat16
     .venv/bin/python bench/bench_forward.py --dtype bfloat16 --requests 64 --prompt-len 128-128 \
         --output-len 64-64 --max-running 16
+    # what the KV pool's 2 MB pages are worth: the batches on the pool and on a 4 KB-page copy
+    .venv/bin/python bench/bench_forward.py --pages-ab [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -69,7 +72,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
-from scheduler.model import packed_gemm  # noqa: E402
+from scheduler.model import huge_pages, packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
@@ -349,6 +352,36 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
             "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
 
 
+def pages_ab(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache) -> None:
+    """The captured batches' forward on the engine's KV pool and on a copy of it on 4 KB pages,
+    alternated batch by batch (which goes first alternates too), the logits checked equal:
+    what the pool's pages are worth to the forward, the rounds split as in the tables. A
+    replayed batch writes the same K/V to the same slots in either pool, so they stay equal."""
+    small = copy.copy(kv)
+    small._pool, _ = huge_pages.empty(tuple(kv._pool.shape), kv._pool.dtype, huge=False)
+    small._pool.copy_(kv._pool)
+    small.k = [small._pool[i, 0] for i in range(kv.num_layers)]
+    small.v = [small._pool[i, 1] for i in range(kv.num_layers)]
+    ns: dict[tuple[str, bool], int] = defaultdict(int)
+    with torch.inference_mode():
+        for i, fb in enumerate(fbs):
+            kind = "prefill-heavy" if fb.num_tokens - fb.num_decode >= fb.num_decode else "decode-heavy"
+            out = {}
+            for huge in (True, False) if i % 2 == 0 else (False, True):
+                t0 = time.perf_counter_ns()
+                out[huge] = model.forward(fb, kv if huge else small)
+                ns[kind, huge] += time.perf_counter_ns() - t0
+            assert torch.equal(out[True], out[False]), "the two pools' forwards differ"
+    for name, pool in (("the engine's KV pool", kv._pool), ("its copy", small._pool)):
+        on, mapped = huge_pages.backed(pool)
+        print(f"{name}: {on / 2**20:.0f} MB of {pool.numel() * pool.element_size() / 2**20:.0f} MB on 2 MB pages "
+              f"(transparent huge pages: {huge_pages.mode()})")
+    for kind in ("prefill-heavy", "decode-heavy", "whole run"):
+        h, s = ((sum(v for (k, hp), v in ns.items() if hp == huge and kind in (k, "whole run")) / 1e6)
+                for huge in (True, False))
+        print(f"{kind}: {h:.1f} ms on the pool's pages, {s:.1f} ms on 4 KB pages: {h / s:.3f}x")
+
+
 def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s", "native_s")}
     return out | {k: {p: a[k][p] + b[k][p] for p in PARTS} for k in ("s", "flops", "bytes", "shape_s")}
@@ -415,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-sdpa", action="store_true",
                     help="prefill attention by SDPA per chunk, as without the C extension (an A/B of it)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
+    ap.add_argument("--pages-ab", action="store_true",
+                    help="only the engine run, then its batches' forward on the KV pool as the engine laid it "
+                         "(2 MB pages where the kernel lends them) and on a copy on 4 KB pages, alternated")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the engine's dtype; the GEMM peak is measured in it and the bytes counted in it")
     ap.add_argument("--max-running", type=int, default=None,
@@ -439,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
         label = "gather" if args.gather else str(args.attention_lib or "default")
         label += ", prefill by SDPA" if args.prefill_sdpa else ""
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label}); {block_runs(fbs)}")
+        return 0
+    if args.pages_ab:
+        fbs, model, kv, _ = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
+                                    args.weight_pack, args.dtype, args.max_running)
+        pages_ab(model, fbs, kv)
         return 0
     started = datetime.now(UTC)
     load_before = load()
