@@ -53,7 +53,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> tupl
     first write to each 2 MB faults in a huge page where the kernel has one free (else 4 KB
     pages, as before). A tensor under 2 MB, or where madvise is missing, is a plain one.
     `huge=False` asks for 4 KB pages even where the kernel's setting is `always` (a
-    benchmark's baseline)."""
+    benchmark's baseline). Advice shapes the pages faulted in after it: memory a freed tensor
+    left behind keeps the pages it had (`backed` says what a tensor got)."""
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if _MADVISE is None or nbytes < HUGE:
         return torch.empty(shape, dtype=dtype), False
