@@ -15,8 +15,9 @@ import torch
 from scheduler.model import huge_pages
 from scheduler.model.kv_cache import PagedKVCache
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux") or huge_pages._MADVISE is None,
-                           reason="madvise and /proc/self/smaps are Linux's")
+linux = pytest.mark.skipif(not sys.platform.startswith("linux") or huge_pages._MADVISE is None
+                           or huge_pages.mode() is None,
+                           reason="madvise, transparent huge pages and /proc/self/smaps are Linux's")
 
 
 def vm_flags(addr: int) -> set[str]:
@@ -36,15 +37,18 @@ def vm_flags(addr: int) -> set[str]:
 @linux
 @pytest.mark.parametrize("huge", [True, False])
 def test_a_large_tensor_starts_on_2mb_and_carries_the_advice(huge: bool) -> None:
-    shape = (3, 1 << 20)  # 12 MB of float32, not a whole number of 2 MB pages past the first
+    shape = (3, (1 << 20) + 1000)  # 12 MB of float32 and 12,000 bytes: its last 2 MB page is partly its
     t, asked = huge_pages.empty(shape, torch.float32, huge=huge)
     assert t.shape == shape and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % huge_pages.HUGE == 0
     assert asked is huge
     t.fill_(1.5)
     assert float(t.sum()) == 1.5 * t.numel()
-    # every 2 MB the tensor spans, its last byte included, lies in an advised mapping
-    for addr in range(t.data_ptr(), t.data_ptr() + t.numel() * 4, huge_pages.HUGE // 2):
+    # every 2 MB page the tensor touches lies whole in an advised mapping (a page advised in
+    # part is never a huge one), the last byte of the last included
+    pages = -(-t.numel() * 4 // huge_pages.HUGE)
+    for addr in [*range(t.data_ptr(), t.data_ptr() + pages * huge_pages.HUGE, huge_pages.HUGE // 2),
+                 t.data_ptr() + pages * huge_pages.HUGE - 1]:
         assert ("hg" if huge else "nh") in vm_flags(addr)
     # how many of them the kernel lent is its business (and memory a freed tensor left behind
     # keeps the pages it had, advice or not); the mappings hold the tensor, no more huge than mapped
@@ -72,3 +76,64 @@ def test_the_kv_pool_asks_for_huge_pages_and_starts_zeroed() -> None:
 def test_a_pool_on_a_small_scale_needs_no_advice() -> None:
     kv = PagedKVCache(1, 4, 4, 1, 8, torch.float32, "cpu")  # 1 KB
     assert not kv.huge_pages and not kv._pool.any()
+
+
+class Recorder:
+    """madvise's stand-in: each call's (address, length, advice), every call a success."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, addr: int, length: int, advice: int) -> int:
+        self.calls.append((addr, length, advice))
+        return 0
+
+
+def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder()
+    monkeypatch.setattr(huge_pages, "_MADVISE", rec)
+    monkeypatch.setattr(huge_pages, "COLLAPSE_MAX", 3 * huge_pages.HUGE)
+    M, H = 1 << 20, huge_pages.HUGE
+    base = 100 * H + 64  # one byte past a page would make that page not whole
+    # two buffers 64 bytes apart make one run; a third 1 MB further is a run of its own
+    spans = [(base + 5 * M + 64, 7 * M), (base, 5 * M), (base + 13 * M, 9 * M)]
+    assert huge_pages.advise(spans) == 5 * H + 4 * H
+    hp = [(a, n) for a, n, adv in rec.calls if adv == huge_pages.mmap.MADV_HUGEPAGE]
+    assert hp == [(101 * H, 5 * H), (107 * H, 4 * H)]  # [base, base + 12 MB + 64) and [base + 13 MB, + 9 MB)
+    collapsed = [(a, n) for a, n, adv in rec.calls if adv == huge_pages._MADV_COLLAPSE]
+    assert collapsed == [(101 * H, 3 * H)]  # the bound spent on the first run
+    assert huge_pages.advise([(base, M)]) == 0  # no whole page: nothing asked
+
+
+@linux
+def test_the_loaded_weights_are_advised_where_they_lie(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.model.loader import load_model
+    from scheduler.model.presets import resolve_model
+
+    real = huge_pages._MADVISE
+    seen: list[list[tuple[int, int]]] = []
+    calls: list[tuple[int, int, int]] = []
+    advise = huge_pages.advise
+    monkeypatch.setattr(huge_pages, "advise", lambda spans: seen.append(list(spans)) or advise(spans))
+    # the real madvise, each call noted
+    monkeypatch.setattr(huge_pages, "_MADVISE", lambda *a: calls.append(a) or real(*a))
+    model, _ = load_model(resolve_model("small"), "cpu", torch.float32, pack=True)  # 20 MB of weights
+    assert len(seen) == 1
+    # every weight the forward reads, the reordered ones by oneDNN's pointer, once each
+    packed = [t for layer in model.layers for t in layer.packs.values()] + [model.lm_head_packed]
+    dense = [p for p in model.parameters() if p.numel()]
+    want = sorted(huge_pages.span(t) for t in [*packed, *dense] if t is not None)
+    assert sorted(seen[0]) == want and len(want) == len(set(want))
+    # what was asked lies under the weights, in mappings that now carry the advice
+    runs: list[list[int]] = []  # the weights' runs: spans at most GAP bytes apart
+    for a, m in want:
+        if runs and a <= runs[-1][1] + huge_pages.GAP:
+            runs[-1][1] = max(runs[-1][1], a + m)
+        else:
+            runs.append([a, a + m])
+    hp = [(a, n) for a, n, adv in calls if adv == huge_pages.mmap.MADV_HUGEPAGE]
+    assert hp  # how much of 20 MB makes whole pages is the allocator's layout; some does
+    for addr, n in hp:
+        assert any(lo <= addr and addr + n <= hi for lo, hi in runs)
+        assert "hg" in vm_flags(addr) and "hg" in vm_flags(addr + n - 1)

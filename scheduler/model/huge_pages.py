@@ -3,12 +3,17 @@ kernel lends them to a region that asks (`/sys/kernel/mm/transparent_hugepage/en
 `always` or `madvise`).
 
 Why: a decode row's attention reads its context's K/V blocks where they lie in a pool of
-hundreds of MB. On 4 KB pages every 4 KB it reads is another TLB entry, and a block taken
-out of order starts a page walk besides its cache misses; on 2 MB pages the walks almost
-vanish. Measured on the default preset's decode shapes: the C kernel read its K/V in
-0.67-0.80x the time (BENCHMARKS.md, "The KV pool on huge pages"). torch has a switch for
-every allocation it makes (`THP_MEM_ALLOC_ENABLE=1`, read once per process); this asks for
-the KV pool alone, where the reads are, and changes nothing else the process allocates.
+hundreds of MB, and every round streams the weights. On 4 KB pages every 4 KB read is
+another TLB entry, and a block taken out of order starts a page walk besides its cache
+misses; on 2 MB pages the walks almost vanish. Measured on the default preset: the C decode
+kernel read its K/V in 0.77-0.96x the time, and the engine's forward took 0.98x (0.96x in
+decode-heavy rounds) with its pool and weights on 2 MB pages (BENCHMARKS.md, "The KV pool and
+the weights on huge pages"). torch has a switch for every allocation it makes
+(`THP_MEM_ALLOC_ENABLE=1`, read once per process, so too late for a process that has
+allocated); this asks for the pool (`empty`, before its first write) and the weights
+(`advise`, after the loader wrote them) alone. A buffer under glibc's mmap threshold (32 MB
+at most) comes from the heap, where the advice outlives it: memory reused there later may
+land on huge pages too.
 """
 
 from __future__ import annotations
@@ -16,10 +21,17 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
+from collections.abc import Iterable
 
 import torch
 
 HUGE = 2 << 20  # the x86-64 and arm64 (4 KB base pages) huge page
+GAP = 4096  # `advise`: buffers this close are one run (the allocator's headers between them)
+# linux/mman.h's, from Linux 6.1; Python's mmap module names it from 3.14 only
+_MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
+# `advise` collapses this much at once: the kernel copied 118 MB of weights in 0.33 s here
+# (2.8 ms a MB), so a 7B model's float32 weights would add over a minute to its load
+COLLAPSE_MAX = 1 << 30
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -69,10 +81,46 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> tupl
 
 
 
-def backed(t: torch.Tensor) -> tuple[int, int]:
-    """(bytes on huge pages, bytes mapped) of the mappings `t`'s storage lies in, from
-    /proc/self/smaps; (0, 0) where there is none to read."""
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of `t`'s data, a oneDNN-reordered weight's too (its storage is opaque
+    to torch; `torch.ops.mkldnn` tells where it lies)."""
+    if t.is_mkldnn:
+        return int(torch.ops.mkldnn.data_ptr(t)), int(torch.ops.mkldnn._nbytes(t))
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def advise(spans: Iterable[tuple[int, int]]) -> int:
+    """Ask for 2 MB pages under buffers already written (a model's weights, which their
+    allocator placed): spans that follow each other within GAP bytes make one run (the
+    allocator's headers between them), and each run's whole 2 MB pages are advised
+    `MADV_HUGEPAGE`. The first COLLAPSE_MAX bytes are collapsed onto huge pages now
+    (`MADV_COLLAPSE`, Linux 6.1), the rest, or all where that is missing, by the kernel's
+    khugepaged in its own time. Memory of other buffers in a run's pages only changes page
+    size. Returns the bytes advised; 0 where madvise is missing or refused."""
+    if _MADVISE is None:
+        return 0
+    runs: list[list[int]] = []
+    for addr, n in sorted(spans):
+        if runs and addr <= runs[-1][1] + GAP:
+            runs[-1][1] = max(runs[-1][1], addr + n)
+        else:
+            runs.append([addr, addr + n])
+    advised = 0
+    for start, end in runs:
+        lo, hi = -(-start // HUGE) * HUGE, end // HUGE * HUGE  # whole pages only: no one else's memory
+        if hi > lo and _MADVISE(lo, hi - lo, mmap.MADV_HUGEPAGE) == 0:
+            now = min(hi - lo, max(COLLAPSE_MAX - advised, 0))
+            if now:
+                _MADVISE(lo, now, _MADV_COLLAPSE)  # refused before Linux 6.1: khugepaged's then
+            advised += hi - lo
+    return advised
+
+
+def backed(t: torch.Tensor | list[tuple[int, int]]) -> tuple[int, int]:
+    """(bytes on huge pages, bytes mapped) of the mappings `t`'s storage (or each (address,
+    bytes) span of a list) lies in, from /proc/self/smaps; (0, 0) where there is none to read.
+    A mapping's count may include other buffers than `t`'s."""
+    spans = t if isinstance(t, list) else [span(t)]
     huge = mapped = 0
     inside = False
     try:
@@ -81,7 +129,7 @@ def backed(t: torch.Tensor) -> tuple[int, int]:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):  # a mapping's first line: its address range
                     start, end = (int(x, 16) for x in head.split("-"))
-                    inside = start < hi and lo < end
+                    inside = any(start < a + n and a < end for a, n in spans)
                     if inside:
                         mapped += end - start
                 elif inside and head == "AnonHugePages:":

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import huge_pages
 from .config import ModelConfig, ModelLoadError, ModelPart
 from .layers import AllReduceFn
 from .transformer import CausalLM
@@ -170,4 +171,6 @@ def load_model(
     model.eval()
     if pack:
         model.pack_weights()
+    if model.device.type == "cpu":  # each round streams them: on 2 MB pages where the kernel lends them
+        huge_pages.advise(model.weight_spans())
     return model, cfg

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native_layers, packed_gemm
+from . import huge_pages, native_layers, packed_gemm
 from .config import ModelConfig, ModelPart
 from .forward_batch import ForwardBatch
 from .kv_cache import PagedKVCache
@@ -80,6 +80,15 @@ class CausalLM(nn.Module):
             if self.lm_head is not self.embed_tokens:  # tied: the embedding still reads the table
                 packed_gemm.free_dense(self.lm_head)
         self.decode_weights = native_layers.weights_table(self)
+
+    def weight_spans(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every weight the forward reads: the parameters still dense and
+        the reordered ones (pack_weights)."""
+        held: list[torch.Tensor] = [p for p in self.parameters() if p.numel()]
+        held += [t for layer in self.layers for t in layer.packs.values()]  # type: ignore[operator]
+        if self.lm_head_packed is not None:
+            held.append(self.lm_head_packed)
+        return [huge_pages.span(t) for t in held]
 
     @property
     def device(self) -> torch.device:
