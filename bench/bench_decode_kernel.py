@@ -8,7 +8,7 @@ bench_forward's run; 16 rows of 128-192 about 40 MB). `--in-order` lays each row
 after another in the cache instead (a row whose blocks were taken together: in bench_forward's
 run 75% of a decode row's blocks follow its previous one). The caches lie on 2 MB pages, as
 the engine's KV pool asks (scheduler/model/huge_pages.py); `--pages small` puts them on 4 KB
-pages (as before 2026-12-07 13:00 UTC), `--pages both` times each build on both. Several
+pages (as before 820b857), `--pages both` times each build on both. Several
 builds are timed call by call in turn, so each sees the same machine; without `--lib` the
 installed build alone.
 

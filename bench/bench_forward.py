@@ -39,7 +39,7 @@ under each table gives that forward's time too (the same logits, checked).
     # bench_serve_peer's load: 64 prompts of 128, 64 tokens each, 16 at a time, in bfloat16
     .venv/bin/python bench/bench_forward.py --dtype bfloat16 --requests 64 --prompt-len 128-128 \
         --output-len 64-64 --max-running 16
-    # what the KV pool's 2 MB pages are worth: the batches on the pool and on a 4 KB-page copy
+    # what the weights' and the KV pool's 2 MB pages are worth: the batches three ways in turn
     .venv/bin/python bench/bench_forward.py --pages-ab [--dtype bfloat16]
 """
 
@@ -76,6 +76,7 @@ from scheduler.model import huge_pages, packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
+from scheduler.model.loader import load_model  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
@@ -352,34 +353,47 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
             "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
 
 
-def pages_ab(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache) -> None:
-    """The captured batches' forward on the engine's KV pool and on a copy of it on 4 KB pages,
-    alternated batch by batch (which goes first alternates too), the logits checked equal:
-    what the pool's pages are worth to the forward, the rounds split as in the tables. A
-    replayed batch writes the same K/V to the same slots in either pool, so they stay equal."""
+def pages_ab(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, model_name: str) -> None:
+    """The captured batches' forward three ways, in turn batch by batch (the order rotating),
+    the logits checked equal: the engine's model and KV pool as the engine laid them out
+    (on 2 MB pages where the kernel lent them: huge_pages), the same model on a copy of the
+    pool on 4 KB pages, and a second copy of the model loaded without the weights' advice on
+    that copy. What the pool's pages and the weights' are worth to the forward, the rounds
+    split as in the tables. A replayed batch writes the same K/V to the same slots in either
+    pool, so they stay equal."""
     small = copy.copy(kv)
     small._pool, _ = huge_pages.empty(tuple(kv._pool.shape), kv._pool.dtype, huge=False)
     small._pool.copy_(kv._pool)
     small.k = [small._pool[i, 0] for i in range(kv.num_layers)]
     small.v = [small._pool[i, 1] for i in range(kv.num_layers)]
-    ns: dict[tuple[str, bool], int] = defaultdict(int)
+    advise, huge_pages.advise = huge_pages.advise, lambda spans: 0
+    try:  # the weights where the allocator put them, as before 2026-12-07
+        plain, _ = load_model(resolve_model(model_name), "cpu", kv.dtype, pack=bool(model.layers[0].packs))
+    finally:
+        huge_pages.advise = advise
+    for name, held in (("the engine's KV pool", kv._pool), ("its copy", small._pool),
+                       ("the engine's weights", model.weight_spans()), ("the second model's", plain.weight_spans())):
+        on, mapped = huge_pages.backed(held)
+        print(f"{name}: the mappings holding it {on / 2**20:.0f} MB on 2 MB pages of {mapped / 2**20:.0f} MB "
+              f"(transparent huge pages: {huge_pages.mode()})")
+    arms = (("as the engine lays them", model, kv), ("the pool on 4 KB pages", model, small),
+            ("the weights and the pool on 4 KB pages", plain, small))
+    ns: dict[tuple[str, int], int] = defaultdict(int)
     with torch.inference_mode():
         for i, fb in enumerate(fbs):
             kind = "prefill-heavy" if fb.num_tokens - fb.num_decode >= fb.num_decode else "decode-heavy"
             out = {}
-            for huge in (True, False) if i % 2 == 0 else (False, True):
+            for a in range(3):
+                arm = (a + i) % 3
+                _, m, pool = arms[arm]
                 t0 = time.perf_counter_ns()
-                out[huge] = model.forward(fb, kv if huge else small)
-                ns[kind, huge] += time.perf_counter_ns() - t0
-            assert torch.equal(out[True], out[False]), "the two pools' forwards differ"
-    for name, pool in (("the engine's KV pool", kv._pool), ("its copy", small._pool)):
-        on, mapped = huge_pages.backed(pool)
-        print(f"{name}: {on / 2**20:.0f} MB of {pool.numel() * pool.element_size() / 2**20:.0f} MB on 2 MB pages "
-              f"(transparent huge pages: {huge_pages.mode()})")
+                out[arm] = m.forward(fb, pool)
+                ns[kind, arm] += time.perf_counter_ns() - t0
+            assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2]), "the layouts' forwards differ"
     for kind in ("prefill-heavy", "decode-heavy", "whole run"):
-        h, s = ((sum(v for (k, hp), v in ns.items() if hp == huge and kind in (k, "whole run")) / 1e6)
-                for huge in (True, False))
-        print(f"{kind}: {h:.1f} ms on the pool's pages, {s:.1f} ms on 4 KB pages: {h / s:.3f}x")
+        ms = [sum(v for (k, arm), v in ns.items() if arm == a and kind in (k, "whole run")) / 1e6 for a in range(3)]
+        if ms[2]:  # a load with no batches of one kind (no decode rows at all) has no line for it
+            print(f"{kind}: " + "; ".join(f"{arms[a][0]} {ms[a]:.1f} ms ({ms[a] / ms[2]:.3f}x)" for a in range(3)))
 
 
 def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -449,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill attention by SDPA per chunk, as without the C extension (an A/B of it)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     ap.add_argument("--pages-ab", action="store_true",
-                    help="only the engine run, then its batches' forward on the KV pool as the engine laid it "
-                         "(2 MB pages where the kernel lends them) and on a copy on 4 KB pages, alternated")
+                    help="only the engine run, then its batches' forward with the weights and KV pool as the "
+                         "engine laid them (2 MB pages where the kernel lends them), the pool on 4 KB pages, and "
+                         "both on 4 KB pages, in turn")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the engine's dtype; the GEMM peak is measured in it and the bytes counted in it")
     ap.add_argument("--max-running", type=int, default=None,
@@ -479,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pages_ab:
         fbs, model, kv, _ = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
                                     args.weight_pack, args.dtype, args.max_running)
-        pages_ab(model, fbs, kv)
+        pages_ab(model, fbs, kv, args.model)
         return 0
     started = datetime.now(UTC)
     load_before = load()
