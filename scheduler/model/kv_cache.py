@@ -39,13 +39,15 @@ class PagedKVCache:
         self.num_slots = num_blocks * block_size
         # [layer, k/v, slot, kv_head, head_dim]; zeros so padded gathers never read NaN garbage.
         shape = (num_layers, 2, self.num_slots, num_kv_heads, head_dim)
-        # on the host, on 2 MB pages where the kernel lends them (huge_pages: why)
+        # on the host, asked for on 2 MB pages (huge_pages: why); whether the kernel lent
+        # them is huge_pages.backed's to say
         self.huge_pages = False
         if self.device.type == "cpu":
             self._pool, self.huge_pages = huge_pages.empty(shape, dtype)
-            # Untouched memory is lazily mapped zero pages; gathers that read them ran ~5x
-            # slower (measured) than over written memory. Fault the pool in once, now, so
-            # step times do not depend on which blocks happen to be untouched.
+            # The zeros are this fill's (the memory may be a freed tensor's). It also faults
+            # the pool in once, now: untouched memory is lazily mapped zero pages, and gathers
+            # that read them ran ~5x slower (measured) than over written memory, so step times
+            # would depend on which blocks happen to be untouched.
             self._pool.fill_(0)
         else:
             self._pool = torch.zeros(shape, dtype=dtype, device=self.device)
