@@ -93,6 +93,7 @@ def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_b
         monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder()
     monkeypatch.setattr(huge_pages, "_MADVISE", rec)
+    monkeypatch.setattr(huge_pages, "mode", lambda: "madvise")
     monkeypatch.setattr(huge_pages, "COLLAPSE_MAX", 3 * huge_pages.HUGE)
     M, H = 1 << 20, huge_pages.HUGE
     base = 100 * H + 64  # one byte past a page would make that page not whole
@@ -107,6 +108,7 @@ def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_b
 
 
 @linux
+@pytest.mark.skipif(huge_pages.mode() == "never", reason="the kernel is set to lend no huge pages")
 def test_the_loaded_weights_are_advised_where_they_lie(monkeypatch: pytest.MonkeyPatch) -> None:
     from scheduler.model.loader import load_model
     from scheduler.model.presets import resolve_model
@@ -137,3 +139,10 @@ def test_the_loaded_weights_are_advised_where_they_lie(monkeypatch: pytest.Monke
     for addr, n in hp:
         assert any(lo <= addr and addr + n <= hi for lo, hi in runs)
         assert "hg" in vm_flags(addr) and "hg" in vm_flags(addr + n - 1)
+
+
+def test_advise_leaves_a_kernel_set_to_never_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder()
+    monkeypatch.setattr(huge_pages, "_MADVISE", rec)
+    monkeypatch.setattr(huge_pages, "mode", lambda: "never")
+    assert huge_pages.advise([(100 * huge_pages.HUGE, 4 * huge_pages.HUGE)]) == 0 and not rec.calls

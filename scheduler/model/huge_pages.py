@@ -80,7 +80,6 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> tupl
     return t, asked and huge
 
 
-
 def span(t: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of `t`'s data, a oneDNN-reordered weight's too (its storage is opaque
     to torch; `torch.ops.mkldnn` tells where it lies)."""
@@ -96,8 +95,9 @@ def advise(spans: Iterable[tuple[int, int]]) -> int:
     `MADV_HUGEPAGE`. The first COLLAPSE_MAX bytes are collapsed onto huge pages now
     (`MADV_COLLAPSE`, Linux 6.1), the rest, or all where that is missing, by the kernel's
     khugepaged in its own time. Memory of other buffers in a run's pages only changes page
-    size. Returns the bytes advised; 0 where madvise is missing or refused."""
-    if _MADVISE is None:
+    size. Returns the bytes advised; 0 where madvise is missing or refused, or where the
+    kernel's setting is `never` (a collapse would not ask it)."""
+    if _MADVISE is None or mode() == "never":
         return 0
     runs: list[list[int]] = []
     for addr, n in sorted(spans):
