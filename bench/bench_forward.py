@@ -360,7 +360,9 @@ def pages_ab(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, model_n
     pool on 4 KB pages, and a second copy of the model loaded without the weights' advice on
     that copy. What the pool's pages and the weights' are worth to the forward, the rounds
     split as in the tables. A replayed batch writes the same K/V to the same slots in either
-    pool, so they stay equal."""
+    pool, so they stay equal. On a host whose transparent huge pages are `always` (or with
+    torch's THP_MEM_ALLOC_ENABLE) the second model's weights may land on huge pages anyway:
+    the counts printed first say how each lies."""
     small = copy.copy(kv)
     small._pool, _ = huge_pages.empty(tuple(kv._pool.shape), kv._pool.dtype, huge=False)
     small._pool.copy_(kv._pool)

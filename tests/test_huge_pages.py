@@ -89,6 +89,10 @@ class Recorder:
         return 0
 
 
+needs_advice = pytest.mark.skipif(not hasattr(huge_pages.mmap, "MADV_HUGEPAGE"), reason="Linux's madvise advice")
+
+
+@needs_advice
 def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder()
@@ -105,6 +109,23 @@ def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_b
     collapsed = [(a, n) for a, n, adv in rec.calls if adv == huge_pages._MADV_COLLAPSE]
     assert collapsed == [(101 * H, 3 * H)]  # the bound spent on the first run
     assert huge_pages.advise([(base, M)]) == 0  # no whole page: nothing asked
+    rec.calls.clear()  # a gap of a whole page splits runs: that page may be anyone's
+    assert huge_pages.advise([(100 * H + 64, H - 64), (101 * H + 4096, H - 4096 + 100)]) == 0 and not rec.calls
+
+
+def test_the_loader_asks_for_every_weight_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from scheduler.model.loader import load_model
+    from scheduler.model.presets import resolve_model
+
+    seen: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(huge_pages, "advise", lambda spans: seen.append(list(spans)) or 0)
+    for pack in (True, False):
+        model, _ = load_model(resolve_model("tiny"), "cpu", torch.float32, pack=pack)
+        # every weight the forward reads, the reordered ones by oneDNN's pointer, once each
+        packed = [t for layer in model.layers for t in layer.packs.values()] + [model.lm_head_packed]
+        dense = [p for p in model.parameters() if p.numel()]
+        want = sorted(huge_pages.span(t) for t in [*packed, *dense] if t is not None)
+        assert sorted(seen.pop()) == want and len(want) == len(set(want)) and not seen
 
 
 @linux
@@ -114,19 +135,11 @@ def test_the_loaded_weights_are_advised_where_they_lie(monkeypatch: pytest.Monke
     from scheduler.model.presets import resolve_model
 
     real = huge_pages._MADVISE
-    seen: list[list[tuple[int, int]]] = []
     calls: list[tuple[int, int, int]] = []
-    advise = huge_pages.advise
-    monkeypatch.setattr(huge_pages, "advise", lambda spans: seen.append(list(spans)) or advise(spans))
     # the real madvise, each call noted
     monkeypatch.setattr(huge_pages, "_MADVISE", lambda *a: calls.append(a) or real(*a))
     model, _ = load_model(resolve_model("small"), "cpu", torch.float32, pack=True)  # 20 MB of weights
-    assert len(seen) == 1
-    # every weight the forward reads, the reordered ones by oneDNN's pointer, once each
-    packed = [t for layer in model.layers for t in layer.packs.values()] + [model.lm_head_packed]
-    dense = [p for p in model.parameters() if p.numel()]
-    want = sorted(huge_pages.span(t) for t in [*packed, *dense] if t is not None)
-    assert sorted(seen[0]) == want and len(want) == len(set(want))
+    want = sorted(model.weight_spans())
     # what was asked lies under the weights, in mappings that now carry the advice
     runs: list[list[int]] = []  # the weights' runs: spans at most GAP bytes apart
     for a, m in want:
@@ -141,6 +154,7 @@ def test_the_loaded_weights_are_advised_where_they_lie(monkeypatch: pytest.Monke
         assert "hg" in vm_flags(addr) and "hg" in vm_flags(addr + n - 1)
 
 
+@needs_advice
 def test_advise_leaves_a_kernel_set_to_never_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder()
     monkeypatch.setattr(huge_pages, "_MADVISE", rec)

@@ -26,11 +26,13 @@ from collections.abc import Iterable
 import torch
 
 HUGE = 2 << 20  # the x86-64 and arm64 (4 KB base pages) huge page
-GAP = 4096  # `advise`: buffers this close are one run (the allocator's headers between them)
+GAP = 4096  # `advise`: buffers less than this apart are one run (the allocator's headers between them)
 # linux/mman.h's, from Linux 6.1; Python's mmap module names it from 3.14 only
 _MADV_COLLAPSE = getattr(mmap, "MADV_COLLAPSE", 25)
 # `advise` collapses this much at once: the kernel copied 118 MB of weights in 0.33 s here
-# (2.8 ms a MB), so a 7B model's float32 weights would add over a minute to its load
+# (2.8 ms a MB, so about 3 s for this much), and a 7B model's float32 weights would add over a
+# minute to its load. khugepaged takes the rest at its own pace (by default 4,096 pages every
+# 10 s: hours for such a model).
 COLLAPSE_MAX = 1 << 30
 
 
@@ -101,7 +103,7 @@ def advise(spans: Iterable[tuple[int, int]]) -> int:
         return 0
     runs: list[list[int]] = []
     for addr, n in sorted(spans):
-        if runs and addr <= runs[-1][1] + GAP:
+        if runs and addr < runs[-1][1] + GAP:
             runs[-1][1] = max(runs[-1][1], addr + n)
         else:
             runs.append([addr, addr + n])
