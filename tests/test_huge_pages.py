@@ -7,13 +7,17 @@ baseline)."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from scheduler.model import huge_pages
 from scheduler.model.kv_cache import PagedKVCache
+from tests.support.cli import mstrace
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or huge_pages._MADVISE is None
                            or huge_pages.mode() is None,
@@ -103,7 +107,7 @@ def test_advise_asks_for_the_whole_pages_of_each_run_and_collapses_at_most_its_b
     base = 100 * H + 64  # one byte past a page would make that page not whole
     # two buffers 64 bytes apart make one run; a third 1 MB further is a run of its own
     spans = [(base + 5 * M + 64, 7 * M), (base, 5 * M), (base + 13 * M, 9 * M)]
-    assert huge_pages.advise(spans) == 5 * H + 4 * H
+    assert huge_pages.advise(spans) == 3 * H  # what was collapsed: the bound's worth
     hp = [(a, n) for a, n, adv in rec.calls if adv == huge_pages.mmap.MADV_HUGEPAGE]
     assert hp == [(101 * H, 5 * H), (107 * H, 4 * H)]  # [base, base + 12 MB + 64) and [base + 13 MB, + 9 MB)
     collapsed = [(a, n) for a, n, adv in rec.calls if adv == huge_pages._MADV_COLLAPSE]
@@ -160,3 +164,30 @@ def test_advise_leaves_a_kernel_set_to_never_alone(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(huge_pages, "_MADVISE", rec)
     monkeypatch.setattr(huge_pages, "mode", lambda: "never")
     assert huge_pages.advise([(100 * huge_pages.HUGE, 4 * huge_pages.HUGE)]) == 0 and not rec.calls
+
+
+PAGES = re.compile(r"KV pool [\d,.]+ of [\d,.]+ MB on 2 MB pages, weights [\d,.]+ of [\d,.]+ MB "
+                   r"\(transparent huge pages: (always|madvise|never|none here)\)")
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_run_records_what_its_pool_and_weights_got(tmp_path: Path, backend: str) -> None:
+    out = tmp_path / "t"
+    mstrace("run", "--model", "tiny", "--requests", "2", "--output-len", "2-2", "--cpu-device", backend,
+            "--out", str(out), "-q")
+    pages = json.loads((out / "meta.json").read_text())["model"]["pages"]
+    assert PAGES.fullmatch(pages), pages
+    if huge_pages.mode() in ("always", "madvise"):  # the pool is a mapping of its own, made to ask
+        pool_mb = float(pages.split(" of ")[1].split(" MB")[0].replace(",", ""))
+        assert pages.startswith("KV pool ") and pool_mb > 0
+    assert json.loads(mstrace("report", str(out), "--json").stdout)["pages"] == pages
+    assert f"pages {pages}" in " ".join(mstrace("report", str(out)).stdout.split())
+
+
+def test_the_summary_counts_the_pool_on_its_pages() -> None:
+    pool, _ = huge_pages.empty((4, 1 << 20), torch.float32)  # 16 MB
+    pool.fill_(0)
+    line = huge_pages.summary(pool, 3 << 20, 2 << 20)
+    assert PAGES.fullmatch(line), line
+    on = float(line.removeprefix("KV pool ").split(" of ")[0])
+    assert 0 <= on <= 16 and ", weights 2.0 of 3.0 MB " in line

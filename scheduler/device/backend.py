@@ -42,6 +42,7 @@ class Backend(Protocol):
     dtype: torch.dtype
     dtype_why: str  # how --dtype chose it
     pack: PackChoice  # whether the CPU's GEMMs run on reordered weights, and why
+    pages: str | None  # after `open`: what the host's KV pool and weights got (CausalLM.pages); None on a GPU
     model_config: ModelConfig
     streams: dict[str, Stream]
     ops: DeviceOps
@@ -90,6 +91,7 @@ class _Common:
         self.streams: dict[str, Stream] = {}
         self.ops: DeviceOps
         self.device_proc: DeviceProcess | None = None
+        self.pages: str | None = None
         self._local: LocalDevice | None = None  # where the forward runs in this process
         # where the weights load elsewhere (a device process, the ranks), the config is all this process reads
         self.model_config = ModelConfig.from_file(model_dir / "config.json")
@@ -121,6 +123,7 @@ class LocalBackend(_Common):
         kv = PagedKVCache(mc.num_hidden_layers, num_blocks, block_size, mc.num_key_value_heads, mc.head_dim,
                           self.dtype, self.device)
         self.ops = self._local = LocalDevice(self.model, kv, self.device, block_size, None, self._delay_ns)
+        self.pages = self.model.pages(kv)
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)
 
 
@@ -139,6 +142,7 @@ class ProcessBackend(_Common):
             str(self.model_dir), name_of(self.dtype), num_blocks, block_size, self._threads,
             self._timeout_s, FUTURE_SLOTS, self._delay_ns, self.pack.packed), probes, registry, self._seed)
         self.streams = dict(self.device_proc.streams)
+        self.pages = self.device_proc.pages
         self.ops = RemoteDevice()
 
     def close(self) -> None:
@@ -172,4 +176,5 @@ class ParallelBackend(_Common):
         kv = sharded.make_kv_cache(num_blocks, block_size)
         self.ops = self._local = LocalDevice(sharded.model, kv, self.device, block_size, self.parallel,
                                              self._delay_ns)
+        self.pages = sharded.model.pages(kv)  # rank 0's
         self.streams = make_streams(self.device, probes, registry, self._timeout_s)

@@ -170,6 +170,7 @@ class DeviceProcess:
             self._stop_failed()
             why = msg.why if isinstance(msg, wire.StartFailed | wire.Dead) else repr(msg)
             raise RuntimeError(f"the device process failed to start: {why}")
+        self.pages = msg.pages
         _bound_sends(self._conn, spec.wait_timeout_s)
         for n in STREAM_NAMES:
             self.streams[n] = ProcStream(n, self)

@@ -49,7 +49,7 @@ def device_main(conn: Connection, spec: DeviceSpec) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the host, which exits with it
         conn.send(wire.StartFailed(f"{type(e).__name__}: {e}"))
         return
-    conn.send(wire.Ready())
+    conn.send(wire.Ready(dev.pages))
     dev.serve()
     # Served and answered `Stopped`: nothing here is left to write. Tearing down an
     # interpreter with torch loaded takes about a second, which a Ctrl-C'd run would wait.
@@ -81,6 +81,7 @@ class _Device:
             self.model = self._held = HeldForward(model, spec.debug_delay_ns)
         self.kv = PagedKVCache(mc.num_hidden_layers, spec.num_blocks, spec.block_size,
                                mc.num_key_value_heads, mc.head_dim, dtype, "cpu")
+        self.pages = model.pages(self.kv)
         self.future = torch.zeros(spec.future_slots, dtype=torch.long)
         self._out = threading.Lock()
         self._cond = threading.Condition()

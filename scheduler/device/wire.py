@@ -39,7 +39,7 @@ class Stop(NamedTuple):
 
 # device -> host
 class Ready(NamedTuple):
-    pass
+    pages: str | None = None  # what the host's KV pool and weights got (CausalLM.pages)
 
 
 class StartFailed(NamedTuple):

@@ -174,6 +174,7 @@ def run_meta(
             "dtype_choice": engine.backend.dtype_why,
             "weight_pack": engine.backend.pack.packed,
             "weight_pack_choice": engine.backend.pack.why,
+            "pages": engine.backend.pages,
             "checkpoint_dtype": name_of(mc.torch_dtype),
             "max_position_embeddings": mc.max_position_embeddings,
         },

@@ -97,8 +97,9 @@ def advise(spans: Iterable[tuple[int, int]]) -> int:
     `MADV_HUGEPAGE`. The first COLLAPSE_MAX bytes are collapsed onto huge pages now
     (`MADV_COLLAPSE`, Linux 6.1), the rest, or all where that is missing, by the kernel's
     khugepaged in its own time. Memory of other buffers in a run's pages only changes page
-    size. Returns the bytes advised; 0 where madvise is missing or refused, or where the
-    kernel's setting is `never` (a collapse would not ask it)."""
+    size. Returns the bytes collapsed now: on huge pages when it returns (khugepaged's later
+    ones not counted); 0 where madvise is missing or refused, or where the kernel's setting
+    is `never` (a collapse would not ask it)."""
     if _MADVISE is None or mode() == "never":
         return 0
     runs: list[list[int]] = []
@@ -107,15 +108,31 @@ def advise(spans: Iterable[tuple[int, int]]) -> int:
             runs[-1][1] = max(runs[-1][1], addr + n)
         else:
             runs.append([addr, addr + n])
-    advised = 0
+    advised = collapsed = 0
     for start, end in runs:
         lo, hi = -(-start // HUGE) * HUGE, end // HUGE * HUGE  # whole pages only: no one else's memory
         if hi > lo and _MADVISE(lo, hi - lo, mmap.MADV_HUGEPAGE) == 0:
             now = min(hi - lo, max(COLLAPSE_MAX - advised, 0))
-            if now:
-                _MADVISE(lo, now, _MADV_COLLAPSE)  # refused before Linux 6.1: khugepaged's then
+            # refused before Linux 6.1 (khugepaged's then), or where no huge page was free
+            if now and _MADVISE(lo, now, _MADV_COLLAPSE) == 0:
+                collapsed += now
             advised += hi - lo
-    return advised
+    return collapsed
+
+
+def summary(pool: torch.Tensor, weights_bytes: int, weights_collapsed: int) -> str:
+    """What the host's KV pool and weights got, as the trace's meta (`model.pages`) and the
+    report's header say it: the pool's bytes on huge pages (`backed`: the pool is a mapping
+    of its own), the weights' collapsed at load (`advise`), and the kernel's setting."""
+    pool_bytes = pool.numel() * pool.element_size()
+    on = min(backed(pool)[0], pool_bytes)  # the mapping's slack before the pool is never touched
+    return (f"KV pool {_mb(on)} of {_mb(pool_bytes)} MB on 2 MB pages, weights {_mb(weights_collapsed)} of "
+            f"{_mb(weights_bytes)} MB (transparent huge pages: {mode() or 'none here'})")
+
+
+def _mb(n: int) -> str:
+    """MB, a decimal under 10 (a tiny model's weights are not 0 MB)."""
+    return f"{n / (1 << 20):,.0f}" if n >= 10 << 20 else f"{n / (1 << 20):.1f}"
 
 
 def backed(t: torch.Tensor | list[tuple[int, int]]) -> tuple[int, int]:

@@ -79,6 +79,11 @@ class PagedKVCache:
         return block_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
 
     @property
+    def pool(self) -> torch.Tensor:
+        """Every layer's K and V in one tensor (where its memory lies: huge_pages)."""
+        return self._pool
+
+    @property
     def nbytes(self) -> int:
         return self._pool.numel() * self._pool.element_size()
 

@@ -172,5 +172,5 @@ def load_model(
     if pack:
         model.pack_weights()
     if model.device.type == "cpu":  # each round streams them: on 2 MB pages where the kernel lends them
-        huge_pages.advise(model.weight_spans())
+        model.weights_collapsed = huge_pages.advise(model.weight_spans())
     return model, cfg

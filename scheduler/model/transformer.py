@@ -68,6 +68,7 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # pack_weights
         # each layer's weights for a decode round's layers in one C call (pack_weights)
         self.decode_weights: native_layers.DecodeWeights | None = None
+        self.weights_collapsed = 0  # bytes of weights on 2 MB pages at load (loader: huge_pages.advise)
 
     def pack_weights(self) -> None:
         """Every projection and the LM head reordered once for the CPU's GEMM (packed_gemm),
@@ -89,6 +90,12 @@ class CausalLM(nn.Module):
         if self.lm_head_packed is not None:
             held.append(self.lm_head_packed)
         return [huge_pages.span(t) for t in held]
+
+    def pages(self, kv: PagedKVCache) -> str | None:
+        """What this model's weights and `kv`'s pool got on the host (huge_pages.summary); None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        return huge_pages.summary(kv.pool, sum(n for _, n in self.weight_spans()), self.weights_collapsed)
 
     @property
     def device(self) -> torch.device:

@@ -168,6 +168,7 @@ class ReportResult(JsonRecord):
     dtype: str | None  # what ran (older traces: unknown)
     dtype_choice: str | None  # how --dtype chose it (older traces: unknown)
     weight_pack_choice: str | None  # how --weight-pack chose the CPU's GEMM (older traces: unknown)
+    pages: str | None  # what the host's KV pool and weights got on 2 MB pages (a GPU's, older traces: None)
     workload_digest: str | None
     probes: bool
     backend: Backend
@@ -245,6 +246,7 @@ def build_report(root: str | Path | ReportInputs, predict: bool = True) -> Repor
         dtype=meta.get("model", {}).get("dtype"),
         dtype_choice=meta.get("model", {}).get("dtype_choice"),
         weight_pack_choice=meta.get("model", {}).get("weight_pack_choice"),
+        pages=meta.get("model", {}).get("pages"),
         workload_digest=workload_digest(meta),
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),
