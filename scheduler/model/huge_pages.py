@@ -122,8 +122,10 @@ def advise(spans: Iterable[tuple[int, int]]) -> int:
 
 def summary(pool: torch.Tensor, weights_bytes: int, weights_collapsed: int) -> str:
     """What the host's KV pool and weights got, as the trace's meta (`model.pages`) and the
-    report's header say it: the pool's bytes on huge pages (`backed`: the pool is a mapping
-    of its own), the weights' collapsed at load (`advise`), and the kernel's setting."""
+    report's header say it: the pool's bytes on huge pages (`backed`; a pool over glibc's mmap
+    threshold, as a served model's is, is a mapping of its own, while a smaller one's count
+    may include its neighbours', up to its size), the weights' collapsed at load (`advise`),
+    and the kernel's setting."""
     pool_bytes = pool.numel() * pool.element_size()
     on = min(backed(pool)[0], pool_bytes)  # the mapping's slack before the pool is never touched
     return (f"KV pool {_mb(on)} of {_mb(pool_bytes)} MB on 2 MB pages, weights {_mb(weights_collapsed)} of "
