@@ -280,3 +280,49 @@ def test_the_run_records_its_choice(tmp_path: Path) -> None:
     assert (meta["weight_pack"], meta["weight_pack_choice"]) == (False, "off: asked")
     rep = json.loads(mstrace("report", str(out), "--json").stdout)
     assert rep["weight_pack_choice"] == "off: asked"
+
+
+# A fresh process: sets itself up as SETUP says, then runs every row count of a sweep through
+# one reordered weight twice. oneDNN's verbose mode logs each primitive it builds.
+_SWEEP = """
+import sys
+from scheduler.model import packed_gemm
+import torch
+SETUP
+w = packed_gemm.pack(torch.randn(16, 16))
+for sweep in (0, 1):
+    print("SWEEP", sweep, flush=True)
+    for m in range(1, ROWS + 1):
+        packed_gemm.linear(torch.zeros(m, 16), w, None)
+"""
+_ENGINE = ("from scheduler.config import EngineConfig\nfrom scheduler.engine import Engine\n"
+           "Engine(EngineConfig(model='tiny', cpu_device='thread', device='cpu'), sinks=[], trace=None).close()")
+_LOAD = ("from scheduler.model.loader import load_model\nfrom scheduler.model.presets import resolve_model\n"
+         "load_model(resolve_model('tiny'), 'cpu', torch.float32, pack=True)")
+
+
+def rebuilt_on_the_second_sweep(setup: str, rows: int, capacity: str | None = None) -> int:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    env["ONEDNN_VERBOSE"] = "2"
+    if capacity is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity
+    code = _SWEEP.replace("SETUP", setup).replace("ROWS", str(rows))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1], check=True).stdout
+    second = out.split("SWEEP 1", 1)[1]
+    return second.count("create:cache_miss")
+
+
+@needs(torch.float32)
+@pytest.mark.parametrize("setup", [_ENGINE, _LOAD], ids=["engine", "load"])
+def test_every_row_count_of_a_long_run_stays_built(setup: str) -> None:
+    # 1,200 row counts: past oneDNN's default 1,024 entries, within the engine's capacity. The
+    # engine's own probes and load run first and must not have fixed the cache at its default.
+    assert packed_gemm.PRIMITIVE_CACHE_CAPACITY >= 2 * 1200
+    assert rebuilt_on_the_second_sweep(setup, 1200) == 0
+    # the user's setting wins, and a cache too small for the sweep rebuilds on every pass
+    assert rebuilt_on_the_second_sweep(setup, 1200, capacity="1024") == 1200

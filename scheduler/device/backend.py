@@ -27,7 +27,7 @@ from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
-from scheduler.model.packed_gemm import PackChoice, choose_pack
+from scheduler.model.packed_gemm import PackChoice, choose_pack, size_primitive_cache
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -72,6 +72,7 @@ def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_
                    parallel: Coordinator | None, seed: DeviceSeed | None = None) -> Backend:
     """`seed`: the device process forked early for this engine, if any (DeviceSeed)."""
     device = device_of(cfg)
+    size_primitive_cache()  # before the probes' GEMMs; a device process forked later inherits it
     numerics = choose_dtype(device, dtype)
     args = (model_dir, device, numerics, choose_pack(device, numerics.dtype, cfg.weight_pack), cfg.hard_wait_timeout_s,
             device_delay_ns)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import huge_pages
+from . import huge_pages, packed_gemm
 from .config import ModelConfig, ModelLoadError, ModelPart
 from .layers import AllReduceFn
 from .transformer import CausalLM
@@ -127,6 +127,7 @@ def load_model(
     files = safetensors_files(model_dir)
     device = torch.device(device)
     dtype = dtype or default_dtype(cfg, device)
+    packed_gemm.size_primitive_cache()  # a device process or TP rank: before its first GEMM
 
     model = CausalLM(cfg, dtype=dtype, device=device, part=part, all_reduce=all_reduce)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,12 +50,27 @@ REPS = 9  # alternated pairs per shape: the median of their ratios
 # each kernel on its own spread 0.86-1.18x in float32 there and would flip the choice.
 MIN_SPEEDUP = 1.1
 CHOICES = ("auto", "on", "off")
+# oneDNN keeps its GEMM primitives (their JIT-built kernels) in an LRU cache keyed by shape,
+# rows included: every distinct token count of a batch is a new primitive for each projection.
+# The default preset's 128-request workload gave 172 distinct counts, 796 primitives, each
+# holding a nested one; in oneDNN's default 1,024 entries a replay of its batches rebuilt 733
+# of them every pass (0.2-0.7 ms each, BENCHMARKS.md "oneDNN's primitive cache"). At about
+# 9 KB an entry this many hold every count up to a few thousand tokens for 150 MB at most.
+PRIMITIVE_CACHE_CAPACITY = 16384
 
 
 @dataclass(frozen=True, slots=True)
 class PackChoice:
     packed: bool
     why: str  # the trace's meta and the report header say it
+
+
+def size_primitive_cache() -> None:
+    """Ask oneDNN for PRIMITIVE_CACHE_CAPACITY entries, unless the user set the variable.
+    oneDNN reads it once, when the process makes its first primitive, so this runs before a
+    process's first GEMM (the engine's dtype and pack probes, a model's load); a process that
+    ran one earlier (a notebook's torch work) keeps the capacity it had."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
 
 
 def unpackable(dtype: torch.dtype) -> str | None:
