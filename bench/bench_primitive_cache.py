@@ -10,7 +10,10 @@ invisible in wall-clock pairs on a shared host, so this counts instead:
    (bench_forward.capture), then replays its batches through the model `--passes` times, with
    oneDNN's verbose log on; the primitives built in the run and in each pass are counted from
    the log (`create:cache_miss`).
-2. The cost of one build, timed in this process: each distinct (token count, projection) of
+2. The memory the cache holds: a fresh process builds every row count up to `--held-rows` of the
+   five projections, at 1,024 entries and at the engine's, and the growth of its resident memory
+   is compared (each primitive counted as two entries, itself and its nested one).
+3. The cost of one build, timed in this process: each distinct (token count, projection) of
    the run (from the log), the first call on a new shape against the best of two calls after
    it, the largest shapes first so that the heap has grown before the small ones; with the
    page faults of the first call. Each pass's page faults are counted too: a rebuild in the
@@ -50,6 +53,27 @@ for p in range(PASSES):
         for fb in fbs:
             model.forward(fb, kv)
     print("PASS_S", time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, flush=True)
+"""
+# A fresh process builds a primitive for each row count 1..ROWS of the five projections and
+# prints its resident memory's growth; 1,024 entries against the engine's size the held ones.
+HELD = """
+import sys, torch
+sys.path[:0] = [ROOT]
+from scheduler.model import packed_gemm
+torch.set_num_threads(1)
+ws = [(k, packed_gemm.pack(torch.randn(n, k))) for k, n in ((512, 1536), (512, 512), (512, 3072), (1536, 512), (512, 8192))]
+xs = {(m, k): torch.ones(m, k) for m in range(1, ROWS + 1) for k in (512, 1536)}
+import ctypes
+trim = ctypes.CDLL("libc.so.6").malloc_trim
+def rss():  # what is live: the heap's freed pages handed back first
+    trim(0)
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+before = rss()
+with torch.inference_mode():
+    for m in range(1, ROWS + 1):
+        for k, w in ws:
+            packed_gemm.linear(xs[m, k], w, None)
+print("HELD", rss() - before)
 """
 SHAPE = re.compile(r"mb(\d+)ic(\d+)oc(\d+)")
 
@@ -100,6 +124,14 @@ def build_cost(shapes: set[tuple[int, int, int]]) -> tuple[list[float], list[int
     return extra, faults
 
 
+def held_bytes(capacity: str, rows: int) -> int:
+    """Resident memory grown by building every row count up to `rows` of the five projections."""
+    env = dict(os.environ, ONEDNN_PRIMITIVE_CACHE_CAPACITY=capacity)
+    code = HELD.replace("ROOT", repr(str(ROOT))).replace("ROWS", str(rows))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return int(out.split("HELD", 1)[1])
+
+
 def fault_cost(mb: int = 256) -> float:
     """Seconds per page fault: the first write to each 4 KB page of a fresh anonymous mapping
     (the kernel's fault path and its zeroing of the page), the best of three mappings."""
@@ -118,9 +150,13 @@ def fault_cost(mb: int = 256) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scheduler.model.packed_gemm import PRIMITIVE_CACHE_CAPACITY
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--held-rows", type=int, default=640,
+                    help="row counts built per projection for the memory the cache holds")
     ap.add_argument("--capacities", default="1024,engine",
                     help="comma-separated; `engine`: the variable unset, as the engine sets it")
     args = ap.parse_args(argv)
@@ -135,9 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(shapes)} GEMM shapes in the run ({len({m for m, _, _ in shapes})} token counts); one build: "
           f"median {statistics.median(extra) * 1e3:.2f} ms, mean {per * 1e3:.2f} ms, "
           f"{statistics.median(faults):.0f} page faults (median); a page fault {fault * 1e6:.2f} us")
+    small, large = held_bytes("1024", args.held_rows), held_bytes(str(PRIMITIVE_CACHE_CAPACITY), args.held_rows)
+    built = 5 * args.held_rows
+    held = min(built, PRIMITIVE_CACHE_CAPACITY // 2) - 1024 // 2  # two entries a primitive
+    print(f"{built} primitives built: the process grew {small / 2**20:.0f} MB holding 1,024 entries, "
+          f"{large / 2**20:.0f} MB holding {PRIMITIVE_CACHE_CAPACITY:,}: "
+          f"{(large - small) / max(1, held) / 1024:.0f} KB a primitive")
     for cap, builds, seconds in rows:
         passes = ", ".join(f"{b} ({b * per:.2f} s of {s:.2f} s: {b * per / s:.1%}) with {f} page faults "
-                           f"({f * fault:.2f} s: {f * fault / s:.1%})" for b, (s, f) in zip(builds[1:], seconds))
+                           f"({f * fault:.2f} s: {f * fault / s:.1%})" for b, (s, f) in zip(builds[1:], seconds, strict=True))
         print(f"capacity {cap}: built in the run {builds[0]}; rebuilt per replay pass: {passes}")
     return 0
 

@@ -51,12 +51,13 @@ REPS = 9  # alternated pairs per shape: the median of their ratios
 MIN_SPEEDUP = 1.1
 CHOICES = ("auto", "on", "off")
 # oneDNN keeps its GEMM primitives (their JIT-built kernels) in an LRU cache keyed by shape,
-# rows included: every distinct token count of a batch is a new primitive for each projection.
-# The default preset's 128-request workload gave 172 distinct counts, 796 primitives, each
-# holding a nested one; in oneDNN's default 1,024 entries a replay of its batches rebuilt 733
-# of them every pass (0.2-0.7 ms each, BENCHMARKS.md "oneDNN's primitive cache"). At about
-# 9 KB an entry this many hold every count up to a few thousand tokens for 150 MB at most.
-PRIMITIVE_CACHE_CAPACITY = 16384
+# rows included: every distinct token count of a batch is a new primitive for each projection,
+# two entries each (it holds a nested matmul) and about 300 KB of memory. The default preset's
+# 128-request workload built 758 (172 token counts); in oneDNN's default 1,024 entries a replay
+# of its batches rebuilt 733 of them every pass, about 3% of the pass with their page faults
+# (BENCHMARKS.md, "oneDNN's primitive cache"). Twice the default holds that workload's, and at
+# most about 300 MB where the default holds 150.
+PRIMITIVE_CACHE_CAPACITY = 2048
 
 
 @dataclass(frozen=True, slots=True)
