@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -285,7 +288,6 @@ def test_the_run_records_its_choice(tmp_path: Path) -> None:
 # A fresh process: sets itself up as SETUP says, then runs every row count of a sweep through
 # one reordered weight twice. oneDNN's verbose mode logs each primitive it builds.
 _SWEEP = """
-import sys
 from scheduler.model import packed_gemm
 import torch
 SETUP
@@ -302,10 +304,6 @@ _LOAD = ("from scheduler.model.loader import load_model\nfrom scheduler.model.pr
 
 
 def rebuilt_on_the_second_sweep(setup: str, rows: int, capacity: str | None = None) -> int:
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     env["ONEDNN_VERBOSE"] = "2"
     if capacity is not None:
