@@ -22,8 +22,9 @@ a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GE
 memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
 padding, attention over its causal keys only, each tensor once. A decode round's GEMMs
 are bound by reading their weights, a prefill round's by their FLOPs. Beside the GEMM
-parts, the same-shape GEMM alone (`shape ms`: the part with no neighbours, at its own
-shapes, random inputs, best of `--reps`).
+parts and the SiLU-gating, the same-shape op alone (`shape ms`: the part with no neighbours,
+at its own shapes, random inputs, best of `--reps`). The gating's limit counts its bytes only,
+but its exp bounds it too: `shape ms` says what it costs where its input is in cache.
 
 Output: a table of the parts sorted by the time they lose against their limit, for the
 whole run and for its prefill-heavy and decode-heavy rounds, each headed by the forward's
@@ -80,7 +81,7 @@ from scheduler.model.loader import load_model  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
-GEMMS = ("qkv", "o_proj", "gate_up", "down", "logits")
+ALONE = ("qkv", "o_proj", "gate_up", "down", "logits", "act")  # the parts timed alone at their shapes (shape_alone_s)
 BYTES_PARTS = ("embed", "norm", "rope_kv", "add_norm", "act", "residual", "sample")
 PARTS = ("embed", "plan", "norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm", "gate_up", "act", "down",
          "residual", "logits", "sample")
@@ -291,10 +292,11 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     return out
 
 
-def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[str, float]:
+def shape_alone_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[str, float]:
     """Each GEMM part alone at the batches' own shapes (random inputs, the real weights, through
-    the model's own GEMM: reordered where the run packed them), best of `reps` per batch, summed:
-    what the part costs with no neighbours."""
+    the model's own GEMM: reordered where the run packed them), and the SiLU-gating where it is
+    a pass of its own (torch's ops, as the layers run them, on a random gate/up output), best of
+    `reps` per batch, summed: what the part costs with no neighbours."""
     lay = model.layers[0]
     cfg = model.cfg
     n_layers = len(model.layers)
@@ -313,6 +315,9 @@ def shape_gemm_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[st
                 total[part] += n_layers * _best_s(lambda x=x: lay.gated(x), reps)
             else:
                 total[part] += n_layers * _best_s(lambda x=x, n=name, w=w, b=b: lay._linear(x, n, w, b), reps)
+        if not fused:
+            gate, up = torch.randn(t, 2 * cfg.intermediate_size, dtype=dtype).chunk(2, dim=-1)
+            total["act"] += n_layers * _best_s(lambda g=gate, u=up: F.silu(g) * u, reps)
         rows = fb.num_sampled + fb.num_scored
         if rows:
             x = torch.randn(rows, cfg.hidden_size, dtype=dtype)
@@ -343,7 +348,7 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
             assert torch.equal(out, ref), "the layers in one C call drifted from the layers in Python"
             logits, _ = timed_forward(model, fb, kv, c)
             assert torch.equal(logits, ref), "the timed mirror drifted from CausalLM.forward"
-        shape = shape_gemm_s(model, fbs, reps)
+        shape = shape_alone_s(model, fbs, reps)
     per_batch = [work(model, fb) for fb in fbs]
     return {"batches": len(fbs), "tokens": sum(fb.num_tokens for fb in fbs),
             "decode_rows": sum(fb.num_decode for fb in fbs), "whole_s": whole_ns / 1e9, "native_s": native_ns / 1e9,
@@ -416,7 +421,7 @@ def table(name: str, m: dict[str, Any], peak: float, bw: float) -> dict[str, Any
                      "limit_ms": limit * 1e3, "of_limit": limit / s if s else None, "lost_ms": (s - limit) * 1e3,
                      "gflops": flops / s / 1e9 if s and flops else None,
                      "gbs": nbytes / s / 1e9 if s and p in BYTES_PARTS else None,
-                     "shape_ms": m["shape_s"][p] * 1e3 if p in GEMMS else None})
+                     "shape_ms": m["shape_s"][p] * 1e3 if p in ALONE and m["shape_s"][p] else None})
     rows.sort(key=lambda r: -r["lost_ms"])
     total_flops = sum(m["flops"].values())
     timed_s = sum(m["s"].values())
