@@ -303,11 +303,12 @@ _LOAD = ("from scheduler.model.loader import load_model\nfrom scheduler.model.pr
          "load_model(resolve_model('tiny'), 'cpu', torch.float32, pack=True)")
 
 
-def rebuilt_on_the_second_sweep(setup: str, rows: int, capacity: str | None = None) -> int:
-    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+def rebuilt_on_the_second_sweep(setup: str, rows: int, capacity: tuple[str, str] | None = None) -> int:
+    """`capacity`: (variable, value) the user set."""
+    env = {k: v for k, v in os.environ.items() if k not in packed_gemm.PRIMITIVE_CACHE_VARIABLES}
     env["ONEDNN_VERBOSE"] = "2"
     if capacity is not None:
-        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity
+        env[capacity[0]] = capacity[1]
     code = _SWEEP.replace("SETUP", setup).replace("ROWS", str(rows))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1], check=True).stdout
@@ -323,5 +324,7 @@ def test_every_row_count_of_a_long_run_stays_built(setup: str) -> None:
     # its default.
     assert packed_gemm.PRIMITIVE_CACHE_CAPACITY >= 2 * 700
     assert rebuilt_on_the_second_sweep(setup, 700) == 0
-    # the user's setting wins, and a cache too small for the sweep rebuilds on every pass
-    assert rebuilt_on_the_second_sweep(setup, 700, capacity="1024") == 700
+    # the user's setting wins, under either name, and a cache too small for the sweep rebuilds
+    # on every pass
+    for variable in packed_gemm.PRIMITIVE_CACHE_VARIABLES:
+        assert rebuilt_on_the_second_sweep(setup, 700, capacity=(variable, "1024")) == 700

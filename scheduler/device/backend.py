@@ -72,7 +72,7 @@ def choose_backend(cfg: Any, model_dir: Path, dtype: torch.dtype | None, device_
                    parallel: Coordinator | None, seed: DeviceSeed | None = None) -> Backend:
     """`seed`: the device process forked early for this engine, if any (DeviceSeed)."""
     device = device_of(cfg)
-    size_primitive_cache()  # before the probes' GEMMs; a device process forked later inherits it
+    size_primitive_cache()  # before the probes' GEMMs; device processes and ranks set it in load_model
     numerics = choose_dtype(device, dtype)
     args = (model_dir, device, numerics, choose_pack(device, numerics.dtype, cfg.weight_pack), cfg.hard_wait_timeout_s,
             device_delay_ns)

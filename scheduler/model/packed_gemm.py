@@ -52,12 +52,14 @@ MIN_SPEEDUP = 1.1
 CHOICES = ("auto", "on", "off")
 # oneDNN keeps its GEMM primitives (their JIT-built kernels) in an LRU cache keyed by shape,
 # rows included: every distinct token count of a batch is a new primitive for each projection,
-# two entries each (it holds a nested matmul) and about 300 KB of memory. The default preset's
-# 128-request workload built 758 (172 token counts); in oneDNN's default 1,024 entries a replay
-# of its batches rebuilt 733 of them every pass, about 3% of the pass with their page faults
-# (BENCHMARKS.md, "oneDNN's primitive cache"). Twice the default holds that workload's, and at
-# most about 300 MB where the default holds 150.
+# two entries each while new (it holds a nested matmul; a primitive reused keeps its nested one
+# alive out of the cache) and about 300-500 KB of memory. The default preset's 128-request
+# workload asked for 758 GEMM shapes; in oneDNN's default 1,024 entries a replay of its batches
+# rebuilt 733 primitives every pass, about 2.5% of the pass with their page faults
+# (BENCHMARKS.md, "oneDNN's primitive cache"). Twice the default holds that workload's: 1,024 to
+# 2,047 primitives, 0.3-1 GB at most, where the default holds half as many.
 PRIMITIVE_CACHE_CAPACITY = 2048
+PRIMITIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")  # oneDNN's order
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +69,13 @@ class PackChoice:
 
 
 def size_primitive_cache() -> None:
-    """Ask oneDNN for PRIMITIVE_CACHE_CAPACITY entries, unless the user set the variable.
-    oneDNN reads it once, when the process makes its first primitive, so this runs before a
-    process's first GEMM (the engine's dtype and pack probes, a model's load); a process that
-    ran one earlier (a notebook's torch work) keeps the capacity it had."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
+    """Ask oneDNN for PRIMITIVE_CACHE_CAPACITY entries, unless the user set the variable (under
+    either of the names oneDNN reads). oneDNN reads it once, when the process makes its first
+    primitive, so this runs before a process's first GEMM (the engine's dtype and pack probes, a
+    model's load); a process that ran one earlier (a notebook's torch work) keeps the capacity
+    it had."""
+    if not any(name in os.environ for name in PRIMITIVE_CACHE_VARIABLES):
+        os.environ[PRIMITIVE_CACHE_VARIABLES[0]] = str(PRIMITIVE_CACHE_CAPACITY)
 
 
 def unpackable(dtype: torch.dtype) -> str | None:
