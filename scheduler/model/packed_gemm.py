@@ -55,7 +55,7 @@ CHOICES = ("auto", "on", "off")
 # two entries each while new (it holds a nested matmul; a primitive reused keeps its nested one
 # alive out of the cache) and about 300-500 KB of memory. The default preset's 128-request
 # workload asked for 758 GEMM shapes; in oneDNN's default 1,024 entries a replay of its batches
-# rebuilt 733 primitives every pass, about 2.5% of the pass with their page faults
+# rebuilt 733 primitives every pass, 2.3-3.1% of the pass with their page faults
 # (BENCHMARKS.md, "oneDNN's primitive cache"). Twice the default holds that workload's: 1,024 to
 # 2,047 primitives, 0.3-1 GB at most, where the default holds half as many.
 PRIMITIVE_CACHE_CAPACITY = 2048
