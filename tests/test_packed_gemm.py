@@ -275,14 +275,24 @@ def test_a_tied_head_keeps_the_embeddings_table(tmp_path: Path) -> None:
     torch.testing.assert_close(b, a, atol=1e-4 * a.abs().max().item(), rtol=0)
 
 
-def test_the_run_records_its_choice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("user", [None, ("DNNL_PRIMITIVE_CACHE_CAPACITY", "1500")], ids=["default", "users"])
+def test_the_run_records_its_choice(tmp_path: Path, user: tuple[str, str] | None) -> None:
     out = tmp_path / "t"
+    env = {k: v for k, v in os.environ.items() if k not in packed_gemm.PRIMITIVE_CACHE_VARIABLES}
+    env.update([user] if user else [])
     mstrace("run", "--model", "tiny", "--requests", "2", "--output-len", "2-2", "--weight-pack", "off",
-            "--out", str(out), "-q")
+            "--out", str(out), "-q", env=env)
     meta = json.loads((out / "meta.json").read_text())["model"]
     assert (meta["weight_pack"], meta["weight_pack_choice"]) == (False, "off: asked")
+    cache = f"{user[1]} entries ({user[0]})" if user else f"{packed_gemm.PRIMITIVE_CACHE_CAPACITY} entries " \
+        "(ONEDNN_PRIMITIVE_CACHE_CAPACITY)"
+    assert meta["primitive_cache"] == cache
     rep = json.loads(mstrace("report", str(out), "--json").stdout)
-    assert rep["weight_pack_choice"] == "off: asked"
+    assert (rep["weight_pack_choice"], rep["primitive_cache"]) == ("off: asked", cache)
+    assert f"oneDNN primitive cache {cache}" in " ".join(mstrace("report", str(out)).stdout.split())
+    html = tmp_path / "r.html"
+    mstrace("report", str(out), "--html", str(html))
+    assert f"oneDNN primitive cache {cache}" in html.read_text()
 
 
 # A fresh process: sets itself up as SETUP says, then runs every row count of a sweep through

@@ -27,7 +27,12 @@ from scheduler.model.config import ModelConfig
 from scheduler.model.dtypes import name_of
 from scheduler.model.kv_cache import PagedKVCache
 from scheduler.model.loader import load_model
-from scheduler.model.packed_gemm import PackChoice, choose_pack, size_primitive_cache
+from scheduler.model.packed_gemm import (
+    PackChoice,
+    choose_pack,
+    primitive_cache_asked,
+    size_primitive_cache,
+)
 
 if TYPE_CHECKING:
     from scheduler.parallel.coordinator import Coordinator
@@ -43,6 +48,7 @@ class Backend(Protocol):
     dtype_why: str  # how --dtype chose it
     pack: PackChoice  # whether the CPU's GEMMs run on reordered weights, and why
     pages: str | None  # after `open`: what the host's KV pool and weights got (CausalLM.pages); None on a GPU
+    primitive_cache: str | None  # the oneDNN primitive cache asked for (packed_gemm); None on a GPU
     model_config: ModelConfig
     streams: dict[str, Stream]
     ops: DeviceOps
@@ -93,6 +99,9 @@ class _Common:
         self.ops: DeviceOps
         self.device_proc: DeviceProcess | None = None
         self.pages: str | None = None
+        # the device process and the ranks ask the same (load_model): they inherit this
+        # process's environment, or fork before it and ask the default themselves
+        self.primitive_cache = primitive_cache_asked() if device.type == "cpu" else None
         self._local: LocalDevice | None = None  # where the forward runs in this process
         # where the weights load elsewhere (a device process, the ranks), the config is all this process reads
         self.model_config = ModelConfig.from_file(model_dir / "config.json")

@@ -175,6 +175,7 @@ def run_meta(
             "weight_pack": engine.backend.pack.packed,
             "weight_pack_choice": engine.backend.pack.why,
             "pages": engine.backend.pages,
+            "primitive_cache": engine.backend.primitive_cache,
             "checkpoint_dtype": name_of(mc.torch_dtype),
             "max_position_embeddings": mc.max_position_embeddings,
         },

@@ -78,6 +78,16 @@ def size_primitive_cache() -> None:
         os.environ[PRIMITIVE_CACHE_VARIABLES[0]] = str(PRIMITIVE_CACHE_CAPACITY)
 
 
+def primitive_cache_asked() -> str | None:
+    """What this process asks oneDNN for, as the trace records it (`2048 entries
+    (ONEDNN_PRIMITIVE_CACHE_CAPACITY)`): a run's forward may differ by a few percent with it.
+    What was asked, not what took: a process whose oneDNN had started before keeps its own."""
+    for name in PRIMITIVE_CACHE_VARIABLES:
+        if name in os.environ:
+            return f"{os.environ[name]} entries ({name})"
+    return None
+
+
 def unpackable(dtype: torch.dtype) -> str | None:
     """Why weights of `dtype` cannot be reordered here, None where they can: the torch build's
     ops, the dtype, and for bfloat16 the CPU (oneDNN's bfloat16 reorder needs AVX-512 BW, VL

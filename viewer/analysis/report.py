@@ -169,6 +169,7 @@ class ReportResult(JsonRecord):
     dtype_choice: str | None  # how --dtype chose it (older traces: unknown)
     weight_pack_choice: str | None  # how --weight-pack chose the CPU's GEMM (older traces: unknown)
     pages: str | None  # what the host's KV pool and weights got on 2 MB pages (a GPU's, older traces: None)
+    primitive_cache: str | None  # the oneDNN primitive cache the CPU's GEMMs asked for (a GPU's, older: None)
     workload_digest: str | None
     probes: bool
     backend: Backend
@@ -247,6 +248,7 @@ def build_report(root: str | Path | ReportInputs, predict: bool = True) -> Repor
         dtype_choice=meta.get("model", {}).get("dtype_choice"),
         weight_pack_choice=meta.get("model", {}).get("weight_pack_choice"),
         pages=meta.get("model", {}).get("pages"),
+        primitive_cache=meta.get("model", {}).get("primitive_cache"),
         workload_digest=workload_digest(meta),
         probes=config.get("probes", True),
         backend=backend(meta, inp.cycles.head),

@@ -171,6 +171,7 @@ def _facts(rep: ReportResult) -> str:
     pack = rep.weight_pack_choice
     dtype += f", weight pack {_e(pack)}" if pack and pack.startswith("auto") else ""
     dtype += f", pages {_e(rep.pages)}" if rep.pages else ""
+    dtype += f", oneDNN primitive cache {_e(rep.primitive_cache)}" if rep.primitive_cache else ""
     # the device's share only where probes measured it (a --no-probes trace has no device rows)
     busy = f"; the device computes {pct(c.device_busy)} of it" if rep.probes and c.cycles else ""
     return (f"<p>model {_e(rep.model)}, mode {_e(rep.mode)}{dtype}, {_e(rep.status.state)}; "

@@ -61,6 +61,8 @@ def render_report(console: Console, rep: ReportResult) -> None:
         console.print(f"[dim]weight pack {escape(rep.weight_pack_choice)}[/]", highlight=False)
     if rep.pages:
         console.print(f"[dim]pages {escape(rep.pages)}[/]", highlight=False)
+    if rep.primitive_cache:
+        console.print(f"[dim]oneDNN primitive cache {escape(rep.primitive_cache)}[/]", highlight=False)
     imp = rep.imported if isinstance(rep.imported, ImportedView) else None
     if imp is not None and imp.format == "otlp":
         console.print("request spans received over OTLP: latencies and tokens per request; no rounds, no device")
