@@ -4,15 +4,18 @@ What it measures (the acceptance text): engine output tokens/s compared with
 transformers `generate` using static batches of 32 in arrival order, on the
 same model and a mixed-length workload (128 requests, prompts of 16-512
 tokens, outputs of 16-256 tokens, ignore_eos so every request has an exact
-output length). Target: at least 2x. It also reports the engine's own per-step
+output length). Target: at least 3x (issue 32; the issue before it asked 2x), the
+median of the alternated pairs' ratios. It also reports the engine's own per-step
 overhead: host time per round outside device compute (StepStats.dur_ns -
 StepStats.dur_device_ns).
 
 Both systems run at the same intra-op thread count, for each count in
 --threads (default: the engine's own default, cores - 1, and 2). With
 --repeats N the systems alternate (engine, transformers, transformers, engine,
-...) and medians are reported; ratios are taken between runs of one
-invocation, since the machine may be shared.
+...) and medians are reported; each engine run's ratio is taken against the
+transformers run beside it (the machine may be shared, and its speed drifts
+within minutes), and the headline `ratio_paired_median` is their median (the
+ratio of the two systems' medians, `ratio_of_medians`, beside it).
 
 transformers side: static batches of --batch-size requests in request-index
 order, left padding, greedy, max_new_tokens = min_new_tokens = the longest
@@ -54,7 +57,7 @@ from scheduler.harness.workload import SyntheticSpec, WorkloadItem, synthetic_wo
 from scheduler.hops.sender import FinishedRecord  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 
-TARGET_RATIO = 2.0
+TARGET_RATIO = 3.0  # issue 32
 
 
 # --------------------------------------------------------------------------- helpers
@@ -341,8 +344,11 @@ def summarize(runs: list[dict[str, Any]], threads: list[int]) -> list[dict[str, 
         e_tps = statistics.median(r["tok_per_s"] for r in eng)
         h_tps = statistics.median(r["tok_per_s"] for r in hf)
         h_raw = statistics.median(r["raw_tok_per_s"] for r in hf)
-        # paired ratios (run i of each system, adjacent in time)
+        # paired ratios (run i of each system, adjacent in time, the order alternating): the
+        # headline is their median, as issue 32's acceptance reads ("alternated pairs, median
+        # of 3"); the ratio of the two medians pairs runs minutes apart, and is kept beside it
         paired = [e["tok_per_s"] / h["tok_per_s"] for e, h in zip(eng, hf, strict=True)]
+        ratio = statistics.median(paired)
         rows.append({
             "threads": t,
             "engine_device_threads": eng[0]["device_threads_resolved"],
@@ -354,9 +360,10 @@ def summarize(runs: list[dict[str, Any]], threads: list[int]) -> list[dict[str, 
             "hf_useful_tok_per_s_runs": [round(r["tok_per_s"], 2) for r in hf],
             "hf_raw_tok_per_s": h_raw,
             "hf_wall_s": statistics.median(r["wall_s"] for r in hf),
-            "ratio": e_tps / h_tps,
+            "ratio_paired_median": ratio,
             "ratio_paired_runs": [round(x, 3) for x in paired],
-            "meets_target": e_tps / h_tps >= TARGET_RATIO,
+            "ratio_of_medians": e_tps / h_tps,
+            "meets_target": ratio >= TARGET_RATIO,
             "engine_steps": statistics.median(r["steps"] for r in eng),
             "host_ms_median": statistics.median(r["host_ms"]["median"] for r in eng),
             "host_ms_mean": statistics.median(r["host_ms"]["mean"] for r in eng),
@@ -375,13 +382,14 @@ def summarize(runs: list[dict[str, Any]], threads: list[int]) -> list[dict[str, 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print()
     print("throughput (output tokens/s, medians)")
-    hdr = f"{'threads':>7}  {'engine':>9}  {'hf useful':>9}  {'hf raw':>9}  {'ratio':>6}  {'>=2x':>4}  paired ratios"
+    hdr = (f"{'threads':>7}  {'engine':>9}  {'hf useful':>9}  {'hf raw':>9}  {'ratio':>6}  {f'>={TARGET_RATIO:g}x':>4}  "
+           "paired ratios (ratio: their median)")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         label = f"{r['threads']}{'*' if r['engine_is_default'] else ''}"
         print(f"{label:>7}  {r['engine_tok_per_s']:>9.1f}  {r['hf_useful_tok_per_s']:>9.1f}  "
-              f"{r['hf_raw_tok_per_s']:>9.1f}  {r['ratio']:>5.2f}x  {'yes' if r['meets_target'] else 'no':>4}  "
+              f"{r['hf_raw_tok_per_s']:>9.1f}  {r['ratio_paired_median']:>5.2f}x  {'yes' if r['meets_target'] else 'no':>4}  "
               f"{r['ratio_paired_runs']}")
     print("  * = the engine's default device_threads (cores - 1)")
     print()
