@@ -10,7 +10,8 @@ the forward's and nothing else.
 Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (each layer's
 input norm), qkv, rope_kv (RoPE and the KV write, one call), attention, o_proj, add_norm
 (the residual add after attention and the norm before the MLP, one call), gate_up, act
-(SiLU and gating; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
+(SiLU and gating: one C pass where torch runs its AVX-512 kernels, torch's two ops elsewhere
+or with `--torch-gating`; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
 residual (the MLP's add), logits (the final norm and the LM head over the sampled rows),
 sample. What the parts' timers do not cover of the whole forward's own
 time (the loop, attribute look-ups) is shown as `unattributed`.
@@ -37,6 +38,7 @@ under each table gives that forward's time too (the same logits, checked).
 
     .venv/bin/python bench/bench_forward.py                 # the default workload, 1 thread
     .venv/bin/python bench/bench_forward.py --requests 16   # smoke
+    .venv/bin/python bench/bench_forward.py --torch-gating  # the gating by torch's ops (an A/B)
     # bench_serve_peer's load: 64 prompts of 128, 64 tokens each, 16 at a time, in bfloat16
     .venv/bin/python bench/bench_forward.py --dtype bfloat16 --requests 64 --prompt-len 128-128 \
         --output-len 64-64 --max-running 16
@@ -65,7 +67,6 @@ for p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from bench_engine_vs_hf import make_workload, parse_range  # noqa: E402
 from common import OUT, load, python_layers  # noqa: E402
 
@@ -73,10 +74,10 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.harness.runner import run_workload  # noqa: E402
 from scheduler.harness.workload import SyntheticSpec  # noqa: E402
-from scheduler.model import huge_pages, packed_gemm  # noqa: E402
+from scheduler.model import huge_pages, native_elementwise, packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
-from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store  # noqa: E402
+from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store, silu_gate  # noqa: E402
 from scheduler.model.loader import load_model  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
@@ -230,8 +231,7 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
             with c.part("gate_up"):
                 gu = layer._linear(h, "gate_up_proj", layer.gate_up_proj, layer.gate_up_bias)
             with c.part("act"):
-                gate, up = gu.chunk(2, dim=-1)
-                m = F.silu(gate) * up
+                m = silu_gate(gu)
         with c.part("down"):
             d = layer._linear(m, "down_proj", layer.down_proj, layer.down_bias)
         with c.part("residual"):
@@ -316,8 +316,8 @@ def shape_alone_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[s
             else:
                 total[part] += n_layers * _best_s(lambda x=x, n=name, w=w, b=b: lay._linear(x, n, w, b), reps)
         if not fused:
-            gate, up = torch.randn(t, 2 * cfg.intermediate_size, dtype=dtype).chunk(2, dim=-1)
-            total["act"] += n_layers * _best_s(lambda g=gate, u=up: F.silu(g) * u, reps)
+            gu = torch.randn(t, 2 * cfg.intermediate_size, dtype=dtype)
+            total["act"] += n_layers * _best_s(lambda gu=gu: silu_gate(gu), reps)
         rows = fb.num_sampled + fb.num_scored
         if rows:
             x = torch.randn(rows, cfg.hidden_size, dtype=dtype)
@@ -468,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="decode attention from this build of _attention.c (an A/B of two builds)")
     ap.add_argument("--prefill-sdpa", action="store_true",
                     help="prefill attention by SDPA per chunk, as without the C extension (an A/B of it)")
+    ap.add_argument("--torch-gating", action="store_true",
+                    help="the MLP's SiLU-gating by torch's two ops, as where torch runs no AVX-512 kernels (an A/B "
+                         "of the C pass)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     ap.add_argument("--pages-ab", action="store_true",
                     help="only the engine run, then its batches' forward with the weights and KV pool as the "
@@ -491,11 +494,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--attention-lib {args.attention_lib}: not a loadable build")
     if args.prefill_sdpa:
         native_attention._PREFILL = None
+    if args.torch_gating:
+        native_elementwise.EXPF16 = None
     if args.capture_only:
         fbs, _, _, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
                                        args.weight_pack, args.dtype, args.max_running)
         label = "gather" if args.gather else str(args.attention_lib or "default")
         label += ", prefill by SDPA" if args.prefill_sdpa else ""
+        label += ", torch's gating" if args.torch_gating else ""
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label}); {block_runs(fbs)}")
         return 0
     if args.pages_ab:

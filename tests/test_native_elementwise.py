@@ -1,5 +1,5 @@
-"""RMSNorm and RoPE in C (scheduler/model/native_elementwise.py) against torch's own ops,
-and the forward with and without them."""
+"""RMSNorm, RoPE and SiLU-gating in C (scheduler/model/native_elementwise.py) against torch's
+own ops, and the forward with and without them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from scheduler.model import native_elementwise
-from scheduler.model.layers import add_norm, apply_rope, rope_qk, rope_store
+from scheduler.model.layers import add_norm, apply_rope, rope_qk, rope_store, silu_gate
 from tests.support.oracle import logits_with_and_without
 
 pytestmark = pytest.mark.skipif(not native_elementwise.AVAILABLE, reason="built without a C compiler")
@@ -178,3 +178,73 @@ def test_the_forward_gives_the_same_logits_with_and_without_them(monkeypatch):
     torch's agree."""
     native, plain = logits_with_and_without(native_elementwise, monkeypatch)
     torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
+
+
+GATES = pytest.mark.skipif(native_elementwise.EXPF16 is None,
+                           reason="torch runs no AVX-512 kernels here: the gating runs as torch's two ops")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s encodings, so that a NaN compares equal to the same NaN"""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _torch_gating(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@GATES
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 300])
+@pytest.mark.parametrize("inter,strided", [(1536, False), (64, True)])
+def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided):
+    """`silu_mul` on a gate/up output: the bits of F.silu(gate) * up, gates from 1e-3 to 1e2 (an
+    exp of -x that overflows float32 included), NaN and infinities in both halves."""
+    g = torch.Generator().manual_seed(rows * 7 + inter)
+    scale = torch.logspace(-3, 2, 2 * inter)[torch.randperm(2 * inter, generator=g)]
+    base = (torch.randn(rows, 2 * inter + (48 if strided else 0), generator=g) * torch.cat(
+        (scale, torch.ones(48 if strided else 0)))).to(dtype)
+    gate_up = base[:, 16:16 + 2 * inter] if strided else base
+    if rows >= 5:
+        gate_up[1, 0], gate_up[2, 3], gate_up[3, 5] = float("nan"), float("inf"), float("-inf")
+        gate_up[4, inter + 1] = float("nan")
+    out = native_elementwise.silu_mul(gate_up)
+    assert out is not None and out.shape == (rows, inter) and out.is_contiguous()
+    assert torch.equal(_bits(out), _bits(_torch_gating(gate_up)))
+
+
+@GATES
+def test_the_gating_is_torchs_for_every_finite_bfloat16_gate():
+    """Every finite bfloat16 value as a gate, each times another as its up."""
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = torch.where(values.float().isfinite(), values, torch.zeros((), dtype=torch.bfloat16)).reshape(512, 128)
+    gate_up = torch.cat((values, values.roll(1, dims=1)), dim=1)
+    out = native_elementwise.silu_mul(gate_up)
+    assert out is not None and torch.equal(_bits(out), _bits(_torch_gating(gate_up)))
+
+
+@GATES
+def test_the_gating_is_torchs_over_float32s_of_every_exponent():
+    """A million float32 gates drawn over their whole range (random encodings, the finite ones)."""
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(-2**31, 2**31, (2, 1 << 20), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    raw = torch.where(raw.isfinite(), raw, torch.zeros(()))
+    gate_up = torch.cat((raw[0].reshape(1024, 1024), raw[1].reshape(1024, 1024)), dim=1)
+    out = native_elementwise.silu_mul(gate_up)
+    assert out is not None and torch.equal(_bits(out), _bits(_torch_gating(gate_up)))
+
+
+def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch):
+    """An inter whose last values torch computes with its scalar exp (not a multiple of 32, or
+    of 64 in bfloat16), another dtype or layout, or no AVX-512 exp of torch's: None, and
+    `silu_gate` runs torch's ops."""
+    assert native_elementwise.silu_mul(torch.randn(4, 2 * 48)) is None
+    assert native_elementwise.silu_mul(torch.randn(4, 2 * 32).bfloat16()) is None
+    assert native_elementwise.silu_mul(torch.randn(4, 2 * 64, dtype=torch.float64)) is None
+    assert native_elementwise.silu_mul(torch.randn(2 * 64, 4).t()) is None  # columns strided
+    x = torch.randn(5, 2 * 64)
+    expected = _torch_gating(x)
+    monkeypatch.setattr(native_elementwise, "EXPF16", None)
+    assert native_elementwise.silu_mul(x) is None
+    assert torch.equal(silu_gate(x), expected)

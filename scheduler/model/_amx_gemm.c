@@ -33,6 +33,8 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "_torch_avx512.h"
 #else
 #define HAVE_AMX 0
 #endif
@@ -116,30 +118,15 @@ static inline void store16(uint16_t *y, const float *acc, const uint16_t *bias) 
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(load16(acc, bias)));
 }
 
-/* 16 floats rounded to bfloat16 as torch's vectorised conversion rounds them (nearest even by
- * the integer carry, a NaN to 0xFFFF; torch's scalar tail, past a row's last 32 values, writes
- * 0x7FC0), in the low halves of 32-bit lanes. Unlike VCVTNEPS2BF16 it keeps a subnormal: a
- * SiLU of a large negative gate times a small up is one. */
-__attribute__((target("avx512f")))
-static inline __m512i torch_bf16(__m512 v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), r);
-}
-
 /* silu(gate) * up for 16 columns, each step rounded to bfloat16 where torch's separate ops
  * round: the GEMM's output as store16 rounds it, F.silu's and the product's as torch's
  * conversion does. SiLU is torch's vectorised kernel's x / (1 + exp(-x)) with torch's own exp
  * (`expf16`): the same bits as `F.silu(gate) * up` on this kernel's gate/up output. */
-typedef __m512 (*ExpF16)(__m512);
-
 __attribute__((target("avx512f,avx512bf16")))
 static inline void store_gated(uint16_t *y, const float *gate, const float *up, const uint16_t *gate_bias,
                                const uint16_t *up_bias, ExpF16 expf16) {
     const __m512 g = round_bf16(load16(gate, gate_bias)), u = round_bf16(load16(up, up_bias));
-    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
-    const __m512i s = torch_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), expf16(neg))));
+    const __m512i s = torch_bf16(torch_silu16(g, expf16));
     const __m512 sf = _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
     _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(torch_bf16(_mm512_mul_ps(sf, u))));
 }

@@ -9,10 +9,11 @@
  * input once and write their output once; RoPE rotates q and k in place, in the GEMM's output.
  * The joins make two passes over a row each (the sum, then its norm; the rotation, then the
  * copy into the cache), the row still in cache for the second.
- * SiLU-gating is not here: a one-pass version (a vectorised exp) timed no faster than
- * torch's two passes on this machine, where that exp, not memory, bounds it. Where the
- * projections run on AMX tiles the gating is done in the gate/up GEMM's pass instead
- * (_amx_gemm.c's amx_gated).
+ * SiLU-gating (`silu_mul`) is here where torch's AVX-512 kernels run: with torch's own exp
+ * the bits are F.silu(gate) * up's. A first one-pass version with an exp of its own (8 lanes)
+ * timed no faster than torch's two passes (an earlier host), where that exp, not memory,
+ * bounded it. Where the projections run on AMX tiles the gating is done in the gate/up GEMM's
+ * pass instead (_amx_gemm.c's amx_gated).
  *
  * The arithmetic is torch's, operation for operation (compiled without FMA contraction),
  * except the order of RMSNorm's sum of squares (lanes in a fixed tree). In bfloat16 that
@@ -33,6 +34,7 @@
 
 #include "_vec.h"
 #include "_kernels.h"
+#include "_torch_avx512.h"
 
 /* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n floats (x's rows x_stride apart) */
 MULTI_TARGET
@@ -164,6 +166,62 @@ int rope_kv_bf16(uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint1
                  int64_t heads, int64_t kv_heads, int64_t D, uint16_t *k_cache, uint16_t *v_cache,
                  const int64_t *slots, int64_t num_slots) {
     return rope_kv_rows(qkv, stride, cos, sin, rows, heads, kv_heads, D, k_cache, v_cache, slots, num_slots, 1);
+}
+
+#ifdef TORCH_AVX512
+/* 16 bfloat16 values as floats (exact) */
+__attribute__((target("avx512f"))) static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* y[r] = silu(gate) * up, [gate | up] being row r of gu (rows `stride` elements apart, each
+ * 2 * inter long), y [rows, inter]; in bfloat16 each op's result rounded as torch's rounds it */
+__attribute__((target("avx512f"))) static void silu_mul_rows(const void *gu, int64_t stride, void *y, int64_t rows,
+                                                             int64_t inter, ExpF16 expf16, const int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < inter; j += 16) {
+            if (bf16) {
+                const uint16_t *g = (const uint16_t *)gu + r * stride + j;
+                const __m512i s = torch_bf16(torch_silu16(widen16(g), expf16));
+                const __m512 prod = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(s, 16)), widen16(g + inter));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * inter + j), _mm512_cvtepi32_epi16(torch_bf16(prod)));
+            } else {
+                const float *g = (const float *)gu + r * stride + j;
+                const __m512 s = torch_silu16(_mm512_loadu_ps(g), expf16);
+                _mm512_storeu_ps((float *)y + r * inter + j, _mm512_mul_ps(s, _mm512_loadu_ps(g + inter)));
+            }
+        }
+}
+#endif
+
+/* SiLU-gating in one pass: y [rows, inter] = F.silu(gate) * up with the same bits, [gate | up]
+ * a gate/up GEMM's output. torch computes it in two ops, each a pass over memory with a tensor
+ * between them, its product in AVX2 on an AVX-512 CPU; here each value is read once and the
+ * result written once. The bits are torch's only where its AVX-512 kernels run and ran every
+ * value through their vector loops (a row's values past its last 32, or 64 in bfloat16, take
+ * its scalar exp): `expf16` is its exp (native_elementwise.torch_expf16), inter a multiple of
+ * 32 (64 in bfloat16). Returns 0, or -1 with y untouched where that does not hold or this build
+ * has no AVX-512. */
+int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t inter, void *expf16) {
+#ifdef TORCH_AVX512
+    if (!expf16 || inter % 32 || rows < 0) return -1;
+    silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 0);
+    return 0;
+#else
+    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf16;
+    return -1;
+#endif
+}
+
+int silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *y, int64_t rows, int64_t inter, void *expf16) {
+#ifdef TORCH_AVX512
+    if (!expf16 || inter % 64 || rows < 0) return -1;
+    silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 1);
+    return 0;
+#else
+    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf16;
+    return -1;
+#endif
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};

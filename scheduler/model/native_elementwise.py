@@ -1,7 +1,9 @@
-"""RMSNorm and RoPE in one pass each, and the two joins a decoder layer makes around its
+"""RMSNorm and RoPE in one pass each, and the joins a decoder layer makes around its
 GEMMs (`_elementwise.c`), loaded with ctypes where the install built it:
 - `add_rms_norm`: the residual add and the RMSNorm after it;
-- `rope_kv`: RoPE on a qkv GEMM's q and k, then its k and v rows stored in the KV cache.
+- `rope_kv`: RoPE on a qkv GEMM's q and k, then its k and v rows stored in the KV cache;
+- `silu_mul`: the SiLU-gating of a gate/up GEMM's output, where torch runs its AVX-512 kernels
+  (the bits are then `F.silu(gate) * up`'s: it calls torch's own exp, `torch_expf16`).
 
 Each function takes float32 or bfloat16 CPU tensors (all of one dtype) in the layouts the
 forward makes and returns None (or False) for anything else, or where the extension is
@@ -19,6 +21,7 @@ calls. Measured: 1.6-2.5% of such a forward, nothing on larger batches (BENCHMAR
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +39,8 @@ def _load() -> ctypes.CDLL | None:
     kinds = {"rms_norm": ([_P, _N, _P, _P, _N, _N, ctypes.c_float], None),
              "rope": ([_P, _N, _P, _P, _N, _N, _N], None),
              "add_rms_norm": ([_P, _P, _P, _P, _P, _N, _N, ctypes.c_float], None),
-             "rope_kv": ([_P, _N, _P, _P, _N, _N, _N, _N, _P, _P, _P, _N], ctypes.c_int)}
+             "rope_kv": ([_P, _N, _P, _P, _N, _N, _N, _N, _P, _P, _P, _N], ctypes.c_int),
+             "silu_mul": ([_P, _N, _P, _N, _N, _P], ctypes.c_int)}
     for name, (args, res) in kinds.items():
         for suffix in _SUFFIX.values():
             fn = getattr(lib, name + suffix, None)  # an older build lacks the later entries
@@ -50,6 +54,22 @@ _SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}  # each dtype's C entry p
 _FNS: dict[tuple[str, str], Any] = {}  # (name, suffix) -> the C function, with its argtypes set
 _LIB = _load()
 AVAILABLE = _LIB is not None
+
+
+def torch_expf16() -> int | None:
+    """The address of the float exp torch's AVX-512 kernels call (`Sleef_expf16_u10`, exported by
+    libtorch_cpu), where torch runs those kernels here; else None. The C SiLU-gating (`silu_mul`
+    here, and _amx_gemm.c's in the GEMM's pass) computes SiLU with it, so its bits are F.silu's."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.Sleef_expf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+EXPF16 = torch_expf16()
 
 
 def _entry(name: str, *ts: torch.Tensor) -> Any:
@@ -118,3 +138,17 @@ def rope_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: to
     status: int = fn(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, kv_heads, head_dim,
                      k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0])
     return status == 0
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` where `gate, up = gate_up.chunk(2, -1)`, as a new [T, inter] tensor with
+    the same bits, in one pass; gate_up [T, 2 * inter] (rows may be strided). None where it does
+    not apply (no AVX-512 kernels in torch here, another layout, or an inter that torch's vector
+    loops would not cover whole: 32 values, 64 in bfloat16): the caller runs torch's two ops."""
+    fn = _entry("silu_mul", gate_up)
+    if fn is None or EXPF16 is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    status: int = fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, EXPF16)
+    return out if status == 0 else None

@@ -31,11 +31,11 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from scheduler.model import native_elementwise
 from scheduler.model.auto_dtype import median_ratio
 from scheduler.model.dtypes import name_of
 from scheduler.model.native_attention import open_library
@@ -119,21 +119,8 @@ def _load_amx() -> ctypes.CDLL | None:
     return lib if lib.amx_ready() == 1 else None
 
 
-def _torch_expf16() -> int | None:
-    """The address of the float exp torch's AVX-512 kernels call (`Sleef_expf16_u10`, exported by
-    libtorch_cpu), where torch runs those kernels here; else None. `gated` computes SiLU with it,
-    so its bits are F.silu's."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(lib.Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-
-
 _AMX = _load_amx()
-_EXPF16 = _torch_expf16() if _AMX is not None else None
+_EXPF16 = native_elementwise.EXPF16 if _AMX is not None else None
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
