@@ -13,8 +13,9 @@ input norm), qkv, rope_kv (RoPE and the KV write, one call), attention, o_proj, 
 (SiLU and gating: one C pass where torch runs its AVX-512 kernels, torch's two ops elsewhere
 or with `--torch-gating`; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
 residual (the MLP's add), logits (the final norm and the LM head over the sampled rows),
-sample. What the parts' timers do not cover of the whole forward's own
-time (the loop, attribute look-ups) is shown as `unattributed`.
+sample (the greedy pick: one C pass on the CPU, torch's argmax with `--torch-argmax`). What
+the parts' timers do not cover of the whole forward's own time (the loop, attribute
+look-ups) is shown as `unattributed`.
 
 Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
 a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GEMMs of
@@ -80,6 +81,7 @@ from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
 from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store, silu_gate  # noqa: E402
 from scheduler.model.loader import load_model  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
+from scheduler.model.sampling import greedy_pick  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
 ALONE = ("qkv", "o_proj", "gate_up", "down", "logits", "act")  # the parts timed alone at their shapes (shape_alone_s)
@@ -239,7 +241,7 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
     with c.part("logits"):
         logits = model.compute_logits(x, fb)
     with c.part("sample"):
-        tokens = logits[: fb.num_sampled].argmax(dim=-1)
+        tokens = greedy_pick(logits[: fb.num_sampled])
     return logits, tokens
 
 
@@ -471,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-gating", action="store_true",
                     help="the MLP's SiLU-gating by torch's two ops, as where torch runs no AVX-512 kernels (an A/B "
                          "of the C pass)")
+    ap.add_argument("--torch-argmax", action="store_true",
+                    help="the greedy pick by torch's argmax, as off the CPU (an A/B of the C pass)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")
     ap.add_argument("--pages-ab", action="store_true",
                     help="only the engine run, then its batches' forward with the weights and KV pool as the "
@@ -496,12 +500,15 @@ def main(argv: list[str] | None = None) -> int:
         native_attention._PREFILL = None
     if args.torch_gating:
         native_elementwise.EXPF16 = None
+    if args.torch_argmax:
+        native_elementwise.argmax = lambda x: None  # sampling.greedy_pick then runs torch's
     if args.capture_only:
         fbs, _, _, run_fwd_s = capture(args.model, args.requests, args.prompt_len, args.output_len, args.seed,
                                        args.weight_pack, args.dtype, args.max_running)
         label = "gather" if args.gather else str(args.attention_lib or "default")
         label += ", prefill by SDPA" if args.prefill_sdpa else ""
         label += ", torch's gating" if args.torch_gating else ""
+        label += ", torch's argmax" if args.torch_argmax else ""
         print(f"the engine's forward took {run_fwd_s:.2f} s in the run ({label}); {block_runs(fbs)}")
         return 0
     if args.pages_ab:

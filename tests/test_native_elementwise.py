@@ -248,3 +248,31 @@ def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch)
     monkeypatch.setattr(native_elementwise, "EXPF16", None)
     assert native_elementwise.silu_mul(x) is None
     assert torch.equal(silu_gate(x), expected)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf", "zeros"])
+def test_argmax_picks_torchs_index(kind):
+    """The greedy pick: torch's argmax index on every row (the first of equal maxima, the
+    first NaN), over widths below, at and past the kernel's 32-value blocks."""
+    g = torch.Generator().manual_seed(len(kind))
+    for v in [1, 7, 31, 32, 33, 100, 257, 8192]:
+        base = torch.randn(9, v + 5, generator=g)
+        x = base[:, 2:2 + v]  # rows strided
+        if kind == "ties":
+            x.copy_(torch.randint(-2, 3, x.shape, generator=g).float())
+        elif kind == "nan":
+            x[torch.rand(x.shape, generator=g) < 0.03] = float("nan")
+            x[0, -1] = float("nan")
+        elif kind == "inf":
+            x.copy_(torch.randint(-1, 2, x.shape, generator=g).float() * float("inf"))  # 0 * inf: NaN
+        elif kind == "zeros":
+            x.copy_(torch.where(torch.rand(x.shape, generator=g) < 0.5, -0.0, 0.0))
+        got = native_elementwise.argmax(x)
+        assert got is not None and torch.equal(got, x.argmax(dim=-1)), (kind, v)
+
+
+def test_argmax_refuses_what_it_does_not_take():
+    assert native_elementwise.argmax(torch.randn(3, 8, dtype=torch.float64)) is None
+    assert native_elementwise.argmax(torch.randn(3, 8).bfloat16()) is None
+    assert native_elementwise.argmax(torch.randn(8, 3).t()) is None  # columns strided
+    assert native_elementwise.argmax(torch.randn(3, 0)) is None  # torch raises there

@@ -3,7 +3,8 @@ GEMMs (`_elementwise.c`), loaded with ctypes where the install built it:
 - `add_rms_norm`: the residual add and the RMSNorm after it;
 - `rope_kv`: RoPE on a qkv GEMM's q and k, then its k and v rows stored in the KV cache;
 - `silu_mul`: the SiLU-gating of a gate/up GEMM's output, where torch runs its AVX-512 kernels
-  (the bits are then `F.silu(gate) * up`'s: it calls torch's own exp, `torch_expf16`).
+  (the bits are then `F.silu(gate) * up`'s: it calls torch's own exp, `torch_expf16`);
+- `argmax`: the greedy sampler's pick, each row's index of its largest logit, as torch's argmax.
 
 Each function takes float32 or bfloat16 CPU tensors (all of one dtype) in the layouts the
 forward makes and returns None (or False) for anything else, or where the extension is
@@ -40,7 +41,8 @@ def _load() -> ctypes.CDLL | None:
              "rope": ([_P, _N, _P, _P, _N, _N, _N], None),
              "add_rms_norm": ([_P, _P, _P, _P, _P, _N, _N, ctypes.c_float], None),
              "rope_kv": ([_P, _N, _P, _P, _N, _N, _N, _N, _P, _P, _P, _N], ctypes.c_int),
-             "silu_mul": ([_P, _N, _P, _N, _N, _P], ctypes.c_int)}
+             "silu_mul": ([_P, _N, _P, _N, _N, _P], ctypes.c_int),
+             "argmax_rows": ([_P, _N, _N, _N, _P], None)}
     for name, (args, res) in kinds.items():
         for suffix in _SUFFIX.values():
             fn = getattr(lib, name + suffix, None)  # an older build lacks the later entries
@@ -152,3 +154,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     status: int = fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, EXPF16)
     return out if status == 0 else None
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """`x.argmax(dim=-1)` for float32 rows [R, V] (rows may be strided): the same indices (the
+    first of equal maxima, the first NaN where a row has one), as a new int64 [R]. None where it
+    does not apply: the caller runs torch's."""
+    fn = _entry("argmax_rows", x)
+    if fn is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from scheduler.model import native_elementwise
 from scheduler.model.h2d import to_device
 from scheduler.model.penalties import LogitsAdjust
 from scheduler.model.penalties import apply as apply_adjust
@@ -45,12 +46,12 @@ def sample_on_device(
         )
     greedy = [i for i, t in enumerate(temperatures) if t < GREEDY_BELOW]
     if len(greedy) == n:
-        return logits.argmax(dim=-1) if n else torch.zeros(0, dtype=torch.long, device=logits.device)
+        return greedy_pick(logits) if n else torch.zeros(0, dtype=torch.long, device=logits.device)
     dev = logits.device
     out = torch.zeros(n, dtype=torch.long, device=dev)
     if greedy:
         g = to_device(greedy, torch.long, dev)
-        out[g] = logits.index_select(0, g).argmax(dim=-1)
+        out[g] = greedy_pick(logits.index_select(0, g))
     idx = [i for i, t in enumerate(temperatures) if t >= GREEDY_BELOW]
     temps = to_device([temperatures[i] for i in idx], torch.float32, dev)
     probs = torch.softmax(logits.index_select(0, to_device(idx, torch.long, dev)).float() / temps[:, None], dim=-1)
@@ -69,6 +70,13 @@ def sample_on_device(
         pick = torch.multinomial(probs[j], 1, generator=_check(generators[i], dev))
         out[i:i + 1] = order[j].gather(0, pick)
     return out
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: in one C pass on the CPU (torch's CPU argmax keeps its index one value
+    at a time), the same indices; torch's elsewhere."""
+    picked = native_elementwise.argmax(logits) if logits.device.type == "cpu" else None
+    return logits.argmax(dim=-1) if picked is None else picked
 
 
 _MASK64 = (1 << 64) - 1
