@@ -297,7 +297,7 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
 def shape_alone_s(model: CausalLM, fbs: list[ForwardBatch], reps: int) -> dict[str, float]:
     """Each GEMM part alone at the batches' own shapes (random inputs, the real weights, through
     the model's own GEMM: reordered where the run packed them), and the SiLU-gating where it is
-    a pass of its own (torch's ops, as the layers run them, on a random gate/up output), best of
+    a pass of its own (`silu_gate`, as the layers run it, on a random gate/up output), best of
     `reps` per batch, summed: what the part costs with no neighbours."""
     lay = model.layers[0]
     cfg = model.cfg
@@ -341,7 +341,7 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
                 with nullcontext() if native else python_layers():
                     t0 = time.perf_counter_ns()
                     logits = model.forward(fb, kv)
-                    logits[: fb.num_sampled].argmax(dim=-1)
+                    greedy_pick(logits[: fb.num_sampled])
                     dt = time.perf_counter_ns() - t0
                 if native:
                     native_ns, out = native_ns + dt, logits

@@ -184,6 +184,16 @@ GATES = pytest.mark.skipif(native_elementwise.EXPF16 is None,
                            reason="torch runs no AVX-512 kernels here: the gating runs as torch's two ops")
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as the C passes take it (`_torch_serial`), and its references computed
+    so: with several, its SiLU's bits move where a thread's piece begins off a vector boundary."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """`t`'s encodings, so that a NaN compares equal to the same NaN"""
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
@@ -198,7 +208,7 @@ def _torch_gating(gate_up: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 64, 300])
 @pytest.mark.parametrize("inter,strided", [(1536, False), (64, True)])
-def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided):
+def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided, one_thread):
     """`silu_mul` on a gate/up output: the bits of F.silu(gate) * up, gates from 1e-3 to 1e2 (an
     exp of -x that overflows float32 included), NaN and infinities in both halves."""
     g = torch.Generator().manual_seed(rows * 7 + inter)
@@ -215,7 +225,7 @@ def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided):
 
 
 @GATES
-def test_the_gating_is_torchs_for_every_finite_bfloat16_gate():
+def test_the_gating_is_torchs_for_every_finite_bfloat16_gate(one_thread):
     """Every finite bfloat16 value as a gate, each times another as its up."""
     values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     values = torch.where(values.float().isfinite(), values, torch.zeros((), dtype=torch.bfloat16)).reshape(512, 128)
@@ -225,7 +235,7 @@ def test_the_gating_is_torchs_for_every_finite_bfloat16_gate():
 
 
 @GATES
-def test_the_gating_is_torchs_over_float32s_of_every_exponent():
+def test_the_gating_is_torchs_over_float32s_of_every_exponent(one_thread):
     """A million float32 gates drawn over their whole range (random encodings, the finite ones)."""
     g = torch.Generator().manual_seed(3)
     raw = torch.randint(-2**31, 2**31, (2, 1 << 20), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
@@ -235,7 +245,7 @@ def test_the_gating_is_torchs_over_float32s_of_every_exponent():
     assert out is not None and torch.equal(_bits(out), _bits(_torch_gating(gate_up)))
 
 
-def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch):
+def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch, one_thread):
     """An inter whose last values torch computes with its scalar exp (not a multiple of 32, or
     of 64 in bfloat16), another dtype or layout, or no AVX-512 exp of torch's: None, and
     `silu_gate` runs torch's ops."""
@@ -251,7 +261,7 @@ def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf", "zeros"])
-def test_argmax_picks_torchs_index(kind):
+def test_argmax_picks_torchs_index(kind, one_thread):
     """The greedy pick: torch's argmax index on every row (the first of equal maxima, the
     first NaN), over widths below, at and past the kernel's 32-value blocks."""
     g = torch.Generator().manual_seed(len(kind))
@@ -271,8 +281,19 @@ def test_argmax_picks_torchs_index(kind):
         assert got is not None and torch.equal(got, x.argmax(dim=-1)), (kind, v)
 
 
-def test_argmax_refuses_what_it_does_not_take():
+def test_argmax_refuses_what_it_does_not_take(one_thread):
     assert native_elementwise.argmax(torch.randn(3, 8, dtype=torch.float64)) is None
     assert native_elementwise.argmax(torch.randn(3, 8).bfloat16()) is None
     assert native_elementwise.argmax(torch.randn(8, 3).t()) is None  # columns strided
     assert native_elementwise.argmax(torch.randn(3, 0)) is None  # torch raises there
+
+
+def test_the_passes_step_aside_where_torch_would_use_its_threads(monkeypatch):
+    """More values than torch runs on one thread, with several threads: torch's ops (they run in
+    parallel there, and its SiLU's bits depend on where the pieces begin); fewer: the C passes."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    big, small = torch.randn(64, 2 * 1536), torch.randn(4, 2 * 1536)
+    assert native_elementwise.silu_mul(big) is None and native_elementwise.argmax(big) is None
+    assert native_elementwise.argmax(small) is not None
+    if native_elementwise.EXPF16 is not None:
+        assert native_elementwise.silu_mul(small) is not None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler.model import packed_gemm
+from scheduler.model import native_elementwise, packed_gemm
 from scheduler.model.forward_batch import SeqChunk, build_forward_batch
 from scheduler.model.loader import load_model
 from scheduler.model.packed_gemm import MIN_SPEEDUP, choose_pack
@@ -178,6 +178,7 @@ def test_the_forward_is_the_same_bits_with_the_gating_in_the_gemm_or_apart(monke
     batch = build_forward_batch(chunks, 4, "cpu")
     fused = model(batch, kv)
     monkeypatch.setattr(packed_gemm, "_EXPF16", None)
+    monkeypatch.setattr(native_elementwise, "EXPF16", None)  # torch's ops, not the C pass after the GEMM
     assert packed_gemm.gated(torch.zeros(2, 64, dtype=torch.bfloat16), model.layers[0].packs["gate_up_proj"],
                              None) is None
     assert torch.equal(model(batch, kv), fused)
@@ -298,7 +299,7 @@ def test_the_run_records_its_choice(tmp_path: Path, user: tuple[str, str] | None
 # A fresh process: sets itself up as SETUP says, then runs every row count of a sweep through
 # one reordered weight twice. oneDNN's verbose mode logs each primitive it builds.
 _SWEEP = """
-from scheduler.model import packed_gemm
+from scheduler.model import native_elementwise, packed_gemm
 import torch
 SETUP
 w = packed_gemm.pack(torch.randn(16, 16))

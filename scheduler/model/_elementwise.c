@@ -197,7 +197,7 @@ void argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t n, int64_
     const int64_t block = ACC * LANES;
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * stride;
-        int64_t best = 0, i = 0;
+        int64_t best = 0, i = 1;
         float bv = n > 0 ? row[0] : 0.0f;
         if (n >= block) {
             v8 mv[ACC];
@@ -255,17 +255,18 @@ __attribute__((target("avx512f"))) static void silu_mul_rows(const void *gu, int
 }
 #endif
 
-/* SiLU-gating in one pass: y [rows, inter] = F.silu(gate) * up with the same bits, [gate | up]
- * a gate/up GEMM's output. torch computes it in two ops, each a pass over memory with a tensor
- * between them, its product in AVX2 on an AVX-512 CPU; here each value is read once and the
- * result written once. The bits are torch's only where its AVX-512 kernels run and ran every
- * value through their vector loops (a row's values past its last 32, or 64 in bfloat16, take
- * its scalar exp): `expf16` is its exp (native_elementwise.torch_expf16), inter a multiple of
- * 32 (64 in bfloat16). Returns 0, or -1 with y untouched where that does not hold or this build
- * has no AVX-512. */
+/* SiLU-gating in one pass: y [rows, inter] = F.silu(gate) * up, [gate | up] a gate/up GEMM's
+ * output. torch computes it in two ops, each a pass over memory with a tensor between them, its
+ * product in AVX2 on an AVX-512 CPU; here each value is read once and the result written once.
+ * The bits are torch's on one thread where its AVX-512 kernels run every value through their
+ * vector loops (a row's values past its last 32, or 64 in bfloat16, take its scalar exp; so
+ * would the ends of a thread's piece, which the caller avoids: native_elementwise._torch_serial):
+ * `expf16` is its exp (native_elementwise.torch_expf16), inter a multiple of 32 (64 in
+ * bfloat16). Returns 0, or -1 with y untouched where that does not hold or this build has no
+ * AVX-512. */
 int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t inter, void *expf16) {
 #ifdef TORCH_AVX512
-    if (!expf16 || inter % 32 || rows < 0) return -1;
+    if (!expf16 || inter % 32) return -1;
     silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 0);
     return 0;
 #else
@@ -276,7 +277,7 @@ int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t in
 
 int silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *y, int64_t rows, int64_t inter, void *expf16) {
 #ifdef TORCH_AVX512
-    if (!expf16 || inter % 64 || rows < 0) return -1;
+    if (!expf16 || inter % 64) return -1;
     silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 1);
     return 0;
 #else

@@ -1,8 +1,9 @@
 /* torch's AVX-512 arithmetic where the bits must be torch's: its float -> bfloat16 rounding and
  * its SiLU, for the C kernels that do a step torch's ops would (_amx_gemm.c's gating in the GEMM's
- * pass, _elementwise.c's silu_mul). Included by each; every function is inline with the AVX-512
- * target, so a file includes it only under TORCH_AVX512 and calls it only where the CPU runs
- * AVX-512 (torch's own kernels there: `native_elementwise.torch_expf16`). */
+ * pass, _elementwise.c's silu_mul). Included by each; it defines TORCH_AVX512 where the compiler
+ * builds AVX-512 code, every function inline with the AVX-512 target, so a file uses them only
+ * under #ifdef TORCH_AVX512 and calls them only where the CPU runs AVX-512 (torch's own kernels
+ * there: `native_elementwise.torch_expf16`). */
 #ifndef MSTRACE_TORCH_AVX512_H
 #define MSTRACE_TORCH_AVX512_H
 

@@ -6,11 +6,11 @@ GEMMs (`_elementwise.c`), loaded with ctypes where the install built it:
   (the bits are then `F.silu(gate) * up`'s: it calls torch's own exp, `torch_expf16`);
 - `argmax`: the greedy sampler's pick, each row's index of its largest logit, as torch's argmax.
 
-Each function takes float32 or bfloat16 CPU tensors (all of one dtype) in the layouts the
-forward makes and returns None (or False) for anything else, or where the extension is
-absent: `layers` then runs the torch expression, which gives the same values up to float32
-rounding (tests/test_native_elementwise.py checks the two agree; bfloat16 rounds where
-torch's bfloat16 ops do).
+Each function takes float32 or bfloat16 CPU tensors (all of one dtype; `argmax` float32 only)
+in the layouts the forward makes and returns None (or False) for anything else, or where the
+extension is absent: `layers` (`sampling` for `argmax`) then runs the torch expression, which
+gives the same values up to float32 rounding (tests/test_native_elementwise.py checks the two
+agree; bfloat16 rounds where torch's bfloat16 ops do).
 
 Why the joins: in a decode round of 16 rows a small op costs its call (Python, the
 dispatcher, an allocation, all slower right after a GEMM has streamed its weights through
@@ -72,6 +72,17 @@ def torch_expf16() -> int | None:
 
 
 EXPF16 = torch_expf16()
+# torch runs an elementwise op or a reduction on one thread below this many values
+# (at::internal::GRAIN_SIZE) and in pieces of ceil(values / threads) on its threads above it
+GRAIN = 32768
+
+
+def _torch_serial(numel: int) -> bool:
+    """Whether torch would run an op over `numel` values on one thread. Where it would not, the
+    one-thread C passes (`silu_mul`, `argmax`) step aside: torch's threads then outrun them,
+    and its SiLU's bits move with its thread count (a piece that begins off a vector boundary
+    has its first and last values computed by torch's scalar code)."""
+    return numel < GRAIN or torch.get_num_threads() == 1
 
 
 def _entry(name: str, *ts: torch.Tensor) -> Any:
@@ -144,13 +155,18 @@ def rope_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: to
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` where `gate, up = gate_up.chunk(2, -1)`, as a new [T, inter] tensor with
-    the same bits, in one pass; gate_up [T, 2 * inter] (rows may be strided). None where it does
-    not apply (no AVX-512 kernels in torch here, another layout, or an inter that torch's vector
-    loops would not cover whole: 32 values, 64 in bfloat16): the caller runs torch's two ops."""
+    the bits torch's two ops give on one thread, in one pass; gate_up [T, 2 * inter] (rows may be
+    strided). None where it does not apply (no AVX-512 kernels in torch here, another layout, an
+    inter that torch's vector loops would not cover whole: 32 values, 64 in bfloat16, or more
+    values than torch runs on one thread while it has several, `_torch_serial`): the caller runs
+    torch's two ops."""
     fn = _entry("silu_mul", gate_up)
-    if fn is None or EXPF16 is None or gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+    if fn is None or EXPF16 is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if gate_up.shape[1] != 2 * inter or inter % (64 if gate_up.dtype == torch.bfloat16 else 32) \
+            or not _torch_serial(rows * inter):
+        return None
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     status: int = fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, EXPF16)
     return out if status == 0 else None
@@ -159,9 +175,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def argmax(x: torch.Tensor) -> torch.Tensor | None:
     """`x.argmax(dim=-1)` for float32 rows [R, V] (rows may be strided): the same indices (the
     first of equal maxima, the first NaN where a row has one), as a new int64 [R]. None where it
-    does not apply: the caller runs torch's."""
+    does not apply (another dtype or layout, no values, or more than torch runs on one thread
+    while it has several): the caller runs torch's."""
     fn = _entry("argmax_rows", x)
-    if fn is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+    # (the C pass counts indices in int32 lanes)
+    if fn is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not 0 < x.shape[1] < 2**31 \
+            or not _torch_serial(x.numel()):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
     fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
