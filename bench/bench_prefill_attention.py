@@ -14,7 +14,11 @@ Variants, timed call by call in turn so each sees the same machine: "sdpa" (the 
 the C extension: a call per chunk, masks and gathers), then every build of the kernel this CPU
 runs (`auto` is the one the engine picks). GFLOP/s counts each query's causal keys only.
 
-    .venv/bin/python bench/bench_prefill_attention.py [--calls 15] [--dtype bfloat16]
+    .venv/bin/python bench/bench_prefill_attention.py [--calls 15] [--dtype bfloat16] [--lib OTHER.so]
+
+`--lib` times another build (its `auto` pick) beside the installed ones, call by call, as
+bench_decode_kernel.py's does; build another revision's as that file's docstring says, with
+_prefill_attention.c, _prefill_tile.h and _vec.h.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from common import REPO
@@ -44,7 +50,7 @@ def loads(g: torch.Generator) -> dict[str, list[tuple[int, int]]]:
 
 
 def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds: list[str], calls: int,
-              dtype: torch.dtype) -> None:
+              dtype: torch.dtype, libs: dict[str, Any]) -> None:
     chunks, used = [], 0
     for start, n in spec:
         nblk = (start + n + BS - 1) // BS
@@ -78,13 +84,17 @@ def time_load(name: str, spec: list[tuple[int, int]], g: torch.Generator, builds
         finally:
             native_attention._PREFILL = saved
 
-    def build(isa: str) -> Callable[[], None]:
+    def build(isa: str, lib: Any = saved) -> Callable[[], None]:
         def call() -> None:
-            for kc, vc in caches:
-                assert native_attention.prefill(q, kc, vc, slots, meta, t, None, isa) is not None
+            native_attention._PREFILL = lib
+            try:
+                for kc, vc in caches:
+                    assert native_attention.prefill(q, kc, vc, slots, meta, t, None, isa) is not None
+            finally:
+                native_attention._PREFILL = saved
         return call
 
-    variants = {"sdpa": sdpa, **{b: build(b) for b in builds}}
+    variants = {"sdpa": sdpa, **{b: build(b) for b in builds}, **{n: build("auto", lib) for n, lib in libs.items()}}
     times: dict[str, list[float]] = {v: [] for v in variants}
     for i in range(calls):
         for v, fn in variants.items():
@@ -105,7 +115,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=15, help="calls of each variant per load (the first 3 not counted)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--lib", type=Path, action="append", default=[],
+                    help="another build of _prefill_attention.c to time beside the installed one (repeatable)")
     a = ap.parse_args()
+    libs = {str(path): native_attention._load_prefill(path) for path in a.lib}
+    for path, lib in libs.items():
+        if lib is None:
+            raise SystemExit(f"--lib {path}: not a loadable build of _prefill_attention.c")
     if not native_attention.prefill_runs("auto"):
         raise SystemExit("the engine runs SDPA here: no _prefill_attention build, or a CPU without AVX2 + FMA")
     torch.set_num_threads(1)
@@ -114,7 +130,7 @@ def main() -> None:
     print(f"one thread, {a.dtype}; heads {HEADS}/{KV_HEADS}, head size {D}, {LAYERS} layers a call; builds this CPU runs: "
           f"{', '.join(builds)}")
     for name, spec in loads(g).items():
-        time_load(name, spec, g, builds, a.calls, getattr(torch, a.dtype))
+        time_load(name, spec, g, builds, a.calls, getattr(torch, a.dtype), libs)
 
 
 if __name__ == "__main__":

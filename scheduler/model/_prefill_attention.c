@@ -90,6 +90,29 @@ typedef struct {
 
 static const float zero_row[MAX_HEAD_DIM];
 
+/* b[k][j] <-> b[j][k]: the 16 x 16 floats transposed in registers, by swapping the off-diagonal
+ * blocks of 8, then of 4, 2 and 1 (each a two-vector shuffle per pair); the AVX-512 build moves
+ * Q^T in and O^T out with it, where a value at a time had cost up to a fifth of a tile of a short
+ * prompt (bench/bench_prefill_attention.py, "16 prompts"). */
+#define SWAP_BLOCKS(S, LO, HI)                                         \
+    for (int k = 0; k < 16; k++)                                       \
+        if (!(k & (S))) {                                              \
+            const v16 a = b[k], c = b[k + (S)];                        \
+            b[k] = __builtin_shuffle(a, c, (v16i)LO);                  \
+            b[k + (S)] = __builtin_shuffle(a, c, (v16i)HI);            \
+        }
+static inline __attribute__((always_inline)) void transpose16(v16 *b) {
+    SWAP_BLOCKS(8, ((v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                ((v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    SWAP_BLOCKS(4, ((v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                ((v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    SWAP_BLOCKS(2, ((v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                ((v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    SWAP_BLOCKS(1, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+}
+#undef SWAP_BLOCKS
+
 #define W 16
 #define V v16
 #define VI v16i

@@ -40,12 +40,25 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     float *qt = s->qt, *st = s->st, *ot = s->ot;
     /* lanes past the chunk's rows repeat its last one: finite sums, never written out */
     int32_t pos[RW];
+    int64_t qi[RW];
     for (int64_t l = 0; l < RW; l++) {
         const int64_t r = r0 + l < r1 ? r0 + l : r1 - 1, i = r / G, h = g * G + r % G;
         pos[l] = (int32_t)(start + i);
-        const int64_t qi = (m[M_QROW] + i) * j->q_stride + h * D;
-        for (int64_t d = 0; d < D; d++) qt[d * RW + l] = elem(j->q, qi + d, bf16) * j->scale;
+        qi[l] = (m[M_QROW] + i) * j->q_stride + h * D;
     }
+#if W == 16
+    if (!bf16 && D % W == 0) /* 16 x 16 blocks transposed in registers (transpose16) */
+        for (int64_t l0 = 0; l0 < RW; l0 += W)
+            for (int64_t d0 = 0; d0 < D; d0 += W) {
+                V b[W];
+                for (int k = 0; k < W; k++) b[k] = NAME(load)((const float *)j->q + qi[l0 + k] + d0) * j->scale;
+                transpose16(b);
+                for (int k = 0; k < W; k++) NAME(store)(qt + (d0 + k) * RW + l0, b[k]);
+            }
+    else
+#endif
+        for (int64_t l = 0; l < RW; l++)
+            for (int64_t d = 0; d < D; d++) qt[d * RW + l] = elem(j->q, qi[l] + d, bf16) * j->scale;
     VI pos0, pos1;
     memcpy(&pos0, pos, sizeof pos0);
     memcpy(&pos1, pos + W, sizeof pos1);
@@ -148,6 +161,21 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     float inv[RW];
     NAME(store)(inv, 1.0f / l0);
     NAME(store)(inv + W, 1.0f / l1);
+#if W == 16
+    if (!bf16 && D % W == 0) { /* O^T's 16 x 16 blocks transposed back in registers */
+        for (int64_t l0 = 0; l0 < r1 - r0; l0 += W)
+            for (int64_t d0 = 0; d0 < D; d0 += W) {
+                V b[W];
+                for (int k = 0; k < W; k++) b[k] = NAME(load)(ot + (d0 + k) * RW + l0);
+                transpose16(b);
+                for (int k = 0; k < W && l0 + k < r1 - r0; k++) {
+                    const int64_t r = r0 + l0 + k, i = r / G, h = g * G + r % G;
+                    NAME(store)((float *)j->out + (m[M_OUTROW] + i) * H * D + h * D + d0, b[k] * inv[l0 + k]);
+                }
+            }
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         const int64_t l = r - r0, i = r / G, h = g * G + r % G;
         const int64_t oi = (m[M_OUTROW] + i) * H * D + h * D;
