@@ -48,12 +48,12 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     }
 #if W == 16
     if (!bf16 && D % W == 0) /* 16 x 16 blocks transposed in registers (transpose16) */
-        for (int64_t l0 = 0; l0 < RW; l0 += W)
+        for (int64_t c0 = 0; c0 < RW; c0 += W) /* rows c0 .. c0 + 15 */
             for (int64_t d0 = 0; d0 < D; d0 += W) {
                 V b[W];
-                for (int k = 0; k < W; k++) b[k] = NAME(load)((const float *)j->q + qi[l0 + k] + d0) * j->scale;
+                for (int k = 0; k < W; k++) b[k] = NAME(load)((const float *)j->q + qi[c0 + k] + d0) * j->scale;
                 transpose16(b);
-                for (int k = 0; k < W; k++) NAME(store)(qt + (d0 + k) * RW + l0, b[k]);
+                for (int k = 0; k < W; k++) NAME(store)(qt + (d0 + k) * RW + c0, b[k]);
             }
     else
 #endif
@@ -163,14 +163,14 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     NAME(store)(inv + W, 1.0f / l1);
 #if W == 16
     if (!bf16 && D % W == 0) { /* O^T's 16 x 16 blocks transposed back in registers */
-        for (int64_t l0 = 0; l0 < r1 - r0; l0 += W)
+        for (int64_t c0 = 0; c0 < r1 - r0; c0 += W) /* rows c0 .. c0 + 15, those the chunk has */
             for (int64_t d0 = 0; d0 < D; d0 += W) {
                 V b[W];
-                for (int k = 0; k < W; k++) b[k] = NAME(load)(ot + (d0 + k) * RW + l0);
+                for (int k = 0; k < W; k++) b[k] = NAME(load)(ot + (d0 + k) * RW + c0);
                 transpose16(b);
-                for (int k = 0; k < W && l0 + k < r1 - r0; k++) {
-                    const int64_t r = r0 + l0 + k, i = r / G, h = g * G + r % G;
-                    NAME(store)((float *)j->out + (m[M_OUTROW] + i) * H * D + h * D + d0, b[k] * inv[l0 + k]);
+                for (int k = 0; k < W && c0 + k < r1 - r0; k++) {
+                    const int64_t r = r0 + c0 + k, i = r / G, h = g * G + r % G;
+                    NAME(store)((float *)j->out + (m[M_OUTROW] + i) * H * D + h * D + d0, b[k] * inv[c0 + k]);
                 }
             }
         return;
