@@ -92,8 +92,11 @@ static const float zero_row[MAX_HEAD_DIM];
 
 /* b[k][j] <-> b[j][k]: the 16 x 16 floats transposed in registers, by swapping the off-diagonal
  * blocks of 8, then of 4, 2 and 1 (each a two-vector shuffle per pair); the AVX-512 build moves
- * Q^T in and O^T out with it, where a value at a time had cost up to a fifth of a tile of a short
- * prompt (bench/bench_prefill_attention.py, "16 prompts"). */
+ * Q^T in and O^T out with it, where moving them a value at a time had cost about a fifth of the
+ * kernel's time on short prompts (bench/bench_prefill_attention.py's "16 prompts"). GCC's
+ * __builtin_shuffle: a clang build keeps the value-at-a-time moves (TRANSPOSE16). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TRANSPOSE16 1
 #define SWAP_BLOCKS(S, LO, HI)                                         \
     for (int k = 0; k < 16; k++)                                       \
         if (!(k & (S))) {                                              \
@@ -112,6 +115,7 @@ static inline __attribute__((always_inline)) void transpose16(v16 *b) {
                 ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
 }
 #undef SWAP_BLOCKS
+#endif
 
 #define W 16
 #define V v16

@@ -1,6 +1,7 @@
 /* _prefill_attention.c's tile, for one vector width: included once per width with
  *   W: floats in a vector (16, 8 or 4), the rows of a tile being two vectors' lanes (R = 2 W);
- *   V, VI: that vector of floats and of int32, and NAME(x): x with the width's suffix.
+ *   V, VI: that vector of floats and of int32, and NAME(x): x with the width's suffix;
+ *   for W = 16, transpose16 where TRANSPOSE16 is defined (GCC).
  * GCC lowers a vector wider than the build's registers through the stack, piece by piece
  * (16-float vectors in the AVX2 build: 3 GFLOP/s), so each build takes the width it holds. */
 
@@ -46,7 +47,7 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
         pos[l] = (int32_t)(start + i);
         qi[l] = (m[M_QROW] + i) * j->q_stride + h * D;
     }
-#if W == 16
+#if W == 16 && defined(TRANSPOSE16)
     if (!bf16 && D % W == 0) /* 16 x 16 blocks transposed in registers (transpose16) */
         for (int64_t c0 = 0; c0 < RW; c0 += W) /* rows c0 .. c0 + 15 */
             for (int64_t d0 = 0; d0 < D; d0 += W) {
@@ -161,7 +162,7 @@ static inline __attribute__((always_inline)) void NAME(tile)(const Job *j, const
     float inv[RW];
     NAME(store)(inv, 1.0f / l0);
     NAME(store)(inv + W, 1.0f / l1);
-#if W == 16
+#if W == 16 && defined(TRANSPOSE16)
     if (!bf16 && D % W == 0) { /* O^T's 16 x 16 blocks transposed back in registers */
         for (int64_t c0 = 0; c0 < r1 - r0; c0 += W) /* rows c0 .. c0 + 15, those the chunk has */
             for (int64_t d0 = 0; d0 < D; d0 += W) {
