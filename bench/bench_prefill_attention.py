@@ -18,7 +18,9 @@ runs (`auto` is the one the engine picks). GFLOP/s counts each query's causal ke
 
 `--lib` times another build (its `auto` pick) beside the installed ones, call by call, as
 bench_decode_kernel.py's does; build another revision's as that file's docstring says, with
-_prefill_attention.c, _prefill_tile.h and _vec.h.
+_prefill_attention.c, _prefill_tile.h and _vec.h. The installed build has setuptools' flags
+(Python's, -fwrapv among them), so to compare two revisions' code build both that way and
+pass both with `--lib`.
 """
 
 from __future__ import annotations
