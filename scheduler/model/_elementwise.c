@@ -264,26 +264,24 @@ __attribute__((target("avx512f"))) static void silu_mul_rows(const void *gu, int
  * `expf16` is its exp (native_elementwise.torch_expf16), inter a multiple of 32 (64 in
  * bfloat16). Returns 0, or -1 with y untouched where that does not hold or this build has no
  * AVX-512. */
-int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t inter, void *expf16) {
+static int silu_mul_checked(const void *gu, int64_t stride, void *y, int64_t rows, int64_t inter, void *expf16,
+                            const int bf16) {
 #ifdef TORCH_AVX512
-    if (!expf16 || inter % 32) return -1;
-    silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 0);
+    if (!expf16 || inter % (bf16 ? 64 : 32)) return -1;
+    silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, bf16);
     return 0;
 #else
-    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf16;
+    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf16, (void)bf16;
     return -1;
 #endif
 }
 
+int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t inter, void *expf16) {
+    return silu_mul_checked(gu, stride, y, rows, inter, expf16, 0);
+}
+
 int silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *y, int64_t rows, int64_t inter, void *expf16) {
-#ifdef TORCH_AVX512
-    if (!expf16 || inter % 64) return -1;
-    silu_mul_rows(gu, stride, y, rows, inter, (ExpF16)expf16, 1);
-    return 0;
-#else
-    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf16;
-    return -1;
-#endif
+    return silu_mul_checked(gu, stride, y, rows, inter, expf16, 1);
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};
