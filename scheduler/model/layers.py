@@ -201,46 +201,72 @@ def paged_attention(
     batch: ForwardBatch,
     plan: AttnPlan,
 ) -> torch.Tensor:
-    """q [T, H, D]; k_new/v_new [T, KVH, D] (already written to the cache) -> [T, H * D]."""
+    """q [T, H, D]; k_new/v_new [T, KVH, D] (already written to the cache) -> [T, H * D]: the
+    decode rows' attention, then the prefill rows'."""
+    return join_rows(decode_attention(q, k_cache, v_cache, batch, plan)
+                     + prefill_attention(q, k_new, v_new, k_cache, v_cache, batch, plan))
+
+
+def join_rows(outs: list[torch.Tensor]) -> torch.Tensor:
+    """The row blocks `decode_attention` and `prefill_attention` return, in order, as one [T, H * D]."""
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _block_view(cache: torch.Tensor, bs: int) -> torch.Tensor:
+    """The cache as whole blocks: a gather index is a block (bs * KVH * hd values)."""
+    return cache.view(-1, bs * cache.shape[1] * cache.shape[2])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                     plan: AttnPlan) -> list[torch.Tensor]:
+    """The decode rows' (q's first `num_decode`) outputs, each row's context read once where it
+    lies (C, float32 or bfloat16 on the CPU), else gathered per length group for SDPA; [] for none."""
+    nd = batch.num_decode
+    if not nd:
+        return []
+    _, h, d = q.shape
+    kvh = k_cache.shape[1]
+    bs = batch.block_size
+    assert batch.decode_blocks is not None and plan.decode_ctx is not None
+    native = native_attention.decode(q[:nd], k_cache, v_cache, batch.decode_blocks, plan.decode_ctx, bs, plan.window)
+    if native is not None:
+        return [native]
+    assert plan.decode_mask is not None
+    kb, vb = _block_view(k_cache, bs), _block_view(v_cache, bs)
+    # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
+    # attends against [D, KVH, L, hd] with no K/V head replication.
+    qd = q[:nd].reshape(nd, kvh, h // kvh, d)
+    outs = []
+    for r0, r1, nblk in batch.decode_groups or [(0, nd, batch.decode_blocks.shape[1])]:
+        flat = batch.decode_blocks[r0:r1, :nblk].reshape(-1)
+        ctx_shape = (r1 - r0, nblk * bs, kvh, d)
+        kd = kb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+        vd = vb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
+        mask = plan.decode_mask[r0:r1, :, :, : nblk * bs]
+        o = F.scaled_dot_product_attention(qd[r0:r1], kd, vd, attn_mask=mask)
+        outs.append(o.reshape(r1 - r0, h * d))
+    return outs
+
+
+def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, batch: ForwardBatch, plan: AttnPlan) -> list[torch.Tensor]:
+    """The prefill rows' (q's rows past `num_decode`) outputs: one C call over every chunk where it
+    takes them, else SDPA chunk by chunk; [] for none."""
+    if not batch.prefills:
+        return []
     _, h, d = q.shape
     kvh = k_new.shape[1]
-    outs: list[torch.Tensor] = []
-    nd = batch.num_decode
-    bs = batch.block_size
-    native = None
-    if nd:
-        assert batch.decode_blocks is not None and plan.decode_ctx is not None
-        # each row's context read once where it lies (C, float32 or bfloat16 on the CPU), else gathered
-        native = native_attention.decode(q[:nd], k_cache, v_cache, batch.decode_blocks, plan.decode_ctx, bs,
-                                         plan.window)
-    # Block view of the cache: a gather index is a whole block (bs * KVH * hd values). Made
-    # only where a gather reads it: a decode round through the C path makes none.
-    if (native is None and nd) or any(p.ctx_blocks is not None for p in batch.prefills):
-        kb, vb = k_cache.view(-1, bs * kvh * d), v_cache.view(-1, bs * kvh * d)
-    if native is not None:
-        outs.append(native)
-    elif nd:
-        assert batch.decode_blocks is not None and plan.decode_mask is not None
-        # Fold the query heads of each KV group into the "query length" axis: [D, KVH, G, hd]
-        # attends against [D, KVH, L, hd] with no K/V head replication.
-        qd = q[:nd].reshape(nd, kvh, h // kvh, d)
-        groups = batch.decode_groups or [(0, nd, batch.decode_blocks.shape[1])]
-        for r0, r1, nblk in groups:
-            flat = batch.decode_blocks[r0:r1, :nblk].reshape(-1)
-            ctx_shape = (r1 - r0, nblk * bs, kvh, d)
-            kd = kb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
-            vd = vb.index_select(0, flat).view(ctx_shape).transpose(1, 2)
-            mask = plan.decode_mask[r0:r1, :, :, : nblk * bs]
-            o = F.scaled_dot_product_attention(qd[r0:r1], kd, vd, attn_mask=mask)
-            outs.append(o.reshape(r1 - r0, h * d))
     if plan.prefill_keys is not None:
         slots, meta = plan.prefill_keys
-        pre = native_attention.prefill(q, k_cache, v_cache, slots, meta, batch.num_tokens - nd, plan.window)
+        pre = native_attention.prefill(q, k_cache, v_cache, slots, meta, batch.num_tokens - batch.num_decode,
+                                       plan.window)
         if pre is not None:
-            outs.append(pre)
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+            return [pre]
     if plan.prefill_masks is None:  # the C call refused (a buffer, a thread, q's layout): SDPA, as without it
         plan.prefill_masks = prefill_masks(batch, plan.window, q.dtype)
+    if any(p.ctx_blocks is not None for p in batch.prefills):
+        kb, vb = _block_view(k_cache, batch.block_size), _block_view(v_cache, batch.block_size)
+    outs = []
     for p, pmask in zip(batch.prefills, plan.prefill_masks, strict=True):
         qp = q[p.row_start : p.row_end].transpose(0, 1)[None]
         if p.ctx_blocks is None:
@@ -254,7 +280,7 @@ def paged_attention(
             qp, kp, vp, attn_mask=pmask, is_causal=pmask is None, enable_gqa=kvh != h
         )
         outs.append(o[0].transpose(0, 1).reshape(-1, h * d))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return outs
 
 
 # Sums a row-parallel partial output across the tensor-parallel group (in place or not) and
