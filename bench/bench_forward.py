@@ -8,7 +8,9 @@ mirror's logits are checked bit-equal to the model's own on every batch, so the 
 the forward's and nothing else.
 
 Parts: embed, plan (RoPE lookup and attention masks, once a batch), norm (each layer's
-input norm), qkv, rope_kv (RoPE and the KV write, one call), attention, o_proj, add_norm
+input norm), qkv, rope_kv (RoPE and the KV write, one call), attn_decode and attn_prefill
+(`layers.paged_attention`'s two halves: the decode rows, each reading its context from the
+paged cache, then the prefill chunks and the join of the two), o_proj, add_norm
 (the residual add after attention and the norm before the MLP, one call), gate_up, act
 (SiLU and gating: one C pass where torch runs its AVX-512 kernels, torch's two ops elsewhere
 or with `--torch-gating`; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
@@ -17,13 +19,17 @@ sample (the greedy pick: one C pass on the CPU, torch's argmax with `--torch-arg
 the parts' timers do not cover of the whole forward's own time (the loop, attribute
 look-ups) is shown as `unattributed`.
 
-Limits, measured here at the same thread count (the GEMM peak before and after the replay). Each part's limit is
+Limits, measured here at the same thread count (the GEMM peak and the copy bandwidth before and after the replay,
+the higher of each kept). Each part's limit is
 a roofline: the larger of its FLOPs at the peak GEMM rate (the best of square GEMMs of
 512-2048 in the run's dtype, with torch.mm and with the engine's GEMM on a reordered weight,
 `peak_gflops`) and the bytes it must read and write at the
 memory bandwidth (the best of large copies, `bandwidth_gbs`), counted at the least: no
 padding, attention over its causal keys only, each tensor once. A decode round's GEMMs
-are bound by reading their weights, a prefill round's by their FLOPs. Beside the GEMM
+are bound by reading their weights, a prefill round's by their FLOPs. The limit is taken
+batch by batch and summed, so a batch bound by its bytes does not hide behind another's FLOPs
+(nor a batch's decode rows' bytes behind its prefill chunks' FLOPs: the two halves of the
+attention are parts of their own). Beside the GEMM
 parts and the SiLU-gating, the same-shape op alone (`shape ms`: the part with no neighbours,
 at its own shapes, random inputs, best of `--reps`). The gating's limit counts its bytes only,
 but its exp bounds it too: `shape ms` says what it costs where its input is in cache.
@@ -78,16 +84,24 @@ from scheduler.harness.workload import SyntheticSpec  # noqa: E402
 from scheduler.model import huge_pages, native_elementwise, packed_gemm  # noqa: E402
 from scheduler.model.forward_batch import ForwardBatch  # noqa: E402
 from scheduler.model.kv_cache import PagedKVCache  # noqa: E402
-from scheduler.model.layers import add_norm, paged_attention, rms_norm, rope_store, silu_gate  # noqa: E402
+from scheduler.model.layers import (  # noqa: E402
+    add_norm,
+    decode_attention,
+    join_rows,
+    prefill_attention,
+    rms_norm,
+    rope_store,
+    silu_gate,
+)
 from scheduler.model.loader import load_model  # noqa: E402
 from scheduler.model.presets import resolve_model  # noqa: E402
 from scheduler.model.sampling import greedy_pick  # noqa: E402
 from scheduler.model.transformer import CausalLM  # noqa: E402
 
 ALONE = ("qkv", "o_proj", "gate_up", "down", "logits", "act")  # the parts timed alone at their shapes (shape_alone_s)
-BYTES_PARTS = ("embed", "norm", "rope_kv", "add_norm", "act", "residual", "sample")
-PARTS = ("embed", "plan", "norm", "qkv", "rope_kv", "attention", "o_proj", "add_norm", "gate_up", "act", "down",
-         "residual", "logits", "sample")
+BYTES_PARTS = ("embed", "norm", "rope_kv", "attn_decode", "add_norm", "act", "residual", "sample")
+PARTS = ("embed", "plan", "norm", "qkv", "rope_kv", "attn_decode", "attn_prefill", "o_proj", "add_norm", "gate_up",
+         "act", "down", "residual", "logits", "sample")
 F32 = 4
 
 
@@ -220,8 +234,12 @@ def timed_forward(model: CausalLM, fb: ForwardBatch, kv: PagedKVCache, c: Clock)
         with c.part("rope_kv"):
             q, k, v = rope_store(qkv, layer.num_heads, layer.num_kv_heads, layer.head_dim, cos, sin, kc, vc,
                                  fb.slot_mapping)
-        with c.part("attention"):
-            a = paged_attention(q, k, v, kc, vc, fb, plan)
+        # layers.paged_attention in its two halves, timed apart: the decode rows read their
+        # context (bytes), the prefill rows compute over theirs (FLOPs)
+        with c.part("attn_decode"):
+            dec = decode_attention(q, kc, vc, fb, plan)
+        with c.part("attn_prefill"):
+            a = join_rows(dec + prefill_attention(q, k, v, kc, vc, fb, plan))
         with c.part("o_proj"):
             o = layer._linear(a, "o_proj", layer.o_proj, layer.o_bias)
         with c.part("add_norm"):
@@ -262,22 +280,20 @@ def work(model: CausalLM, fb: ForwardBatch) -> dict[str, tuple[float, float]]:
     qs, kvs = h * d, kvh * d
     n_layers = len(model.layers)
     rows = fb.num_sampled + fb.num_scored
-    keys = 0  # query-key pairs attended (useful, causal)
-    kv_read = 0  # context tokens whose K/V a sequence reads
-    if fb.num_decode:
-        ctx = fb.positions[: fb.num_decode] + 1
-        keys += int(ctx.sum())
-        kv_read += int(ctx.sum())
+    nd = fb.num_decode
+    dec_keys = int((fb.positions[:nd] + 1).sum()) if nd else 0  # a decode row attends its whole context
+    pre_keys = pre_read = 0  # query-key pairs a prefill chunk attends (causal), and the tokens whose K/V it reads
     for p in fb.prefills:
         n = p.row_end - p.row_start
-        keys += n * p.start_pos + n * (n + 1) // 2
-        kv_read += p.start_pos + n
+        pre_keys += n * p.start_pos + n * (n + 1) // 2
+        pre_read += p.start_pos + n
     gemm = {"qkv": (hs, qs + 2 * kvs), "o_proj": (qs, hs), "gate_up": (hs, 2 * inter), "down": (inter, hs)}
     out: dict[str, tuple[float, float]] = {}
     for name, (k_in, n_out) in gemm.items():
         out[name] = (2.0 * t * k_in * n_out * n_layers, es * (t * k_in + k_in * n_out + t * n_out) * n_layers)
     out["logits"] = (2.0 * rows * hs * v, es * (rows * hs + hs * v) + F32 * rows * v)
-    out["attention"] = (4.0 * keys * h * d * n_layers, es * (2 * kv_read * kvs + 2 * t * qs) * n_layers)
+    out["attn_decode"] = (4.0 * dec_keys * h * d * n_layers, es * (2 * dec_keys * kvs + 2 * nd * qs) * n_layers)
+    out["attn_prefill"] = (4.0 * pre_keys * h * d * n_layers, es * (2 * pre_read * kvs + 2 * (t - nd) * qs) * n_layers)
     out["embed"] = (0.0, es * 2 * t * hs)
     out["norm"] = (0.0, es * 2 * t * hs * n_layers)  # the input norm; the other is add_norm's
     # reads q, k and v once; writes the rotated q in place and k and v to the cache (the
@@ -351,12 +367,9 @@ def measure(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, reps: in
             logits, _ = timed_forward(model, fb, kv, c)
             assert torch.equal(logits, ref), "the timed mirror drifted from CausalLM.forward"
         shape = shape_alone_s(model, fbs, reps)
-    per_batch = [work(model, fb) for fb in fbs]
     return {"batches": len(fbs), "tokens": sum(fb.num_tokens for fb in fbs),
             "decode_rows": sum(fb.num_decode for fb in fbs), "whole_s": whole_ns / 1e9, "native_s": native_ns / 1e9,
-            "s": {p: c.ns.get(p, 0) / 1e9 for p in PARTS},
-            "flops": {p: sum(w[p][0] for w in per_batch) for p in PARTS},
-            "bytes": {p: sum(w[p][1] for w in per_batch) for p in PARTS},
+            "s": {p: c.ns.get(p, 0) / 1e9 for p in PARTS}, "work": [work(model, fb) for fb in fbs],
             "shape_s": {p: shape.get(p, 0.0) for p in PARTS}}
 
 
@@ -406,8 +419,8 @@ def pages_ab(model: CausalLM, fbs: list[ForwardBatch], kv: PagedKVCache, model_n
 
 
 def combined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s", "native_s")}
-    return out | {k: {p: a[k][p] + b[k][p] for p in PARTS} for k in ("s", "flops", "bytes", "shape_s")}
+    out = {k: a[k] + b[k] for k in ("batches", "tokens", "decode_rows", "whole_s", "native_s", "work")}
+    return out | {k: {p: a[k][p] + b[k][p] for p in PARTS} for k in ("s", "shape_s")}
 
 
 def table(name: str, m: dict[str, Any], peak: float, bw: float) -> dict[str, Any]:
@@ -415,17 +428,20 @@ def table(name: str, m: dict[str, Any], peak: float, bw: float) -> dict[str, Any
     whole_s = m["whole_s"]
     rows = []
     for p in PARTS:
-        s, flops, nbytes = m["s"][p], m["flops"][p], m["bytes"][p]
-        # a roofline: the part can go no faster than its FLOPs at the GEMM peak, nor than
-        # its bytes at the memory bandwidth (small GEMMs read more weight than they compute)
-        limit = max(flops / (peak * 1e9), nbytes / (bw * 1e9))
+        s = m["s"][p]
+        flops, nbytes = sum(w[p][0] for w in m["work"]), sum(w[p][1] for w in m["work"])
+        # a roofline, batch by batch: the part can go no faster than its FLOPs at the GEMM peak,
+        # nor than its bytes at the memory bandwidth (small GEMMs read more weight than they
+        # compute). Summed over batches: the larger of the two totals would let a decode
+        # round's bytes hide behind a prefill round's FLOPs, which no forward does
+        limit = sum(max(w[p][0] / (peak * 1e9), w[p][1] / (bw * 1e9)) for w in m["work"])
         rows.append({"part": p, "ms": s * 1e3, "share": s / whole_s if whole_s else 0.0,
                      "limit_ms": limit * 1e3, "of_limit": limit / s if s else None, "lost_ms": (s - limit) * 1e3,
                      "gflops": flops / s / 1e9 if s and flops else None,
                      "gbs": nbytes / s / 1e9 if s and p in BYTES_PARTS else None,
                      "shape_ms": m["shape_s"][p] * 1e3 if p in ALONE and m["shape_s"][p] else None})
     rows.sort(key=lambda r: -r["lost_ms"])
-    total_flops = sum(m["flops"].values())
+    total_flops = sum(f for w in m["work"] for f, _ in w.values())
     timed_s = sum(m["s"].values())
     limits_s = sum(r["limit_ms"] for r in rows) / 1e3
     return {"name": name, "batches": m["batches"], "tokens": m["tokens"], "decode_rows": m["decode_rows"],
@@ -441,12 +457,12 @@ def print_table(t: dict[str, Any]) -> None:
     print(f"\n{t['name']}: {t['batches']} batches, {t['tokens']} tokens ({t['decode_rows']} decode rows); "
           f"forward {t['forward_ms']:.1f} ms, {t['gflops']:.1f} GFLOP/s = {t['of_peak']:.1%} of the GEMM peak "
           f"(every part at its limit: {t['at_limits_of_peak']:.1%})")
-    print(f"{'part':<10} {'ms':>9} {'share':>6} {'limit ms':>9} {'of limit':>8} {'lost ms':>9} "
+    print(f"{'part':<12} {'ms':>9} {'share':>6} {'limit ms':>9} {'of limit':>8} {'lost ms':>9} "
           f"{'GFLOP/s':>8} {'GB/s':>6} {'shape ms':>9}")
     for r in t["parts"]:
         def f(v: float | None, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
-        print(f"{r['part']:<10} {r['ms']:9.1f} {r['share']:6.1%} {r['limit_ms']:9.1f} {f(r['of_limit'], '8.1%')} "
+        print(f"{r['part']:<12} {r['ms']:9.1f} {r['share']:6.1%} {r['limit_ms']:9.1f} {f(r['of_limit'], '8.1%')} "
               f"{r['lost_ms']:9.1f} {f(r['gflops'], '8.1f')} {f(r['gbs'], '6.1f')} {f(r['shape_ms'], '9.1f')}")
     print(f"{'unattributed':<10} {t['unattributed_ms']:9.1f} {t['unattributed_ms'] / t['forward_ms']:6.1%}")
     print(f"the forward as the engine runs it, a decode round's layers in one C call where that applies "
@@ -533,11 +549,12 @@ def main(argv: list[str] | None = None) -> int:
     pre, dec = measure(model, prefill_heavy, kv, args.reps), measure(model, decode_heavy, kv, args.reps)
     # measured again after the replay, the higher of the two kept: a shared machine's speed moves
     # within minutes, and a peak caught in a slow phase would flatter the forward's share of it
-    peaks_after = peak_gflops(dtype)
-    peak = max(*peaks.values(), *peaks_after.values())
-    print(f"GEMM peak after the replay {max(peaks_after.values()):.1f} GFLOP/s; the tables use {peak:.1f}")
-    tables = [table("whole run", combined(pre, dec), peak, bw), table("prefill-heavy rounds", pre, peak, bw),
-              table("decode-heavy rounds", dec, peak, bw)]
+    peaks_after, bw_after = peak_gflops(dtype), bandwidth_gbs()
+    peak, bw_used = max(*peaks.values(), *peaks_after.values()), max(bw, bw_after)
+    print(f"GEMM peak after the replay {max(peaks_after.values()):.1f} GFLOP/s, copy bandwidth {bw_after:.1f} GB/s; "
+          f"the tables use {peak:.1f} and {bw_used:.1f}")
+    tables = [table("whole run", combined(pre, dec), peak, bw_used),
+              table("prefill-heavy rounds", pre, peak, bw_used), table("decode-heavy rounds", dec, peak, bw_used)]
     for t in tables:
         print_table(t)
     print(f"\nmedian batch: {statistics.median(fb.num_tokens for fb in fbs)} tokens; load {load()}")
@@ -546,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"bench": "forward", "command": " ".join(["bench/bench_forward.py", *sys.argv[1:]]),
                                "started_utc": started.isoformat(timespec="seconds"), "threads": args.threads,
                                "peak_gflops": peaks, "peak_gflops_after": peaks_after, "peak_used_gflops": peak,
-                               "bandwidth_gbs": bw, "load_before": load_before,
+                               "bandwidth_gbs": bw, "bandwidth_gbs_after": bw_after, "bandwidth_used_gbs": bw_used,
+                               "load_before": load_before,
                                "run_forward_s": run_fwd_s, "dtype": args.dtype, "max_running": args.max_running,
                                "weight_pack": args.weight_pack,
                                "weights_reordered": packed, "tables": tables}, indent=1))
