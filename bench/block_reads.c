@@ -4,10 +4,19 @@
  * 16 tokens of one layer, 16 KB in float32 for the default preset (4 KV heads x 64 x 4 B x 16).
  * BENCHMARKS.md ("Prefill attention in C", the decode rows' attention) quotes it.
  *
+ * Then the decode kernel's own reads with the same light work (kv_rows): a forward's worth of
+ * decode rows (8 layers, 57 rows of 16-768 tokens, the caches on 2 MB pages as the engine's pool
+ * asks), each token's 1 KB K or V row asked for 16 tokens ahead as _attention.c asks (AHEAD):
+ * K's pass then V's pass (the kernel's order: the softmax needs every score first), and K and V
+ * in one pass (an online softmax's order), shuffled blocks and in order. What a decode kernel
+ * with no arithmetic at all would read at.
+ *
  *     gcc -O2 -mavx2 bench/block_reads.c -o /tmp/block_reads && /tmp/block_reads
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -47,6 +56,74 @@ static double rate(const float *x, const long *order, long blocks, long bytes, f
     return (double)blocks * bytes / best / 1e9;
 }
 
+enum { LAYERS = 8, ROWS = 57, TOK = 256 /* floats in a token's K or V row */, BS = 16, MAXBLK = 49, AHEAD = 16 };
+
+/* one pass over token rows t of `cache` through the block table `bt` (each row's 1 KB asked for
+ * AHEAD tokens before it is read), the K and V caches in turn or together */
+static void kv_rows(float *const *k, float *const *v, const long *table, const long *ctx, int together, v8 *out) {
+    v8 acc = {0}; /* a local: through `out` every add would wait on the last one's store */
+    for (int l = 0; l < LAYERS; l++)
+        for (int r = 0; r < ROWS; r++) {
+            const long *bt = table + r * MAXBLK;
+            for (int pass = 0; pass < (together ? 1 : 2); pass++)
+                for (long t = 0; t < ctx[r]; t++) {
+                    const long a = t + AHEAD;
+                    for (int c = 0; c < 2; c++) {
+                        if (!together && c != pass) continue;
+                        const float *cache = c ? v[l] : k[l];
+                        if (a < ctx[r])
+                            for (int b = 0; b < TOK * 4; b += 64)
+                                __builtin_prefetch((const char *)(cache + (bt[a / BS] * BS + a % BS) * TOK) + b, 0, 3);
+                        const float *x = cache + (bt[t / BS] * BS + t % BS) * TOK;
+                        for (int i = 0; i < TOK; i += 8) {
+                            v8 w;
+                            __builtin_memcpy(&w, x + i, sizeof w);
+                            acc += w;
+                        }
+                    }
+                }
+        }
+    *out += acc;
+}
+
+static void decode_reads(void) {
+    const long blocks = ROWS * MAXBLK, bytes = blocks * BS * TOK * sizeof(float), huge = 2L << 20;
+    const long span = (bytes + huge - 1) / huge * huge;
+    float *k[LAYERS], *v[LAYERS];
+    for (int l = 0; l < LAYERS; l++) {
+        k[l] = aligned_alloc(huge, span);
+        v[l] = aligned_alloc(huge, span);
+        if (k[l] == NULL || v[l] == NULL) exit(1);
+        madvise(k[l], span, MADV_HUGEPAGE);
+        madvise(v[l], span, MADV_HUGEPAGE);
+        memset(k[l], 1, bytes);
+        memset(v[l], 1, bytes);
+    }
+    long table[ROWS * MAXBLK], ctx[ROWS], read = 0;
+    for (int r = 0; r < ROWS; r++) read += ctx[r] = 16 + rand() % 752;
+    read *= 2L * TOK * sizeof(float) * LAYERS;
+    v8 acc = {0};
+    for (int shuffled = 0; shuffled < 2; shuffled++) {
+        for (long i = 0; i < blocks; i++) table[i] = i;
+        for (long i = blocks - 1; shuffled && i > 0; i--) {
+            const long j = rand() % (i + 1), t = table[i];
+            table[i] = table[j];
+            table[j] = t;
+        }
+        double best[2] = {1e30, 1e30};
+        for (int rep = 0; rep < 5; rep++)
+            for (int together = 0; together < 2; together++) {
+                const double t0 = now();
+                kv_rows(k, v, table, ctx, together, &acc);
+                const double dt = now() - t0;
+                best[together] = dt < best[together] ? dt : best[together];
+            }
+        printf("a forward's decode rows (%.0f MB of K/V), blocks %s: K then V %.1f GB/s, K and V in one pass %.1f GB/s\n",
+               read / 1e6, shuffled ? "shuffled" : "in order", read / best[0] / 1e9, read / best[1] / 1e9);
+    }
+    if (acc[0] == 12345.0f) puts("");
+}
+
 int main(void) {
     const long n = 100L * 1000 * 1000; /* 400 MB of floats: far beyond any cache */
     float *x = aligned_alloc(4096, n * sizeof(float)), sink = 0;
@@ -69,5 +146,7 @@ int main(void) {
         printf("blocks of %3ld KB: in order %.1f GB/s, shuffled %.1f GB/s\n", bytes / 1024, in_order, shuffled);
         free(order);
     }
+    free(x);
+    decode_reads();
     return sink == 12345.0f; /* the sums used: the reads are not optimised away */
 }
