@@ -141,6 +141,24 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
     rope_rows(x, x_stride, cos, sin, rows, heads, D, 1);
 }
 
+/* Rows ahead of the one being stored whose cache slots are asked for, for writing. A decode
+ * round's slots lie one in each of its rows' last blocks, anywhere in a pool far beyond the
+ * caches, and a store to a line not in cache first reads it: row by row, each row's k and v
+ * (2 KB in float32 on the default preset) waited for those reads one after another. Asked a few
+ * rows ahead, a cold call of 57 rows took 0.72-0.73x the time, 128 rows 0.65-0.67x, 16 rows
+ * 0.87-0.90x (bench/bench_rope_kv.py); 2, 4 and 8 rows ahead were within a few percent. */
+enum { STORE_AHEAD = 4 };
+
+/* ask for a cache slot's k and v rows (`row` bytes each), to be written: a hint, it neither
+ * faults nor waits */
+static inline __attribute__((always_inline)) void prefetch_slot(const void *k_cache, const void *v_cache,
+                                                                 int64_t slot, size_t row) {
+    for (size_t b = 0; b < row; b += 64) {
+        __builtin_prefetch((const char *)k_cache + (size_t)slot * row + b, 1, 3);
+        __builtin_prefetch((const char *)v_cache + (size_t)slot * row + b, 1, 3);
+    }
+}
+
 /* A qkv GEMM's output after it: RoPE on its q and k heads in place (as `rope`), then each
  * row's k and v heads copied to its cache slot (caches [slots, kv_heads, D]), as the two
  * index_copy_ calls did, a row at a time (rotated, then copied while in cache). Returns -1, with
@@ -154,7 +172,9 @@ static inline __attribute__((always_inline)) int rope_kv_rows(void *qkv, int64_t
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     const size_t es = bf16 ? 2 : 4, row = (size_t)(kv_heads * D) * es;
+    for (int64_t t = 0; t < rows && t < STORE_AHEAD; t++) prefetch_slot(k_cache, v_cache, slots[t], row);
     for (int64_t t = 0; t < rows; t++) {
+        if (t + STORE_AHEAD < rows) prefetch_slot(k_cache, v_cache, slots[t + STORE_AHEAD], row);
         char *x = (char *)qkv + (size_t)(t * stride) * es;
         rope_rows(x, stride, (const char *)cos + (size_t)(t * D) * es, (const char *)sin + (size_t)(t * D) * es, 1,
                   heads + kv_heads, D, bf16);
