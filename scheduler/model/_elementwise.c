@@ -145,8 +145,8 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
  * round's slots lie one in each of its rows' last blocks, anywhere in a pool far beyond the
  * caches, and a store to a line not in cache first reads it: row by row, each row's k and v
  * (2 KB in float32 on the default preset) waited for those reads one after another. Asked a few
- * rows ahead, a cold call of 57 rows took 0.67-0.90x the time, 128 rows 0.65-0.86x, 16 rows
- * 0.79-0.96x (bench/bench_rope_kv.py, four runs); 2, 4 and 8 rows ahead were within a few
+ * rows ahead, a cold call of 57 rows took 0.67-0.86x the time, 128 rows 0.65-0.78x, 16 rows
+ * 0.79-0.86x (bench/bench_rope_kv.py, three runs); 2, 4 and 8 rows ahead were within a few
  * percent of each other. */
 enum { STORE_AHEAD = 4 };
 
