@@ -3,9 +3,11 @@
 A decode round stores each row's new K and V rows at one slot of its last block, anywhere in
 the KV pool; the pool is far beyond the caches, so every store first reads its line. This
 times one layer's call at decode shapes (the default preset's 8 query and 4 KV heads of 64;
-16, 57 and 128 rows, each row's slot in a block of its own, drawn from a pool of the engine's
-size on 2 MB pages, as the engine lays it), with the caches pushed out by a 64 MB read
-before every call and the qkv rows then copied in (the qkv GEMM leaves them in cache). Builds are alternated call by call, so each sees the same machine; the
+16, 57 and 128 rows, each row's slot in a block of its own, drawn from a layer's cache of the
+engine's default pool (DEFAULT_KV_TOKENS slots) on 2 MB pages, as the engine lays it), with the
+caches pushed out by a 64 MB read before every call, then the qkv rows copied in (the qkv GEMM
+leaves them in cache) and the RoPE tables and slots read (a forward's every layer after its
+first finds them in cache). Builds are alternated call by call, so each sees the same machine; the
 first is the reference of the ratios. Without `--lib` the installed build alone.
 
     .venv/bin/python bench/bench_rope_kv.py [--lib A.so --lib B.so] [--calls 40]
@@ -30,11 +32,11 @@ import torch
 from common import REPO
 
 sys.path.insert(0, str(REPO))
+from scheduler.config import DEFAULT_KV_TOKENS  # noqa: E402
 from scheduler.model import huge_pages, native_elementwise  # noqa: E402
 from scheduler.model.native_attention import open_library  # noqa: E402
 
 HEADS, KV_HEADS, D, BS = 8, 4, 64, 16
-POOL_MB, LAYERS = 512, 8  # the engine's default KV pool, split over the default preset's layers
 ROWS = (16, 57, 128)
 
 
@@ -59,11 +61,14 @@ def main() -> None:
         fns = {"installed": entry(lib)}
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    slots_total = POOL_MB * 2**20 // (2 * LAYERS * KV_HEADS * D * 4)
+    slots_total = DEFAULT_KV_TOKENS  # one layer's K (and V) cache
     k_cache, _ = huge_pages.empty((slots_total, KV_HEADS, D), torch.float32)
     v_cache, _ = huge_pages.empty((slots_total, KV_HEADS, D), torch.float32)
     k_cache.zero_()
     v_cache.zero_()
+    on_huge, _ = huge_pages.backed([huge_pages.span(k_cache), huge_pages.span(v_cache)])
+    print(f"one layer's caches: {slots_total} slots, {2 * k_cache.nbytes / 2**20:.0f} MB, "
+          f"{on_huge / 2**20:.0f} MB of it on 2 MB pages")
     flush = torch.randn(16 * 2**20)  # 64 MB: past the last-level cache
     for rows in ROWS:
         qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * D, generator=g)
@@ -76,6 +81,7 @@ def main() -> None:
             for name, fn in order if call % 2 == 0 else reversed(order):
                 flush.sum()
                 q = qkv.clone()  # in cache, as the qkv GEMM leaves its output
+                cos.sum(), sin.sum(), slots.sum()  # in cache, as after a forward's first layer
                 t = time.perf_counter()
                 status = fn(q.data_ptr(), q.stride(0), cos.data_ptr(), sin.data_ptr(), rows, HEADS, KV_HEADS, D,
                             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), slots_total)

@@ -4,12 +4,15 @@
  * 16 tokens of one layer, 16 KB in float32 for the default preset (4 KV heads x 64 x 4 B x 16).
  * BENCHMARKS.md ("Prefill attention in C", the decode rows' attention) quotes it.
  *
- * Then the decode kernel's own reads with the same light work (kv_rows): a forward's worth of
- * decode rows (8 layers, 57 rows of 16-768 tokens, the caches on 2 MB pages as the engine's pool
- * asks), each token's 1 KB K or V row asked for 16 tokens ahead as _attention.c asks (AHEAD):
- * K's pass then V's pass (the kernel's order: the softmax needs every score first), and K and V
- * in one pass (an online softmax's order), shuffled blocks and in order. What a decode kernel
- * with no arithmetic at all would read at.
+ * Then reads in the decode kernel's order with the same light work (kv_rows): a forward's worth
+ * of decode rows (8 layers, 57 rows of 16-768 tokens, the caches asked for 2 MB pages as the
+ * engine's pool asks; it prints how much got them), each token's 1 KB K or V row read whole and
+ * asked for 16 tokens ahead as _attention.c asks (AHEAD): K's pass then V's pass (the kernel's
+ * order: the softmax needs every score first), and K and V in one pass (an online softmax's
+ * order), shuffled blocks and in order. Unlike the kernel it reads a token's row at once, not
+ * head by head, and asks for nothing across a pass's start (the kernel asks for V's first rows
+ * during the softmax and the next row's first K rows during a row's last block): a rate for a
+ * decode kernel with no arithmetic, not the kernel's own.
  *
  *     gcc -O2 -mavx2 bench/block_reads.c -o /tmp/block_reads && /tmp/block_reads
  */
@@ -61,7 +64,8 @@ enum { LAYERS = 8, ROWS = 57, TOK = 256 /* floats in a token's K or V row */, BS
 /* one pass over token rows t of `cache` through the block table `bt` (each row's 1 KB asked for
  * AHEAD tokens before it is read), the K and V caches in turn or together */
 static void kv_rows(float *const *k, float *const *v, const long *table, const long *ctx, int together, v8 *out) {
-    v8 acc = {0}; /* a local: through `out` every add would wait on the last one's store */
+    v8 acc[8] = {{0}}; /* locals, eight apart as read_blocks keeps them: one chain of adds (or one
+                        * through `out`, each waiting on the last one's store) caps the rate */
     for (int l = 0; l < LAYERS; l++)
         for (int r = 0; r < ROWS; r++) {
             const long *bt = table + r * MAXBLK;
@@ -75,15 +79,16 @@ static void kv_rows(float *const *k, float *const *v, const long *table, const l
                             for (int b = 0; b < TOK * 4; b += 64)
                                 __builtin_prefetch((const char *)(cache + (bt[a / BS] * BS + a % BS) * TOK) + b, 0, 3);
                         const float *x = cache + (bt[t / BS] * BS + t % BS) * TOK;
-                        for (int i = 0; i < TOK; i += 8) {
-                            v8 w;
-                            __builtin_memcpy(&w, x + i, sizeof w);
-                            acc += w;
-                        }
+                        for (int i = 0; i < TOK; i += 64)
+                            for (int a = 0; a < 8; a++) {
+                                v8 w;
+                                __builtin_memcpy(&w, x + i + 8 * a, sizeof w);
+                                acc[a] += w;
+                            }
                     }
                 }
         }
-    *out += acc;
+    for (int a = 0; a < 8; a++) *out += acc[a];
 }
 
 static void decode_reads(void) {
@@ -99,6 +104,13 @@ static void decode_reads(void) {
         memset(k[l], 1, bytes);
         memset(v[l], 1, bytes);
     }
+    long huge_kb = 0;
+    char line[256];
+    FILE *maps = fopen("/proc/self/smaps_rollup", "r");
+    while (maps != NULL && fgets(line, sizeof line, maps) != NULL) sscanf(line, "AnonHugePages: %ld kB", &huge_kb);
+    if (maps != NULL) fclose(maps);
+    printf("the decode rows' caches: %ld MB, %ld MB of this process's memory on 2 MB pages\n",
+           2 * LAYERS * bytes / (1L << 20), huge_kb / 1024);
     long table[ROWS * MAXBLK], ctx[ROWS], read = 0;
     for (int r = 0; r < ROWS; r++) read += ctx[r] = 16 + rand() % 752;
     read *= 2L * TOK * sizeof(float) * LAYERS;
