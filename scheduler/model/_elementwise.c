@@ -141,17 +141,17 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
     rope_rows(x, x_stride, cos, sin, rows, heads, D, 1);
 }
 
-/* Rows ahead of the one being stored whose cache slots are asked for, for writing. A decode
- * round's slots lie one in each of its rows' last blocks, anywhere in a pool far beyond the
- * caches, and a store to a line not in cache first reads it: row by row, each row's k and v
- * (2 KB in float32 on the default preset) waited for those reads one after another. Asked a few
- * rows ahead, a cold call of 57 rows took 0.67-0.86x the time, 128 rows 0.65-0.78x, 16 rows
- * 0.79-0.86x (bench/bench_rope_kv.py, three runs); 2, 4 and 8 rows ahead were within a few
- * percent of each other. */
+/* Rows ahead of the one being stored whose cache slots are asked for. A decode round's slots
+ * lie one in each of its rows' last blocks, anywhere in a pool far beyond the caches, and a
+ * store to a line not in cache first reads it: row by row, each row's k and v (2 KB in float32
+ * on the default preset) waited for those reads one after another. Asked a few rows ahead, a
+ * cold call of 57 rows took 0.73-0.79x the time, 128 rows 0.70-0.73x, 16 rows 0.84-0.90x
+ * (bench/bench_rope_kv.py, two runs); 2, 4 and 8 rows ahead were within a few percent of each
+ * other. The asks are plain prefetches: PREFETCHW, the one for writing, needs a target flag the
+ * clones do not carry, and a build with it read within 3% of this one. */
 enum { STORE_AHEAD = 4 };
 
-/* ask for a cache slot's k and v rows (`row` bytes each), to be written: a hint, it neither
- * faults nor waits */
+/* ask for a cache slot's k and v rows (`row` bytes each): a hint, it neither faults nor waits */
 static inline __attribute__((always_inline)) void prefetch_slot(const void *k_cache, const void *v_cache,
                                                                  int64_t slot, size_t row) {
     for (size_t b = 0; b < row; b += 64) {
