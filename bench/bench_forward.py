@@ -464,7 +464,7 @@ def print_table(t: dict[str, Any]) -> None:
             return "-" if v is None else format(v, fmt)
         print(f"{r['part']:<12} {r['ms']:9.1f} {r['share']:6.1%} {r['limit_ms']:9.1f} {f(r['of_limit'], '8.1%')} "
               f"{r['lost_ms']:9.1f} {f(r['gflops'], '8.1f')} {f(r['gbs'], '6.1f')} {f(r['shape_ms'], '9.1f')}")
-    print(f"{'unattributed':<10} {t['unattributed_ms']:9.1f} {t['unattributed_ms'] / t['forward_ms']:6.1%}")
+    print(f"{'unattributed':<12} {t['unattributed_ms']:9.1f} {t['unattributed_ms'] / t['forward_ms']:6.1%}")
     print(f"the forward as the engine runs it, a decode round's layers in one C call where that applies "
           f"(native_layers): {t['native_forward_ms']:.1f} ms, {t['native_forward_ms'] / t['forward_ms']:.3f}x "
           "the forward above (the layers in Python, which the parts mirror)")
