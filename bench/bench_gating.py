@@ -1,0 +1,99 @@
+"""The SiLU-gating pass (`silu_mul` of scheduler/model/_elementwise.c) right after its gate/up
+GEMM, as the forward runs it, one thread.
+
+In the forward the gating reads a GEMM's output that the GEMM's own traffic has pushed out of the
+near caches; timed alone on one input it reads it from cache and looks 2-3x faster than it is
+in the forward (bench_forward.py's `act` against its `shape ms`). So each call here follows a
+fresh gate/up GEMM (the engine's GEMM on the default preset's reordered weight: 512 -> 2 x 1536)
+at 569, 128 and 57 rows (a prefill-heavy round, a full decode round, a median one), into a fresh
+output as the layer allocates it. Builds are alternated call by call, so each sees the same
+machine, and their outputs are checked equal; the first is the reference of the ratios. Without
+`--lib` the installed build alone. `--fresh-copy` also times the installed build on a copy of the
+GEMM's output made just before (in cache): what the GEMM's traffic costs the pass.
+
+    .venv/bin/python bench/bench_gating.py [--lib A.so --lib B.so] [--dtype bfloat16] [--calls 40]
+
+Build another revision's to compare:
+
+    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _torch_avx512.h; do git show REV:scheduler/model/$f > /tmp/e/$f; done
+    gcc -O3 -fwrapv -shared -fPIC -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \\
+        /tmp/e/_elementwise.c -o /tmp/e.so -lm
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import REPO
+
+sys.path.insert(0, str(REPO))
+from scheduler.model import native_elementwise, packed_gemm  # noqa: E402
+from scheduler.model.native_attention import open_library  # noqa: E402
+
+HIDDEN, INTER = 512, 1536  # the default preset's
+ROWS = (569, 128, 57)
+
+
+def entry(lib: ctypes.CDLL, dtype: torch.dtype) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = getattr(lib, "silu_mul" if dtype == torch.float32 else "silu_mul_bf16")
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes, fn.restype = [p, n, p, n, n, p], ctypes.c_int
+    return fn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", type=Path, action="append", default=[], help="a build to time (repeatable)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 2 not counted)")
+    ap.add_argument("--fresh-copy", action="store_true", help="also the installed build on a copy made just before")
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    if native_elementwise.EXPF16 is None:
+        raise SystemExit("torch runs no AVX-512 kernels here: the C gating steps aside")
+    installed = open_library("_elementwise")
+    if installed is None:
+        raise SystemExit("no C build installed")
+    fns = {str(p): entry(ctypes.CDLL(str(p)), dtype) for p in a.lib} or {"installed": entry(installed, dtype)}
+    torch.set_num_threads(1)
+    packed_gemm.size_primitive_cache()
+    g = torch.Generator().manual_seed(0)
+    weight = packed_gemm.pack((torch.randn(2 * INTER, HIDDEN, generator=g) * 0.05).to(dtype))
+    arms = [(name, fn, False) for name, fn in fns.items()]
+    if a.fresh_copy:
+        arms.append(("installed, on a fresh copy", entry(installed, dtype), True))
+    for rows in ROWS:
+        x = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+        times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+        outs: dict[str, torch.Tensor] = {}
+        for call in range(a.calls):
+            for name, fn, copy in arms if call % 2 == 0 else arms[::-1]:
+                gate_up = packed_gemm.linear(x, weight, None)
+                if copy:
+                    gate_up = gate_up.clone()
+                y = torch.empty(rows, INTER, dtype=dtype)
+                t = time.perf_counter()
+                status = fn(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), rows, INTER, native_elementwise.EXPF16)
+                times[name].append(time.perf_counter() - t)
+                if status != 0:
+                    raise SystemExit(f"{name} refused the call")
+                outs[name] = y
+        first = next(iter(outs.values()))
+        if not all(torch.equal(o.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               first.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                   for o in outs.values()):
+            raise SystemExit("the builds' outputs differ")
+        ref = statistics.median(next(iter(times.values()))[2:])
+        print(f"{rows} rows, {a.dtype}: " + "; ".join(f"{name} {statistics.median(ts[2:]) * 1e3:.3f} ms "
+                                                      f"({statistics.median(ts[2:]) / ref:.3f}x)"
+                                                      for name, ts in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
