@@ -7,17 +7,22 @@ in the forward (bench_forward.py's `act` against its `shape ms`). So each call h
 fresh gate/up GEMM (the engine's GEMM on the default preset's reordered weight: 512 -> 2 x 1536)
 at 569, 128 and 57 rows (a prefill-heavy round, a full decode round, a median one), into a fresh
 output as the layer allocates it. Builds are alternated call by call, so each sees the same
-machine, and their outputs are checked equal; the first is the reference of the ratios. Without
-`--lib` the installed build alone. `--fresh-copy` also times the installed build on a copy of the
-GEMM's output made just before (in cache): what the GEMM's traffic costs the pass.
+machine, and their outputs are checked equal; each ratio is the median of a build's calls over
+the first build's calls of the same turn. Without `--lib` the installed build alone.
+`--fresh-copy` also times the installed build on a copy of the GEMM's output made just before
+(in cache): what the GEMM's traffic costs the pass. Where the gate/up GEMM does the gating in its
+own pass (the AMX kernel, bfloat16), there is no pass of its own to time, and the bench says so.
 
     .venv/bin/python bench/bench_gating.py [--lib A.so --lib B.so] [--dtype bfloat16] [--calls 40]
 
 Build another revision's to compare:
 
-    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _torch_avx512.h; do git show REV:scheduler/model/$f > /tmp/e/$f; done
-    gcc -O3 -fwrapv -shared -fPIC -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \\
-        /tmp/e/_elementwise.c -o /tmp/e.so -lm
+    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _kernels.h _torch_avx512.h; do
+        git show REV:scheduler/model/$f > /tmp/e/$f; done
+    gcc -O3 -ffp-contract=off -fno-wrapv -shared -fPIC \\
+        -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" /tmp/e/_elementwise.c -o /tmp/e.so -lm
+
+(pyproject.toml's flags for this extension; the installed build is one of them.)
 """
 
 from __future__ import annotations
@@ -57,17 +62,19 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if native_elementwise.EXPF16 is None:
         raise SystemExit("torch runs no AVX-512 kernels here: the C gating steps aside")
-    installed = open_library("_elementwise")
-    if installed is None:
+    installed = open_library("_elementwise") if a.fresh_copy or not a.lib else None
+    if installed is None and (a.fresh_copy or not a.lib):
         raise SystemExit("no C build installed")
-    fns = {str(p): entry(ctypes.CDLL(str(p)), dtype) for p in a.lib} or {"installed": entry(installed, dtype)}
+    arms = [(str(p), entry(ctypes.CDLL(str(p.resolve())), dtype), False) for p in a.lib]
+    if installed is not None:
+        arms.append(("the installed build" + (", on a fresh copy" if a.fresh_copy else ""), entry(installed, dtype),
+                     a.fresh_copy))
     torch.set_num_threads(1)
     packed_gemm.size_primitive_cache()
     g = torch.Generator().manual_seed(0)
     weight = packed_gemm.pack((torch.randn(2 * INTER, HIDDEN, generator=g) * 0.05).to(dtype))
-    arms = [(name, fn, False) for name, fn in fns.items()]
-    if a.fresh_copy:
-        arms.append(("installed, on a fresh copy", entry(installed, dtype), True))
+    if packed_gemm.gates(weight):
+        raise SystemExit("the gate/up GEMM does the gating in its own pass here: no pass of its own to time")
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, generator=g).to(dtype)
         times: dict[str, list[float]] = {name: [] for name, _, _ in arms}
@@ -89,10 +96,11 @@ def main() -> None:
                                first.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
                    for o in outs.values()):
             raise SystemExit("the builds' outputs differ")
-        ref = statistics.median(next(iter(times.values()))[2:])
-        print(f"{rows} rows, {a.dtype}: " + "; ".join(f"{name} {statistics.median(ts[2:]) * 1e3:.3f} ms "
-                                                      f"({statistics.median(ts[2:]) / ref:.3f}x)"
-                                                      for name, ts in times.items()), flush=True)
+        ref = next(iter(times.values()))
+        print(f"{rows} rows, {a.dtype}: " + "; ".join(
+            f"{name} {statistics.median(ts[2:]) * 1e3:.3f} ms "
+            f"({statistics.median(t / r for t, r in zip(ts[2:], ref[2:], strict=True)):.3f}x)"
+            for name, ts in times.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,19 @@ engine's default pool (DEFAULT_KV_TOKENS slots) on 2 MB pages, as the engine lay
 caches pushed out by a 64 MB read before every call, then the qkv rows copied in (the qkv GEMM
 leaves them in cache) and the RoPE tables and slots read (a forward's every layer after its
 first finds them in cache). Builds are alternated call by call, so each sees the same machine; the
-first is the reference of the ratios. Without `--lib` the installed build alone.
+ratio is the median of a build's calls over the first build's calls of the same turn. Without
+`--lib` the installed build alone.
 
     .venv/bin/python bench/bench_rope_kv.py [--lib A.so --lib B.so] [--calls 40]
 
 Build another revision's to compare:
 
-    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _torch_avx512.h; do git show REV:scheduler/model/$f > /tmp/e/$f; done
-    gcc -O3 -fwrapv -shared -fPIC -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \\
-        /tmp/e/_elementwise.c -o /tmp/e.so -lm
+    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _kernels.h _torch_avx512.h; do
+        git show REV:scheduler/model/$f > /tmp/e/$f; done
+    gcc -O3 -ffp-contract=off -fno-wrapv -shared -fPIC \\
+        -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" /tmp/e/_elementwise.c -o /tmp/e.so -lm
+
+(pyproject.toml's flags for this extension; the installed build is one of them.)
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 2 not counted)")
     a = ap.parse_args()
     if a.lib:
-        fns = {str(p): entry(ctypes.CDLL(str(p))) for p in a.lib}
+        fns = {str(p): entry(ctypes.CDLL(str(p.resolve()))) for p in a.lib}
     else:
         lib = open_library("_elementwise")
         if lib is None or not native_elementwise.AVAILABLE:
@@ -88,10 +92,11 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
                 if status != 0:
                     raise SystemExit(f"{name} refused the call")
-        first = statistics.median(next(iter(times.values()))[2:])
-        print(f"{rows} rows: " + "; ".join(f"{name} {statistics.median(ts[2:]) * 1e6:.1f} us "
-                                          f"({statistics.median(ts[2:]) / first:.3f}x)" for name, ts in times.items()),
-              flush=True)
+        ref = next(iter(times.values()))
+        print(f"{rows} rows: " + "; ".join(
+            f"{name} {statistics.median(ts[2:]) * 1e6:.1f} us "
+            f"({statistics.median(t / r for t, r in zip(ts[2:], ref[2:], strict=True)):.3f}x)"
+            for name, ts in times.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -259,10 +259,12 @@ __attribute__((target("avx512f"))) static inline __m512 widen16(const uint16_t *
 /* Bytes ahead of the values in use that float32's gate and up streams ask for. The input is a
  * GEMM's output, which that GEMM's own traffic has pushed out of the near caches by the time this
  * pass runs, and the hardware's prefetchers left the two streams waiting: asked 1 KB ahead, a
- * call right after the gate/up GEMM took 0.72-0.82x the time at 57-569 rows, near its time on a
- * copy made just before (bench/bench_gating.py); 512 B ahead helped less, 2 KB as much. Not in
- * bfloat16: at half the bytes a decode round's rows stay nearer, and the asks measured 1.04-1.08x
- * there at 57 and 128 rows (0.89x at 569). */
+ * call right after the gate/up GEMM took 0.72-0.82x the time at 57-569 rows, most of the way to
+ * its time on a copy made just before (bench/bench_gating.py); 512 B ahead helped less, 2 KB as
+ * much. bfloat16 is as it was: one run with the asks read 0.89x at 569 rows and 1.04-1.08x at 57
+ * and 128, inside what the same code reads against itself there (0.98-1.06x), so not measured
+ * to help. The addresses may pass the rows' end (a prefetch does not fault), so they are formed
+ * as integers. */
 enum { GATING_AHEAD = 1024 };
 
 /* y[r] = silu(gate) * up, [gate | up] being row r of gu (rows `stride` elements apart, each
@@ -278,8 +280,8 @@ __attribute__((target("avx512f"))) static void silu_mul_rows(const void *gu, int
                 _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * inter + j), _mm512_cvtepi32_epi16(torch_bf16(prod)));
             } else {
                 const float *g = (const float *)gu + r * stride + j;
-                _mm_prefetch((const char *)g + GATING_AHEAD, _MM_HINT_T0);           /* gate */
-                _mm_prefetch((const char *)(g + inter) + GATING_AHEAD, _MM_HINT_T0); /* up */
+                _mm_prefetch((const char *)((uintptr_t)g + GATING_AHEAD), _MM_HINT_T0);           /* gate */
+                _mm_prefetch((const char *)((uintptr_t)(g + inter) + GATING_AHEAD), _MM_HINT_T0); /* up */
                 const __m512 s = torch_silu16(_mm512_loadu_ps(g), expf16);
                 _mm512_storeu_ps((float *)y + r * inter + j, _mm512_mul_ps(s, _mm512_loadu_ps(g + inter)));
             }
