@@ -145,8 +145,8 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
  * lie one in each of its rows' last blocks, anywhere in a pool far beyond the caches, and a
  * store to a line not in cache first reads it: row by row, each row's k and v (2 KB in float32
  * on the default preset) waited for those reads one after another. Asked a few rows ahead, a
- * cold call of 57 rows took 0.73-0.79x the time, 128 rows 0.70-0.73x, 16 rows 0.84-0.90x
- * (bench/bench_rope_kv.py, two runs); 2, 4 and 8 rows ahead were within a few percent of each
+ * cold call of 57 rows took 0.73-0.79x the time, 128 rows 0.70-0.81x, 16 rows 0.84-0.90x
+ * (bench/bench_rope_kv.py, four runs); 2, 4 and 8 rows ahead were within a few percent of each
  * other. The asks are plain prefetches: PREFETCHW, the one for writing, needs a target flag the
  * clones do not carry, and a build with it read within 3% of this one. */
 enum { STORE_AHEAD = 4 };
@@ -259,7 +259,7 @@ __attribute__((target("avx512f"))) static inline __m512 widen16(const uint16_t *
 /* Bytes ahead of the values in use that float32's gate and up streams ask for. The input is a
  * GEMM's output, which that GEMM's own traffic has pushed out of the near caches by the time this
  * pass runs, and the hardware's prefetchers left the two streams waiting: asked 1 KB ahead, a
- * call right after the gate/up GEMM took 0.72-0.82x the time at 57-569 rows, most of the way to
+ * call right after the gate/up GEMM took 0.70-0.89x the time at 57-569 rows, most of the way to
  * its time on a copy made just before (bench/bench_gating.py); 512 B ahead helped less, 2 KB as
  * much. bfloat16 is as it was: one run with the asks read 0.89x at 569 rows and 1.04-1.08x at 57
  * and 128, inside what the same code reads against itself there (0.98-1.06x), so not measured
