@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from common import REPO
+from common import REPO, alternated
 
 sys.path.insert(0, str(REPO))
 from scheduler.model import native_elementwise, packed_gemm  # noqa: E402
@@ -96,11 +95,7 @@ def main() -> None:
                                first.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
                    for o in outs.values()):
             raise SystemExit("the builds' outputs differ")
-        ref = next(iter(times.values()))
-        print(f"{rows} rows, {a.dtype}: " + "; ".join(
-            f"{name} {statistics.median(ts[2:]) * 1e3:.3f} ms "
-            f"({statistics.median(t / r for t, r in zip(ts[2:], ref[2:], strict=True)):.3f}x)"
-            for name, ts in times.items()), flush=True)
+        print(f"{rows} rows, {a.dtype}: {alternated(times, 2, 1e3, 'ms')}", flush=True)
 
 
 if __name__ == "__main__":

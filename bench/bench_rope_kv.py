@@ -13,27 +13,19 @@ ratio is the median of a build's calls over the first build's calls of the same 
 
     .venv/bin/python bench/bench_rope_kv.py [--lib A.so --lib B.so] [--calls 40]
 
-Build another revision's to compare:
-
-    mkdir -p /tmp/e && for f in _elementwise.c _vec.h _kernels.h _torch_avx512.h; do
-        git show REV:scheduler/model/$f > /tmp/e/$f; done
-    gcc -O3 -ffp-contract=off -fno-wrapv -shared -fPIC \\
-        -I"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" /tmp/e/_elementwise.c -o /tmp/e.so -lm
-
-(pyproject.toml's flags for this extension; the installed build is one of them.)
+Another revision's build to compare: as bench_gating.py's docstring builds one (the same extension).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from common import REPO
+from common import REPO, alternated
 
 sys.path.insert(0, str(REPO))
 from scheduler.config import DEFAULT_KV_TOKENS  # noqa: E402
@@ -92,11 +84,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t)
                 if status != 0:
                     raise SystemExit(f"{name} refused the call")
-        ref = next(iter(times.values()))
-        print(f"{rows} rows: " + "; ".join(
-            f"{name} {statistics.median(ts[2:]) * 1e6:.1f} us "
-            f"({statistics.median(t / r for t, r in zip(ts[2:], ref[2:], strict=True)):.3f}x)"
-            for name, ts in times.items()), flush=True)
+        print(f"{rows} rows: {alternated(times, 2, 1e6, 'us')}", flush=True)
 
 
 if __name__ == "__main__":

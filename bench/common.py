@@ -41,6 +41,16 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def alternated(times: dict[str, list[float]], skip: int, scale: float, unit: str) -> str:
+    """Builds timed call by call in turn: each one's median call (times `scale`, in `unit`) and the
+    median of its calls' ratios to the first build's call of the same turn, the first `skip` turns
+    left out."""
+    ref = next(iter(times.values()))[skip:]
+    return "; ".join(f"{name} {statistics.median(ts[skip:]) * scale:.3g} {unit} "
+                     f"({statistics.median(t / r for t, r in zip(ts[skip:], ref, strict=True)):.3f}x)"
+                     for name, ts in times.items())
+
+
 def load() -> str:
     with open("/proc/loadavg") as f:
         return " ".join(f.read().split()[:3])
