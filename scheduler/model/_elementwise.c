@@ -147,8 +147,9 @@ void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_
  * on the default preset) waited for those reads one after another. Asked a few rows ahead, a
  * cold call of 57 rows took 0.73-0.79x the time, 128 rows 0.70-0.81x, 16 rows 0.84-0.90x
  * (bench/bench_rope_kv.py, four runs); 2, 4 and 8 rows ahead were within a few percent of each
- * other. The asks are plain prefetches: PREFETCHW, the one for writing, needs a target flag the
- * clones do not carry, and a build with it read within 3% of this one. */
+ * other. They ask to write, but the compiler emits PREFETCHW for that only with a target flag the
+ * clones do not carry, so they are plain prefetches here; a build with the flag read within 3%
+ * of this one. */
 enum { STORE_AHEAD = 4 };
 
 /* ask for a cache slot's k and v rows (`row` bytes each): a hint, it neither faults nor waits */
