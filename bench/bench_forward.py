@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill_sdpa:
         native_attention._PREFILL = None
     if args.torch_gating:
-        native_elementwise.EXPF16 = None
+        native_elementwise.EXPF16 = native_elementwise.EXPF8 = None
     if args.torch_argmax:
         native_elementwise.argmax = lambda x: None  # sampling.greedy_pick then runs torch's
     if args.capture_only:

@@ -13,7 +13,11 @@ the first build's calls of the same turn. Without `--lib` the installed build al
 (in cache): what the GEMM's traffic costs the pass. Where the gate/up GEMM does the gating in its
 own pass (the AMX kernel, bfloat16), there is no pass of its own to time, and the bench says so.
 
-    .venv/bin/python bench/bench_gating.py [--lib A.so --lib B.so] [--dtype bfloat16] [--calls 40]
+    .venv/bin/python bench/bench_gating.py [--lib A.so --lib B.so] [--dtype bfloat16] [--calls 40] [--torch]
+
+`--torch` also times torch's two ops (`F.silu(gate) * up`), what the forward runs where the C
+pass steps aside. Where torch runs its AVX2 kernels (no AVX-512) the float32 builds run their
+AVX2 pass (`silu_mul8`) with torch's AVX2 exp.
 
 Build another revision's to compare:
 
@@ -31,9 +35,11 @@ import argparse
 import ctypes
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from common import REPO, alternated
 
 sys.path.insert(0, str(REPO))
@@ -44,11 +50,26 @@ HIDDEN, INTER = 512, 1536  # the default preset's
 ROWS = (569, 128, 57)
 
 
-def entry(lib: ctypes.CDLL, dtype: torch.dtype) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    fn = getattr(lib, "silu_mul" if dtype == torch.float32 else "silu_mul_bf16")
+def entry(lib: ctypes.CDLL, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A build's gating as the forward calls it (its output allocated per call), with torch's exp
+    of the width torch runs here."""
+    avx2 = native_elementwise.EXPF16 is None
+    fn = getattr(lib, "silu_mul8" if avx2 else "silu_mul" if dtype == torch.float32 else "silu_mul_bf16")
     p, n = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes, fn.restype = [p, n, p, n, n, p], ctypes.c_int
-    return fn
+    exp = native_elementwise.EXPF8 if avx2 else native_elementwise.EXPF16
+
+    def gating(gate_up: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(gate_up.shape[0], INTER, dtype=gate_up.dtype)
+        if fn(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), gate_up.shape[0], INTER, exp) != 0:
+            raise SystemExit("a build refused the call")
+        return y
+    return gating
+
+
+def torch_ops(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def main() -> None:
@@ -57,10 +78,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--calls", type=int, default=40, help="calls of each build per shape (the first 2 not counted)")
     ap.add_argument("--fresh-copy", action="store_true", help="also the installed build on a copy made just before")
+    ap.add_argument("--torch", action="store_true", help="also torch's two ops")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    if native_elementwise.EXPF16 is None:
-        raise SystemExit("torch runs no AVX-512 kernels here: the C gating steps aside")
+    if native_elementwise.EXPF16 is None and (native_elementwise.EXPF8 is None or dtype != torch.float32):
+        raise SystemExit(f"torch runs neither AVX-512 kernels here nor, for {a.dtype}, AVX2 ones: the C gating "
+                         "steps aside")
     installed = open_library("_elementwise") if a.fresh_copy or not a.lib else None
     if installed is None and (a.fresh_copy or not a.lib):
         raise SystemExit("no C build installed")
@@ -68,6 +91,8 @@ def main() -> None:
     if installed is not None:
         arms.append(("the installed build" + (", on a fresh copy" if a.fresh_copy else ""), entry(installed, dtype),
                      a.fresh_copy))
+    if a.torch:
+        arms.append(("torch's two ops", torch_ops, False))
     torch.set_num_threads(1)
     packed_gemm.size_primitive_cache()
     g = torch.Generator().manual_seed(0)
@@ -83,18 +108,15 @@ def main() -> None:
                 gate_up = packed_gemm.linear(x, weight, None)
                 if copy:
                     gate_up = gate_up.clone()
-                y = torch.empty(rows, INTER, dtype=dtype)
                 t = time.perf_counter()
-                status = fn(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), rows, INTER, native_elementwise.EXPF16)
+                y = fn(gate_up)
                 times[name].append(time.perf_counter() - t)
-                if status != 0:
-                    raise SystemExit(f"{name} refused the call")
                 outs[name] = y
         first = next(iter(outs.values()))
         if not all(torch.equal(o.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                first.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
                    for o in outs.values()):
-            raise SystemExit("the builds' outputs differ")
+            raise SystemExit("the arms' outputs differ")
         print(f"{rows} rows, {a.dtype}: {alternated(times, 2, 1e3, 'ms')}", flush=True)
 
 

@@ -3,12 +3,17 @@ own ops, and the forward with and without them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scheduler.model import native_elementwise
 from scheduler.model.layers import add_norm, apply_rope, rope_qk, rope_store, silu_gate
+from tests.support.cli import REPO
 from tests.support.oracle import logits_with_and_without
 
 pytestmark = pytest.mark.skipif(not native_elementwise.AVAILABLE, reason="built without a C compiler")
@@ -180,8 +185,10 @@ def test_the_forward_gives_the_same_logits_with_and_without_them(monkeypatch):
     torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
 
 
-GATES = pytest.mark.skipif(native_elementwise.EXPF16 is None,
-                           reason="torch runs no AVX-512 kernels here: the gating runs as torch's two ops")
+GATES = pytest.mark.skipif(native_elementwise.EXPF16 is None and native_elementwise.EXPF8 is None,
+                           reason="torch runs neither AVX-512 nor AVX2 kernels here: the gating runs as torch's two ops")
+GATES_BF16 = pytest.mark.skipif(native_elementwise.EXPF16 is None,
+                                reason="torch runs no AVX-512 kernels here: bfloat16's gating runs as torch's two ops")
 
 
 @pytest.fixture
@@ -211,6 +218,8 @@ def _torch_gating(gate_up: torch.Tensor) -> torch.Tensor:
 def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided, one_thread):
     """`silu_mul` on a gate/up output: the bits of F.silu(gate) * up, gates from 1e-3 to 1e2 (an
     exp of -x that overflows float32 included), NaN and infinities in both halves."""
+    if dtype == torch.bfloat16 and native_elementwise.EXPF16 is None:
+        pytest.skip("torch runs no AVX-512 kernels here: bfloat16's gating runs as torch's two ops")
     g = torch.Generator().manual_seed(rows * 7 + inter)
     scale = torch.logspace(-3, 2, 2 * inter)[torch.randperm(2 * inter, generator=g)]
     base = (torch.randn(rows, 2 * inter + (48 if strided else 0), generator=g) * torch.cat(
@@ -224,7 +233,7 @@ def test_the_gating_is_torchs_two_ops_bit_for_bit(dtype, rows, inter, strided, o
     assert torch.equal(_bits(out), _bits(_torch_gating(gate_up)))
 
 
-@GATES
+@GATES_BF16
 def test_the_gating_is_torchs_for_every_finite_bfloat16_gate(one_thread):
     """Every finite bfloat16 value as a gate, each times another as its up."""
     values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -247,17 +256,50 @@ def test_the_gating_is_torchs_over_float32s_of_every_exponent(one_thread):
 
 def test_the_gating_refuses_what_torchs_loops_would_not_cover_whole(monkeypatch, one_thread):
     """An inter whose last values torch computes with its scalar exp (not a multiple of 32, or
-    of 64 in bfloat16), another dtype or layout, or no AVX-512 exp of torch's: None, and
-    `silu_gate` runs torch's ops."""
-    assert native_elementwise.silu_mul(torch.randn(4, 2 * 48)) is None
+    of 64 in bfloat16, or of 16 with AVX2), another dtype or layout, or no exp of torch's: None,
+    and `silu_gate` runs torch's ops."""
+    assert native_elementwise.silu_mul(torch.randn(4, 2 * 40)) is None
+    if native_elementwise.EXPF16 is not None:
+        assert native_elementwise.silu_mul(torch.randn(4, 2 * 48)) is None
     assert native_elementwise.silu_mul(torch.randn(4, 2 * 32).bfloat16()) is None
     assert native_elementwise.silu_mul(torch.randn(4, 2 * 64, dtype=torch.float64)) is None
     assert native_elementwise.silu_mul(torch.randn(2 * 64, 4).t()) is None  # columns strided
     x = torch.randn(5, 2 * 64)
     expected = _torch_gating(x)
     monkeypatch.setattr(native_elementwise, "EXPF16", None)
+    monkeypatch.setattr(native_elementwise, "EXPF8", None)
     assert native_elementwise.silu_mul(x) is None
     assert torch.equal(silu_gate(x), expected)
+
+
+AVX2_GATING = """
+import torch
+from scheduler.model import native_elementwise as ne
+torch.set_num_threads(1)
+assert torch.backends.cpu.get_cpu_capability() == "AVX2" and ne.EXPF8 is not None and ne.EXPF16 is None
+g = torch.Generator().manual_seed(5)
+raw = torch.randint(-2**31, 2**31, (2, 1 << 20), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+raw = torch.where(raw.isfinite(), raw, torch.zeros(()))
+for inter in (1024, 48):  # 48: whole in torch's 16-value AVX2 loop, not in its 32-value AVX-512 one
+    gate_up = torch.cat((raw[0][: 1024 * inter].reshape(1024, inter), raw[1][: 1024 * inter].reshape(1024, inter)), 1)
+    gate_up[1, 0], gate_up[2, 3], gate_up[4, inter + 1] = float("nan"), float("inf"), float("nan")
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = ne.silu_mul(gate_up)
+    assert out is not None and torch.equal(out.view(torch.int32), (torch.nn.functional.silu(gate) * up).view(torch.int32))
+assert ne.silu_mul(torch.randn(4, 2 * 48).bfloat16()) is None  # bfloat16 stays torch's there
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or not native_elementwise.AVAILABLE,
+                    reason="no AVX2 here, or no build of the C passes")
+def test_the_gating_is_torchs_avx2_kernels_bit_for_bit_where_torch_runs_them():
+    """With torch on its AVX2 kernels (as on CPUs without AVX-512; forced here by
+    ATEN_CPU_CAPABILITY, so an AVX-512 host checks the path too): the float32 pass with torch's
+    AVX2 exp, over a million gates of every exponent, NaN and infinities included."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    p = subprocess.run([sys.executable, "-c", AVX2_GATING], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "nan", "inf", "zeros"])
@@ -295,5 +337,5 @@ def test_the_passes_step_aside_where_torch_would_use_its_threads(monkeypatch):
     big, small = torch.randn(64, 2 * 1536), torch.randn(4, 2 * 1536)
     assert native_elementwise.silu_mul(big) is None and native_elementwise.argmax(big) is None
     assert native_elementwise.argmax(small) is not None
-    if native_elementwise.EXPF16 is not None:
+    if native_elementwise.EXPF16 is not None or native_elementwise.EXPF8 is not None:
         assert native_elementwise.silu_mul(small) is not None

@@ -9,8 +9,8 @@
  * input once and write their output once; RoPE rotates q and k in place, in the GEMM's output.
  * The joins make two passes over a row each (the sum, then its norm; the rotation, then the
  * copy into the cache), the row still in cache for the second.
- * SiLU-gating (`silu_mul`) is here where torch's AVX-512 kernels run: with torch's own exp
- * the bits are F.silu(gate) * up's. A first one-pass version with an exp of its own (8 lanes)
+ * SiLU-gating (`silu_mul`, `silu_mul8`) is here where torch's AVX-512 or AVX2 kernels run:
+ * with torch's own exp the bits are F.silu(gate) * up's. A first one-pass version with an exp of its own (8 lanes)
  * timed no faster than torch's two passes (an earlier host), where that exp, not memory,
  * bounded it. Where the projections run on AMX tiles the gating is done in the gate/up GEMM's
  * pass instead (_amx_gemm.c's amx_gated).
@@ -288,6 +288,19 @@ __attribute__((target("avx512f"))) static void silu_mul_rows(const void *gu, int
             }
         }
 }
+
+/* silu_mul_rows in float32 with torch's AVX2 SiLU, eight values at a time, asking as far ahead */
+__attribute__((target("avx2"))) static void silu_mul_rows8(const float *gu, int64_t stride, float *y, int64_t rows,
+                                                           int64_t inter, ExpF8 expf8) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < inter; j += 8) {
+            const float *g = gu + r * stride + j;
+            _mm_prefetch((const char *)((uintptr_t)g + GATING_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)((uintptr_t)(g + inter) + GATING_AHEAD), _MM_HINT_T0);
+            const __m256 s = torch_silu8(_mm256_loadu_ps(g), expf8);
+            _mm256_storeu_ps(y + r * inter + j, _mm256_mul_ps(s, _mm256_loadu_ps(g + inter)));
+        }
+}
 #endif
 
 /* SiLU-gating in one pass: y [rows, inter] = F.silu(gate) * up, [gate | up] a gate/up GEMM's
@@ -317,6 +330,20 @@ int silu_mul(const float *gu, int64_t stride, float *y, int64_t rows, int64_t in
 
 int silu_mul_bf16(const uint16_t *gu, int64_t stride, uint16_t *y, int64_t rows, int64_t inter, void *expf16) {
     return silu_mul_checked(gu, stride, y, rows, inter, expf16, 1);
+}
+
+/* silu_mul in float32 where torch runs its AVX2 kernels: `expf8` is their exp
+ * (native_elementwise.torch_expf8), inter a multiple of 16 (their loop's two vectors; past the
+ * last 16 a row's values take torch's scalar exp). Returns 0, or -1 with y untouched. */
+int silu_mul8(const float *gu, int64_t stride, float *y, int64_t rows, int64_t inter, void *expf8) {
+#ifdef TORCH_AVX512
+    if (!expf8 || inter % 16) return -1;
+    silu_mul_rows8(gu, stride, y, rows, inter, (ExpF8)expf8);
+    return 0;
+#else
+    (void)gu, (void)stride, (void)y, (void)rows, (void)inter, (void)expf8;
+    return -1;
+#endif
 }
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elementwise", NULL, -1, NULL};

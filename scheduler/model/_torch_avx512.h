@@ -1,9 +1,10 @@
 /* torch's AVX-512 arithmetic where the bits must be torch's: its float -> bfloat16 rounding and
  * its SiLU, for the C kernels that do a step torch's ops would (_amx_gemm.c's gating in the GEMM's
- * pass, _elementwise.c's silu_mul). Included by each; it defines TORCH_AVX512 where the compiler
- * builds AVX-512 code, every function inline with the AVX-512 target, so a file uses them only
- * under #ifdef TORCH_AVX512 and calls them only where the CPU runs AVX-512 (torch's own kernels
- * there: `native_elementwise.torch_expf16`). */
+ * pass, _elementwise.c's silu_mul); and its AVX2 SiLU, for silu_mul where torch runs its AVX2
+ * kernels. Included by each; it defines TORCH_AVX512 where the compiler builds AVX-512 (and AVX2)
+ * code, every function inline with its target, so a file uses them only under #ifdef TORCH_AVX512
+ * and calls each only where the CPU runs torch's kernels of that width
+ * (`native_elementwise.torch_expf16`, `torch_expf8`). */
 #ifndef MSTRACE_TORCH_AVX512_H
 #define MSTRACE_TORCH_AVX512_H
 
@@ -30,6 +31,15 @@ __attribute__((target("avx512f"))) static inline __m512i torch_bf16(__m512 v) {
 __attribute__((target("avx512f"))) static inline __m512 torch_silu16(__m512 x, ExpF16 expf16) {
     const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
     return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), expf16(neg)));
+}
+
+/* torch's vectorised float exp of its AVX2 kernels, `Sleef_expf8_u10` */
+typedef __m256 (*ExpF8)(__m256);
+
+/* F.silu on 8 floats as torch's AVX2 kernel computes it (the same expression as torch_silu16) */
+__attribute__((target("avx2"))) static inline __m256 torch_silu8(__m256 x, ExpF8 expf8) {
+    const __m256 neg = _mm256_xor_ps(x, _mm256_set1_ps(-0.0f));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), expf8(neg)));
 }
 #endif
 

@@ -116,7 +116,7 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos:
 
 def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     """`F.silu(gate) * up` of a gate/up GEMM's output [T, 2 * inter]: in one C pass where torch's
-    AVX-512 kernels run (the same bits), else torch's two ops."""
+    AVX-512 kernels run, or its AVX2 ones in float32 (the same bits), else torch's two ops."""
     out = native_elementwise.silu_mul(gate_up)
     if out is not None:
         return out

@@ -2,8 +2,9 @@
 GEMMs (`_elementwise.c`), loaded with ctypes where the install built it:
 - `add_rms_norm`: the residual add and the RMSNorm after it;
 - `rope_kv`: RoPE on a qkv GEMM's q and k, then its k and v rows stored in the KV cache;
-- `silu_mul`: the SiLU-gating of a gate/up GEMM's output, where torch runs its AVX-512 kernels
-  (the bits are then `F.silu(gate) * up`'s: it calls torch's own exp, `torch_expf16`);
+- `silu_mul`: the SiLU-gating of a gate/up GEMM's output, where torch runs its AVX-512 kernels,
+  or its AVX2 ones in float32 (the bits are then `F.silu(gate) * up`'s: it calls torch's own
+  exp, `torch_expf16` or `torch_expf8`);
 - `argmax`: the greedy sampler's pick, each row's index of its largest logit, as torch's argmax.
 
 Each function takes float32 or bfloat16 CPU tensors (all of one dtype; `argmax` float32 only)
@@ -42,6 +43,7 @@ def _load() -> ctypes.CDLL | None:
              "add_rms_norm": ([_P, _P, _P, _P, _P, _N, _N, ctypes.c_float], None),
              "rope_kv": ([_P, _N, _P, _P, _N, _N, _N, _N, _P, _P, _P, _N], ctypes.c_int),
              "silu_mul": ([_P, _N, _P, _N, _N, _P], ctypes.c_int),
+             "silu_mul8": ([_P, _N, _P, _N, _N, _P], ctypes.c_int),
              "argmax_rows": ([_P, _N, _N, _N, _P], None)}
     for name, (args, res) in kinds.items():
         for suffix in _SUFFIX.values():
@@ -58,20 +60,32 @@ _LIB = _load()
 AVAILABLE = _LIB is not None
 
 
-def torch_expf16() -> int | None:
-    """The address of the float exp torch's AVX-512 kernels call (`Sleef_expf16_u10`, exported by
-    libtorch_cpu), where torch runs those kernels here; else None. The C SiLU-gating (`silu_mul`
-    here, and _amx_gemm.c's in the GEMM's pass) computes SiLU with it, so its bits are F.silu's."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+def _torch_exp(capability: str, symbol: str) -> int | None:
+    """The address of `symbol` in libtorch_cpu where torch runs its `capability` kernels here, else None."""
+    if torch.backends.cpu.get_cpu_capability() != capability:
         return None
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return ctypes.cast(lib.Sleef_expf16_u10, ctypes.c_void_p).value
+        return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
 
 
+def torch_expf16() -> int | None:
+    """The address of the float exp torch's AVX-512 kernels call (`Sleef_expf16_u10`, exported by
+    libtorch_cpu), where torch runs those kernels here; else None. The C SiLU-gating (`silu_mul`
+    here, and _amx_gemm.c's in the GEMM's pass) computes SiLU with it, so its bits are F.silu's."""
+    return _torch_exp("AVX512", "Sleef_expf16_u10")
+
+
+def torch_expf8() -> int | None:
+    """The same for torch's AVX2 kernels (`Sleef_expf8_u10`), which run on CPUs without AVX-512
+    (AMD's Zen 2 and 3, Intel's client cores): `silu_mul`'s float32 pass there."""
+    return _torch_exp("AVX2", "Sleef_expf8_u10")
+
+
 EXPF16 = torch_expf16()
+EXPF8 = torch_expf8()
 # torch runs an elementwise op or a reduction on one thread below this many values
 # (at::internal::GRAIN_SIZE) and in pieces of ceil(values / threads) on its threads above it
 GRAIN = 32768
@@ -156,19 +170,23 @@ def rope_kv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: to
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` where `gate, up = gate_up.chunk(2, -1)`, as a new [T, inter] tensor with
     the bits torch's two ops give on one thread, in one pass; gate_up [T, 2 * inter] (rows may be
-    strided). None where it does not apply (no AVX-512 kernels in torch here, another layout, an
-    inter that torch's vector loops would not cover whole: 32 values, 64 in bfloat16, or more
-    values than torch runs on one thread while it has several, `_torch_serial`): the caller runs
-    torch's two ops."""
-    fn = _entry("silu_mul", gate_up)
-    if fn is None or EXPF16 is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+    strided). None where it does not apply (torch runs neither its AVX-512 kernels here nor, for
+    float32, its AVX2 ones; another layout; an inter that torch's vector loops would not cover
+    whole: 32 values, 64 in bfloat16, 16 with AVX2; or more values than torch runs on one thread
+    while it has several, `_torch_serial`): the caller runs torch's two ops."""
+    if EXPF16 is not None:
+        fn, exp, whole = _entry("silu_mul", gate_up), EXPF16, 64 if gate_up.dtype == torch.bfloat16 else 32
+    elif EXPF8 is not None and gate_up.dtype == torch.float32:
+        fn, exp, whole = _entry("silu_mul8", gate_up), EXPF8, 16
+    else:
+        return None
+    if fn is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    if gate_up.shape[1] != 2 * inter or inter % (64 if gate_up.dtype == torch.bfloat16 else 32) \
-            or not _torch_serial(rows * inter):
+    if gate_up.shape[1] != 2 * inter or inter % whole or not _torch_serial(rows * inter):
         return None
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    status: int = fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, EXPF16)
+    status: int = fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, exp)
     return out if status == 0 else None
 
 
