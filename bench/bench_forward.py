@@ -12,8 +12,9 @@ input norm), qkv, rope_kv (RoPE and the KV write, one call), attn_decode and att
 (`layers.paged_attention`'s two halves: the decode rows, each reading its context from the
 paged cache, then the prefill chunks and the join of the two), o_proj, add_norm
 (the residual add after attention and the norm before the MLP, one call), gate_up, act
-(SiLU and gating: one C pass where torch runs its AVX-512 kernels, torch's two ops elsewhere
-or with `--torch-gating`; inside gate_up where the AMX kernel does it in the GEMM's pass), down,
+(SiLU and gating: one C pass where torch runs its AVX-512 kernels or, in float32, its AVX2
+ones; torch's two ops elsewhere or with `--torch-gating`; inside gate_up where the AMX kernel
+does it in the GEMM's pass), down,
 residual (the MLP's add), logits (the final norm and the LM head over the sampled rows),
 sample (the greedy pick: one C pass on the CPU, torch's argmax with `--torch-argmax`). What
 the parts' timers do not cover of the whole forward's own time (the loop, attribute
@@ -487,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-sdpa", action="store_true",
                     help="prefill attention by SDPA per chunk, as without the C extension (an A/B of it)")
     ap.add_argument("--torch-gating", action="store_true",
-                    help="the MLP's SiLU-gating by torch's two ops, as where torch runs no AVX-512 kernels (an A/B "
-                         "of the C pass)")
+                    help="the MLP's SiLU-gating by torch's two ops, as where torch runs neither AVX-512 kernels nor, "
+                         "in float32, AVX2 ones (an A/B of the C pass)")
     ap.add_argument("--torch-argmax", action="store_true",
                     help="the greedy pick by torch's argmax, as off the CPU (an A/B of the C pass)")
     ap.add_argument("--capture-only", action="store_true", help="only the engine run: its forward time")

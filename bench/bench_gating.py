@@ -54,7 +54,10 @@ def entry(lib: ctypes.CDLL, dtype: torch.dtype) -> Callable[[torch.Tensor], torc
     """A build's gating as the forward calls it (its output allocated per call), with torch's exp
     of the width torch runs here."""
     avx2 = native_elementwise.EXPF16 is None
-    fn = getattr(lib, "silu_mul8" if avx2 else "silu_mul" if dtype == torch.float32 else "silu_mul_bf16")
+    name = "silu_mul8" if avx2 else "silu_mul" if dtype == torch.float32 else "silu_mul_bf16"
+    fn = getattr(lib, name, None)
+    if fn is None:
+        raise SystemExit(f"{lib._name} has no {name} (a build from before it)")
     p, n = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes, fn.restype = [p, n, p, n, n, p], ctypes.c_int
     exp = native_elementwise.EXPF8 if avx2 else native_elementwise.EXPF16
