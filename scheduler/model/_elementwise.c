@@ -12,8 +12,8 @@
  * SiLU-gating (`silu_mul`, `silu_mul8`) is here where torch's AVX-512 or AVX2 kernels run:
  * with torch's own exp the bits are F.silu(gate) * up's. A first one-pass version with an exp
  * of its own (8 lanes) timed no faster than torch's two passes (an earlier host), where that
- * exp, not memory, bounded it. Where the projections run on AMX tiles the gating is done in the gate/up GEMM's
- * pass instead (_amx_gemm.c's amx_gated).
+ * exp, not memory, bounded it. Where the projections run on AMX tiles the gating is done in the
+ * gate/up GEMM's pass instead (_amx_gemm.c's amx_gated).
  *
  * The arithmetic is torch's, operation for operation (compiled without FMA contraction),
  * except the order of RMSNorm's sum of squares (lanes in a fixed tree). In bfloat16 that
