@@ -184,7 +184,7 @@ class DeviceProcess:
 
     def _recv(self) -> Any:
         try:
-            return self._conn.recv()
+            return wire.recv(self._conn)
         except (EOFError, OSError):
             self._proc.join(1)  # so the exit code is known
             return wire.Dead(f"the device process exited (code {self._proc.exitcode})")
@@ -192,7 +192,7 @@ class DeviceProcess:
     def send(self, msg: wire.StreamItem | wire.AskStacks | wire.Stop) -> None:
         with self._send_lock:
             try:
-                self._conn.send(msg)
+                wire.send(self._conn, msg)
             except BlockingIOError:  # the pipe stayed full (_bound_sends): part of a message is in it
                 self._fail(f"the device process stopped reading its pipe for {self.spec.wait_timeout_s:g} s")
             except (BrokenPipeError, OSError) as e:

@@ -99,7 +99,7 @@ class _Device:
     def serve(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                msg = wire.recv(self.conn)
             except (EOFError, OSError):
                 msg = wire.Stop()  # the host died: nothing left to serve
             if isinstance(msg, wire.Stop):
@@ -119,7 +119,7 @@ class _Device:
 
     def _send(self, msg: wire.Done | wire.Stacks) -> None:
         with self._out:
-            self.conn.send(msg)
+            wire.send(self.conn, msg)
 
     def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
         failed: str | None = None

@@ -4,7 +4,22 @@ nothing of them reaches a trace file)."""
 
 from __future__ import annotations
 
+import pickle
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
+
+
+# Connection.send pickles with multiprocessing's ForkingPickler, which copies its dispatch
+# table for every message: once torch is imported that table holds 78 reducers, and right
+# after a forward (caches cold) one small message took 137 us to pickle on a Zen 3 against
+# about 5 us for plain pickle warm (BENCHMARKS.md, "The device pipe's messages"). The wire
+# is plain data, so plain pickle carries it; the bytes are what Connection.recv reads too.
+def send(conn: Connection, msg: Any) -> None:
+    conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 # host -> device: a stream's items, answered in order by one Done each
