@@ -173,6 +173,65 @@ def test_stream_answers_stay_paired_after_a_failed_send_and_a_failed_op():
         eng.close()
 
 
+def test_a_launch_is_one_message_each_way():
+    """A launch's start record, forward and end record leave in one message, and the
+    forward's answer comes back with its end record's: each message costs a pickle, a write
+    and a wake-up on the other side."""
+    from scheduler.device import wire
+
+    eng = Engine(EngineConfig(model="tiny", cpu_device="process", **F32))
+    dev = eng.device_proc
+    assert dev is not None
+    sent: list[object] = []
+    got: list[object] = []
+    send, recv = dev.send, dev._recv
+    dev.send = lambda msg: (sent.append(msg), send(msg))[1]  # type: ignore[method-assign]
+    dev._recv = lambda: (got.append(m := recv()), m)[1]  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            eng.submit(list(range(1, 20)), SamplingParams(4, ignore_eos=True), f"r{i}")
+        run_engine_until_done(eng)
+    finally:
+        eng.close()
+    forwards = [m for m in sent if isinstance(m, wire.Items) and any(isinstance(x, wire.Op) for x in m.items)]
+    assert forwards and not any(isinstance(m, wire.Op) for m in sent)  # every forward went in a batch
+    assert all([type(x) for x in m.items] == [wire.Record, wire.Op, wire.Record] for m in forwards)
+    answered = [m for m in got if isinstance(m, wire.Dones)]
+    assert len(answered) == len(forwards)
+    assert all([d.result is not None for d in m.dones] == [True, False] for m in answered)
+
+
+def test_a_batch_that_fails_takes_its_items_back():
+    from scheduler.device.work import MAIN, RemoteOp
+
+    eng = Engine(EngineConfig(model="tiny", cpu_device="process"))
+    try:
+        assert eng.device_proc is not None
+        s = eng.device_proc.streams[MAIN]
+        with pytest.raises(Exception, match="pickle"), s.batched():  # sent at the end: nothing sent
+            s.record()
+            s.submit(RemoteOp("sleep", (lambda: 1,)), "unsendable")
+        with pytest.raises(KeyError), s.batched():  # raised before the send
+            s.submit(RemoteOp("sleep", (1,)), "not sent")
+            raise KeyError("the launch's own failure")
+        assert s.state()["queue_depth"] == 0
+        with s.batched():
+            s.submit(RemoteOp("sleep", (1,)), "after")
+            end = s.record()
+        assert end.wait(30) and s.error is None  # the answers pair with the right items
+        assert [o.label for o in s.completed][-1:] == ["after"]
+        assert s.state()["queue_depth"] == 0
+    finally:
+        eng.close()
+
+
+def run_engine_until_done(eng: Engine) -> None:
+    deadline = time.monotonic() + 120
+    while eng.has_work() and time.monotonic() < deadline:
+        eng.step() or eng.wait_for_arrivals(0.01)
+    assert len(eng.rm.finished) == eng.submitted
+
+
 def test_features_that_need_an_in_process_device_are_refused():
     for kw in ({"debug_kv_check": True}, {"tp": 2, "overlap_schedule": False, "split_streams": False}):
         cfg = EngineConfig(model="tiny", cpu_device="process", **kw)

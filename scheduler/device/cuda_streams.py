@@ -50,7 +50,7 @@ from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import Probes
 from probes.waits import DEVICE_THREAD, ActiveWait, WaitRegistry
-from scheduler.device.work import Event, OpRecord, RowsOff, Work
+from scheduler.device.work import Event, OpRecord, RowsOff, Unbatched, Work
 
 CLOSE_TIMEOUT_S = 30.0  # how long closing waits for a stream's queued work to finish
 
@@ -163,7 +163,7 @@ class _DeviceWait:
         self.active: ActiveWait | None = None  # made once, when first seen waiting
 
 
-class CudaStream(RowsOff):
+class CudaStream(RowsOff, Unbatched):
     def __init__(self, name: str, probes: Probes, device: Any, priority: int = 0, cuda: Any = None,
                  clock: DeviceClock | None = None, registry: WaitRegistry | None = None) -> None:
         if cuda is None:

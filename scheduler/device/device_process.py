@@ -30,7 +30,8 @@ import socket
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -189,7 +190,7 @@ class DeviceProcess:
             self._proc.join(1)  # so the exit code is known
             return wire.Dead(f"the device process exited (code {self._proc.exitcode})")
 
-    def send(self, msg: wire.StreamItem | wire.AskStacks | wire.Stop) -> None:
+    def send(self, msg: wire.StreamItem | wire.Items | wire.AskStacks | wire.Stop) -> None:
         with self._send_lock:
             try:
                 wire.send(self._conn, msg)
@@ -213,6 +214,9 @@ class DeviceProcess:
             msg = self._recv()
             if isinstance(msg, wire.Done):
                 self.streams[msg.stream].complete(msg.start_ns, msg.end_ns, msg.result, msg.err)
+            elif isinstance(msg, wire.Dones):
+                for d in msg.dones:
+                    self.streams[d.stream].complete(d.start_ns, d.end_ns, d.result, d.err)
             elif isinstance(msg, wire.Stacks):
                 reply = self._stack_replies.get(msg.key)
                 if reply is not None:
@@ -285,6 +289,7 @@ class ProcStream(RowsOff):
         self._since = now_ns()  # when the item at the head of the queue could start
         self._events = 0
         self.completed: deque[OpRecord] = deque(maxlen=history)
+        self._batch: list[tuple[_Pending, wire.StreamItem]] | None = None  # inside batched(): not sent yet
 
     def submit(self, fn: Work, label: str, step: int = -1, boundary: str = DEVICE_COMPUTE) -> None:
         if not isinstance(fn, RemoteOp):
@@ -310,6 +315,26 @@ class ProcStream(RowsOff):
         self._enqueue(_Pending("wait", label or f"wait {ev.label}", -1, STREAM_WAIT, event=ev,
                                what=what or f"event {ev.label}"), wire.Wait(self.name, ev.id, ev.label))
 
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """The items submitted inside go to the device in one message as the block ends: one
+        pickle, one write and one wake-up of the device's dispatcher for a launch's record,
+        forward and record. Sent one by one, they kept the host in batch_prepare about twice
+        as long on rounds of one request (BENCHMARKS.md, "The device pipe's messages")."""
+        if self._batch is not None:  # nested: the outer block sends
+            yield
+            return
+        batch = self._batch = []
+        try:
+            yield
+        except BaseException:
+            self._unqueue([p for p, _ in batch])
+            raise
+        finally:
+            self._batch = None
+        if batch:
+            self._send([p for p, _ in batch], batch[0][1] if len(batch) == 1 else wire.Items(tuple(m for _, m in batch)))
+
     def _enqueue(self, p: _Pending, msg: wire.StreamItem) -> None:
         # Queued before it is sent, so an answer always finds its item.
         with self._lock:
@@ -317,17 +342,28 @@ class ProcStream(RowsOff):
             if len(self._pending) == 1:
                 self._since = now_ns()
                 self._register_head()
+        if self._batch is not None:
+            self._batch.append((p, msg))
+        else:
+            self._send([p], msg)
+
+    def _send(self, ps: list[_Pending], msg: wire.StreamItem | wire.Items) -> None:
         try:
             self._dev.send(msg)
         except BaseException:
             # Never sent (a payload that cannot be pickled, Ctrl-C): no answer will come, and a
             # stale item would pair every later answer with the wrong item.
-            with self._lock:
+            self._unqueue(ps)
+            raise
+
+    def _unqueue(self, ps: list[_Pending]) -> None:
+        """Take back `ps`, the newest items queued, none of them sent."""
+        with self._lock:
+            for p in reversed(ps):
                 if self._pending and self._pending[-1] is p:
                     self._pending.pop()
                     if p.key is not None:
                         self._dev.registry.end(p.key)
-            raise
 
     def _register_head(self) -> None:
         head = self._pending[0] if self._pending else None

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from scheduler.model.sampling import SampledLists
 
 
+_NONE = object()  # a stream loop's "no item in hand" (None is the queue's stop)
+
+
 @dataclass(slots=True)
 class DeviceSpec:
     model_dir: str
@@ -115,42 +118,61 @@ class _Device:
             if isinstance(msg, wire.AskStacks):
                 self._send(wire.Stacks(msg.key, _stacks()))
                 continue
-            self._queues[msg.stream].put(msg)
+            for item in msg.items if isinstance(msg, wire.Items) else (msg,):
+                self._queues[item.stream].put(item)
 
-    def _send(self, msg: wire.Done | wire.Stacks) -> None:
+    def _send(self, msg: wire.Done | wire.Dones | wire.Stacks) -> None:
         with self._out:
             wire.send(self.conn, msg)
 
     def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
         failed: str | None = None
+        nxt: Any = _NONE  # an item taken from the queue while looking for Records, not done yet
         while True:
-            msg = q.get()
+            msg, nxt = (q.get() if nxt is _NONE else nxt), _NONE
             if msg is None:
                 return
-            t0 = now_ns()
-            result: Any = None
-            err: str | None = None
-            try:
-                if isinstance(msg, wire.Record):
-                    with self._cond:
-                        ev = msg.event
-                        if ev >= len(self._recorded):
-                            self._recorded.extend(bytes(max(ev + 1 - len(self._recorded), len(self._recorded))))
-                        self._recorded[ev] = 1
-                        self._cond.notify_all()
-                elif isinstance(msg, wire.Wait):
-                    with self._cond:
-                        if not self._cond.wait_for(partial(self._is_recorded, msg.event), self.spec.wait_timeout_s):
-                            raise TimeoutError(f"{name}-stream: event {msg.label} not recorded "
-                                               f"after {self.spec.wait_timeout_s:.1f} s")
-                elif failed is None:  # after a failure, later work is skipped but events still complete
-                    result = self._run(msg.kind, msg.payload)
-                else:
-                    err = f"skipped after: {failed}"
-            except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
-                failed = failed or f"{type(e).__name__}: {e}"
-                err = failed + ("\n" + traceback.format_exc(limit=4) if isinstance(msg, wire.Op) else "")
-            self._send(wire.Done(name, t0, now_ns(), result, err))
+            done, failed = self._do(name, msg, failed)
+            dones = [done]
+            # The Records right behind it (a launch's end event) take no time: they are done
+            # now and answered with it, so the host's reader wakes once for the forward.
+            while nxt is _NONE:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(nxt, wire.Record):
+                    done, failed = self._do(name, nxt, failed)
+                    dones.append(done)
+                    nxt = _NONE
+            self._send(dones[0] if len(dones) == 1 else wire.Dones(tuple(dones)))
+
+    def _do(self, name: str, msg: wire.StreamItem, failed: str | None) -> tuple[wire.Done, str | None]:
+        """One item of stream `name`, and the stream's failure after it (None: none yet)."""
+        t0 = now_ns()
+        result: Any = None
+        err: str | None = None
+        try:
+            if isinstance(msg, wire.Record):
+                with self._cond:
+                    ev = msg.event
+                    if ev >= len(self._recorded):
+                        self._recorded.extend(bytes(max(ev + 1 - len(self._recorded), len(self._recorded))))
+                    self._recorded[ev] = 1
+                    self._cond.notify_all()
+            elif isinstance(msg, wire.Wait):
+                with self._cond:
+                    if not self._cond.wait_for(partial(self._is_recorded, msg.event), self.spec.wait_timeout_s):
+                        raise TimeoutError(f"{name}-stream: event {msg.label} not recorded "
+                                           f"after {self.spec.wait_timeout_s:.1f} s")
+            elif failed is None:  # after a failure, later work is skipped but events still complete
+                result = self._run(msg.kind, msg.payload)
+            else:
+                err = f"skipped after: {failed}"
+        except BaseException as e:  # noqa: BLE001 - surfaced to the host through the stream's error
+            failed = failed or f"{type(e).__name__}: {e}"
+            err = failed + ("\n" + traceback.format_exc(limit=4) if isinstance(msg, wire.Op) else "")
+        return wire.Done(name, t0, now_ns(), result, err), failed
 
     def _is_recorded(self, ev: int) -> bool:
         return ev < len(self._recorded) and self._recorded[ev] == 1

@@ -102,14 +102,15 @@ class Executor:
     ) -> Launch:
         """Enqueue the forward and sampling on `stream`; returns without waiting."""
         s = self.streams[stream]
-        for ev in wait_for:
-            s.wait_event(ev)
-        start = s.record()
-        if stagger_us > 0:
-            s.submit(self.device.sleep_work(stagger_us), f"stagger#{step}", step, PREFILL_STAGGER)
-        launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
-        s.submit(self.device.forward_work(prepared, launch.slots, step, launch.result), f"forward#{step}", step)
-        launch.end = s.record()
+        with s.batched():
+            for ev in wait_for:
+                s.wait_event(ev)
+            start = s.record()
+            if stagger_us > 0:
+                s.submit(self.device.sleep_work(stagger_us), f"stagger#{step}", step, PREFILL_STAGGER)
+            launch = Launch(prepared, stream, step, self.alloc_slots(len(prepared.sampled)), start, start)
+            s.submit(self.device.forward_work(prepared, launch.slots, step, launch.result), f"forward#{step}", step)
+            launch.end = s.record()
         return launch
 
     def wait(self, launch: Launch) -> SampledLists:

@@ -25,7 +25,7 @@ from probes.boundaries import DEVICE_COMPUTE, STREAM_WAIT
 from probes.clock import now_ns
 from probes.recorder import ProbeRow, Probes
 from probes.waits import DEFAULT_TIMEOUT_S, WaitRegistry, timed_wait
-from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RowsOff, Stream, Work
+from scheduler.device.work import STREAM_NAMES, Event, OpRecord, RowsOff, Stream, Unbatched, Work
 
 
 # ---------------------------------------------------------------- cpu backend
@@ -56,7 +56,7 @@ class CpuEvent:
 _STOP = object()
 
 
-class CpuStream(RowsOff):
+class CpuStream(RowsOff, Unbatched):
     """A worker thread that runs submitted callables in order."""
 
     def __init__(

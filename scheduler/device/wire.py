@@ -43,6 +43,13 @@ class Wait(NamedTuple):
 StreamItem = Op | Record | Wait
 
 
+class Items(NamedTuple):
+    """Several stream items in one message (a launch's: ProcStream.batched), each put on its
+    stream's queue in order, as if sent one by one: one write and one wake-up of the device."""
+
+    items: tuple[StreamItem, ...]
+
+
 # host -> device: to the dispatcher, which answers even while every stream is blocked
 class AskStacks(NamedTuple):
     key: int
@@ -67,6 +74,13 @@ class Done(NamedTuple):
     end_ns: int
     result: Any
     err: str | None
+
+
+class Dones(NamedTuple):
+    """An item's Done and those of the Records queued right behind it (a launch's end
+    event), answered together: one write and one wake-up of the host's reader."""
+
+    dones: tuple[Done, ...]
 
 
 class Stacks(NamedTuple):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 
@@ -60,6 +60,19 @@ class Stream(Protocol):
         """Work submitted and waited for inside leaves no probe rows (the engine's start-up
         contention probe, scheduler/device/contention.py, which is not the run's work)."""
         ...
+
+    def batched(self) -> AbstractContextManager[None]:
+        """The items submitted inside reach the device together when the block ends (a
+        device process: one pipe message for a launch's events and forward); elsewhere each
+        as it is submitted."""
+        ...
+
+
+class Unbatched:
+    """`Stream.batched` for a stream whose items reach the device as they are submitted."""
+
+    def batched(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 class RowsOff:
