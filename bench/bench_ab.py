@@ -8,7 +8,10 @@ order alternating pair by pair, and reads output tok/s from each trace's report 
 scheduling thread's own CPU time per round from its meta.json. Prints every pair and the
 median of the B/A ratios (a ratio within a pair cancels the machine's
 slow drift; the median drops the pairs a neighbour disturbed). B defaults to the working
-tree.
+tree. Each run's per-cycle figures (`DETAIL`: batch_prepare in the host's and the device's
+view, the device's wait on the barrier, the device process's pipe hops) are printed too,
+with each revision's medians at the end. A worktree gets this checkout's C builds where its
+C sources are the same (else its model runs torch's ops, and it says so).
 """
 
 from __future__ import annotations
@@ -35,7 +38,21 @@ def checkout(rev: str) -> Path:
     if not dest.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(dest), sha], cwd=REPO, check=True,
                        capture_output=True)
+        _copy_builds(dest, sha)
     return dest
+
+
+def _copy_builds(dest: Path, sha: str) -> None:
+    """This checkout's C extensions, built in place by setup.sh, into the worktree where its
+    C sources are the revision's: without them the revision's model runs torch's ops, and
+    its device times are not comparable. Left out (said once) where the sources differ."""
+    same = subprocess.run(["git", "diff", "--quiet", sha, "--", "*.c", "*.h"], cwd=REPO).returncode == 0
+    builds = [b for d in ("scheduler", "viewer") for b in (REPO / d).rglob("*.so")]
+    if not same:
+        print(f"{sha}: its C sources differ from this checkout's: its worktree runs without C builds")
+        return
+    for b in builds:
+        shutil.copy2(b, dest / b.relative_to(REPO))
 
 
 def alternated(measure: Callable[[Path], float], a_rev: str, b_rev: str | None, repeats: int, unit: str) -> float:
@@ -52,18 +69,30 @@ def alternated(measure: Callable[[Path], float], a_rev: str, b_rev: str | None, 
     return statistics.median(ratios)
 
 
-def run(src: Path, out: Path, flags: list[str]) -> tuple[float, float]:
-    """(output tok/s, the scheduling thread's CPU ms per round) of one run."""
+# what each run reports beside its throughput, from `report --json` and meta.json: per
+# cycle, the host's and the device's batch_prepare ms and the device's scheduler_barrier ms,
+# and the device process's pipe hops (None on an in-process device)
+DETAIL = ("prep_host_ms", "prep_device_ms", "barrier_device_ms", "hop_out_us", "hop_back_us", "cycle_ms")
+
+
+def run(src: Path, out: Path, flags: list[str]) -> tuple[float, float, dict[str, float | None]]:
+    """(output tok/s, the scheduling thread's CPU ms per round, DETAIL) of one run."""
     shutil.rmtree(out, ignore_errors=True)
     p = subprocess.run([sys.executable, "-m", "viewer.cli", "run", "-q", "--out", str(out), *flags], cwd=src,
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{src.name}: mstrace run failed: {p.stderr.strip()[-400:]}")
-    rep = subprocess.run([sys.executable, "-m", "viewer.cli", "report", str(out), "--json"], cwd=REPO,
-                         capture_output=True, text=True, check=True)
+    rep = json.loads(subprocess.run([sys.executable, "-m", "viewer.cli", "report", str(out), "--json"], cwd=REPO,
+                                    capture_output=True, text=True, check=True).stdout)
     meta = json.loads((out / "meta.json").read_text())["run"]
     cpu_ms = meta["cpu"]["threads_ns"]["MainThread"] / 1e6 / max(1, meta["steps"])
-    return float(json.loads(rep.stdout)["throughput"]["output_tok_per_s"]), cpu_ms
+    rows = {b["boundary"]: b for b in rep["boundaries"]}
+    prep, barrier = rows.get("batch_prepare", {}), rows.get("scheduler_barrier", {})
+    backend = rep.get("backend") or {}
+    detail = dict(zip(DETAIL, (prep.get("host_ms_per_cycle"), prep.get("device_ms_per_cycle"),
+                               barrier.get("device_ms_per_cycle"), backend.get("hop_out_us"),
+                               backend.get("hop_back_us"), rep["cycle_ms"]), strict=True))
+    return float(rep["throughput"]["output_tok_per_s"]), cpu_ms, detail
 
 
 def main() -> None:
@@ -77,6 +106,7 @@ def main() -> None:
     srcs = {"A": checkout(a.a), "B": checkout(a.b) if a.b else REPO}
     run(srcs["A"], OUT / "warm", a.flags)  # builds the preset model once, warms the page cache
     ratios, cpu_ratios = [], []
+    details: dict[str, list[dict[str, float | None]]] = {"A": [], "B": []}
     for i in range(a.pairs):
         order = ("A", "B") if i % 2 == 0 else ("B", "A")
         res = {k: run(srcs[k], OUT / f"run-{k}", a.flags) for k in order}
@@ -85,9 +115,20 @@ def main() -> None:
         print(f"pair {i + 1} ({order[0]} first): A {res['A'][0]:.1f}  B {res['B'][0]:.1f} tok/s  B/A {ratios[-1]:.3f}"
               f"  | scheduling-thread CPU per round: A {res['A'][1]:.2f}  B {res['B'][1]:.2f} ms  B/A {cpu_ratios[-1]:.3f}",
               flush=True)
+        for k in ("A", "B"):
+            details[k].append(res[k][2])
+            print(f"  {k}: " + ", ".join(f"{f} {_fmt(res[k][2][f])}" for f in DETAIL), flush=True)
     print(f"median B/A over {a.pairs} pairs: throughput {statistics.median(ratios):.3f}, scheduling-thread CPU per "
           f"round {statistics.median(cpu_ratios):.3f} (A = {a.a}, B = {a.b or 'working tree'}; "
           f"flags: {' '.join(a.flags)})")
+    for k, ds in details.items():
+        print(f"{k} medians: " + ", ".join(
+            f"{f} {_fmt(statistics.median(v) if (v := [d[f] for d in ds if d[f] is not None]) else None)}"
+            for f in DETAIL))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":
