@@ -264,6 +264,49 @@ def test_a_rounds_texts_reach_their_inboxes_in_one_post_in_order():
     asyncio.run(main())
 
 
+def test_a_streams_first_token_is_posted_ahead_of_the_rounds_other_streams():
+    """The event loop resumes the streams in the order of the round's post: a stream whose first
+    token is in the round goes first, so its chunk is not written behind a batch of other
+    streams' next tokens; each stream's own events keep their order."""
+    async def main() -> None:
+        streams = ResponseStreams(lambda rid, why: None, lambda t: ("x", False))
+        loop = asyncio.get_running_loop()
+        inboxes = {rid: streams.open(rid, []) for rid in ("a", "b", "c", "d")}
+        names = {id(q): rid for rid, q in inboxes.items()}
+        posts: list[list[tuple[str, str]]] = []
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any) -> Any:
+            if getattr(args[0], "__name__", "") == "_put_all":
+                posts.append([(names[id(q)], ev.text if isinstance(ev, Text) else ev.finish_reason)
+                              for q, ev in args[1]])
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+
+        def sender() -> None:
+            streams.on_text("a", "a1")
+            streams.on_text("b", "b1")
+            streams.on_round_end()
+            streams.on_text("a", "a2")
+            streams.on_text("b", "b2")
+            streams.on_text("c", "c1")
+            streams.on_finish(finished("c", "length"), "c1")
+            streams.on_text("d", "d1")
+            streams.on_finish(finished("a", "length"), "a2")
+            streams.on_round_end()
+            streams.on_text("d", "d2")
+            streams.on_round_end()
+
+        await loop.run_in_executor(None, sender)
+        await asyncio.sleep(0)
+        assert posts == [[("a", "a1"), ("b", "b1")],
+                         [("c", "c1"), ("c", "length"), ("d", "d1"), ("a", "a2"), ("b", "b2"), ("a", "length")],
+                         [("d", "d2")]]
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("sender_stalls", [False, True])
 def test_an_engine_failure_ends_a_request_after_the_rounds_the_sender_still_holds(sender_stalls, monkeypatch):
     """The engine fails with a round that finished a request still queued to the sender: the

@@ -123,6 +123,7 @@ class ResponseStreams:
         self._lock = threading.Lock()  # open() against fail_all(): no request opened as the engine fails is missed
         self._failed: str | None = None
         self._round: list[tuple[_Open, Event]] = []  # the sender's events of the round being delivered
+        self._firsts: set[_Open] = set()  # the round's streams whose first Text is in it
 
     def open(self, request_id: str, stops: list[str]) -> Inbox[Event]:
         """Event loop: register a request before it is submitted."""
@@ -183,6 +184,8 @@ class ResponseStreams:
             # the prompt's logprobs, and the answer's echo starts with it
             lps, o.logprobs = tuple(o.logprobs), []
             prompt, o.prompt = o.prompt, None
+            if not o.posted:
+                self._firsts.add(o)
             o.posted = True
             self._round.append((o, Text(out, lps, prompt)))
         if o.stop.done:  # the engine may run a round more: its tokens are dropped here
@@ -203,6 +206,13 @@ class ResponseStreams:
         if not self._round:
             return
         events, self._round = self._round, []
+        if self._firsts:
+            # The streams whose first token is in this round go first (each stream's own
+            # events keep their order): the event loop resumes them, and writes their chunks,
+            # before the round's other streams', so a client's first token does not wait
+            # behind a batch of other clients' next ones.
+            firsts, self._firsts = self._firsts, set()
+            events = [e for e in events if e[0] in firsts] + [e for e in events if e[0] not in firsts]
         now = now_ns()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Inbox[Event], Event]]] = {}
         for o, ev in events:
