@@ -38,20 +38,22 @@ def checkout(rev: str) -> Path:
     if not dest.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(dest), sha], cwd=REPO, check=True,
                        capture_output=True)
-        _copy_builds(dest, sha)
+    _copy_builds(dest, sha)
     return dest
+
+
+BUILT = ("scheduler", "viewer")  # where pyproject.toml's C extensions live, built in place
 
 
 def _copy_builds(dest: Path, sha: str) -> None:
     """This checkout's C extensions, built in place by setup.sh, into the worktree where its
     C sources are the revision's: without them the revision's model runs torch's ops, and
-    its device times are not comparable. Left out (said once) where the sources differ."""
-    same = subprocess.run(["git", "diff", "--quiet", sha, "--", "*.c", "*.h"], cwd=REPO).returncode == 0
-    builds = [b for d in ("scheduler", "viewer") for b in (REPO / d).rglob("*.so")]
-    if not same:
+    its device times are not comparable. Left out (and said) where the sources differ."""
+    sources = [f"{d}/*.{x}" for d in BUILT for x in ("c", "h")]
+    if subprocess.run(["git", "diff", "--quiet", sha, "--", *sources], cwd=REPO).returncode != 0:
         print(f"{sha}: its C sources differ from this checkout's: its worktree runs without C builds")
         return
-    for b in builds:
+    for b in (b for d in BUILT for b in (REPO / d).rglob("*.so")):
         shutil.copy2(b, dest / b.relative_to(REPO))
 
 

@@ -11,8 +11,9 @@ host's round N+1 really runs while the device computes round N, as on a GPU.
 The device process holds the model, the KV pool and the future-token ring. It runs one thread per stream, each doing its
 queue's items in order, exactly like CpuStream; events and cross-stream waits
 are device-side. The host sees it through ProcStream (the Stream interface):
-every item it submits is answered, in order, by one completion message that
-carries the device's CLOCK_MONOTONIC timestamps (the clock is system-wide, so
+every item it submits is answered, in order, by a completion (one message carries an
+item's and those of the Records right behind it) with the device's
+CLOCK_MONOTONIC timestamps (the clock is system-wide, so
 the rows land on the host's timeline unchanged), and a reader thread turns the
 answers into probe rows, completed events and the launch's tokens.
 
@@ -212,10 +213,8 @@ class DeviceProcess:
     def _read(self) -> None:
         while True:
             msg = self._recv()
-            if isinstance(msg, wire.Done):
-                self.streams[msg.stream].complete(msg.start_ns, msg.end_ns, msg.result, msg.err)
-            elif isinstance(msg, wire.Dones):
-                for d in msg.dones:
+            if isinstance(msg, wire.Done | wire.Dones):
+                for d in msg.dones if isinstance(msg, wire.Dones) else (msg,):
                     self.streams[d.stream].complete(d.start_ns, d.end_ns, d.result, d.err)
             elif isinstance(msg, wire.Stacks):
                 reply = self._stack_replies.get(msg.key)
@@ -319,8 +318,8 @@ class ProcStream(RowsOff):
     def batched(self) -> Iterator[None]:
         """The items submitted inside go to the device in one message as the block ends: one
         pickle, one write and one wake-up of the device's dispatcher for a launch's record,
-        forward and record. Sent one by one, they kept the host in batch_prepare about twice
-        as long on rounds of one request (BENCHMARKS.md, "The device pipe's messages")."""
+        forward and record. Sent one by one, they kept the host in batch_prepare 2-2.5x as
+        long on rounds of one request (BENCHMARKS.md, "The device pipe's messages")."""
         if self._batch is not None:  # nested: the outer block sends
             yield
             return

@@ -1,6 +1,7 @@
 """The device process's own side (scheduler/device/device_process.py is the host's):
 it loads the model and KV pool, runs one thread per stream, each doing its queue's
-items in order, and answers every item with one completion message."""
+items in order, and answers every item with a completion (an item's and those of the
+Records right behind it in one message)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import queue
 import sys
 import threading
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -22,9 +24,6 @@ if TYPE_CHECKING:
     from scheduler.harness.debug_delay import HeldForward
     from scheduler.model.forward_step import ModelStep, SamplingArgs
     from scheduler.model.sampling import SampledLists
-
-
-_NONE = object()  # a stream loop's "no item in hand" (None is the queue's stop)
 
 
 @dataclass(slots=True)
@@ -118,8 +117,14 @@ class _Device:
             if isinstance(msg, wire.AskStacks):
                 self._send(wire.Stacks(msg.key, _stacks()))
                 continue
-            for item in msg.items if isinstance(msg, wire.Items) else (msg,):
-                self._queues[item.stream].put(item)
+            if isinstance(msg, wire.Items):  # a launch: each stream's items as one entry (taken whole)
+                by_stream: dict[str, list[wire.StreamItem]] = {}
+                for item in msg.items:
+                    by_stream.setdefault(item.stream, []).append(item)
+                for stream, items in by_stream.items():
+                    self._queues[stream].put(items)
+            else:
+                self._queues[msg.stream].put(msg)
 
     def _send(self, msg: wire.Done | wire.Dones | wire.Stacks) -> None:
         with self._out:
@@ -127,24 +132,20 @@ class _Device:
 
     def _stream_loop(self, name: str, q: queue.SimpleQueue[Any]) -> None:
         failed: str | None = None
-        nxt: Any = _NONE  # an item taken from the queue while looking for Records, not done yet
+        held: deque[Any] = deque()  # items taken from the queue, not done yet (a launch's come whole)
         while True:
-            msg, nxt = (q.get() if nxt is _NONE else nxt), _NONE
+            if not held:
+                _take(q, held, block=True)
+            msg = held.popleft()
             if msg is None:
                 return
             done, failed = self._do(name, msg, failed)
             dones = [done]
             # The Records right behind it (a launch's end event) take no time: they are done
             # now and answered with it, so the host's reader wakes once for the forward.
-            while nxt is _NONE:
-                try:
-                    nxt = q.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(nxt, wire.Record):
-                    done, failed = self._do(name, nxt, failed)
-                    dones.append(done)
-                    nxt = _NONE
+            while (held or _take(q, held, block=False)) and isinstance(held[0], wire.Record):
+                done, failed = self._do(name, held.popleft(), failed)
+                dones.append(done)
             self._send(dones[0] if len(dones) == 1 else wire.Dones(tuple(dones)))
 
     def _do(self, name: str, msg: wire.StreamItem, failed: str | None) -> tuple[wire.Done, str | None]:
@@ -204,6 +205,20 @@ class _Device:
         out = forward_step(self.model, fb, self.kv, sampling, self.future, slots, has_placeholders)
         assert out is not None, "a whole model gives logits"
         return out.lists()  # for the pipe
+
+
+def _take(q: queue.SimpleQueue[Any], held: deque[Any], block: bool) -> bool:
+    """The queue's next entry into `held` (a launch's items, or one item, or None: stop);
+    false when `block` is false and the queue is empty."""
+    try:
+        entry = q.get() if block else q.get_nowait()
+    except queue.Empty:
+        return False
+    if isinstance(entry, list):
+        held.extend(entry)
+    else:
+        held.append(entry)
+    return True
 
 
 def _stacks() -> list[tuple[int, str, list[str]]]:

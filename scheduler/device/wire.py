@@ -1,5 +1,5 @@
 """The messages between the host and its CPU device process, one type each (they
-cross a multiprocessing pipe: NamedTuples of plain data, pickled by the pipe only;
+cross a multiprocessing pipe: NamedTuples of plain data, pickled by `send` below only;
 nothing of them reaches a trace file)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 
 
 # Connection.send pickles with multiprocessing's ForkingPickler, which copies its dispatch
-# table for every message: once torch is imported that table holds 78 reducers, and right
-# after a forward (caches cold) one small message took 137 us to pickle on a Zen 3 against
-# about 5 us for plain pickle warm (BENCHMARKS.md, "The device pipe's messages"). The wire
-# is plain data, so plain pickle carries it; the bytes are what Connection.recv reads too.
+# table for every message (78 reducers once torch is imported): right after a forward, with
+# the caches cold, a forward's answer took 137 us to pickle on a Zen 3, and 64 us with plain
+# pickle (15.7 and 5.7 us in a warm loop; BENCHMARKS.md, "The device pipe's messages"). The
+# wire is plain data, so plain pickle carries it; the bytes are what Connection.recv reads.
 def send(conn: Connection, msg: Any) -> None:
     conn.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
 
